@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# One-call device run: GPU tests, correctness sweep, benchmark (and optional sanitizers).
+#
+#   bash bench/run_device.sh            # from the repository root; $OUT collects the results
+#
+# Environment knobs:
+#   OUT=dir          where logs/results go (default bench/results/device; the device tool sets $OUT)
+#   QUICK=1          check --quick and fewer seqlens in the benchmark
+#   SKIP_TESTS=1 SKIP_CHECK=1 SKIP_BENCH=1    skip a step
+#   SANITIZE=1       also run compute-sanitizer memcheck + racecheck over bench/sanitize_case.py
+#   BENCH_ARGS="..." extra arguments for `cli.py bench` (e.g. "--headdim 128 --causal off")
+#   TESTS_TIMEOUT / CHECK_TIMEOUT / BENCH_TIMEOUT / SANITIZE_TIMEOUT   seconds per step
+#       (defaults 200/150/200/240: tests+check+bench fit the device tool's 600 s per call;
+#        with SANITIZE=1 skip or shorten something else)
+#
+# Files written to $OUT (the device tool returns at most 8): env.txt (nvidia-smi, versions,
+# then one status line per step), tests.log, check.log, bench.log, fwd_<gpu>_<date>.json/.png,
+# sanitize.log.
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT="${OUT:-bench/results/device}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+START=$(date +%s)
+
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)  commit: $(git rev-parse --short HEAD 2>/dev/null || echo n/a)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv,noheader 2>&1 || echo "nvidia-smi failed"
+  "$PY" - <<'PY' 2>&1
+import platform
+parts = [f"python {platform.python_version()}"]
+for mod in ("cupy", "torch", "jax", "numpy", "matplotlib", "ml_dtypes"):
+    try:
+        parts.append(f"{mod} {__import__(mod).__version__}")
+    except Exception as exc:
+        parts.append(f"{mod} missing ({type(exc).__name__})")
+try:
+    import cupy
+    rt = cupy.cuda.runtime
+    parts.append(f"cuda runtime {rt.runtimeGetVersion()} driver {rt.driverGetVersion()} nvrtc {cupy.cuda.nvrtc.getVersion()}")
+except Exception as exc:
+    parts.append(f"cuda versions unavailable ({exc})")
+print(", ".join(parts))
+PY
+} > "$OUT/env.txt"
+cat "$OUT/env.txt"
+
+FAILED=0
+step() {  # step NAME TIMEOUT LOG CMD...  -- run CMD with a timeout, tee to LOG, record status
+  local name=$1 limit=$2 log=$3; shift 3
+  local t0=$(date +%s) rc
+  echo "=== $name (timeout ${limit}s): $*"
+  timeout -k 15 "$limit" "$@" 2>&1 | tee "$log"
+  rc=${PIPESTATUS[0]}
+  [ "$rc" = 124 ] && echo "=== $name TIMED OUT after ${limit}s" | tee -a "$log"
+  echo "$name: rc=$rc $(( $(date +%s) - t0 ))s" >> "$OUT/env.txt"
+  [ "$rc" = 0 ] || FAILED=1
+  return 0
+}
+
+if [ "${QUICK:-0}" = 1 ]; then
+  CHECK_FLAGS="--quick"; SEQLENS="512,2048,8192"
+else
+  CHECK_FLAGS=""; SEQLENS="512,1024,2048,4096,8192,16384"
+fi
+
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  FA2CUPY_HYPOTHESIS_PROFILE=device step tests "${TESTS_TIMEOUT:-200}" "$OUT/tests.log" \
+    "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/
+fi
+
+if [ "${SKIP_CHECK:-0}" != 1 ]; then
+  # shellcheck disable=SC2086
+  step check "${CHECK_TIMEOUT:-150}" "$OUT/check.log" "$PY" cli.py check $CHECK_FLAGS
+fi
+
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  # shellcheck disable=SC2086
+  step bench "${BENCH_TIMEOUT:-200}" "$OUT/bench.log" \
+    "$PY" cli.py bench --mode fwd --headdim 64,128 --causal both --seqlens "$SEQLENS" --dtype bf16 \
+    --out "$OUT" ${BENCH_ARGS:-}
+fi
+
+if [ "${SANITIZE:-0}" = 1 ]; then
+  if command -v compute-sanitizer >/dev/null 2>&1; then
+    {
+      for tool in memcheck racecheck; do
+        echo "=== compute-sanitizer --tool $tool"
+        timeout -k 15 "${SANITIZE_TIMEOUT:-240}" compute-sanitizer --tool "$tool" --error-exitcode 3 \
+          --print-limit 20 "$PY" bench/sanitize_case.py
+        echo "=== $tool rc=$?"
+      done
+    } 2>&1 | tee "$OUT/sanitize.log"
+    grep -E "^=== (memcheck|racecheck) rc=" "$OUT/sanitize.log" | sed 's/^=== /sanitize /' >> "$OUT/env.txt"
+    grep -qE "^=== (memcheck|racecheck) rc=[^0]" "$OUT/sanitize.log" && FAILED=1
+  else
+    echo "compute-sanitizer not found" | tee "$OUT/sanitize.log"
+    echo "sanitize: compute-sanitizer not found" >> "$OUT/env.txt"
+  fi
+fi
+
+echo "total: $(( $(date +%s) - START ))s" >> "$OUT/env.txt"
+echo "=== summary"; cat "$OUT/env.txt"
+exit $FAILED

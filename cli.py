@@ -1,0 +1,500 @@
+"""The ``fa2cupy`` command: ``check`` (correctness on the GPU), ``bench`` (speed), ``info``.
+
+Installed as the console script ``fa2cupy`` (entry point ``cli:main``); also
+runnable as ``python cli.py ...`` from the repository root.
+
+Without a usable CUDA GPU every command prints one line saying why and exits
+with status 2; without CuPy it prints one line naming the install extras.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import time
+from typing import Any
+
+import click
+import numpy as np
+
+
+
+def _import_benchmark():
+    """fa2cupy.benchmark, or -- when the package itself cannot be imported (e.g. no
+    CuPy) -- the same file loaded on its own (it needs only NumPy), so that the
+    commands can still explain what is missing in one line."""
+    try:
+        from fa2cupy import benchmark  # noqa: PLC0415
+
+        return benchmark
+    except Exception:
+        import importlib.util  # noqa: PLC0415
+        from pathlib import Path  # noqa: PLC0415
+
+        path = Path(__file__).resolve().parent / "fa2cupy" / "benchmark.py"
+        try:
+            spec = importlib.util.find_spec("fa2cupy")
+            if spec is not None and spec.submodule_search_locations:
+                path = Path(list(spec.submodule_search_locations)[0]) / "benchmark.py"
+        except Exception:
+            pass
+        spec = importlib.util.spec_from_file_location("_fa2cupy_benchmark_standalone", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod   # dataclasses need the module registered
+        spec.loader.exec_module(mod)
+        return mod
+
+
+B = _import_benchmark()
+
+EXIT_NO_GPU = 2
+
+# --------------------------------------------------------------------------- #
+# GPU probing
+# --------------------------------------------------------------------------- #
+
+_EXTRAS_HINT = ("install it with: pip install 'fa2cupy[cuda12]' (CUDA 12 driver) "
+                "or pip install 'fa2cupy[cuda13]' (CUDA 13 driver)")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def probe_gpu() -> tuple[bool, str]:
+    """(True, 'GPU name') if CuPy sees a CUDA device, else (False, one-line reason)."""
+    try:
+        import cupy  # noqa: PLC0415
+    except ImportError as exc:
+        if getattr(exc, "name", None) == "cupy":
+            return False, f"fa2cupy: CuPy is not installed; {_EXTRAS_HINT}"
+        return False, _one_line(f"fa2cupy: CuPy failed to import ({exc}); {_EXTRAS_HINT}")
+    except Exception as exc:  # broken CuPy install (missing CUDA libraries, ...)
+        return False, _one_line(f"fa2cupy: CuPy failed to import ({type(exc).__name__}: {exc}); {_EXTRAS_HINT}")
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:
+        return False, _one_line(f"fa2cupy: no CUDA GPU found ({exc})")
+    if n < 1:
+        return False, "fa2cupy: no CUDA GPU found (CUDA reports 0 devices)"
+    try:
+        name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
+        name = name.decode() if isinstance(name, bytes) else str(name)
+    except Exception as exc:
+        return False, _one_line(f"fa2cupy: no usable CUDA GPU ({exc})")
+    return True, name
+
+
+def require_gpu() -> str:
+    """Return the GPU name, or print one line and exit with status 2."""
+    ok, msg = probe_gpu()
+    if not ok:
+        click.echo(msg, err=True)
+        sys.exit(EXIT_NO_GPU)
+    return msg
+
+
+# --------------------------------------------------------------------------- #
+# check: correctness sweep against the float64 reference
+# --------------------------------------------------------------------------- #
+
+# NOTE: fa2cupy.reference defines no shared tolerance helper (yet), so the
+# bounds live here.  If one appears there, use it instead of these two.
+OUT_REL = {"bf16": 2.0 ** -7, "fp16": 2.0 ** -10}
+LSE_REL = 1e-3
+
+
+def _bound(dtype: str, ref_absmax: float) -> float:
+    """Bound on max |out - ref|: 2^-7 (bf16) or 2^-10 (fp16) times max(1, max |ref|)."""
+    return OUT_REL[B.canonical_dtype(dtype)] * max(1.0, float(ref_absmax))
+
+
+def _lse_bound(ref_lse: np.ndarray) -> np.ndarray:
+    """Elementwise bound on |lse - ref_lse|: 1e-3 * max(1, |ref_lse|)."""
+    return LSE_REL * np.maximum(1.0, np.abs(ref_lse))
+
+
+C = B.Case
+# (batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, causal, dtype)
+CHECK_CASES: tuple[B.Case, ...] = (
+    C(1, 128, 128, 1, 1, 64, False, "bf16"),     # 0 baseline, one full tile
+    C(2, 63, 63, 2, 2, 64, False, "fp16"),       # tile boundaries -1 / +1
+    C(2, 65, 65, 2, 2, 64, True, "bf16"),
+    C(1, 127, 129, 2, 2, 128, False, "bf16"),
+    C(1, 129, 127, 2, 2, 128, True, "fp16"),     # causal, sq > sk (bottom-right aligned)
+    C(1, 255, 257, 2, 2, 96, False, "bf16"),
+    C(1, 257, 255, 2, 2, 96, True, "bf16"),
+    C(3, 17, 113, 3, 3, 64, False, "fp16"),      # primes
+    C(2, 113, 17, 4, 4, 64, True, "bf16"),       # causal sq > sk: fully masked rows
+    C(1, 251, 509, 2, 2, 128, True, "bf16"),
+    C(1, 1021, 1021, 1, 1, 128, True, "fp16"),
+    C(1, 1, 1, 1, 1, 64, False, "bf16"),         # degenerate
+    C(2, 1, 509, 4, 4, 128, True, "bf16"),       # one query (decode-like), causal
+    C(2, 200, 200, 8, 2, 64, True, "bf16"),      # GQA
+    C(1, 333, 190, 6, 3, 128, False, "fp16"),    # GQA, sq > sk
+    C(2, 150, 150, 8, 1, 128, True, "bf16"),     # MQA
+    C(1, 97, 431, 4, 1, 256, False, "bf16"),     # MQA, d=256
+    C(2, 192, 192, 2, 2, 32, False, "bf16"),     # head dims 32 .. 256
+    C(2, 177, 177, 2, 2, 32, True, "fp16"),
+    C(1, 200, 300, 2, 2, 40, True, "bf16"),
+    C(1, 100, 100, 2, 2, 72, False, "bf16"),
+    C(1, 300, 200, 2, 2, 80, True, "fp16"),
+    C(1, 257, 257, 2, 2, 160, False, "bf16"),
+    C(1, 129, 385, 2, 2, 192, True, "bf16"),
+    C(1, 100, 100, 2, 2, 224, True, "bf16"),
+    C(1, 130, 70, 2, 2, 33, True, "fp16"),       # odd head dims (padded inside the kernel)
+    C(2, 90, 90, 3, 3, 200, False, "bf16"),
+    C(1, 256, 256, 2, 2, 256, True, "fp16"),
+    C(1, 511, 513, 1, 1, 256, False, "bf16"),
+    C(1, 2048, 2048, 2, 2, 128, True, "bf16"),   # several tiles each way
+    C(2, 1000, 3000, 4, 2, 64, True, "bf16"),
+)
+QUICK_INDICES = (0, 2, 4, 8, 13, 16, 19, 25, 27)
+RANDOM_HEADDIMS = (32, 40, 64, 80, 96, 128, 160, 192, 256)
+
+
+def random_cases(seed: int, n: int) -> list[B.Case]:
+    """``n`` random shapes drawn from ``seed`` (small enough for the float64 reference)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        hkv = int(rng.choice([1, 2, 3]))
+        group = int(rng.choice([1, 1, 2, 4]))
+        out.append(B.Case(
+            batch=int(rng.integers(1, 4)),
+            seqlen_q=int(rng.integers(1, 700)),
+            seqlen_k=int(rng.integers(1, 700)),
+            nheads=hkv * group, nheads_kv=hkv,
+            headdim=int(rng.choice(RANDOM_HEADDIMS)) if rng.random() < 0.5 else int(rng.integers(1, 257)),
+            causal=bool(rng.integers(0, 2)),
+            dtype=str(rng.choice(["bf16", "fp16"])),
+        ))
+    return out
+
+
+def check_cases(seed: int = 0, quick: bool = False) -> list[B.Case]:
+    fixed = [CHECK_CASES[i] for i in QUICK_INDICES] if quick else list(CHECK_CASES)
+    return fixed + random_cases(seed, 2 if quick else 8)
+
+
+@dataclasses.dataclass
+class CheckResult:
+    case: B.Case
+    out_err: float | None = None
+    out_bound: float | None = None
+    lse_err: float | None = None
+    lse_ratio: float | None = None      # max |lse err| / bound  (<= 1 passes)
+    masked_rows: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return (self.error is None and self.out_err is not None and self.out_err <= self.out_bound
+                and (self.lse_ratio is None or self.lse_ratio <= 1.0))
+
+
+def compare(case: B.Case, out: np.ndarray, lse: np.ndarray, ref_out: np.ndarray,
+            ref_lse: np.ndarray) -> CheckResult:
+    """Compare kernel output/LSE (float64 NumPy) with the reference.
+
+    Rows with no visible key (causal, sq > sk) have a non-finite reference LSE;
+    there the kernel must output zeros (FlashAttention-2 convention) and its
+    LSE is not compared.
+    """
+    res = CheckResult(case)
+    valid = np.isfinite(ref_lse)                             # (b, h, sq)
+    res.masked_rows = int((~valid).sum())
+    valid_bshd = np.transpose(valid, (0, 2, 1))[..., None]   # (b, sq, h, 1)
+    ref_out_z = np.where(valid_bshd, np.nan_to_num(ref_out), 0.0)
+    diff = np.abs(out - ref_out_z)
+    res.out_err = float(np.max(diff)) if diff.size else 0.0
+    if not np.all(np.isfinite(out)):
+        res.out_err = math.inf
+    res.out_bound = _bound(case.dtype, float(np.max(np.abs(ref_out_z))) if ref_out_z.size else 0.0)
+    if valid.any():
+        ld = np.abs(lse[valid] - ref_lse[valid])
+        if not np.all(np.isfinite(ld)):
+            res.lse_err, res.lse_ratio = math.inf, math.inf
+        else:
+            res.lse_err = float(ld.max())
+            res.lse_ratio = float(np.max(ld / _lse_bound(ref_lse[valid])))
+    return res
+
+
+def run_check_case(case: B.Case, seed: int) -> CheckResult:
+    import fa2cupy  # noqa: PLC0415
+    from fa2cupy.reference import attention_ref  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    try:
+        host = B.host_inputs(case, seed)
+        dev = {n: B.to_device(p, case.dtype, "cupy") for n, (p, _) in host.items()}
+        out, lse, _ = fa2cupy.flash_attn_func(dev["q"], dev["k"], dev["v"], causal=case.causal,
+                                              return_attn_probs=True)
+        out64, lse64 = B.to_numpy64(out), B.to_numpy64(lse)
+        seconds = time.perf_counter() - t0
+        ref_out, ref_lse = attention_ref(host["q"][1], host["k"][1], host["v"][1], causal=case.causal)
+        res = compare(case, out64, lse64, np.asarray(ref_out, np.float64), np.asarray(ref_lse, np.float64))
+        res.seconds = seconds
+        return res
+    except Exception as exc:
+        return CheckResult(case, seconds=time.perf_counter() - t0, error=B._first_line(exc))
+
+
+CHECK_HEADERS = ("#", "case", "out err", "bound", "lse err", "lse/bnd", "s", "result")
+CHECK_WIDTHS = (3, 38, 9, 9, 9, 7, 6, 6)
+
+
+def _fmt_e(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2e}"
+
+
+def check_row(i: int, r: CheckResult) -> str:
+    if r.error is not None:
+        cells = (str(i), r.case.label, "-", "-", "-", "-", f"{r.seconds:.1f}", "FAIL")
+        return "  ".join(c.rjust(w) if j not in (1,) else c.ljust(w)
+                         for j, (c, w) in enumerate(zip(cells, CHECK_WIDTHS))) + f"  {r.error}"
+    cells = (str(i), r.case.label, _fmt_e(r.out_err), _fmt_e(r.out_bound), _fmt_e(r.lse_err),
+             "-" if r.lse_ratio is None else f"{r.lse_ratio:.2f}", f"{r.seconds:.1f}",
+             "PASS" if r.passed else "FAIL")
+    line = "  ".join(c.ljust(w) if j == 1 else c.rjust(w) for j, (c, w) in enumerate(zip(cells, CHECK_WIDTHS)))
+    if r.masked_rows:
+        line += f"  ({r.masked_rows} fully masked rows)"
+    return line
+
+
+def check_header() -> str:
+    line = "  ".join(h.ljust(w) if j == 1 else h.rjust(w) for j, (h, w) in enumerate(zip(CHECK_HEADERS, CHECK_WIDTHS)))
+    return line + "\n" + "  ".join("-" * w for w in CHECK_WIDTHS)
+
+
+# --------------------------------------------------------------------------- #
+# info
+# --------------------------------------------------------------------------- #
+
+
+def _rows_of(entries: Any) -> tuple[list[str], list[list[Any]]] | None:
+    """Best-effort (headers, rows) from a configs table: a dict {key: dataclass} (a
+    tuple key such as (family, width) becomes columns 'family', 'width'), or an
+    iterable of dataclasses / dicts.  None when the entries are of another kind."""
+    items = list(entries.items()) if isinstance(entries, dict) else [(None, e) for e in entries]
+    rows, headers = [], None
+    for key, val in items:
+        if dataclasses.is_dataclass(val):
+            val = dataclasses.asdict(val)
+        if not isinstance(val, dict):
+            return None
+        if key is None:
+            head = {}
+        elif isinstance(key, tuple) and len(key) == 2:
+            head = {"family": key[0], "width": key[1]}
+        else:
+            head = {"key": key}
+        d = head | val
+        headers = headers or list(d)
+        rows.append([d.get(h) for h in headers])
+    return (headers or [], rows)
+
+
+def tile_table_text(arch: int | None) -> str:
+    try:
+        from fa2cupy import configs  # noqa: PLC0415
+    except Exception as exc:
+        return f"tile table unavailable ({B._first_line(exc)})"
+    parts = []
+    table = getattr(configs, "FORWARD_TABLE", None)
+    if table is not None:
+        try:
+            hr = _rows_of(table)
+            if hr is None:
+                parts.append("forward tile table:\n" + "\n".join(f"  {e}" for e in table))
+            else:
+                parts.append("forward tile table:\n" + B.format_table(hr[0], hr[1], "r" * len(hr[0])))
+        except Exception as exc:
+            parts.append(f"forward tile table unavailable ({B._first_line(exc)})")
+    fc = getattr(configs, "forward_config", None)
+    if fc is not None and arch is not None:
+        rows, headers = [], None
+        try:
+            for dtype in ("bfloat16",):
+                for d in (32, 64, 96, 128, 192, 256):
+                    for causal in (False, True):
+                        cfg = fc(arch, d, dtype, causal)
+                        fields = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else {"config": str(cfg)}
+                        for extra in ("threads", "smem_bytes"):
+                            if hasattr(cfg, extra):
+                                fields[extra] = getattr(cfg, extra)
+                        row = {"headdim": d, "causal": causal} | fields
+                        headers = headers or list(row)
+                        rows.append([row.get(h) for h in headers])
+            parts.append(f"selected for this GPU (sm_{arch}, bf16):\n"
+                         + B.format_table(headers, rows, "r" * len(headers)))
+        except Exception as exc:
+            parts.append(f"forward_config unavailable for sm_{arch} ({B._first_line(exc)})")
+    return "\n\n".join(parts) if parts else "tile table unavailable"
+
+
+# --------------------------------------------------------------------------- #
+# Commands
+# --------------------------------------------------------------------------- #
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """fa2cupy: FlashAttention-2 kernels compiled at run time by CuPy (NVRTC)."""
+
+
+@main.command()
+@click.option("--seed", default=0, show_default=True, help="Seed for inputs and the random shapes.")
+@click.option("--quick", is_flag=True, help="A short subset of the cases.")
+def check(seed: int, quick: bool) -> None:
+    """Randomized correctness sweep on the GPU against the float64 reference.
+
+    Bounds: max|out - ref| <= 2^-7 (bf16) / 2^-10 (fp16) * max(1, max|ref|);
+    |lse - ref| <= 1e-3 * max(1, |ref|).  Exit status 1 on any failure.
+    """
+    gpu = require_gpu()
+    cases = check_cases(seed, quick)
+    click.echo(f"fa2cupy check on {gpu}: {len(cases)} cases, seed {seed}"
+               " (time s includes first-call compilation)")
+    click.echo(check_header())
+    failures = 0
+    for i, case in enumerate(cases):
+        r = run_check_case(case, seed * 1000 + i)
+        failures += not r.passed
+        click.echo(check_row(i, r))
+    click.echo(f"{len(cases) - failures}/{len(cases)} passed")
+    if failures:
+        sys.exit(1)
+
+
+def _int_list(ctx, param, value):
+    try:
+        return B.parse_int_list(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+@main.command()
+@click.option("--mode", type=click.Choice(B.MODES), default="fwd", show_default=True)
+@click.option("--headdim", "headdims", default="64,128", show_default=True, callback=_int_list,
+              help="Comma-separated head dims.")
+@click.option("--causal", type=click.Choice(["both", "on", "off"]), default="both", show_default=True)
+@click.option("--seqlens", default="512,1024,2048,4096,8192,16384", show_default=True, callback=_int_list,
+              help="Comma-separated sequence lengths (batch = tokens // seqlen).")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16"]), default="bf16", show_default=True)
+@click.option("--tokens", default=16384, show_default=True, help="Tokens per batch.")
+@click.option("--hidden", default=2048, show_default=True, help="Model width (nheads = hidden // headdim).")
+@click.option("--out", "out_dir", default="bench/results", show_default=True, type=click.Path(file_okay=False),
+              help="Folder for the JSON and PNG.")
+@click.option("--repeats", default=30, show_default=True, help="Timed runs per implementation (median).")
+@click.option("--warmup", default=10, show_default=True, help="Untimed runs first.")
+@click.option("--skip-cold", is_flag=True, help="Skip the cold-compile measurement (subprocesses).")
+@click.option("--skip-overhead", is_flag=True, help="Skip the dispatch-overhead measurement.")
+@click.option("--no-plot", is_flag=True, help="Write no PNG.")
+def bench(mode, headdims, causal, seqlens, dtype, tokens, hidden, out_dir, repeats, warmup,
+          skip_cold, skip_overhead, no_plot) -> None:
+    """TFLOPs/s of fa2cupy beside torch SDPA (flash, cuDNN) on the FlashAttention-2 paper grid."""
+    import os  # noqa: PLC0415
+
+    gpu = require_gpu()
+    try:
+        cases = B.paper_grid(headdims, B.causal_options(causal), seqlens, dtype, tokens, hidden)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    env = B.environment_info()
+    runner = B.MODE_RUNNERS[mode]
+    click.echo(f"fa2cupy bench --mode {mode} on {gpu}: {len(cases)} cases, {dtype}, "
+               f"median of {repeats} (CUDA events), framework "
+               f"{'torch' if B.torch_available() else 'cupy (torch not importable: no SDPA columns)'}")
+    records = []
+    with click.progressbar(cases, label="benchmarking", file=sys.stderr,
+                           item_show_func=lambda c: c.label if c else "") as bar:
+        for case in bar:
+            records.append(runner(case, warmup=warmup, repeats=repeats))
+    click.echo(B.results_table(records))
+    for line in B.errors_summary(records):
+        click.echo(f"note: {line}")
+    bad = [r for r in records if r.get("max_abs_diff") is not None and r["max_abs_diff"] > 0.05]
+    if bad:
+        click.echo(f"WARNING: fa2cupy output differs from SDPA by > 0.05 in {len(bad)} case(s) (marked '!')")
+
+    extra: dict[str, Any] = {}
+    if not skip_cold:
+        variants = sorted({(c.headdim, c.causal) for c in cases})
+        click.echo(f"cold compile: first call in a fresh process, empty CUPY_CACHE_DIR, {len(variants)} variant(s)...")
+        extra["cold_compile"] = cold = B.cold_compile(variants, dtype)
+        for key in ("cold", "disk_cached"):
+            r = cold.get(key, {})
+            if "error" in r:
+                click.echo(f"  {key}: error: {r['error']}")
+                continue
+            per = ", ".join(f"d{v['headdim']}{' causal' if v['causal'] else ''} {v['first_call_s']:.2f} s"
+                            for v in r["variants"])
+            click.echo(f"  {key:11s}: import {r['import_s']:.2f} s; first call {per}")
+    if not skip_overhead:
+        extra["dispatch_overhead"] = ov = B.dispatch_overhead(dtype)
+        names = {"fa2cupy_torch_us": "fa2cupy (torch tensors)", "fa2cupy_cupy_us": "fa2cupy (CuPy arrays)",
+                 "sdpa_flash_torch_us": "SDPA flash"}
+        parts = [f"{title} {ov[k]:.1f} us" for k, title in names.items() if ov.get(k) is not None]
+        errs = [f"{k}: {v}" for k, v in ov.items() if k.endswith("error")]
+        click.echo(f"dispatch overhead ({ov['case']}, median of {ov['n']} calls, host wall time per call): "
+                   + (", ".join(parts) or "n/a") + ("; " + "; ".join(errs) if errs else ""))
+
+    base = B.result_basename(mode, env.get("gpu", gpu))
+    payload = {"mode": mode, "environment": env,
+               "settings": {"dtype": dtype, "tokens": tokens, "hidden": hidden, "repeats": repeats,
+                            "warmup": warmup, "timing": "median of CUDA-event times per call",
+                            "flops": "4*b*h*sq*sk*d, halved when causal"},
+               "records": records, **extra}
+    path = B.write_json(os.path.join(out_dir, base + ".json"), payload)
+    click.echo(f"wrote {path}")
+    if not no_plot:
+        png = os.path.join(out_dir, base + ".png")
+        why = B.plot_results(records, png, title=f"fa2cupy {mode}, {dtype}, {env.get('gpu', gpu)}")
+        click.echo(why or f"wrote {png}")
+
+
+@main.command()
+def info() -> None:
+    """GPU, CUDA/NVRTC/CuPy versions, kernel cache folder and the forward tile table."""
+    require_gpu()
+    import cupy  # noqa: PLC0415
+
+    env = B.environment_info()
+    try:
+        arch = B.gpu_arch()
+    except Exception:
+        arch = None
+    try:
+        from fa2cupy import build  # noqa: PLC0415
+
+        cache = str(build.cache_dir())
+    except Exception as exc:
+        import os  # noqa: PLC0415
+
+        cache = os.environ.get("CUPY_CACHE_DIR") or os.path.expanduser("~/.cupy/kernel_cache")
+        cache += f"  (fa2cupy.build.cache_dir unavailable: {B._first_line(exc)})"
+    rows = [
+        ("GPU", env.get("gpu")),
+        ("compute capability", f"{env.get('compute_capability')} (sm_{arch})" if arch else env.get("compute_capability")),
+        ("SMs", env.get("sm_count")),
+        ("GPU memory", f"{env.get('gpu_memory_gib')} GiB"),
+        ("CuPy", cupy.__version__),
+        ("CUDA runtime", env.get("cuda_runtime")),
+        ("CUDA driver", env.get("cuda_driver")),
+        ("NVRTC", env.get("nvrtc")),
+        ("fa2cupy", env.get("fa2cupy") or env.get("fa2cupy_error")),
+        ("kernel cache", cache),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        click.echo(f"{k.ljust(width)}  {v}")
+    click.echo("")
+    click.echo(tile_table_text(arch))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+// FlashAttention-2 forward (Dao 2023, Algorithm 1) on mma.sync tensor cores.
+//
+// One thread block per (query tile, head, batch). The query tile is split across warps by rows, so every
+// warp owns complete rows: the softmax statistics never need an inter-warp reduction (FA2 §3.3). K and V tiles
+// stream through a ring of shared-memory stages filled by cp.async while the previous tile is computed.
+#include "primitives.cuh"
+#include "softmax.cuh"
+#include "masks.cuh"
+
+namespace fa2 {
+
+// A tile configuration is a type. Every instantiation the library can launch comes from fa2cupy/configs.py.
+template <int HeadDim, int BlockM, int BlockN, int Warps, int Stages, int MinBlocks, bool QInRegs, class Elem_,
+          bool Causal>
+struct FwdTraits {
+    using Elem = Elem_;
+    static constexpr int kHeadDim = HeadDim, kBlockM = BlockM, kBlockN = BlockN, kStages = Stages;
+    static constexpr int kThreads = Warps * 32, kMinBlocks = MinBlocks;
+    static constexpr bool kQInRegs = QInRegs, kCausal = Causal;
+    static constexpr int kMTiles = BlockM / (16 * Warps);  // m16 row tiles per warp
+    static constexpr int kNTiles = BlockN / 8;             // n8 key tiles of S per row tile
+    static constexpr int kDTiles = HeadDim / 8;            // n8 head-dim tiles of O per row tile
+    using QTile = SmemTile<BlockM, HeadDim>;
+    using KVTile = SmemTile<BlockN, HeadDim>;
+    static constexpr int kSmemBytes = QTile::kBytes + 2 * Stages * KVTile::kBytes;
+    static_assert(kMTiles >= 1 && BlockM % (16 * Warps) == 0, "BlockM must be a multiple of 16 x warps");
+    static_assert(BlockN % 16 == 0 && HeadDim % 16 == 0, "tiles are built from m16n8k16 steps");
+    static_assert(Stages >= 2, "the K/V ring needs at least two stages");
+};
+
+// q, o: (batch, seqlen_q, nheads, d) and k, v: (batch, seqlen_k, nheads_kv, d) with arbitrary strides in
+// elements on the first three axes and a contiguous last axis; lse: (batch, nheads, seqlen_q) float32.
+// `headdim` is the real head dim (a multiple of 8, <= kHeadDim); the rest of the tile is zero-filled.
+template <class Tr>
+__global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
+    flash_fwd(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, u16* __restrict__ o,
+              float* __restrict__ lse, i64 q_batch_stride, int q_row_stride, i64 q_head_stride, i64 k_batch_stride,
+              int k_row_stride, i64 k_head_stride, i64 v_batch_stride, int v_row_stride, i64 v_head_stride,
+              i64 o_batch_stride, int o_row_stride, i64 o_head_stride, int seqlen_q, int seqlen_k, int nheads,
+              int heads_per_kv, int headdim, float scale, float scale_log2) {
+    using QTile = typename Tr::QTile;
+    using KVTile = typename Tr::KVTile;
+    using Mma = fa2::Mma<typename Tr::Elem>;
+    constexpr int kMT = Tr::kMTiles, kNT = Tr::kNTiles, kDT = Tr::kDTiles, kKSteps = Tr::kHeadDim / 16;
+
+    extern __shared__ __align__(128) unsigned char smem[];
+    const u32 smem_q = smem_u32(smem);
+    const u32 smem_k = smem_q + QTile::kBytes;
+    const u32 smem_v = smem_k + Tr::kStages * KVTile::kBytes;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    // Blocks are issued last query tile first: under a causal mask those see the most keys, so the longest
+    // blocks start earliest and the tail of the grid is short ones.
+    const int m_block = gridDim.x - 1 - blockIdx.x;
+    const int head = blockIdx.y, batch = blockIdx.z;
+    const int kv_head = head / heads_per_kv;  // MQA/GQA by index: K/V are never replicated
+    const int row0 = m_block * Tr::kBlockM;
+    const int warp_row0 = warp * kMT * 16;  // first row of this warp within the tile
+
+    const u16* q_tile = q + batch * q_batch_stride + (i64)row0 * q_row_stride + head * q_head_stride;
+    const u16* k_head = k + batch * k_batch_stride + kv_head * k_head_stride;
+    const u16* v_head = v + batch * v_batch_stride + kv_head * v_head_stride;
+
+    const CausalMask<Tr::kCausal> mask{seqlen_q, seqlen_k};
+    const int key_end = mask.key_end(row0, Tr::kBlockM);
+    const int n_blocks = key_end > 0 ? (key_end + Tr::kBlockN - 1) / Tr::kBlockN : 0;  // invisible tiles skipped
+
+    auto load_kv = [&](int n_block, int slot) {
+        const i64 first = (i64)n_block * Tr::kBlockN;
+        const int rows = seqlen_k - n_block * Tr::kBlockN;
+        KVTile::template load_async<Tr::kThreads>(smem_k + slot * KVTile::kBytes, k_head + first * k_row_stride,
+                                                  k_row_stride, rows, headdim, tid);
+        KVTile::template load_async<Tr::kThreads>(smem_v + slot * KVTile::kBytes, v_head + first * v_row_stride,
+                                                  v_row_stride, rows, headdim, tid);
+    };
+
+    float acc_o[kMT][kDT][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int dt = 0; dt < kDT; ++dt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.f;
+    OnlineSoftmax<kMT, kNT> softmax;
+    softmax.init();
+
+    if (n_blocks > 0) {
+        // Prologue: Q and the first Stages-1 K/V tiles in flight (Q rides in the first commit group).
+        QTile::template load_async<Tr::kThreads>(smem_q, q_tile, q_row_stride, seqlen_q - row0, headdim, tid);
+#pragma unroll
+        for (int s = 0; s < Tr::kStages - 1; ++s) {
+            if (s < n_blocks) load_kv(s, s);
+            cp_async_commit();
+        }
+        u32 q_frag[Tr::kQInRegs ? kMT : 1][Tr::kQInRegs ? kKSteps : 1][4];
+
+        for (int n_block = 0; n_block < n_blocks; ++n_block) {
+            // Tile n_block has landed, and every warp is done with the slot the next load overwrites.
+            cp_async_wait<Tr::kStages - 2>();
+            __syncthreads();
+            {
+                const int ahead = n_block + Tr::kStages - 1;
+                if (ahead < n_blocks) load_kv(ahead, ahead % Tr::kStages);
+                cp_async_commit();  // possibly empty: keeps the group count uniform for wait_group
+            }
+            if (Tr::kQInRegs && n_block == 0) {
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                    for (int kk = 0; kk < kKSteps; ++kk)
+                        QTile::load_a(q_frag[Tr::kQInRegs ? mt : 0][Tr::kQInRegs ? kk : 0], smem_q,
+                                      warp_row0 + mt * 16, kk * 16, lane);
+            }
+            const u32 k_slot = smem_k + (n_block % Tr::kStages) * KVTile::kBytes;
+            const u32 v_slot = smem_v + (n_block % Tr::kStages) * KVTile::kBytes;
+
+            // S = Q K_j^T (Algorithm 1 line 8). Each K fragment feeds all of the warp's row tiles.
+            float s[kMT][kNT][4];
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < kKSteps; ++kk) {
+                u32 a[kMT][4];
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt) {
+                    if (Tr::kQInRegs) {
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) a[mt][i] = q_frag[Tr::kQInRegs ? mt : 0][Tr::kQInRegs ? kk : 0][i];
+                    } else {
+                        QTile::load_a(a[mt], smem_q, warp_row0 + mt * 16, kk * 16, lane);
+                    }
+                }
+#pragma unroll
+                for (int np = 0; np < kNT / 2; ++np) {
+                    u32 b[4];
+                    KVTile::load_b_nk(b, k_slot, np * 16, kk * 16, lane);
+#pragma unroll
+                    for (int mt = 0; mt < kMT; ++mt) {
+                        Mma::run(s[mt][2 * np], a[mt], b[0], b[1]);
+                        Mma::run(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+                    }
+                }
+            }
+            // Only tiles that straddle the diagonal or the end of the keys pay for masking.
+            if (mask.tile_needs_mask(row0, n_block * Tr::kBlockN, Tr::kBlockN))
+                mask.apply(s, row0 + warp_row0, n_block * Tr::kBlockN, lane);
+
+            // Lines 9-10: new row max, P = exp(S - m), rescale of the running output.
+            softmax.update(s, acc_o, scale_log2);
+
+            // Line 10 (cont.): O += P V_j. The C fragments of two adjacent n8 score tiles are exactly the A
+            // fragment of one k16 step, so P goes from accumulators to operands without touching memory.
+#pragma unroll
+            for (int kk = 0; kk < kNT / 2; ++kk) {
+                u32 a[kMT][4];
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt) {
+                    a[mt][0] = Mma::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                    a[mt][1] = Mma::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                    a[mt][2] = Mma::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                    a[mt][3] = Mma::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+                }
+#pragma unroll
+                for (int dp = 0; dp < kDT / 2; ++dp) {
+                    u32 b[4];
+                    KVTile::load_b_kn(b, v_slot, kk * 16, dp * 16, lane);
+#pragma unroll
+                    for (int mt = 0; mt < kMT; ++mt) {
+                        Mma::run(acc_o[mt][2 * dp], a[mt], b[0], b[1]);
+                        Mma::run(acc_o[mt][2 * dp + 1], a[mt], b[2], b[3]);
+                    }
+                }
+            }
+        }
+        cp_async_wait<0>();  // only empty groups remain, but leave nothing in flight into shared memory
+    }
+
+    // Line 12: O = diag(l)^-1 O and L = m + log(l), written once.
+    float row_lse[kMT * 2];
+    softmax.finalize(acc_o, row_lse, scale);
+
+    // Stage this warp's output rows through its own (no longer needed) Q rows so the global stores are
+    // 16-byte and row-contiguous. Only this warp ever read these rows, so a warp barrier suffices.
+    __syncwarp();
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int dt = 0; dt < kDT; ++dt)
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+                st_shared_u32(QTile::at(smem_q, warp_row0 + mt * 16 + (lane >> 2) + half * 8, dt * 8 + (lane & 3) * 2),
+                              Mma::pack(acc_o[mt][dt][2 * half], acc_o[mt][dt][2 * half + 1]));
+    __syncwarp();
+    u16* o_tile = o + batch * o_batch_stride + head * o_head_stride;
+    constexpr int kWarpChunks = kMT * 16 * kDT;
+#pragma unroll
+    for (int i = 0; i < (kWarpChunks + 31) / 32; ++i) {
+        const int idx = lane + i * 32;
+        const int r = warp_row0 + idx / kDT, c = (idx % kDT) * 8;
+        if ((kWarpChunks % 32 == 0 || idx < kWarpChunks) && row0 + r < seqlen_q && c < headdim) {
+            u32 chunk[4];
+            ld_shared_v4(QTile::at(smem_q, r, c), chunk);
+            st_global_v4(o_tile + (i64)(row0 + r) * o_row_stride + c, chunk);
+        }
+    }
+    if ((lane & 3) == 0) {
+        float* lse_head = lse + ((i64)batch * nheads + head) * seqlen_q;
+#pragma unroll
+        for (int r = 0; r < kMT * 2; ++r) {
+            const int row = row0 + warp_row0 + (r / 2) * 16 + (lane >> 2) + (r % 2) * 8;
+            if (row < seqlen_q) lse_head[row] = row_lse[r];
+        }
+    }
+}
+
+}  // namespace fa2

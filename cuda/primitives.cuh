@@ -1,0 +1,179 @@
+// Tensor-core and copy primitives shared by every fa2cupy kernel: the only place that holds inline PTX.
+//
+// Written against the PTX ISA for sm_80+ (mma.sync m16n8k16, ldmatrix, cp.async). No CUDA headers are
+// included so that NVRTC can compile the kernels with nothing but libnvrtc (CI compiles them on a CPU box).
+#pragma once
+
+namespace fa2 {
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef long long i64;
+
+// Element type tags. Storage is always 16 bits; the tag picks the PTX type names.
+struct f16 {};
+struct bf16 {};
+
+#define FA2_DEVICE __device__ __forceinline__
+
+FA2_DEVICE u32 smem_u32(const void* ptr) {
+    u32 addr;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(addr) : "l"(ptr));
+    return addr;
+}
+
+// ---- asynchronous global -> shared copies (Ampere cp.async) ---------------------------------------------
+// 16 bytes per thread; `valid == false` writes zeros instead of reading, which is how ragged tiles
+// (seqlen or head dim not a tile multiple) stay finite without branching around the copy.
+FA2_DEVICE void cp_async_16(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+FA2_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+FA2_DEVICE void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// ---- ldmatrix: four 8x8 b16 matrices per warp, addresses supplied by lanes 8i..8i+7 for matrix i --------
+FA2_DEVICE void ldmatrix_x4(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+FA2_DEVICE void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+// ---- mma.sync m16n8k16, fp32 accumulate ------------------------------------------------------------------
+// Fragment layouts (PTX ISA, "mma.m16n8k16"), with g = lane / 4 and t = lane % 4:
+//   A (16x16, row-major): a[0] = (g, 2t..2t+1), a[1] = (g+8, 2t..), a[2] = (g, 2t+8..), a[3] = (g+8, 2t+8..)
+//   B (16x8, "col"):      b[0] = (k 2t..2t+1, n g), b[1] = (k 2t+8.., n g)
+//   C (16x8):             c[0..1] = (g, 2t..2t+1), c[2..3] = (g+8, 2t..2t+1)
+template <class E>
+struct Mma;
+template <>
+struct Mma<bf16> {
+    static FA2_DEVICE void run(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    // Two floats -> one register of two bf16, `lo` in the low half (the lower column index).
+    static FA2_DEVICE u32 pack(float lo, float hi) {
+        u32 r;
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+};
+template <>
+struct Mma<f16> {
+    static FA2_DEVICE void run(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+    static FA2_DEVICE u32 pack(float lo, float hi) {
+        u32 r;
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+        return r;
+    }
+};
+
+// ---- scalar helpers ----------------------------------------------------------------------------------------
+FA2_DEVICE float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+FA2_DEVICE float quad_max(float x) {  // max over the 4 lanes that share an mma row
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+FA2_DEVICE float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+FA2_DEVICE void st_shared_u32(u32 addr, u32 v) { asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v)); }
+FA2_DEVICE void ld_shared_v4(u32 addr, u32 (&r)[4]) {
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+FA2_DEVICE void st_global_v4(void* ptr, const u32 (&r)[4]) {
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(ptr), "r"(r[0]), "r"(r[1]), "r"(r[2]),
+                 "r"(r[3]));
+}
+
+FA2_DEVICE float pos_inf() { return __int_as_float(0x7f800000); }
+
+// ---- shared-memory tiles ----------------------------------------------------------------------------------
+// A tile of Rows x Cols 16-bit elements, row-major, each row padded by 16 bytes. With a row pitch that is an
+// odd number of 16-byte chunks the 8 row addresses of one ldmatrix land in 8 different bank groups, so the
+// tile is conflict-free for ldmatrix (plain and .trans) and for cp.async fills at any head dim, without the
+// head-dim-specific XOR swizzles (a swizzle needs >= 8 chunks per row; head dim 32 has 4).
+template <int Rows, int Cols>
+struct SmemTile {
+    static_assert(Cols % 16 == 0, "tile columns must be a multiple of 16 elements");
+    static constexpr int kPitch = Cols + 8;  // elements
+    static constexpr int kBytes = Rows * kPitch * 2;
+    static FA2_DEVICE u32 at(u32 base, int row, int col) { return base + (row * kPitch + col) * 2; }
+
+    // Global -> shared for the whole tile by `Threads` threads, 16 bytes each. Rows >= rows_valid and
+    // columns >= cols_valid (a multiple of 8) are zero-filled rather than read.
+    template <int Threads>
+    static FA2_DEVICE void load_async(u32 base, const u16* gmem, int row_stride, int rows_valid, int cols_valid,
+                                      int tid) {
+        constexpr int kChunksPerRow = Cols / 8;
+        constexpr int kChunks = Rows * kChunksPerRow;
+        if constexpr (Threads % kChunksPerRow == 0) {
+            // Each thread keeps one column and walks down rows: one pointer and a fixed step instead of a
+            // precomputed 64-bit offset per chunk (those cost 2 registers each and spilled at head dim 128).
+            constexpr int kRowStep = Threads / kChunksPerRow;
+            const int r0 = tid / kChunksPerRow, c = (tid % kChunksPerRow) * 8;
+            const u16* src = gmem + r0 * row_stride + c;
+            const int step = kRowStep * row_stride;  // the host keeps row strides below 2^24
+            const bool col_ok = c < cols_valid;
+#pragma unroll
+            for (int i = 0; i < (Rows + kRowStep - 1) / kRowStep; ++i) {
+                const int r = r0 + i * kRowStep;
+                if (Rows % kRowStep == 0 || r < Rows) {
+                    const bool ok = col_ok && r < rows_valid;
+                    cp_async_16(at(base, r, c), ok ? src : gmem, ok);
+                }
+                src += step;
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < (kChunks + Threads - 1) / Threads; ++i) {
+                const int idx = tid + i * Threads;
+                if (kChunks % Threads == 0 || idx < kChunks) {
+                    const int r = idx / kChunksPerRow, c = (idx % kChunksPerRow) * 8;
+                    const bool ok = r < rows_valid && c < cols_valid;
+                    cp_async_16(at(base, r, c), ok ? gmem + r * row_stride + c : gmem, ok);
+                }
+            }
+        }
+    }
+
+    // A operand (16 rows x 16 k) at (row0, k0) for mma.m16n8k16 — matches the A fragment order.
+    static FA2_DEVICE void load_a(u32 (&a)[4], u32 base, int row0, int k0, int lane) {
+        ldmatrix_x4(a, at(base, row0 + (lane & 7) + ((lane >> 3) & 1) * 8, k0 + (lane >> 4) * 8));
+    }
+    // B operands for two n8 tiles from a tile stored [n][k] (K in S = Q K^T): b[0..1] n-tile n0, b[2..3] n0+8.
+    static FA2_DEVICE void load_b_nk(u32 (&b)[4], u32 base, int n0, int k0, int lane) {
+        ldmatrix_x4(b, at(base, n0 + (lane & 7) + (lane >> 4) * 8, k0 + ((lane >> 3) & 1) * 8));
+    }
+    // B operands for two n8 tiles from a tile stored [k][n] (V in O = P V), transposed by ldmatrix.
+    static FA2_DEVICE void load_b_kn(u32 (&b)[4], u32 base, int k0, int n0, int lane) {
+        ldmatrix_x4_trans(b, at(base, k0 + (lane & 7) + ((lane >> 3) & 1) * 8, n0 + (lane >> 4) * 8));
+    }
+};
+
+}  // namespace fa2

@@ -1,0 +1,88 @@
+// Online softmax over score tiles held in mma C-fragment layout (FA2 Algorithm 1, lines 8-10 and 12).
+//
+// Each thread owns two rows per m16 tile (g and g+8) and, of each row, two columns per n8 tile; the four lanes
+// of a quad share a row. Row maxima are reduced across the quad every tile (all lanes need the same shift),
+// but row sums stay per-thread partials until the end: every lane of a quad scales its partial by the same
+// factor, so one quad reduction at the end gives the exact sum (saves two shuffles per row per tile).
+#pragma once
+#include "primitives.cuh"
+
+namespace fa2 {
+
+template <int MTiles, int NTiles>
+struct OnlineSoftmax {
+    static constexpr int kRows = MTiles * 2;
+    float row_max[kRows];  // running max of raw scores (unscaled), -inf until a key is seen
+    float row_sum[kRows];  // this thread's partial sum of exp2(scale_log2 * (s - row_max))
+
+    FA2_DEVICE void init() {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+            row_max[r] = -pos_inf();
+            row_sum[r] = 0.f;
+        }
+    }
+
+    // Turns the scores s (raw Q K^T, masked entries -inf) into unnormalised probabilities in place, and
+    // rescales the output accumulator by exp(m_old - m_new) so that it stays relative to the new max.
+    // Works on raw scores with the scale folded into one FFMA per element, exp2(s * c - m * c) with
+    // c = scale * log2(e) > 0 (the host turns a negative scale into a positive one on negated q, since
+    // the max of raw scores is only the max of scaled scores for c > 0). The division by the row sum is
+    // deferred to finalize(): one divide per row instead of one per tile.
+    template <int DTiles>
+    FA2_DEVICE void update(float (&s)[MTiles][NTiles][4], float (&acc_o)[MTiles][DTiles][4], float scale_log2) {
+#pragma unroll
+        for (int mt = 0; mt < MTiles; ++mt) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int r = mt * 2 + half;
+                float tile_max = row_max[r];
+#pragma unroll
+                for (int nt = 0; nt < NTiles; ++nt)
+                    tile_max = fmaxf(tile_max, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
+                const float new_max = quad_max(tile_max);
+                // A row that has seen only masked keys keeps max -inf; shift by 0 so exp2 gives 0, not NaN.
+                const float shift = new_max == -pos_inf() ? 0.f : new_max * scale_log2;
+                const float correction = fast_exp2(row_max[r] * scale_log2 - shift);
+                row_max[r] = new_max;
+                float sum = 0.f;
+#pragma unroll
+                for (int nt = 0; nt < NTiles; ++nt) {
+#pragma unroll
+                    for (int e = 2 * half; e < 2 * half + 2; ++e) {
+                        s[mt][nt][e] = fast_exp2(s[mt][nt][e] * scale_log2 - shift);
+                        sum += s[mt][nt][e];
+                    }
+                }
+                row_sum[r] = row_sum[r] * correction + sum;
+#pragma unroll
+                for (int dt = 0; dt < DTiles; ++dt) {
+                    acc_o[mt][dt][2 * half] *= correction;
+                    acc_o[mt][dt][2 * half + 1] *= correction;
+                }
+            }
+        }
+    }
+
+    // Normalises acc_o by the row sums and returns each row's natural-log sum-exp in lse (the only statistic
+    // the backward needs). A row with no visible key gets output 0 and lse +inf (flash-attn's convention:
+    // exp(s - lse) is then 0 in the backward).
+    template <int DTiles>
+    FA2_DEVICE void finalize(float (&acc_o)[MTiles][DTiles][4], float (&lse)[kRows], float scale) {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+            const float sum = quad_sum(row_sum[r]);
+            const bool empty = sum == 0.f;  // NaN inputs are left to propagate, never hidden as 0
+            const float inv = empty ? 0.f : 1.f / sum;
+            lse[r] = empty ? pos_inf() : row_max[r] * scale + __logf(sum);
+            const int mt = r / 2, half = r % 2;
+#pragma unroll
+            for (int dt = 0; dt < DTiles; ++dt) {
+                acc_o[mt][dt][2 * half] *= inv;
+                acc_o[mt][dt][2 * half + 1] *= inv;
+            }
+        }
+    }
+};
+
+}  // namespace fa2

@@ -1,0 +1,15 @@
+"""fa2cupy: FlashAttention-2 kernels compiled at run time by CuPy, callable on CuPy, PyTorch, JAX and NumPy arrays."""
+
+__version__ = "0.1.0"
+
+try:
+    import cupy  # noqa: F401
+except ImportError as error:  # one clear message instead of a traceback from deep inside
+    raise ImportError(
+        "fa2cupy needs CuPy. Install it with the extra for your CUDA version: "
+        "pip install 'fa2cupy[cuda12]' (CUDA 12.x) or pip install 'fa2cupy[cuda13]' (CUDA 13.x)"
+    ) from error
+
+from .interface import flash_attn_func
+
+__all__ = ["flash_attn_func", "__version__"]

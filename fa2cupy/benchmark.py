@@ -1,0 +1,944 @@
+"""Benchmark harness for fa2cupy (used by ``fa2cupy bench``; importable and unit-testable).
+
+The module is split in two halves:
+
+* pure pieces that need no GPU (the benchmark grid, FLOP counting, rounding of
+  host inputs to fp16/bf16, table formatting, JSON naming/writing) -- these are
+  covered by CPU unit tests;
+* GPU pieces (input creation, CUDA-event timing, the per-implementation runners,
+  cold-compile and dispatch-overhead probes, the plot) that import CuPy / torch /
+  matplotlib lazily, so importing this module never touches a GPU.
+
+Modes: only ``fwd`` exists today.  A mode is an entry in :data:`MODE_RUNNERS`
+(a function ``(case, ...) -> record``) plus a FLOP factor in
+:data:`FLOP_FACTORS`; ``bwd``/``fwd_bwd``/``decode`` slot in the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+# --------------------------------------------------------------------------- #
+# Grid, dtypes, FLOPs (pure)
+# --------------------------------------------------------------------------- #
+
+#: Modes the CLI accepts.  Add "bwd", "fwd_bwd", "decode" here once they exist.
+MODES: tuple[str, ...] = ("fwd",)
+
+#: FLOPs of a mode relative to the forward pass (FlashAttention-2 paper
+#: convention: backward = 2.5x forward, i.e. 5 matmuls instead of 2).
+FLOP_FACTORS: dict[str, float] = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
+
+#: Short dtype names used throughout the CLI -> canonical names.
+DTYPE_ALIASES: dict[str, str] = {
+    "bf16": "bf16", "bfloat16": "bf16",
+    "fp16": "fp16", "float16": "fp16", "half": "fp16",
+}
+
+#: Implementations compared by ``bench --mode fwd`` (key -> column title).
+IMPL_TITLES: dict[str, str] = {
+    "fa2cupy": "fa2cupy",
+    "sdpa_flash": "SDPA flash",
+    "sdpa_cudnn": "SDPA cuDNN",
+}
+
+
+def canonical_dtype(name: str) -> str:
+    """'bfloat16' / 'bf16' -> 'bf16'; 'float16' / 'fp16' / 'half' -> 'fp16'."""
+    key = str(name).lower().replace("torch.", "")
+    if key not in DTYPE_ALIASES:
+        raise ValueError(f"unsupported dtype {name!r}: use bf16 or fp16")
+    return DTYPE_ALIASES[key]
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One attention problem: q (b, sq, h, d), k/v (b, sk, hkv, d)."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    nheads: int
+    nheads_kv: int
+    headdim: int
+    causal: bool
+    dtype: str = "bf16"
+
+    def __post_init__(self) -> None:
+        for f in ("batch", "seqlen_q", "seqlen_k", "nheads", "nheads_kv", "headdim"):
+            if int(getattr(self, f)) < 1:
+                raise ValueError(f"{f} must be >= 1, got {getattr(self, f)}")
+        if self.nheads % self.nheads_kv:
+            raise ValueError(f"nheads ({self.nheads}) must be a multiple of nheads_kv ({self.nheads_kv})")
+        object.__setattr__(self, "dtype", canonical_dtype(self.dtype))
+
+    @property
+    def label(self) -> str:
+        s = f"s{self.seqlen_q}" if self.seqlen_q == self.seqlen_k else f"sq{self.seqlen_q}/sk{self.seqlen_k}"
+        h = f"h{self.nheads}" if self.nheads == self.nheads_kv else f"h{self.nheads}/{self.nheads_kv}"
+        c = " causal" if self.causal else ""
+        return f"b{self.batch} {s} {h} d{self.headdim}{c} {self.dtype}"
+
+    @property
+    def q_shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.seqlen_q, self.nheads, self.headdim)
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.seqlen_k, self.nheads_kv, self.headdim)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def parse_int_list(text: str | Iterable[int]) -> list[int]:
+    """'512, 1024,2k' -> [512, 1024, 2048]; also accepts an iterable of ints."""
+    if not isinstance(text, str):
+        return [int(x) for x in text]
+    out = []
+    for tok in text.replace(" ", "").split(","):
+        if not tok:
+            continue
+        mult = 1
+        if tok[-1] in "kK":
+            tok, mult = tok[:-1], 1024
+        try:
+            val = int(tok) * mult
+        except ValueError:
+            raise ValueError(f"not an integer: {tok!r}") from None
+        if val < 1:
+            raise ValueError(f"values must be positive, got {val}")
+        out.append(val)
+    if not out:
+        raise ValueError("empty list")
+    return out
+
+
+def causal_options(choice: str) -> list[bool]:
+    """'both' -> [False, True]; 'on' -> [True]; 'off' -> [False]."""
+    table = {"both": [False, True], "on": [True], "off": [False]}
+    if choice not in table:
+        raise ValueError(f"causal must be one of {sorted(table)}, got {choice!r}")
+    return table[choice]
+
+
+def paper_grid(
+    headdims: Sequence[int] = (64, 128),
+    causals: Sequence[bool] = (False, True),
+    seqlens: Sequence[int] = (512, 1024, 2048, 4096, 8192, 16384),
+    dtype: str = "bf16",
+    tokens: int = 16384,
+    hidden: int = 2048,
+) -> list[Case]:
+    """The FlashAttention-2 paper grid: ``tokens`` tokens per batch
+    (batch = tokens // seqlen, at least 1), model width ``hidden``
+    (nheads = hidden // headdim), self-attention (sq == sk, no GQA).
+
+    Ordered by (headdim, causal, seqlen) so each plot panel is contiguous.
+    """
+    cases = []
+    for d in headdims:
+        if hidden % d:
+            raise ValueError(f"hidden ({hidden}) must be a multiple of headdim ({d})")
+        h = hidden // d
+        for c in causals:
+            for s in seqlens:
+                b = max(1, tokens // s)
+                cases.append(Case(b, s, s, h, h, d, bool(c), dtype))
+    return cases
+
+
+def attention_flops(case: Case, mode: str = "fwd") -> float:
+    """Matmul FLOPs of attention, FlashAttention-2 paper convention.
+
+    Forward: 2 matmuls (QK^T and PV) of 2*sq*sk*d FLOPs per head:
+    ``4 * b * h * sq * sk * d``, halved when causal (the paper halves for causal
+    regardless of sq != sk; with sq == sk this is exact up to the diagonal).
+    Other modes scale by :data:`FLOP_FACTORS`.
+    """
+    if mode not in FLOP_FACTORS:
+        raise ValueError(f"unknown mode {mode!r}")
+    f = 4.0 * case.batch * case.nheads * case.seqlen_q * case.seqlen_k * case.headdim
+    if case.causal:
+        f /= 2.0
+    return f * FLOP_FACTORS[mode]
+
+
+def tflops_per_s(flops: float, ms: float | None) -> float | None:
+    """FLOPs and a time in milliseconds -> TFLOPs/s (None if no time)."""
+    if ms is None or not ms > 0:
+        return None
+    return flops / (ms * 1e-3) / 1e12
+
+
+# --------------------------------------------------------------------------- #
+# Host-side inputs (pure NumPy): rounding to fp16 / bf16
+# --------------------------------------------------------------------------- #
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), round-to-nearest-even, NaN kept."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    u = x.view(np.uint32).astype(np.uint64)
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    out = rounded.astype(np.uint16)
+    nan = np.isnan(x)
+    if nan.any():
+        out[nan] = 0x7FC0
+    return out
+
+
+def bf16_bits_to_float(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bit patterns (uint16) -> float32 values."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def round_host(x: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """Round float32 ``x`` to ``dtype``.
+
+    Returns ``(payload, values64)``: ``payload`` is what to copy to the device
+    (float16 array, or uint16 bf16 bit patterns), ``values64`` the rounded
+    values as float64 for the reference.
+    """
+    dtype = canonical_dtype(dtype)
+    if dtype == "fp16":
+        p = np.asarray(x, dtype=np.float32).astype(np.float16)
+        return p, p.astype(np.float64)
+    bits = bf16_bits(x)
+    return bits, bf16_bits_to_float(bits).astype(np.float64)
+
+
+def host_inputs(case: Case, seed: int, scale: float = 1.0) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Standard-normal q, k, v for ``case`` (times ``scale``), rounded to the case's dtype.
+
+    Returns {"q"|"k"|"v": (payload, values64)}; see :func:`round_host`.
+    """
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in (("q", case.q_shape), ("k", case.kv_shape), ("v", case.kv_shape)):
+        x = (rng.standard_normal(shape, dtype=np.float32) * np.float32(scale))
+        out[name] = round_host(x, case.dtype)
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# Device arrays (lazy imports)
+# --------------------------------------------------------------------------- #
+
+
+def _torch():
+    try:
+        import torch  # noqa: PLC0415
+    except Exception:  # ImportError, or a broken install
+        return None
+    return torch
+
+
+def torch_available() -> bool:
+    torch = _torch()
+    try:
+        return bool(torch is not None and torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+def to_device(payload: np.ndarray, dtype: str, framework: str = "cupy"):
+    """Copy a :func:`round_host` payload to the GPU as a CuPy array or torch tensor.
+
+    For bf16 with CuPy this needs CuPy's ml_dtypes-backed bfloat16 (CuPy >= 14);
+    if that is unavailable and torch is importable, a torch tensor is returned.
+    """
+    dtype = canonical_dtype(dtype)
+    if framework == "torch":
+        torch = _torch()
+        if torch is None:
+            raise RuntimeError("torch is not importable")
+        if dtype == "fp16":
+            return torch.from_numpy(np.ascontiguousarray(payload)).cuda()
+        return torch.from_numpy(np.ascontiguousarray(payload).view(np.int16)).cuda().view(torch.bfloat16)
+    import cupy  # noqa: PLC0415
+
+    if dtype == "fp16":
+        return cupy.asarray(payload)
+    try:
+        import ml_dtypes  # noqa: PLC0415
+
+        return cupy.asarray(np.ascontiguousarray(payload).view(ml_dtypes.bfloat16))
+    except Exception as exc:
+        if torch_available():
+            return to_device(payload, dtype, "torch")
+        raise RuntimeError(f"cannot make a bf16 CuPy array ({exc}); install ml_dtypes or torch") from exc
+
+
+def to_numpy64(x) -> np.ndarray:
+    """CuPy array / torch tensor / NumPy array (incl. bf16) -> float64 NumPy array."""
+    mod = type(x).__module__.split(".")[0]
+    if mod == "torch":
+        return x.detach().float().cpu().numpy().astype(np.float64)
+    if mod == "cupy":
+        if x.dtype.name == "bfloat16":
+            import cupy  # noqa: PLC0415
+
+            bits = cupy.ascontiguousarray(x).view(cupy.uint16).get()
+            return bf16_bits_to_float(bits).astype(np.float64)
+        return x.get().astype(np.float64)
+    if hasattr(x, "__array__") or isinstance(x, np.ndarray):
+        a = np.asarray(x)
+        if a.dtype.name == "bfloat16":
+            return bf16_bits_to_float(a.view(np.uint16)).astype(np.float64)
+        return a.astype(np.float64)
+    raise TypeError(f"cannot convert {type(x)!r} to NumPy")
+
+
+# --------------------------------------------------------------------------- #
+# Timing
+# --------------------------------------------------------------------------- #
+
+
+@dataclasses.dataclass
+class Timing:
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    n: int
+
+
+class TorchEvents:
+    """CUDA events on torch's current stream."""
+
+    name = "torch.cuda.Event"
+
+    def __init__(self):
+        self.torch = _torch()
+
+    def event(self):
+        return self.torch.cuda.Event(enable_timing=True)
+
+    @staticmethod
+    def elapsed_ms(a, b) -> float:
+        return a.elapsed_time(b)
+
+    def sync(self) -> None:
+        self.torch.cuda.synchronize()
+
+
+class CupyEvents:
+    """CUDA events on CuPy's current stream."""
+
+    name = "cupy.cuda.Event"
+
+    def __init__(self):
+        import cupy  # noqa: PLC0415
+
+        self.cupy = cupy
+
+    def event(self):
+        return self.cupy.cuda.Event()
+
+    def elapsed_ms(self, a, b) -> float:
+        return self.cupy.cuda.get_elapsed_time(a, b)
+
+    def sync(self) -> None:
+        self.cupy.cuda.runtime.deviceSynchronize()
+
+
+def time_gpu(fn: Callable[[], Any], events, *, warmup: int = 10, repeats: int = 30,
+             max_seconds: float = 3.0, min_repeats: int = 5) -> Timing:
+    """Median GPU time of ``fn`` from CUDA events recorded around each call.
+
+    ``warmup`` untimed calls first (the first one may compile kernels), then
+    ``repeats`` timed calls back to back (reduced, down to ``min_repeats``, when
+    they would take longer than ``max_seconds``).  One synchronisation at the end.
+    """
+    for _ in range(max(1, warmup)):
+        fn()
+    events.sync()
+    t0 = time.perf_counter()
+    fn()
+    events.sync()
+    est = max(time.perf_counter() - t0, 1e-6)
+    n = repeats
+    if est * repeats > max_seconds:
+        n = max(min_repeats, int(max_seconds / est))
+    starts = [events.event() for _ in range(n)]
+    ends = [events.event() for _ in range(n)]
+    for i in range(n):
+        starts[i].record()
+        fn()
+        ends[i].record()
+    events.sync()
+    ms = [events.elapsed_ms(s, e) for s, e in zip(starts, ends)]
+    return Timing(statistics.median(ms), min(ms), max(ms), n)
+
+
+def host_overhead_us(fn: Callable[[], Any], sync: Callable[[], None], n: int = 1000, warmup: int = 50) -> float:
+    """Median host wall time of one call of ``fn`` (microseconds), no sync per call."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    sync()
+    return statistics.median(ts) * 1e6
+
+
+# --------------------------------------------------------------------------- #
+# Implementations (forward)
+# --------------------------------------------------------------------------- #
+
+
+class Unavailable(Exception):
+    """An implementation cannot run this case (missing library, unsupported shape...)."""
+
+
+def _first_line(exc: BaseException, limit: int = 160) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@dataclasses.dataclass
+class ForwardInputs:
+    case: Case
+    framework: str          # "torch" or "cupy"
+    q: Any                  # (b, sq, h, d) contiguous, for fa2cupy
+    k: Any
+    v: Any
+    q_t: Any = None         # (b, h, sq, d) contiguous, for SDPA (torch only)
+    k_t: Any = None
+    v_t: Any = None
+
+
+def make_forward_inputs(case: Case, seed: int = 0, framework: str | None = None) -> ForwardInputs:
+    """Random-normal inputs on the GPU (never zeros).
+
+    With torch: (b, s, h, d) tensors for fa2cupy and separate contiguous
+    (b, h, s, d) copies of the same values for SDPA (its native layout).
+    Without torch: CuPy arrays only.
+    """
+    if framework is None:
+        framework = "torch" if torch_available() else "cupy"
+    if framework == "torch":
+        torch = _torch()
+        dt = torch.bfloat16 if case.dtype == "bf16" else torch.float16
+        g = torch.Generator(device="cuda")
+        g.manual_seed(seed)
+        q = torch.randn(case.q_shape, device="cuda", dtype=dt, generator=g)
+        k = torch.randn(case.kv_shape, device="cuda", dtype=dt, generator=g)
+        v = torch.randn(case.kv_shape, device="cuda", dtype=dt, generator=g)
+        return ForwardInputs(case, "torch", q, k, v,
+                             q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(),
+                             v.transpose(1, 2).contiguous())
+    import cupy  # noqa: PLC0415
+
+    rs = cupy.random.RandomState(seed)
+    arrs = []
+    for shape in (case.q_shape, case.kv_shape, case.kv_shape):
+        x = rs.standard_normal(shape, dtype=cupy.float32)
+        if case.dtype == "fp16":
+            arrs.append(x.astype(cupy.float16))
+        else:
+            try:
+                import ml_dtypes  # noqa: PLC0415
+
+                arrs.append(x.astype(ml_dtypes.bfloat16))
+            except Exception:
+                payload, _ = round_host(cupy.asnumpy(x), "bf16")
+                arrs.append(to_device(payload, "bf16", "cupy"))
+    return ForwardInputs(case, "cupy", *arrs)
+
+
+@dataclasses.dataclass
+class Runner:
+    fn: Callable[[], Any]
+    events: Any
+    context: Callable[[], Any]   # context-manager factory wrapped around the timing loop
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def fa2cupy_runner(inp: ForwardInputs) -> Runner:
+    try:
+        import fa2cupy  # noqa: PLC0415
+    except Exception as exc:
+        raise Unavailable(_first_line(exc)) from exc
+    c = inp.case.causal
+    q, k, v = inp.q, inp.k, inp.v
+
+    def fn():
+        return fa2cupy.flash_attn_func(q, k, v, causal=c)
+
+    if inp.framework == "torch":
+        # Run fa2cupy on torch's current stream so torch events bracket it,
+        # whichever stream the interface would otherwise pick.
+        import cupy  # noqa: PLC0415
+
+        import warnings  # noqa: PLC0415
+
+        torch = _torch()
+        ptr = torch.cuda.current_stream().cuda_stream
+        with warnings.catch_warnings():   # CuPy 14 deprecates ExternalStream (still works)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            stream = cupy.cuda.ExternalStream(ptr)
+        return Runner(fn, TorchEvents(), lambda: stream)
+    return Runner(fn, CupyEvents(), _Null)
+
+
+def _sdpa_runner(inp: ForwardInputs, backend_name: str) -> Runner:
+    if inp.framework != "torch":
+        raise Unavailable("torch not importable")
+    torch = _torch()
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
+    except Exception as exc:
+        raise Unavailable(_first_line(exc)) from exc
+    backend = getattr(SDPBackend, backend_name, None)
+    if backend is None:
+        raise Unavailable(f"SDPBackend.{backend_name} missing in torch {torch.__version__}")
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    kwargs = {"is_causal": inp.case.causal}
+    if inp.case.nheads != inp.case.nheads_kv:
+        kwargs["enable_gqa"] = True
+    q, k, v = inp.q_t, inp.k_t, inp.v_t
+
+    def fn():
+        return sdpa(q, k, v, **kwargs)
+
+    def ctx():
+        return sdpa_kernel([backend])
+
+    try:
+        with ctx():
+            fn()
+        torch.cuda.synchronize()
+    except Exception as exc:
+        raise Unavailable(_first_line(exc)) from exc
+    return Runner(fn, TorchEvents(), ctx)
+
+
+def sdpa_flash_runner(inp: ForwardInputs) -> Runner:
+    return _sdpa_runner(inp, "FLASH_ATTENTION")
+
+
+def sdpa_cudnn_runner(inp: ForwardInputs) -> Runner:
+    return _sdpa_runner(inp, "CUDNN_ATTENTION")
+
+
+FORWARD_RUNNERS: dict[str, Callable[[ForwardInputs], Runner]] = {
+    "fa2cupy": fa2cupy_runner,
+    "sdpa_flash": sdpa_flash_runner,
+    "sdpa_cudnn": sdpa_cudnn_runner,
+}
+
+
+def _kernel_config(case: Case) -> dict[str, Any] | None:
+    """The forward tile config fa2cupy would pick for ``case`` (None if unknown)."""
+    try:
+        from fa2cupy import configs  # noqa: PLC0415
+
+        arch = gpu_arch()
+        dtype = "bfloat16" if case.dtype == "bf16" else "float16"
+        cfg = configs.forward_config(arch, case.headdim, dtype, case.causal)
+        return dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else {"config": str(cfg)}
+    except Exception:
+        return None
+
+
+def bench_forward_case(case: Case, *, warmup: int = 10, repeats: int = 30, seed: int = 0,
+                       impls: Sequence[str] = tuple(FORWARD_RUNNERS), max_seconds: float = 3.0,
+                       framework: str | None = None) -> dict[str, Any]:
+    """Time every implementation in ``impls`` on ``case``; returns a JSON-able record.
+
+    The record also holds ``max_abs_diff``: max |fa2cupy - SDPA| over the
+    output (a sanity check that the fast thing is also the right thing).
+    """
+    inp = make_forward_inputs(case, seed, framework)
+    flops = attention_flops(case, "fwd")
+    rec: dict[str, Any] = {"label": case.label, "case": case.to_dict(), "mode": "fwd",
+                           "flops": flops, "framework": inp.framework, "results": {},
+                           "config": _kernel_config(case), "max_abs_diff": None, "diff_vs": None}
+    outputs = {}
+    for name in impls:
+        entry: dict[str, Any] = {"tflops": None, "median_ms": None, "min_ms": None, "max_ms": None,
+                                 "n": 0, "error": None}
+        try:
+            runner = FORWARD_RUNNERS[name](inp)
+            with runner.context():
+                t = time_gpu(runner.fn, runner.events, warmup=warmup, repeats=repeats,
+                             max_seconds=max_seconds)
+                outputs[name] = runner.fn()
+            runner.events.sync()
+            entry.update(median_ms=t.median_ms, min_ms=t.min_ms, max_ms=t.max_ms, n=t.n,
+                         tflops=tflops_per_s(flops, t.median_ms))
+        except Unavailable as exc:
+            entry["error"] = f"unavailable: {exc}"
+        except Exception as exc:  # keep going: one failure must not lose the whole grid
+            entry["error"] = _first_line(exc)
+        rec["results"][name] = entry
+    ref_name = next((n for n in ("sdpa_flash", "sdpa_cudnn") if n in outputs), None)
+    if "fa2cupy" in outputs and ref_name is not None:
+        try:
+            a = outputs["fa2cupy"]
+            if type(a).__module__.split(".")[0] != "torch":
+                a = _torch().from_dlpack(a)
+            b = outputs[ref_name].transpose(1, 2)
+            rec["max_abs_diff"] = float((a.float() - b.float()).abs().max().item())
+            rec["diff_vs"] = ref_name
+        except Exception as exc:
+            rec["diff_vs"] = f"error: {_first_line(exc)}"
+    del inp, outputs
+    return rec
+
+
+#: mode -> function(case, **options) -> record
+MODE_RUNNERS: dict[str, Callable[..., dict[str, Any]]] = {"fwd": bench_forward_case}
+
+
+# --------------------------------------------------------------------------- #
+# Cold compile and dispatch overhead
+# --------------------------------------------------------------------------- #
+
+_COLD_CHILD = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import cupy
+import fa2cupy
+from fa2cupy import benchmark as B
+t_import = time.perf_counter() - t0
+spec = json.loads(sys.argv[1])
+cupy.cuda.runtime.free(cupy.cuda.runtime.malloc(1))   # create the context outside the timings
+res = {"import_s": t_import, "variants": []}
+for d, causal in spec["variants"]:
+    case = B.Case(1, spec["seqlen"], spec["seqlen"], spec["nheads"], spec["nheads"], d, causal, spec["dtype"])
+    inp = {n: B.to_device(p, case.dtype, "cupy") for n, (p, _) in B.host_inputs(case, 0).items()}
+    cupy.cuda.runtime.deviceSynchronize()
+    t1 = time.perf_counter()
+    fa2cupy.flash_attn_func(inp["q"], inp["k"], inp["v"], causal=causal)
+    cupy.cuda.runtime.deviceSynchronize()
+    t2 = time.perf_counter()
+    fa2cupy.flash_attn_func(inp["q"], inp["k"], inp["v"], causal=causal)
+    cupy.cuda.runtime.deviceSynchronize()
+    t3 = time.perf_counter()
+    res["variants"].append({"headdim": d, "causal": causal, "first_call_s": t2 - t1, "second_call_s": t3 - t2})
+print("FA2CUPY_COLD " + json.dumps(res))
+"""
+
+
+def _package_root() -> str:
+    return str(Path(__file__).resolve().parent.parent)
+
+
+def _run_cold_child(spec: dict[str, Any], cache_dir: str, timeout: float) -> dict[str, Any]:
+    env = dict(os.environ)
+    env["CUPY_CACHE_DIR"] = cache_dir
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_package_root(), env.get("PYTHONPATH", "")) if p)
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", _COLD_CHILD, json.dumps(spec)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    wall = time.perf_counter() - t0
+    for line in proc.stdout.splitlines():
+        if line.startswith("FA2CUPY_COLD "):
+            res = json.loads(line[len("FA2CUPY_COLD "):])
+            res["process_wall_s"] = wall
+            return res
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+    raise RuntimeError(f"child exited {proc.returncode}: {tail[0]}")
+
+
+def cold_compile(variants: Sequence[tuple[int, bool]], dtype: str = "bf16", seqlen: int = 1024,
+                 nheads: int = 16, timeout: float = 600.0) -> dict[str, Any]:
+    """Wall time of the first fa2cupy call per (headdim, causal) variant in a fresh process.
+
+    Run twice in subprocesses sharing one new, empty ``CUPY_CACHE_DIR``: the
+    first run pays NVRTC compilation ("cold"), the second only loads the
+    kernels from the on-disk cache ("disk_cached").  ``second_call_s`` is the
+    in-process cached call (kernel already loaded).
+    """
+    spec = {"variants": [[int(d), bool(c)] for d, c in variants], "dtype": canonical_dtype(dtype),
+            "seqlen": seqlen, "nheads": nheads}
+    out: dict[str, Any] = {"spec": spec}
+    with tempfile.TemporaryDirectory(prefix="fa2cupy-cold-") as tmp:
+        for key in ("cold", "disk_cached"):
+            try:
+                out[key] = _run_cold_child(spec, tmp, timeout)
+            except Exception as exc:
+                out[key] = {"error": _first_line(exc)}
+    return out
+
+
+def dispatch_overhead(dtype: str = "bf16", n: int = 1000) -> dict[str, Any]:
+    """Host wall time per call (median of ``n``, microseconds) for a tiny problem
+    (b=1, s=128, h=1, d=64): fa2cupy from torch tensors, from CuPy arrays, and SDPA
+    flash for comparison.  Kernels are warm (cached) before timing.
+    """
+    case = Case(1, 128, 128, 1, 1, 64, False, dtype)
+    res: dict[str, Any] = {"case": case.label, "n": n}
+    try:
+        import fa2cupy  # noqa: PLC0415
+    except Exception as exc:
+        return {**res, "error": _first_line(exc)}
+
+    def probe(key, fn, sync):
+        try:
+            res[key] = host_overhead_us(fn, sync, n=n)
+        except Exception as exc:
+            res[key] = None
+            res[key + "_error"] = _first_line(exc)
+
+    import cupy  # noqa: PLC0415
+
+    ci = make_forward_inputs(case, 0, "cupy")
+    probe("fa2cupy_cupy_us", lambda: fa2cupy.flash_attn_func(ci.q, ci.k, ci.v),
+          cupy.cuda.runtime.deviceSynchronize)
+    if torch_available():
+        torch = _torch()
+        ti = make_forward_inputs(case, 0, "torch")
+        probe("fa2cupy_torch_us", lambda: fa2cupy.flash_attn_func(ti.q, ti.k, ti.v), torch.cuda.synchronize)
+        try:
+            r = sdpa_flash_runner(ti)
+            with r.context():
+                probe("sdpa_flash_torch_us", r.fn, torch.cuda.synchronize)
+        except Unavailable as exc:
+            res["sdpa_flash_torch_us"] = None
+            res["sdpa_flash_torch_us_error"] = str(exc)
+    return res
+
+
+# --------------------------------------------------------------------------- #
+# Environment
+# --------------------------------------------------------------------------- #
+
+
+def gpu_arch(device: int = 0) -> int:
+    """Compute capability as an int, e.g. 90 for sm_90 (via CuPy)."""
+    import cupy  # noqa: PLC0415
+
+    props = cupy.cuda.runtime.getDeviceProperties(device)
+    return int(props["major"]) * 10 + int(props["minor"])
+
+
+def cuda_version_str(v: int | None) -> str | None:
+    """12040 -> '12.4'."""
+    if not v:
+        return None
+    return f"{v // 1000}.{(v % 1000) // 10}"
+
+
+def environment_info() -> dict[str, Any]:
+    """GPU / library versions for the JSON (every field best-effort)."""
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "numpy": np.__version__,
+    }
+    try:
+        import cupy  # noqa: PLC0415
+
+        env["cupy"] = cupy.__version__
+        rt = cupy.cuda.runtime
+        props = rt.getDeviceProperties(0)
+        name = props["name"]
+        env["gpu"] = name.decode() if isinstance(name, bytes) else str(name)
+        env["compute_capability"] = f"{props['major']}.{props['minor']}"
+        env["sm_count"] = int(props["multiProcessorCount"])
+        env["gpu_memory_gib"] = round(props["totalGlobalMem"] / 2**30, 1)
+        env["cuda_runtime"] = cuda_version_str(rt.runtimeGetVersion())
+        env["cuda_driver"] = cuda_version_str(rt.driverGetVersion())
+        try:
+            env["nvrtc"] = ".".join(map(str, cupy.cuda.nvrtc.getVersion()))
+        except Exception as exc:
+            env["nvrtc"] = f"error: {_first_line(exc)}"
+    except Exception as exc:
+        env["cupy_error"] = _first_line(exc)
+    torch = _torch()
+    if torch is not None:
+        env["torch"] = torch.__version__
+        env["torch_cuda"] = torch.version.cuda
+        try:
+            env["cudnn"] = torch.backends.cudnn.version()
+        except Exception:
+            pass
+    try:
+        import fa2cupy  # noqa: PLC0415
+
+        env["fa2cupy"] = getattr(fa2cupy, "__version__", None)
+    except Exception as exc:
+        env["fa2cupy_error"] = _first_line(exc)
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=_package_root(),
+                             capture_output=True, text=True, timeout=5)
+        if sha.returncode == 0:
+            env["git_commit"] = sha.stdout.strip()
+    except Exception:
+        pass
+    return env
+
+
+# --------------------------------------------------------------------------- #
+# Output: tables, JSON, plot
+# --------------------------------------------------------------------------- #
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str | None = None) -> str:
+    """Plain-text table. ``align``: one char per column, 'l' or 'r' (default: first
+    column left, the rest right).  None cells print as 'n/a'."""
+    ncol = len(headers)
+    if align is None:
+        align = "l" + "r" * (ncol - 1)
+    if len(align) != ncol:
+        raise ValueError("align must have one character per column")
+    cells = [[str(h) for h in headers]]
+    for r in rows:
+        if len(r) != ncol:
+            raise ValueError(f"row has {len(r)} cells, expected {ncol}: {r!r}")
+        cells.append(["n/a" if c is None else str(c) for c in r])
+    widths = [max(len(row[i]) for row in cells) for i in range(ncol)]
+
+    def line(row):
+        return "  ".join(c.ljust(w) if a == "l" else c.rjust(w)
+                         for c, w, a in zip(row, widths, align)).rstrip()
+
+    sep = "  ".join("-" * w for w in widths)
+    return "\n".join([line(cells[0]), sep, *(line(r) for r in cells[1:])])
+
+
+def _fmt_tflops(x: float | None) -> str | None:
+    return None if x is None else f"{x:.1f}"
+
+
+def _ratio(a: float | None, b: float | None) -> str | None:
+    if a is None or b is None or b == 0:
+        return None
+    return f"{a / b:.2f}x"
+
+
+def results_table(records: Sequence[dict[str, Any]]) -> str:
+    """Table of TFLOPs/s: case, fa2cupy, SDPA flash, SDPA cuDNN, ratio vs flash, ratio vs cuDNN.
+
+    A '!' after the fa2cupy figure marks max |fa2cupy - SDPA| > 0.05 (wrong output).
+    """
+    headers = ["case", "fa2cupy", "SDPA flash", "SDPA cuDNN", "vs flash", "vs cuDNN"]
+    rows = []
+    for rec in records:
+        r = rec["results"]
+        t = {k: (r.get(k) or {}).get("tflops") for k in IMPL_TITLES}
+        fa = _fmt_tflops(t["fa2cupy"])
+        diff = rec.get("max_abs_diff")
+        if fa is not None and diff is not None and diff > 0.05:
+            fa += "!"
+        rows.append([rec["label"], fa, _fmt_tflops(t["sdpa_flash"]), _fmt_tflops(t["sdpa_cudnn"]),
+                     _ratio(t["fa2cupy"], t["sdpa_flash"]), _ratio(t["fa2cupy"], t["sdpa_cudnn"])])
+    return format_table(headers, rows)
+
+
+def errors_summary(records: Sequence[dict[str, Any]]) -> list[str]:
+    """One line per distinct (implementation, error) pair."""
+    seen: dict[tuple[str, str], int] = {}
+    for rec in records:
+        for impl, entry in rec["results"].items():
+            if entry.get("error"):
+                seen[(impl, entry["error"])] = seen.get((impl, entry["error"]), 0) + 1
+    return [f"{IMPL_TITLES.get(i, i)}: {e} ({n} case{'s' if n != 1 else ''})" for (i, e), n in seen.items()]
+
+
+def slug(text: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3' (letters, digits, '-')."""
+    s = re.sub(r"[^a-z0-9]+", "-", str(text).lower()).strip("-")
+    return s or "unknown"
+
+
+def result_basename(mode: str, gpu: str, when: _dt.datetime | None = None) -> str:
+    """'fwd_nvidia-h100-80gb-hbm3_20261117-1432' (no extension)."""
+    when = when or _dt.datetime.now()
+    return f"{mode}_{slug(gpu)}_{when.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _jsonable(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
+    if isinstance(obj, (np.integer,)):
+        return int(obj)
+    if isinstance(obj, (np.floating,)):
+        return float(obj)
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return str(obj)
+
+
+def write_json(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2, default=_jsonable) + "\n")
+    return path
+
+
+def plot_results(records: Sequence[dict[str, Any]], path: str | os.PathLike, title: str = "") -> str | None:
+    """PNG: one panel per (headdim, causal), x = seqlen, y = TFLOPs/s, one line per
+    implementation.  Returns None on success, else a one-line reason it was skipped."""
+    try:
+        import matplotlib  # noqa: PLC0415
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except Exception as exc:
+        return f"plot skipped: matplotlib unavailable ({_first_line(exc)})"
+    panels: dict[tuple[int, bool], list[dict[str, Any]]] = {}
+    for rec in records:
+        c = rec["case"]
+        panels.setdefault((c["headdim"], c["causal"]), []).append(rec)
+    if not panels:
+        return "plot skipped: no results"
+    keys = sorted(panels)
+    ncols = min(2, len(keys))
+    nrows = math.ceil(len(keys) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6 * ncols, 4 * nrows), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        recs = sorted(panels[key], key=lambda r: r["case"]["seqlen_q"])
+        xs = [r["case"]["seqlen_q"] for r in recs]
+        for impl, title_ in IMPL_TITLES.items():
+            ys = [(r["results"].get(impl) or {}).get("tflops") for r in recs]
+            if all(y is None for y in ys):
+                continue
+            ax.plot(xs, [np.nan if y is None else y for y in ys], marker="o", label=title_)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs)
+        ax.set_xticklabels([f"{x // 1024}k" if x >= 1024 and x % 1024 == 0 else str(x) for x in xs])
+        ax.set_title(f"headdim {key[0]}, {'causal' if key[1] else 'non-causal'}")
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel("TFLOPs/s")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    for ax in list(axes.flat)[len(keys):]:
+        ax.set_visible(False)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None

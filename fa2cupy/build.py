@@ -1,0 +1,98 @@
+"""Kernel sources -> compiled CuPy kernels (NVRTC through ``cupy.RawModule`` with ``name_expressions``).
+
+Each (kernel family, template instantiation, device) is compiled once per process on first use; CuPy also keeps
+the compiled binary in its on-disk cache (``CUPY_CACHE_DIR``, default ``~/.cupy/kernel_cache``), keyed by the
+source text and options. The local ``#include "..."`` files are inlined here before compiling so that the key
+covers every header: editing ``cuda/softmax.cuh`` can never load a stale binary.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from pathlib import Path
+
+#: NVRTC options shared by the runtime build and the CPU compile test (which adds the -arch option itself).
+NVRTC_OPTIONS = ("-std=c++17", "-default-device")
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
+
+
+def kernel_dir() -> Path:
+    """Where the .cu/.cuh sources are: installed beside the package, or in the source tree."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "cuda", here.parent / "cuda"):
+        if (candidate / "primitives.cuh").is_file():
+            return candidate
+    raise FileNotFoundError(f"fa2cupy kernel sources not found in {here / 'cuda'} or {here.parent / 'cuda'}")
+
+
+@functools.lru_cache(maxsize=None)
+def source(family: str) -> str:
+    """The self-contained source of one kernel family (``"fwd"`` -> cuda/fwd.cu with its headers inlined)."""
+    root = kernel_dir()
+    seen: set[str] = set()
+
+    def expand(name: str) -> str:
+        if name in seen:  # every header is #pragma once
+            return ""
+        seen.add(name)
+        text = (root / name).read_text()
+        return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
+
+    return expand(f"{family}.cu")
+
+
+def cache_dir() -> str:
+    """CuPy's on-disk kernel cache, where compiled fa2cupy kernels persist between processes."""
+    return os.environ.get("CUPY_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cupy", "kernel_cache"))
+
+
+_kernels: dict[tuple[str, str, int], object] = {}
+
+
+def get_kernel(family: str, name_expression: str, smem_bytes: int):
+    """The compiled ``cupy.RawKernel`` for one instantiation on the current device, ready to launch."""
+    import cupy
+
+    device = cupy.cuda.runtime.getDevice()
+    key = (family, name_expression, device)
+    kernel = _kernels.get(key)
+    if kernel is None:
+        module = cupy.RawModule(code=source(family), options=NVRTC_OPTIONS, name_expressions=(name_expression,))
+        kernel = module.get_function(name_expression)
+        if smem_bytes > 48 * 1024:  # beyond the default dynamic shared-memory limit: opt in per kernel
+            kernel.max_dynamic_shared_size_bytes = smem_bytes
+        _kernels[key] = kernel
+    return kernel
+
+
+def clear_memory_cache() -> None:
+    """Forget compiled kernels in this process (the on-disk cache stays); used to time cold compiles."""
+    _kernels.clear()
+    source.cache_clear()
+
+
+def compile_for_arch(family: str, name_expressions, arch: str, log: bool = False):
+    """Compile with NVRTC for an explicit arch (e.g. "80", "90a") without needing a GPU.
+
+    Returns (cubin bytes, NVRTC log, {name expression: mangled name}); with ``log=True`` the log holds ptxas's
+    per-kernel register/spill report. Used by the CPU compile test; raises RuntimeError with NVRTC's log on
+    failure.
+    """
+    from cupy_backends.cuda.libs import nvrtc
+
+    prog = nvrtc.createProgram(source(family), f"{family}.cu", (), ())
+    try:
+        for expr in name_expressions:
+            nvrtc.addNameExpression(prog, expr)
+        options = NVRTC_OPTIONS + (f"-arch=sm_{arch}",) + (("-Xptxas=-v",) if log else ())
+        try:
+            nvrtc.compileProgram(prog, options)
+        except nvrtc.NVRTCError as error:
+            raise RuntimeError(f"NVRTC failed for sm_{arch}:\n{nvrtc.getProgramLog(prog)}") from error
+        lowered = {expr: nvrtc.getLoweredName(prog, expr) for expr in name_expressions}
+        return nvrtc.getCUBIN(prog), nvrtc.getProgramLog(prog), lowered
+    finally:
+        nvrtc.destroyProgram(prog)

@@ -1,0 +1,243 @@
+"""Argument validation for the attention entry points (flash-attn 2.x semantics).
+
+Everything here works on :class:`fa2cupy.arrays.ArrayInfo` metadata only, so it
+runs without a GPU and every rejected call fails before any memory is touched.
+Each message names the offending argument and says what is allowed.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+from .arrays import ArrayInfo, same_framework
+
+SUPPORTED_DTYPES = ("float16", "bfloat16")
+MAX_HEADDIM = 256
+
+
+@dataclass(frozen=True)
+class AttnShape:
+    """Problem size of one forward call, as validated by :func:`check_forward_args`."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    nheads: int
+    nheads_kv: int
+    headdim: int
+    dtype: str
+
+
+def default_scale(headdim: int) -> float:
+    """flash-attn's default softmax scale, ``1 / sqrt(headdim)``.
+
+    Raises:
+        ValueError: headdim is not a positive integer.
+    """
+    if isinstance(headdim, bool) or not isinstance(headdim, numbers.Integral) or headdim < 1:
+        raise ValueError(f"headdim must be a positive integer, got {headdim!r}")
+    return 1.0 / math.sqrt(int(headdim))
+
+
+_AXES_Q = ("batch", "seqlen_q", "nheads", "headdim")
+_AXES_KV = ("batch", "seqlen_k", "nheads_kv", "headdim")
+
+
+def _is_bool_like(value) -> bool:
+    # bool, numpy.bool_ and the ints 0/1; not floats, strings or None, which are
+    # almost always a misplaced positional argument.
+    if isinstance(value, bool):
+        return True
+    t = type(value)
+    if t.__module__ == "numpy" and t.__name__ in ("bool", "bool_"):  # numpy.bool_ (1.x/2.x)
+        return True
+    return isinstance(value, numbers.Integral) and value in (0, 1)
+
+
+def _check_bool(value, name: str) -> None:
+    if not _is_bool_like(value):
+        raise TypeError(f"{name} must be a bool (True or False), got {value!r}")
+
+
+def _real(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def _check_window(window_size) -> None:
+    if (
+        not isinstance(window_size, (tuple, list))
+        or len(window_size) != 2
+        or not all(
+            isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in window_size
+        )
+    ):
+        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
+    if tuple(int(w) for w in window_size) != (-1, -1):
+        raise NotImplementedError(
+            f"sliding-window attention (window_size={tuple(window_size)!r}) is not "
+            f"implemented yet; use window_size=(-1, -1)"
+        )
+
+
+def _check_layout(info: ArrayInfo, axes: tuple) -> None:
+    if len(info.shape) != 4:
+        raise ValueError(
+            f"{info.name} must be 4-D {'(' + ', '.join(axes) + ')'}, got {len(info.shape)}-D "
+            f"shape {info.shape}"
+        )
+    for axis, n in zip(axes, info.shape):
+        if n < 1:
+            raise ValueError(
+                f"{info.name} has zero-length axis {axis} (shape {info.shape}); every axis "
+                f"must have length >= 1"
+            )
+
+
+def check_forward_args(
+    q: ArrayInfo,
+    k: ArrayInfo,
+    v: ArrayInfo,
+    *,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+) -> AttnShape:
+    """Validate the arguments of ``flash_attn_func`` and return the problem size.
+
+    Shapes: q ``(batch, seqlen_q, nheads, headdim)``, k and v
+    ``(batch, seqlen_k, nheads_kv, headdim)`` with ``nheads % nheads_kv == 0``
+    (MQA/GQA), ``1 <= headdim <= 256``, dtype float16 or bfloat16 shared by all
+    three, last axis contiguous (stride 1; other axes may have any stride), one
+    framework and one device.
+
+    Args:
+        q, k, v: ArrayInfo from :func:`fa2cupy.arrays.describe`.
+        dropout_p: must be 0 (dropout is not implemented yet).
+        softmax_scale: None (use 1/sqrt(headdim)) or a finite real number.
+        causal: bool; causal mask aligned to the bottom-right corner.
+        window_size: (-1, -1) (sliding-window attention is not implemented yet).
+        softcap: must be 0 (softcapping is not implemented yet).
+        alibi_slopes: must be None (ALiBi is not implemented yet).
+        deterministic: bool; accepted and ignored (the forward pass is always
+            deterministic).
+        return_attn_probs: bool.
+
+    Returns:
+        AttnShape.
+
+    Raises:
+        TypeError: wrong dtype, or an option of the wrong type.
+        ValueError: wrong rank, mismatched or zero-length axes, bad head grouping,
+            headdim out of range, last axis not contiguous, arrays on different
+            frameworks/devices, or a non-finite/out-of-range option value.
+        NotImplementedError: dropout, sliding window, softcap or ALiBi requested.
+    """
+    # --- options first: they are independent of the arrays. Each has a fast path
+    # for the common spellings (this runs on every call; the numbers ABCs are slow).
+    if causal is not True and causal is not False:
+        _check_bool(causal, "causal")
+    if deterministic is not True and deterministic is not False:
+        _check_bool(deterministic, "deterministic")
+    if return_attn_probs is not True and return_attn_probs is not False:
+        _check_bool(return_attn_probs, "return_attn_probs")
+
+    if not (type(dropout_p) is float and dropout_p == 0.0):
+        p = _real(dropout_p, "dropout_p")
+        if not 0.0 <= p < 1.0:  # also rejects NaN
+            raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+        if p != 0.0:
+            raise NotImplementedError("dropout (dropout_p > 0) is not implemented yet")
+
+    if softmax_scale is not None and not (
+        type(softmax_scale) is float and -math.inf < softmax_scale < math.inf
+    ):
+        scale = _real(softmax_scale, "softmax_scale")
+        if not math.isfinite(scale):
+            raise ValueError(
+                f"softmax_scale must be None or a finite number, got {softmax_scale!r}"
+            )
+
+    if not (
+        type(window_size) is tuple
+        and window_size == (-1, -1)
+        and type(window_size[0]) is int
+        and type(window_size[1]) is int
+    ):
+        _check_window(window_size)
+
+    if not (type(softcap) is float and softcap == 0.0):
+        cap = _real(softcap, "softcap")
+        if not (math.isfinite(cap) and cap >= 0.0):
+            raise ValueError(f"softcap must be a finite number >= 0, got {softcap!r}")
+        if cap != 0.0:
+            raise NotImplementedError("softcapping (softcap > 0) is not implemented yet")
+
+    if alibi_slopes is not None:
+        raise NotImplementedError("ALiBi (alibi_slopes) is not implemented yet; pass None")
+
+    # --- arrays
+    _check_layout(q, _AXES_Q)
+    _check_layout(k, _AXES_KV)
+    _check_layout(v, _AXES_KV)
+    same_framework([q, k, v])
+
+    batch, seqlen_q, nheads, headdim = q.shape
+    _, seqlen_k, nheads_kv, _ = k.shape
+    for axis, kn, vn in zip(_AXES_KV, k.shape, v.shape):
+        if kn != vn:
+            raise ValueError(
+                f"v has {axis}={vn} but k has {axis}={kn}; k and v must have the same "
+                f"shape (got k {k.shape}, v {v.shape})"
+            )
+    if k.shape[0] != batch:
+        raise ValueError(
+            f"k has batch={k.shape[0]} but q has batch={batch}; q, k and v must share "
+            f"the batch size"
+        )
+    if k.shape[3] != headdim:
+        raise ValueError(
+            f"k has headdim={k.shape[3]} but q has headdim={headdim}; q, k and v must "
+            f"share the head dimension"
+        )
+    if nheads % nheads_kv:
+        raise ValueError(
+            f"q has nheads={nheads}, which is not a multiple of nheads_kv={nheads_kv} of "
+            f"k and v; each kv head must serve a whole group of query heads (MQA/GQA)"
+        )
+    if headdim > MAX_HEADDIM:
+        raise ValueError(
+            f"q has headdim={headdim}; fa2cupy supports head dimensions 1..{MAX_HEADDIM}"
+        )
+
+    for info in (q, k, v):
+        if info.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"fa2cupy computes in float16 or bfloat16; got {info.dtype} for {info.name} "
+                f"(cast with .half() / .to(torch.bfloat16) / astype)"
+            )
+    for info in (k, v):
+        if info.dtype != q.dtype:
+            raise TypeError(
+                f"{info.name} has dtype {info.dtype} but q has {q.dtype}; q, k and v must "
+                f"share one dtype (float16 or bfloat16)"
+            )
+
+    for info in (q, k, v):
+        if info.strides[3] != 1:
+            raise ValueError(
+                f"{info.name} must be contiguous in its last (headdim) axis, got strides "
+                f"{info.strides} (in elements); the other axes may have any stride, so "
+                f"e.g. a (b, h, s, d) array transposed to (b, s, h, d) is fine, but pass "
+                f"a copy if the last axis is strided"
+            )
+
+    return AttnShape(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, q.dtype)

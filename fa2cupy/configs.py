@@ -1,0 +1,142 @@
+"""The tile table: the one place that chooses tile sizes, warps and pipeline stages for every kernel.
+
+Each entry becomes C++ template arguments of a traits type in ``cuda/``; every entry listed here is a
+"shipped instantiation" that CI compiles for sm_80 and sm_90 with NVRTC. Nothing else in the package picks tiles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: Tile widths (template head dims). A head dim d (padded to a multiple of 8) runs on the smallest width >= d;
+#: the kernel zero-fills the columns between d and the width.
+HEADDIMS = (32, 64, 96, 128, 160, 192, 224, 256)
+
+#: Element type tags of the kernels, by canonical dtype name.
+DTYPE_TAGS = {"float16": "fa2::f16", "bfloat16": "fa2::bf16"}
+
+#: Arch families with their own table rows, told apart by shared memory per block: sm80 (A100, 163 KB),
+#: sm86 (RTX 30/40, L4, consumer Blackwell: 99 KB) and sm90 (H100/H200, B200: 227 KB).
+ARCH_FAMILIES = ("sm80", "sm86", "sm90")
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """Template arguments of ``fa2::FwdTraits`` (cuda/fwd.cu), minus the element type and causal flag."""
+
+    headdim: int  # tile width in elements
+    block_m: int  # query rows per thread block
+    block_n: int  # keys per K/V tile
+    warps: int  # warps per block; each owns block_m / warps rows
+    stages: int  # K/V shared-memory ring depth
+    min_blocks: int  # __launch_bounds__ minimum resident blocks per SM (caps registers)
+    q_in_regs: bool  # keep Q's mma fragments in registers instead of re-reading shared memory
+
+    @property
+    def threads(self) -> int:
+        return self.warps * 32
+
+    @property
+    def smem_bytes(self) -> int:
+        # Must match FwdTraits::kSmemBytes: padded rows of (headdim + 8) 16-bit elements.
+        return (self.block_m + 2 * self.stages * self.block_n) * (self.headdim + 8) * 2
+
+    def name_expression(self, dtype: str, causal: bool) -> str:
+        return (
+            f"fa2::flash_fwd<fa2::FwdTraits<{self.headdim}, {self.block_m}, {self.block_n}, {self.warps}, "
+            f"{self.stages}, {self.min_blocks}, {str(self.q_in_regs).lower()}, {DTYPE_TAGS[dtype]}, "
+            f"{str(bool(causal)).lower()}>>"
+        )
+
+
+def _fwd(headdim, block_m, block_n, warps, stages=2, min_blocks=1, q_in_regs=False) -> FwdConfig:
+    return FwdConfig(headdim, block_m, block_n, warps, stages, min_blocks, q_in_regs)
+
+
+# (arch family, tile head dim) -> config. Starting points are FA2's own choices (shared/FACTS.md), adjusted
+# so that no entry spills registers (bench/NOTES.md has the ptxas figures and the H100 measurements).
+FORWARD_TABLE: dict[tuple[str, int], FwdConfig] = {
+    ("sm80", 32): _fwd(32, 128, 128, 4, min_blocks=2),
+    ("sm80", 64): _fwd(64, 128, 64, 4, min_blocks=2),
+    ("sm80", 96): _fwd(96, 128, 64, 8, q_in_regs=True),
+    ("sm80", 128): _fwd(128, 128, 64, 8, q_in_regs=True),
+    ("sm80", 160): _fwd(160, 128, 64, 8),
+    ("sm80", 192): _fwd(192, 128, 64, 8),
+    ("sm80", 224): _fwd(224, 64, 32, 4),
+    ("sm80", 256): _fwd(256, 64, 32, 4),
+    ("sm86", 32): _fwd(32, 128, 128, 4, min_blocks=2),
+    ("sm86", 64): _fwd(64, 128, 64, 4, min_blocks=2),
+    ("sm86", 96): _fwd(96, 128, 64, 8, q_in_regs=True),
+    ("sm86", 128): _fwd(128, 64, 64, 4, min_blocks=2, q_in_regs=True),
+    ("sm86", 160): _fwd(160, 64, 32, 4),
+    ("sm86", 192): _fwd(192, 64, 32, 4),
+    ("sm86", 224): _fwd(224, 64, 32, 4),
+    ("sm86", 256): _fwd(256, 64, 32, 4),
+    ("sm90", 32): _fwd(32, 128, 128, 4, min_blocks=2),
+    ("sm90", 64): _fwd(64, 128, 128, 4, min_blocks=2),
+    ("sm90", 96): _fwd(96, 128, 64, 8, q_in_regs=True),
+    ("sm90", 128): _fwd(128, 128, 64, 8, q_in_regs=True),
+    ("sm90", 160): _fwd(160, 128, 64, 8),
+    ("sm90", 192): _fwd(192, 128, 64, 8),
+    ("sm90", 224): _fwd(224, 128, 64, 8),
+    ("sm90", 256): _fwd(256, 64, 64, 4),
+}
+
+#: Extra configurations compiled only by ``fa2cupy tune`` / bench/tune_fwd.py when re-tuning the table.
+FORWARD_CANDIDATES: dict[int, tuple[FwdConfig, ...]] = {
+    64: (
+        _fwd(64, 128, 128, 4, min_blocks=2),
+        _fwd(64, 128, 64, 4, min_blocks=2),
+        _fwd(64, 128, 128, 8, q_in_regs=True),
+        _fwd(64, 64, 128, 4, min_blocks=2, q_in_regs=True),
+        _fwd(64, 128, 128, 4, stages=3, min_blocks=2),
+    ),
+    128: (
+        _fwd(128, 128, 64, 8, q_in_regs=True),
+        _fwd(128, 128, 128, 8, q_in_regs=True),
+        _fwd(128, 64, 64, 4, min_blocks=2, q_in_regs=True),
+        _fwd(128, 128, 32, 4, min_blocks=2),
+        _fwd(128, 128, 64, 8, stages=3, q_in_regs=True),
+    ),
+}
+
+
+def arch_family(arch: int) -> str:
+    """Compute capability as an int (80, 86, 89, 90, ...) -> table family."""
+    if arch < 80:
+        raise RuntimeError(
+            f"fa2cupy needs a GPU of compute capability 8.0 or newer (mma.sync bf16, cp.async); this one is "
+            f"{arch // 10}.{arch % 10}"
+        )
+    if arch in (86, 89) or arch >= 120:
+        return "sm86"
+    return "sm90" if arch >= 90 else "sm80"
+
+
+def tile_headdim(headdim: int) -> int:
+    """Smallest tile width that holds ``headdim`` (1..256)."""
+    for width in HEADDIMS:
+        if headdim <= width:
+            return width
+    raise ValueError(f"headdim must be at most {HEADDIMS[-1]}, got {headdim}")
+
+
+def forward_config(arch: int, headdim: int, dtype: str, causal: bool) -> FwdConfig:
+    """The forward tile configuration for a GPU arch (e.g. 90), head dim, dtype and mask.
+
+    dtype and causal are part of the key so that a tuned table may split on them; today they share rows.
+    """
+    if dtype not in DTYPE_TAGS:
+        raise ValueError(f"dtype must be one of {tuple(DTYPE_TAGS)}, got {dtype}")
+    return FORWARD_TABLE[(arch_family(arch), tile_headdim(headdim))]
+
+
+def forward_instantiations(family: str | None = None) -> list[str]:
+    """Name expressions of every shipped forward instantiation (of one arch family, or all), deduplicated."""
+    names = {
+        config.name_expression(dtype, causal)
+        for (fam, _), config in FORWARD_TABLE.items()
+        if family is None or fam == family
+        for dtype in DTYPE_TAGS
+        for causal in (False, True)
+    }
+    return sorted(names)

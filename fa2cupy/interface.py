@@ -1,0 +1,117 @@
+"""Public entry points. Data flows one way: arrays in -> checks -> config -> launch -> arrays out, in the caller's
+framework, on the caller's stream."""
+
+from __future__ import annotations
+
+import cupy
+
+from . import arrays, checks, forward
+
+_arch_by_device: dict[int, int] = {}
+
+
+def _arch(device: int) -> int:
+    arch = _arch_by_device.get(device)
+    if arch is None:
+        arch = _arch_by_device[device] = int(cupy.cuda.Device(device).compute_capability)
+    return arch
+
+
+def _kernel_ready(x, headdim: int):
+    """A view or copy of CuPy array ``x`` that the kernels can read: head dim padded with zeros to a multiple
+    of 8, 16-byte aligned rows, and row strides that fit the kernels' 32-bit row arithmetic.
+
+    Zero padding is exact: padded q/k columns add 0 to every score and padded v columns only produce output
+    columns that are sliced away.
+    """
+    padded = -(-headdim // 8) * 8
+    if padded != headdim:
+        wide = cupy.zeros(x.shape[:3] + (padded,), dtype=x.dtype)
+        wide[..., :headdim] = x
+        return wide
+    item = x.itemsize
+    aligned = x.data.ptr % 16 == 0 and all(s % (8 * item) == 0 for s in x.strides[:3])
+    if not aligned or abs(x.strides[1]) // item >= forward.MAX_ROW_STRIDE:
+        return cupy.ascontiguousarray(x)
+    return x
+
+
+def flash_attn_func(
+    q,
+    k,
+    v,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """Exact attention ``softmax(q k^T * softmax_scale) v`` by FlashAttention-2, flash-attn 2.x compatible.
+
+    Args:
+        q: ``(batch, seqlen_q, nheads, headdim)``; k, v: ``(batch, seqlen_k, nheads_kv, headdim)``. float16 or
+            bfloat16, all the same dtype, from CuPy, PyTorch, JAX (device arrays) or NumPy (copied to the current
+            GPU). ``nheads`` must be a multiple of ``nheads_kv`` (MQA/GQA: query head ``h`` reads K/V head
+            ``h // (nheads // nheads_kv)``). ``headdim`` 1..256. The last axis must be contiguous; the other
+            axes may have any strides (e.g. a ``(batch, nheads, seqlen, headdim)`` tensor viewed with
+            ``transpose(1, 2)``).
+        softmax_scale: scale of the scores; default ``1 / sqrt(headdim)``.
+        causal: bottom-right aligned causal mask: query ``i`` sees key ``j`` iff ``j <= i + seqlen_k -
+            seqlen_q``. A query that sees no key outputs 0 (and its lse is +inf).
+        dropout_p, window_size, softcap, alibi_slopes: not implemented yet; anything but the defaults raises
+            NotImplementedError naming the feature.
+        deterministic: accepted for compatibility; the forward is always deterministic.
+        return_attn_probs: also return the log-sum-exp (see Returns).
+
+    Returns:
+        ``out`` shaped and typed like q, in q's framework; with ``return_attn_probs=True`` the tuple
+        ``(out, softmax_lse, None)`` with ``softmax_lse`` float32 ``(batch, nheads, seqlen_q)``, natural log.
+
+    Raises:
+        TypeError / ValueError naming the offending argument for bad shapes, dtypes, devices or layouts.
+    """
+    q_info, k_info, v_info = arrays.describe(q, "q"), arrays.describe(k, "k"), arrays.describe(v, "v")
+    shape = checks.check_forward_args(
+        q_info,
+        k_info,
+        v_info,
+        dropout_p=dropout_p,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=window_size,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+        deterministic=deterministic,
+        return_attn_probs=return_attn_probs,
+    )
+    if softmax_scale is None:
+        softmax_scale = checks.default_scale(shape.headdim)
+    framework = q_info.framework
+    device = q_info.device[1] if q_info.device[0] == "cuda" else cupy.cuda.runtime.getDevice()
+    padded = -(-shape.headdim // 8) * 8
+
+    with cupy.cuda.Device(device):
+        stream = arrays.caller_stream(framework, device)
+        with stream:  # copies made while adapting inputs belong on the caller's stream too
+            qc = _kernel_ready(arrays.to_cupy(q, q_info), shape.headdim)
+            kc = _kernel_ready(arrays.to_cupy(k, k_info), shape.headdim)
+            vc = _kernel_ready(arrays.to_cupy(v, v_info), shape.headdim)
+            out_native, out = arrays.new_empty(
+                (shape.batch, shape.seqlen_q, shape.nheads, padded), shape.dtype, framework, device
+            )
+            lse_native, lse = arrays.new_empty(
+                (shape.batch, shape.nheads, shape.seqlen_q), "float32", framework, device
+            )
+            forward.launch_forward(
+                qc, kc, vc, out, lse, softmax_scale=float(softmax_scale), causal=bool(causal), arch=_arch(device),
+                stream=stream,
+            )
+            result = arrays.make_result(out_native, out, framework)
+            if padded != shape.headdim:
+                result = result[..., : shape.headdim]
+            if not return_attn_probs:
+                return result
+            return result, arrays.make_result(lse_native, lse, framework), None

@@ -1,0 +1,66 @@
+"""Shared pytest setup: the ``gpu`` marker and the Hypothesis profiles.
+
+Tests marked ``gpu`` are skipped, with the reason printed, on machines without a
+usable CUDA device (CI has none); everything else must pass on a bare CPU box.
+
+Hypothesis profiles, picked by ``FA2CUPY_HYPOTHESIS_PROFILE``:
+  ci      (default) few examples, no deadline: keeps the CPU suite quick.
+  device  200 examples for the property tests on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci",
+    max_examples=25,
+    deadline=None,  # first calls compile kernels; timing is not what we test
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "device",
+    max_examples=200,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile(os.environ.get("FA2CUPY_HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU")
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_unavailable_reason() -> str | None:
+    """None when a CUDA device is usable through CuPy, else why not."""
+    try:
+        import cupy
+        from cupy_backends.cuda.api.runtime import CUDARuntimeError
+    except ImportError as exc:
+        return f"needs a CUDA GPU: CuPy is not importable ({exc})"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except CUDARuntimeError as exc:
+        return f"needs a CUDA GPU: none usable ({exc})"
+    except Exception as exc:  # e.g. the CUDA runtime library itself is missing
+        return f"needs a CUDA GPU: CUDA runtime unavailable ({type(exc).__name__}: {exc})"
+    if count < 1:
+        return "needs a CUDA GPU: no device found"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    reason = gpu_unavailable_reason()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=reason)
+    for item in gpu_items:
+        item.add_marker(skip)

@@ -1,0 +1,272 @@
+"""CPU tests of the benchmark harness's pure pieces (grid, FLOPs, rounding, tables, JSON)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fa2cupy import benchmark as B
+
+
+# ----------------------------------------------------------------------------- grid
+
+
+def test_paper_grid_defaults_match_fa2_paper():
+    cases = B.paper_grid()
+    assert len(cases) == 2 * 2 * 6
+    for c in cases:
+        assert c.batch * c.seqlen_q == 16384          # 16k tokens per batch
+        assert c.nheads * c.headdim == 2048           # hidden 2048
+        assert c.seqlen_q == c.seqlen_k and c.nheads == c.nheads_kv
+        assert c.dtype == "bf16"
+    assert {c.headdim for c in cases} == {64, 128}
+    assert {c.causal for c in cases} == {False, True}
+    assert sorted({c.seqlen_q for c in cases}) == [512, 1024, 2048, 4096, 8192, 16384]
+    first = cases[0]
+    assert (first.batch, first.seqlen_q, first.nheads, first.headdim, first.causal) == (32, 512, 32, 64, False)
+
+
+def test_paper_grid_order_groups_panels():
+    cases = B.paper_grid((64, 128), (False, True), (512, 1024))
+    keys = [(c.headdim, c.causal) for c in cases]
+    assert keys == [(64, False)] * 2 + [(64, True)] * 2 + [(128, False)] * 2 + [(128, True)] * 2
+
+
+def test_paper_grid_long_sequences_keep_batch_one():
+    (c,) = B.paper_grid((128,), (False,), (32768,))
+    assert c.batch == 1
+
+
+def test_paper_grid_rejects_headdim_not_dividing_hidden():
+    with pytest.raises(ValueError):
+        B.paper_grid((96,), (False,), (512,), hidden=2000)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("512,1024", [512, 1024]), (" 64 , 128 ", [64, 128]), ("2k,16K", [2048, 16384]), ("7", [7]),
+])
+def test_parse_int_list(text, expected):
+    assert B.parse_int_list(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "a,b", "0", "-4", ","])
+def test_parse_int_list_rejects(text):
+    with pytest.raises(ValueError):
+        B.parse_int_list(text)
+
+
+def test_causal_options():
+    assert B.causal_options("both") == [False, True]
+    assert B.causal_options("on") == [True]
+    assert B.causal_options("off") == [False]
+    with pytest.raises(ValueError):
+        B.causal_options("maybe")
+
+
+def test_case_validation_and_label():
+    c = B.Case(2, 100, 300, 8, 2, 64, True, "bfloat16")
+    assert c.dtype == "bf16"
+    assert c.label == "b2 sq100/sk300 h8/2 d64 causal bf16"
+    assert B.Case(1, 8, 8, 1, 1, 32, False, "fp16").label == "b1 s8 h1 d32 fp16"
+    assert c.q_shape == (2, 100, 8, 64) and c.kv_shape == (2, 300, 2, 64)
+    with pytest.raises(ValueError):
+        B.Case(1, 8, 8, 6, 4, 64, False)          # 6 heads not a multiple of 4
+    with pytest.raises(ValueError):
+        B.Case(1, 0, 8, 1, 1, 64, False)
+    with pytest.raises(ValueError):
+        B.Case(1, 8, 8, 1, 1, 64, False, "fp32")
+
+
+# ----------------------------------------------------------------------------- FLOPs
+
+
+def test_flops_formula():
+    c = B.Case(4, 1024, 2048, 16, 16, 128, False)
+    assert B.attention_flops(c) == 4 * 4 * 16 * 1024 * 2048 * 128
+
+
+def test_flops_causal_is_half():
+    a = B.Case(2, 4096, 4096, 16, 16, 128, False)
+    b = B.Case(2, 4096, 4096, 16, 16, 128, True)
+    assert B.attention_flops(b) == B.attention_flops(a) / 2
+
+
+def test_flops_gqa_counts_query_heads():
+    assert B.attention_flops(B.Case(1, 64, 64, 8, 1, 64, False)) == B.attention_flops(B.Case(1, 64, 64, 8, 8, 64, False))
+
+
+def test_flops_modes():
+    c = B.Case(1, 512, 512, 4, 4, 64, False)
+    assert B.attention_flops(c, "bwd") == 2.5 * B.attention_flops(c)
+    assert B.attention_flops(c, "fwd_bwd") == 3.5 * B.attention_flops(c)
+    with pytest.raises(ValueError):
+        B.attention_flops(c, "sideways")
+
+
+def test_paper_grid_flops_constant_per_panel():
+    # 16k tokens: batch * seqlen^2 grows linearly with seqlen.
+    cases = B.paper_grid((128,), (False,), (1024, 2048))
+    f = [B.attention_flops(c) for c in cases]
+    assert f[1] == 2 * f[0]
+
+
+def test_tflops_per_s():
+    assert B.tflops_per_s(1e12, 1000.0) == pytest.approx(1.0)
+    assert B.tflops_per_s(333e12, 1.0) == pytest.approx(333e3)
+    assert B.tflops_per_s(1e12, None) is None
+    assert B.tflops_per_s(1e12, 0.0) is None
+
+
+@given(b=st.integers(1, 8), sq=st.integers(1, 4096), sk=st.integers(1, 4096),
+       h=st.integers(1, 32), d=st.integers(1, 256))
+def test_flops_property(b, sq, sk, h, d):
+    full = B.attention_flops(B.Case(b, sq, sk, h, h, d, False))
+    assert full == 4 * b * h * sq * sk * d
+    assert B.attention_flops(B.Case(b, sq, sk, h, h, d, True)) * 2 == full
+
+
+# ----------------------------------------------------------------------------- host rounding
+
+
+def test_bf16_rounding_matches_ml_dtypes():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    x = np.random.default_rng(0).standard_normal(10000).astype(np.float32) * 100
+    x[:4] = [0.0, -0.0, np.inf, -np.inf]
+    bits = B.bf16_bits(x)
+    expected = x.astype(ml_dtypes.bfloat16).view(np.uint16)
+    np.testing.assert_array_equal(bits, expected)
+    np.testing.assert_array_equal(B.bf16_bits_to_float(bits), x.astype(ml_dtypes.bfloat16).astype(np.float32))
+
+
+def test_bf16_rounding_ties_to_even_and_nan():
+    # 1 + 2^-8 is halfway between bf16 1.0 and 1 + 2^-7: ties go to even (1.0).
+    x = np.array([1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, np.nan], dtype=np.float32)
+    vals = B.bf16_bits_to_float(B.bf16_bits(x))
+    assert vals[0] == 1.0
+    assert vals[1] == 1.0 + 2.0 ** -6
+    assert np.isnan(vals[2])
+
+
+def test_host_inputs_rounded_and_deterministic():
+    c = B.Case(2, 5, 7, 4, 2, 40, False, "bf16")
+    a = B.host_inputs(c, 3)
+    b = B.host_inputs(c, 3)
+    assert a["q"][0].shape == c.q_shape and a["k"][0].shape == c.kv_shape
+    assert a["q"][0].dtype == np.uint16 and a["q"][1].dtype == np.float64
+    np.testing.assert_array_equal(a["v"][1], b["v"][1])
+    assert np.abs(a["q"][1]).max() > 0                       # never zeros
+    f = B.host_inputs(B.Case(1, 5, 5, 1, 1, 8, False, "fp16"), 0)
+    assert f["q"][0].dtype == np.float16
+    np.testing.assert_array_equal(f["q"][0].astype(np.float64), f["q"][1])
+
+
+def test_to_numpy64_numpy_input():
+    x = np.arange(6, dtype=np.float16).reshape(2, 3)
+    out = B.to_numpy64(x)
+    assert out.dtype == np.float64 and out.shape == (2, 3)
+
+
+# ----------------------------------------------------------------------------- tables, JSON
+
+
+def test_format_table_alignment():
+    text = B.format_table(["name", "x"], [["a", 1], ["long name", None]])
+    lines = text.splitlines()
+    assert lines[0].startswith("name") and lines[1].startswith("---------")
+    assert lines[2] == "a            1"
+    assert lines[3].endswith("n/a")
+    assert len({len(line) for line in lines}) == 1
+    with pytest.raises(ValueError):
+        B.format_table(["a", "b"], [[1]])
+
+
+def _record(label="b1 s512 h16 d128 bf16", fa=100.0, flash=200.0, cudnn=None, diff=0.0):
+    c = B.Case(32, 512, 512, 16, 16, 128, False)
+    res = {}
+    for k, v in (("fa2cupy", fa), ("sdpa_flash", flash), ("sdpa_cudnn", cudnn)):
+        res[k] = {"tflops": v, "error": None if v is not None else "unavailable: no cuDNN"}
+    return {"label": label, "case": c.to_dict(), "results": res, "max_abs_diff": diff}
+
+
+def test_results_table_columns_and_ratios():
+    text = B.results_table([_record()])
+    header, _, row = text.splitlines()
+    for col in ("case", "fa2cupy", "SDPA flash", "SDPA cuDNN", "vs flash", "vs cuDNN"):
+        assert col in header
+    assert "100.0" in row and "200.0" in row and "0.50x" in row and "n/a" in row
+
+
+def test_results_table_flags_wrong_output():
+    assert "100.0!" in B.results_table([_record(diff=0.5)])
+    assert "100.0!" not in B.results_table([_record(diff=0.01)])
+
+
+def test_errors_summary_dedupes():
+    lines = B.errors_summary([_record(), _record()])
+    assert lines == ["SDPA cuDNN: unavailable: no cuDNN (2 cases)"]
+
+
+def test_result_basename_and_slug():
+    when = dt.datetime(2026, 11, 17, 14, 32, 5)
+    name = B.result_basename("fwd", "NVIDIA H100 80GB HBM3", when)
+    assert name == "fwd_nvidia-h100-80gb-hbm3_20261117-143205"
+    assert all(ch.isalnum() or ch in "._-" for ch in name)
+    assert B.slug("") == "unknown"
+
+
+def test_write_json_roundtrip(tmp_path):
+    rec = _record()
+    path = B.write_json(tmp_path / "sub" / "r.json",
+                        {"records": [rec], "n": np.int64(3), "x": np.float32(1.5), "bad": math.nan,
+                         "case": B.Case(1, 2, 2, 1, 1, 8, False)})
+    data = json.loads(path.read_text())
+    assert data["n"] == 3 and data["x"] == 1.5
+    assert data["records"][0]["results"]["fa2cupy"]["tflops"] == 100.0
+    assert data["case"]["headdim"] == 8
+
+
+def test_plot_results(tmp_path):
+    pytest.importorskip("matplotlib")
+    recs = []
+    for d in (64, 128):
+        for causal in (False, True):
+            for s in (512, 1024):
+                c = B.Case(16384 // s, s, s, 2048 // d, 2048 // d, d, causal)
+                r = _record(c.label, fa=float(s) / 10, cudnn=None)
+                r["case"] = c.to_dict()
+                recs.append(r)
+    path = tmp_path / "p.png"
+    assert B.plot_results(recs, path, title="t") is None
+    assert path.stat().st_size > 1000
+
+
+def test_cuda_version_str():
+    assert B.cuda_version_str(12040) == "12.4"
+    assert B.cuda_version_str(13000) == "13.0"
+    assert B.cuda_version_str(0) is None
+
+
+def test_modes_registered():
+    assert B.MODES == ("fwd",)
+    for m in B.MODES:
+        assert m in B.MODE_RUNNERS and m in B.FLOP_FACTORS
+
+
+# ----------------------------------------------------------------------------- GPU smoke
+
+
+@pytest.mark.gpu
+def test_bench_forward_case_tiny_gpu():
+    rec = B.bench_forward_case(B.Case(2, 256, 256, 4, 4, 64, True), warmup=2, repeats=3)
+    fa = rec["results"]["fa2cupy"]
+    assert fa["error"] is None, fa["error"]
+    assert fa["tflops"] > 0 and fa["n"] >= 3
+    if rec["max_abs_diff"] is not None:
+        assert rec["max_abs_diff"] < 0.05
+    json.dumps(rec)

@@ -1,0 +1,259 @@
+"""check_forward_args: valid calls pass, and each rejection names its argument (CPU only)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from fa2cupy.arrays import ArrayInfo, describe
+from fa2cupy.checks import MAX_HEADDIM, SUPPORTED_DTYPES, AttnShape, check_forward_args, default_scale
+
+
+def _c_strides(shape):
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= n
+    return tuple(reversed(out))
+
+
+def info(name, shape, dtype="float16", framework="cupy", device=("cuda", 0), strides=None):
+    """An ArrayInfo as describe() would build it for a device array."""
+    return ArrayInfo(name, framework, tuple(shape), dtype,
+                     _c_strides(shape) if strides is None else tuple(strides), device)
+
+
+def qkv(b=2, sq=5, sk=7, h=4, hkv=2, d=64, dtype="float16", **kw):
+    return (info("q", (b, sq, h, d), dtype, **kw), info("k", (b, sk, hkv, d), dtype, **kw),
+            info("v", (b, sk, hkv, d), dtype, **kw))
+
+
+# ------------------------------------------------------------------ valid calls
+
+@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES)
+def test_valid_returns_shape(dtype):
+    shape = check_forward_args(*qkv(dtype=dtype))
+    assert shape == AttnShape(batch=2, seqlen_q=5, seqlen_k=7, nheads=4, nheads_kv=2,
+                              headdim=64, dtype=dtype)
+
+
+@pytest.mark.parametrize("d", [1, 3, 8, 100, MAX_HEADDIM])
+def test_valid_headdims(d):
+    assert check_forward_args(*qkv(d=d)).headdim == d
+
+
+def test_valid_mqa_and_options():
+    q, k, v = qkv(h=8, hkv=1)
+    s = check_forward_args(q, k, v, dropout_p=0.0, softmax_scale=0.1, causal=True,
+                           window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=True, return_attn_probs=True)
+    assert s.nheads == 8 and s.nheads_kv == 1
+
+
+def test_valid_options_in_other_spellings():
+    check_forward_args(*qkv(), softmax_scale=np.float32(-0.5), causal=np.bool_(True),
+                       window_size=[-1, -1], dropout_p=0, softcap=0, deterministic=1)
+    check_forward_args(*qkv(), softmax_scale=2)  # ints are real numbers too
+
+
+def test_valid_transposed_layout():
+    # (b, h, s, d) memory seen as (b, s, h, d): any strides except the last axis.
+    b, s, h, d = 2, 9, 3, 32
+    q = info("q", (b, s, h, d), strides=(h * s * d, d, s * d, 1))
+    k = info("k", (b, s, h, d), strides=(h * s * d, d, s * d, 1))
+    v = info("v", (b, s, h, d))
+    assert check_forward_args(q, k, v).seqlen_k == s
+
+
+def test_valid_numpy_arrays():
+    arrs = [np.zeros((1, 3, 2, 8), np.float16) for _ in range(3)]
+    infos = [describe(a, n) for a, n in zip(arrs, "qkv")]
+    assert check_forward_args(*infos).seqlen_q == 3
+
+
+def test_default_scale():
+    assert default_scale(64) == 0.125
+    assert default_scale(3) == pytest.approx(1 / math.sqrt(3))
+    with pytest.raises(ValueError, match="^headdim must be a positive integer"):
+        default_scale(0)
+
+
+# ------------------------------------------------------------------ array errors
+
+def test_rank_q():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"^q must be 4-D \(batch, seqlen_q, nheads, headdim\), got 3-D"):
+        check_forward_args(info("q", (2, 5, 64)), k, v)
+
+
+def test_rank_v():
+    q, k, _ = qkv()
+    with pytest.raises(ValueError, match=r"^v must be 4-D \(batch, seqlen_k, nheads_kv, headdim\), got 5-D"):
+        check_forward_args(q, k, info("v", (2, 7, 2, 64, 1)))
+
+
+@pytest.mark.parametrize("axis,pos", [("batch", 0), ("seqlen_q", 1), ("nheads", 2), ("headdim", 3)])
+def test_zero_length_q_axis(axis, pos):
+    q, k, v = qkv()
+    shape = list(q.shape)
+    shape[pos] = 0
+    with pytest.raises(ValueError, match=rf"^q has zero-length axis {axis} "):
+        check_forward_args(info("q", shape), k, v)
+
+
+def test_zero_length_k_axis():
+    q, _, v = qkv()
+    with pytest.raises(ValueError, match=r"^k has zero-length axis seqlen_k "):
+        check_forward_args(q, info("k", (2, 0, 2, 64)), v)
+
+
+@pytest.mark.parametrize("pos,axis", [(0, "batch"), (1, "seqlen_k"), (2, "nheads_kv"), (3, "headdim")])
+def test_k_v_mismatch(pos, axis):
+    q, k, _ = qkv()
+    shape = list(k.shape)
+    shape[pos] += 1
+    with pytest.raises(ValueError, match=rf"^v has {axis}={shape[pos]} but k has {axis}={k.shape[pos]}"):
+        check_forward_args(q, k, info("v", shape))
+
+
+def test_batch_mismatch_with_q():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"^k has batch=3 but q has batch=2"):
+        check_forward_args(q, info("k", (3, 7, 2, 64)), info("v", (3, 7, 2, 64)))
+
+
+def test_headdim_mismatch_with_q():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"^k has headdim=32 but q has headdim=64"):
+        check_forward_args(q, info("k", (2, 7, 2, 32)), info("v", (2, 7, 2, 32)))
+
+
+def test_head_grouping():
+    with pytest.raises(ValueError, match=r"^q has nheads=5, which is not a multiple of nheads_kv=2"):
+        check_forward_args(*qkv(h=5, hkv=2))
+
+
+def test_headdim_too_large():
+    with pytest.raises(ValueError, match=rf"^q has headdim=257; fa2cupy supports head dimensions 1..{MAX_HEADDIM}"):
+        check_forward_args(*qkv(d=257))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int32"])
+def test_unsupported_dtype_q(dtype):
+    q, k, v = qkv()
+    bad = info("q", q.shape, dtype)
+    with pytest.raises(TypeError) as err:
+        check_forward_args(bad, k, v)
+    assert str(err.value) == (
+        f"fa2cupy computes in float16 or bfloat16; got {dtype} for q "
+        f"(cast with .half() / .to(torch.bfloat16) / astype)"
+    )
+
+
+def test_unsupported_dtype_v():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"got float32 for v "):
+        check_forward_args(q, k, info("v", v.shape, "float32"))
+
+
+def test_mixed_supported_dtypes():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"^k has dtype bfloat16 but q has float16; q, k and v must share"):
+        check_forward_args(q, info("k", k.shape, "bfloat16"), v)
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+def test_last_axis_not_contiguous(name):
+    arrays = dict(zip("qkv", qkv(d=8)))
+    a = arrays[name]
+    arrays[name] = info(name, a.shape, strides=(a.strides[0] * 2, a.strides[1] * 2, 16, 2))
+    with pytest.raises(ValueError, match=rf"^{name} must be contiguous in its last \(headdim\) axis.*other axes may have any stride"):
+        check_forward_args(arrays["q"], arrays["k"], arrays["v"])
+
+
+def test_devices_differ():
+    q, k, v = qkv()
+    k = info("k", k.shape, device=("cuda", 1))
+    with pytest.raises(ValueError, match=r"^k is on cuda:1 but q is on cuda:0; all arrays must be on one device"):
+        check_forward_args(q, k, v)
+
+
+def test_host_numpy_mixed_with_device():
+    q, k, v = qkv()
+    v = info("v", v.shape, framework="numpy", device=("cpu", 0))
+    with pytest.raises(ValueError, match=r"^v is a host NumPy array but q is a CuPy array on cuda:0"):
+        check_forward_args(q, k, v)
+
+
+def test_frameworks_differ():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"^k is a PyTorch tensor but q is a CuPy array"):
+        check_forward_args(q, info("k", k.shape, framework="torch"), v)
+
+
+# ------------------------------------------------------------------ option errors
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_dropout_not_implemented(p):
+    with pytest.raises(NotImplementedError, match=r"^dropout \(dropout_p > 0\) is not implemented yet$"):
+        check_forward_args(*qkv(), dropout_p=p)
+
+
+@pytest.mark.parametrize("p", [-0.1, 1.0, float("nan")])
+def test_dropout_out_of_range(p):
+    with pytest.raises(ValueError, match=r"^dropout_p must be in \[0, 1\)"):
+        check_forward_args(*qkv(), dropout_p=p)
+
+
+def test_dropout_type():
+    with pytest.raises(TypeError, match="^dropout_p must be a real number"):
+        check_forward_args(*qkv(), dropout_p="0.1")
+
+
+@pytest.mark.parametrize("w", [(128, 0), (-1, 0), (4, 4)])
+def test_window_not_implemented(w):
+    with pytest.raises(NotImplementedError, match=r"^sliding-window attention \(window_size="):
+        check_forward_args(*qkv(), window_size=w)
+
+
+@pytest.mark.parametrize("w", [-1, (-1,), (-1, -1, -1), (-1.0, -1), (True, -1), None, "-1,-1"])
+def test_window_type(w):
+    with pytest.raises(TypeError, match=r"^window_size must be a pair of ints \(left, right\)"):
+        check_forward_args(*qkv(), window_size=w)
+
+
+def test_softcap_not_implemented():
+    with pytest.raises(NotImplementedError, match=r"^softcapping \(softcap > 0\) is not implemented yet"):
+        check_forward_args(*qkv(), softcap=30.0)
+
+
+@pytest.mark.parametrize("c", [-1.0, float("inf"), float("nan")])
+def test_softcap_value(c):
+    with pytest.raises(ValueError, match="^softcap must be a finite number >= 0"):
+        check_forward_args(*qkv(), softcap=c)
+
+
+def test_alibi_not_implemented():
+    with pytest.raises(NotImplementedError, match=r"^ALiBi \(alibi_slopes\) is not implemented yet"):
+        check_forward_args(*qkv(), alibi_slopes=np.ones(4, np.float32))
+
+
+@pytest.mark.parametrize("s", [float("nan"), float("inf"), -float("inf")])
+def test_scale_not_finite(s):
+    with pytest.raises(ValueError, match="^softmax_scale must be None or a finite number"):
+        check_forward_args(*qkv(), softmax_scale=s)
+
+
+@pytest.mark.parametrize("s", ["0.1", True, [0.1]])
+def test_scale_type(s):
+    with pytest.raises(TypeError, match="^softmax_scale must be a real number"):
+        check_forward_args(*qkv(), softmax_scale=s)
+
+
+@pytest.mark.parametrize("arg", ["causal", "deterministic", "return_attn_probs"])
+@pytest.mark.parametrize("value", ["yes", 0.5, None, 2])
+def test_bool_options(arg, value):
+    with pytest.raises(TypeError, match=rf"^{arg} must be a bool \(True or False\)"):
+        check_forward_args(*qkv(), **{arg: value})

@@ -1,0 +1,73 @@
+"""Every shipped kernel instantiation compiles with NVRTC for sm_80 and sm_90, and none spills registers on the
+arch family it is shipped for.
+
+Runs on a CPU-only machine: NVRTC (pip's nvidia-cuda-nvrtc-cu12) is all it needs.
+"""
+
+import re
+
+import pytest
+
+from fa2cupy import build, configs
+
+nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
+
+
+def _nvrtc_available():
+    try:
+        nvrtc.getVersion()
+        return True
+    except Exception:  # the shared library itself is missing: CuPy imports fine without it
+        return False
+
+
+pytestmark = pytest.mark.skipif(
+    not _nvrtc_available(), reason="libnvrtc not found (pip install nvidia-cuda-nvrtc-cu12)"
+)
+
+#: Which compile target stands for each table family when checking registers.
+FAMILY_ARCH = {"sm80": "80", "sm86": "80", "sm90": "90"}
+
+
+def _ptxas_reports(log: str) -> dict[str, tuple[int, int]]:
+    """ptxas -v log -> {mangled kernel name: (spill store bytes, stack frame bytes)}."""
+    reports = {}
+    for entry in log.split("Compiling entry function")[1:]:
+        name = re.search(r"'([^']+)'", entry).group(1)
+        spill = int(re.search(r"(\d+) bytes spill stores", entry).group(1))
+        stack = int(re.search(r"(\d+) bytes stack frame", entry).group(1))
+        reports[name] = (spill, stack)
+    return reports
+
+
+@pytest.mark.parametrize("arch", ["80", "90"])
+def test_forward_instantiations_compile(arch):
+    names = configs.forward_instantiations()
+    assert len(names) >= 2 * 2 * len(configs.HEADDIMS)  # dtypes x masks x head dims at least
+    cubin, log, lowered = build.compile_for_arch("fwd", names, arch, log=True)
+    assert len(cubin) > 0
+    reports = _ptxas_reports(log)
+    shipped_here = [f for f, a in FAMILY_ARCH.items() if a == arch]
+    checked = 0
+    for family in shipped_here:
+        for name in configs.forward_instantiations(family):
+            spill, stack = reports[lowered[name]]
+            assert (spill, stack) == (0, 0), f"{name} spills {spill} bytes on sm_{arch}"
+            checked += 1
+    assert checked > 0
+
+
+def test_every_table_entry_fits_its_family():
+    limits = {"sm80": 163 * 1024, "sm86": 99 * 1024, "sm90": 227 * 1024}
+    for (family, width), config in configs.FORWARD_TABLE.items():
+        assert config.headdim == width
+        assert config.smem_bytes <= limits[family], (family, width, config)
+        assert config.block_m % (16 * config.warps) == 0
+    assert {family for family, _ in configs.FORWARD_TABLE} == set(configs.ARCH_FAMILIES)
+    assert {width for _, width in configs.FORWARD_TABLE} == set(configs.HEADDIMS)
+
+
+def test_source_inlines_headers_once():
+    text = build.source("fwd")
+    assert '#include "' not in text
+    assert text.count("struct OnlineSoftmax") == 1

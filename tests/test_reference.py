@@ -1,0 +1,199 @@
+"""The float64 reference against a naive per-row softmax and finite differences."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fa2cupy.reference import attention_ref, attention_ref_backward
+
+
+def naive_attention(q, k, v, scale=None, causal=False):
+    """Textbook attention with explicit Python loops, for tiny sizes only."""
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out = np.zeros((b, sq, hq, d))
+    lse = np.zeros((b, hq, sq))
+    for bi in range(b):
+        for h in range(hq):
+            g = h // (hq // hkv)
+            for i in range(sq):
+                keys = [j for j in range(sk) if not causal or j <= i + sk - sq]
+                if not keys:
+                    lse[bi, h, i] = math.inf
+                    continue
+                s = [scale * float(np.dot(q[bi, i, h], k[bi, j, g])) for j in keys]
+                m = max(s)
+                w = [math.exp(x - m) for x in s]
+                tot = sum(w)
+                lse[bi, h, i] = m + math.log(tot)
+                for wj, j in zip(w, keys):
+                    out[bi, i, h] += (wj / tot) * v[bi, j, g]
+    return out, lse
+
+
+def _rand(rng, *shape):
+    return rng.standard_normal(shape)
+
+
+@st.composite
+def problems(draw):
+    b = draw(st.integers(1, 2))
+    sq = draw(st.integers(1, 6))
+    sk = draw(st.integers(1, 6))
+    hkv = draw(st.integers(1, 2))
+    hq = hkv * draw(st.integers(1, 3))
+    d = draw(st.integers(1, 5))
+    causal = draw(st.booleans())
+    scale = draw(st.one_of(st.none(), st.floats(-2.0, 2.0, allow_nan=False)))
+    seed = draw(st.integers(0, 2**32 - 1))
+    return b, sq, sk, hq, hkv, d, causal, scale, seed
+
+
+@given(problems())
+def test_matches_naive(problem):
+    b, sq, sk, hq, hkv, d, causal, scale, seed = problem
+    rng = np.random.default_rng(seed)
+    q, k, v = _rand(rng, b, sq, hq, d), _rand(rng, b, sk, hkv, d), _rand(rng, b, sk, hkv, d)
+    out, lse = attention_ref(q, k, v, softmax_scale=scale, causal=causal)
+    out_n, lse_n = naive_attention(q, k, v, scale, causal)
+    assert out.dtype == np.float64 and lse.dtype == np.float64
+    assert out.shape == (b, sq, hq, d) and lse.shape == (b, hq, sq)
+    np.testing.assert_allclose(out, out_n, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(np.isinf(lse), np.isinf(lse_n))
+    fin = np.isfinite(lse_n)
+    np.testing.assert_allclose(lse[fin], lse_n[fin], rtol=1e-12, atol=1e-12)
+
+
+def test_causal_bottom_right_square_is_lower_triangular():
+    # sq == sk: the ordinary lower-triangular mask; row 0 sees only key 0.
+    rng = np.random.default_rng(0)
+    q, k, v = _rand(rng, 1, 4, 1, 3), _rand(rng, 1, 4, 1, 3), _rand(rng, 1, 4, 1, 3)
+    out, lse = attention_ref(q, k, v, causal=True)
+    np.testing.assert_allclose(out[0, 0, 0], v[0, 0, 0], rtol=1e-14)
+    assert np.all(np.isfinite(lse))
+
+
+def test_causal_bottom_right_sq_lt_sk_last_row_sees_everything():
+    # sq=2, sk=5: query i sees keys j <= i + 3, so the last query sees all keys
+    # and equals non-causal attention for that row.
+    rng = np.random.default_rng(1)
+    q, k, v = _rand(rng, 1, 2, 2, 4), _rand(rng, 1, 5, 2, 4), _rand(rng, 1, 5, 2, 4)
+    out_c, lse_c = attention_ref(q, k, v, causal=True)
+    out_f, lse_f = attention_ref(q, k, v, causal=False)
+    np.testing.assert_allclose(out_c[:, -1], out_f[:, -1], rtol=1e-13)
+    np.testing.assert_allclose(lse_c[:, :, -1], lse_f[:, :, -1], rtol=1e-13)
+    # Query 0 sees keys 0..3 only: same as causal=False on the truncated keys.
+    out_t, _ = attention_ref(q[:, :1], k[:, :4], v[:, :4])
+    np.testing.assert_allclose(out_c[:, :1], out_t, rtol=1e-13)
+
+
+def test_causal_sq_gt_sk_rows_without_keys_are_zero_and_inf():
+    # sq=5, sk=2: query i sees j <= i - 3, so queries 0..2 see nothing.
+    rng = np.random.default_rng(2)
+    q, k, v = _rand(rng, 2, 5, 3, 4), _rand(rng, 2, 2, 3, 4), _rand(rng, 2, 2, 3, 4)
+    out, lse = attention_ref(q, k, v, causal=True)
+    assert np.all(out[:, :3] == 0.0)
+    assert np.all(lse[:, :, :3] == np.inf)
+    assert np.all(np.isfinite(lse[:, :, 3:]))
+    # Query 3 sees key 0 only: its output is exactly v[:, 0].
+    np.testing.assert_allclose(out[:, 3], v[:, 0], rtol=1e-14)
+    np.testing.assert_allclose(lse[:, :, 3], np.einsum("bhd,bhd->bh", q[:, 3], k[:, 0]) / 2.0)
+
+
+def test_gqa_equals_repeated_kv_heads():
+    rng = np.random.default_rng(3)
+    hq, hkv = 6, 2
+    q, k, v = _rand(rng, 2, 7, hq, 8), _rand(rng, 2, 9, hkv, 8), _rand(rng, 2, 9, hkv, 8)
+    kr, vr = np.repeat(k, hq // hkv, axis=2), np.repeat(v, hq // hkv, axis=2)
+    for causal in (False, True):
+        o1, l1 = attention_ref(q, k, v, causal=causal)
+        o2, l2 = attention_ref(q, kr, vr, causal=causal)
+        np.testing.assert_allclose(o1, o2, rtol=1e-14)
+        np.testing.assert_allclose(l1, l2, rtol=1e-14)
+
+
+def test_lse_is_log_normaliser():
+    # sum_j exp(scale*s_ij - lse_i) == 1 for every row, with a large scale that
+    # would overflow a naive exp (checks the max subtraction).
+    rng = np.random.default_rng(4)
+    q, k, v = _rand(rng, 1, 5, 2, 16) * 30, _rand(rng, 1, 6, 2, 16) * 30, _rand(rng, 1, 6, 2, 16)
+    scale = 3.0
+    out, lse = attention_ref(q, k, v, softmax_scale=scale)
+    assert np.all(np.isfinite(out)) and np.all(np.isfinite(lse))
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    # Scores reach ~1e4, so s - lse carries ~1e4 * 2^-52 absolute rounding error.
+    np.testing.assert_allclose(np.exp(s - lse[..., None]).sum(-1), 1.0, rtol=1e-10)
+
+
+def test_low_precision_inputs_are_upcast():
+    rng = np.random.default_rng(5)
+    q, k, v = (_rand(rng, 1, 3, 2, 4).astype(np.float16) for _ in range(3))
+    out, lse = attention_ref(q, k, v)
+    out64, lse64 = attention_ref(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64))
+    assert out.dtype == np.float64
+    np.testing.assert_array_equal(out, out64)
+    np.testing.assert_array_equal(lse, lse64)
+
+
+def test_bfloat16_inputs_are_upcast():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    rng = np.random.default_rng(6)
+    q, k, v = (_rand(rng, 1, 3, 2, 4).astype(ml_dtypes.bfloat16) for _ in range(3))
+    out, _ = attention_ref(q, k, v, causal=True)
+    out64, _ = attention_ref(*(x.astype(np.float64) for x in (q, k, v)), causal=True)
+    np.testing.assert_array_equal(out, out64)
+
+
+def test_rejects_bad_shapes_and_dtypes():
+    z = np.zeros((1, 2, 2, 4))
+    with pytest.raises(ValueError, match="multiple"):
+        attention_ref(np.zeros((1, 2, 3, 4)), z, z)
+    with pytest.raises(ValueError, match="same shape"):
+        attention_ref(z, z, np.zeros((1, 3, 2, 4)))
+    with pytest.raises(TypeError, match="floating"):
+        attention_ref(z.astype(np.int32), z, z)
+
+
+def _loss(q, k, v, dout, scale, causal):
+    out, _ = attention_ref(q, k, v, softmax_scale=scale, causal=causal)
+    return float(np.sum(out * dout))
+
+
+@pytest.mark.parametrize(
+    "sq,sk,hq,hkv,causal,scale",
+    [(3, 4, 2, 2, False, None), (4, 3, 4, 2, True, 0.7), (5, 2, 3, 1, True, None), (1, 1, 1, 1, False, -0.4)],
+)
+def test_backward_matches_finite_differences(sq, sk, hq, hkv, causal, scale):
+    rng = np.random.default_rng(7)
+    d, b = 3, 2
+    q, k, v = _rand(rng, b, sq, hq, d), _rand(rng, b, sk, hkv, d), _rand(rng, b, sk, hkv, d)
+    dout = _rand(rng, b, sq, hq, d)
+    grads = attention_ref_backward(dout, q, k, v, softmax_scale=scale, causal=causal)
+    eps = 1e-6
+    for which, (x, g) in enumerate(zip((q, k, v), grads)):
+        assert g.shape == x.shape and g.dtype == np.float64
+        num = np.empty_like(x)
+        for idx in np.ndindex(x.shape):
+            args = [q, k, v]
+            xp, xm = x.copy(), x.copy()
+            xp[idx] += eps
+            xm[idx] -= eps
+            args[which] = xp
+            lp = _loss(*args, dout, scale, causal)
+            args[which] = xm
+            lm = _loss(*args, dout, scale, causal)
+            num[idx] = (lp - lm) / (2 * eps)
+        np.testing.assert_allclose(g, num, rtol=1e-6, atol=1e-8)
+
+
+def test_backward_dead_rows_have_zero_gradient():
+    rng = np.random.default_rng(8)
+    q, k, v = _rand(rng, 1, 4, 1, 2), _rand(rng, 1, 2, 1, 2), _rand(rng, 1, 2, 1, 2)
+    dq, _, _ = attention_ref_backward(_rand(rng, 1, 4, 1, 2), q, k, v, causal=True)
+    assert np.all(dq[:, :2] == 0.0)
