@@ -7,6 +7,8 @@
 #   OUT=dir          where logs/results go (default bench/results/device; the device tool sets $OUT)
 #   QUICK=1          check --quick and fewer seqlens in the benchmark
 #   SKIP_TESTS=1 SKIP_CHECK=1 SKIP_BENCH=1    skip a step
+#   TUNE=1           also time every forward tile candidate (bench/tune_fwd.py) -> tune.log
+#   PROFILE=1        also profile host dispatch (bench/dispatch_profile.py) -> profile.log
 #   SANITIZE=1       also run compute-sanitizer memcheck + racecheck over bench/sanitize_case.py
 #   BENCH_ARGS="..." extra arguments for `cli.py bench` (e.g. "--headdim 128 --causal off")
 #   TESTS_TIMEOUT / CHECK_TIMEOUT / BENCH_TIMEOUT / SANITIZE_TIMEOUT   seconds per step
@@ -80,6 +82,14 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
   step bench "${BENCH_TIMEOUT:-200}" "$OUT/bench.log" \
     "$PY" cli.py bench --mode fwd --headdim 64,128 --causal both --seqlens "$SEQLENS" --dtype bf16 \
     --out "$OUT" ${BENCH_ARGS:-}
+fi
+
+if [ "${TUNE:-0}" = 1 ]; then  # every tile candidate of configs.FORWARD_CANDIDATES beside SDPA
+  step tune "${TUNE_TIMEOUT:-240}" "$OUT/tune.log" "$PY" bench/tune_fwd.py --seqlens "${TUNE_SEQLENS:-2048,8192}"
+fi
+
+if [ "${PROFILE:-0}" = 1 ]; then  # host dispatch cost and where it goes
+  step profile "${PROFILE_TIMEOUT:-120}" "$OUT/profile.log" "$PY" bench/dispatch_profile.py
 fi
 
 if [ "${SANITIZE:-0}" = 1 ]; then

@@ -60,14 +60,14 @@ def main():
                 with sdpa_kernel([SDPBackend.MATH]):
                     ref = torch.nn.functional.scaled_dot_product_attention(
                         qt[:1].float(), kt[:1].float(), vt[:1].float(), is_causal=causal).transpose(1, 2)
-                qc, kc, vc = (cupy.from_dlpack(x) for x in (q, k, v))
                 out = torch.empty_like(q)
                 lse = torch.empty(b, h, s, device="cuda", dtype=torch.float32)
-                oc, lc = cupy.from_dlpack(out), cupy.from_dlpack(lse)
                 for cfg in configs.FORWARD_CANDIDATES[d]:
                     key = f"{cfg.block_m}x{cfg.block_n}w{cfg.warps}s{cfg.stages}{'q' if cfg.q_in_regs else ''}"
-                    launch = lambda: forward.launch_forward(qc, kc, vc, oc, lc, softmax_scale=d ** -0.5,
-                                                            causal=causal, arch=arch, stream=stream, config=cfg)
+                    plan = forward.plan_forward(q.shape, k.shape, tuple(x.stride() for x in (q, k, v, out)),
+                                                "bfloat16", d ** -0.5, causal, arch, config=cfg)
+                    launch = lambda: forward.run_forward(plan, q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                                         out.data_ptr(), lse.data_ptr(), stream)
                     out.fill_(float("nan"))
                     launch()
                     torch.cuda.synchronize()

@@ -538,3 +538,40 @@ def caller_stream(framework: str, device: int):
         torch = sys.modules["torch"]
         return _external_stream(torch.cuda.current_stream(device).cuda_stream, device)
     return _cupy().cuda.get_current_stream(device)
+
+
+# --------------------------------------------------------------------------- cached-dispatch fast path
+
+_cupy_ndarray = None
+
+
+def fast_meta(x):
+    """``(key, device pointer)`` for a CuPy array or a CUDA PyTorch tensor that needs no autograd, else None.
+
+    ``key`` holds everything the argument checks read (type, shape, strides, dtype, device), so a call whose
+    keys match an earlier validated call may skip straight to the launch; the pointer is all the launch needs.
+    Costs about 1 us where ``describe`` + ``to_cupy`` cost ~10 us.
+    """
+    global _cupy_ndarray
+    if _cupy_ndarray is None:
+        _cupy_ndarray = _cupy().ndarray
+    kind = type(x)
+    if kind is _cupy_ndarray:
+        data = x.data
+        return (kind, x.shape, x.strides, x.dtype, data.device_id), data.ptr
+    torch = sys.modules.get("torch")
+    if torch is not None and kind is torch.Tensor and x.is_cuda and not x.requires_grad:
+        return (kind, x.shape, x.stride(), x.dtype, x.get_device()), x.data_ptr()
+    return None
+
+
+def new_empty_raw(shape, dtype: str, framework: str, device: int):
+    """Like :func:`new_empty` for the fast path: ``(array in the caller's framework, device pointer)``.
+
+    Only for "torch" and "cupy" callers, with ``device`` already current."""
+    if framework == "torch":
+        tdtype, tdevice = _torch_args(dtype, device)
+        t = sys.modules["torch"].empty(shape, dtype=tdtype, device=tdevice)
+        return t, t.data_ptr()
+    arr = _cupy().empty(shape, dtype=_cupy_dtype(dtype))
+    return arr, arr.data.ptr

@@ -53,7 +53,10 @@ _kernels: dict[tuple[str, str, int], object] = {}
 
 
 def get_kernel(family: str, name_expression: str, smem_bytes: int):
-    """The compiled ``cupy.RawKernel`` for one instantiation on the current device, ready to launch."""
+    """The compiled kernel (a ``cupy.cuda.Function``) for one instantiation on the current device.
+
+    The low-level Function, not the RawKernel, is kept: its call takes an explicit stream and skips
+    RawKernel's per-call look-ups."""
     import cupy
 
     device = cupy.cuda.runtime.getDevice()
@@ -61,10 +64,10 @@ def get_kernel(family: str, name_expression: str, smem_bytes: int):
     kernel = _kernels.get(key)
     if kernel is None:
         module = cupy.RawModule(code=source(family), options=NVRTC_OPTIONS, name_expressions=(name_expression,))
-        kernel = module.get_function(name_expression)
+        raw = module.get_function(name_expression)
         if smem_bytes > 48 * 1024:  # beyond the default dynamic shared-memory limit: opt in per kernel
-            kernel.max_dynamic_shared_size_bytes = smem_bytes
-        _kernels[key] = kernel
+            raw.max_dynamic_shared_size_bytes = smem_bytes
+        kernel = _kernels[key] = raw.kernel
     return kernel
 
 

@@ -15,6 +15,8 @@ from .arrays import ArrayInfo, same_framework
 
 SUPPORTED_DTYPES = ("float16", "bfloat16")
 MAX_HEADDIM = 256
+#: batch and nheads index grid axes y and z, which CUDA caps at 65535 blocks.
+MAX_GRID_YZ = 65535
 
 
 @dataclass(frozen=True)
@@ -213,6 +215,11 @@ def check_forward_args(
             f"q has nheads={nheads}, which is not a multiple of nheads_kv={nheads_kv} of "
             f"k and v; each kv head must serve a whole group of query heads (MQA/GQA)"
         )
+    if batch > MAX_GRID_YZ or nheads > MAX_GRID_YZ:
+        raise ValueError(
+            f"q has batch={batch} and nheads={nheads}; each must be at most {MAX_GRID_YZ} "
+            f"(a CUDA grid dimension); split the call along that axis"
+        )
     if headdim > MAX_HEADDIM:
         raise ValueError(
             f"q has headdim={headdim}; fa2cupy supports head dimensions 1..{MAX_HEADDIM}"
@@ -232,7 +239,7 @@ def check_forward_args(
             )
 
     for info in (q, k, v):
-        if info.strides[3] != 1:
+        if info.strides[3] != 1 and info.shape[3] != 1:
             raise ValueError(
                 f"{info.name} must be contiguous in its last (headdim) axis, got strides "
                 f"{info.strides} (in elements); the other axes may have any stride, so "

@@ -1,8 +1,12 @@
-"""Forward kernel family (cuda/fwd.cu): grid, arguments and launch on CuPy arrays."""
+"""Forward kernel family (cuda/fwd.cu): the launch plan (config, grid, scalar arguments) and the launch.
+
+A plan depends only on shapes, strides, dtype and options, never on data pointers, so the interface caches
+plans and a repeated call costs one dictionary look-up plus the launch itself.
+"""
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -17,30 +21,35 @@ _LOG2E = 1.4426950408889634
 MAX_ROW_STRIDE = 1 << 24
 
 
-def launch_forward(q, k, v, out, lse, *, softmax_scale: float, causal: bool, arch: int, stream, config=None) -> None:
-    """Runs the FA2 forward on CuPy arrays already validated by the interface.
+@dataclass(frozen=True)
+class ForwardPlan:
+    function: object  # cupy.cuda.Function
+    grid: tuple
+    block: tuple
+    smem_bytes: int
+    scalars: tuple  # every kernel argument after the five pointers
+    config: configs.FwdConfig
 
-    q, out: ``(batch, seqlen_q, nheads, d)``; k, v: ``(batch, seqlen_k, nheads_kv, d)``; lse:
-    ``(batch, nheads, seqlen_q)`` float32 contiguous. ``d`` is a multiple of 8 (<= 256); the last axis is
-    contiguous, the other strides are multiples of 8 elements and below ``MAX_ROW_STRIDE`` for the row axis, and
-    every base pointer is 16-byte aligned. Launches on ``stream`` (a ``cupy.cuda.Stream``). ``config``
-    overrides the table's choice (tuning only).
+
+def plan_forward(
+    q_shape, k_shape, strides, dtype: str, softmax_scale: float, causal: bool, arch: int, config=None
+) -> ForwardPlan:
+    """Builds (and compiles on first use) the launch for one problem.
+
+    q_shape ``(batch, seqlen_q, nheads, d)``, k_shape ``(batch, seqlen_k, nheads_kv, d)``; ``strides`` holds the
+    element strides of q, k, v and out (4 tuples of 4). ``d`` is a multiple of 8 (<= 256); every last-axis
+    stride is 1, the others are multiples of 8 with row strides below ``MAX_ROW_STRIDE``; ``softmax_scale >= 0``
+    (the interface folds a negative scale into q). ``config`` overrides the tile table (tuning only).
     """
-    batch, seqlen_q, nheads, headdim = q.shape
-    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    dtype = q.dtype.name
+    batch, seqlen_q, nheads, headdim = q_shape
+    seqlen_k, nheads_kv = k_shape[1], k_shape[2]
     if config is None:
         config = configs.forward_config(arch, headdim, dtype, causal)
-    kernel = build.get_kernel("fwd", config.name_expression(dtype, causal), config.smem_bytes)
-    if _debug_poison:
-        out.fill(math.nan)
-        lse.fill(math.nan)
-    item = q.itemsize
-    args = (q, k, v, out, lse)
-    for array in (q, k, v, out):
-        batch_stride, row_stride, head_stride, _ = array.strides
-        args += (np.int64(batch_stride // item), np.int32(row_stride // item), np.int64(head_stride // item))
-    args += (
+    function = build.get_kernel("fwd", config.name_expression(dtype, causal), config.smem_bytes)
+    scalars = ()
+    for batch_stride, row_stride, head_stride, _ in strides:
+        scalars += (np.int64(batch_stride), np.int32(row_stride), np.int64(head_stride))
+    scalars += (
         np.int32(seqlen_q),
         np.int32(seqlen_k),
         np.int32(nheads),
@@ -50,4 +59,10 @@ def launch_forward(q, k, v, out, lse, *, softmax_scale: float, causal: bool, arc
         np.float32(softmax_scale * _LOG2E),
     )
     grid = ((seqlen_q + config.block_m - 1) // config.block_m, nheads, batch)
-    kernel.kernel(grid, (config.threads, 1, 1), args, shared_mem=config.smem_bytes, stream=stream)
+    return ForwardPlan(function, grid, (config.threads, 1, 1), config.smem_bytes, scalars, config)
+
+
+def run_forward(plan: ForwardPlan, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int, stream) -> None:
+    """Launches a plan on ``stream`` (a ``cupy.cuda.Stream``) with raw device pointers."""
+    args = (np.uint64(q_ptr), np.uint64(k_ptr), np.uint64(v_ptr), np.uint64(out_ptr), np.uint64(lse_ptr))
+    plan.function(plan.grid, plan.block, args + plan.scalars, shared_mem=plan.smem_bytes, stream=stream)

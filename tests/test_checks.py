@@ -257,3 +257,22 @@ def test_scale_type(s):
 def test_bool_options(arg, value):
     with pytest.raises(TypeError, match=rf"^{arg} must be a bool \(True or False\)"):
         check_forward_args(*qkv(), **{arg: value})
+
+
+def test_batch_or_nheads_beyond_grid_limit_is_rejected():
+    from fa2cupy.arrays import ArrayInfo
+
+    def info(name, shape):
+        strides = (shape[1] * shape[2] * shape[3], shape[2] * shape[3], shape[3], 1)
+        return ArrayInfo(name, "cupy", shape, "float16", strides, ("cuda", 0))
+
+    big = (65536, 1, 1, 8)
+    with pytest.raises(ValueError, match="batch=65536"):
+        check_forward_args(info("q", big), info("k", big), info("v", big))
+
+
+def test_headdim_one_may_have_any_last_stride():
+    from fa2cupy.arrays import ArrayInfo
+
+    q = ArrayInfo("q", "cupy", (1, 4, 2, 1), "float16", (8, 2, 1, 7), ("cuda", 0))
+    assert check_forward_args(q, q, q).headdim == 1
