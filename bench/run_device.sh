@@ -85,7 +85,7 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
 fi
 
 if [ "${TUNE:-0}" = 1 ]; then  # every tile candidate of configs.FORWARD_CANDIDATES beside SDPA
-  step tune "${TUNE_TIMEOUT:-240}" "$OUT/tune.log" "$PY" bench/tune_fwd.py --seqlens "${TUNE_SEQLENS:-2048,8192}"
+  step tune "${TUNE_TIMEOUT:-240}" "$OUT/tune.log" "$PY" bench/tune_fwd.py --seqlens "${TUNE_SEQLENS:-2048,8192}" --headdims "${TUNE_HEADDIMS:-64,128}"
 fi
 
 if [ "${PROFILE:-0}" = 1 ]; then  # host dispatch cost and where it goes

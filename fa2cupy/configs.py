@@ -86,16 +86,19 @@ FORWARD_CANDIDATES: dict[int, tuple[FwdConfig, ...]] = {
     64: (
         _fwd(64, 128, 128, 4, min_blocks=2),
         _fwd(64, 128, 64, 4, min_blocks=2),
-        _fwd(64, 128, 128, 8, q_in_regs=True),
-        _fwd(64, 64, 128, 4, min_blocks=2, q_in_regs=True),
-        _fwd(64, 128, 128, 4, stages=3, min_blocks=2),
+        _fwd(64, 128, 64, 4, stages=3, min_blocks=2),
+        _fwd(64, 256, 64, 8),
+    ),
+    96: (
+        _fwd(96, 128, 64, 8, q_in_regs=True),
+        _fwd(96, 128, 32, 4, min_blocks=2),
     ),
     128: (
-        _fwd(128, 128, 64, 8, q_in_regs=True),
-        _fwd(128, 128, 128, 8, q_in_regs=True),
-        _fwd(128, 64, 64, 4, min_blocks=2, q_in_regs=True),
         _fwd(128, 128, 32, 4, min_blocks=2),
-        _fwd(128, 128, 64, 8, stages=3, q_in_regs=True),
+        _fwd(128, 128, 32, 4, stages=3, min_blocks=2),
+        _fwd(128, 192, 32, 6),
+        _fwd(128, 256, 32, 8),
+        _fwd(128, 128, 128, 8, q_in_regs=True),
     ),
 }
 
