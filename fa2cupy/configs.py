@@ -57,31 +57,31 @@ def _fwd(headdim, block_m, block_n, warps, stages=2, min_blocks=1, q_in_regs=Fal
 FORWARD_TABLE: dict[tuple[str, int], FwdConfig] = {
     ("sm80", 32): _fwd(32, 128, 128, 4, min_blocks=2),
     ("sm80", 64): _fwd(64, 128, 64, 4, min_blocks=2),
-    ("sm80", 96): _fwd(96, 128, 64, 8, q_in_regs=True),
-    ("sm80", 128): _fwd(128, 128, 64, 8, q_in_regs=True),
+    ("sm80", 96): _fwd(96, 128, 32, 4, min_blocks=2),
+    ("sm80", 128): _fwd(128, 128, 32, 4, min_blocks=2),
     ("sm80", 160): _fwd(160, 128, 64, 8),
     ("sm80", 192): _fwd(192, 128, 64, 8),
     ("sm80", 224): _fwd(224, 64, 32, 4),
     ("sm80", 256): _fwd(256, 64, 32, 4),
     ("sm86", 32): _fwd(32, 128, 128, 4, min_blocks=2),
     ("sm86", 64): _fwd(64, 128, 64, 4, min_blocks=2),
-    ("sm86", 96): _fwd(96, 128, 64, 8, q_in_regs=True),
-    ("sm86", 128): _fwd(128, 64, 64, 4, min_blocks=2, q_in_regs=True),
+    ("sm86", 96): _fwd(96, 128, 32, 4, min_blocks=2),
+    ("sm86", 128): _fwd(128, 128, 32, 4, min_blocks=2),
     ("sm86", 160): _fwd(160, 64, 32, 4),
     ("sm86", 192): _fwd(192, 64, 32, 4),
     ("sm86", 224): _fwd(224, 64, 32, 4),
     ("sm86", 256): _fwd(256, 64, 32, 4),
     ("sm90", 32): _fwd(32, 128, 128, 4, min_blocks=2),
     ("sm90", 64): _fwd(64, 128, 128, 4, min_blocks=2),
-    ("sm90", 96): _fwd(96, 128, 64, 8, q_in_regs=True),
-    ("sm90", 128): _fwd(128, 128, 64, 8, q_in_regs=True),
+    ("sm90", 96): _fwd(96, 128, 32, 4, min_blocks=2),
+    ("sm90", 128): _fwd(128, 128, 32, 4, min_blocks=2),
     ("sm90", 160): _fwd(160, 128, 64, 8),
     ("sm90", 192): _fwd(192, 128, 64, 8),
     ("sm90", 224): _fwd(224, 128, 64, 8),
     ("sm90", 256): _fwd(256, 64, 64, 4),
 }
 
-#: Extra configurations compiled only by ``fa2cupy tune`` / bench/tune_fwd.py when re-tuning the table.
+#: Extra configurations timed by bench/tune_fwd.py (``TUNE=1 bash bench/run_device.sh``) when re-tuning the table.
 FORWARD_CANDIDATES: dict[int, tuple[FwdConfig, ...]] = {
     64: (
         _fwd(64, 128, 128, 4, min_blocks=2),
