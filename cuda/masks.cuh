@@ -18,6 +18,16 @@ struct CausalMask {
         const int end = row0 + rows + seqlen_k - seqlen_q;
         return end < seqlen_k ? end : seqlen_k;
     }
+    // Whether query row `row` sees key `col`.
+    FA2_DEVICE bool visible(int row, int col) const {
+        return col < seqlen_k && (!Causal || col <= row + seqlen_k - seqlen_q);
+    }
+    // The first query row that can see key `col` (the backward walks query tiles from there).
+    FA2_DEVICE int first_query(int col) const {
+        if (!Causal) return 0;
+        const int row = col - (seqlen_k - seqlen_q);
+        return row > 0 ? row : 0;
+    }
     // Whether the key tile [col0, col0 + cols) needs per-element masking for rows from row0 on.
     FA2_DEVICE bool tile_needs_mask(int row0, int col0, int cols) const {
         if (col0 + cols > seqlen_k) return true;

@@ -106,6 +106,34 @@ FA2_DEVICE void ld_shared_v4(u32 addr, u32 (&r)[4]) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr));
 }
+FA2_DEVICE void ld_global_v4(const void* ptr, u32 (&r)[4]) {
+    asm volatile("ld.global.nc.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "l"(ptr));
+}
+// Adds two consecutive floats to global memory without reading back (fp32 dQ accumulation in the backward).
+FA2_DEVICE void red_add_f32x2(float* ptr, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(ptr), "f"(a), "f"(b) : "memory");
+#else
+    atomicAdd(ptr, a);
+    atomicAdd(ptr + 1, b);
+#endif
+}
+// Unpacks two 16-bit floats (lo, hi) of one register to fp32.
+template <class E>
+FA2_DEVICE float2 unpack2(u32 v);
+template <>
+FA2_DEVICE float2 unpack2<bf16>(u32 v) {
+    return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
+}
+template <>
+FA2_DEVICE float2 unpack2<f16>(u32 v) {
+    float lo, hi;
+    asm("{ .reg .f16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }" : "=f"(lo), "=f"(hi) : "r"(v));
+    return make_float2(lo, hi);
+}
+
 FA2_DEVICE void st_global_v4(void* ptr, const u32 (&r)[4]) {
     asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(ptr), "r"(r[0]), "r"(r[1]), "r"(r[2]),
                  "r"(r[3]));
@@ -165,6 +193,10 @@ struct SmemTile {
     // A operand (16 rows x 16 k) at (row0, k0) for mma.m16n8k16 — matches the A fragment order.
     static FA2_DEVICE void load_a(u32 (&a)[4], u32 base, int row0, int k0, int lane) {
         ldmatrix_x4(a, at(base, row0 + (lane & 7) + ((lane >> 3) & 1) * 8, k0 + (lane >> 4) * 8));
+    }
+    // A operand (16 rows x 16 k) at (m0, k0) from a tile stored transposed, [k][m] (dS^T in the backward).
+    static FA2_DEVICE void load_a_trans(u32 (&a)[4], u32 base, int m0, int k0, int lane) {
+        ldmatrix_x4_trans(a, at(base, k0 + (lane & 7) + (lane >> 4) * 8, m0 + ((lane >> 3) & 1) * 8));
     }
     // B operands for two n8 tiles from a tile stored [n][k] (K in S = Q K^T): b[0..1] n-tile n0, b[2..3] n0+8.
     static FA2_DEVICE void load_b_nk(u32 (&b)[4], u32 base, int n0, int k0, int lane) {

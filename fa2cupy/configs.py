@@ -103,6 +103,101 @@ FORWARD_CANDIDATES: dict[int, tuple[FwdConfig, ...]] = {
 }
 
 
+@dataclass(frozen=True)
+class BwdConfig:
+    """Template arguments of ``fa2::BwdTraits`` (cuda/bwd.cu), minus element type, causal and AtomicDq."""
+
+    headdim: int
+    block_m: int  # query rows per step of the walk over query tiles
+    block_n: int  # keys per thread block (K_j, V_j resident in shared memory)
+    warps: int  # each owns block_n / warps key rows
+    stages: int  # Q/dO ring depth (1 or 2)
+    dslices: int  # head-dim slices of dK/dV/dQ per key tile (each slice is its own block)
+
+    @property
+    def threads(self) -> int:
+        return self.warps * 32
+
+    def smem_bytes(self, atomic_dq: bool) -> int:
+        # Must match BwdTraits::kSmemBytes.
+        pitch = (self.headdim + 8) * 2
+        ds = self.block_n * (self.block_m + 8) * 2 if atomic_dq else 0
+        return 2 * self.block_n * pitch + 2 * self.stages * self.block_m * pitch + ds + 2 * self.stages * self.block_m * 4
+
+    def name_expression(self, dtype: str, causal: bool, atomic_dq: bool) -> str:
+        return (
+            f"fa2::bwd_dkdv<fa2::BwdTraits<{self.headdim}, {self.block_m}, {self.block_n}, {self.warps}, "
+            f"{self.stages}, {self.dslices}, {DTYPE_TAGS[dtype]}, {str(bool(causal)).lower()}, "
+            f"{str(bool(atomic_dq)).lower()}>>"
+        )
+
+
+@dataclass(frozen=True)
+class BwdDqConfig:
+    """Template arguments of ``fa2::BwdDqTraits``: the deterministic dQ kernel (warps own query rows)."""
+
+    headdim: int
+    block_m: int
+    block_n: int
+    warps: int
+
+    @property
+    def threads(self) -> int:
+        return self.warps * 32
+
+    @property
+    def smem_bytes(self) -> int:
+        return (2 * self.block_m + 4 * self.block_n) * (self.headdim + 8) * 2
+
+    def name_expression(self, dtype: str, causal: bool) -> str:
+        return (
+            f"fa2::bwd_dq<fa2::BwdDqTraits<{self.headdim}, {self.block_m}, {self.block_n}, {self.warps}, "
+            f"{DTYPE_TAGS[dtype]}, {str(bool(causal)).lower()}>>"
+        )
+
+
+def _bwd(headdim, block_m, block_n, warps, stages=2, dslices=1) -> BwdConfig:
+    return BwdConfig(headdim, block_m, block_n, warps, stages, dslices)
+
+
+# Backward main kernel: warps own 16 key rows each, dK and dV accumulate in registers (2 x 16 x slice fp32 per
+# warp), so head dims above 128 split the columns into slices. Every row is spill-free (tests/test_compile.py).
+_BWD_BIG = {  # sm80 and sm90 (>= 163 KB of shared memory per block)
+    32: _bwd(32, 128, 128, 8),
+    64: _bwd(64, 64, 128, 8),
+    96: _bwd(96, 64, 128, 8),
+    128: _bwd(128, 32, 128, 8),
+    160: _bwd(160, 32, 128, 8, stages=1),
+    192: _bwd(192, 32, 64, 4, dslices=2),
+    224: _bwd(224, 32, 64, 4, dslices=2),
+    256: _bwd(256, 32, 64, 4, dslices=2),
+}
+_BWD_SMALL = {  # sm86 (99 KB)
+    32: _bwd(32, 64, 128, 8),
+    64: _bwd(64, 64, 128, 8),
+    96: _bwd(96, 64, 64, 4),
+    128: _bwd(128, 32, 64, 4),
+    160: _bwd(160, 32, 64, 4, stages=1),
+    192: _bwd(192, 32, 64, 4, stages=1, dslices=2),
+    224: _bwd(224, 32, 64, 4, stages=1, dslices=2),
+    256: _bwd(256, 32, 32, 2, stages=1, dslices=2),
+}
+BACKWARD_TABLE: dict[tuple[str, int], BwdConfig] = {
+    **{("sm80", d): c for d, c in _BWD_BIG.items()},
+    **{("sm86", d): c for d, c in _BWD_SMALL.items()},
+    **{("sm90", d): c for d, c in _BWD_BIG.items()},
+}
+
+_DQ_BIG = {d: BwdDqConfig(d, 64, 64 if d <= 128 else 32, 4) for d in HEADDIMS}
+_DQ_SMALL = {d: BwdDqConfig(d, 64, 32, 4) if d <= 128 else BwdDqConfig(d, 32, 16, 2) for d in HEADDIMS}
+#: The deterministic dQ kernel (deterministic=True): one block per query tile, no atomics.
+BACKWARD_DQ_TABLE: dict[tuple[str, int], BwdDqConfig] = {
+    **{("sm80", d): c for d, c in _DQ_BIG.items()},
+    **{("sm86", d): c for d, c in _DQ_SMALL.items()},
+    **{("sm90", d): c for d, c in _DQ_BIG.items()},
+}
+
+
 def arch_family(arch: int) -> str:
     """Compute capability as an int (80, 86, 89, 90, ...) -> table family."""
     if arch < 80:
@@ -131,6 +226,40 @@ def forward_config(arch: int, headdim: int, dtype: str, causal: bool) -> FwdConf
     if dtype not in DTYPE_TAGS:
         raise ValueError(f"dtype must be one of {tuple(DTYPE_TAGS)}, got {dtype}")
     return FORWARD_TABLE[(arch_family(arch), tile_headdim(headdim))]
+
+
+def backward_config(arch: int, headdim: int, dtype: str, causal: bool) -> BwdConfig:
+    """The backward main-kernel configuration (same key as :func:`forward_config`)."""
+    if dtype not in DTYPE_TAGS:
+        raise ValueError(f"dtype must be one of {tuple(DTYPE_TAGS)}, got {dtype}")
+    return BACKWARD_TABLE[(arch_family(arch), tile_headdim(headdim))]
+
+
+def backward_dq_config(arch: int, headdim: int, dtype: str, causal: bool) -> BwdDqConfig:
+    """The deterministic dQ kernel's configuration."""
+    if dtype not in DTYPE_TAGS:
+        raise ValueError(f"dtype must be one of {tuple(DTYPE_TAGS)}, got {dtype}")
+    return BACKWARD_DQ_TABLE[(arch_family(arch), tile_headdim(headdim))]
+
+
+def backward_instantiations(family: str | None = None) -> list[str]:
+    """Name expressions of every shipped backward instantiation (of one arch family, or all), deduplicated."""
+    names = set()
+    for (fam, _), config in BACKWARD_TABLE.items():
+        if family is None or fam == family:
+            for dtype in DTYPE_TAGS:
+                for causal in (False, True):
+                    for atomic in (False, True):
+                        names.add(config.name_expression(dtype, causal, atomic))
+    for (fam, _), config in BACKWARD_DQ_TABLE.items():
+        if family is None or fam == family:
+            for dtype in DTYPE_TAGS:
+                for causal in (False, True):
+                    names.add(config.name_expression(dtype, causal))
+    for dtype in DTYPE_TAGS:
+        names.add(f"fa2::bwd_preprocess<{DTYPE_TAGS[dtype]}>")
+        names.add(f"fa2::bwd_convert_dq<{DTYPE_TAGS[dtype]}>")
+    return sorted(names)
 
 
 def forward_instantiations(family: str | None = None) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import cupy
 
-from . import arrays, checks, forward
+from . import arrays, backward, checks, forward
 
 _arch_by_device: dict[int, int] = {}
 
@@ -41,19 +41,51 @@ def _elem_strides(x) -> tuple:
 
 
 class _CachedCall:
-    """What a validated call left behind for identical later calls (same metadata, aligned pointers)."""
+    """What a validated call left behind for identical later calls (same metadata, aligned pointers): the plan
+    and the (shape, dtype) of every array the call allocates, in allocation order."""
 
-    __slots__ = ("plan", "device", "framework", "out_shape", "lse_shape", "dtype")
+    __slots__ = ("plan", "device", "framework", "allocations")
 
-    def __init__(self, plan, device, framework, out_shape, lse_shape, dtype):
-        self.plan, self.device, self.framework = plan, device, framework
-        self.out_shape, self.lse_shape, self.dtype = out_shape, lse_shape, dtype
+    def __init__(self, plan, device, framework, allocations):
+        self.plan, self.device, self.framework, self.allocations = plan, device, framework, allocations
+
+    def allocate(self):
+        """[(array in the caller's framework, device pointer)] for every allocation, on the current stream."""
+        return [arrays.new_empty_raw(shape, dtype, self.framework, self.device) for shape, dtype in self.allocations]
 
 
 #: Validated plans by call metadata (see arrays.fast_meta): a repeated call skips checks, array adaptation and
 #: planning, which are ~90% of the host time of a small problem.
 _cached_calls: dict = {}
 _MAX_CACHED_CALLS = 1024
+
+
+def _cached_lookup(kind: str, inputs, options):
+    """(key, cached call or None, input pointers) for the fast path; key None when the call cannot be cached
+    (a framework without a fast path, an unhashable option). A cached call is returned only if every pointer
+    is 16-byte aligned and its device is the current one."""
+    metas = [arrays.fast_meta(x) for x in inputs]
+    if any(m is None for m in metas):
+        return None, None, None
+    key = (kind, tuple(m[0] for m in metas), options)
+    try:
+        cached = _cached_calls.get(key)
+    except TypeError:  # an unhashable option (say a list window_size): take the checked path
+        return None, None, None
+    pointers = [m[1] for m in metas]
+    if cached is not None:
+        aligned = not any(p & 15 for p in pointers)
+        if not aligned or cupy.cuda.runtime.getDevice() != cached.device:
+            cached = None
+    return key, cached, pointers
+
+
+def _remember(key, cached: _CachedCall) -> None:
+    if key is None:
+        return
+    if len(_cached_calls) >= _MAX_CACHED_CALLS:
+        _cached_calls.clear()
+    _cached_calls[key] = cached
 
 
 def flash_attn_func(
@@ -95,25 +127,14 @@ def flash_attn_func(
     """
     key = None
     if not forward._debug_poison:
-        q_meta, k_meta, v_meta = arrays.fast_meta(q), arrays.fast_meta(k), arrays.fast_meta(v)
-        if q_meta is not None and k_meta is not None and v_meta is not None:
-            options = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                       return_attn_probs)
-            try:
-                key = (q_meta[0], k_meta[0], v_meta[0], options)
-                cached = _cached_calls.get(key)
-            except TypeError:  # an unhashable option (say a list window_size): take the checked path
-                key = cached = None
-            if (
-                cached is not None
-                and not (q_meta[1] | k_meta[1] | v_meta[1]) & 15
-                and cupy.cuda.runtime.getDevice() == cached.device
-            ):
-                stream = arrays.caller_stream(cached.framework, cached.device)
-                out, out_ptr = arrays.new_empty_raw(cached.out_shape, cached.dtype, cached.framework, cached.device)
-                lse, lse_ptr = arrays.new_empty_raw(cached.lse_shape, "float32", cached.framework, cached.device)
-                forward.run_forward(cached.plan, q_meta[1], k_meta[1], v_meta[1], out_ptr, lse_ptr, stream)
-                return (out, lse, None) if return_attn_probs else out
+        options = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                   return_attn_probs)
+        key, cached, ptrs = _cached_lookup("fwd", (q, k, v), options)
+        if cached is not None:
+            stream = arrays.caller_stream(cached.framework, cached.device)
+            (out, out_ptr), (lse, lse_ptr) = cached.allocate()
+            forward.run_forward(cached.plan, ptrs[0], ptrs[1], ptrs[2], out_ptr, lse_ptr, stream)
+            return (out, lse, None) if return_attn_probs else out
     return _flash_attn_checked(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
         return_attn_probs, key,
@@ -166,14 +187,102 @@ def _flash_attn_checked(
                 bool(causal), _arch(device),
             )
             forward.run_forward(plan, qc.data.ptr, kc.data.ptr, vc.data.ptr, out.data.ptr, lse.data.ptr, stream)
-            used_in_place = qc is q_in and kc is k_in and vc is v_in and framework in ("torch", "cupy")
-            if cache_key is not None and used_in_place:
-                if len(_cached_calls) >= _MAX_CACHED_CALLS:
-                    _cached_calls.clear()
-                _cached_calls[cache_key] = _CachedCall(plan, device, framework, out_shape, lse_shape, shape.dtype)
+            if qc is q_in and kc is k_in and vc is v_in:  # inputs used in place: later calls may skip to launch
+                _remember(cache_key, _CachedCall(plan, device, framework,
+                                                 ((out_shape, shape.dtype), (lse_shape, "float32"))))
             result = arrays.make_result(out_native, out, framework)
             if padded != shape.headdim:
                 result = result[..., : shape.headdim]
             if not return_attn_probs:
                 return result
             return result, arrays.make_result(lse_native, lse, framework), None
+
+
+def flash_attn_backward(
+    dout, q, k, v, out, softmax_lse, softmax_scale=None, causal=False, window_size=(-1, -1), deterministic=False
+):
+    """Gradients of ``flash_attn_func`` (FlashAttention-2 Algorithm 2) w.r.t. q, k and v.
+
+    Args:
+        dout: ``(batch, seqlen_q, nheads, headdim)``, the gradient of the loss w.r.t. ``out``.
+        q, k, v: the forward's inputs (shapes, dtypes and layouts as in :func:`flash_attn_func`).
+        out, softmax_lse: the forward's output and float32 ``(batch, nheads, seqlen_q)`` log-sum-exp, as returned
+            by ``flash_attn_func(q, k, v, ..., return_attn_probs=True)`` with the same ``softmax_scale`` and
+            ``causal``. Only these O(N) statistics are kept between forward and backward.
+        softmax_scale, causal, window_size: as given to the forward.
+        deterministic: False accumulates dQ across key tiles with fp32 atomics (fastest; the summation order,
+            hence the last bits, can change between runs). True computes dQ in a separate kernel that walks the
+            key tiles in a fixed order: bit-identical results run to run, at the cost of recomputing Q K^T and
+            dO V^T once more (two extra matmuls of the five).
+
+    Returns:
+        ``(dq, dk, dv)`` in the inputs' framework and dtype; dq shaped like q, dk/dv like k/v (for MQA/GQA the
+        gradient of each K/V head sums over the query heads that share it).
+
+    Raises:
+        TypeError / ValueError naming the offending argument; NotImplementedError for unbuilt features.
+    """
+    key = None
+    if not backward._debug_poison:
+        key, cached, ptrs = _cached_lookup(
+            "bwd", (dout, q, k, v, out, softmax_lse), (softmax_scale, causal, window_size, deterministic)
+        )
+        if cached is not None:
+            stream = arrays.caller_stream(cached.framework, cached.device)
+            allocated = cached.allocate()
+            pointers = dict(zip(("dout", "q", "k", "v", "out", "lse"), ptrs))
+            pointers.update(zip(("dq", "dk", "dv", "dsum", "dq_accum"), (p for _, p in allocated)))
+            backward.run_backward(cached.plan, pointers, stream)
+            return allocated[0][0], allocated[1][0], allocated[2][0]
+    return _flash_attn_backward_checked(
+        dout, q, k, v, out, softmax_lse, softmax_scale, causal, window_size, deterministic, key
+    )
+
+
+def _flash_attn_backward_checked(
+    dout, q, k, v, out, softmax_lse, softmax_scale, causal, window_size, deterministic, cache_key
+):
+    names = ("dout", "q", "k", "v", "out", "softmax_lse")
+    infos = [arrays.describe(x, name) for x, name in zip((dout, q, k, v, out, softmax_lse), names)]
+    shape = checks.check_backward_args(
+        *infos, softmax_scale=softmax_scale, causal=causal, window_size=window_size, deterministic=deterministic
+    )
+    scale = checks.default_scale(shape.headdim) if softmax_scale is None else float(softmax_scale)
+    framework = infos[1].framework
+    device = infos[1].device[1] if infos[1].device[0] == "cuda" else cupy.cuda.runtime.getDevice()
+    padded = -(-shape.headdim // 8) * 8
+    deterministic = bool(deterministic)
+
+    with cupy.cuda.Device(device):
+        stream = arrays.caller_stream(framework, device)
+        with stream:
+            given = [arrays.to_cupy(x, info) for x, info in zip((dout, q, k, v, out, softmax_lse), infos)]
+            ready = [_kernel_ready(x, shape.headdim) for x in given[:5]]
+            lse = given[5] if given[5].flags.c_contiguous else cupy.ascontiguousarray(given[5])
+            allocations = (
+                ((shape.batch, shape.seqlen_q, shape.nheads, padded), shape.dtype),  # dq
+                ((shape.batch, shape.seqlen_k, shape.nheads_kv, padded), shape.dtype),  # dk
+                ((shape.batch, shape.seqlen_k, shape.nheads_kv, padded), shape.dtype),  # dv
+                ((shape.batch, shape.nheads, shape.seqlen_q), "float32"),  # dsum = rowsum(dO * O)
+            ) + (() if deterministic else (((shape.batch, shape.nheads, shape.seqlen_q, padded), "float32"),))
+            made = [arrays.new_empty(s, dt, framework, device) for s, dt in allocations]
+            views = [view for _, view in made]
+            if backward._debug_poison:
+                for view in views[:3]:
+                    view.fill(float("nan"))
+            dout_c, q_c, k_c, v_c, out_c = ready
+            strides = {n: _elem_strides(x) for n, x in zip(("dout", "q", "k", "v", "out"), ready)}
+            strides.update({n: _elem_strides(x) for n, x in zip(("dq", "dk", "dv"), views)})
+            plan = backward.plan_backward(
+                q_c.shape, k_c.shape, strides, shape.dtype, scale, bool(causal), deterministic, _arch(device)
+            )
+            pointers = {n: x.data.ptr for n, x in zip(("dout", "q", "k", "v", "out"), ready)}
+            pointers["lse"] = lse.data.ptr
+            pointers.update({n: x.data.ptr for n, x in zip(("dq", "dk", "dv", "dsum", "dq_accum"), views)})
+            backward.run_backward(plan, pointers, stream)
+            if all(r is g for r, g in zip(ready, given[:5])) and lse is given[5]:
+                _remember(cache_key, _CachedCall(plan, device, framework, allocations))
+            results = [arrays.make_result(native, view, framework) for native, view in made[:3]]
+            if padded != shape.headdim:
+                results = [r[..., : shape.headdim] for r in results]
+            return tuple(results)

@@ -40,17 +40,22 @@ def _ptxas_reports(log: str) -> dict[str, tuple[int, int]]:
     return reports
 
 
+FAMILIES = {"fwd": configs.forward_instantiations, "bwd": configs.backward_instantiations}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("arch", ["80", "90"])
-def test_forward_instantiations_compile(arch):
-    names = configs.forward_instantiations()
+def test_instantiations_compile_without_spills(family, arch):
+    instantiations = FAMILIES[family]
+    names = instantiations()
     assert len(names) >= 2 * 2 * len(configs.HEADDIMS)  # dtypes x masks x head dims at least
-    cubin, log, lowered = build.compile_for_arch("fwd", names, arch, log=True)
+    cubin, log, lowered = build.compile_for_arch(family, names, arch, log=True)
     assert len(cubin) > 0
     reports = _ptxas_reports(log)
     shipped_here = [f for f, a in FAMILY_ARCH.items() if a == arch]
     checked = 0
-    for family in shipped_here:
-        for name in configs.forward_instantiations(family):
+    for table_family in shipped_here:
+        for name in instantiations(table_family):
             spill, stack = reports[lowered[name]]
             assert (spill, stack) == (0, 0), f"{name} spills {spill} bytes on sm_{arch}"
             checked += 1
@@ -65,9 +70,18 @@ def test_every_table_entry_fits_its_family():
         assert config.block_m % (16 * config.warps) == 0
     assert {family for family, _ in configs.FORWARD_TABLE} == set(configs.ARCH_FAMILIES)
     assert {width for _, width in configs.FORWARD_TABLE} == set(configs.HEADDIMS)
+    for table in (configs.BACKWARD_TABLE, configs.BACKWARD_DQ_TABLE):
+        assert set(table) == set(configs.FORWARD_TABLE)
+    for (family, width), config in configs.BACKWARD_TABLE.items():
+        assert config.headdim == width and config.block_n % (16 * config.warps) == 0
+        assert config.smem_bytes(atomic_dq=True) <= limits[family], (family, width, config)
+        assert (config.block_m // 16) <= config.warps and width % (16 * config.dslices) == 0
+    for (family, width), config in configs.BACKWARD_DQ_TABLE.items():
+        assert config.headdim == width and config.smem_bytes <= limits[family], (family, width, config)
 
 
-def test_source_inlines_headers_once():
-    text = build.source("fwd")
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_source_inlines_headers_once(family):
+    text = build.source(family)
     assert '#include "' not in text
-    assert text.count("struct OnlineSoftmax") == 1
+    assert text.count("struct SmemTile") == 1

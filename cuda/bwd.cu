@@ -1,0 +1,558 @@
+// FlashAttention-2 backward (Dao 2023, Algorithm 2) on mma.sync tensor cores.
+//
+//   bwd_preprocess  D = rowsum(dO * O) per query row (and zeroes the fp32 dQ accumulator when atomics are used)
+//   bwd_dkdv        one block per (key tile, kv head, batch): K_j, V_j stay in shared memory while the block walks
+//                   the query tiles of every query head of its group, recomputing P = exp(S - L) from the saved
+//                   log-sum-exp; dK_j and dV_j accumulate in registers. dQ is added to an fp32 workspace with
+//                   atomics (AtomicDq) or left to bwd_dq (deterministic mode).
+//   bwd_dq          deterministic dQ: one block per query tile, looping over key tiles in a fixed order
+//   bwd_convert_dq  fp32 accumulator -> dQ in the input dtype, times softmax_scale
+//
+// Layout trick of the main kernel: warps own KEY rows, so S^T = K Q^T and dP^T = V dO^T come out of the tensor
+// cores with keys as the row (m) index. Their C fragments are then directly the A operands of dV += P^T dO and
+// dK += dS^T Q (as P is for O += P V in the forward): no shared-memory round trip for P or dS, except dS for dQ.
+#include "primitives.cuh"
+#include "masks.cuh"
+
+namespace fa2 {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// One tile configuration of the main kernel. DSlices > 1 splits the head dim of dK/dV/dQ over that many blocks
+// (each recomputes S and dP for its key tile over the full head dim), which keeps large head dims in registers.
+template <int HeadDim, int BlockM, int BlockN, int Warps, int Stages, int DSlices, class Elem_, bool Causal,
+          bool AtomicDq>
+struct BwdTraits {
+    using Elem = Elem_;
+    static constexpr int kHeadDim = HeadDim, kBlockM = BlockM, kBlockN = BlockN, kStages = Stages;
+    static constexpr int kThreads = Warps * 32, kWarps = Warps, kDSlices = DSlices;
+    static constexpr bool kCausal = Causal, kAtomicDq = AtomicDq;
+    static constexpr int kKeyTiles = BlockN / (16 * Warps);  // m16 key tiles per warp
+    static constexpr int kSliceD = HeadDim / DSlices;        // dK/dV/dQ columns per block
+    static constexpr int kQTiles = BlockM / 8;               // n8 query tiles of S^T
+    // dQ = dS K splits the BlockM x kSliceD output over warps: kDqRowWarps groups of 16 rows, and within a
+    // group the 16-column units dealt round-robin to kDqColWarps warps (head dims like 160 give uneven deals).
+    static constexpr int kDqRowWarps = BlockM / 16;
+    static constexpr int kDqColWarps = Warps / kDqRowWarps;
+    static constexpr int kDqUnits = kSliceD / 16;
+    static constexpr int kDqUnitsPerWarp = (kDqUnits + kDqColWarps - 1) / kDqColWarps;
+    using KVTile = SmemTile<BlockN, HeadDim>;
+    using QTile = SmemTile<BlockM, HeadDim>;
+    using DsTile = SmemTile<BlockN, BlockM>;  // dS^T, keys x queries
+    static constexpr int kSmemBytes = 2 * KVTile::kBytes + 2 * Stages * QTile::kBytes +
+                                      (AtomicDq ? DsTile::kBytes : 0) + 2 * Stages * BlockM * 4;
+    static_assert(kKeyTiles >= 1 && BlockN % (16 * Warps) == 0, "BlockN must be a multiple of 16 x warps");
+    static_assert(kSliceD % 16 == 0 && HeadDim % DSlices == 0, "head-dim slices must be multiples of 16");
+    static_assert(Warps % kDqRowWarps == 0, "dQ row groups must divide the warps");
+    static_assert(Stages == 1 || Stages == 2, "the Q/dO ring has one or two stages");
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// D = rowsum(dO * O) (FA2 Algorithm 2 line 4 hoisted out of the loop), one warp per query row; lanes read
+// 16-byte chunks. Also clears the row of the fp32 dQ accumulator when the main kernel adds into it.
+template <class Elem>
+__global__ void __launch_bounds__(256)
+    bwd_preprocess(const u16* __restrict__ dout, const u16* __restrict__ out, float* __restrict__ dsum,
+                   float* __restrict__ dq_accum, i64 do_batch_stride, int do_row_stride, i64 do_head_stride,
+                   i64 o_batch_stride, int o_row_stride, i64 o_head_stride, int seqlen_q, int nheads, int headdim) {
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * 8 + (threadIdx.x >> 5);
+    const int head = blockIdx.y, batch = blockIdx.z;
+    if (row >= seqlen_q) return;
+    const u16* do_row = dout + batch * do_batch_stride + (i64)row * do_row_stride + head * do_head_stride;
+    const u16* o_row = out + batch * o_batch_stride + (i64)row * o_row_stride + head * o_head_stride;
+    const i64 stat = ((i64)batch * nheads + head) * seqlen_q + row;
+    float acc = 0.f;
+    for (int c = lane * 8; c < headdim; c += 32 * 8) {
+        u32 a[4], b[4];
+        ld_global_v4(do_row + c, a);
+        ld_global_v4(o_row + c, b);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float2 x = unpack2<Elem>(a[i]), y = unpack2<Elem>(b[i]);
+            acc += x.x * y.x + x.y * y.y;
+        }
+        if (dq_accum != nullptr) {
+            const u32 zero[4] = {0u, 0u, 0u, 0u};
+            st_global_v4(dq_accum + stat * headdim + c, zero);
+            st_global_v4(dq_accum + stat * headdim + c + 4, zero);
+        }
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+    if (lane == 0) dsum[stat] = acc;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+template <class Tr>
+__global__ void __launch_bounds__(Tr::kThreads, 1)
+    bwd_dkdv(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+             const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
+             float* __restrict__ dq_accum, u16* __restrict__ dk, u16* __restrict__ dv, i64 q_batch_stride,
+             int q_row_stride, i64 q_head_stride, i64 k_batch_stride, int k_row_stride, i64 k_head_stride,
+             i64 v_batch_stride, int v_row_stride, i64 v_head_stride, i64 do_batch_stride, int do_row_stride,
+             i64 do_head_stride, i64 dk_batch_stride, int dk_row_stride, i64 dk_head_stride, i64 dv_batch_stride,
+             int dv_row_stride, i64 dv_head_stride, int seqlen_q, int seqlen_k, int nheads, int heads_per_kv,
+             int headdim, float scale, float scale_log2) {
+    using KVTile = typename Tr::KVTile;
+    using QTile = typename Tr::QTile;
+    using DsTile = typename Tr::DsTile;
+    using Mma = fa2::Mma<typename Tr::Elem>;
+    constexpr int kKT = Tr::kKeyTiles, kQT = Tr::kQTiles, kKSteps = Tr::kHeadDim / 16;
+    constexpr int kSD = Tr::kSliceD / 8;  // n8 tiles of this block's dK/dV slice
+    constexpr int kM = Tr::kBlockM;
+
+    extern __shared__ __align__(128) unsigned char smem[];
+    const u32 smem_k = smem_u32(smem);
+    const u32 smem_v = smem_k + KVTile::kBytes;
+    const u32 smem_q = smem_v + KVTile::kBytes;                        // Stages x Q tiles
+    const u32 smem_do = smem_q + Tr::kStages * QTile::kBytes;          // Stages x dO tiles
+    const u32 smem_ds = smem_do + Tr::kStages * QTile::kBytes;         // dS^T (AtomicDq only)
+    float* smem_stats = reinterpret_cast<float*>(smem + 2 * KVTile::kBytes + 2 * Tr::kStages * QTile::kBytes +
+                                                 (Tr::kAtomicDq ? DsTile::kBytes : 0));
+    float* smem_lse = smem_stats;                       // Stages x BlockM, log2 domain, +inf past seqlen_q
+    float* smem_dsum = smem_stats + Tr::kStages * kM;   // Stages x BlockM
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int n_block = blockIdx.x / Tr::kDSlices, slice = blockIdx.x % Tr::kDSlices;
+    const int kv_head = blockIdx.y, batch = blockIdx.z;
+    const int key0 = n_block * Tr::kBlockN;
+    const int warp_key0 = warp * kKT * 16;
+    const int col0 = slice * Tr::kSliceD;  // first head-dim column this block accumulates
+
+    const CausalMask<Tr::kCausal> mask{seqlen_q, seqlen_k};
+    const int m_begin = mask.first_query(key0) / kM;
+    const int m_count = (seqlen_q + kM - 1) / kM - m_begin;
+    const int n_iters = heads_per_kv * (m_count > 0 ? m_count : 0);
+
+    // K_j and V_j: loaded once (Algorithm 2 line 6).
+    KVTile::template load_async<Tr::kThreads>(smem_k, k + batch * k_batch_stride + (i64)key0 * k_row_stride +
+                                                          kv_head * k_head_stride,
+                                              k_row_stride, seqlen_k - key0, headdim, tid);
+    KVTile::template load_async<Tr::kThreads>(smem_v, v + batch * v_batch_stride + (i64)key0 * v_row_stride +
+                                                          kv_head * v_head_stride,
+                                              v_row_stride, seqlen_k - key0, headdim, tid);
+
+    // Query tile `it` of the flattened (query head of the group, m block) loop into ring slot `slot`.
+    auto load_q_tile = [&](int it, int slot) {
+        const int head = kv_head * heads_per_kv + it / m_count;
+        const int m0 = (m_begin + it % m_count) * kM;
+        QTile::template load_async<Tr::kThreads>(
+            smem_q + slot * QTile::kBytes, q + batch * q_batch_stride + (i64)m0 * q_row_stride + head * q_head_stride,
+            q_row_stride, seqlen_q - m0, headdim, tid);
+        QTile::template load_async<Tr::kThreads>(
+            smem_do + slot * QTile::kBytes,
+            dout + batch * do_batch_stride + (i64)m0 * do_row_stride + head * do_head_stride, do_row_stride,
+            seqlen_q - m0, headdim, tid);
+        // The row statistics go through plain loads: rows past seqlen_q need lse = +inf (so P = 0), which a
+        // zero-filling cp.async cannot produce. The slot is free (all threads passed the barrier after its
+        // last use) and the next barrier publishes these stores.
+        for (int r = tid; r < kM; r += Tr::kThreads) {
+            const i64 stat = ((i64)batch * nheads + head) * seqlen_q + m0 + r;
+            const bool ok = m0 + r < seqlen_q;
+            smem_lse[slot * kM + r] = ok ? lse[stat] * kLog2e : pos_inf();
+            smem_dsum[slot * kM + r] = ok ? dsum[stat] : 0.f;
+        }
+    };
+
+    float acc_dk[kKT][kSD][4], acc_dv[kKT][kSD][4];
+#pragma unroll
+    for (int kt = 0; kt < kKT; ++kt)
+#pragma unroll
+        for (int dt = 0; dt < kSD; ++dt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_dk[kt][dt][e] = acc_dv[kt][dt][e] = 0.f;
+
+    if (n_iters > 0) load_q_tile(0, 0);
+    cp_async_commit();
+
+    for (int it = 0; it < n_iters; ++it) {
+        if (Tr::kStages == 1 && it > 0) {
+            __syncthreads();  // every warp is done with the single slot
+            load_q_tile(it, 0);
+            cp_async_commit();
+        }
+        cp_async_wait<0>();
+        __syncthreads();
+        if (Tr::kStages == 2) {
+            if (it + 1 < n_iters) load_q_tile(it + 1, (it + 1) & 1);
+            cp_async_commit();
+        }
+        const int slot = Tr::kStages == 2 ? (it & 1) : 0;
+        const u32 q_s = smem_q + slot * QTile::kBytes, do_s = smem_do + slot * QTile::kBytes;
+        const float* lse_s = smem_lse + slot * kM;
+        const float* dsum_s = smem_dsum + slot * kM;
+        const int head = kv_head * heads_per_kv + it / m_count;
+        const int m0 = (m_begin + it % m_count) * kM;
+
+        // S^T = K_j Q_i^T and dP^T = V_j dO_i^T (lines 9 and 12), keys as rows.
+        float st[kKT][kQT][4], dpt[kKT][kQT][4];
+#pragma unroll
+        for (int kt = 0; kt < kKT; ++kt)
+#pragma unroll
+            for (int nt = 0; nt < kQT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) st[kt][nt][e] = dpt[kt][nt][e] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < kKSteps; ++kk) {
+            u32 ak[kKT][4], av[kKT][4];
+#pragma unroll
+            for (int kt = 0; kt < kKT; ++kt) {
+                KVTile::load_a(ak[kt], smem_k, warp_key0 + kt * 16, kk * 16, lane);
+                KVTile::load_a(av[kt], smem_v, warp_key0 + kt * 16, kk * 16, lane);
+            }
+#pragma unroll
+            for (int np = 0; np < kQT / 2; ++np) {
+                u32 bq[4], bdo[4];
+                QTile::load_b_nk(bq, q_s, np * 16, kk * 16, lane);
+                QTile::load_b_nk(bdo, do_s, np * 16, kk * 16, lane);
+#pragma unroll
+                for (int kt = 0; kt < kKT; ++kt) {
+                    Mma::run(st[kt][2 * np], ak[kt], bq[0], bq[1]);
+                    Mma::run(st[kt][2 * np + 1], ak[kt], bq[2], bq[3]);
+                    Mma::run(dpt[kt][2 * np], av[kt], bdo[0], bdo[1]);
+                    Mma::run(dpt[kt][2 * np + 1], av[kt], bdo[2], bdo[3]);
+                }
+            }
+        }
+        // P^T = exp(S^T * scale - L) (line 11) and dS^T = P^T o (dP^T - D) (line 13), in place.
+        const bool need_mask = mask.tile_needs_mask(m0, key0, Tr::kBlockN);
+#pragma unroll
+        for (int kt = 0; kt < kKT; ++kt) {
+#pragma unroll
+            for (int nt = 0; nt < kQT; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = key0 + warp_key0 + kt * 16 + (lane >> 2) + (e >> 1) * 8;
+                    const int qc = nt * 8 + (lane & 3) * 2 + (e & 1);
+                    float p = fast_exp2(st[kt][nt][e] * scale_log2 - lse_s[qc]);
+                    if (need_mask && !mask.visible(m0 + qc, key)) p = 0.f;
+                    st[kt][nt][e] = p;
+                    dpt[kt][nt][e] = p * (dpt[kt][nt][e] - dsum_s[qc]);
+                }
+            }
+        }
+        // dV_j += P^T dO_i (line 10) and dK_j += dS^T Q_i (line 16, scale applied at the end): the C fragments of
+        // two adjacent n8 query tiles are the A fragment of one k16 step.
+#pragma unroll
+        for (int kk = 0; kk < kQT / 2; ++kk) {
+            u32 ap[kKT][4], ads[kKT][4];
+#pragma unroll
+            for (int kt = 0; kt < kKT; ++kt) {
+                ap[kt][0] = Mma::pack(st[kt][2 * kk][0], st[kt][2 * kk][1]);
+                ap[kt][1] = Mma::pack(st[kt][2 * kk][2], st[kt][2 * kk][3]);
+                ap[kt][2] = Mma::pack(st[kt][2 * kk + 1][0], st[kt][2 * kk + 1][1]);
+                ap[kt][3] = Mma::pack(st[kt][2 * kk + 1][2], st[kt][2 * kk + 1][3]);
+                ads[kt][0] = Mma::pack(dpt[kt][2 * kk][0], dpt[kt][2 * kk][1]);
+                ads[kt][1] = Mma::pack(dpt[kt][2 * kk][2], dpt[kt][2 * kk][3]);
+                ads[kt][2] = Mma::pack(dpt[kt][2 * kk + 1][0], dpt[kt][2 * kk + 1][1]);
+                ads[kt][3] = Mma::pack(dpt[kt][2 * kk + 1][2], dpt[kt][2 * kk + 1][3]);
+                if (Tr::kAtomicDq) {  // keep dS^T for dQ = dS K below
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        const int r = warp_key0 + kt * 16 + (lane >> 2) + half * 8;
+                        st_shared_u32(DsTile::at(smem_ds, r, kk * 16 + (lane & 3) * 2), ads[kt][half]);
+                        st_shared_u32(DsTile::at(smem_ds, r, kk * 16 + 8 + (lane & 3) * 2), ads[kt][2 + half]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int dp = 0; dp < kSD / 2; ++dp) {
+                u32 bdo[4], bq[4];
+                QTile::load_b_kn(bdo, do_s, kk * 16, col0 + dp * 16, lane);
+                QTile::load_b_kn(bq, q_s, kk * 16, col0 + dp * 16, lane);
+#pragma unroll
+                for (int kt = 0; kt < kKT; ++kt) {
+                    Mma::run(acc_dv[kt][2 * dp], ap[kt], bdo[0], bdo[1]);
+                    Mma::run(acc_dv[kt][2 * dp + 1], ap[kt], bdo[2], bdo[3]);
+                    Mma::run(acc_dk[kt][2 * dp], ads[kt], bq[0], bq[1]);
+                    Mma::run(acc_dk[kt][2 * dp + 1], ads[kt], bq[2], bq[3]);
+                }
+            }
+        }
+        if (Tr::kAtomicDq) {
+            // dQ_i += dS K_j (line 15) for this block's columns, added to the fp32 workspace. dS^T is in shared
+            // memory as [key][query]; ldmatrix.trans turns it into A fragments with queries as rows.
+            __syncthreads();
+            constexpr int kU = Tr::kDqUnitsPerWarp;
+            const int row_w = warp % Tr::kDqRowWarps, col_w = warp / Tr::kDqRowWarps;
+            float acc_dq[kU][2][4];
+#pragma unroll
+            for (int u = 0; u < kU; ++u)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc_dq[u][0][e] = acc_dq[u][1][e] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < Tr::kBlockN / 16; ++kk) {
+                u32 a[4];
+                DsTile::load_a_trans(a, smem_ds, row_w * 16, kk * 16, lane);
+#pragma unroll
+                for (int u = 0; u < kU; ++u) {
+                    const int unit = col_w + u * Tr::kDqColWarps;
+                    if (kU * Tr::kDqColWarps == Tr::kDqUnits || unit < Tr::kDqUnits) {
+                        u32 b[4];
+                        KVTile::load_b_kn(b, smem_k, kk * 16, col0 + unit * 16, lane);
+                        Mma::run(acc_dq[u][0], a, b[0], b[1]);
+                        Mma::run(acc_dq[u][1], a, b[2], b[3]);
+                    }
+                }
+            }
+            float* dq_head = dq_accum + ((i64)batch * nheads + head) * seqlen_q * headdim;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int row = m0 + row_w * 16 + (lane >> 2) + half * 8;
+#pragma unroll
+                for (int u = 0; u < kU; ++u) {
+                    const int unit = col_w + u * Tr::kDqColWarps;
+#pragma unroll
+                    for (int j = 0; j < 2; ++j) {
+                        const int c = col0 + unit * 16 + j * 8 + (lane & 3) * 2;
+                        if (unit < Tr::kDqUnits && row < seqlen_q && c < headdim)
+                            red_add_f32x2(dq_head + (i64)row * headdim + c, acc_dq[u][j][2 * half],
+                                          acc_dq[u][j][2 * half + 1]);
+                    }
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // K/V tiles are reused below as staging for the outputs
+
+    // dK_j = scale * dS^T Q (the scale of S = scale * Q K^T, deferred to here) and dV_j, through this warp's own
+    // rows of the K and V tiles so the global stores are 16-byte and row-contiguous.
+#pragma unroll
+    for (int kt = 0; kt < kKT; ++kt)
+#pragma unroll
+        for (int dt = 0; dt < kSD; ++dt)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int r = warp_key0 + kt * 16 + (lane >> 2) + half * 8, c = col0 + dt * 8 + (lane & 3) * 2;
+                st_shared_u32(KVTile::at(smem_k, r, c),
+                              Mma::pack(acc_dk[kt][dt][2 * half] * scale, acc_dk[kt][dt][2 * half + 1] * scale));
+                st_shared_u32(KVTile::at(smem_v, r, c), Mma::pack(acc_dv[kt][dt][2 * half], acc_dv[kt][dt][2 * half + 1]));
+            }
+    __syncwarp();
+    u16* dk_head = dk + batch * dk_batch_stride + kv_head * dk_head_stride;
+    u16* dv_head = dv + batch * dv_batch_stride + kv_head * dv_head_stride;
+    constexpr int kWarpChunks = kKT * 16 * kSD;
+#pragma unroll
+    for (int i = 0; i < (kWarpChunks + 31) / 32; ++i) {
+        const int idx = lane + i * 32;
+        const int r = warp_key0 + idx / kSD, c = col0 + (idx % kSD) * 8;
+        if ((kWarpChunks % 32 == 0 || idx < kWarpChunks) && key0 + r < seqlen_k && c < headdim) {
+            u32 chunk[4];
+            ld_shared_v4(KVTile::at(smem_k, r, c), chunk);
+            st_global_v4(dk_head + (i64)(key0 + r) * dk_row_stride + c, chunk);
+            ld_shared_v4(KVTile::at(smem_v, r, c), chunk);
+            st_global_v4(dv_head + (i64)(key0 + r) * dv_row_stride + c, chunk);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Deterministic dQ: one block per (query tile, head, batch), the forward's structure (warps own query rows),
+// keys visited in a fixed order, dQ accumulated in registers: no atomics, bit-identical run to run. It recomputes
+// S and dP (two extra matmuls), the documented cost of deterministic=True.
+template <int HeadDim, int BlockM, int BlockN, int Warps, class Elem_, bool Causal>
+struct BwdDqTraits {
+    using Elem = Elem_;
+    static constexpr int kHeadDim = HeadDim, kBlockM = BlockM, kBlockN = BlockN, kThreads = Warps * 32;
+    static constexpr bool kCausal = Causal;
+    static constexpr int kMTiles = BlockM / (16 * Warps);
+    using QTile = SmemTile<BlockM, HeadDim>;
+    using KVTile = SmemTile<BlockN, HeadDim>;
+    static constexpr int kSmemBytes = 2 * QTile::kBytes + 4 * KVTile::kBytes;  // Q, dO, 2 x (K, V)
+    static_assert(kMTiles >= 1 && BlockM % (16 * Warps) == 0, "BlockM must be a multiple of 16 x warps");
+};
+
+template <class Tr>
+__global__ void __launch_bounds__(Tr::kThreads, 1)
+    bwd_dq(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+           const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
+           u16* __restrict__ dq, i64 q_batch_stride, int q_row_stride, i64 q_head_stride, i64 k_batch_stride,
+           int k_row_stride, i64 k_head_stride, i64 v_batch_stride, int v_row_stride, i64 v_head_stride,
+           i64 do_batch_stride, int do_row_stride, i64 do_head_stride, i64 dq_batch_stride, int dq_row_stride,
+           i64 dq_head_stride, int seqlen_q, int seqlen_k, int nheads, int heads_per_kv, int headdim, float scale,
+           float scale_log2) {
+    using QTile = typename Tr::QTile;
+    using KVTile = typename Tr::KVTile;
+    using Mma = fa2::Mma<typename Tr::Elem>;
+    constexpr int kMT = Tr::kMTiles, kNT = Tr::kBlockN / 8, kDT = Tr::kHeadDim / 8, kKSteps = Tr::kHeadDim / 16;
+
+    extern __shared__ __align__(128) unsigned char smem[];
+    const u32 smem_q = smem_u32(smem);
+    const u32 smem_do = smem_q + QTile::kBytes;
+    const u32 smem_k = smem_do + QTile::kBytes;  // 2 stages
+    const u32 smem_v = smem_k + 2 * KVTile::kBytes;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int m_block = gridDim.x - 1 - blockIdx.x;
+    const int head = blockIdx.y, batch = blockIdx.z, kv_head = head / heads_per_kv;
+    const int row0 = m_block * Tr::kBlockM, warp_row0 = warp * kMT * 16;
+    const u16* k_head = k + batch * k_batch_stride + kv_head * k_head_stride;
+    const u16* v_head = v + batch * v_batch_stride + kv_head * v_head_stride;
+
+    const CausalMask<Tr::kCausal> mask{seqlen_q, seqlen_k};
+    const int key_end = mask.key_end(row0, Tr::kBlockM);
+    const int n_blocks = key_end > 0 ? (key_end + Tr::kBlockN - 1) / Tr::kBlockN : 0;
+
+    auto load_kv = [&](int n_block, int slot) {
+        const i64 first = (i64)n_block * Tr::kBlockN;
+        const int rows = seqlen_k - n_block * Tr::kBlockN;
+        KVTile::template load_async<Tr::kThreads>(smem_k + slot * KVTile::kBytes, k_head + first * k_row_stride,
+                                                  k_row_stride, rows, headdim, tid);
+        KVTile::template load_async<Tr::kThreads>(smem_v + slot * KVTile::kBytes, v_head + first * v_row_stride,
+                                                  v_row_stride, rows, headdim, tid);
+    };
+
+    // Row statistics of this thread's rows (g and g+8 of each m16 tile), log2 domain for the exponent.
+    float row_lse[kMT * 2], row_dsum[kMT * 2];
+#pragma unroll
+    for (int r = 0; r < kMT * 2; ++r) {
+        const int row = row0 + warp_row0 + (r / 2) * 16 + (lane >> 2) + (r % 2) * 8;
+        const i64 stat = ((i64)batch * nheads + head) * seqlen_q + row;
+        row_lse[r] = row < seqlen_q ? lse[stat] * kLog2e : pos_inf();
+        row_dsum[r] = row < seqlen_q ? dsum[stat] : 0.f;
+    }
+
+    float acc_dq[kMT][kDT][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int dt = 0; dt < kDT; ++dt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_dq[mt][dt][e] = 0.f;
+
+    if (n_blocks > 0) {
+        QTile::template load_async<Tr::kThreads>(
+            smem_q, q + batch * q_batch_stride + (i64)row0 * q_row_stride + head * q_head_stride, q_row_stride,
+            seqlen_q - row0, headdim, tid);
+        QTile::template load_async<Tr::kThreads>(
+            smem_do, dout + batch * do_batch_stride + (i64)row0 * do_row_stride + head * do_head_stride,
+            do_row_stride, seqlen_q - row0, headdim, tid);
+        load_kv(0, 0);
+        cp_async_commit();
+        for (int n_block = 0; n_block < n_blocks; ++n_block) {
+            cp_async_wait<0>();
+            __syncthreads();
+            if (n_block + 1 < n_blocks) load_kv(n_block + 1, (n_block + 1) & 1);
+            cp_async_commit();
+            const u32 k_slot = smem_k + (n_block & 1) * KVTile::kBytes;
+            const u32 v_slot = smem_v + (n_block & 1) * KVTile::kBytes;
+
+            float s[kMT][kNT][4], dp[kMT][kNT][4];
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[mt][nt][e] = dp[mt][nt][e] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < kKSteps; ++kk) {
+                u32 aq[kMT][4], ado[kMT][4];
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt) {
+                    QTile::load_a(aq[mt], smem_q, warp_row0 + mt * 16, kk * 16, lane);
+                    QTile::load_a(ado[mt], smem_do, warp_row0 + mt * 16, kk * 16, lane);
+                }
+#pragma unroll
+                for (int np = 0; np < kNT / 2; ++np) {
+                    u32 bk[4], bv[4];
+                    KVTile::load_b_nk(bk, k_slot, np * 16, kk * 16, lane);
+                    KVTile::load_b_nk(bv, v_slot, np * 16, kk * 16, lane);
+#pragma unroll
+                    for (int mt = 0; mt < kMT; ++mt) {
+                        Mma::run(s[mt][2 * np], aq[mt], bk[0], bk[1]);
+                        Mma::run(s[mt][2 * np + 1], aq[mt], bk[2], bk[3]);
+                        Mma::run(dp[mt][2 * np], ado[mt], bv[0], bv[1]);
+                        Mma::run(dp[mt][2 * np + 1], ado[mt], bv[2], bv[3]);
+                    }
+                }
+            }
+            const bool need_mask = mask.tile_needs_mask(row0, n_block * Tr::kBlockN, Tr::kBlockN);
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int r = mt * 2 + (e >> 1);
+                        const int row = row0 + warp_row0 + mt * 16 + (lane >> 2) + (e >> 1) * 8;
+                        const int key = n_block * Tr::kBlockN + nt * 8 + (lane & 3) * 2 + (e & 1);
+                        float p = fast_exp2(s[mt][nt][e] * scale_log2 - row_lse[r]);
+                        if (need_mask && !mask.visible(row, key)) p = 0.f;
+                        dp[mt][nt][e] = p * (dp[mt][nt][e] - row_dsum[r]);  // dS
+                    }
+            // dQ += dS K_j, dS straight from the accumulators as A fragments.
+#pragma unroll
+            for (int kk = 0; kk < kNT / 2; ++kk) {
+                u32 a[kMT][4];
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt) {
+                    a[mt][0] = Mma::pack(dp[mt][2 * kk][0], dp[mt][2 * kk][1]);
+                    a[mt][1] = Mma::pack(dp[mt][2 * kk][2], dp[mt][2 * kk][3]);
+                    a[mt][2] = Mma::pack(dp[mt][2 * kk + 1][0], dp[mt][2 * kk + 1][1]);
+                    a[mt][3] = Mma::pack(dp[mt][2 * kk + 1][2], dp[mt][2 * kk + 1][3]);
+                }
+#pragma unroll
+                for (int dp2 = 0; dp2 < kDT / 2; ++dp2) {
+                    u32 b[4];
+                    KVTile::load_b_kn(b, k_slot, kk * 16, dp2 * 16, lane);
+#pragma unroll
+                    for (int mt = 0; mt < kMT; ++mt) {
+                        Mma::run(acc_dq[mt][2 * dp2], a[mt], b[0], b[1]);
+                        Mma::run(acc_dq[mt][2 * dp2 + 1], a[mt], b[2], b[3]);
+                    }
+                }
+            }
+        }
+        cp_async_wait<0>();
+    }
+    // dQ = scale * dS K through this warp's own Q rows (only this warp read them).
+    __syncwarp();
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int dt = 0; dt < kDT; ++dt)
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+                st_shared_u32(QTile::at(smem_q, warp_row0 + mt * 16 + (lane >> 2) + half * 8, dt * 8 + (lane & 3) * 2),
+                              Mma::pack(acc_dq[mt][dt][2 * half] * scale, acc_dq[mt][dt][2 * half + 1] * scale));
+    __syncwarp();
+    u16* dq_tile = dq + batch * dq_batch_stride + head * dq_head_stride;
+    constexpr int kWarpChunks = kMT * 16 * kDT;
+#pragma unroll
+    for (int i = 0; i < (kWarpChunks + 31) / 32; ++i) {
+        const int idx = lane + i * 32;
+        const int r = warp_row0 + idx / kDT, c = (idx % kDT) * 8;
+        if ((kWarpChunks % 32 == 0 || idx < kWarpChunks) && row0 + r < seqlen_q && c < headdim) {
+            u32 chunk[4];
+            ld_shared_v4(QTile::at(smem_q, r, c), chunk);
+            st_global_v4(dq_tile + (i64)(row0 + r) * dq_row_stride + c, chunk);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// dQ = scale * dq_accum in the input dtype; one thread per 8 columns of one row.
+template <class Elem>
+__global__ void __launch_bounds__(256)
+    bwd_convert_dq(const float* __restrict__ dq_accum, u16* __restrict__ dq, i64 dq_batch_stride, int dq_row_stride,
+                   i64 dq_head_stride, int seqlen_q, int nheads, int headdim, float scale) {
+    const int chunks = headdim / 8;
+    const int idx = blockIdx.x * 256 + threadIdx.x;
+    const int row = idx / chunks, c = (idx % chunks) * 8;
+    const int head = blockIdx.y, batch = blockIdx.z;
+    if (row >= seqlen_q) return;
+    const float* src = dq_accum + (((i64)batch * nheads + head) * seqlen_q + row) * headdim + c;
+    u32 lo[4], hi[4], packed[4];
+    ld_global_v4(src, lo);
+    ld_global_v4(src + 4, hi);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        packed[i] = Mma<Elem>::pack(__uint_as_float(lo[2 * i]) * scale, __uint_as_float(lo[2 * i + 1]) * scale);
+        packed[2 + i] = Mma<Elem>::pack(__uint_as_float(hi[2 * i]) * scale, __uint_as_float(hi[2 * i + 1]) * scale);
+    }
+    st_global_v4(dq + batch * dq_batch_stride + (i64)row * dq_row_stride + head * dq_head_stride + c, packed);
+}
+
+}  // namespace fa2

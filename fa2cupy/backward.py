@@ -1,0 +1,114 @@
+"""Backward kernel family (cuda/bwd.cu): launch plans for preprocess, dK/dV (+ atomic dQ), deterministic dQ and
+the dQ conversion, and their launch on raw pointers.
+
+Like the forward, a plan depends only on shapes, strides, dtype and options, so the interface caches it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import build, configs
+from .forward import _LOG2E
+
+#: Tests set this to fill dq, dk and dv with NaN before the kernels run (see forward._debug_poison).
+_debug_poison = False
+
+
+@dataclass(frozen=True)
+class Launch:
+    function: object  # cupy.cuda.Function
+    grid: tuple
+    block: tuple
+    smem_bytes: int
+    scalars: tuple
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    preprocess: Launch
+    main: Launch
+    dq: Launch | None  # deterministic=True: dQ by its own kernel
+    convert: Launch | None  # deterministic=False: fp32 accumulator -> dq
+    dsum_shape: tuple  # (batch, nheads, seqlen_q) float32 workspace
+    dq_accum_shape: tuple | None  # (batch, nheads, seqlen_q, d) float32 workspace, atomics only
+    config: configs.BwdConfig
+
+
+def _strides3(strides) -> tuple:
+    batch_stride, row_stride, head_stride, _ = strides
+    return (np.int64(batch_stride), np.int32(row_stride), np.int64(head_stride))
+
+
+def plan_backward(
+    q_shape, k_shape, strides: dict, dtype: str, softmax_scale: float, causal: bool, deterministic: bool, arch: int,
+    config=None,
+) -> BackwardPlan:
+    """Builds the launches for one backward problem.
+
+    ``strides`` maps "q", "k", "v", "dout", "out", "dq", "dk", "dv" to element strides (4-tuples, last 1);
+    shapes and alignment as in :func:`fa2cupy.forward.plan_forward`. The scale may be negative here: the backward
+    has no running maximum, P = exp(scale * s - lse) is exact for any sign.
+    """
+    batch, seqlen_q, nheads, headdim = q_shape
+    seqlen_k, nheads_kv = k_shape[1], k_shape[2]
+    tag = configs.DTYPE_TAGS[dtype]
+    atomic = not deterministic
+    if config is None:
+        config = configs.backward_config(arch, headdim, dtype, causal)
+    sizes = (np.int32(seqlen_q), np.int32(seqlen_k), np.int32(nheads), np.int32(nheads // nheads_kv),
+             np.int32(headdim), np.float32(softmax_scale), np.float32(softmax_scale * _LOG2E))
+
+    pre = Launch(
+        build.get_kernel("bwd", f"fa2::bwd_preprocess<{tag}>", 0),
+        ((seqlen_q + 7) // 8, nheads, batch), (256, 1, 1), 0,
+        _strides3(strides["dout"]) + _strides3(strides["out"]) + (np.int32(seqlen_q), np.int32(nheads),
+                                                                  np.int32(headdim)),
+    )
+    smem = config.smem_bytes(atomic)
+    main = Launch(
+        build.get_kernel("bwd", config.name_expression(dtype, causal, atomic), smem),
+        (((seqlen_k + config.block_n - 1) // config.block_n) * config.dslices, nheads_kv, batch),
+        (config.threads, 1, 1), smem,
+        sum((_strides3(strides[n]) for n in ("q", "k", "v", "dout", "dk", "dv")), ()) + sizes,
+    )
+    dq = convert = None
+    if deterministic:
+        dq_config = configs.backward_dq_config(arch, headdim, dtype, causal)
+        dq = Launch(
+            build.get_kernel("bwd", dq_config.name_expression(dtype, causal), dq_config.smem_bytes),
+            ((seqlen_q + dq_config.block_m - 1) // dq_config.block_m, nheads, batch),
+            (dq_config.threads, 1, 1), dq_config.smem_bytes,
+            sum((_strides3(strides[n]) for n in ("q", "k", "v", "dout", "dq")), ()) + sizes,
+        )
+    else:
+        convert = Launch(
+            build.get_kernel("bwd", f"fa2::bwd_convert_dq<{tag}>", 0),
+            ((seqlen_q * (headdim // 8) + 255) // 256, nheads, batch), (256, 1, 1), 0,
+            _strides3(strides["dq"]) + (np.int32(seqlen_q), np.int32(nheads), np.int32(headdim),
+                                        np.float32(softmax_scale)),
+        )
+    return BackwardPlan(
+        pre, main, dq, convert, (batch, nheads, seqlen_q),
+        None if deterministic else (batch, nheads, seqlen_q, headdim), config,
+    )
+
+
+def _launch(launch: Launch, pointers, stream) -> None:
+    args = tuple(np.uint64(p) for p in pointers) + launch.scalars
+    launch.function(launch.grid, launch.block, args, shared_mem=launch.smem_bytes, stream=stream)
+
+
+def run_backward(plan: BackwardPlan, ptr: dict, stream) -> None:
+    """Launches a plan on ``stream``. ``ptr`` maps "q", "k", "v", "dout", "out", "lse", "dq", "dk", "dv", "dsum"
+    and (atomics only) "dq_accum" to device pointers."""
+    dq_accum = ptr.get("dq_accum", 0) if plan.convert is not None else 0
+    _launch(plan.preprocess, (ptr["dout"], ptr["out"], ptr["dsum"], dq_accum), stream)
+    _launch(plan.main, (ptr["q"], ptr["k"], ptr["v"], ptr["dout"], ptr["lse"], ptr["dsum"], dq_accum, ptr["dk"],
+                        ptr["dv"]), stream)
+    if plan.dq is not None:
+        _launch(plan.dq, (ptr["q"], ptr["k"], ptr["v"], ptr["dout"], ptr["lse"], ptr["dsum"], ptr["dq"]), stream)
+    else:
+        _launch(plan.convert, (dq_accum, ptr["dq"]), stream)
