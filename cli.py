@@ -99,20 +99,8 @@ def require_gpu() -> str:
 # check: correctness sweep against the float64 reference
 # --------------------------------------------------------------------------- #
 
-# NOTE: fa2cupy.reference defines no shared tolerance helper (yet), so the
-# bounds live here.  If one appears there, use it instead of these two.
-OUT_REL = {"bf16": 2.0 ** -7, "fp16": 2.0 ** -10}
-LSE_REL = 1e-3
-
-
-def _bound(dtype: str, ref_absmax: float) -> float:
-    """Bound on max |out - ref|: 2^-7 (bf16) or 2^-10 (fp16) times max(1, max |ref|)."""
-    return OUT_REL[B.canonical_dtype(dtype)] * max(1.0, float(ref_absmax))
-
-
-def _lse_bound(ref_lse: np.ndarray) -> np.ndarray:
-    """Elementwise bound on |lse - ref_lse|: 1e-3 * max(1, |ref_lse|)."""
-    return LSE_REL * np.maximum(1.0, np.abs(ref_lse))
+# Bounds live in fa2cupy/benchmark.py (one place, shared with the GPU tests and
+# bench/sanitize_case.py): B.out_bound, B.lse_bound, B.gradient_bound.
 
 
 C = B.Case
@@ -153,6 +141,10 @@ CHECK_CASES: tuple[B.Case, ...] = (
 QUICK_INDICES = (0, 2, 4, 8, 13, 16, 19, 25, 27)
 RANDOM_HEADDIMS = (32, 40, 64, 80, 96, 128, 160, 192, 256)
 
+#: The backward is checked on the cases whose float64 reference backward stays cheap
+#: (b*h*sq*sk*d at most this: ~0.3 s of NumPy); with --quick, those of the quick set.
+BWD_WORK_LIMIT = 6 * 10**7
+
 
 def random_cases(seed: int, n: int) -> list[B.Case]:
     """``n`` random shapes drawn from ``seed`` (small enough for the float64 reference)."""
@@ -178,6 +170,14 @@ def check_cases(seed: int = 0, quick: bool = False) -> list[B.Case]:
     return fixed + random_cases(seed, 2 if quick else 8)
 
 
+def checks_backward(case: B.Case) -> bool:
+    """Whether ``fa2cupy check`` also runs and verifies the backward on ``case``."""
+    return B.backward_work(case) <= BWD_WORK_LIMIT
+
+
+GRAD_NAMES = ("dq", "dk", "dv")
+
+
 @dataclasses.dataclass
 class CheckResult:
     case: B.Case
@@ -188,11 +188,33 @@ class CheckResult:
     masked_rows: int = 0
     seconds: float = 0.0
     error: str | None = None
+    grad_ratios: dict[str, float] | None = None   # max|g - ref| / bound per dq, dk, dv (<= 1 passes)
+    deterministic: bool | None = None              # the backward's mode, when it ran
 
     @property
     def passed(self) -> bool:
         return (self.error is None and self.out_err is not None and self.out_err <= self.out_bound
-                and (self.lse_ratio is None or self.lse_ratio <= 1.0))
+                and (self.lse_ratio is None or self.lse_ratio <= 1.0)
+                and (self.grad_ratios is None or all(r <= 1.0 for r in self.grad_ratios.values())))
+
+
+def compare_gradients(case: B.Case, grads, ref_grads, softmax_scale: float, absmax: dict[str, float]) -> dict[str, float]:
+    """max|g - ref_g| / B.gradient_bound(...) for g in dq, dk, dv (inf where g has NaN/inf).
+
+    ``absmax``: max |x| of the inputs "dout", "q", "k", "v" (for the bound's floor)."""
+    floor = B.gradient_floor(softmax_scale, case.headdim, absmax["dout"], absmax["v"], max(absmax["q"], absmax["k"]))
+    ratios = {}
+    for name, g, r in zip(GRAD_NAMES, grads, ref_grads):
+        g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
+        if g.shape != r.shape:
+            raise ValueError(f"{name} has shape {g.shape}, expected {r.shape}")
+        if not np.all(np.isfinite(g)):
+            ratios[name] = math.inf
+            continue
+        err = float(np.max(np.abs(g - r))) if g.size else 0.0
+        bound = B.gradient_bound(case.dtype, float(np.max(np.abs(r))) if r.size else 0.0, floor)
+        ratios[name] = err / bound if bound > 0 else (0.0 if err == 0 else math.inf)
+    return ratios
 
 
 def compare(case: B.Case, out: np.ndarray, lse: np.ndarray, ref_out: np.ndarray,
@@ -212,57 +234,84 @@ def compare(case: B.Case, out: np.ndarray, lse: np.ndarray, ref_out: np.ndarray,
     res.out_err = float(np.max(diff)) if diff.size else 0.0
     if not np.all(np.isfinite(out)):
         res.out_err = math.inf
-    res.out_bound = _bound(case.dtype, float(np.max(np.abs(ref_out_z))) if ref_out_z.size else 0.0)
+    res.out_bound = B.out_bound(case.dtype, float(np.max(np.abs(ref_out_z))) if ref_out_z.size else 0.0)
     if valid.any():
         ld = np.abs(lse[valid] - ref_lse[valid])
         if not np.all(np.isfinite(ld)):
             res.lse_err, res.lse_ratio = math.inf, math.inf
         else:
             res.lse_err = float(ld.max())
-            res.lse_ratio = float(np.max(ld / _lse_bound(ref_lse[valid])))
+            res.lse_ratio = float(np.max(ld / B.lse_bound(ref_lse[valid])))
     return res
 
 
-def run_check_case(case: B.Case, seed: int) -> CheckResult:
+def run_check_case(case: B.Case, seed: int, backward: bool | None = None,
+                   deterministic: bool = False) -> CheckResult:
+    """Forward (and, when ``backward`` -- default :func:`checks_backward` -- the backward,
+    with out/lse from that forward and a random dout) against the float64 reference."""
     import fa2cupy  # noqa: PLC0415
     from fa2cupy.reference import attention_ref  # noqa: PLC0415
 
+    if backward is None:
+        backward = checks_backward(case)
     t0 = time.perf_counter()
     try:
         host = B.host_inputs(case, seed)
         dev = {n: B.to_device(p, case.dtype, "cupy") for n, (p, _) in host.items()}
         out, lse, _ = fa2cupy.flash_attn_func(dev["q"], dev["k"], dev["v"], causal=case.causal,
                                               return_attn_probs=True)
+        grads = None
+        if backward:
+            dout_p, dout64 = B.host_dout(case, seed)
+            dout = B.to_device(dout_p, case.dtype, "cupy")
+            grads = fa2cupy.flash_attn_backward(dout, dev["q"], dev["k"], dev["v"], out, lse, causal=case.causal,
+                                                deterministic=deterministic)
+            grads = [B.to_numpy64(g) for g in grads]
         out64, lse64 = B.to_numpy64(out), B.to_numpy64(lse)
         seconds = time.perf_counter() - t0
-        ref_out, ref_lse = attention_ref(host["q"][1], host["k"][1], host["v"][1], causal=case.causal)
+        q64, k64, v64 = host["q"][1], host["k"][1], host["v"][1]
+        ref_out, ref_lse = attention_ref(q64, k64, v64, causal=case.causal)
         res = compare(case, out64, lse64, np.asarray(ref_out, np.float64), np.asarray(ref_lse, np.float64))
+        if backward:
+            ref_grads = B.reference_gradients(dout64, q64, k64, v64, out64, causal=case.causal, ref_out=ref_out)
+            absmax = {n: float(np.max(np.abs(x))) for n, x in (("dout", dout64), ("q", q64), ("k", k64), ("v", v64))}
+            res.grad_ratios = compare_gradients(case, grads, ref_grads, 1.0 / math.sqrt(case.headdim), absmax)
+            res.deterministic = bool(deterministic)
         res.seconds = seconds
         return res
     except Exception as exc:
         return CheckResult(case, seconds=time.perf_counter() - t0, error=B._first_line(exc))
 
 
-CHECK_HEADERS = ("#", "case", "out err", "bound", "lse err", "lse/bnd", "s", "result")
-CHECK_WIDTHS = (3, 38, 9, 9, 9, 7, 6, 6)
+CHECK_HEADERS = ("#", "case", "out err", "bound", "lse err", "lse/bnd", "dq/bnd", "dk/bnd", "dv/bnd", "s",
+                 "result")
+CHECK_WIDTHS = (3, 38, 9, 9, 9, 7, 6, 6, 6, 6, 6)
 
 
 def _fmt_e(x: float | None) -> str:
     return "-" if x is None else f"{x:.2e}"
 
 
+def _fmt_ratio(x: float | None) -> str:
+    return "-" if x is None else ("inf" if not math.isfinite(x) else f"{x:.2f}")
+
+
 def check_row(i: int, r: CheckResult) -> str:
     if r.error is not None:
-        cells = (str(i), r.case.label, "-", "-", "-", "-", f"{r.seconds:.1f}", "FAIL")
+        cells = (str(i), r.case.label, "-", "-", "-", "-", "-", "-", "-", f"{r.seconds:.1f}", "FAIL")
         return "  ".join(c.rjust(w) if j not in (1,) else c.ljust(w)
                          for j, (c, w) in enumerate(zip(cells, CHECK_WIDTHS))) + f"  {r.error}"
     cells = (str(i), r.case.label, _fmt_e(r.out_err), _fmt_e(r.out_bound), _fmt_e(r.lse_err),
-             "-" if r.lse_ratio is None else f"{r.lse_ratio:.2f}", f"{r.seconds:.1f}",
-             "PASS" if r.passed else "FAIL")
+             "-" if r.lse_ratio is None else f"{r.lse_ratio:.2f}",
+             *(("-" if r.grad_ratios is None else _fmt_ratio(r.grad_ratios.get(g))) for g in GRAD_NAMES),
+             f"{r.seconds:.1f}", "PASS" if r.passed else "FAIL")
     line = "  ".join(c.ljust(w) if j == 1 else c.rjust(w) for j, (c, w) in enumerate(zip(cells, CHECK_WIDTHS)))
+    notes = []
     if r.masked_rows:
-        line += f"  ({r.masked_rows} fully masked rows)"
-    return line
+        notes.append(f"{r.masked_rows} fully masked rows")
+    if r.deterministic:
+        notes.append("deterministic bwd")
+    return line + (f"  ({'; '.join(notes)})" if notes else "")
 
 
 def check_header() -> str:
@@ -352,17 +401,21 @@ def main() -> None:
 def check(seed: int, quick: bool) -> None:
     """Randomized correctness sweep on the GPU against the float64 reference.
 
-    Bounds: max|out - ref| <= 2^-7 (bf16) / 2^-10 (fp16) * max(1, max|ref|);
-    |lse - ref| <= 1e-3 * max(1, |ref|).  Exit status 1 on any failure.
+    Forward bounds: max|out - ref| <= 2^-7 (bf16) / 2^-10 (fp16) * max(1, max|ref|);
+    |lse - ref| <= 1e-3 * max(1, |ref|).  On the cases small enough for the float64
+    reference backward, also flash_attn_backward (deterministic on every other one):
+    max|g - ref_g| <= 16 u max|ref_g| + floor for g in dq, dk, dv (columns g/bnd, <= 1
+    passes; u = 2^-11 fp16, 2^-8 bf16).  Exit status 1 on any failure.
     """
     gpu = require_gpu()
     cases = check_cases(seed, quick)
-    click.echo(f"fa2cupy check on {gpu}: {len(cases)} cases, seed {seed}"
+    n_bwd = sum(checks_backward(c) for c in cases)
+    click.echo(f"fa2cupy check on {gpu}: {len(cases)} cases ({n_bwd} with backward), seed {seed}"
                " (time s includes first-call compilation)")
     click.echo(check_header())
     failures = 0
     for i, case in enumerate(cases):
-        r = run_check_case(case, seed * 1000 + i)
+        r = run_check_case(case, seed * 1000 + i, deterministic=bool(i % 2))
         failures += not r.passed
         click.echo(check_row(i, r))
     click.echo(f"{len(cases) - failures}/{len(cases)} passed")
@@ -394,11 +447,21 @@ def _int_list(ctx, param, value):
 @click.option("--skip-cold", is_flag=True, help="Skip the cold-compile measurement (subprocesses).")
 @click.option("--skip-overhead", is_flag=True, help="Skip the dispatch-overhead measurement.")
 @click.option("--no-plot", is_flag=True, help="Write no PNG.")
+@click.option("--deterministic", is_flag=True,
+              help="bwd/fwdbwd: run fa2cupy's backward with deterministic=True (bit-reproducible, slower).")
+@click.option("--no-memory", is_flag=True, help="bwd/fwdbwd: skip the peak-memory measurement.")
 def bench(mode, headdims, causal, seqlens, dtype, tokens, hidden, out_dir, repeats, warmup,
-          skip_cold, skip_overhead, no_plot) -> None:
-    """TFLOPs/s of fa2cupy beside torch SDPA (flash, cuDNN) on the FlashAttention-2 paper grid."""
+          skip_cold, skip_overhead, no_plot, deterministic, no_memory) -> None:
+    """TFLOPs/s of fa2cupy beside torch SDPA (flash, cuDNN) on the FlashAttention-2 paper grid.
+
+    --mode fwd times the forward; bwd the backward alone (out/lse from one forward;
+    SDPA: torch.autograd.grad of an output computed once), counting 2.5x the forward
+    FLOPs; fwdbwd both, 3.5x.  bwd/fwdbwd also report the peak extra memory of one call
+    (torch allocator, inputs excluded) of each implementation.
+    """
     import os  # noqa: PLC0415
 
+    mode = B.canonical_mode(mode)
     gpu = require_gpu()
     try:
         cases = B.paper_grid(headdims, B.causal_options(causal), seqlens, dtype, tokens, hidden)
@@ -410,18 +473,32 @@ def bench(mode, headdims, causal, seqlens, dtype, tokens, hidden, out_dir, repea
                f"median of {repeats} (CUDA events), framework "
                f"{'torch' if B.torch_available() else 'cupy (torch not importable: no SDPA columns)'}")
     records = []
+    options: dict[str, Any] = {"warmup": warmup, "repeats": repeats}
+    if mode != "fwd":
+        options.update(deterministic=deterministic, memory=not no_memory)
+        click.echo(f"backward: fa2cupy deterministic={deterministic}; TFLOPs/s count "
+                   f"{B.FLOP_FACTORS[mode]:g}x the forward FLOPs")
     with click.progressbar(cases, label="benchmarking", file=sys.stderr,
                            item_show_func=lambda c: c.label if c else "") as bar:
         for case in bar:
-            records.append(runner(case, warmup=warmup, repeats=repeats))
+            records.append(runner(case, **options))
     click.echo(B.results_table(records))
+    mem = B.memory_table(records) if mode != "fwd" else None
+    if mem:
+        click.echo("\npeak extra memory of one call (torch allocator, MiB, inputs excluded):")
+        click.echo(mem)
     for line in B.errors_summary(records):
         click.echo(f"note: {line}")
-    bad = [r for r in records if r.get("max_abs_diff") is not None and r["max_abs_diff"] > 0.05]
+    limit = B.DIFF_LIMITS[mode]
+    bad = [r for r in records if r.get("max_abs_diff") is not None and r["max_abs_diff"] > limit]
     if bad:
-        click.echo(f"WARNING: fa2cupy output differs from SDPA by > 0.05 in {len(bad)} case(s) (marked '!')")
+        what = "output" if mode == "fwd" else "gradients"
+        click.echo(f"WARNING: fa2cupy {what} differ from SDPA by > {limit} in {len(bad)} case(s) (marked '!')")
 
     extra: dict[str, Any] = {}
+    if mode != "fwd" and not (skip_cold and skip_overhead):
+        click.echo("cold compile / dispatch overhead: measured for the forward only (run --mode fwd); skipped")
+        skip_cold = skip_overhead = True
     if not skip_cold:
         variants = sorted({(c.headdim, c.causal) for c in cases})
         click.echo(f"cold compile: first call in a fresh process, empty CUPY_CACHE_DIR, {len(variants)} variant(s)...")
@@ -443,11 +520,12 @@ def bench(mode, headdims, causal, seqlens, dtype, tokens, hidden, out_dir, repea
         click.echo(f"dispatch overhead ({ov['case']}, median of {ov['n']} calls, host wall time per call): "
                    + (", ".join(parts) or "n/a") + ("; " + "; ".join(errs) if errs else ""))
 
-    base = B.result_basename(mode, env.get("gpu", gpu))
+    base = B.result_basename(mode + ("-det" if mode != "fwd" and deterministic else ""), env.get("gpu", gpu))
     payload = {"mode": mode, "environment": env,
                "settings": {"dtype": dtype, "tokens": tokens, "hidden": hidden, "repeats": repeats,
                             "warmup": warmup, "timing": "median of CUDA-event times per call",
-                            "flops": "4*b*h*sq*sk*d, halved when causal"},
+                            "flops": B.flops_description(mode),
+                            **({"deterministic": deterministic} if mode != "fwd" else {})},
                "records": records, **extra}
     path = B.write_json(os.path.join(out_dir, base + ".json"), payload)
     click.echo(f"wrote {path}")

@@ -8,16 +8,26 @@
 #   QUICK=1          check --quick and fewer seqlens in the benchmark
 #   SKIP_TESTS=1 SKIP_CHECK=1 SKIP_BENCH=1    skip a step
 #   TUNE=1           also time every forward tile candidate (bench/tune_fwd.py) -> tune.log
+#   TUNE_BWD=1       also time every backward tile candidate (bench/tune_bwd.py) -> tune_bwd.log
 #   PROFILE=1        also profile host dispatch (bench/dispatch_profile.py) -> profile.log
 #   SANITIZE=1       also run compute-sanitizer memcheck + racecheck over bench/sanitize_case.py
 #   BENCH_ARGS="..." extra arguments for `cli.py bench` (e.g. "--headdim 128 --causal off")
-#   TESTS_TIMEOUT / CHECK_TIMEOUT / BENCH_TIMEOUT / SANITIZE_TIMEOUT   seconds per step
-#       (defaults 200/150/200/240: tests+check+bench fit the device tool's 600 s per call;
-#        with SANITIZE=1 skip or shorten something else)
+#   BWD=1            also run `cli.py bench --mode bwd` (fa2cupy backward vs SDPA flash/cuDNN
+#                    backward, peak memory) -> bench_bwd.log; seqlens 2048,8192 with QUICK=1
+#                    (else BWD_SEQLENS, default 1024,2048,4096,8192,16384); BWD_ARGS="..." extra
+#                    arguments (e.g. "--deterministic" or "--mode fwdbwd").  Its JSON/PNG go to
+#                    bench/results/device-bwd (not returned) unless BWD_FILES=1 puts them in $OUT.
+#   TESTS_TIMEOUT / CHECK_TIMEOUT / BENCH_TIMEOUT / BWD_TIMEOUT / SANITIZE_TIMEOUT   seconds per
+#       step (defaults 200/180/200/180/240: tests+check+bench fit the device tool's 600 s per
+#        call; with BWD=1 or SANITIZE=1 use QUICK=1 or skip something else)
+#
+# The tests step runs every `-m gpu` test under tests/, the backward's
+# (tests/test_backward_gpu.py) included; `check` verifies the backward too.
 #
 # Files written to $OUT (the device tool returns at most 8): env.txt (nvidia-smi, versions,
 # then one status line per step), tests.log, check.log, bench.log, fwd_<gpu>_<date>.json/.png,
-# sanitize.log.
+# sanitize.log, bench_bwd.log (BWD=1; + bwd_<gpu>_<date>.json/.png with BWD_FILES=1: then
+# skip a step or set SANITIZE=0 to stay within 8).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -74,7 +84,7 @@ fi
 
 if [ "${SKIP_CHECK:-0}" != 1 ]; then
   # shellcheck disable=SC2086
-  step check "${CHECK_TIMEOUT:-150}" "$OUT/check.log" "$PY" cli.py check $CHECK_FLAGS
+  step check "${CHECK_TIMEOUT:-180}" "$OUT/check.log" "$PY" cli.py check $CHECK_FLAGS
 fi
 
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
@@ -84,8 +94,21 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
     --out "$OUT" ${BENCH_ARGS:-}
 fi
 
+if [ "${BWD:-0}" = 1 ]; then  # backward vs SDPA's backward (flash, cuDNN), with peak memory
+  if [ "${QUICK:-0}" = 1 ]; then BWD_SL="2048,8192"; else BWD_SL="${BWD_SEQLENS:-1024,2048,4096,8192,16384}"; fi
+  if [ "${BWD_FILES:-0}" = 1 ]; then BWD_OUT="$OUT"; else BWD_OUT="bench/results/device-bwd"; fi
+  # shellcheck disable=SC2086
+  step bench_bwd "${BWD_TIMEOUT:-180}" "$OUT/bench_bwd.log" \
+    "$PY" cli.py bench --mode bwd --headdim 64,128 --causal both --seqlens "$BWD_SL" --dtype bf16 \
+    --skip-cold --skip-overhead --out "$BWD_OUT" ${BWD_ARGS:-}
+fi
+
 if [ "${TUNE:-0}" = 1 ]; then  # every tile candidate of configs.FORWARD_CANDIDATES beside SDPA
   step tune "${TUNE_TIMEOUT:-240}" "$OUT/tune.log" "$PY" bench/tune_fwd.py --seqlens "${TUNE_SEQLENS:-2048,8192}" --headdims "${TUNE_HEADDIMS:-64,128}"
+fi
+
+if [ "${TUNE_BWD:-0}" = 1 ]; then  # every backward tile candidate of configs.BACKWARD_CANDIDATES beside SDPA
+  step tune_bwd "${TUNE_TIMEOUT:-240}" "$OUT/tune_bwd.log" "$PY" bench/tune_bwd.py --seqlens "${TUNE_SEQLENS:-2048,8192}"
 fi
 
 if [ "${PROFILE:-0}" = 1 ]; then  # host dispatch cost and where it goes

@@ -1,4 +1,4 @@
-"""A few small forward cases for compute-sanitizer (memcheck / racecheck).
+"""A few small forward and backward cases for compute-sanitizer (memcheck / racecheck).
 
     compute-sanitizer --tool memcheck  python3 bench/sanitize_case.py
     compute-sanitizer --tool racecheck python3 bench/sanitize_case.py
@@ -8,6 +8,10 @@ covering the edges: partial tiles, causal with sq != sk (fully masked rows),
 head dims 40 and 256, GQA/MQA, a single query.  Uses CuPy arrays only (no torch,
 less noise under the sanitizer).  Each output is also checked against the float64
 reference with the ``fa2cupy check`` bounds; exit status 1 on a mismatch.
+
+The forward cases run the forward only; BWD_CASES run forward + backward
+(``flash_attn_backward``, dq/dk/dv against the reference with
+``fa2cupy.benchmark.gradient_bound``), in both deterministic modes.
 """
 
 from __future__ import annotations
@@ -32,18 +36,37 @@ CASES = (
     B.Case(1, 100, 100, 3, 3, 33, False, "bf16"),    # odd headdim
 )
 
+# (case, deterministic): forward + backward.
+BWD_CASES = (
+    (B.Case(1, 64, 64, 2, 2, 64, False, "fp16"), False),     # exactly one tile
+    (B.Case(1, 65, 65, 2, 2, 64, True, "bf16"), True),       # one past a tile, causal
+    (B.Case(1, 37, 91, 4, 2, 40, True, "bf16"), False),      # headdim 40, GQA, causal sq < sk
+    (B.Case(1, 37, 91, 4, 2, 40, True, "bf16"), True),
+    (B.Case(1, 33, 70, 2, 2, 256, False, "fp16"), True),     # headdim 256
+    (B.Case(1, 33, 70, 2, 2, 256, True, "fp16"), False),
+    (B.Case(1, 97, 33, 4, 1, 128, True, "bf16"), False),     # MQA, causal sq > sk: dead rows
+    (B.Case(1, 97, 33, 4, 1, 128, True, "bf16"), True),
+    (B.Case(1, 1, 77, 2, 2, 128, True, "fp16"), False),      # one query
+)
+
 
 def main() -> int:
     ok, msg = cli.probe_gpu()
     if not ok:
         print(msg)
         return 2
+    print(cli.check_header(), flush=True)
     bad = 0
     for i, case in enumerate(CASES):
-        r = cli.run_check_case(case, seed=i)
+        r = cli.run_check_case(case, seed=i, backward=False)
         print(cli.check_row(i, r), flush=True)
         bad += not r.passed
-    print(f"{len(CASES) - bad}/{len(CASES)} passed")
+    for j, (case, det) in enumerate(BWD_CASES, start=len(CASES)):
+        r = cli.run_check_case(case, seed=j, backward=True, deterministic=det)
+        print(cli.check_row(j, r), flush=True)
+        bad += not r.passed
+    total = len(CASES) + len(BWD_CASES)
+    print(f"{total - bad}/{total} passed")
     return 1 if bad else 0
 
 

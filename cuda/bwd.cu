@@ -8,9 +8,9 @@
 //   bwd_dq          deterministic dQ: one block per query tile, looping over key tiles in a fixed order
 //   bwd_convert_dq  fp32 accumulator -> dQ in the input dtype, times softmax_scale
 //
-// Layout trick of the main kernel: warps own KEY rows, so S^T = K Q^T and dP^T = V dO^T come out of the tensor
-// cores with keys as the row (m) index. Their C fragments are then directly the A operands of dV += P^T dO and
-// dK += dS^T Q (as P is for O += P V in the forward): no shared-memory round trip for P or dS, except dS for dQ.
+// The main kernel computes transposed scores, S^T = K Q^T and dP^T = V dO^T, so keys are the mma row index
+// throughout: P^T and dS^T are then A operands of dV += P^T dO and dK += dS^T Q, and every warp keeps the same
+// key rows of dK and dV in registers for the whole walk over the query tiles.
 #include "primitives.cuh"
 #include "masks.cuh"
 
@@ -18,30 +18,44 @@ namespace fa2 {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
-// One tile configuration of the main kernel. DSlices > 1 splits the head dim of dK/dV/dQ over that many blocks
-// (each recomputes S and dP for its key tile over the full head dim), which keeps large head dims in registers.
-template <int HeadDim, int BlockM, int BlockN, int Warps, int Stages, int DSlices, class Elem_, bool Causal,
-          bool AtomicDq>
+// One tile configuration of the main kernel. The 8 (or 4, 2) warps are laid out twice over the block's work:
+//   phase 1 (S^T, dP^T: keys x queries): WarpsKeys warps along the keys times Warps/WarpsKeys along the queries,
+//   phase 2 (dV, dK: keys x head dim):   WarpsKeys2 along the keys times Warps/WarpsKeys2 along the head dim.
+// P^T and dS^T cross between the phases through shared memory, so each phase takes the split that makes its
+// fragments go furthest: 32 keys per warp lets every Q/dO (phase 1) or dO/Q (phase 2) fragment feed two mma row
+// tiles; at small head dims phase 2 prefers 16 keys x all columns, where each P^T/dS^T fragment feeds more. DSlices > 1 splits the head dim of dK/dV/dQ over that many blocks (each recomputes S and dP for its key
+// tile over the full head dim), which keeps large head dims in registers.
+template <int HeadDim, int BlockM, int BlockN, int Warps, int WarpsKeys, int WarpsKeys2, int Stages, int DSlices,
+          class Elem_, bool Causal, bool AtomicDq>
 struct BwdTraits {
     using Elem = Elem_;
     static constexpr int kHeadDim = HeadDim, kBlockM = BlockM, kBlockN = BlockN, kStages = Stages;
     static constexpr int kThreads = Warps * 32, kWarps = Warps, kDSlices = DSlices;
     static constexpr bool kCausal = Causal, kAtomicDq = AtomicDq;
-    static constexpr int kKeyTiles = BlockN / (16 * Warps);  // m16 key tiles per warp
-    static constexpr int kSliceD = HeadDim / DSlices;        // dK/dV/dQ columns per block
-    static constexpr int kQTiles = BlockM / 8;               // n8 query tiles of S^T
-    // dQ = dS K splits the BlockM x kSliceD output over warps: kDqRowWarps groups of 16 rows, and within a
-    // group the 16-column units dealt round-robin to kDqColWarps warps (head dims like 160 give uneven deals).
-    static constexpr int kDqRowWarps = BlockM / 16;
+    static constexpr int kSliceD = HeadDim / DSlices;         // dK/dV/dQ columns per block
+    static constexpr int kWarpsOther = Warps / WarpsKeys;     // phase 1: warps along the queries
+    static constexpr int kKeyTiles = BlockN / WarpsKeys / 16; // phase 1: m16 key tiles per warp
+    static constexpr int kQCols = BlockM / kWarpsOther;       // phase 1: queries per warp
+    static constexpr int kWarpsOther2 = Warps / WarpsKeys2;   // phase 2: warps along the head dim
+    static constexpr int kKeyTiles2 = BlockN / WarpsKeys2 / 16;
+    static constexpr int kDCols = kSliceD / kWarpsOther2;     // phase 2: head-dim columns per warp
+    // dQ = dS K splits the BlockM x kSliceD output over warps: kDqRowWarps groups of kDqMTiles m16 row tiles,
+    // and within a group the 16-column units dealt round-robin to kDqColWarps warps (head dims like 160 give
+    // uneven deals). Two row tiles per warp, where the tile allows, let each K fragment feed two mma.
+    static constexpr int kDqMTiles =
+        (BlockM % 32 == 0 && Warps % (BlockM / 32) == 0 && Warps / (BlockM / 32) <= kSliceD / 16) ? 2 : 1;
+    static constexpr int kDqRowWarps = BlockM / (16 * kDqMTiles);
     static constexpr int kDqColWarps = Warps / kDqRowWarps;
     static constexpr int kDqUnits = kSliceD / 16;
     static constexpr int kDqUnitsPerWarp = (kDqUnits + kDqColWarps - 1) / kDqColWarps;
     using KVTile = SmemTile<BlockN, HeadDim>;
     using QTile = SmemTile<BlockM, HeadDim>;
-    using DsTile = SmemTile<BlockN, BlockM>;  // dS^T, keys x queries
-    static constexpr int kSmemBytes = 2 * KVTile::kBytes + 2 * Stages * QTile::kBytes +
-                                      (AtomicDq ? DsTile::kBytes : 0) + 2 * Stages * BlockM * 4;
-    static_assert(kKeyTiles >= 1 && BlockN % (16 * Warps) == 0, "BlockN must be a multiple of 16 x warps");
+    using PTile = SmemTile<BlockN, BlockM>;  // P^T and dS^T, keys x queries
+    static constexpr int kSmemBytes =
+        2 * KVTile::kBytes + 2 * Stages * QTile::kBytes + 2 * PTile::kBytes + 2 * Stages * BlockM * 4;
+    static_assert(Warps % WarpsKeys == 0 && BlockN % (16 * WarpsKeys) == 0, "key rows must split over warps");
+    static_assert(Warps % WarpsKeys2 == 0 && BlockN % (16 * WarpsKeys2) == 0, "key rows must split over warps");
+    static_assert(kQCols % 16 == 0 && kDCols % 16 == 0, "per-warp query and head-dim spans are k16/n16 steps");
     static_assert(kSliceD % 16 == 0 && HeadDim % DSlices == 0, "head-dim slices must be multiples of 16");
     static_assert(Warps % kDqRowWarps == 0, "dQ row groups must divide the warps");
     static_assert(Stages == 1 || Stages == 2, "the Q/dO ring has one or two stages");
@@ -96,29 +110,32 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
              int headdim, float scale, float scale_log2) {
     using KVTile = typename Tr::KVTile;
     using QTile = typename Tr::QTile;
-    using DsTile = typename Tr::DsTile;
+    using PTile = typename Tr::PTile;
     using Mma = fa2::Mma<typename Tr::Elem>;
-    constexpr int kKT = Tr::kKeyTiles, kQT = Tr::kQTiles, kKSteps = Tr::kHeadDim / 16;
-    constexpr int kSD = Tr::kSliceD / 8;  // n8 tiles of this block's dK/dV slice
+    constexpr int kKT = Tr::kKeyTiles, kQT = Tr::kQCols / 8, kKSteps = Tr::kHeadDim / 16;
+    constexpr int kKT2 = Tr::kKeyTiles2, kDT = Tr::kDCols / 8;
     constexpr int kM = Tr::kBlockM;
 
     extern __shared__ __align__(128) unsigned char smem[];
     const u32 smem_k = smem_u32(smem);
     const u32 smem_v = smem_k + KVTile::kBytes;
-    const u32 smem_q = smem_v + KVTile::kBytes;                        // Stages x Q tiles
-    const u32 smem_do = smem_q + Tr::kStages * QTile::kBytes;          // Stages x dO tiles
-    const u32 smem_ds = smem_do + Tr::kStages * QTile::kBytes;         // dS^T (AtomicDq only)
-    float* smem_stats = reinterpret_cast<float*>(smem + 2 * KVTile::kBytes + 2 * Tr::kStages * QTile::kBytes +
-                                                 (Tr::kAtomicDq ? DsTile::kBytes : 0));
-    float* smem_lse = smem_stats;                       // Stages x BlockM, log2 domain, +inf past seqlen_q
-    float* smem_dsum = smem_stats + Tr::kStages * kM;   // Stages x BlockM
+    const u32 smem_q = smem_v + KVTile::kBytes;                 // Stages x Q tiles
+    const u32 smem_do = smem_q + Tr::kStages * QTile::kBytes;   // Stages x dO tiles
+    const u32 smem_p = smem_do + Tr::kStages * QTile::kBytes;   // P^T
+    const u32 smem_ds = smem_p + PTile::kBytes;                 // dS^T
+    float* smem_lse = reinterpret_cast<float*>(smem + 2 * KVTile::kBytes + 2 * Tr::kStages * QTile::kBytes +
+                                               2 * PTile::kBytes);  // Stages x BlockM, log2 domain
+    float* smem_dsum = smem_lse + Tr::kStages * kM;                 // Stages x BlockM
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int n_block = blockIdx.x / Tr::kDSlices, slice = blockIdx.x % Tr::kDSlices;
     const int kv_head = blockIdx.y, batch = blockIdx.z;
     const int key0 = n_block * Tr::kBlockN;
-    const int warp_key0 = warp * kKT * 16;
     const int col0 = slice * Tr::kSliceD;  // first head-dim column this block accumulates
+    const int warp_key0 = (warp / Tr::kWarpsOther) * kKT * 16;            // phase 1
+    const int warp_q0 = (warp % Tr::kWarpsOther) * Tr::kQCols;            // phase 1
+    const int warp_key2 = (warp / Tr::kWarpsOther2) * kKT2 * 16;          // phase 2 and the epilogue
+    const int warp_d0 = col0 + (warp % Tr::kWarpsOther2) * Tr::kDCols;    // phase 2 and the epilogue
 
     const CausalMask<Tr::kCausal> mask{seqlen_q, seqlen_k};
     const int m_begin = mask.first_query(key0) / kM;
@@ -155,11 +172,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         }
     };
 
-    float acc_dk[kKT][kSD][4], acc_dv[kKT][kSD][4];
+    float acc_dk[kKT2][kDT][4], acc_dv[kKT2][kDT][4];
 #pragma unroll
-    for (int kt = 0; kt < kKT; ++kt)
+    for (int kt = 0; kt < kKT2; ++kt)
 #pragma unroll
-        for (int dt = 0; dt < kSD; ++dt)
+        for (int dt = 0; dt < kDT; ++dt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc_dk[kt][dt][e] = acc_dv[kt][dt][e] = 0.f;
 
@@ -185,84 +202,80 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         const int head = kv_head * heads_per_kv + it / m_count;
         const int m0 = (m_begin + it % m_count) * kM;
 
-        // S^T = K_j Q_i^T and dP^T = V_j dO_i^T (lines 9 and 12), keys as rows.
-        float st[kKT][kQT][4], dpt[kKT][kQT][4];
+        {  // Phase 1: S^T = K_j Q_i^T and dP^T = V_j dO_i^T (lines 9 and 12) for this warp's keys x queries.
+            float st[kKT][kQT][4], dpt[kKT][kQT][4];
 #pragma unroll
-        for (int kt = 0; kt < kKT; ++kt)
+            for (int kt = 0; kt < kKT; ++kt)
 #pragma unroll
-            for (int nt = 0; nt < kQT; ++nt)
+                for (int nt = 0; nt < kQT; ++nt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) st[kt][nt][e] = dpt[kt][nt][e] = 0.f;
+                    for (int e = 0; e < 4; ++e) st[kt][nt][e] = dpt[kt][nt][e] = 0.f;
 #pragma unroll
-        for (int kk = 0; kk < kKSteps; ++kk) {
-            u32 ak[kKT][4], av[kKT][4];
-#pragma unroll
-            for (int kt = 0; kt < kKT; ++kt) {
-                KVTile::load_a(ak[kt], smem_k, warp_key0 + kt * 16, kk * 16, lane);
-                KVTile::load_a(av[kt], smem_v, warp_key0 + kt * 16, kk * 16, lane);
-            }
-#pragma unroll
-            for (int np = 0; np < kQT / 2; ++np) {
-                u32 bq[4], bdo[4];
-                QTile::load_b_nk(bq, q_s, np * 16, kk * 16, lane);
-                QTile::load_b_nk(bdo, do_s, np * 16, kk * 16, lane);
+            for (int kk = 0; kk < kKSteps; ++kk) {
+                u32 ak[kKT][4], av[kKT][4];
 #pragma unroll
                 for (int kt = 0; kt < kKT; ++kt) {
-                    Mma::run(st[kt][2 * np], ak[kt], bq[0], bq[1]);
-                    Mma::run(st[kt][2 * np + 1], ak[kt], bq[2], bq[3]);
-                    Mma::run(dpt[kt][2 * np], av[kt], bdo[0], bdo[1]);
-                    Mma::run(dpt[kt][2 * np + 1], av[kt], bdo[2], bdo[3]);
+                    KVTile::load_a(ak[kt], smem_k, warp_key0 + kt * 16, kk * 16, lane);
+                    KVTile::load_a(av[kt], smem_v, warp_key0 + kt * 16, kk * 16, lane);
                 }
-            }
-        }
-        // P^T = exp(S^T * scale - L) (line 11) and dS^T = P^T o (dP^T - D) (line 13), in place.
-        const bool need_mask = mask.tile_needs_mask(m0, key0, Tr::kBlockN);
 #pragma unroll
-        for (int kt = 0; kt < kKT; ++kt) {
+                for (int np = 0; np < kQT / 2; ++np) {
+                    u32 bq[4], bdo[4];
+                    QTile::load_b_nk(bq, q_s, warp_q0 + np * 16, kk * 16, lane);
+                    QTile::load_b_nk(bdo, do_s, warp_q0 + np * 16, kk * 16, lane);
 #pragma unroll
-            for (int nt = 0; nt < kQT; ++nt) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key = key0 + warp_key0 + kt * 16 + (lane >> 2) + (e >> 1) * 8;
-                    const int qc = nt * 8 + (lane & 3) * 2 + (e & 1);
-                    float p = fast_exp2(st[kt][nt][e] * scale_log2 - lse_s[qc]);
-                    if (need_mask && !mask.visible(m0 + qc, key)) p = 0.f;
-                    st[kt][nt][e] = p;
-                    dpt[kt][nt][e] = p * (dpt[kt][nt][e] - dsum_s[qc]);
-                }
-            }
-        }
-        // dV_j += P^T dO_i (line 10) and dK_j += dS^T Q_i (line 16, scale applied at the end): the C fragments of
-        // two adjacent n8 query tiles are the A fragment of one k16 step.
-#pragma unroll
-        for (int kk = 0; kk < kQT / 2; ++kk) {
-            u32 ap[kKT][4], ads[kKT][4];
-#pragma unroll
-            for (int kt = 0; kt < kKT; ++kt) {
-                ap[kt][0] = Mma::pack(st[kt][2 * kk][0], st[kt][2 * kk][1]);
-                ap[kt][1] = Mma::pack(st[kt][2 * kk][2], st[kt][2 * kk][3]);
-                ap[kt][2] = Mma::pack(st[kt][2 * kk + 1][0], st[kt][2 * kk + 1][1]);
-                ap[kt][3] = Mma::pack(st[kt][2 * kk + 1][2], st[kt][2 * kk + 1][3]);
-                ads[kt][0] = Mma::pack(dpt[kt][2 * kk][0], dpt[kt][2 * kk][1]);
-                ads[kt][1] = Mma::pack(dpt[kt][2 * kk][2], dpt[kt][2 * kk][3]);
-                ads[kt][2] = Mma::pack(dpt[kt][2 * kk + 1][0], dpt[kt][2 * kk + 1][1]);
-                ads[kt][3] = Mma::pack(dpt[kt][2 * kk + 1][2], dpt[kt][2 * kk + 1][3]);
-                if (Tr::kAtomicDq) {  // keep dS^T for dQ = dS K below
-#pragma unroll
-                    for (int half = 0; half < 2; ++half) {
-                        const int r = warp_key0 + kt * 16 + (lane >> 2) + half * 8;
-                        st_shared_u32(DsTile::at(smem_ds, r, kk * 16 + (lane & 3) * 2), ads[kt][half]);
-                        st_shared_u32(DsTile::at(smem_ds, r, kk * 16 + 8 + (lane & 3) * 2), ads[kt][2 + half]);
+                    for (int kt = 0; kt < kKT; ++kt) {
+                        Mma::run(st[kt][2 * np], ak[kt], bq[0], bq[1]);
+                        Mma::run(st[kt][2 * np + 1], ak[kt], bq[2], bq[3]);
+                        Mma::run(dpt[kt][2 * np], av[kt], bdo[0], bdo[1]);
+                        Mma::run(dpt[kt][2 * np + 1], av[kt], bdo[2], bdo[3]);
                     }
                 }
             }
+            // P^T = exp(S^T * scale - L) (line 11) and dS^T = P^T o (dP^T - D) (line 13), to shared memory.
+            const bool need_mask = mask.tile_needs_mask(m0, key0, Tr::kBlockN);
 #pragma unroll
-            for (int dp = 0; dp < kSD / 2; ++dp) {
+            for (int kt = 0; kt < kKT; ++kt) {
+#pragma unroll
+                for (int nt = 0; nt < kQT; ++nt) {
+                    float p[4], ds[4];
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int key = key0 + warp_key0 + kt * 16 + (lane >> 2) + (e >> 1) * 8;
+                        const int qc = warp_q0 + nt * 8 + (lane & 3) * 2 + (e & 1);
+                        p[e] = fast_exp2(st[kt][nt][e] * scale_log2 - lse_s[qc]);
+                        if (need_mask && !mask.visible(m0 + qc, key)) p[e] = 0.f;
+                        ds[e] = p[e] * (dpt[kt][nt][e] - dsum_s[qc]);
+                    }
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        const int r = warp_key0 + kt * 16 + (lane >> 2) + half * 8;
+                        const int c = warp_q0 + nt * 8 + (lane & 3) * 2;
+                        st_shared_u32(PTile::at(smem_p, r, c), Mma::pack(p[2 * half], p[2 * half + 1]));
+                        st_shared_u32(PTile::at(smem_ds, r, c), Mma::pack(ds[2 * half], ds[2 * half + 1]));
+                    }
+                }
+            }
+        }
+        __syncthreads();  // P^T and dS^T complete
+
+        // Phase 2: dV_j += P^T dO_i (line 10) and dK_j += dS^T Q_i (line 16; scale applied at the end) for this
+        // warp's keys x head-dim columns.
+#pragma unroll
+        for (int kk = 0; kk < kM / 16; ++kk) {
+            u32 ap[kKT2][4], ads[kKT2][4];
+#pragma unroll
+            for (int kt = 0; kt < kKT2; ++kt) {
+                PTile::load_a(ap[kt], smem_p, warp_key2 + kt * 16, kk * 16, lane);
+                PTile::load_a(ads[kt], smem_ds, warp_key2 + kt * 16, kk * 16, lane);
+            }
+#pragma unroll
+            for (int dp = 0; dp < kDT / 2; ++dp) {
                 u32 bdo[4], bq[4];
-                QTile::load_b_kn(bdo, do_s, kk * 16, col0 + dp * 16, lane);
-                QTile::load_b_kn(bq, q_s, kk * 16, col0 + dp * 16, lane);
+                QTile::load_b_kn(bdo, do_s, kk * 16, warp_d0 + dp * 16, lane);
+                QTile::load_b_kn(bq, q_s, kk * 16, warp_d0 + dp * 16, lane);
 #pragma unroll
-                for (int kt = 0; kt < kKT; ++kt) {
+                for (int kt = 0; kt < kKT2; ++kt) {
                     Mma::run(acc_dv[kt][2 * dp], ap[kt], bdo[0], bdo[1]);
                     Mma::run(acc_dv[kt][2 * dp + 1], ap[kt], bdo[2], bdo[3]);
                     Mma::run(acc_dk[kt][2 * dp], ads[kt], bq[0], bq[1]);
@@ -271,74 +284,80 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             }
         }
         if (Tr::kAtomicDq) {
-            // dQ_i += dS K_j (line 15) for this block's columns, added to the fp32 workspace. dS^T is in shared
-            // memory as [key][query]; ldmatrix.trans turns it into A fragments with queries as rows.
-            __syncthreads();
-            constexpr int kU = Tr::kDqUnitsPerWarp;
+            // Phase 3: dQ_i += dS K_j (line 15) for this block's columns, added to the fp32 workspace. dS^T is
+            // stored [key][query]; ldmatrix.trans turns it into A fragments with queries as rows.
+            constexpr int kU = Tr::kDqUnitsPerWarp, kDqMT = Tr::kDqMTiles;
             const int row_w = warp % Tr::kDqRowWarps, col_w = warp / Tr::kDqRowWarps;
-            float acc_dq[kU][2][4];
+            float acc_dq[kDqMT][kU][2][4];
 #pragma unroll
-            for (int u = 0; u < kU; ++u)
+            for (int mt = 0; mt < kDqMT; ++mt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) acc_dq[u][0][e] = acc_dq[u][1][e] = 0.f;
+                for (int u = 0; u < kU; ++u)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc_dq[mt][u][0][e] = acc_dq[mt][u][1][e] = 0.f;
 #pragma unroll
             for (int kk = 0; kk < Tr::kBlockN / 16; ++kk) {
-                u32 a[4];
-                DsTile::load_a_trans(a, smem_ds, row_w * 16, kk * 16, lane);
+                u32 a[kDqMT][4];
+#pragma unroll
+                for (int mt = 0; mt < kDqMT; ++mt)
+                    PTile::load_a_trans(a[mt], smem_ds, (row_w * kDqMT + mt) * 16, kk * 16, lane);
 #pragma unroll
                 for (int u = 0; u < kU; ++u) {
                     const int unit = col_w + u * Tr::kDqColWarps;
                     if (kU * Tr::kDqColWarps == Tr::kDqUnits || unit < Tr::kDqUnits) {
                         u32 b[4];
                         KVTile::load_b_kn(b, smem_k, kk * 16, col0 + unit * 16, lane);
-                        Mma::run(acc_dq[u][0], a, b[0], b[1]);
-                        Mma::run(acc_dq[u][1], a, b[2], b[3]);
+#pragma unroll
+                        for (int mt = 0; mt < kDqMT; ++mt) {
+                            Mma::run(acc_dq[mt][u][0], a[mt], b[0], b[1]);
+                            Mma::run(acc_dq[mt][u][1], a[mt], b[2], b[3]);
+                        }
                     }
                 }
             }
             float* dq_head = dq_accum + ((i64)batch * nheads + head) * seqlen_q * headdim;
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int row = m0 + row_w * 16 + (lane >> 2) + half * 8;
+            for (int mt = 0; mt < kDqMT; ++mt)
 #pragma unroll
-                for (int u = 0; u < kU; ++u) {
-                    const int unit = col_w + u * Tr::kDqColWarps;
+                for (int half = 0; half < 2; ++half) {
+                    const int row = m0 + (row_w * kDqMT + mt) * 16 + (lane >> 2) + half * 8;
 #pragma unroll
-                    for (int j = 0; j < 2; ++j) {
-                        const int c = col0 + unit * 16 + j * 8 + (lane & 3) * 2;
-                        if (unit < Tr::kDqUnits && row < seqlen_q && c < headdim)
-                            red_add_f32x2(dq_head + (i64)row * headdim + c, acc_dq[u][j][2 * half],
-                                          acc_dq[u][j][2 * half + 1]);
+                    for (int u = 0; u < kU; ++u) {
+                        const int unit = col_w + u * Tr::kDqColWarps;
+#pragma unroll
+                        for (int j = 0; j < 2; ++j) {
+                            const int c = col0 + unit * 16 + j * 8 + (lane & 3) * 2;
+                            if (unit < Tr::kDqUnits && row < seqlen_q && c < headdim)
+                                red_add_f32x2(dq_head + (i64)row * headdim + c, acc_dq[mt][u][j][2 * half],
+                                              acc_dq[mt][u][j][2 * half + 1]);
+                        }
                     }
                 }
-            }
         }
     }
     cp_async_wait<0>();
     __syncthreads();  // K/V tiles are reused below as staging for the outputs
 
-    // dK_j = scale * dS^T Q (the scale of S = scale * Q K^T, deferred to here) and dV_j, through this warp's own
-    // rows of the K and V tiles so the global stores are 16-byte and row-contiguous.
+    // dK_j = scale * dS^T Q (the scale of S = scale * Q K^T, deferred to here) and dV_j, staged in the K and V
+    // tiles so the global stores are 16-byte and row-contiguous.
 #pragma unroll
-    for (int kt = 0; kt < kKT; ++kt)
+    for (int kt = 0; kt < kKT2; ++kt)
 #pragma unroll
-        for (int dt = 0; dt < kSD; ++dt)
+        for (int dt = 0; dt < kDT; ++dt)
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                const int r = warp_key0 + kt * 16 + (lane >> 2) + half * 8, c = col0 + dt * 8 + (lane & 3) * 2;
+                const int r = warp_key2 + kt * 16 + (lane >> 2) + half * 8, c = warp_d0 + dt * 8 + (lane & 3) * 2;
                 st_shared_u32(KVTile::at(smem_k, r, c),
                               Mma::pack(acc_dk[kt][dt][2 * half] * scale, acc_dk[kt][dt][2 * half + 1] * scale));
                 st_shared_u32(KVTile::at(smem_v, r, c), Mma::pack(acc_dv[kt][dt][2 * half], acc_dv[kt][dt][2 * half + 1]));
             }
-    __syncwarp();
+    __syncthreads();
     u16* dk_head = dk + batch * dk_batch_stride + kv_head * dk_head_stride;
     u16* dv_head = dv + batch * dv_batch_stride + kv_head * dv_head_stride;
-    constexpr int kWarpChunks = kKT * 16 * kSD;
-#pragma unroll
-    for (int i = 0; i < (kWarpChunks + 31) / 32; ++i) {
-        const int idx = lane + i * 32;
-        const int r = warp_key0 + idx / kSD, c = col0 + (idx % kSD) * 8;
-        if ((kWarpChunks % 32 == 0 || idx < kWarpChunks) && key0 + r < seqlen_k && c < headdim) {
+    constexpr int kChunksPerRow = Tr::kSliceD / 8;
+    for (int idx = tid; idx < Tr::kBlockN * kChunksPerRow; idx += Tr::kThreads) {
+        const int r = idx / kChunksPerRow, c = col0 + (idx % kChunksPerRow) * 8;
+        if (key0 + r < seqlen_k && c < headdim) {
             u32 chunk[4];
             ld_shared_v4(KVTile::at(smem_k, r, c), chunk);
             st_global_v4(dk_head + (i64)(key0 + r) * dk_row_stride + c, chunk);

@@ -9,9 +9,14 @@ The module is split in two halves:
   cold-compile and dispatch-overhead probes, the plot) that import CuPy / torch /
   matplotlib lazily, so importing this module never touches a GPU.
 
-Modes: only ``fwd`` exists today.  A mode is an entry in :data:`MODE_RUNNERS`
+Modes: ``fwd``, ``bwd`` (backward only, given out/lse from one forward) and
+``fwdbwd`` (forward + backward).  A mode is an entry in :data:`MODE_RUNNERS`
 (a function ``(case, ...) -> record``) plus a FLOP factor in
-:data:`FLOP_FACTORS`; ``bwd``/``fwd_bwd``/``decode`` slot in the same way.
+:data:`FLOP_FACTORS`; ``decode`` will slot in the same way.
+
+The error bounds shared by ``fa2cupy check``, bench/sanitize_case.py and the GPU
+tests live here too (:func:`out_bound`, :func:`lse_bound`, :func:`gradient_bound`,
+:func:`reference_gradients`), in one place.
 """
 
 from __future__ import annotations
@@ -37,12 +42,17 @@ import numpy as np
 # Grid, dtypes, FLOPs (pure)
 # --------------------------------------------------------------------------- #
 
-#: Modes the CLI accepts.  Add "bwd", "fwd_bwd", "decode" here once they exist.
-MODES: tuple[str, ...] = ("fwd",)
+#: Modes the CLI accepts.  Add "decode" here once it exists.
+MODES: tuple[str, ...] = ("fwd", "bwd", "fwdbwd")
+
+#: Other spellings accepted by :func:`canonical_mode`.
+MODE_ALIASES: dict[str, str] = {"fwd_bwd": "fwdbwd", "fwd+bwd": "fwdbwd", "fwd-bwd": "fwdbwd",
+                                "forward": "fwd", "backward": "bwd"}
 
 #: FLOPs of a mode relative to the forward pass (FlashAttention-2 paper
-#: convention: backward = 2.5x forward, i.e. 5 matmuls instead of 2).
-FLOP_FACTORS: dict[str, float] = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
+#: convention: backward = 2.5x forward, i.e. 5 matmuls instead of 2;
+#: forward + backward = 3.5x).
+FLOP_FACTORS: dict[str, float] = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
 
 #: Short dtype names used throughout the CLI -> canonical names.
 DTYPE_ALIASES: dict[str, str] = {
@@ -56,6 +66,15 @@ IMPL_TITLES: dict[str, str] = {
     "sdpa_flash": "SDPA flash",
     "sdpa_cudnn": "SDPA cuDNN",
 }
+
+
+def canonical_mode(name: str) -> str:
+    """'fwd' / 'bwd' / 'fwdbwd' (also 'fwd_bwd', 'fwd+bwd', 'forward', 'backward') -> canonical mode."""
+    key = str(name).strip().lower()
+    key = MODE_ALIASES.get(key, key)
+    if key not in MODES:
+        raise ValueError(f"unknown mode {name!r}: use one of {', '.join(MODES)}")
+    return key
 
 
 def canonical_dtype(name: str) -> str:
@@ -171,8 +190,7 @@ def attention_flops(case: Case, mode: str = "fwd") -> float:
     regardless of sq != sk; with sq == sk this is exact up to the diagonal).
     Other modes scale by :data:`FLOP_FACTORS`.
     """
-    if mode not in FLOP_FACTORS:
-        raise ValueError(f"unknown mode {mode!r}")
+    mode = canonical_mode(mode)
     f = 4.0 * case.batch * case.nheads * case.seqlen_q * case.seqlen_k * case.headdim
     if case.causal:
         f /= 2.0
@@ -184,6 +202,139 @@ def tflops_per_s(flops: float, ms: float | None) -> float | None:
     if ms is None or not ms > 0:
         return None
     return flops / (ms * 1e-3) / 1e12
+
+
+# --------------------------------------------------------------------------- #
+# Error bounds against the float64 reference (pure NumPy; one place for the
+# CLI, bench/sanitize_case.py and the GPU tests)
+# --------------------------------------------------------------------------- #
+
+#: Unit roundoff of the input dtypes (half an ulp of 1): fp16 2^-11, bf16 2^-8.
+UNIT_ROUNDOFF: dict[str, float] = {"fp16": 2.0 ** -11, "bf16": 2.0 ** -8}
+
+#: Forward output bound, relative to max(1, max|ref|) (``fa2cupy check``'s historical bound).
+OUT_REL: dict[str, float] = {"bf16": 2.0 ** -7, "fp16": 2.0 ** -10}
+
+#: Forward lse bound, relative to max(1, |ref|).
+LSE_REL = 1e-3
+
+#: Backward: max|g - ref_g| <= GRAD_C * u * max|ref_g| + floor (see :func:`gradient_bound`).
+GRAD_C = 16.0
+
+#: Backward absolute floor, relative to :func:`gradient_floor`'s magnitude.
+GRAD_FLOOR_REL = 2.0 ** -20
+
+
+def out_bound(dtype: str, ref_absmax: float) -> float:
+    """Bound on max |out - ref|: 2^-7 (bf16) or 2^-10 (fp16) times max(1, max |ref|)."""
+    return OUT_REL[canonical_dtype(dtype)] * max(1.0, float(ref_absmax))
+
+
+def lse_bound(ref_lse: np.ndarray) -> np.ndarray:
+    """Elementwise bound on |lse - ref_lse|: 1e-3 * max(1, |ref_lse|)."""
+    return LSE_REL * np.maximum(1.0, np.abs(ref_lse))
+
+
+def gradient_floor(softmax_scale: float, headdim: int, absmax_dout: float, absmax_v: float,
+                   absmax_qk: float) -> float:
+    """Absolute floor of the backward bound: ``2^-20 * scale * d * max|dO| * max|v| * max(max|q|, max|k|)``.
+
+    It only matters when the exact gradient is ~0 -- e.g. every visible row sees one
+    key, so ``dS = P * (dP - D) = 0`` exactly, while the kernel forms ``dP - D`` from
+    two fp32 dot products of length d (error <= ~2 d 2^-24 max|dO| max|v|) and
+    multiplies by ``scale * k`` (or ``q``).  2^-20 leaves a factor 8 over that
+    worst case and is ~2^-9 below an fp16 rounding of the same magnitude.
+    """
+    return (GRAD_FLOOR_REL * abs(float(softmax_scale)) * int(headdim) * float(absmax_dout)
+            * float(absmax_v) * float(absmax_qk))
+
+
+def gradient_bound(dtype: str, ref_absmax: float, floor: float = 0.0) -> float:
+    """Bound on max |g - ref_g| for g in dq, dk, dv: ``16 * u * max|ref_g| + floor``.
+
+    u is the unit roundoff (fp16 2^-11, bf16 2^-8); ``ref_g`` is
+    :func:`reference_gradients` (the float64 gradients *for the out that the
+    backward was given*); ``floor`` is :func:`gradient_floor`.  Derivation and
+    calibration: tests/test_backward_gpu.py's docstring.
+    """
+    u = UNIT_ROUNDOFF[canonical_dtype(dtype)]
+    return GRAD_C * u * max(0.0, float(ref_absmax)) + max(0.0, float(floor))
+
+
+def gradient_errors(grads, dout, q, k, v, out, dtype: str, softmax_scale: float | None = None,
+                    causal: bool = False):
+    """[(name, max|g - ref_g|, bound)] for (dq, dk, dv) against :func:`reference_gradients` with
+    :func:`gradient_bound` and :func:`gradient_floor`: the one backward acceptance rule shared by the tests of
+    every framework wrapper. All arrays are float64-convertible host arrays in flash-attn layout; ``out`` is the
+    forward output the backward was given."""
+    dout, q, k, v, out = (np.asarray(x, dtype=np.float64) for x in (dout, q, k, v, out))
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    refs = reference_gradients(dout, q, k, v, out, softmax_scale=scale, causal=causal)
+    floor = gradient_floor(scale, q.shape[-1], np.abs(dout).max(), np.abs(v).max(),
+                           max(np.abs(q).max(), np.abs(k).max()))
+    result = []
+    for name, g, ref in zip(("dq", "dk", "dv"), grads, refs):
+        g = np.asarray(g, dtype=np.float64)
+        err = float(np.abs(g - ref).max()) if np.isfinite(g).all() else math.inf
+        result.append((name, err, gradient_bound(dtype, float(np.abs(ref).max()), floor)))
+    return result
+
+
+def _probs64(q: np.ndarray, k: np.ndarray, scale: float, causal: bool) -> np.ndarray:
+    """Float64 softmax probabilities (b, h, sq, sk) with k repeated to q's heads; dead rows 0."""
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    kr = np.repeat(k, h // hkv, axis=2)
+    s = np.matmul(q.transpose(0, 2, 1, 3), kr.transpose(0, 2, 3, 1)) * scale
+    if causal:
+        vis = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)
+        s = np.where(vis, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    dead = ~np.isfinite(m)
+    e = np.exp(s - np.where(dead, 0.0, m))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(dead, 0.0, e / e.sum(axis=-1, keepdims=True))
+
+
+def reference_gradients(dout, q, k, v, out, softmax_scale: float | None = None, causal: bool = False,
+                        ref_out: np.ndarray | None = None):
+    """Float64 (dq, dk, dv) of attention for the ``out`` the backward is *given*.
+
+    FlashAttention-2's backward takes ``out`` as an input and uses it only in
+    ``D = rowsum(dO * out)``.  The kernel's out is the rounded forward result, not
+    the exact one, and where the softmax is peaked (large scale) ``dP - D`` cancels,
+    so that difference can dominate dq/dk while owing nothing to the backward.
+    This is :func:`fa2cupy.reference.attention_ref_backward` (exact out) plus the
+    exact first-order term for ``dD = rowsum(dO * (out - ref_out))``, which is
+    linear in D:  dq -= scale dD_i (P K)_i,  dk_j -= scale sum_i P_ij dD_i q_i
+    (summed over each kv head's query heads); dv does not depend on D.
+    All arrays float64-convertible, flash-attn layout; ``out`` is what the kernel
+    returned (rows with no visible key are 0 there and in the reference).
+    """
+    from fa2cupy.reference import attention_ref, attention_ref_backward  # noqa: PLC0415
+
+    dout, q, k, v, out = (np.asarray(x, dtype=np.float64) for x in (dout, q, k, v, out))
+    dq, dk, dv = attention_ref_backward(dout, q, k, v, softmax_scale=softmax_scale, causal=causal)
+    if ref_out is None:
+        ref_out, _ = attention_ref(q, k, v, softmax_scale=softmax_scale, causal=causal)
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    dD = np.einsum("bqhd,bqhd->bhq", dout, out - np.asarray(ref_out, np.float64))
+    if not np.any(dD):
+        return dq, dk, dv
+    p = _probs64(q, k, scale, causal)                                   # (b, h, sq, sk)
+    kr = np.repeat(k, h // hkv, axis=2).transpose(0, 2, 1, 3)          # (b, h, sk, d)
+    dq = dq - scale * (dD[..., None] * np.matmul(p, kr)).transpose(0, 2, 1, 3)
+    x = dD[..., None] * q.transpose(0, 2, 1, 3)                          # (b, h, sq, d)
+    ptx = np.matmul(p.transpose(0, 1, 3, 2), x)                          # (b, h, sk, d)
+    dk = dk - scale * ptx.reshape(b, hkv, h // hkv, sk, d).sum(axis=2).transpose(0, 2, 1, 3)
+    return dq, dk, dv
+
+
+def backward_work(case: Case) -> int:
+    """b * h * sq * sk * d: the float64 reference backward's cost (~5 such einsums)."""
+    return case.batch * case.nheads * case.seqlen_q * case.seqlen_k * case.headdim
 
 
 # --------------------------------------------------------------------------- #
@@ -234,6 +385,14 @@ def host_inputs(case: Case, seed: int, scale: float = 1.0) -> dict[str, tuple[np
         x = (rng.standard_normal(shape, dtype=np.float32) * np.float32(scale))
         out[name] = round_host(x, case.dtype)
     return out
+
+
+def host_dout(case: Case, seed: int, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """Standard-normal dout of q's shape, rounded to the case's dtype: (payload, values64).
+
+    Drawn from its own stream (``seed`` + 1_000_003) so q, k, v match :func:`host_inputs`."""
+    rng = np.random.default_rng(seed + 1_000_003)
+    return round_host(rng.standard_normal(case.q_shape, dtype=np.float32) * np.float32(scale), case.dtype)
 
 
 # --------------------------------------------------------------------------- #
@@ -613,8 +772,216 @@ def bench_forward_case(case: Case, *, warmup: int = 10, repeats: int = 30, seed:
     return rec
 
 
+# --------------------------------------------------------------------------- #
+# Implementations (backward, forward + backward)
+# --------------------------------------------------------------------------- #
+
+#: Largest normalised difference max|a - b| / max(1, max|b|) between fa2cupy and
+#: SDPA before the table marks a case '!' (gradients of long sequences carry more
+#: rounding than the forward output).
+DIFF_LIMITS: dict[str, float] = {"fwd": 0.05, "bwd": 0.1, "fwdbwd": 0.1}
+
+
+def _random_like(x, seed: int):
+    """Standard-normal array of x's shape/dtype in x's framework (dout for the backward)."""
+    if type(x).__module__.split(".")[0] == "torch":
+        torch = _torch()
+        g = torch.Generator(device=x.device)
+        g.manual_seed(seed)
+        return torch.randn(x.shape, device=x.device, dtype=x.dtype, generator=g)
+    import cupy  # noqa: PLC0415
+
+    return cupy.random.RandomState(seed).standard_normal(x.shape, dtype=cupy.float32).astype(x.dtype)
+
+
+def _external_stream_ctx():
+    """A context factory making torch's current stream CuPy's current stream (as :func:`fa2cupy_runner`)."""
+    import warnings  # noqa: PLC0415
+
+    import cupy  # noqa: PLC0415
+
+    ptr = _torch().cuda.current_stream().cuda_stream
+    with warnings.catch_warnings():   # CuPy 14 deprecates ExternalStream (still works)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        stream = cupy.cuda.ExternalStream(ptr)
+    return lambda: stream
+
+
+def fa2cupy_backward_runner(inp: ForwardInputs, dout, mode: str = "bwd", deterministic: bool = False) -> Runner:
+    """fa2cupy's backward (``bwd``: out/lse from one forward, timed call = backward only)
+    or forward + backward (``fwdbwd``).  The call returns (dq, dk, dv)."""
+    try:
+        import fa2cupy  # noqa: PLC0415
+
+        backward = fa2cupy.flash_attn_backward
+    except Exception as exc:
+        raise Unavailable(_first_line(exc)) from exc
+    c = inp.case.causal
+    q, k, v = inp.q, inp.k, inp.v
+    ctx = _external_stream_ctx() if inp.framework == "torch" else _Null
+    events = TorchEvents() if inp.framework == "torch" else CupyEvents()
+    if mode == "bwd":
+        with ctx():
+            out, lse, _ = fa2cupy.flash_attn_func(q, k, v, causal=c, return_attn_probs=True)
+
+        def fn():
+            return backward(dout, q, k, v, out, lse, causal=c, deterministic=deterministic)
+    else:
+        def fn():
+            o, l_, _ = fa2cupy.flash_attn_func(q, k, v, causal=c, return_attn_probs=True)
+            return backward(dout, q, k, v, o, l_, causal=c, deterministic=deterministic)
+    return Runner(fn, events, ctx)
+
+
+def _sdpa_backward_runner(inp: ForwardInputs, dout_t, backend_name: str, mode: str = "bwd") -> Runner:
+    """SDPA with one backend; ``bwd`` times ``torch.autograd.grad`` of an output computed
+    once (retain_graph), ``fwdbwd`` the SDPA call plus its gradient.  Returns
+    (dq, dk, dv) in SDPA's (b, h, s, d) layout."""
+    if inp.framework != "torch":
+        raise Unavailable("torch not importable")
+    torch = _torch()
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
+    except Exception as exc:
+        raise Unavailable(_first_line(exc)) from exc
+    backend = getattr(SDPBackend, backend_name, None)
+    if backend is None:
+        raise Unavailable(f"SDPBackend.{backend_name} missing in torch {torch.__version__}")
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    kwargs = {"is_causal": inp.case.causal}
+    if inp.case.nheads != inp.case.nheads_kv:
+        kwargs["enable_gqa"] = True
+    q, k, v = (x.detach().requires_grad_(True) for x in (inp.q_t, inp.k_t, inp.v_t))
+
+    def ctx():
+        return sdpa_kernel([backend])
+
+    try:
+        if mode == "bwd":
+            with ctx():
+                out = sdpa(q, k, v, **kwargs)
+
+            def fn():
+                return torch.autograd.grad(out, (q, k, v), dout_t, retain_graph=True)
+        else:
+            def fn():
+                return torch.autograd.grad(sdpa(q, k, v, **kwargs), (q, k, v), dout_t)
+        with ctx():
+            fn()
+        torch.cuda.synchronize()
+    except Exception as exc:
+        raise Unavailable(_first_line(exc)) from exc
+    return Runner(fn, TorchEvents(), ctx)
+
+
+def peak_memory_bytes(runner: Runner) -> int | None:
+    """Peak torch-allocator memory of one call above what was allocated before it
+    (inputs, out/lse, a retained SDPA graph), results included; None without torch.
+
+    fa2cupy called with torch tensors allocates dq/dk/dv and its workspaces through
+    torch, so the figure compares like with like."""
+    torch = _torch()
+    if torch is None or not torch_available():
+        return None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with runner.context():
+        res = runner.fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del res
+    return int(peak)
+
+
+def _grad_diff(a_grads, b_grads_bhsd) -> float:
+    """max over dq, dk, dv of max|a - b| / max(1, max|b|); b in (b, h, s, d) layout."""
+    torch = _torch()
+    worst = 0.0
+    for a, b in zip(a_grads, b_grads_bhsd):
+        if type(a).__module__.split(".")[0] != "torch":
+            a = torch.from_dlpack(a)
+        b = b.transpose(1, 2).float()
+        worst = max(worst, float((a.float() - b).abs().max().item()) / max(1.0, float(b.abs().max().item())))
+    return worst
+
+
+def bench_backward_case(case: Case, *, mode: str = "bwd", warmup: int = 10, repeats: int = 30, seed: int = 0,
+                        impls: Sequence[str] = tuple(IMPL_TITLES), max_seconds: float = 3.0,
+                        framework: str | None = None, deterministic: bool = False,
+                        memory: bool = True) -> dict[str, Any]:
+    """Time the backward (``mode='bwd'``) or forward + backward (``'fwdbwd'``) of every
+    implementation in ``impls`` on ``case``; returns a JSON-able record like
+    :func:`bench_forward_case`'s, plus ``peak_mib`` per implementation (see
+    :func:`peak_memory_bytes`) and ``max_abs_diff`` = max over dq/dk/dv of
+    max|fa2cupy - SDPA| / max(1, max|SDPA|)."""
+    mode = canonical_mode(mode)
+    if mode == "fwd":
+        raise ValueError("bench_backward_case times bwd or fwdbwd; use bench_forward_case for fwd")
+    inp = make_forward_inputs(case, seed, framework)
+    dout = _random_like(inp.q, seed + 1)
+    dout_t = dout.transpose(1, 2).contiguous() if inp.framework == "torch" else None
+    flops = attention_flops(case, mode)
+    rec: dict[str, Any] = {"label": case.label, "case": case.to_dict(), "mode": mode, "flops": flops,
+                           "framework": inp.framework, "deterministic": bool(deterministic), "results": {},
+                           "config": _kernel_config(case), "max_abs_diff": None, "diff_vs": None,
+                           "diff_kind": "max over dq,dk,dv of max|fa2cupy - ref| / max(1, max|ref|)",
+                           "diff_limit": DIFF_LIMITS[mode]}
+    makers = {
+        "fa2cupy": lambda: fa2cupy_backward_runner(inp, dout, mode, deterministic),
+        "sdpa_flash": lambda: _sdpa_backward_runner(inp, dout_t, "FLASH_ATTENTION", mode),
+        "sdpa_cudnn": lambda: _sdpa_backward_runner(inp, dout_t, "CUDNN_ATTENTION", mode),
+    }
+    outputs = {}
+    for name in impls:
+        entry: dict[str, Any] = {"tflops": None, "median_ms": None, "min_ms": None, "max_ms": None,
+                                 "n": 0, "peak_mib": None, "error": None}
+        try:
+            runner = makers[name]()
+            with runner.context():
+                t = time_gpu(runner.fn, runner.events, warmup=warmup, repeats=repeats,
+                             max_seconds=max_seconds)
+                outputs[name] = runner.fn()
+            runner.events.sync()
+            entry.update(median_ms=t.median_ms, min_ms=t.min_ms, max_ms=t.max_ms, n=t.n,
+                         tflops=tflops_per_s(flops, t.median_ms))
+            if memory:
+                try:
+                    peak = peak_memory_bytes(runner)
+                    entry["peak_mib"] = None if peak is None else peak / 2**20
+                except Exception as exc:
+                    entry["peak_error"] = _first_line(exc)
+            del runner
+        except Unavailable as exc:
+            entry["error"] = f"unavailable: {exc}"
+        except Exception as exc:  # keep going: one failure must not lose the whole grid
+            entry["error"] = _first_line(exc)
+        rec["results"][name] = entry
+    ref_name = next((n for n in ("sdpa_flash", "sdpa_cudnn") if n in outputs), None)
+    if "fa2cupy" in outputs and ref_name is not None:
+        try:
+            rec["max_abs_diff"] = _grad_diff(outputs["fa2cupy"], outputs[ref_name])
+            rec["diff_vs"] = ref_name
+        except Exception as exc:
+            rec["diff_vs"] = f"error: {_first_line(exc)}"
+    makers.clear()
+    outputs.clear()
+    inp = dout = dout_t = None   # noqa: F841  (free the GPU memory before the next case)
+    return rec
+
+
+def bench_bwd_case(case: Case, **kw) -> dict[str, Any]:
+    return bench_backward_case(case, mode="bwd", **kw)
+
+
+def bench_fwdbwd_case(case: Case, **kw) -> dict[str, Any]:
+    return bench_backward_case(case, mode="fwdbwd", **kw)
+
+
 #: mode -> function(case, **options) -> record
-MODE_RUNNERS: dict[str, Callable[..., dict[str, Any]]] = {"fwd": bench_forward_case}
+MODE_RUNNERS: dict[str, Callable[..., dict[str, Any]]] = {
+    "fwd": bench_forward_case, "bwd": bench_bwd_case, "fwdbwd": bench_fwdbwd_case,
+}
 
 
 # --------------------------------------------------------------------------- #
@@ -839,7 +1206,8 @@ def _ratio(a: float | None, b: float | None) -> str | None:
 def results_table(records: Sequence[dict[str, Any]]) -> str:
     """Table of TFLOPs/s: case, fa2cupy, SDPA flash, SDPA cuDNN, ratio vs flash, ratio vs cuDNN.
 
-    A '!' after the fa2cupy figure marks max |fa2cupy - SDPA| > 0.05 (wrong output).
+    A '!' after the fa2cupy figure marks a difference from SDPA above the record's
+    ``diff_limit`` (default 0.05: max |fa2cupy - SDPA| of the forward output), i.e. a wrong result.
     """
     headers = ["case", "fa2cupy", "SDPA flash", "SDPA cuDNN", "vs flash", "vs cuDNN"]
     rows = []
@@ -848,11 +1216,36 @@ def results_table(records: Sequence[dict[str, Any]]) -> str:
         t = {k: (r.get(k) or {}).get("tflops") for k in IMPL_TITLES}
         fa = _fmt_tflops(t["fa2cupy"])
         diff = rec.get("max_abs_diff")
-        if fa is not None and diff is not None and diff > 0.05:
+        if fa is not None and diff is not None and diff > rec.get("diff_limit", DIFF_LIMITS["fwd"]):
             fa += "!"
         rows.append([rec["label"], fa, _fmt_tflops(t["sdpa_flash"]), _fmt_tflops(t["sdpa_cudnn"]),
                      _ratio(t["fa2cupy"], t["sdpa_flash"]), _ratio(t["fa2cupy"], t["sdpa_cudnn"])])
     return format_table(headers, rows)
+
+
+def _fmt_mib(x: float | None) -> str | None:
+    return None if x is None else f"{x:.0f}"
+
+
+def memory_table(records: Sequence[dict[str, Any]]) -> str | None:
+    """Table of peak extra memory (MiB, torch allocator, see :func:`peak_memory_bytes`) per
+    implementation, with fa2cupy's ratio to SDPA flash; None when no record measured any."""
+    if not any((e or {}).get("peak_mib") is not None for r in records for e in r["results"].values()):
+        return None
+    headers = ["case"] + [f"{t} MiB" for t in IMPL_TITLES.values()] + ["vs flash"]
+    rows = []
+    for rec in records:
+        m = {k: (rec["results"].get(k) or {}).get("peak_mib") for k in IMPL_TITLES}
+        rows.append([rec["label"], *(_fmt_mib(m[k]) for k in IMPL_TITLES), _ratio(m["fa2cupy"], m["sdpa_flash"])])
+    return format_table(headers, rows)
+
+
+def flops_description(mode: str) -> str:
+    """The FLOP convention of ``mode`` in words (for the JSON)."""
+    mode = canonical_mode(mode)
+    f = FLOP_FACTORS[mode]
+    base = "4*b*h*sq*sk*d, halved when causal"
+    return base if f == 1.0 else f"{f:g} x ({base}) (FlashAttention-2 paper accounting)"
 
 
 def errors_summary(records: Sequence[dict[str, Any]]) -> list[str]:

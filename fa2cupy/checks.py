@@ -248,3 +248,100 @@ def check_forward_args(
             )
 
     return AttnShape(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, q.dtype)
+
+
+def _c_contiguous(info: ArrayInfo) -> bool:
+    # Axes of length 1 may have any stride (frameworks disagree on what to put there).
+    step = 1
+    for n, s in zip(reversed(info.shape), reversed(info.strides)):
+        if n != 1 and s != step:
+            return False
+        step *= n
+    return True
+
+
+def check_backward_args(
+    dout: ArrayInfo,
+    q: ArrayInfo,
+    k: ArrayInfo,
+    v: ArrayInfo,
+    out: ArrayInfo,
+    softmax_lse: ArrayInfo,
+    *,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    deterministic=False,
+) -> AttnShape:
+    """Validate the arguments of ``flash_attn_backward`` and return the problem size.
+
+    q, k, v and the options are checked exactly as by :func:`check_forward_args` (same messages, including
+    NotImplementedError for a sliding ``window_size``). On top of that: ``dout`` and ``out`` have q's shape
+    and dtype and a contiguous last axis (other axes may have any stride); ``softmax_lse`` is float32
+    ``(batch, nheads, seqlen_q)`` and C-contiguous (as the forward returns it); all six arrays come from one
+    framework and live on one device.
+
+    Args:
+        dout, q, k, v, out, softmax_lse: ArrayInfo from :func:`fa2cupy.arrays.describe`.
+        softmax_scale, causal, window_size, deterministic: as for :func:`check_forward_args`.
+
+    Returns:
+        AttnShape.
+
+    Raises:
+        TypeError: wrong dtype, or an option of the wrong type.
+        ValueError: wrong rank or shape, non-contiguous layout, arrays on different frameworks/devices, or a
+            bad option value.
+        NotImplementedError: sliding window requested.
+    """
+    shape = check_forward_args(
+        q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, deterministic=deterministic
+    )
+    for info in (dout, out):
+        if len(info.shape) != 4:
+            raise ValueError(
+                f"{info.name} must be 4-D (batch, seqlen_q, nheads, headdim) like q, got "
+                f"{len(info.shape)}-D shape {info.shape}"
+            )
+    lse_shape = (shape.batch, shape.nheads, shape.seqlen_q)
+    if len(softmax_lse.shape) != 3:
+        raise ValueError(
+            f"{softmax_lse.name} must be 3-D (batch, nheads, seqlen_q) = {lse_shape}, got "
+            f"{len(softmax_lse.shape)}-D shape {softmax_lse.shape}"
+        )
+    same_framework([q, k, v, dout, out, softmax_lse])
+
+    for info in (dout, out):
+        if tuple(info.shape) != tuple(q.shape):
+            raise ValueError(
+                f"{info.name} has shape {info.shape} but q has {q.shape}; {info.name} must have q's shape "
+                f"(batch, seqlen_q, nheads, headdim)"
+            )
+        if info.dtype != q.dtype:
+            raise TypeError(
+                f"{info.name} has dtype {info.dtype} but q has {q.dtype}; {info.name} must have q's dtype"
+            )
+    if tuple(softmax_lse.shape) != lse_shape:
+        raise ValueError(
+            f"{softmax_lse.name} has shape {softmax_lse.shape}, expected (batch, nheads, seqlen_q) = "
+            f"{lse_shape} from q's shape {q.shape}; pass the softmax_lse that the forward returned"
+        )
+    if softmax_lse.dtype != "float32":
+        raise TypeError(
+            f"{softmax_lse.name} must be float32 (as the forward returns it), got {softmax_lse.dtype}"
+        )
+
+    for info in (dout, out):
+        if info.strides[3] != 1 and info.shape[3] != 1:
+            raise ValueError(
+                f"{info.name} must be contiguous in its last (headdim) axis, got strides {info.strides} "
+                f"(in elements); the other axes may have any stride, but pass a copy if the last axis is "
+                f"strided"
+            )
+    if not _c_contiguous(softmax_lse):
+        raise ValueError(
+            f"{softmax_lse.name} must be C-contiguous (batch, nheads, seqlen_q), got strides "
+            f"{softmax_lse.strides} (in elements) for shape {softmax_lse.shape}; pass the forward's "
+            f"softmax_lse or a contiguous copy of it"
+        )
+    return shape

@@ -110,24 +110,32 @@ class BwdConfig:
     headdim: int
     block_m: int  # query rows per step of the walk over query tiles
     block_n: int  # keys per thread block (K_j, V_j resident in shared memory)
-    warps: int  # each owns block_n / warps key rows
+    warps: int
+    warps_keys: int  # phase 1 (S^T, dP^T): warps along the keys; the others split the queries
     stages: int  # Q/dO ring depth (1 or 2)
     dslices: int  # head-dim slices of dK/dV/dQ per key tile (each slice is its own block)
+    warps_keys2: int  # phase 2 (dK, dV): warps along the keys; the others split the head dim
 
     @property
     def threads(self) -> int:
         return self.warps * 32
 
-    def smem_bytes(self, atomic_dq: bool) -> int:
-        # Must match BwdTraits::kSmemBytes.
+    @property
+    def smem_bytes(self) -> int:
+        # Must match BwdTraits::kSmemBytes: K, V, the Q/dO ring, P^T and dS^T, the row statistics.
         pitch = (self.headdim + 8) * 2
-        ds = self.block_n * (self.block_m + 8) * 2 if atomic_dq else 0
-        return 2 * self.block_n * pitch + 2 * self.stages * self.block_m * pitch + ds + 2 * self.stages * self.block_m * 4
+        return (
+            2 * self.block_n * pitch
+            + 2 * self.stages * self.block_m * pitch
+            + 2 * self.block_n * (self.block_m + 8) * 2
+            + 2 * self.stages * self.block_m * 4
+        )
 
     def name_expression(self, dtype: str, causal: bool, atomic_dq: bool) -> str:
         return (
             f"fa2::bwd_dkdv<fa2::BwdTraits<{self.headdim}, {self.block_m}, {self.block_n}, {self.warps}, "
-            f"{self.stages}, {self.dslices}, {DTYPE_TAGS[dtype]}, {str(bool(causal)).lower()}, "
+            f"{self.warps_keys}, {self.warps_keys2}, {self.stages}, {self.dslices}, {DTYPE_TAGS[dtype]}, "
+            f"{str(bool(causal)).lower()}, "
             f"{str(bool(atomic_dq)).lower()}>>"
         )
 
@@ -156,36 +164,58 @@ class BwdDqConfig:
         )
 
 
-def _bwd(headdim, block_m, block_n, warps, stages=2, dslices=1) -> BwdConfig:
-    return BwdConfig(headdim, block_m, block_n, warps, stages, dslices)
+def _bwd(headdim, block_m, block_n, warps, warps_keys, stages=2, dslices=1, warps_keys2=None) -> BwdConfig:
+    return BwdConfig(headdim, block_m, block_n, warps, warps_keys, stages, dslices, warps_keys2 or warps_keys)
 
 
-# Backward main kernel: warps own 16 key rows each, dK and dV accumulate in registers (2 x 16 x slice fp32 per
-# warp), so head dims above 128 split the columns into slices. Every row is spill-free (tests/test_compile.py).
-_BWD_BIG = {  # sm80 and sm90 (>= 163 KB of shared memory per block)
-    32: _bwd(32, 128, 128, 8),
-    64: _bwd(64, 64, 128, 8),
-    96: _bwd(96, 64, 128, 8),
-    128: _bwd(128, 32, 128, 8),
-    160: _bwd(160, 32, 128, 8, stages=1),
-    192: _bwd(192, 32, 64, 4, dslices=2),
-    224: _bwd(224, 32, 64, 4, dslices=2),
-    256: _bwd(256, 32, 64, 4, dslices=2),
+# Backward main kernel: each warp holds 32 (or 16) keys of dK and dV in registers over a span of the head dim;
+# head dims above 128 split the columns into slices. Every row is spill-free (tests/test_compile.py).
+_BWD_SM90 = {  # 227 KB of shared memory per block
+    32: _bwd(32, 128, 128, 8, 4),
+    64: _bwd(64, 128, 128, 8, 4),
+    96: _bwd(96, 64, 128, 8, 4),
+    128: _bwd(128, 64, 128, 8, 4),
+    160: _bwd(160, 32, 64, 4, 2),
+    192: _bwd(192, 32, 64, 4, 2, dslices=2),
+    224: _bwd(224, 32, 64, 4, 4, dslices=2),
+    256: _bwd(256, 32, 64, 4, 2, dslices=2),
 }
-_BWD_SMALL = {  # sm86 (99 KB)
-    32: _bwd(32, 64, 128, 8),
-    64: _bwd(64, 64, 128, 8),
-    96: _bwd(96, 64, 64, 4),
-    128: _bwd(128, 32, 64, 4),
-    160: _bwd(160, 32, 64, 4, stages=1),
-    192: _bwd(192, 32, 64, 4, stages=1, dslices=2),
-    224: _bwd(224, 32, 64, 4, stages=1, dslices=2),
-    256: _bwd(256, 32, 32, 2, stages=1, dslices=2),
+_BWD_SM80 = {  # 163 KB
+    **_BWD_SM90,
+    64: _bwd(64, 64, 128, 8, 4),
+    128: _bwd(128, 64, 128, 8, 4, stages=1),
+    160: _bwd(160, 32, 64, 4, 4, dslices=2),
+}
+_BWD_SM86 = {  # 99 KB
+    32: _bwd(32, 64, 128, 8, 4),
+    64: _bwd(64, 64, 64, 4, 2),
+    96: _bwd(96, 64, 64, 4, 2),
+    128: _bwd(128, 32, 64, 4, 2, stages=1),
+    160: _bwd(160, 32, 64, 4, 4, dslices=2),
+    192: _bwd(192, 32, 64, 4, 2, stages=1, dslices=2),
+    224: _bwd(224, 32, 64, 4, 4, stages=1, dslices=2),
+    256: _bwd(256, 16, 32, 2, 2, stages=1, dslices=2),
 }
 BACKWARD_TABLE: dict[tuple[str, int], BwdConfig] = {
-    **{("sm80", d): c for d, c in _BWD_BIG.items()},
-    **{("sm86", d): c for d, c in _BWD_SMALL.items()},
-    **{("sm90", d): c for d, c in _BWD_BIG.items()},
+    **{("sm80", d): c for d, c in _BWD_SM80.items()},
+    **{("sm86", d): c for d, c in _BWD_SM86.items()},
+    **{("sm90", d): c for d, c in _BWD_SM90.items()},
+}
+
+#: Extra backward configurations timed by bench/tune_bwd.py when re-tuning the table.
+BACKWARD_CANDIDATES: dict[int, tuple[BwdConfig, ...]] = {
+    64: (
+        _bwd(64, 128, 128, 8, 4),
+        _bwd(64, 128, 128, 8, 4, warps_keys2=8),
+        _bwd(64, 64, 128, 8, 4, warps_keys2=8),
+        _bwd(64, 128, 128, 8, 2, warps_keys2=8),
+    ),
+    128: (
+        _bwd(128, 64, 128, 8, 4),
+        _bwd(128, 64, 128, 8, 4, stages=1),
+        _bwd(128, 64, 128, 8, 4, warps_keys2=8),
+        _bwd(128, 64, 128, 8, 2),
+    ),
 }
 
 _DQ_BIG = {d: BwdDqConfig(d, 64, 64 if d <= 128 else 32, 4) for d in HEADDIMS}

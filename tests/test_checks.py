@@ -276,3 +276,171 @@ def test_headdim_one_may_have_any_last_stride():
 
     q = ArrayInfo("q", "cupy", (1, 4, 2, 1), "float16", (8, 2, 1, 7), ("cuda", 0))
     assert check_forward_args(q, q, q).headdim == 1
+
+
+# ------------------------------------------------------------------ check_backward_args
+
+from fa2cupy.checks import check_backward_args  # noqa: E402
+
+
+def bwd_args(b=2, sq=5, sk=7, h=4, hkv=2, d=64, dtype="float16", **kw):
+    """dout, q, k, v, out, softmax_lse as describe() would report them for a valid backward call."""
+    q, k, v = qkv(b, sq, sk, h, hkv, d, dtype, **kw)
+    return {
+        "dout": info("dout", q.shape, dtype, **kw), "q": q, "k": k, "v": v,
+        "out": info("out", q.shape, dtype, **kw), "softmax_lse": info("softmax_lse", (b, h, sq), "float32", **kw),
+    }
+
+
+def call_bwd(args, **options):
+    return check_backward_args(args["dout"], args["q"], args["k"], args["v"], args["out"], args["softmax_lse"],
+                               **options)
+
+
+@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES)
+def test_bwd_valid_returns_shape(dtype):
+    assert call_bwd(bwd_args(dtype=dtype)) == AttnShape(batch=2, seqlen_q=5, seqlen_k=7, nheads=4, nheads_kv=2,
+                                                        headdim=64, dtype=dtype)
+
+
+def test_bwd_valid_options_and_strided_dout_out():
+    args = bwd_args(b=2, sq=9, h=3, hkv=3, d=32)
+    # (b, h, s, d) memory seen as (b, s, h, d) for dout and out; lse with a size-1 axis of odd stride.
+    args["dout"] = info("dout", (2, 9, 3, 32), strides=(3 * 9 * 32, 32, 9 * 32, 1))
+    args["out"] = info("out", (2, 9, 3, 32), strides=(3 * 9 * 32, 32, 9 * 32, 1))
+    s = call_bwd(args, softmax_scale=0.3, causal=True, window_size=(-1, -1), deterministic=True)
+    assert s.seqlen_q == 9
+    args["softmax_lse"] = info("softmax_lse", (1, 3, 9), "float32", strides=(5, 9, 1))
+    args.update({n: info(n, (1,) + a.shape[1:], a.dtype, strides=a.strides) for n, a in args.items()
+                 if n != "softmax_lse"})
+    assert call_bwd(args).batch == 1
+
+
+def test_bwd_reuses_forward_checks():
+    args = bwd_args()
+    args["k"] = info("k", (2, 7, 2, 64), "bfloat16")
+    with pytest.raises(TypeError, match=r"^k has dtype bfloat16 but q has float16"):
+        call_bwd(args)
+    with pytest.raises(NotImplementedError, match=r"^sliding-window attention \(window_size=\(8, 0\)\)"):
+        call_bwd(bwd_args(), window_size=(8, 0))
+    with pytest.raises(TypeError, match=r"^deterministic must be a bool"):
+        call_bwd(bwd_args(), deterministic="yes")
+    with pytest.raises(ValueError, match=r"^softmax_scale must be None or a finite number"):
+        call_bwd(bwd_args(), softmax_scale=float("nan"))
+
+
+@pytest.mark.parametrize("name", ["dout", "out"])
+def test_bwd_rank_dout_out(name):
+    args = bwd_args()
+    args[name] = info(name, (2, 5, 256))
+    with pytest.raises(ValueError, match=rf"^{name} must be 4-D \(batch, seqlen_q, nheads, headdim\) like q, got 3-D"):
+        call_bwd(args)
+
+
+@pytest.mark.parametrize("name", ["dout", "out"])
+@pytest.mark.parametrize("pos", [0, 1, 2, 3])
+def test_bwd_shape_dout_out(name, pos):
+    args = bwd_args()
+    shape = list(args["q"].shape)
+    shape[pos] += 1
+    args[name] = info(name, shape)
+    with pytest.raises(ValueError) as err:
+        call_bwd(args)
+    assert str(err.value) == (f"{name} has shape {tuple(shape)} but q has (2, 5, 4, 64); {name} must have q's "
+                              f"shape (batch, seqlen_q, nheads, headdim)")
+
+
+@pytest.mark.parametrize("name", ["dout", "out"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_bwd_dtype_dout_out(name, dtype):
+    args = bwd_args()
+    args[name] = info(name, args["q"].shape, dtype)
+    with pytest.raises(TypeError) as err:
+        call_bwd(args)
+    assert str(err.value) == f"{name} has dtype {dtype} but q has float16; {name} must have q's dtype"
+
+
+@pytest.mark.parametrize("name", ["dout", "out"])
+def test_bwd_last_axis_not_contiguous(name):
+    args = bwd_args(d=8)
+    args[name] = info(name, args["q"].shape, strides=(2 * 5 * 4 * 8, 2 * 4 * 8, 16, 2))
+    with pytest.raises(ValueError, match=rf"^{name} must be contiguous in its last \(headdim\) axis, got strides "
+                                         rf"\(320, 64, 16, 2\)"):
+        call_bwd(args)
+
+
+def test_bwd_lse_rank():
+    args = bwd_args()
+    args["softmax_lse"] = info("softmax_lse", (2, 4, 5, 1), "float32")
+    with pytest.raises(ValueError, match=r"^softmax_lse must be 3-D \(batch, nheads, seqlen_q\) = \(2, 4, 5\), "
+                                         r"got 4-D shape \(2, 4, 5, 1\)"):
+        call_bwd(args)
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 4), (2, 4, 7), (1, 4, 5), (2, 2, 5)])
+def test_bwd_lse_shape(shape):
+    args = bwd_args()
+    args["softmax_lse"] = info("softmax_lse", shape, "float32")
+    with pytest.raises(ValueError) as err:
+        call_bwd(args)
+    assert str(err.value) == (f"softmax_lse has shape {shape}, expected (batch, nheads, seqlen_q) = (2, 4, 5) from "
+                              f"q's shape (2, 5, 4, 64); pass the softmax_lse that the forward returned")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"])
+def test_bwd_lse_dtype(dtype):
+    args = bwd_args()
+    args["softmax_lse"] = info("softmax_lse", (2, 4, 5), dtype)
+    with pytest.raises(TypeError) as err:
+        call_bwd(args)
+    assert str(err.value) == f"softmax_lse must be float32 (as the forward returns it), got {dtype}"
+
+
+@pytest.mark.parametrize("strides", [(20, 1, 4), (40, 10, 2), (20, 5, 0)])
+def test_bwd_lse_not_contiguous(strides):
+    args = bwd_args()
+    args["softmax_lse"] = info("softmax_lse", (2, 4, 5), "float32", strides=strides)
+    with pytest.raises(ValueError, match=rf"^softmax_lse must be C-contiguous \(batch, nheads, seqlen_q\), got "
+                                         rf"strides \({strides[0]}, {strides[1]}, {strides[2]}\)"):
+        call_bwd(args)
+
+
+@pytest.mark.parametrize("name", ["dout", "out", "softmax_lse"])
+def test_bwd_device_differs(name):
+    args = bwd_args()
+    a = args[name]
+    args[name] = info(name, a.shape, a.dtype, device=("cuda", 1))
+    with pytest.raises(ValueError, match=rf"^{name} is on cuda:1 but q is on cuda:0; all arrays must be on one device"):
+        call_bwd(args)
+
+
+@pytest.mark.parametrize("name", ["dout", "out", "softmax_lse"])
+def test_bwd_framework_differs(name):
+    args = bwd_args()
+    a = args[name]
+    args[name] = info(name, a.shape, a.dtype, framework="torch")
+    with pytest.raises(ValueError, match=rf"^{name} is a PyTorch tensor but q is a CuPy array; all arrays must come "
+                                         rf"from one framework"):
+        call_bwd(args)
+
+
+def test_bwd_host_numpy_mixed():
+    args = bwd_args()
+    args["softmax_lse"] = info("softmax_lse", (2, 4, 5), "float32", framework="numpy", device=("cpu", 0))
+    with pytest.raises(ValueError, match=r"^softmax_lse is a host NumPy array but q is a CuPy array on cuda:0"):
+        call_bwd(args)
+
+
+def test_bwd_torch_on_cpu():
+    args = bwd_args(framework="torch")
+    args["dout"] = info("dout", args["q"].shape, framework="torch", device=("cpu", 0))
+    with pytest.raises(ValueError, match=r"^dout is a PyTorch tensor on the CPU; fa2cupy runs on a CUDA GPU"):
+        call_bwd(args)
+
+
+def test_bwd_numpy_all_host_is_fine():
+    arrs = {"dout": np.zeros((1, 3, 2, 8), np.float16), "q": np.zeros((1, 3, 2, 8), np.float16),
+            "k": np.zeros((1, 4, 1, 8), np.float16), "v": np.zeros((1, 4, 1, 8), np.float16),
+            "out": np.zeros((1, 3, 2, 8), np.float16), "softmax_lse": np.zeros((1, 2, 3), np.float32)}
+    infos = {n: describe(a, n) for n, a in arrs.items()}
+    assert call_bwd(infos, causal=True).nheads_kv == 1

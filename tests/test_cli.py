@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import sys
 from pathlib import Path
 
@@ -63,8 +65,10 @@ def test_help_lists_commands():
 
 def test_bench_mode_choices_and_bad_lists():
     runner = CliRunner()
-    r = runner.invoke(cli.main, ["bench", "--mode", "bwd"])
-    assert r.exit_code == 2 and "bwd" in r.output
+    r = runner.invoke(cli.main, ["bench", "--mode", "decode"])
+    assert r.exit_code == 2 and "decode" in r.output
+    for mode in ("fwd", "bwd", "fwdbwd"):
+        assert mode in runner.invoke(cli.main, ["bench", "--help"]).output
     r = runner.invoke(cli.main, ["bench", "--seqlens", "512,abc"])
     assert r.exit_code == 2 and "seqlens" in r.output
 
@@ -94,9 +98,71 @@ def test_random_cases_depend_on_seed():
 
 
 def test_bounds():
-    assert cli._bound("bf16", 0.5) == 2 ** -7
-    assert cli._bound("fp16", 4.0) == 4 * 2 ** -10
-    np.testing.assert_allclose(cli._lse_bound(np.array([0.5, -20.0])), [1e-3, 2e-2])
+    assert B.out_bound("bf16", 0.5) == 2 ** -7
+    assert B.out_bound("fp16", 4.0) == 4 * 2 ** -10
+    np.testing.assert_allclose(B.lse_bound(np.array([0.5, -20.0])), [1e-3, 2e-2])
+    assert not hasattr(cli, "_bound") and not hasattr(cli, "OUT_REL")   # one place: fa2cupy/benchmark.py
+
+
+@no_gpu_only
+@pytest.mark.parametrize("mode", ["bwd", "fwdbwd"])
+def test_bench_backward_modes_parse_then_need_gpu(mode):
+    r = CliRunner().invoke(cli.main, ["bench", "--mode", mode, "--deterministic", "--seqlens", "2k"])
+    assert r.exit_code == cli.EXIT_NO_GPU
+
+
+def test_check_backward_subset():
+    full, quick = cli.check_cases(seed=0), cli.check_cases(seed=0, quick=True)
+    bwd = [c for c in full if cli.checks_backward(c)]
+    assert 10 <= len(bwd) < len(full)                       # big cases skip the float64 backward
+    assert 0 < sum(cli.checks_backward(c) for c in quick) < len(bwd)
+    assert not cli.checks_backward(B.Case(1, 2048, 2048, 2, 2, 128, True, "bf16"))
+    assert {"bf16", "fp16"} <= {c.dtype for c in bwd}
+    assert any(c.causal and c.seqlen_q > c.seqlen_k for c in bwd)
+    assert any(1 <= c.nheads_kv < c.nheads for c in bwd)
+    assert {32, 256} <= {c.headdim for c in bwd} and any(c.headdim % 8 for c in bwd)
+
+
+def _grad_case():
+    from fa2cupy.reference import attention_ref, attention_ref_backward
+
+    case = B.Case(1, 9, 5, 4, 2, 16, True, "fp16")
+    host = B.host_inputs(case, 0)
+    q, k, v = (host[n][1] for n in "qkv")
+    dout = B.host_dout(case, 0)[1]
+    out, _ = attention_ref(q, k, v, causal=True)
+    ref = attention_ref_backward(dout, q, k, v, causal=True)
+    absmax = {"dout": np.abs(dout).max(), "q": np.abs(q).max(), "k": np.abs(k).max(), "v": np.abs(v).max()}
+    return case, ref, absmax
+
+
+def test_compare_gradients():
+    case, ref, absmax = _grad_case()
+    ratios = cli.compare_gradients(case, ref, ref, 0.25, absmax)
+    assert ratios == {"dq": 0.0, "dk": 0.0, "dv": 0.0}
+    off = [g.copy() for g in ref]
+    off[1][0, 0, 0, 0] += 0.1                         # far above 16 * 2^-11 * max|dk|
+    r = cli.compare_gradients(case, off, ref, 0.25, absmax)
+    assert r["dk"] > 1 and r["dq"] == 0.0
+    nan = [g.copy() for g in ref]
+    nan[2][0, -1, 0, 0] = np.nan
+    assert cli.compare_gradients(case, nan, ref, 0.25, absmax)["dv"] == math.inf
+    with pytest.raises(ValueError):
+        cli.compare_gradients(case, [ref[0], ref[1][:, :1], ref[2]], ref, 0.25, absmax)
+
+
+def test_check_row_with_gradients():
+    case = B.Case(1, 9, 5, 2, 1, 16, True, "fp16")
+    ok = cli.CheckResult(case, 1e-4, 1e-3, 1e-6, 0.01, 8, 0.5, grad_ratios={"dq": 0.1, "dk": 0.2, "dv": 0.3},
+                         deterministic=True)
+    row = cli.check_row(0, ok)
+    assert ok.passed and "0.30" in row and "deterministic" in row and "PASS" in row
+    bad = dataclasses.replace(ok, grad_ratios={"dq": 0.1, "dk": 1.5, "dv": math.inf})
+    assert not bad.passed and "FAIL" in cli.check_row(0, bad) and "inf" in cli.check_row(0, bad)
+    fwd_only = cli.CheckResult(case, 1e-4, 1e-3, 1e-6, 0.01, 8, 0.5)
+    assert fwd_only.passed and cli.check_row(0, fwd_only).count(" - ") >= 3
+    for h in ("dq/bnd", "dk/bnd", "dv/bnd"):
+        assert h in cli.check_header()
 
 
 def _ref(case, seed=0):

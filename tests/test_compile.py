@@ -73,8 +73,8 @@ def test_every_table_entry_fits_its_family():
     for table in (configs.BACKWARD_TABLE, configs.BACKWARD_DQ_TABLE):
         assert set(table) == set(configs.FORWARD_TABLE)
     for (family, width), config in configs.BACKWARD_TABLE.items():
-        assert config.headdim == width and config.block_n % (16 * config.warps) == 0
-        assert config.smem_bytes(atomic_dq=True) <= limits[family], (family, width, config)
+        assert config.headdim == width and config.block_n % (16 * config.warps_keys) == 0
+        assert config.smem_bytes <= limits[family], (family, width, config)
         assert (config.block_m // 16) <= config.warps and width % (16 * config.dslices) == 0
     for (family, width), config in configs.BACKWARD_DQ_TABLE.items():
         assert config.headdim == width and config.smem_bytes <= limits[family], (family, width, config)

@@ -1,0 +1,335 @@
+"""JAX wrapper with gradients: ``from fa2cupy.jax import flash_attn_func``.
+
+Works eagerly and inside ``jax.jit``, ``jax.grad``, ``jax.value_and_grad`` and ``jax.vjp`` (and, one call per
+batch element, ``jax.vmap``): the forward and the backward are XLA custom calls made with
+``jax.experimental.buffer_callback``, whose Python callback receives XLA's device buffers and XLA's CUDA stream.
+The callback views the buffers as CuPy arrays (zero-copy, from their device pointers), makes
+``cupy.cuda.ExternalStream(ctx.stream)`` CuPy's current stream, so fa2cupy's kernels launch on XLA's stream,
+and writes the results into XLA's output buffers. Nothing in it synchronises the host.
+
+The gradient is a ``jax.custom_vjp``: the forward saves ``(q, k, v, out, lse)`` only (no attention
+probabilities) and the backward calls :func:`fa2cupy.flash_attn_backward`.
+
+Command buffers (CUDA graphs): the callbacks are declared ``command_buffer_compatible``, so XLA may run the
+Python callback once, capture its launches into a CUDA graph and replay that graph on later executions. Two
+consequences are handled here:
+
+* every device allocation made inside a callback (fa2cupy's outputs and workspaces) comes from a private,
+  never-freed arena per call signature (:class:`_Arena`), because a replayed graph keeps writing to the
+  addresses it was captured with; CuPy's pool would hand those addresses to someone else;
+* kernels are compiled (NVRTC) and loaded when the call is first traced, by a small warm-up run outside any
+  capture, not inside the callback.
+
+Set ``fa2cupy.jax.COMMAND_BUFFER_COMPATIBLE = False`` before tracing to have XLA call the Python callback on
+every execution instead.
+
+This module imports jax; ``import fa2cupy`` does not import it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+
+import cupy
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.buffer_callback import buffer_callback
+
+import fa2cupy
+from fa2cupy import arrays, checks
+
+__all__ = ["flash_attn_func", "COMMAND_BUFFER_COMPATIBLE"]
+
+#: Let XLA capture the callbacks into command buffers (CUDA graphs). Read when a call is traced.
+COMMAND_BUFFER_COMPATIBLE = True
+
+
+# ------------------------------------------------------------------------------------------ device memory
+
+
+class _Arena:
+    """Device memory for the allocations made by one callback signature, kept for the life of the process.
+
+    Allocation ``i`` of a callback run gets block ``i`` (grown if too small; a replaced block is kept too, in
+    case a captured graph still uses it). A run always makes the same allocations in the same order for one
+    signature, so the blocks are reused run after run. That is safe because all runs of one signature are
+    ordered on one XLA stream (the stream is part of the key) and nothing else ever gets these blocks.
+    """
+
+    def __init__(self, device: int):
+        self.device = device
+        self.blocks: list = []
+        self.retired: list = []
+        self.next = 0
+
+    def malloc(self, size: int):
+        i = self.next
+        self.next += 1
+        if i < len(self.blocks) and self.blocks[i].size >= size:
+            mem = self.blocks[i]
+        else:
+            with cupy.cuda.Device(self.device):
+                mem = cupy.cuda.Memory(max(size, 1))
+            if i < len(self.blocks):
+                self.retired.append(self.blocks[i])
+                self.blocks[i] = mem
+            else:
+                self.blocks.append(mem)
+        return cupy.cuda.MemoryPointer(mem, 0)
+
+
+_arenas: dict = {}
+_arenas_lock = threading.Lock()
+
+
+def _arena(key) -> _Arena:
+    with _arenas_lock:
+        arena = _arenas.get(key)
+        if arena is None:
+            arena = _arenas[key] = _Arena(key[1])
+        arena.next = 0
+        return arena
+
+
+# ------------------------------------------------------------------------------------------ buffer views
+
+
+def _pointer(buf) -> int:
+    return int(buf.__cuda_array_interface__["data"][0])
+
+
+def _view(buf, device: int):
+    """A CuPy array over an XLA buffer (``jax.experimental.buffer_callback.Buffer``) on ``device``, zero-copy.
+
+    Built from the raw pointer of ``__cuda_array_interface__`` rather than with ``cupy.asarray``, which may
+    synchronise on a stream named by the interface.
+    """
+    shape = tuple(int(n) for n in buf.shape)
+    dtype = np.dtype(buf.dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    mem = cupy.cuda.UnownedMemory(_pointer(buf), nbytes, buf, device)
+    return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
+
+
+def _copy_into(dst, src, stream) -> None:
+    """dst[...] = src on ``stream`` (CuPy's current stream), without any host synchronisation."""
+    if src.flags.c_contiguous and src.data.ptr != dst.data.ptr:
+        # cudaMemcpyDeviceToDevice = 3; async and capturable.
+        cupy.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, src.nbytes, 3, stream.ptr)
+    elif src.data.ptr != dst.data.ptr:
+        dst[...] = src  # an elementwise copy kernel on the current stream
+
+
+def _xla_stream(ctx) -> int:
+    try:
+        stream = ctx.stream
+    except Exception as exc:  # CPU backend: "XLA FFI GPU context is not available"
+        raise RuntimeError(
+            f"fa2cupy.jax runs on CUDA GPUs; these arrays are on another backend ({exc})"
+        ) from exc
+    return int(stream() if callable(stream) else stream)
+
+
+# ------------------------------------------------------------------------------------------ the callbacks
+
+
+def _run_forward(outs, q, k, v, scale, causal):
+    """Forward on CuPy arrays, writing into the CuPy arrays ``outs = (out, lse)``; current stream."""
+    out, lse, _ = fa2cupy.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, return_attn_probs=True)
+    stream = cupy.cuda.get_current_stream()
+    _copy_into(outs[0], out, stream)
+    _copy_into(outs[1], lse, stream)
+
+
+def _run_backward(outs, dout, q, k, v, out, lse, scale, causal, deterministic):
+    """Backward on CuPy arrays, writing into ``outs = (dq, dk, dv)``; current stream."""
+    grads = fa2cupy.flash_attn_backward(
+        dout, q, k, v, out, lse, softmax_scale=scale, causal=causal, deterministic=deterministic
+    )
+    stream = cupy.cuda.get_current_stream()
+    for dst, src in zip(outs, grads):
+        _copy_into(dst, src, stream)
+
+
+def _in_callback(kind, run, options, ctx, outs, *inputs):
+    stream_ptr = _xla_stream(ctx)
+    device = cupy.cuda.runtime.pointerGetAttributes(_pointer(inputs[0])).device
+    in_views = [_view(b, device) for b in inputs]
+    out_views = [_view(b, device) for b in outs]
+    key = (kind, device, stream_ptr, tuple((a.shape, a.dtype.name) for a in in_views), options)
+    arena = _arena(key)
+    with cupy.cuda.Device(device):
+        stream = arrays._external_stream(stream_ptr, device)
+        with stream, cupy.cuda.using_allocator(arena.malloc):
+            run(out_views, *in_views, *options)
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_callback(scale: float, causal: bool):
+    # Cached so that equal calls share one callback object: eager calls then hit JAX's compilation cache.
+    def callback(ctx, outs, q, k, v):
+        _in_callback("fwd", _run_forward, (scale, causal), ctx, outs, q, k, v)
+
+    return callback
+
+
+@functools.lru_cache(maxsize=None)
+def _backward_callback(scale: float, causal: bool, deterministic: bool):
+    def callback(ctx, outs, dout, q, k, v, out, lse):
+        _in_callback("bwd", _run_backward, (scale, causal, deterministic), ctx, outs, dout, q, k, v, out, lse)
+
+    return callback
+
+
+# ------------------------------------------------------------------------------------------ warm-up
+
+
+_warmed: set = set()
+
+
+def _warm_up(kind, shape: checks.AttnShape, scale, causal, deterministic) -> None:
+    """Compile and load the kernels of a call before XLA runs (and maybe captures) the callback.
+
+    Runs the same code path on tiny CuPy arrays (one batch, one kv group, short sequences; same head dim,
+    dtype, group size and options) on a private stream, once per signature. Best effort: on a machine
+    without a usable GPU it does nothing and the callback itself reports the problem.
+    """
+    group = shape.nheads // shape.nheads_kv
+    key = (kind, shape.headdim, shape.dtype, group, scale, causal, deterministic)
+    if key in _warmed:
+        return
+    _warmed.add(key)
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            return
+    except Exception:  # noqa: BLE001 -- no CUDA driver or device here
+        return
+    try:
+        dtype = arrays._cupy_dtype(shape.dtype)
+        sq, sk = min(shape.seqlen_q, 128), min(shape.seqlen_k, 128)
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            rnd = cupy.random.default_rng(0)
+
+            def make(*dims):
+                return rnd.standard_normal(dims, dtype=cupy.float32).astype(dtype)
+
+            q, k, v = make(1, sq, group, shape.headdim), make(1, sk, 1, shape.headdim), make(1, sk, 1, shape.headdim)
+            out = cupy.empty_like(q)
+            lse = cupy.empty((1, group, sq), cupy.float32)
+            _run_forward((out, lse), q, k, v, scale, causal)
+            if kind == "bwd":
+                grads = (cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v))
+                _run_backward(grads, make(1, sq, group, shape.headdim), q, k, v, out, lse, scale, causal,
+                              deterministic)
+        stream.synchronize()
+    except Exception:  # noqa: BLE001 -- best effort, see the docstring
+        pass
+
+
+# ------------------------------------------------------------------------------------------ XLA calls
+
+
+def _info(name, x) -> arrays.ArrayInfo:
+    # What describe() would say about a C-contiguous device array (XLA arrays always are).
+    shape = tuple(int(n) for n in x.shape)
+    return arrays.ArrayInfo(name, "jax", shape, np.dtype(x.dtype).name, arrays._c_strides(shape), ("cuda", 0))
+
+
+def _forward_call(q, k, v, scale, causal):
+    b, sq, h, _ = q.shape
+    result = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, sq), jnp.float32))
+    call = buffer_callback(
+        _forward_callback(scale, causal), result, vmap_method="sequential",
+        command_buffer_compatible=COMMAND_BUFFER_COMPATIBLE,
+    )
+    return call(q, k, v)
+
+
+def _backward_call(dout, q, k, v, out, lse, scale, causal, deterministic):
+    result = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+    call = buffer_callback(
+        _backward_callback(scale, causal, deterministic), result, vmap_method="sequential",
+        command_buffer_compatible=COMMAND_BUFFER_COMPATIBLE,
+    )
+    return call(dout, q, k, v, out, lse)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _attention(q, k, v, scale, causal, deterministic):
+    return _forward_call(q, k, v, scale, causal)
+
+
+def _attention_fwd(q, k, v, scale, causal, deterministic):
+    out, lse = _forward_call(q, k, v, scale, causal)
+    return (out, lse), (q, k, v, out, lse)  # the residuals: no probabilities, O(seqlen) besides q, k, v, out
+
+
+def _attention_bwd(scale, causal, deterministic, residuals, cotangents):
+    q, k, v, out, lse = residuals
+    dout, _ = cotangents  # lse is returned through stop_gradient: its cotangent is always zero
+    shape = checks.check_forward_args(_info("q", q), _info("k", k), _info("v", v))
+    _warm_up("bwd", shape, scale, causal, deterministic)
+    return _backward_call(dout.astype(q.dtype), q, k, v, out, lse, scale, causal, deterministic)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5))
+def _attention_jit(q, k, v, scale, causal, deterministic):
+    return _attention(q, k, v, scale, causal, deterministic)
+
+
+def flash_attn_func(
+    q,
+    k,
+    v,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """Differentiable FlashAttention-2 on JAX GPU arrays, flash-attn 2.x compatible.
+
+    Same arguments and results as :func:`fa2cupy.flash_attn_func`; works on concrete arrays and on traced
+    values inside ``jax.jit``, ``jax.grad``, ``jax.value_and_grad``, ``jax.vjp`` and ``jax.vmap`` (the last one
+    runs one call per batch element). Gradients flow to ``q``, ``k`` and ``v``.
+
+    Args:
+        q: ``(batch, seqlen_q, nheads, headdim)``; k, v: ``(batch, seqlen_k, nheads_kv, headdim)``; float16 or
+            bfloat16, on one CUDA device.
+        softmax_scale: default ``1 / sqrt(headdim)``.
+        causal: bottom-right aligned causal mask.
+        deterministic: make the backward bit-reproducible run to run (the forward always is).
+        dropout_p, window_size, softcap, alibi_slopes: only the defaults; anything else raises
+            NotImplementedError naming the feature.
+        return_attn_probs: also return ``softmax_lse``.
+
+    Returns:
+        ``out`` like q; with ``return_attn_probs=True``, ``(out, softmax_lse, None)``, ``softmax_lse`` float32
+        ``(batch, nheads, seqlen_q)`` under ``jax.lax.stop_gradient`` (not differentiable, as in flash-attn).
+
+    Raises:
+        TypeError / ValueError / NotImplementedError with the messages of :func:`fa2cupy.flash_attn_func`,
+        when the call is traced.
+    """
+    q, k, v = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (q, k, v))
+    shape = checks.check_forward_args(
+        _info("q", q), _info("k", k), _info("v", v), dropout_p=dropout_p, softmax_scale=softmax_scale,
+        causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+        deterministic=deterministic, return_attn_probs=return_attn_probs,
+    )
+    scale = 1.0 / math.sqrt(shape.headdim) if softmax_scale is None else float(softmax_scale)
+    _warm_up("fwd", shape, scale, bool(causal), bool(deterministic))
+    out, lse = _attention_jit(q, k, v, scale, bool(causal), bool(deterministic))
+    if return_attn_probs:
+        return out, jax.lax.stop_gradient(lse), None
+    return out

@@ -1,0 +1,190 @@
+"""PyTorch autograd wrapper: ``from fa2cupy.torch import flash_attn_func``.
+
+The forward and backward are registered as PyTorch custom operators (``torch.library.custom_op``):
+
+* ``torch.ops.fa2cupy.flash_attn_forward(q, k, v, softmax_scale, causal, deterministic) -> (out, lse)``
+* ``torch.ops.fa2cupy.flash_attn_backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic)
+  -> (dq, dk, dv)``
+
+each with a fake (meta) implementation, so they trace into ``torch.compile(fullgraph=True)`` graphs as single
+opaque nodes, and the pair is tied together with ``torch.library.register_autograd``. The autograd context
+keeps only ``q, k, v, out, lse`` (O(seqlen) memory besides the inputs; no attention probabilities): the
+backward recomputes them tile by tile, as FlashAttention-2 does.
+
+The op bodies hand the tensors to :func:`fa2cupy.flash_attn_func` / :func:`fa2cupy.flash_attn_backward`
+directly: zero-copy, on torch's current stream, outputs from torch's caching allocator, so the ops also work
+under ``torch.cuda.graph`` capture (after a warm-up call has compiled the kernels).
+
+This module imports torch; ``import fa2cupy`` does not import it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+import fa2cupy
+from fa2cupy import checks
+
+__all__ = ["flash_attn_func"]
+
+
+def _contiguous_last_axis(t: torch.Tensor) -> torch.Tensor:
+    # fa2cupy reads any strides except a strided last axis; autograd can hand over e.g. an expanded
+    # gradient (all strides 0) for ``out.sum()``.
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+# ---------------------------------------------------------------------------------------------- forward op
+
+
+@torch.library.custom_op("fa2cupy::flash_attn_forward", mutates_args=())
+def _flash_attn_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool, deterministic: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """out ``(b, sq, h, d)`` contiguous in q's dtype and lse ``(b, h, sq)`` float32. ``deterministic`` is only
+    carried to the backward (the forward is always deterministic)."""
+    # detach(): the autograd wrapper already handles the graph; plain tensors take fa2cupy's cached fast path.
+    out, lse, _ = fa2cupy.flash_attn_func(
+        q.detach(), k.detach(), v.detach(), softmax_scale=softmax_scale, causal=causal, return_attn_probs=True
+    )
+    # Odd head dims come back as a slice of a padded buffer; the fake implementation promises contiguous.
+    return out.contiguous(), lse
+
+
+@_flash_attn_forward.register_fake
+def _flash_attn_forward_fake(q, k, v, softmax_scale, causal, deterministic):
+    b, sq, h, d = q.shape
+    out = q.new_empty((b, sq, h, d))
+    lse = q.new_empty((b, h, sq), dtype=torch.float32)
+    return out, lse
+
+
+# --------------------------------------------------------------------------------------------- backward op
+
+
+@torch.library.custom_op("fa2cupy::flash_attn_backward", mutates_args=())
+def _flash_attn_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv: contiguous, shaped and typed like q, k, v."""
+    dq, dk, dv = fa2cupy.flash_attn_backward(
+        _contiguous_last_axis(dout.detach()),
+        q.detach(),
+        k.detach(),
+        v.detach(),
+        out.detach(),
+        lse.detach(),
+        softmax_scale=softmax_scale,
+        causal=causal,
+        deterministic=deterministic,
+    )
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@_flash_attn_backward.register_fake
+def _flash_attn_backward_fake(dout, q, k, v, out, lse, softmax_scale, causal, deterministic):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+# --------------------------------------------------------------------------------------------- autograd
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, softmax_scale, causal, deterministic = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)  # nothing else: O(seqlen) memory on top of q, k, v, out
+    ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
+    # lse is an auxiliary output (as in flash-attn): no gradient flows through it.
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, dlse):
+    del dlse  # lse is non-differentiable
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = _flash_attn_backward(
+        dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.deterministic
+    )
+    return dq, dk, dv, None, None, None
+
+
+torch.library.register_autograd("fa2cupy::flash_attn_forward", _backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------------------------- public API
+
+
+def _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes) -> None:
+    # The same rules and messages as fa2cupy.checks.check_forward_args, checked before any op is traced or run
+    # (the ops only take the supported arguments). The common spellings skip the helpers.
+    if not (type(dropout_p) is float and dropout_p == 0.0):
+        p = checks._real(dropout_p, "dropout_p")
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+        if p != 0.0:
+            raise NotImplementedError("dropout (dropout_p > 0) is not implemented yet")
+    if not (type(window_size) is tuple and window_size == (-1, -1)):
+        checks._check_window(window_size)
+    if not (type(softcap) is float and softcap == 0.0):
+        cap = checks._real(softcap, "softcap")
+        if not (math.isfinite(cap) and cap >= 0.0):
+            raise ValueError(f"softcap must be a finite number >= 0, got {softcap!r}")
+        if cap != 0.0:
+            raise NotImplementedError("softcapping (softcap > 0) is not implemented yet")
+    if alibi_slopes is not None:
+        raise NotImplementedError("ALiBi (alibi_slopes) is not implemented yet; pass None")
+
+
+def flash_attn_func(
+    q,
+    k,
+    v,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
+    """Differentiable FlashAttention-2 on PyTorch CUDA tensors, flash-attn 2.x compatible.
+
+    Same arguments and results as :func:`fa2cupy.flash_attn_func`; gradients flow to ``q``, ``k`` and ``v``
+    (``loss.backward()``, ``torch.autograd.grad``). Works eagerly, inside ``torch.compile`` (no graph
+    break: the forward and backward are custom ops) and under ``torch.cuda.graph`` capture.
+
+    Args:
+        q: ``(batch, seqlen_q, nheads, headdim)``; k, v: ``(batch, seqlen_k, nheads_kv, headdim)``; float16 or
+            bfloat16 CUDA tensors, last axis contiguous (other axes may be strided).
+        softmax_scale: default ``1 / sqrt(headdim)``.
+        causal: bottom-right aligned causal mask.
+        deterministic: make the backward bit-reproducible run to run (the forward always is).
+        dropout_p, window_size, softcap, alibi_slopes: only the defaults; anything else raises
+            NotImplementedError naming the feature.
+        return_attn_probs: also return ``softmax_lse`` (see Returns).
+
+    Returns:
+        ``out`` like q; with ``return_attn_probs=True``, ``(out, softmax_lse, None)`` with ``softmax_lse``
+        float32 ``(batch, nheads, seqlen_q)``, which is not differentiable (as in flash-attn).
+    """
+    _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
+    if causal is not True and causal is not False:
+        checks._check_bool(causal, "causal")
+    if deterministic is not True and deterministic is not False:
+        checks._check_bool(deterministic, "deterministic")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(int(q.shape[-1]))
+    out, lse = _flash_attn_forward(q, k, v, float(softmax_scale), bool(causal), bool(deterministic))
+    if return_attn_probs:
+        return out, lse, None
+    return out

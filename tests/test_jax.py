@@ -1,0 +1,200 @@
+"""fa2cupy.jax: custom_vjp over buffer_callback custom calls.
+
+CPU tests check tracing (shapes, what the backward saves, argument errors) without running a kernel; GPU tests
+(marked ``gpu``, skipped without a JAX GPU backend) check eager, jit and grad results against fa2cupy's own
+entry points and the float64 reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+pytest.importorskip("jax.experimental.buffer_callback")
+
+import fa2cupy  # noqa: E402
+from fa2cupy import reference  # noqa: E402
+from fa2cupy.jax import flash_attn_func  # noqa: E402
+
+
+def _sds(*shape, dtype=jnp.bfloat16):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+# ============================================================================== CPU: tracing only
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_shapes_traced(dtype):
+    q, k = _sds(2, 5, 4, 40, dtype=dtype), _sds(2, 7, 2, 40, dtype=dtype)
+    out, lse = jax.eval_shape(lambda q, k, v: flash_attn_func(q, k, v, causal=True, return_attn_probs=True)[:2],
+                              q, k, k)
+    assert (out.shape, out.dtype) == ((2, 5, 4, 40), dtype)
+    assert (lse.shape, lse.dtype) == ((2, 4, 5), jnp.float32)
+
+
+def _loss(q, k, v, **kw):
+    return (flash_attn_func(q, k, v, **kw).astype(jnp.float32) ** 2).sum()
+
+
+def test_grad_traced_shapes():
+    q, k = _sds(2, 5, 4, 64), _sds(2, 7, 2, 64)
+    dq, dk, dv = jax.eval_shape(jax.grad(_loss, argnums=(0, 1, 2)), q, k, k)
+    assert (dq.shape, dk.shape, dv.shape) == ((2, 5, 4, 64), (2, 7, 2, 64), (2, 7, 2, 64))
+    assert dq.dtype == dk.dtype == dv.dtype == jnp.bfloat16
+
+
+def test_backward_reads_only_q_k_v_out_lse():
+    zeros = [jnp.zeros(s, jnp.float16) for s in ((1, 9, 4, 32), (1, 3, 2, 32), (1, 3, 2, 32))]
+    jaxpr = jax.make_jaxpr(jax.grad(_loss, argnums=(0, 1, 2)))(*zeros)
+    text = str(jaxpr)
+    assert text.count("buffer_callback[") == 2
+    # The backward custom call takes dout, q, k, v, out and lse: nothing of size seqlen_q x seqlen_k.
+    bwd = [e for e in jaxpr.jaxpr.eqns if e.primitive.name in ("jit", "pjit")][-1].params["jaxpr"].jaxpr
+    (call,) = [e for e in bwd.eqns if e.primitive.name == "buffer_callback"]
+    assert [tuple(x.aval.shape) for x in call.invars] == [(1, 9, 4, 32), (1, 9, 4, 32), (1, 3, 2, 32),
+                                                          (1, 3, 2, 32), (1, 9, 4, 32), (1, 4, 9)]
+
+
+def test_lowers_for_jit_value_and_grad():
+    q, k = _sds(1, 16, 2, 64), _sds(1, 16, 2, 64)
+    text = jax.jit(jax.value_and_grad(_loss, argnums=(0, 1, 2))).lower(q, k, k).as_text()
+    assert text.count("xla_buffer_python_") == 2
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(dropout_p=0.1), NotImplementedError, r"^dropout \(dropout_p > 0\) is not implemented yet"),
+    (dict(window_size=(8, 0)), NotImplementedError, r"^sliding-window attention \(window_size=\(8, 0\)\)"),
+    (dict(softcap=5.0), NotImplementedError, r"^softcapping \(softcap > 0\) is not implemented yet"),
+    (dict(alibi_slopes=np.ones(4)), NotImplementedError, r"^ALiBi \(alibi_slopes\) is not implemented yet"),
+    (dict(causal="no"), TypeError, r"^causal must be a bool"),
+    (dict(softmax_scale=float("inf")), ValueError, r"^softmax_scale must be None or a finite number"),
+])
+def test_bad_options(kwargs, error, message):
+    q = _sds(1, 4, 4, 64)
+    with pytest.raises(error, match=message):
+        jax.eval_shape(lambda q: flash_attn_func(q, q, q, **kwargs), q)
+
+
+def test_bad_shapes_and_dtypes():
+    with pytest.raises(ValueError, match=r"^q has nheads=3, which is not a multiple of nheads_kv=2"):
+        jax.eval_shape(lambda q, k: flash_attn_func(q, k, k), _sds(1, 4, 3, 64), _sds(1, 4, 2, 64))
+    with pytest.raises(TypeError, match=r"got float32 for q"):
+        jax.eval_shape(lambda q: flash_attn_func(q, q, q), _sds(1, 4, 2, 64, dtype=jnp.float32))
+
+
+# ============================================================================== GPU
+
+
+def _jax_gpu_unavailable():
+    try:
+        return None if jax.devices("gpu") else "needs a JAX GPU backend"
+    except RuntimeError as exc:
+        return f"needs a JAX GPU backend ({exc})"
+
+
+needs_jax_gpu = pytest.mark.skipif(_jax_gpu_unavailable() is not None, reason=str(_jax_gpu_unavailable()))
+gpu = pytest.mark.gpu
+
+
+
+def _qkv(b=2, sq=128, sk=128, h=4, hkv=4, d=64, dtype=jnp.float16, seed=0):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+    q = jax.random.normal(keys[0], (b, sq, h, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(keys[1], (b, sk, hkv, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(keys[2], (b, sk, hkv, d), jnp.float32).astype(dtype)
+    dout = jax.random.normal(keys[3], (b, sq, h, d), jnp.float32).astype(dtype)
+    return q, k, v, dout
+
+
+def _f64(x):
+    return np.asarray(x).astype(np.float64)
+
+
+def _weighted(q, k, v, dout, **kw):
+    return (flash_attn_func(q, k, v, **kw).astype(jnp.float32) * dout.astype(jnp.float32)).sum()
+
+
+@gpu
+@needs_jax_gpu
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_forward_eager_and_jit_equal_fa2cupy(dtype, causal):
+    q, k, v, _ = _qkv(sq=200, sk=333, h=6, hkv=2, d=64, dtype=dtype)
+    want, want_lse, _ = fa2cupy.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    out, lse, _ = flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    jitted = jax.jit(lambda q, k, v: flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)[:2])
+    out_j, lse_j = jitted(q, k, v)
+    out_j2, _ = jitted(q, k, v)  # a second execution (replay of a captured command buffer, if XLA made one)
+    for got in (out, out_j, out_j2):
+        assert got.dtype == dtype and np.array_equal(np.asarray(got), np.asarray(want))
+    for got in (lse, lse_j):
+        assert np.array_equal(np.asarray(got), np.asarray(want_lse))
+
+
+def _assert_close_to_reference(grads, dout, q, k, v, out, softmax_scale, causal):
+    # The shared backward rule (fa2cupy.benchmark.gradient_errors), as for the torch wrapper.
+    from fa2cupy import benchmark
+
+    dtype = np.dtype(q.dtype).name
+    for name, err, bound in benchmark.gradient_errors([_f64(g) for g in grads], _f64(dout), _f64(q), _f64(k),
+                                                      _f64(v), _f64(out), dtype, softmax_scale, causal):
+        assert err <= bound, f"{name}: max error {err:.3g} > bound {bound:.3g}"
+
+
+@gpu
+@needs_jax_gpu
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_grad_under_jit_equals_flash_attn_backward(dtype, causal):
+    q, k, v, dout = _qkv(sq=200, sk=333, h=6, hkv=2, d=64, dtype=dtype)  # GQA, sq != sk
+    grad = jax.jit(jax.grad(_weighted, argnums=(0, 1, 2)), static_argnames=("causal", "deterministic"))
+    got = grad(q, k, v, dout, causal=causal, deterministic=True)
+    got_again = grad(q, k, v, dout, causal=causal, deterministic=True)
+    out, lse, _ = fa2cupy.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    want = fa2cupy.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True)
+    for g, g2, w in zip(got, got_again, want):
+        assert g.dtype == dtype
+        assert np.array_equal(np.asarray(g), np.asarray(w))
+        assert np.array_equal(np.asarray(g2), np.asarray(w))
+    _assert_close_to_reference(got, dout, q, k, v, out, None, causal)
+
+
+@gpu
+@needs_jax_gpu
+@pytest.mark.parametrize("sq,sk,h,hkv,d", [(1, 1, 1, 1, 8), (77, 513, 8, 1, 128), (513, 77, 4, 2, 96),
+                                           (130, 130, 3, 3, 40)])
+def test_gpu_value_and_grad_against_reference(sq, sk, h, hkv, d):
+    q, k, v, dout = _qkv(b=1, sq=sq, sk=sk, h=h, hkv=hkv, d=d, dtype=jnp.float16, seed=sq + sk)
+    scale = 0.7 / math.sqrt(d)
+    f = jax.jit(jax.value_and_grad(lambda q, k, v: _weighted(q, k, v, dout, causal=True, softmax_scale=scale),
+                                   argnums=(0, 1, 2)))
+    value, grads = f(q, k, v)
+    out64, _ = reference.attention_ref(_f64(q), _f64(k), _f64(v), scale, True)
+    terms = out64 * _f64(dout)
+    assert abs(float(value) - terms.sum()) <= 1e-2 * np.abs(terms).sum() + 1e-3
+    out = fa2cupy.flash_attn_func(q, k, v, softmax_scale=scale, causal=True)
+    _assert_close_to_reference(grads, dout, q, k, v, out, scale, True)
+
+
+@gpu
+@needs_jax_gpu
+def test_gpu_eager_grad_and_deterministic_repeats():
+    q, k, v, dout = _qkv(sq=256, sk=256, h=8, hkv=2, d=128, dtype=jnp.bfloat16)
+    grad = jax.grad(_weighted, argnums=(0, 1, 2))
+    first = grad(q, k, v, dout, causal=True, deterministic=True)
+    for _ in range(2):
+        again = grad(q, k, v, dout, causal=True, deterministic=True)
+        assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(first, again))
+
+
+@gpu
+@needs_jax_gpu
+def test_gpu_lse_gets_no_gradient():
+    q, k, v, _ = _qkv(sq=64, sk=64, h=2, hkv=2, d=64)
+    g = jax.grad(lambda q: flash_attn_func(q, k, v, return_attn_probs=True)[1].sum())(q)
+    assert not np.asarray(g).any()
