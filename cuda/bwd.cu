@@ -48,11 +48,17 @@ struct BwdTraits {
     static constexpr int kDqColWarps = Warps / kDqRowWarps;
     static constexpr int kDqUnits = kSliceD / 16;
     static constexpr int kDqUnitsPerWarp = (kDqUnits + kDqColWarps - 1) / kDqColWarps;
+    // Each warp stages its fp32 dQ block (rows x contiguous units) in a private scratch before the atomic adds,
+    // so a warp's red.v4 covers whole 128-byte row segments: 4x fewer L2 requests than adding the mma
+    // fragments directly (8 rows x 32 bytes per instruction), which were queueing behind ldmatrix in the LSU.
+    // The scratch holds one m16 row tile at a time.
+    static constexpr int kDqCols = kDqUnitsPerWarp * 16, kDqPitch = kDqCols + 4;
+    static constexpr int kDqScratchBytes = AtomicDq ? Warps * 16 * kDqPitch * 4 : 0;
     using KVTile = SmemTile<BlockN, HeadDim>;
     using QTile = SmemTile<BlockM, HeadDim>;
     using PTile = SmemTile<BlockN, BlockM>;  // P^T and dS^T, keys x queries
-    static constexpr int kSmemBytes =
-        2 * KVTile::kBytes + 2 * Stages * QTile::kBytes + 2 * PTile::kBytes + 2 * Stages * BlockM * 4;
+    static constexpr int kSmemBytes = 2 * KVTile::kBytes + 2 * Stages * QTile::kBytes + 2 * PTile::kBytes +
+                                      2 * Stages * BlockM * 4 + kDqScratchBytes;
     static_assert(Warps % WarpsKeys == 0 && BlockN % (16 * WarpsKeys) == 0, "key rows must split over warps");
     static_assert(Warps % WarpsKeys2 == 0 && BlockN % (16 * WarpsKeys2) == 0, "key rows must split over warps");
     static_assert(kQCols % 16 == 0 && kDCols % 16 == 0, "per-warp query and head-dim spans are k16/n16 steps");
@@ -126,6 +132,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     float* smem_lse = reinterpret_cast<float*>(smem + 2 * KVTile::kBytes + 2 * Tr::kStages * QTile::kBytes +
                                                2 * PTile::kBytes);  // Stages x BlockM, log2 domain
     float* smem_dsum = smem_lse + Tr::kStages * kM;                 // Stages x BlockM
+    float* smem_dq = smem_dsum + Tr::kStages * kM;                   // per-warp dQ scratch (AtomicDq)
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int n_block = blockIdx.x / Tr::kDSlices, slice = blockIdx.x % Tr::kDSlices;
@@ -150,10 +157,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                                                           kv_head * v_head_stride,
                                               v_row_stride, seqlen_k - key0, headdim, tid);
 
+    auto m_start = [&](int it) { return (m_begin + it % m_count) * kM; };
+
     // Query tile `it` of the flattened (query head of the group, m block) loop into ring slot `slot`.
     auto load_q_tile = [&](int it, int slot) {
         const int head = kv_head * heads_per_kv + it / m_count;
-        const int m0 = (m_begin + it % m_count) * kM;
+        const int m0 = m_start(it);
         QTile::template load_async<Tr::kThreads>(
             smem_q + slot * QTile::kBytes, q + batch * q_batch_stride + (i64)m0 * q_row_stride + head * q_head_stride,
             q_row_stride, seqlen_q - m0, headdim, tid);
@@ -200,7 +209,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         const float* lse_s = smem_lse + slot * kM;
         const float* dsum_s = smem_dsum + slot * kM;
         const int head = kv_head * heads_per_kv + it / m_count;
-        const int m0 = (m_begin + it % m_count) * kM;
+        const int m0 = m_start(it);
 
         {  // Phase 1: S^T = K_j Q_i^T and dP^T = V_j dO_i^T (lines 9 and 12) for this warp's keys x queries.
             float st[kKT][kQT][4], dpt[kKT][kQT][4];
@@ -303,7 +312,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                     PTile::load_a_trans(a[mt], smem_ds, (row_w * kDqMT + mt) * 16, kk * 16, lane);
 #pragma unroll
                 for (int u = 0; u < kU; ++u) {
-                    const int unit = col_w + u * Tr::kDqColWarps;
+                    const int unit = col_w * kU + u;  // a warp's units are contiguous columns
                     if (kU * Tr::kDqColWarps == Tr::kDqUnits || unit < Tr::kDqUnits) {
                         u32 b[4];
                         KVTile::load_b_kn(b, smem_k, kk * 16, col0 + unit * 16, lane);
@@ -315,24 +324,37 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                     }
                 }
             }
+            float* scratch = smem_dq + warp * 16 * Tr::kDqPitch;
             float* dq_head = dq_accum + ((i64)batch * nheads + head) * seqlen_q * headdim;
+            const int col0_w = col0 + col_w * Tr::kDqCols;
 #pragma unroll
-            for (int mt = 0; mt < kDqMT; ++mt)
+            for (int mt = 0; mt < kDqMT; ++mt) {
 #pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int row = m0 + (row_w * kDqMT + mt) * 16 + (lane >> 2) + half * 8;
+                for (int half = 0; half < 2; ++half)
 #pragma unroll
-                    for (int u = 0; u < kU; ++u) {
-                        const int unit = col_w + u * Tr::kDqColWarps;
+                    for (int u = 0; u < kU; ++u)
 #pragma unroll
                         for (int j = 0; j < 2; ++j) {
-                            const int c = col0 + unit * 16 + j * 8 + (lane & 3) * 2;
-                            if (unit < Tr::kDqUnits && row < seqlen_q && c < headdim)
-                                red_add_f32x2(dq_head + (i64)row * headdim + c, acc_dq[mt][u][j][2 * half],
-                                              acc_dq[mt][u][j][2 * half + 1]);
+                            const int r = (lane >> 2) + half * 8, c = u * 16 + j * 8 + (lane & 3) * 2;
+                            *reinterpret_cast<float2*>(scratch + r * Tr::kDqPitch + c) =
+                                make_float2(acc_dq[mt][u][j][2 * half], acc_dq[mt][u][j][2 * half + 1]);
                         }
+                __syncwarp();
+                const int row0_w = m0 + (row_w * kDqMT + mt) * 16;
+                constexpr int kChunks = 16 * Tr::kDqCols / 4;
+#pragma unroll 1  // keeps the flush's addresses out of the registers that hold dK and dV
+                for (int i = 0; i < (kChunks + 31) / 32; ++i) {
+                    const int idx = lane + i * 32;
+                    const int r = idx / (Tr::kDqCols / 4), c = (idx % (Tr::kDqCols / 4)) * 4;
+                    if ((kChunks % 32 == 0 || idx < kChunks) && row0_w + r < seqlen_q &&
+                        col0_w + c < col0 + Tr::kSliceD && col0_w + c < headdim) {
+                        u32 v4[4];
+                        ld_shared_v4(smem_u32(scratch + r * Tr::kDqPitch + c), v4);
+                        red_add_f32x4(dq_head + (i64)(row0_w + r) * headdim + col0_w + c, v4);
                     }
                 }
+                __syncwarp();  // the scratch is rewritten by the next row tile
+            }
         }
     }
     cp_async_wait<0>();

@@ -120,6 +120,17 @@ FA2_DEVICE void red_add_f32x2(float* ptr, float a, float b) {
     atomicAdd(ptr + 1, b);
 #endif
 }
+// Adds four consecutive floats (16-byte aligned): one L2 request per 128-byte line when a warp covers whole lines.
+FA2_DEVICE void red_add_f32x4(float* ptr, const u32 (&v)[4]) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(ptr), "f"(__uint_as_float(v[0])),
+                 "f"(__uint_as_float(v[1])), "f"(__uint_as_float(v[2])), "f"(__uint_as_float(v[3]))
+                 : "memory");
+#else
+#pragma unroll
+    for (int i = 0; i < 4; ++i) atomicAdd(ptr + i, __uint_as_float(v[i]));
+#endif
+}
 // Unpacks two 16-bit floats (lo, hi) of one register to fp32.
 template <class E>
 FA2_DEVICE float2 unpack2(u32 v);

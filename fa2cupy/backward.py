@@ -67,7 +67,7 @@ def plan_backward(
         _strides3(strides["dout"]) + _strides3(strides["out"]) + (np.int32(seqlen_q), np.int32(nheads),
                                                                   np.int32(headdim)),
     )
-    smem = config.smem_bytes
+    smem = config.smem_bytes(atomic)
     main = Launch(
         build.get_kernel("bwd", config.name_expression(dtype, causal, atomic), smem),
         (((seqlen_k + config.block_n - 1) // config.block_n) * config.dslices, nheads_kv, batch),

@@ -120,16 +120,26 @@ class BwdConfig:
     def threads(self) -> int:
         return self.warps * 32
 
-    @property
-    def smem_bytes(self) -> int:
-        # Must match BwdTraits::kSmemBytes: K, V, the Q/dO ring, P^T and dS^T, the row statistics.
+    def smem_bytes(self, atomic_dq: bool = True) -> int:
+        # Must match BwdTraits::kSmemBytes: K, V, the Q/dO ring, P^T and dS^T, the row statistics and (atomic
+        # dQ) each warp's dQ scratch, whose shape follows BwdTraits' dQ warp tiling.
         pitch = (self.headdim + 8) * 2
-        return (
+        base = (
             2 * self.block_n * pitch
             + 2 * self.stages * self.block_m * pitch
             + 2 * self.block_n * (self.block_m + 8) * 2
             + 2 * self.stages * self.block_m * 4
         )
+        if not atomic_dq:
+            return base
+        slice_d = self.headdim // self.dslices
+        units = slice_d // 16
+        two_tiles = self.block_m % 32 == 0 and self.warps % (self.block_m // 32) == 0 and (
+            self.warps // (self.block_m // 32) <= units)
+        m_tiles = 2 if two_tiles else 1
+        col_warps = self.warps // (self.block_m // (16 * m_tiles))
+        units_per_warp = -(-units // col_warps)
+        return base + self.warps * 16 * (units_per_warp * 16 + 4) * 4
 
     def name_expression(self, dtype: str, causal: bool, atomic_dq: bool) -> str:
         return (
@@ -189,11 +199,11 @@ _BWD_SM80 = {  # 163 KB
 _BWD_SM86 = {  # 99 KB
     32: _bwd(32, 64, 128, 8, 4),
     64: _bwd(64, 64, 64, 4, 2),
-    96: _bwd(96, 64, 64, 4, 2),
+    96: _bwd(96, 32, 64, 4, 2),
     128: _bwd(128, 32, 64, 4, 2, stages=1),
-    160: _bwd(160, 32, 64, 4, 4, dslices=2),
+    160: _bwd(160, 32, 64, 4, 4, stages=1, dslices=2),
     192: _bwd(192, 32, 64, 4, 2, stages=1, dslices=2),
-    224: _bwd(224, 32, 64, 4, 4, stages=1, dslices=2),
+    224: _bwd(224, 16, 32, 2, 2, stages=1, dslices=2),
     256: _bwd(256, 16, 32, 2, 2, stages=1, dslices=2),
 }
 BACKWARD_TABLE: dict[tuple[str, int], BwdConfig] = {
@@ -207,15 +217,20 @@ BACKWARD_CANDIDATES: dict[int, tuple[BwdConfig, ...]] = {
     64: (
         _bwd(64, 128, 128, 8, 4),
         _bwd(64, 128, 128, 8, 4, warps_keys2=8),
-        _bwd(64, 64, 128, 8, 4, warps_keys2=8),
-        _bwd(64, 128, 128, 8, 2, warps_keys2=8),
+        _bwd(64, 64, 128, 8, 4),
+        _bwd(64, 128, 128, 8, 2, warps_keys2=4),
     ),
     128: (
         _bwd(128, 64, 128, 8, 4),
         _bwd(128, 64, 128, 8, 4, stages=1),
-        _bwd(128, 64, 128, 8, 4, warps_keys2=8),
         _bwd(128, 64, 128, 8, 2),
     ),
+}
+
+#: Causal rows that differ from BACKWARD_TABLE's (the causal mask costs a few registers: the d=64 H100 row would
+#: spill 4 bytes with it).
+BACKWARD_CAUSAL_TABLE: dict[tuple[str, int], BwdConfig] = {
+    ("sm90", 64): _bwd(64, 128, 128, 8, 2, warps_keys2=4),
 }
 
 _DQ_BIG = {d: BwdDqConfig(d, 64, 64 if d <= 128 else 32, 4) for d in HEADDIMS}
@@ -262,7 +277,10 @@ def backward_config(arch: int, headdim: int, dtype: str, causal: bool) -> BwdCon
     """The backward main-kernel configuration (same key as :func:`forward_config`)."""
     if dtype not in DTYPE_TAGS:
         raise ValueError(f"dtype must be one of {tuple(DTYPE_TAGS)}, got {dtype}")
-    return BACKWARD_TABLE[(arch_family(arch), tile_headdim(headdim))]
+    key = (arch_family(arch), tile_headdim(headdim))
+    if causal and key in BACKWARD_CAUSAL_TABLE:
+        return BACKWARD_CAUSAL_TABLE[key]
+    return BACKWARD_TABLE[key]
 
 
 def backward_dq_config(arch: int, headdim: int, dtype: str, causal: bool) -> BwdDqConfig:
@@ -275,10 +293,11 @@ def backward_dq_config(arch: int, headdim: int, dtype: str, causal: bool) -> Bwd
 def backward_instantiations(family: str | None = None) -> list[str]:
     """Name expressions of every shipped backward instantiation (of one arch family, or all), deduplicated."""
     names = set()
-    for (fam, _), config in BACKWARD_TABLE.items():
+    for (fam, width), base in BACKWARD_TABLE.items():
         if family is None or fam == family:
             for dtype in DTYPE_TAGS:
                 for causal in (False, True):
+                    config = BACKWARD_CAUSAL_TABLE.get((fam, width), base) if causal else base
                     for atomic in (False, True):
                         names.add(config.name_expression(dtype, causal, atomic))
     for (fam, _), config in BACKWARD_DQ_TABLE.items():

@@ -72,9 +72,9 @@ def test_every_table_entry_fits_its_family():
     assert {width for _, width in configs.FORWARD_TABLE} == set(configs.HEADDIMS)
     for table in (configs.BACKWARD_TABLE, configs.BACKWARD_DQ_TABLE):
         assert set(table) == set(configs.FORWARD_TABLE)
-    for (family, width), config in configs.BACKWARD_TABLE.items():
+    for (family, width), config in [*configs.BACKWARD_TABLE.items(), *configs.BACKWARD_CAUSAL_TABLE.items()]:
         assert config.headdim == width and config.block_n % (16 * config.warps_keys) == 0
-        assert config.smem_bytes <= limits[family], (family, width, config)
+        assert config.smem_bytes(atomic_dq=True) <= limits[family], (family, width, config)
         assert (config.block_m // 16) <= config.warps and width % (16 * config.dslices) == 0
     for (family, width), config in configs.BACKWARD_DQ_TABLE.items():
         assert config.headdim == width and config.smem_bytes <= limits[family], (family, width, config)
