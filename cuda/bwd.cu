@@ -528,12 +528,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             for (int kk = 0; kk < kNT / 2; ++kk) {
                 u32 a[kMT][4];
 #pragma unroll
-                for (int mt = 0; mt < kMT; ++mt) {
-                    a[mt][0] = Mma::pack(dp[mt][2 * kk][0], dp[mt][2 * kk][1]);
-                    a[mt][1] = Mma::pack(dp[mt][2 * kk][2], dp[mt][2 * kk][3]);
-                    a[mt][2] = Mma::pack(dp[mt][2 * kk + 1][0], dp[mt][2 * kk + 1][1]);
-                    a[mt][3] = Mma::pack(dp[mt][2 * kk + 1][2], dp[mt][2 * kk + 1][3]);
-                }
+                for (int mt = 0; mt < kMT; ++mt) c_to_a<typename Tr::Elem>(a[mt], dp[mt][2 * kk], dp[mt][2 * kk + 1]);
 #pragma unroll
                 for (int dp2 = 0; dp2 < kDT / 2; ++dp2) {
                     u32 b[4];
@@ -549,28 +544,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         cp_async_wait<0>();
     }
     // dQ = scale * dS K through this warp's own Q rows (only this warp read them).
-    __syncwarp();
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int dt = 0; dt < kDT; ++dt)
-#pragma unroll
-            for (int half = 0; half < 2; ++half)
-                st_shared_u32(QTile::at(smem_q, warp_row0 + mt * 16 + (lane >> 2) + half * 8, dt * 8 + (lane & 3) * 2),
-                              Mma::pack(acc_dq[mt][dt][2 * half] * scale, acc_dq[mt][dt][2 * half + 1] * scale));
-    __syncwarp();
-    u16* dq_tile = dq + batch * dq_batch_stride + head * dq_head_stride;
-    constexpr int kWarpChunks = kMT * 16 * kDT;
-#pragma unroll
-    for (int i = 0; i < (kWarpChunks + 31) / 32; ++i) {
-        const int idx = lane + i * 32;
-        const int r = warp_row0 + idx / kDT, c = (idx % kDT) * 8;
-        if ((kWarpChunks % 32 == 0 || idx < kWarpChunks) && row0 + r < seqlen_q && c < headdim) {
-            u32 chunk[4];
-            ld_shared_v4(QTile::at(smem_q, r, c), chunk);
-            st_global_v4(dq_tile + (i64)(row0 + r) * dq_row_stride + c, chunk);
-        }
-    }
+    QTile::template store_warp_rows<typename Tr::Elem>(
+        smem_q, acc_dq, scale, warp_row0,
+        dq + batch * dq_batch_stride + head * dq_head_stride + (i64)(row0 + warp_row0) * dq_row_stride,
+        dq_row_stride, seqlen_q - row0 - warp_row0, headdim, lane);
 }
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -152,18 +152,12 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
             // Lines 9-10: new row max, P = exp(S - m), rescale of the running output.
             softmax.update(s, acc_o, scale_log2);
 
-            // Line 10 (cont.): O += P V_j. The C fragments of two adjacent n8 score tiles are exactly the A
-            // fragment of one k16 step, so P goes from accumulators to operands without touching memory.
+            // Line 10 (cont.): O += P V_j, P straight from the accumulators (c_to_a).
 #pragma unroll
             for (int kk = 0; kk < kNT / 2; ++kk) {
                 u32 a[kMT][4];
 #pragma unroll
-                for (int mt = 0; mt < kMT; ++mt) {
-                    a[mt][0] = Mma::pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                    a[mt][1] = Mma::pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                    a[mt][2] = Mma::pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                    a[mt][3] = Mma::pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-                }
+                for (int mt = 0; mt < kMT; ++mt) c_to_a<typename Tr::Elem>(a[mt], s[mt][2 * kk], s[mt][2 * kk + 1]);
 #pragma unroll
                 for (int dp = 0; dp < kDT / 2; ++dp) {
                     u32 b[4];
@@ -184,29 +178,11 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
     softmax.finalize(acc_o, row_lse, scale);
 
     // Stage this warp's output rows through its own (no longer needed) Q rows so the global stores are
-    // 16-byte and row-contiguous. Only this warp ever read these rows, so a warp barrier suffices.
-    __syncwarp();
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int dt = 0; dt < kDT; ++dt)
-#pragma unroll
-            for (int half = 0; half < 2; ++half)
-                st_shared_u32(QTile::at(smem_q, warp_row0 + mt * 16 + (lane >> 2) + half * 8, dt * 8 + (lane & 3) * 2),
-                              Mma::pack(acc_o[mt][dt][2 * half], acc_o[mt][dt][2 * half + 1]));
-    __syncwarp();
-    u16* o_tile = o + batch * o_batch_stride + head * o_head_stride;
-    constexpr int kWarpChunks = kMT * 16 * kDT;
-#pragma unroll
-    for (int i = 0; i < (kWarpChunks + 31) / 32; ++i) {
-        const int idx = lane + i * 32;
-        const int r = warp_row0 + idx / kDT, c = (idx % kDT) * 8;
-        if ((kWarpChunks % 32 == 0 || idx < kWarpChunks) && row0 + r < seqlen_q && c < headdim) {
-            u32 chunk[4];
-            ld_shared_v4(QTile::at(smem_q, r, c), chunk);
-            st_global_v4(o_tile + (i64)(row0 + r) * o_row_stride + c, chunk);
-        }
-    }
+    // 16-byte and row-contiguous. Only this warp ever read these rows.
+    QTile::template store_warp_rows<typename Tr::Elem>(
+        smem_q, acc_o, 1.f, warp_row0,
+        o + batch * o_batch_stride + head * o_head_stride + (i64)(row0 + warp_row0) * o_row_stride, o_row_stride,
+        seqlen_q - row0 - warp_row0, headdim, lane);
     if ((lane & 3) == 0) {
         float* lse_head = lse + ((i64)batch * nheads + head) * seqlen_q;
 #pragma unroll

@@ -85,6 +85,17 @@ struct Mma<f16> {
     }
 };
 
+// The C fragments of two adjacent n8 tiles (columns k0..k0+7 and k0+8..k0+15 of one m16 row tile) are, packed to
+// 16 bits, exactly the A fragment of one k16 step: how P (forward) and dS (backward dQ) go from accumulators to
+// operands without touching memory.
+template <class E>
+FA2_DEVICE void c_to_a(u32 (&a)[4], const float (&c0)[4], const float (&c1)[4]) {
+    a[0] = Mma<E>::pack(c0[0], c0[1]);
+    a[1] = Mma<E>::pack(c0[2], c0[3]);
+    a[2] = Mma<E>::pack(c1[0], c1[1]);
+    a[3] = Mma<E>::pack(c1[2], c1[3]);
+}
+
 // ---- scalar helpers ----------------------------------------------------------------------------------------
 FA2_DEVICE float fast_exp2(float x) {
     float y;
@@ -197,6 +208,37 @@ struct SmemTile {
                     const bool ok = r < rows_valid && c < cols_valid;
                     cp_async_16(at(base, r, c), ok ? gmem + r * row_stride + c : gmem, ok);
                 }
+            }
+        }
+    }
+
+    // Epilogue of a warp that owns rows [row0, row0 + MTiles*16) of the tile: its fp32 C fragments (times `scale`)
+    // are packed into those rows of shared memory, then written to global memory 16 bytes per lane, row by row.
+    // Rows at or past `rows_valid` and columns at or past `cols_valid` are not written. Only this warp may use
+    // those shared-memory rows meanwhile.
+    template <class E, int MTiles, int DTiles>
+    static FA2_DEVICE void store_warp_rows(u32 base, const float (&acc)[MTiles][DTiles][4], float scale, int row0,
+                                           u16* gmem, int row_stride, int rows_valid, int cols_valid, int lane) {
+        static_assert(DTiles * 8 == Cols, "the fragments span the tile's columns");
+        __syncwarp();
+#pragma unroll
+        for (int mt = 0; mt < MTiles; ++mt)
+#pragma unroll
+            for (int dt = 0; dt < DTiles; ++dt)
+#pragma unroll
+                for (int half = 0; half < 2; ++half)
+                    st_shared_u32(at(base, row0 + mt * 16 + (lane >> 2) + half * 8, dt * 8 + (lane & 3) * 2),
+                                  Mma<E>::pack(acc[mt][dt][2 * half] * scale, acc[mt][dt][2 * half + 1] * scale));
+        __syncwarp();
+        constexpr int kWarpChunks = MTiles * 16 * DTiles;
+#pragma unroll
+        for (int i = 0; i < (kWarpChunks + 31) / 32; ++i) {
+            const int idx = lane + i * 32;
+            const int r = idx / DTiles, c = (idx % DTiles) * 8;
+            if ((kWarpChunks % 32 == 0 || idx < kWarpChunks) && r < rows_valid && c < cols_valid) {
+                u32 chunk[4];
+                ld_shared_v4(at(base, row0 + r, c), chunk);
+                st_global_v4(gmem + (i64)r * row_stride + c, chunk);
             }
         }
     }
