@@ -347,8 +347,8 @@ def to_cupy(x, info: ArrayInfo):
         (NumPy).
 
     Raises:
-        NotImplementedError: a PyTorch tensor requires grad while autograd is
-            recording (fa2cupy has no backward yet).
+        TypeError: a PyTorch tensor requires grad while autograd is recording
+            (the plain functions do not record autograd; fa2cupy.torch does).
         ImportError: bfloat16 data without ml_dtypes installed.
     """
     fw = info.framework
@@ -356,9 +356,10 @@ def to_cupy(x, info: ArrayInfo):
         return x
     if fw == "torch":
         if x.requires_grad and sys.modules["torch"].is_grad_enabled():
-            raise NotImplementedError(
-                f"{info.name} requires grad but fa2cupy has no backward pass yet; call it "
-                f"under torch.no_grad() or pass {info.name}.detach()"
+            raise TypeError(
+                f"{info.name} requires grad, but fa2cupy.flash_attn_func / flash_attn_backward do not record "
+                f"autograd: use fa2cupy.torch.flash_attn_func for gradients, or call under torch.no_grad() / "
+                f"pass {info.name}.detach()"
             )
         return _view_device_memory(
             x.data_ptr(), x, info.shape, info.strides, info.dtype, info.device[1]

@@ -413,3 +413,12 @@ def test_torch_cuda_graph_capture(no_poison):
         torch.cuda.synchronize()
         check_against_reference(*(cp.from_dlpack(t) for t in fresh), cp.from_dlpack(out), None, None, True,
                                 "float16")
+
+
+def test_torch_requires_grad_points_to_autograd_wrapper():
+    torch = _torch()
+    q = torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.float16, requires_grad=True)
+    with pytest.raises(TypeError, match="fa2cupy.torch.flash_attn_func"):
+        _flash_attn_func()(q, q, q)
+    with torch.no_grad():  # allowed: nothing to record
+        assert _flash_attn_func()(q, q, q).shape == q.shape
