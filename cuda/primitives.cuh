@@ -10,9 +10,15 @@ typedef unsigned int u32;
 typedef unsigned short u16;
 typedef long long i64;
 
-// Element type tags. Storage is always 16 bits; the tag picks the PTX type names.
+// Element type tags. Tensor-core operands are 16 bits; the tag picks the PTX type names. f32 tags fp32 data
+// (decode partial results) for the kernels that read it.
 struct f16 {};
 struct bf16 {};
+struct f32 {};
+template <class E>
+constexpr int kElemBytes = 2;
+template <>
+constexpr int kElemBytes<f32> = 4;
 
 #define FA2_DEVICE __device__ __forceinline__
 

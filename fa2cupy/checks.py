@@ -345,3 +345,40 @@ def check_backward_args(
             f"softmax_lse or a contiguous copy of it"
         )
     return shape
+
+
+def check_merge_args(outs, lses) -> tuple:
+    """Validate ``merge_attention_states(outs, lses)``; returns ``(n, batch, seqlen_q, nheads, headdim, dtype)``.
+
+    outs: n >= 1 ArrayInfos ``(batch, seqlen_q, nheads, headdim)``, all of one shape and dtype (float16 or
+    bfloat16); lses: n ArrayInfos ``(batch, nheads, seqlen_q)`` float32. One framework and device for all.
+    """
+    if len(outs) == 0 or len(outs) != len(lses):
+        raise ValueError(
+            f"outs and lses must be non-empty sequences of the same length, got {len(outs)} outs and "
+            f"{len(lses)} lses"
+        )
+    same_framework(list(outs) + list(lses))
+    first = outs[0]
+    if len(first.shape) != 4:
+        raise ValueError(f"{first.name} must be 4-D (batch, seqlen_q, nheads, headdim), got shape {first.shape}")
+    batch, seqlen_q, nheads, headdim = first.shape
+    if first.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{first.name} has dtype {first.dtype}; outs must be float16 or bfloat16")
+    if min(first.shape) < 1 or headdim > MAX_HEADDIM:
+        raise ValueError(f"{first.name} has shape {first.shape}; every axis >= 1 and headdim <= {MAX_HEADDIM}")
+    for info in outs[1:]:
+        if info.shape != first.shape or info.dtype != first.dtype:
+            raise ValueError(
+                f"{info.name} is {info.dtype} {info.shape} but {first.name} is {first.dtype} {first.shape}; "
+                f"all outs must share shape and dtype"
+            )
+    for info in lses:
+        if info.shape != (batch, nheads, seqlen_q):
+            raise ValueError(
+                f"{info.name} has shape {info.shape}; expected (batch, nheads, seqlen_q) = "
+                f"{(batch, nheads, seqlen_q)} to match outs"
+            )
+        if info.dtype != "float32":
+            raise TypeError(f"{info.name} has dtype {info.dtype}; lses must be float32 (as flash_attn_func returns)")
+    return len(outs), batch, seqlen_q, nheads, headdim, first.dtype

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import cupy
 
-from . import arrays, backward, checks, forward
+from . import arrays, backward, checks, decode, forward
 
 _arch_by_device: dict[int, int] = {}
 
@@ -286,3 +286,45 @@ def _flash_attn_backward_checked(
             if padded != shape.headdim:
                 results = [r[..., : shape.headdim] for r in results]
             return tuple(results)
+
+
+def merge_attention_states(outs, lses):
+    """Merges attention results computed over disjoint sets of keys into attention over their union.
+
+    If ``out_i, lse_i = flash_attn_func(q, k_i, v_i, return_attn_probs=True)[:2]`` for key/value sets that
+    partition ``k, v`` (e.g. a shared prefix and per-request suffixes in cascade attention, or the shards of
+    context parallelism), the result equals ``flash_attn_func(q, k, v, return_attn_probs=True)[:2]`` up to rounding:
+    ``lse = log(sum_i exp(lse_i))`` and ``out = sum_i exp(lse_i - lse) * out_i``.
+
+    Args:
+        outs: sequence of n >= 1 arrays ``(batch, seqlen_q, nheads, headdim)``, float16 or bfloat16, all alike.
+        lses: sequence of n float32 arrays ``(batch, nheads, seqlen_q)``. A part whose lse is +inf (flash-attn's
+            mark of a row that saw no key) or -inf has weight 0; a row no part saw gives 0 and lse +inf.
+
+    Returns:
+        ``(out, lse)`` in the inputs' framework: out shaped and typed like ``outs[0]``, lse float32
+        ``(batch, nheads, seqlen_q)``.
+    """
+    outs, lses = list(outs), list(lses)
+    out_infos = [arrays.describe(x, f"outs[{i}]") for i, x in enumerate(outs)]
+    lse_infos = [arrays.describe(x, f"lses[{i}]") for i, x in enumerate(lses)]
+    n, batch, seqlen_q, nheads, headdim, dtype = checks.check_merge_args(out_infos, lse_infos)
+    framework = out_infos[0].framework
+    device = out_infos[0].device[1] if out_infos[0].device[0] == "cuda" else cupy.cuda.runtime.getDevice()
+    padded = -(-headdim // 8) * 8
+    with cupy.cuda.Device(device):
+        stream = arrays.caller_stream(framework, device)
+        with stream:
+            # Stacked copies in one row order ((batch, seqlen_q, nheads) for both): the kernel reads each part once.
+            parts = cupy.zeros((n, batch, seqlen_q, nheads, padded), dtype=arrays.to_cupy(outs[0], out_infos[0]).dtype)
+            for i, (x, info) in enumerate(zip(outs, out_infos)):
+                parts[i, ..., :headdim] = arrays.to_cupy(x, info)
+            stats = cupy.stack([arrays.to_cupy(x, info).transpose(0, 2, 1) for x, info in zip(lses, lse_infos)])
+            stats = cupy.ascontiguousarray(stats)
+            out = cupy.empty((batch, seqlen_q, nheads, padded), dtype=parts.dtype)
+            lse = cupy.empty((batch, seqlen_q, nheads), dtype=cupy.float32)
+            decode.launch_merge(parts.reshape(n, -1, padded), stats.reshape(n, -1), out.reshape(-1, padded),
+                                lse.reshape(-1), stream)
+            out = out[..., :headdim] if padded != headdim else out
+            lse = cupy.ascontiguousarray(lse.transpose(0, 2, 1))
+            return arrays.from_cupy(out, framework), arrays.from_cupy(lse, framework)

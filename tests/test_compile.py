@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from fa2cupy import build, configs
+from fa2cupy import build, configs, decode
 
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
@@ -40,7 +40,11 @@ def _ptxas_reports(log: str) -> dict[str, tuple[int, int]]:
     return reports
 
 
-FAMILIES = {"fwd": configs.forward_instantiations, "bwd": configs.backward_instantiations}
+FAMILIES = {
+    "fwd": configs.forward_instantiations,
+    "bwd": configs.backward_instantiations,
+    "decode": lambda family=None: decode.instantiations(),  # not tiled per arch family
+}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -48,7 +52,7 @@ FAMILIES = {"fwd": configs.forward_instantiations, "bwd": configs.backward_insta
 def test_instantiations_compile_without_spills(family, arch):
     instantiations = FAMILIES[family]
     names = instantiations()
-    assert len(names) >= 2 * 2 * len(configs.HEADDIMS)  # dtypes x masks x head dims at least
+    assert len(names) >= (len(decode.MERGE_DTYPES) if family == "decode" else 2 * 2 * len(configs.HEADDIMS))
     cubin, log, lowered = build.compile_for_arch(family, names, arch, log=True)
     assert len(cubin) > 0
     reports = _ptxas_reports(log)

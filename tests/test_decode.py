@@ -1,0 +1,94 @@
+"""merge_attention_states: argument checks (CPU) and the merge against full attention (GPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fa2cupy.arrays import ArrayInfo
+from fa2cupy.checks import check_merge_args
+
+
+def _info(name, shape, dtype="bfloat16"):
+    strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+    return ArrayInfo(name, "cupy", tuple(shape), dtype, strides, ("cuda", 0))
+
+
+def test_merge_args_valid():
+    outs = [_info(f"outs[{i}]", (2, 5, 4, 64)) for i in range(3)]
+    lses = [_info(f"lses[{i}]", (2, 4, 5), "float32") for i in range(3)]
+    assert check_merge_args(outs, lses) == (3, 2, 5, 4, 64, "bfloat16")
+
+
+def test_merge_args_lengths():
+    with pytest.raises(ValueError, match="same length"):
+        check_merge_args([_info("outs[0]", (1, 2, 3, 8))], [])
+    with pytest.raises(ValueError, match="non-empty"):
+        check_merge_args([], [])
+
+
+def test_merge_args_mismatched_parts():
+    outs = [_info("outs[0]", (1, 2, 3, 8)), _info("outs[1]", (1, 2, 3, 16))]
+    lses = [_info(f"lses[{i}]", (1, 3, 2), "float32") for i in range(2)]
+    with pytest.raises(ValueError, match=r"outs\[1\]"):
+        check_merge_args(outs, lses)
+
+
+def test_merge_args_lse_shape_and_dtype():
+    outs = [_info("outs[0]", (1, 2, 3, 8))]
+    with pytest.raises(ValueError, match=r"lses\[0\].*\(batch, nheads, seqlen_q\)"):
+        check_merge_args(outs, [_info("lses[0]", (1, 2, 3), "float32")])
+    with pytest.raises(TypeError, match=r"lses\[0\].*float32"):
+        check_merge_args(outs, [_info("lses[0]", (1, 3, 2), "float16")])
+
+
+def test_merge_args_dtype():
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        check_merge_args([_info("outs[0]", (1, 2, 3, 8), "float32")], [_info("lses[0]", (1, 3, 2), "float32")])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("headdim", [64, 40, 128])
+def test_merge_of_key_shards_equals_full_attention(dtype, causal, headdim):
+    import cupy as cp
+
+    import fa2cupy
+
+    rng = np.random.default_rng(headdim + causal)
+    b, sq, sk, h, hkv = 2, 37, 300, 4, 2
+    npdt = np.float16 if dtype == "float16" else __import__("ml_dtypes").bfloat16
+    q, k, v = (cp.asarray(rng.standard_normal(s, dtype=np.float32).astype(npdt))
+               for s in ((b, sq, h, headdim), (b, sk, hkv, headdim), (b, sk, hkv, headdim)))
+    full, full_lse, _ = fa2cupy.flash_attn_func(q, k, v, return_attn_probs=True)
+    cuts = [0, 70, 71, 300]  # a one-key shard included
+    outs, lses = [], []
+    for lo, hi in zip(cuts[:-1], cuts[1:]):
+        o, lse, _ = fa2cupy.flash_attn_func(q, k[:, lo:hi], v[:, lo:hi], return_attn_probs=True)
+        outs.append(o)
+        lses.append(lse)
+    # An empty part (a row that saw no key: out 0, lse +inf) must not change anything.
+    outs.append(cp.zeros_like(full))
+    lses.append(cp.full_like(full_lse, np.inf))
+    out, lse = fa2cupy.merge_attention_states(outs, lses)
+    cp.cuda.runtime.deviceSynchronize()
+    assert out.shape == full.shape and out.dtype == full.dtype and lse.shape == full_lse.shape
+    u = 2.0**-11 if dtype == "float16" else 2.0**-8
+    # Each part is rounded to the dtype once, the merge rounds once more: within 4u of max|v| of the full result.
+    err = float(cp.abs(out.astype(cp.float32) - full.astype(cp.float32)).max())
+    assert err <= 4 * u * float(cp.abs(v.astype(cp.float32)).max()), err
+    assert float(cp.abs(lse - full_lse).max()) <= 1e-4 * (1 + float(cp.abs(full_lse).max()))
+
+
+@pytest.mark.gpu
+def test_merge_all_empty_rows():
+    import cupy as cp
+
+    import fa2cupy
+
+    out0 = cp.ones((1, 3, 2, 16), dtype=cp.float16)
+    lse0 = cp.full((1, 2, 3), np.inf, dtype=cp.float32)
+    out, lse = fa2cupy.merge_attention_states([out0, out0], [lse0, -lse0])
+    cp.cuda.runtime.deviceSynchronize()
+    assert bool((out == 0).all()) and bool(cp.isinf(lse).all() and (lse > 0).all())
