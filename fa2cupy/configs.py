@@ -243,6 +243,35 @@ BACKWARD_DQ_TABLE: dict[tuple[str, int], BwdDqConfig] = {
 }
 
 
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Template arguments of ``fa2::DecodeTraits`` (cuda/decode.cu): one warp, 16 packed query rows."""
+
+    headdim: int
+    block_n: int  # keys per K/V tile
+    stages: int  # K/V ring depth
+
+    @property
+    def smem_bytes(self) -> int:
+        return (16 + 2 * self.stages * self.block_n) * (self.headdim + 8) * 2
+
+    def name_expression(self, dtype: str, causal: bool, paged: bool) -> str:
+        return (
+            f"fa2::decode_split<fa2::DecodeTraits<{self.headdim}, {self.block_n}, {self.stages}, "
+            f"{DTYPE_TAGS[dtype]}, {str(bool(causal)).lower()}, {str(bool(paged)).lower()}>>"
+        )
+
+
+# Decode is memory-bound: small one-warp blocks, several resident per SM, each with a deep cp.async ring.
+_DEC = {d: DecodeConfig(d, 32, 4 if d <= 128 else 3) for d in HEADDIMS}
+_DEC_SM86 = {d: DecodeConfig(d, 32, 4 if d <= 128 else 2) for d in HEADDIMS}
+DECODE_TABLE: dict[tuple[str, int], DecodeConfig] = {
+    **{("sm80", d): c for d, c in _DEC.items()},
+    **{("sm86", d): c for d, c in _DEC_SM86.items()},
+    **{("sm90", d): c for d, c in _DEC.items()},
+}
+
+
 def arch_family(arch: int) -> str:
     """Compute capability as an int (80, 86, 89, 90, ...) -> table family."""
     if arch < 80:
@@ -309,6 +338,22 @@ def backward_instantiations(family: str | None = None) -> list[str]:
         names.add(f"fa2::bwd_preprocess<{DTYPE_TAGS[dtype]}>")
         names.add(f"fa2::bwd_convert_dq<{DTYPE_TAGS[dtype]}>")
     return sorted(names)
+
+
+def decode_config(arch: int, headdim: int) -> DecodeConfig:
+    return DECODE_TABLE[(arch_family(arch), tile_headdim(headdim))]
+
+
+def decode_instantiations(family: str | None = None) -> list[str]:
+    """Name expressions of every shipped decode_split instantiation (of one arch family, or all)."""
+    return sorted({
+        config.name_expression(dtype, causal, paged)
+        for (fam, _), config in DECODE_TABLE.items()
+        if family is None or fam == family
+        for dtype in DTYPE_TAGS
+        for causal in (False, True)
+        for paged in (False, True)
+    })
 
 
 def forward_instantiations(family: str | None = None) -> list[str]:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import cupy
 
-from . import arrays, backward, checks, decode, forward
+import numpy as np
+
+from . import arrays, backward, checks, configs, decode, forward
 
 _arch_by_device: dict[int, int] = {}
 
@@ -328,3 +330,221 @@ def merge_attention_states(outs, lses):
             out = out[..., :headdim] if padded != headdim else out
             lse = cupy.ascontiguousarray(lse.transpose(0, 2, 1))
             return arrays.from_cupy(out, framework), arrays.from_cupy(lse, framework)
+
+
+_sm_count: dict[int, int] = {}
+
+
+def _cache_usable_in_place(x, name: str) -> None:
+    item = x.itemsize
+    if x.data.ptr % 16 or any(s % (8 * item) for s in x.strides[:3]) or x.strides[3] != item:
+        raise ValueError(
+            f"{name} must have a contiguous last axis, 16-byte aligned rows and strides that are multiples of 8 "
+            f"elements (it is updated and read in place, never copied); got strides {x.strides} bytes"
+        )
+    if abs(x.strides[1]) // item >= forward.MAX_ROW_STRIDE:
+        raise ValueError(f"{name} has a row stride of {x.strides[1] // item} elements; at most "
+                         f"{forward.MAX_ROW_STRIDE - 1} are supported")
+
+
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    num_splits=0,
+    return_softmax_lse=False,
+):
+    """Attention of a few new query tokens over a KV cache, appending new keys/values in place (flash-attn 2.x).
+
+    Args:
+        q: ``(batch, seqlen_q, nheads, headdim)`` fp16/bf16, seqlen_q small (1 for decoding, a few for
+            speculative decoding). headdim a multiple of 8, at most 256.
+        k_cache, v_cache: ``(batch_cache, seqlen_cache, nheads_kv, headdim)``, or with ``block_table`` paged
+            ``(num_pages, page_size, nheads_kv, headdim)`` with page_size a multiple of 16. Read and written in
+            place (never copied).
+        k, v: optional ``(batch, seqlen_new, nheads_kv, headdim)``, written into the cache at positions
+            ``cache_seqlens[b] ...`` before attending.
+        cache_seqlens: int or int32 ``(batch,)``: valid cache entries per batch row before the append (None: the
+            whole cache, non-paged only).
+        cache_batch_idx: int32 ``(batch,)``: the cache row of each batch row (non-paged only).
+        block_table: int32 ``(batch, max_pages)``: page indices of each row's cache, in order.
+        causal: bottom-right aligned within each row: new query i sees keys up to ``seqlen_k_b - seqlen_q + i``.
+        num_splits: 0 picks the split-KV count from the GPU size and the problem; a positive count is honoured.
+        return_softmax_lse: also return the float32 ``(batch, nheads, seqlen_q)`` log-sum-exp.
+        rotary_cos, rotary_sin, cache_leftpad, window_size, softcap, alibi_slopes: not implemented yet.
+
+    Returns:
+        ``out`` like q, or ``(out, softmax_lse)``; a row with no key gives 0 (lse +inf).
+    """
+    for value, name, feature in ((rotary_cos, "rotary_cos", "rotary embeddings"),
+                                 (rotary_sin, "rotary_sin", "rotary embeddings"),
+                                 (cache_leftpad, "cache_leftpad", "left-padded caches"),
+                                 (alibi_slopes, "alibi_slopes", "ALiBi")):
+        if value is not None:
+            raise NotImplementedError(f"{feature} ({name}) in flash_attn_with_kvcache is not implemented yet")
+    if tuple(window_size) != (-1, -1):
+        raise NotImplementedError("sliding-window attention (window_size) is not implemented yet")
+    if softcap != 0.0:
+        raise NotImplementedError("softcapping (softcap > 0) is not implemented yet")
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (new keys and values to append) or both be None")
+    if not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0 = choose automatically), got {num_splits!r}")
+
+    q_info, kc_info, vc_info = (arrays.describe(x, n) for x, n in ((q, "q"), (k_cache, "k_cache"),
+                                                                    (v_cache, "v_cache")))
+    infos = [q_info, kc_info, vc_info]
+    for x, n in ((k, "k"), (v, "v"), (block_table, "block_table"), (cache_batch_idx, "cache_batch_idx")):
+        if x is not None:
+            infos.append(arrays.describe(x, n))
+    if cache_seqlens is not None and not isinstance(cache_seqlens, int):
+        infos.append(arrays.describe(cache_seqlens, "cache_seqlens"))
+    framework = arrays.same_framework(infos)
+    by_name = {i.name: i for i in infos}
+    for info in infos[:3]:
+        if len(info.shape) != 4:
+            raise ValueError(f"{info.name} must be 4-D, got shape {info.shape}")
+    batch, seqlen_q, nheads, headdim = q_info.shape
+    paged = block_table is not None
+    if kc_info.shape != vc_info.shape:
+        raise ValueError(f"k_cache {kc_info.shape} and v_cache {vc_info.shape} must have the same shape")
+    nheads_kv = kc_info.shape[2]
+    if kc_info.shape[3] != headdim:
+        raise ValueError(f"k_cache has headdim {kc_info.shape[3]} but q has {headdim}")
+    if min(q_info.shape) < 1 or min(kc_info.shape) < 1:
+        raise ValueError(f"q {q_info.shape} and k_cache {kc_info.shape} must have no zero-length axis")
+    if headdim % 8 or headdim > 256:
+        raise ValueError(f"q has headdim={headdim}; flash_attn_with_kvcache needs a multiple of 8 up to 256 "
+                         f"(the caches are used in place, so they cannot be padded)")
+    if nheads % nheads_kv:
+        raise ValueError(f"q has nheads={nheads}, not a multiple of the caches' nheads_kv={nheads_kv}")
+    for info in infos[:3] + [by_name[n] for n in ("k", "v") if n in by_name]:
+        if info.dtype not in checks.SUPPORTED_DTYPES or info.dtype != q_info.dtype:
+            raise TypeError(f"{info.name} has dtype {info.dtype}; q, k_cache, v_cache, k and v must share one "
+                            f"dtype, float16 or bfloat16")
+    seqlen_new = 0
+    if k is not None:
+        for n in ("k", "v"):
+            shape = by_name[n].shape
+            if len(shape) != 4 or shape[0] != batch or shape[2] != nheads_kv or shape[3] != headdim:
+                raise ValueError(f"{n} must be (batch, seqlen_new, nheads_kv, headdim) = ({batch}, *, {nheads_kv}, "
+                                 f"{headdim}), got {shape}")
+        if by_name["k"].shape != by_name["v"].shape:
+            raise ValueError(f"k {by_name['k'].shape} and v {by_name['v'].shape} must have the same shape")
+        seqlen_new = by_name["k"].shape[1]
+    if paged:
+        bt = by_name["block_table"]
+        if len(bt.shape) != 2 or bt.shape[0] != batch or bt.dtype != "int32":
+            raise ValueError(f"block_table must be int32 (batch, max_pages) = ({batch}, *), got {bt.dtype} {bt.shape}")
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx cannot be combined with block_table (each row's pages say where it is)")
+        if cache_seqlens is None:
+            raise ValueError("cache_seqlens is required with block_table")
+        page_size = kc_info.shape[1]
+        if page_size % 16:
+            raise ValueError(f"k_cache has page_size={page_size} (axis 1 of a paged cache); it must be a multiple "
+                             f"of 16")
+        capacity = bt.shape[1] * page_size
+    else:
+        page_size = 0
+        capacity = kc_info.shape[1]
+    if cache_batch_idx is not None:
+        ci = by_name["cache_batch_idx"]
+        if ci.shape != (batch,) or ci.dtype != "int32":
+            raise ValueError(f"cache_batch_idx must be int32 (batch,) = ({batch},), got {ci.dtype} {ci.shape}")
+    elif not paged and kc_info.shape[0] < batch:
+        raise ValueError(f"k_cache has {kc_info.shape[0]} rows but q has batch={batch}; pass cache_batch_idx")
+    if isinstance(cache_seqlens, bool):
+        raise TypeError("cache_seqlens must be an int or an int32 array, not a bool")
+    if cache_seqlens is not None and not isinstance(cache_seqlens, int):
+        cs = by_name["cache_seqlens"]
+        if cs.shape != (batch,) or cs.dtype != "int32":
+            raise ValueError(f"cache_seqlens must be an int or int32 (batch,) = ({batch},), got {cs.dtype} {cs.shape}")
+
+    scale = checks.default_scale(headdim) if softmax_scale is None else float(softmax_scale)
+    device = q_info.device[1] if q_info.device[0] == "cuda" else cupy.cuda.runtime.getDevice()
+    with cupy.cuda.Device(device):
+        stream = arrays.caller_stream(framework, device)
+        with stream:
+            qc = _kernel_ready(arrays.to_cupy(q, q_info), headdim)
+            kc, vc = arrays.to_cupy(k_cache, kc_info), arrays.to_cupy(v_cache, vc_info)
+            if framework == "numpy" or (framework == "jax" and seqlen_new):
+                raise TypeError("flash_attn_with_kvcache appends to k_cache/v_cache in place: pass mutable device "
+                                "arrays (CuPy or PyTorch); NumPy arrays are copies and JAX arrays are immutable")
+            _cache_usable_in_place(kc, "k_cache")
+            _cache_usable_in_place(vc, "v_cache")
+            if cache_seqlens is None:
+                seqlens = cupy.full((batch,), capacity - seqlen_new, dtype=cupy.int32)
+            elif isinstance(cache_seqlens, int):
+                seqlens = cupy.full((batch,), cache_seqlens, dtype=cupy.int32)
+            else:
+                seqlens = cupy.ascontiguousarray(arrays.to_cupy(cache_seqlens, by_name["cache_seqlens"]))
+            # Validation that needs values: one small device -> host copy, before anything is written.
+            host = cupy.asnumpy(seqlens)
+            if (host < 0).any() or (host + seqlen_new > capacity).any():
+                worst = int((host + seqlen_new).max())
+                raise ValueError(f"cache_seqlens + seqlen_new must lie in [0, {capacity}] (the cache capacity); "
+                                 f"got up to {worst} (min cache_seqlens {int(host.min())})")
+            table = batch_idx = None
+            if paged:
+                table = cupy.ascontiguousarray(arrays.to_cupy(block_table, by_name["block_table"]))
+                used = -(-(host + seqlen_new) // page_size)
+                t = cupy.asnumpy(table)
+                mask = np.arange(t.shape[1])[None, :] < used[:, None]
+                if mask.any() and (t[mask].min() < 0 or t[mask].max() >= kc.shape[0]):
+                    raise ValueError(f"block_table holds page indices outside [0, {kc.shape[0]}) in the pages "
+                                     f"the rows use")
+            if cache_batch_idx is not None:
+                batch_idx = cupy.ascontiguousarray(arrays.to_cupy(cache_batch_idx, by_name["cache_batch_idx"]))
+                bi = cupy.asnumpy(batch_idx)
+                if bi.min() < 0 or bi.max() >= kc.shape[0]:
+                    raise ValueError(f"cache_batch_idx values must lie in [0, {kc.shape[0]}), got "
+                                     f"[{bi.min()}, {bi.max()}]")
+            if seqlen_new:
+                positions = seqlens[:, None] + cupy.arange(seqlen_new, dtype=cupy.int32)[None, :]
+                kn, vn = arrays.to_cupy(k, by_name["k"]), arrays.to_cupy(v, by_name["v"])
+                if paged:
+                    pages = cupy.take_along_axis(table, positions // page_size, axis=1)
+                    kc[pages, positions % page_size] = kn
+                    vc[pages, positions % page_size] = vn
+                else:
+                    rows = (batch_idx if batch_idx is not None else cupy.arange(batch, dtype=cupy.int32))[:, None]
+                    kc[rows, positions] = kn
+                    vc[rows, positions] = vn
+            seqlens_k = seqlens + seqlen_new
+            config = configs.decode_config(_arch(device), headdim)
+            group = nheads // nheads_kv
+            splits = num_splits
+            if splits == 0:
+                sms = _sm_count.get(device)
+                if sms is None:
+                    sms = _sm_count[device] = cupy.cuda.Device(device).attributes["MultiProcessorCount"]
+                splits = decode.choose_num_splits(batch, nheads_kv, -(-seqlen_q * group // 16),
+                                                  int((host + seqlen_new).max()), sms, config.block_n)
+            out_partial = cupy.empty((splits, batch, seqlen_q, nheads, headdim), dtype=cupy.float32)
+            lse_partial = cupy.empty((splits, batch, seqlen_q, nheads), dtype=cupy.float32)
+            decode.launch_decode(qc, kc, vc, table, seqlens_k, batch_idx, out_partial, lse_partial,
+                                 page_size=page_size, softmax_scale=scale, causal=bool(causal), arch=_arch(device),
+                                 stream=stream)
+            out = cupy.empty((batch, seqlen_q, nheads, headdim), dtype=qc.dtype)
+            lse = cupy.empty((batch, seqlen_q, nheads), dtype=cupy.float32)
+            decode.launch_merge(out_partial.reshape(splits, -1, headdim), lse_partial.reshape(splits, -1),
+                                out.reshape(-1, headdim), lse.reshape(-1), stream)
+            result = arrays.from_cupy(out, framework)
+            if not return_softmax_lse:
+                return result
+            return result, arrays.from_cupy(cupy.ascontiguousarray(lse.transpose(0, 2, 1)), framework)

@@ -43,7 +43,7 @@ def _ptxas_reports(log: str) -> dict[str, tuple[int, int]]:
 FAMILIES = {
     "fwd": configs.forward_instantiations,
     "bwd": configs.backward_instantiations,
-    "decode": lambda family=None: decode.instantiations(),  # not tiled per arch family
+    "decode": decode.instantiations,
 }
 
 

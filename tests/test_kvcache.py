@@ -1,0 +1,582 @@
+"""flash_attn_with_kvcache on a real GPU: decode attention over a KV cache, with in-place append.
+
+What is checked (flash-attn 2.x semantics):
+
+* out/lse against the float64 reference, one batch row at a time: row ``b`` attends to the first
+  ``cache_seqlens[b] + seqlen_new`` entries of its cache row (``cache_batch_idx[b]``, or its pages through
+  ``block_table[b]``) *after* ``k``/``v`` were written at ``cache_seqlens[b] ..``. Rows differ in length, so
+  the reference is built per row on the host from the cache as it should be after the append. Causal is
+  bottom-right aligned per row. A row with no key gives out 0 and lse +inf.
+* the append itself: the new keys/values land bitwise at the expected slots and every other cache entry
+  (unused slots, unused pages, other cache rows) is bitwise unchanged.
+* paged and contiguous layouts of the same logical cache give bitwise-identical out for one ``num_splits``;
+  different ``num_splits`` agree within the error bound.
+* bad arguments raise TypeError/ValueError naming the argument, unbuilt features NotImplementedError naming
+  the feature, and in both cases the caches are left untouched.
+
+Error bound for out: 4u * max|v| + 1e-6 with u the unit roundoff (fp16 2^-11, bf16 2^-8), max|v| over the
+values that row attends to; see tests/test_forward_gpu.py for the derivation (a split-K combine adds one more
+fp32 rescale, far below u). lse: |lse - ref| <= 1e-3 * (1 + |ref|).
+
+Every cache slot that no row may read (beyond ``cache_seqlens + seqlen_new``, unused pages, cache rows no batch
+row selects) holds fresh random data rather than zeros, so reading past the valid length moves the result.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, note, settings
+from hypothesis import strategies as st
+from hypothesis.control import currently_in_test_context
+
+from fa2cupy.reference import attention_ref
+
+pytestmark = pytest.mark.gpu
+
+UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
+HEAD_GROUPS = [(1, 1), (4, 1), (8, 2), (32, 8), (6, 3), (16, 16)]
+HEADDIMS = [64, 128, 40, 96, 256]
+PAGE_SIZES = [16, 32, 64]
+NUM_SPLITS = [0, 1, 3, 7]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def poison_outputs():
+    # Same hook as tests/test_forward_gpu.py: if the kvcache path honours it, any output element the kernels
+    # fail to write is NaN and caught below; if it does not, nothing changes.
+    import fa2cupy.forward
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(fa2cupy.forward, "_debug_poison", True)
+    yield
+    patch.undo()
+
+
+def _cupy():
+    import cupy
+
+    return cupy
+
+
+def _kvcache():
+    import fa2cupy
+
+    return fa2cupy.flash_attn_with_kvcache
+
+
+def _np_dtype(dtype):
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.float16
+
+
+def _randn(rng, shape, dtype):
+    return rng.standard_normal(shape, dtype=np.float32).astype(_np_dtype(dtype))
+
+
+def _bits(x):
+    """Host array ``x`` (fp16/bf16) as uint16, for bitwise comparisons."""
+    return np.ascontiguousarray(x).view(np.uint16)
+
+
+# ------------------------------------------------------------------ building a case on the host
+
+
+def build_case(rng, *, batch, seqlen_q, nheads, nheads_kv, headdim, dtype, capacity, seqlens, seqlen_new,
+               page_size=None, use_batch_idx=False, extra_pages=3, extra_rows=2):
+    """Host arrays for one call.
+
+    The *logical* cache is ``(batch_cache, capacity, nheads_kv, headdim)``, random everywhere (valid entries
+    and garbage alike). Contiguous: it is passed as is (``batch_cache = batch + extra_rows`` with a permuted
+    ``cache_batch_idx`` when ``use_batch_idx``). Paged: ``capacity`` is rounded up to whole pages and the
+    logical rows are scattered over a shuffled pool of ``batch * max_pages + extra_pages`` random pages.
+
+    Returns a dict of host arrays and metadata (see the keys below).
+    """
+    seqlens = np.asarray(seqlens, dtype=np.int32)
+    assert seqlens.shape == (batch,)
+    paged = page_size is not None
+    assert not (paged and use_batch_idx)
+    if paged:
+        max_pages = -(-capacity // page_size)
+        capacity = max_pages * page_size
+    assert int(seqlens.max()) + seqlen_new <= capacity and int(seqlens.min()) >= 0
+    batch_cache = batch + extra_rows if use_batch_idx else batch
+    kv_shape = (batch_cache, capacity, nheads_kv, headdim)
+    case = dict(
+        dtype=dtype, batch=batch, capacity=capacity, seqlens=seqlens, seqlen_new=seqlen_new,
+        page_size=page_size,
+        q=_randn(rng, (batch, seqlen_q, nheads, headdim), dtype),
+        logical_k=_randn(rng, kv_shape, dtype),
+        logical_v=_randn(rng, kv_shape, dtype),
+        k_new=_randn(rng, (batch, seqlen_new, nheads_kv, headdim), dtype) if seqlen_new else None,
+        v_new=_randn(rng, (batch, seqlen_new, nheads_kv, headdim), dtype) if seqlen_new else None,
+        cache_batch_idx=(rng.permutation(batch_cache)[:batch].astype(np.int32) if use_batch_idx else None),
+        block_table=None,
+    )
+    if paged:
+        num_pages = batch * max_pages + extra_pages
+        pool = rng.permutation(num_pages).astype(np.int32)
+        table = pool[: batch * max_pages].reshape(batch, max_pages)
+        pages_k = _randn(rng, (num_pages, page_size, nheads_kv, headdim), dtype)
+        pages_v = _randn(rng, (num_pages, page_size, nheads_kv, headdim), dtype)
+        for b in range(batch):
+            for j in range(max_pages):
+                pages_k[table[b, j]] = case["logical_k"][b, j * page_size:(j + 1) * page_size]
+                pages_v[table[b, j]] = case["logical_v"][b, j * page_size:(j + 1) * page_size]
+        case.update(block_table=np.ascontiguousarray(table), phys_k=pages_k, phys_v=pages_v)
+    else:
+        case.update(phys_k=case["logical_k"], phys_v=case["logical_v"])
+    return case
+
+
+def cache_row(case, b):
+    """Cache row (logical) that batch row ``b`` uses."""
+    idx = case["cache_batch_idx"]
+    return b if idx is None else int(idx[b])
+
+
+def expected_after(case):
+    """(logical_k, logical_v, phys_k, phys_v) as they must be after the call appended k_new/v_new."""
+    lk, lv = case["logical_k"].copy(), case["logical_v"].copy()
+    pk, pv = case["phys_k"].copy(), case["phys_v"].copy()
+    n = case["seqlen_new"]
+    for b in range(case["batch"]):
+        s, row = int(case["seqlens"][b]), cache_row(case, b)
+        if n == 0:
+            continue
+        lk[row, s:s + n] = case["k_new"][b]
+        lv[row, s:s + n] = case["v_new"][b]
+        if case["block_table"] is None:
+            pk[row, s:s + n] = case["k_new"][b]
+            pv[row, s:s + n] = case["v_new"][b]
+        else:
+            ps = case["page_size"]
+            for i in range(n):
+                page = case["block_table"][b, (s + i) // ps]
+                pk[page, (s + i) % ps] = case["k_new"][b, i]
+                pv[page, (s + i) % ps] = case["v_new"][b, i]
+    return lk, lv, pk, pv
+
+
+def call(case, *, causal=False, num_splits=0, softmax_scale=None, return_lse=True, seqlens_form="array",
+         as_contiguous=False):
+    """Runs flash_attn_with_kvcache on fresh device copies of the case's cache.
+
+    seqlens_form: "array" (int32 CuPy array), "int" (a Python int; all rows must agree) or "none" (all rows
+    must be full and nothing appended). as_contiguous: pass the logical cache instead of the pages (a paged
+    case seen as contiguous, for the paged-vs-contiguous comparison).
+
+    Returns (out, lse or None, k_cache, v_cache) as CuPy arrays (caches after the call).
+    """
+    cp = _cupy()
+    paged = case["block_table"] is not None and not as_contiguous
+    host_k, host_v = (case["phys_k"], case["phys_v"]) if paged else (case["logical_k"], case["logical_v"])
+    k_cache, v_cache = cp.asarray(host_k), cp.asarray(host_v)
+    seqlens = case["seqlens"]
+    if seqlens_form == "array":
+        cache_seqlens = cp.asarray(seqlens)
+    elif seqlens_form == "int":
+        assert np.all(seqlens == seqlens[0])
+        cache_seqlens = int(seqlens[0])
+    else:
+        assert seqlens_form == "none" and not paged and case["seqlen_new"] == 0
+        assert np.all(seqlens == case["capacity"])
+        cache_seqlens = None
+    kwargs = dict(cache_seqlens=cache_seqlens, softmax_scale=softmax_scale, causal=causal,
+                  num_splits=num_splits, return_softmax_lse=return_lse)
+    if case["seqlen_new"]:
+        kwargs.update(k=cp.asarray(case["k_new"]), v=cp.asarray(case["v_new"]))
+    if case["cache_batch_idx"] is not None:
+        kwargs["cache_batch_idx"] = cp.asarray(case["cache_batch_idx"])
+    if paged:
+        kwargs["block_table"] = cp.asarray(case["block_table"])
+    q = cp.asarray(case["q"])
+    res = _kvcache()(q, k_cache, v_cache, **kwargs)
+    if return_lse:
+        assert isinstance(res, tuple) and len(res) == 2
+        out, lse = res
+    else:
+        out, lse = res, None
+    cp.cuda.runtime.deviceSynchronize()
+    assert isinstance(out, cp.ndarray)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    if lse is not None:
+        b, sq, h, _ = q.shape
+        assert isinstance(lse, cp.ndarray) and lse.dtype == cp.float32 and lse.shape == (b, h, sq)
+    return out, lse, k_cache, v_cache
+
+
+def _note(msg):
+    if currently_in_test_context():  # note() only works inside @given
+        note(msg)
+
+
+def check_cache(case, k_cache, v_cache, as_contiguous=False):
+    """The caches after the call hold k_new/v_new at the expected slots and nothing else changed (bitwise)."""
+    cp = _cupy()
+    lk, lv, pk, pv = expected_after(case)
+    paged = case["block_table"] is not None and not as_contiguous
+    want_k, want_v = (pk, pv) if paged else (lk, lv)
+    got_k, got_v = cp.asnumpy(k_cache), cp.asnumpy(v_cache)
+    for name, got, want in (("k_cache", got_k, want_k), ("v_cache", got_v, want_v)):
+        bad = _bits(got) != _bits(want)
+        if bad.any():
+            where = np.argwhere(bad.any(axis=(2, 3)))[:8].tolist()
+            raise AssertionError(f"{name} differs from the expected post-append state at (row/page, slot) {where}")
+
+
+def check_outputs(case, out, lse, softmax_scale, causal):
+    """out/lse against attention_ref per batch row, over the keys of that row after the append."""
+    cp = _cupy()
+    lk, lv, _, _ = expected_after(case)
+    out_h = cp.asnumpy(out).astype(np.float64)
+    lse_h = None if lse is None else cp.asnumpy(lse).astype(np.float64)
+    assert not np.isnan(out_h).any(), "out has NaN"
+    if lse_h is not None:
+        assert not np.isnan(lse_h).any(), "lse has NaN"
+    u = UNIT_ROUNDOFF[case["dtype"]]
+    for b in range(case["batch"]):
+        row = cache_row(case, b)
+        nkeys = int(case["seqlens"][b]) + case["seqlen_new"]
+        if nkeys == 0:
+            assert np.all(out_h[b] == 0.0), f"row {b} has no key: out must be exactly 0"
+            if lse_h is not None:
+                assert np.all(lse_h[b] == np.inf), f"row {b} has no key: lse must be +inf"
+            continue
+        k_rows, v_rows = lk[row:row + 1, :nkeys], lv[row:row + 1, :nkeys]
+        ref_out, ref_lse = attention_ref(case["q"][b:b + 1], k_rows, v_rows, softmax_scale, causal)
+        ref_out, ref_lse = ref_out[0], ref_lse[0]
+        tol = 4 * u * float(np.abs(v_rows.astype(np.float64)).max()) + 1e-6
+        err = np.abs(out_h[b] - ref_out)
+        worst = np.unravel_index(int(np.argmax(err)), err.shape)
+        _note(f"row {b}: {nkeys} keys, max|out-ref|={err.max():.3e} at {worst}, tol={tol:.3e}")
+        assert err.max() <= tol, f"row {b} ({nkeys} keys): max|out-ref| = {err.max():.3e} at {worst} > {tol:.3e}"
+        dead = np.isinf(ref_lse)  # (h, sq): causal rows that see no key
+        if dead.any():
+            assert np.all(out_h[b][dead.T] == 0.0), f"row {b}: queries that see no key must give exactly 0"
+        if lse_h is not None:
+            assert np.all(lse_h[b][dead] == np.inf), f"row {b}: queries that see no key must have lse +inf"
+            live = ~dead
+            lerr = np.abs(lse_h[b][live] - ref_lse[live])
+            assert np.all(lerr <= 1e-3 * (1 + np.abs(ref_lse[live]))), f"row {b}: max|lse-ref| = {lerr.max():.3e}"
+
+
+def run_and_check(case, **kw):
+    out, lse, k_cache, v_cache = call(case, **kw)
+    check_cache(case, k_cache, v_cache, as_contiguous=kw.get("as_contiguous", False))
+    check_outputs(case, out, lse, kw.get("softmax_scale"), kw.get("causal", False))
+    return out, lse
+
+
+# ------------------------------------------------------------------ property test
+
+
+@st.composite
+def kv_cases(draw):
+    seqlen_new = draw(st.sampled_from([0, 0, 1, 1, 2, 3, 4]))  # weight: no append and single-token decode
+    capacity = draw(st.one_of(st.integers(max(1, seqlen_new), 600),
+                              st.sampled_from([max(1, seqlen_new), 16, 17, 63, 64, 128, 129, 600])))
+    page_size = draw(st.sampled_from([None, None] + PAGE_SIZES))
+    if page_size is not None:
+        capacity = -(-capacity // page_size) * page_size
+    batch = draw(st.integers(1, 4))
+    top = capacity - seqlen_new
+    seqlens = draw(st.lists(st.one_of(st.just(0), st.just(top), st.integers(0, top)), min_size=batch,
+                            max_size=batch))
+    nheads, nheads_kv = draw(st.sampled_from(HEAD_GROUPS))
+    return dict(
+        batch=batch,
+        seqlen_q=draw(st.integers(1, 8)),
+        nheads=nheads,
+        nheads_kv=nheads_kv,
+        headdim=draw(st.sampled_from(HEADDIMS)),
+        dtype=draw(st.sampled_from(["float16", "bfloat16"])),
+        capacity=capacity,
+        seqlens=seqlens,
+        seqlen_new=seqlen_new,
+        page_size=page_size,
+        use_batch_idx=page_size is None and draw(st.booleans()),
+        extra_pages=draw(st.integers(0, 5)),
+        causal=draw(st.booleans()),
+        num_splits=draw(st.sampled_from(NUM_SPLITS)),
+        softmax_scale=draw(st.one_of(st.none(), st.floats(0.01, 1.0))),
+        return_lse=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**32 - 1)),
+    )
+
+
+@settings(max_examples=30)
+@given(kv_cases())
+def test_matches_reference(c):
+    note(repr(c))
+    rng = np.random.default_rng(c["seed"])
+    case = build_case(
+        rng, batch=c["batch"], seqlen_q=c["seqlen_q"], nheads=c["nheads"], nheads_kv=c["nheads_kv"],
+        headdim=c["headdim"], dtype=c["dtype"], capacity=c["capacity"], seqlens=c["seqlens"],
+        seqlen_new=c["seqlen_new"], page_size=c["page_size"], use_batch_idx=c["use_batch_idx"],
+        extra_pages=c["extra_pages"],
+    )
+    run_and_check(case, causal=c["causal"], num_splits=c["num_splits"], softmax_scale=c["softmax_scale"],
+                  return_lse=c["return_lse"])
+
+
+# ------------------------------------------------------------------ fixed cases
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize(
+    "b,sq,h,hkv,d,capacity,seqlens,new,page_size,causal",
+    [
+        (1, 1, 1, 1, 64, 1, [1], 0, None, False),  # one key, full cache
+        (2, 1, 8, 2, 128, 300, [0, 299], 1, None, False),  # empty row + append, full row after append
+        (3, 4, 32, 8, 128, 512, [100, 0, 508], 4, 16, True),
+        (4, 8, 6, 3, 96, 200, [5, 7, 3, 190], 2, None, True),  # seqlen_q > keys of some rows: dead queries
+        (2, 3, 16, 16, 256, 129, [64, 1], 3, 64, False),
+        (1, 16, 4, 1, 40, 600, [333], 4, 32, True),
+    ],
+)
+def test_fixed_cases(dtype, b, sq, h, hkv, d, capacity, seqlens, new, page_size, causal):
+    rng = np.random.default_rng(capacity * 7 + sq)
+    case = build_case(rng, batch=b, seqlen_q=sq, nheads=h, nheads_kv=hkv, headdim=d, dtype=dtype,
+                      capacity=capacity, seqlens=seqlens, seqlen_new=new, page_size=page_size)
+    run_and_check(case, causal=causal)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_row_without_keys(paged):
+    # cache_seqlens 0 and nothing appended: the row attends to nothing -> out exactly 0, lse +inf.
+    rng = np.random.default_rng(1)
+    case = build_case(rng, batch=4, seqlen_q=2, nheads=4, nheads_kv=2, headdim=64, dtype="float16",
+                      capacity=160, seqlens=[0, 5, 0, 130], seqlen_new=0, page_size=32 if paged else None)
+    out, lse = run_and_check(case, causal=False)
+    out_h, lse_h = _cupy().asnumpy(out), _cupy().asnumpy(lse)
+    for b in (0, 2):
+        assert np.all(out_h[b] == 0) and np.all(lse_h[b] == np.inf)
+    for b in (1, 3):
+        assert np.all(np.isfinite(lse_h[b]))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_cache_seqlens_int_and_none(causal):
+    rng = np.random.default_rng(2)
+    # A Python int: every row has that many valid entries.
+    case = build_case(rng, batch=3, seqlen_q=3, nheads=8, nheads_kv=2, headdim=64, dtype="bfloat16",
+                      capacity=100, seqlens=[57, 57, 57], seqlen_new=2, use_batch_idx=True)
+    run_and_check(case, causal=causal, seqlens_form="int")
+    # None: the whole cache is valid (no append).
+    case = build_case(rng, batch=2, seqlen_q=4, nheads=8, nheads_kv=2, headdim=64, dtype="bfloat16",
+                      capacity=77, seqlens=[77, 77], seqlen_new=0)
+    run_and_check(case, causal=causal, seqlens_form="none")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_equals_contiguous_bitwise(dtype, page_size, num_splits):
+    rng = np.random.default_rng(page_size + num_splits)
+    case = build_case(rng, batch=3, seqlen_q=4, nheads=8, nheads_kv=2, headdim=128, dtype=dtype,
+                      capacity=500, seqlens=[0, 200, 509], seqlen_new=3,  # capacity rounds up to 512
+                      page_size=page_size, extra_pages=4)
+    out_p, lse_p = run_and_check(case, causal=True, num_splits=num_splits)
+    out_c, lse_c = run_and_check(case, causal=True, num_splits=num_splits, as_contiguous=True)
+    cp = _cupy()
+    assert np.array_equal(_bits(cp.asnumpy(out_p)), _bits(cp.asnumpy(out_c))), \
+        "paged and contiguous caches with the same content must give bitwise-identical out"
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "batch_idx", "paged"])
+@pytest.mark.parametrize("new", [1, 4])
+def test_append_writes_exactly_the_new_slots(layout, new):
+    rng = np.random.default_rng(new + len(layout))
+    capacity = 96
+    case = build_case(rng, batch=4, seqlen_q=1, nheads=4, nheads_kv=4, headdim=64, dtype="float16",
+                      capacity=capacity, seqlens=[0, 15, 16, capacity - new], seqlen_new=new,
+                      page_size=16 if layout == "paged" else None, use_batch_idx=layout == "batch_idx",
+                      extra_rows=3, extra_pages=5)
+    # Slots 15/16 straddle a page boundary; the last row fills the cache to the brim.
+    run_and_check(case, causal=False)
+
+
+def test_decode_loop_appends_one_token_per_step():
+    # Real decode: the same cache arrays across steps, cache_seqlens advancing by one each step.
+    cp = _cupy()
+    rng = np.random.default_rng(3)
+    batch, h, hkv, d, dtype, ps, steps = 2, 8, 2, 64, "float16", 16, 5
+    case = build_case(rng, batch=batch, seqlen_q=1, nheads=h, nheads_kv=hkv, headdim=d, dtype=dtype,
+                      capacity=64, seqlens=[14, 30], seqlen_new=1, page_size=ps)
+    k_cache, v_cache = cp.asarray(case["phys_k"]), cp.asarray(case["phys_v"])
+    table = cp.asarray(case["block_table"])
+    logical_k, logical_v = case["logical_k"].copy(), case["logical_v"].copy()
+    seqlens = case["seqlens"].copy()
+    for _ in range(steps):
+        q = _randn(rng, (batch, 1, h, d), dtype)
+        kn, vn = _randn(rng, (batch, 1, hkv, d), dtype), _randn(rng, (batch, 1, hkv, d), dtype)
+        out, lse = _kvcache()(cp.asarray(q), k_cache, v_cache, k=cp.asarray(kn), v=cp.asarray(vn),
+                              cache_seqlens=cp.asarray(seqlens), block_table=table, return_softmax_lse=True)
+        for b in range(batch):
+            logical_k[b, seqlens[b]] = kn[b, 0]
+            logical_v[b, seqlens[b]] = vn[b, 0]
+        # The token just appended at slot seqlens[b] is attended to: seqlens + 1 keys per row.
+        step = dict(case, q=q, seqlens=seqlens + 1, seqlen_new=0, logical_k=logical_k, logical_v=logical_v)
+        check_outputs(step, out, lse, None, True)
+        seqlens += 1
+    pages_k = cp.asnumpy(k_cache)
+    for b in range(batch):
+        for p in range(int(seqlens[b])):
+            page = case["block_table"][b, p // ps]
+            assert np.array_equal(_bits(pages_k[page, p % ps]), _bits(logical_k[b, p])), (b, p)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_num_splits_agree(dtype, paged):
+    cp = _cupy()
+    rng = np.random.default_rng(4)
+    case = build_case(rng, batch=3, seqlen_q=2, nheads=16, nheads_kv=4, headdim=128, dtype=dtype,
+                      capacity=2048, seqlens=[2046, 700, 1], seqlen_new=2, page_size=64 if paged else None)
+    out1, lse1 = run_and_check(case, causal=True, num_splits=1)
+    v_max = float(np.abs(case["logical_v"].astype(np.float64)).max())
+    tol = 4 * UNIT_ROUNDOFF[dtype] * v_max + 1e-6
+    o1, l1 = cp.asnumpy(out1).astype(np.float64), cp.asnumpy(lse1).astype(np.float64)
+    for splits in (0, 2, 3, 7, 16, 64):
+        out, lse = run_and_check(case, causal=True, num_splits=splits)
+        err = np.abs(cp.asnumpy(out).astype(np.float64) - o1).max()
+        assert err <= tol, f"num_splits={splits} vs 1: max|diff| = {err:.3e} > {tol:.3e}"
+        lerr = np.abs(cp.asnumpy(lse).astype(np.float64) - l1)
+        assert np.all(lerr <= 1e-3 * (1 + np.abs(l1))), f"num_splits={splits}: lse differs by {lerr.max():.3e}"
+
+
+def test_non_default_stream():
+    cp = _cupy()
+    rng = np.random.default_rng(5)
+    case = build_case(rng, batch=2, seqlen_q=1, nheads=4, nheads_kv=1, headdim=64, dtype="float16",
+                      capacity=256, seqlens=[100, 255], seqlen_new=1, page_size=32)
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        out, lse, k_cache, v_cache = call(case, num_splits=3)
+    s.synchronize()
+    check_cache(case, k_cache, v_cache)
+    check_outputs(case, out, lse, None, False)
+
+
+# ------------------------------------------------------------------ errors (cheap, but they need CuPy arrays)
+
+
+def _valid_args(paged=False):
+    """Keyword arguments of a small valid call: batch 2, seqlen_q 1, 4/2 heads, d 64, capacity 64, append 2."""
+    cp = _cupy()
+    rng = np.random.default_rng(6)
+    case = build_case(rng, batch=2, seqlen_q=1, nheads=4, nheads_kv=2, headdim=64, dtype="float16",
+                      capacity=64, seqlens=[3, 40], seqlen_new=2, page_size=16 if paged else None)
+    args = dict(q=cp.asarray(case["q"]), k_cache=cp.asarray(case["phys_k"]), v_cache=cp.asarray(case["phys_v"]),
+                k=cp.asarray(case["k_new"]), v=cp.asarray(case["v_new"]), cache_seqlens=cp.asarray(case["seqlens"]))
+    if paged:
+        args["block_table"] = cp.asarray(case["block_table"])
+    return args
+
+
+def _assert_rejected(exc, match, args):
+    """The call with ``args`` raises ``exc`` matching ``match``, and neither cache changed."""
+    cp = _cupy()
+    before = {n: np.ascontiguousarray(cp.asnumpy(args[n])) for n in ("k_cache", "v_cache")
+              if hasattr(args.get(n), "shape")}
+    with pytest.raises(exc, match=match):
+        _kvcache()(**args)
+    cp.cuda.runtime.deviceSynchronize()
+    for n, old in before.items():
+        assert np.array_equal(np.ascontiguousarray(cp.asnumpy(args[n])).view(np.uint8), old.view(np.uint8)), \
+            f"{n} was modified by a rejected call"
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_valid_args_accepted(paged):
+    # The base of the error tests below must itself be valid, or they prove nothing.
+    out = _kvcache()(**_valid_args(paged))
+    assert out.shape == (2, 1, 4, 64)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_append_past_capacity_rejected(paged):
+    cp = _cupy()
+    args = _valid_args(paged)
+    args["cache_seqlens"] = cp.asarray([3, 63], dtype=cp.int32)  # row 1: 63 + 2 > 64; row 0 valid
+    _assert_rejected(ValueError, "cache_seqlens", args)
+    args["cache_seqlens"] = 63  # Python int form
+    _assert_rejected(ValueError, "cache_seqlens", args)
+    args = _valid_args(paged)
+    args["cache_seqlens"] = cp.asarray([3, 65], dtype=cp.int32)  # past capacity even without append
+    del args["k"], args["v"]
+    _assert_rejected(ValueError, "cache_seqlens", args)
+    args["cache_seqlens"] = cp.asarray([-1, 3], dtype=cp.int32)
+    _assert_rejected(ValueError, "cache_seqlens", args)
+
+
+@pytest.mark.parametrize("bad", [-1, "num_pages"])
+def test_block_table_entry_out_of_range(bad):
+    args = _valid_args(paged=True)
+    table = args["block_table"].copy()
+    table[1, 0] = args["k_cache"].shape[0] if bad == "num_pages" else bad
+    args["block_table"] = table
+    _assert_rejected(ValueError, "block_table", args)
+
+
+def test_paged_argument_errors():
+    cp = _cupy()
+    args = _valid_args(paged=True)
+    table64 = args["block_table"].astype(cp.int64)
+    _assert_rejected((TypeError, ValueError), "block_table", dict(args, block_table=table64))
+    _assert_rejected(ValueError, "block_table", dict(args, block_table=args["block_table"][:1]))  # batch 1 != 2
+    _assert_rejected(ValueError, "block_table", dict(args, block_table=args["block_table"][0]))  # 1-D
+    _assert_rejected(ValueError, "cache_batch_idx",
+                     dict(args, cache_batch_idx=cp.asarray([1, 0], dtype=cp.int32)))
+    _assert_rejected(ValueError, "cache_seqlens", dict(args, cache_seqlens=None))
+    # page_size 8 (not a multiple of 16): same pool reshaped to twice as many half pages.
+    kc, vc = (x.reshape(x.shape[0] * 2, 8, *x.shape[2:]) for x in (args["k_cache"], args["v_cache"]))
+    _assert_rejected(ValueError, r"page_size|k_cache", dict(args, k_cache=kc, v_cache=vc))
+
+
+def test_shape_and_dtype_errors():
+    cp = _cupy()
+    args = _valid_args()
+    q, kc, k = args["q"], args["k_cache"], args["k"]
+    cases = [
+        (TypeError, r"\bq\b", dict(q=q.astype(cp.float32))),
+        (TypeError, r"\bq\b|k_cache", dict(q=cp.asarray(cp.asnumpy(q).astype(_np_dtype("bfloat16"))))),
+        (TypeError, r"\bk\b", dict(k=k.astype(cp.float32))),
+        (ValueError, r"\bq\b", dict(q=q[:, 0])),  # 3-D
+        (ValueError, r"k_cache", dict(k_cache=kc[0])),  # 3-D
+        (ValueError, r"k_cache|v_cache", dict(k_cache=kc[..., :32])),  # headdim mismatch
+        (ValueError, r"v_cache", dict(v_cache=args["v_cache"][:, :32])),  # capacity != k_cache's
+        (ValueError, r"\bk\b", dict(k=k[:, :, :1])),  # nheads_kv mismatch
+        (ValueError, r"\bv\b", dict(v=args["v"][:, :1])),  # seqlen_new mismatch
+        (ValueError, r"\bv\b", dict(v=None)),  # k without v
+        (ValueError, r"\bk\b", dict(k=None)),  # v without k
+        (ValueError, r"nheads|\bq\b|k_cache", dict(q=q[:, :, :3])),  # 3 heads over 2 kv heads
+        (ValueError, r"cache_seqlens", dict(cache_seqlens=args["cache_seqlens"][:1])),  # wrong length
+        ((TypeError, ValueError), r"cache_seqlens", dict(cache_seqlens=args["cache_seqlens"].astype(cp.int64))),
+        ((TypeError, ValueError), r"cache_batch_idx",
+         dict(cache_batch_idx=cp.asarray([1, 0], dtype=cp.int64))),
+        (ValueError, r"cache_batch_idx", dict(cache_batch_idx=cp.asarray([0, 2], dtype=cp.int32))),  # >= batch_cache
+        (ValueError, r"cache_batch_idx", dict(cache_batch_idx=cp.asarray([0], dtype=cp.int32))),  # wrong length
+    ]
+    for exc, match, change in cases:
+        _assert_rejected(exc, match, dict(args, **change))
+
+
+def test_unimplemented_features():
+    cp = _cupy()
+    args = _valid_args()
+    cos = cp.ones((64, 32), dtype=cp.float16)
+    cases = [
+        (r"(?i)rotary", dict(rotary_cos=cos, rotary_sin=cos)),
+        (r"cache_leftpad", dict(cache_leftpad=cp.zeros(2, dtype=cp.int32))),
+        (r"softcap", dict(softcap=30.0)),
+        (r"(?i)alibi", dict(alibi_slopes=cp.ones(4, dtype=cp.float32))),
+        (r"window", dict(window_size=(8, 0))),
+    ]
+    for match, change in cases:
+        _assert_rejected(NotImplementedError, match, dict(args, **change))
