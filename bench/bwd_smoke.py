@@ -9,7 +9,9 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, ".")
+sys.path.insert(0, "bench")
 import fa2cupy  # noqa: E402
+from tune_fwd import bench  # noqa: E402  (the one CUDA-event median timer of bench/)
 from fa2cupy.benchmark import gradient_errors  # noqa: E402
 
 
@@ -36,19 +38,6 @@ def check(b, sq, sk, h, hkv, d, causal, dtype, deterministic, scale=None):
         ok = ok and same
     return ok
 
-
-def bench(fn, iters=20):
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e))
-    return sorted(ts)[len(ts) // 2]
 
 
 def timing(d, s, causal, deterministic=False):

@@ -11,7 +11,9 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, ".")
+sys.path.insert(0, "bench")
 import fa2cupy  # noqa: E402
+from tune_fwd import bench  # noqa: E402  (the one CUDA-event median timer of bench/)
 
 
 def check(batch, sq, h, hkv, d, cap, causal, paged, splits, seqlen_new, dtype=cp.float16, page=32):
@@ -68,19 +70,6 @@ def check(batch, sq, h, hkv, d, cap, causal, paged, splits, seqlen_new, dtype=cp
     return ok
 
 
-def bench_ms(fn, iters=50):
-    for _ in range(5):
-        fn()
-    ts = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e))
-    return sorted(ts)[len(ts) // 2]
-
 
 def bandwidth(b, sk, h=32, hkv=8, d=128):
     kc = torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16)
@@ -88,7 +77,7 @@ def bandwidth(b, sk, h=32, hkv=8, d=128):
     q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16)
     lens = torch.full((b,), sk, device="cuda", dtype=torch.int32)
     nbytes = 2 * kc.numel() * 2
-    ms = bench_ms(lambda: fa2cupy.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens))
+    ms = bench(lambda: fa2cupy.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens))
     res = {"fa2cupy": nbytes / ms / 1e9}  # bytes per ms / 1e9 = TB/s
     qt = q.transpose(1, 2)
     kt = kc.transpose(1, 2)
@@ -96,7 +85,7 @@ def bandwidth(b, sk, h=32, hkv=8, d=128):
     for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
         try:
             with sdpa_kernel([be]):
-                ms = bench_ms(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True))
+                ms = bench(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True))
             res[name] = nbytes / ms / 1e9
         except Exception as e:  # noqa: BLE001
             res[name] = float("nan")
