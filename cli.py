@@ -424,6 +424,8 @@ def check(seed: int, quick: bool) -> None:
 
 
 def _int_list(ctx, param, value):
+    if value is None:
+        return None
     try:
         return B.parse_int_list(value)
     except ValueError as exc:
@@ -431,12 +433,17 @@ def _int_list(ctx, param, value):
 
 
 @main.command()
-@click.option("--mode", type=click.Choice(B.MODES), default="fwd", show_default=True)
-@click.option("--headdim", "headdims", default="64,128", show_default=True, callback=_int_list,
-              help="Comma-separated head dims.")
+@click.option("--mode", type=click.Choice(B.CLI_MODES), default="fwd", show_default=True)
+@click.option("--headdim", "headdims", default=None, callback=_int_list,
+              help="Comma-separated head dims.  [default: 64,128; decode: 128]")
 @click.option("--causal", type=click.Choice(["both", "on", "off"]), default="both", show_default=True)
-@click.option("--seqlens", default="512,1024,2048,4096,8192,16384", show_default=True, callback=_int_list,
-              help="Comma-separated sequence lengths (batch = tokens // seqlen).")
+@click.option("--seqlens", default=None, callback=_int_list,
+              help="Comma-separated sequence lengths (batch = tokens // seqlen; decode: cache lengths).  "
+                   "[default: 512,1024,2048,4096,8192,16384; decode: 1024,4096,16384,65536]")
+@click.option("--batches", default="1,8,64", show_default=True, callback=_int_list,
+              help="decode: comma-separated batch sizes (pairs with batch * seqlen > 1M are skipped).")
+@click.option("--nheads", default=32, show_default=True, help="decode: query heads.")
+@click.option("--nheads-kv", default=8, show_default=True, help="decode: key/value heads.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16"]), default="bf16", show_default=True)
 @click.option("--tokens", default=16384, show_default=True, help="Tokens per batch.")
 @click.option("--hidden", default=2048, show_default=True, help="Model width (nheads = hidden // headdim).")
@@ -450,8 +457,8 @@ def _int_list(ctx, param, value):
 @click.option("--deterministic", is_flag=True,
               help="bwd/fwdbwd: run fa2cupy's backward with deterministic=True (bit-reproducible, slower).")
 @click.option("--no-memory", is_flag=True, help="bwd/fwdbwd: skip the peak-memory measurement.")
-def bench(mode, headdims, causal, seqlens, dtype, tokens, hidden, out_dir, repeats, warmup,
-          skip_cold, skip_overhead, no_plot, deterministic, no_memory) -> None:
+def bench(mode, headdims, causal, seqlens, batches, nheads, nheads_kv, dtype, tokens, hidden, out_dir, repeats,
+          warmup, skip_cold, skip_overhead, no_plot, deterministic, no_memory) -> None:
     """TFLOPs/s of fa2cupy beside torch SDPA (flash, cuDNN) on the FlashAttention-2 paper grid.
 
     --mode fwd times the forward; bwd the backward alone (out/lse from one forward;
@@ -461,6 +468,12 @@ def bench(mode, headdims, causal, seqlens, dtype, tokens, hidden, out_dir, repea
     """
     import os  # noqa: PLC0415
 
+    if mode == "decode":
+        _bench_decode(headdims or [128], seqlens or list(B.DECODE_SEQLENS), batches, nheads, nheads_kv, dtype,
+                      out_dir, repeats, warmup)
+        return
+    headdims = headdims or [64, 128]
+    seqlens = seqlens or [512, 1024, 2048, 4096, 8192, 16384]
     mode = B.canonical_mode(mode)
     gpu = require_gpu()
     try:
@@ -533,6 +546,44 @@ def bench(mode, headdims, causal, seqlens, dtype, tokens, hidden, out_dir, repea
         png = os.path.join(out_dir, base + ".png")
         why = B.plot_results(records, png, title=f"fa2cupy {mode}, {dtype}, {env.get('gpu', gpu)}")
         click.echo(why or f"wrote {png}")
+
+
+def _bench_decode(headdims, seqlens, batches, nheads, nheads_kv, dtype, out_dir, repeats, warmup) -> None:
+    """bench --mode decode: KV-cache bandwidth of one decode step beside SDPA flash and cuDNN."""
+    import os  # noqa: PLC0415
+
+    gpu = require_gpu()
+    if not B.torch_available():
+        click.echo("bench --mode decode needs torch (the SDPA baselines and the inputs)", err=True)
+        sys.exit(EXIT_NO_GPU)
+    if nheads % nheads_kv:
+        raise click.BadParameter(f"--nheads {nheads} must be a multiple of --nheads-kv {nheads_kv}")
+    env = B.environment_info()
+    pairs = B.decode_grid(batches, seqlens)
+    click.echo(f"fa2cupy bench --mode decode on {gpu}: hq={nheads} hkv={nheads_kv} d={','.join(map(str, headdims))} "
+               f"{dtype}, seqlen_q=1, full caches, {len(pairs)} (batch, seqlen_k) pairs; median of {repeats} "
+               f"CUDA-event times per call, calls back to back; TB/s = K+V bytes / time")
+    records = []
+    for headdim in headdims:
+        for batch, seqlen_k in pairs:
+            records.append(B.bench_decode_case(batch, seqlen_k, nheads=nheads, nheads_kv=nheads_kv, headdim=headdim,
+                                               dtype=dtype, warmup=warmup, repeats=repeats))
+            click.echo(B.decode_table(records[-1:]).splitlines()[-1], err=True)
+    click.echo(B.decode_table(records))
+    for r in records:
+        for key, value in r.items():
+            if key.endswith("_error"):
+                click.echo(f"note: {r['label']}: {key[:-6]} failed: {value}")
+        if r.get("paged_equals_contiguous") is False:
+            click.echo(f"WARNING: {r['label']}: paged output differs from contiguous")
+    base = B.result_basename("decode", env.get("gpu", gpu))
+    payload = {"mode": "decode", "environment": env,
+               "settings": {"dtype": dtype, "nheads": nheads, "nheads_kv": nheads_kv, "repeats": repeats,
+                            "warmup": warmup, "timing": "median of CUDA-event times per call, back to back",
+                            "metric": "2 * batch * seqlen_k * nheads_kv * headdim * itemsize / time"},
+               "records": records}
+    path = B.write_json(os.path.join(out_dir, base + ".json"), payload)
+    click.echo(f"wrote {path}")
 
 
 @main.command()

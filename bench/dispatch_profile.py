@@ -43,6 +43,26 @@ def main():
             fn()
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+    # Decode step: b1, one query, 32/8 heads, d128, a 1k cache (the GPU work is ~3 us: this is host time).
+    qd = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    kc = torch.randn(1, 1024, 8, 128, device="cuda", dtype=torch.bfloat16)
+    lens = torch.full((1,), 1024, device="cuda", dtype=torch.int32)
+    qdc, kcc, lensc = cupy.from_dlpack(qd), cupy.from_dlpack(kc), cupy.from_dlpack(lens)
+    for name, args in (("kvcache torch", (qd, kc, kc, lens)), ("kvcache cupy", (qdc, kcc, kcc, lensc)),
+                       ("kvcache torch int", (qd, kc, kc, 1024))):
+        fn = lambda: fa2cupy.flash_attn_with_kvcache(args[0], args[1], args[2], cache_seqlens=args[3])  # noqa: E731
+        print(f"{name}: {per_call_us(fn):.1f} us per call")
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(2000):
+            fn()
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+    for backend in ("FLASH_ATTENTION", "CUDNN_ATTENTION"):
+        with torch.nn.attention.sdpa_kernel([getattr(torch.nn.attention.SDPBackend, backend)]):
+            qt, kt = qd.transpose(1, 2), kc.transpose(1, 2).contiguous()
+            fn = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, kt, enable_gqa=True)  # noqa: E731
+            print(f"SDPA {backend} decode: {per_call_us(fn):.1f} us per call")
     with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.FLASH_ATTENTION]):
         qt = q.transpose(1, 2)
         fn = lambda: torch.nn.functional.scaled_dot_product_attention(qt, qt, qt)  # noqa: E731

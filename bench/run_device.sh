@@ -9,8 +9,11 @@
 #   SKIP_TESTS=1 SKIP_CHECK=1 SKIP_BENCH=1    skip a step
 #   TUNE=1           also time every forward tile candidate (bench/tune_fwd.py) -> tune.log
 #   TUNE_BWD=1       also time every backward tile candidate (bench/tune_bwd.py) -> tune_bwd.log
+#   DECODE=1         also run `cli.py bench --mode decode` (KV bandwidth vs SDPA flash/cuDNN) -> bench_decode.log
+#   TUNE_DEC=1       also time every decode candidate (bench/tune_decode.py) -> tune_decode.log
 #   PROFILE=1        also profile host dispatch (bench/dispatch_profile.py) -> profile.log
 #   SANITIZE=1       also run compute-sanitizer memcheck + racecheck over bench/sanitize_case.py
+#                    (SANITIZE_GROUPS="fwd bwd decode" picks its case groups)
 #   BENCH_ARGS="..." extra arguments for `cli.py bench` (e.g. "--headdim 128 --causal off")
 #   BWD=1            also run `cli.py bench --mode bwd` (fa2cupy backward vs SDPA flash/cuDNN
 #                    backward, peak memory) -> bench_bwd.log; seqlens 2048,8192 with QUICK=1
@@ -103,6 +106,15 @@ if [ "${BWD:-0}" = 1 ]; then  # backward vs SDPA's backward (flash, cuDNN), with
     --skip-cold --skip-overhead --out "$BWD_OUT" ${BWD_ARGS:-}
 fi
 
+if [ "${DECODE:-0}" = 1 ]; then  # decode KV bandwidth vs SDPA flash / cuDNN (issue 4's grid)
+  step bench_decode "${DECODE_TIMEOUT:-240}" "$OUT/bench_decode.log" \
+    "$PY" cli.py bench --mode decode --out "$OUT" ${DECODE_ARGS:-}
+fi
+
+if [ "${TUNE_DEC:-0}" = 1 ]; then
+  step tune_decode "${TUNE_TIMEOUT:-240}" "$OUT/tune_decode.log" "$PY" bench/tune_decode.py ${TUNE_DEC_ARGS:-}
+fi
+
 if [ "${TUNE:-0}" = 1 ]; then  # every tile candidate of configs.FORWARD_CANDIDATES beside SDPA
   step tune "${TUNE_TIMEOUT:-240}" "$OUT/tune.log" "$PY" bench/tune_fwd.py --seqlens "${TUNE_SEQLENS:-2048,8192}" --headdims "${TUNE_HEADDIMS:-64,128}"
 fi
@@ -121,7 +133,7 @@ if [ "${SANITIZE:-0}" = 1 ]; then
       for tool in memcheck racecheck; do
         echo "=== compute-sanitizer --tool $tool"
         timeout -k 15 "${SANITIZE_TIMEOUT:-240}" compute-sanitizer --tool "$tool" --error-exitcode 3 \
-          --print-limit 20 "$PY" bench/sanitize_case.py
+          --print-limit 20 "$PY" bench/sanitize_case.py ${SANITIZE_GROUPS:-}
         echo "=== $tool rc=$?"
       done
     } 2>&1 | tee "$OUT/sanitize.log"

@@ -11,7 +11,11 @@ reference with the ``fa2cupy check`` bounds; exit status 1 on a mismatch.
 
 The forward cases run the forward only; BWD_CASES run forward + backward
 (``flash_attn_backward``, dq/dk/dv against the reference with
-``fa2cupy.benchmark.gradient_bound``), in both deterministic modes.
+``fa2cupy.benchmark.gradient_bound``), in both deterministic modes; DECODE_CASES run
+``flash_attn_with_kvcache`` (append, split-KV with the last-block merge, paged and
+contiguous, causal) against ``flash_attn_func`` over each row's keys.
+
+    python3 bench/sanitize_case.py [fwd|bwd|decode ...]    # default: all three groups
 """
 
 from __future__ import annotations
@@ -50,26 +54,87 @@ BWD_CASES = (
 )
 
 
-def main() -> int:
+# (batch, seqlen_q, nheads, nheads_kv, headdim, capacity, seqlen_new, causal, page_size or None, num_splits)
+DECODE_CASES = (
+    (3, 1, 8, 2, 128, 256, 1, False, None, 3),   # split-KV, GQA 4, append one token
+    (2, 4, 8, 2, 64, 96, 2, True, 16, 0),        # paged (16-key pages), speculative 4 queries, causal
+    (2, 3, 6, 3, 256, 64, 0, True, None, 1),     # headdim 256, one split, no append
+    (1, 1, 4, 1, 40, 48, 3, False, 16, 2),       # headdim 40, MQA
+)
+
+
+def check_decode(i, batch, sq, h, hkv, d, cap, new, causal, page, splits) -> bool:
+    """One flash_attn_with_kvcache call against flash_attn_func over each row's keys (after the append)."""
+    import cupy as cp
+
+    import fa2cupy
+
+    rng = np.random.default_rng(100 + i)
+    lens = rng.integers(0, cap - new + 1, size=batch).astype(np.int32)
+    lens[0] = cap - new
+
+    def randn(*shape):
+        return cp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(cp.float16)
+
+    q, kc, vc = randn(batch, sq, h, d), randn(batch, cap, hkv, d), randn(batch, cap, hkv, d)
+    kn, vn = (randn(batch, new, hkv, d), randn(batch, new, hkv, d)) if new else (None, None)
+    ke, ve = kc.copy(), vc.copy()
+    for b in range(batch):
+        if new:
+            ke[b, lens[b]:lens[b] + new], ve[b, lens[b]:lens[b] + new] = kn[b], vn[b]
+    extra = {}
+    if page:
+        pages = cap // page
+        perm = rng.permutation(batch * pages).astype(np.int32)
+        kc_in, vc_in = (cp.empty((batch * pages, page, hkv, d), dtype=cp.float16) for _ in range(2))
+        kc_in[cp.asarray(perm)] = kc.reshape(batch * pages, page, hkv, d)
+        vc_in[cp.asarray(perm)] = vc.reshape(batch * pages, page, hkv, d)
+        extra["block_table"] = cp.asarray(perm.reshape(batch, pages))
+    else:
+        kc_in, vc_in = kc, vc
+    out = fa2cupy.flash_attn_with_kvcache(q, kc_in, vc_in, k=kn, v=vn, cache_seqlens=cp.asarray(lens),
+                                          causal=causal, num_splits=splits, **extra)
+    worst = 0.0
+    for b in range(batch):
+        n = int(lens[b]) + new
+        if n == 0:
+            worst = max(worst, float(cp.abs(out[b].astype(cp.float32)).max()))
+            continue
+        ref = fa2cupy.flash_attn_func(q[b:b + 1], ke[b:b + 1, :n], ve[b:b + 1, :n], causal=causal)
+        worst = max(worst, float(cp.abs(out[b:b + 1].astype(cp.float32) - ref.astype(cp.float32)).max()))
+    ok = worst < 3e-3
+    print(f"decode {i}: b{batch} sq{sq} h{h}/{hkv} d{d} cap{cap} new{new} causal={causal} page={page} "
+          f"splits={splits}: max|diff| {worst:.1e} {'ok' if ok else 'FAIL'}", flush=True)
+    return ok
+
+
+def main(groups) -> int:
     ok, msg = cli.probe_gpu()
     if not ok:
         print(msg)
         return 2
     print(cli.check_header(), flush=True)
-    bad = 0
-    for i, case in enumerate(CASES):
-        r = cli.run_check_case(case, seed=i, backward=False)
-        print(cli.check_row(i, r), flush=True)
-        bad += not r.passed
-    for j, (case, det) in enumerate(BWD_CASES, start=len(CASES)):
-        r = cli.run_check_case(case, seed=j, backward=True, deterministic=det)
-        print(cli.check_row(j, r), flush=True)
-        bad += not r.passed
-    total = len(CASES) + len(BWD_CASES)
+    bad = total = 0
+    if "fwd" in groups:
+        for i, case in enumerate(CASES):
+            r = cli.run_check_case(case, seed=i, backward=False)
+            print(cli.check_row(i, r), flush=True)
+            bad += not r.passed
+            total += 1
+    if "bwd" in groups:
+        for j, (case, det) in enumerate(BWD_CASES, start=len(CASES)):
+            r = cli.run_check_case(case, seed=j, backward=True, deterministic=det)
+            print(cli.check_row(j, r), flush=True)
+            bad += not r.passed
+            total += 1
+    if "decode" in groups:
+        for i, case in enumerate(DECODE_CASES):
+            bad += not check_decode(i, *case)
+            total += 1
     print(f"{total - bad}/{total} passed")
     return 1 if bad else 0
 
 
 if __name__ == "__main__":
     np.seterr(all="ignore")
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:] or ("fwd", "bwd", "decode")))

@@ -1,20 +1,69 @@
-// Decode-time attention (FA2 paper §4.2, "flash-decoding"): the pieces that exist so far.
+// Decode-time attention (FA2 paper §4.2, "flash-decoding") over a KV cache.
 //
-//   decode_split   one warp per (split of the keys, 16 packed query rows, kv head, batch row): the rows are the
-//                  (new token, query head) pairs that share one KV head (GQA packing), so each K/V byte is read
-//                  once per KV head; the keys of a batch row are divided into `num_splits` ranges (split-KV) so
-//                  that small batches still fill the GPU; K/V rows come from a contiguous or a paged cache.
-//                  Writes fp32 partial (out, lse) per split.
-//   merge_states   merges attention computed over disjoint key sets, (out_i, lse_i) -> (out, lse): the combine
-//                  step of split-KV decoding, and fa2cupy.merge_attention_states for cascade / prefix-shared
-//                  attention and context parallelism.
+//   kvcache_append    writes the new keys/values into the cache at each row's length, after checking every index
+//                     value the host cannot see (cache_seqlens, cache_batch_idx, block_table): one bad value and
+//                     nothing is written.
+//   decode_attention  one block per (split of the keys, 16 packed query rows, kv head, batch row). The rows are the
+//                     (new token, query head) pairs that share one KV head (GQA packing), so each K/V byte is read
+//                     once per KV head, on tensor cores. The warps of a block stream interleaved key tiles of the
+//                     block's split through their own cp.async rings (more bytes in flight per SM) and merge in
+//                     shared memory; the splits of a row (split-KV, so that small batches fill the GPU) write fp32
+//                     partials, and the last split block to finish merges them: one launch per call.
+//   merge_states      merges attention computed over disjoint key sets, (out_i, lse_i) -> (out, lse):
+//                     fa2cupy.merge_attention_states for cascade / prefix-shared attention and context parallelism.
 //
 // A part whose lse is +inf or -inf saw no key (flash-attn writes +inf for such rows) and gets weight 0; a row that
 // no part saw gets out = 0 and lse = +inf, the same convention as the forward.
+//
+// Bad index values are found on the device, where the values are: the first thread to find one claims the report
+// (atomicCAS on a device word) and writes it to pinned host memory that the host reads without synchronising
+// (fa2cupy/device_errors.py); every output row computed while a report is pending is NaN, never a wrong number.
 #include "primitives.cuh"
 #include "softmax.cuh"
 
 namespace fa2 {
+
+enum BadValue : int { kBadCacheSeqlen = 1, kBadCacheBatchIdx = 2, kBadBlockTable = 3 };
+
+// Most key splits of one row (the host clamps num_splits): the merging block keeps a weight per split and row.
+constexpr int kMaxSplits = 256;
+
+constexpr int cmax(int a, int b) { return a > b ? a : b; }
+
+// Records the first bad value: what (BadValue), where (row, col of the offending array) and the value itself.
+FA2_DEVICE void report_bad_value(int* claim, long long* host, int what, int row, int col, int value) {
+    if (atomicCAS(claim, 0, 1) == 0) {
+        volatile long long* report = host;
+        report[1] = ((long long)row << 32) | (unsigned)col;
+        report[2] = value;
+        __threadfence_system();
+        report[0] = what;  // last: the host reads the rest once it sees this
+    }
+}
+
+FA2_DEVICE bool is_inf(float x) { return x == pos_inf() || x == -pos_inf(); }
+
+// lse of the union of n parts (lse_at(i) for part i): parts with lse +-inf saw no key and count for nothing; no
+// part with a key gives +inf; a NaN lse (poisoned input) gives NaN.
+template <class LseAt>
+FA2_DEVICE float merged_lse(int n, LseAt lse_at) {
+    float m = -pos_inf();
+    for (int i = 0; i < n; ++i) {
+        const float l = lse_at(i);
+        if (!is_inf(l)) m = fmaxf(m, l);
+    }
+    float total = 0.f;
+    for (int i = 0; i < n; ++i) {
+        const float l = lse_at(i);
+        if (!is_inf(l)) total += __expf(l - m);
+    }
+    return total == 0.f ? pos_inf() : m + __logf(total);
+}
+
+// Weight of a part with lse `part` in a union with lse `whole` (0 for parts without keys, NaN stays NaN).
+FA2_DEVICE float part_weight(float part, float whole) {
+    return is_inf(part) || whole == pos_inf() ? 0.f : __expf(part - whole);
+}
 
 // Loads 8 consecutive elements as fp32 (16-bit types: one 16-byte load; fp32: two).
 template <class E>
@@ -54,25 +103,13 @@ __global__ void __launch_bounds__(256, 1)
     const int lane = threadIdx.x & 31;
     const i64 row = (i64)blockIdx.x * 8 + (threadIdx.x >> 5);
     if (row >= rows) return;
-    float m = -pos_inf();
-    for (int i = 0; i < n; ++i) {
-        const float l = lses[i * rows + row];
-        if (l != pos_inf() && l != -pos_inf()) m = fmaxf(m, l);  // +-inf: the part saw no key
-    }
-    float total = 0.f;
-    for (int i = 0; i < n; ++i) {
-        const float l = lses[i * rows + row];
-        if (l != pos_inf() && l != -pos_inf()) total += __expf(l - m);
-    }
-    const bool empty = total == 0.f;  // NaN lse (a NaN input) propagates through total
-    const float lse = empty ? pos_inf() : m + __logf(total);
+    const float lse = merged_lse(n, [&](int i) { return lses[i * rows + row]; });
     if (lane == 0) lse_out[row] = lse;
     for (int c = lane * 8; c < headdim; c += 32 * 8) {
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
         for (int i = 0; i < n; ++i) {
-            const float l = lses[i * rows + row];
-            if (empty || l == pos_inf() || l == -pos_inf()) continue;
-            const float w = __expf(l - lse);
+            const float w = part_weight(lses[i * rows + row], lse);
+            if (w == 0.f) continue;
             float x[8];
             Load8<In>::run(static_cast<const char*>(parts) + ((i * rows + row) * headdim + c) * kElemBytes<In>,
                            x);
@@ -88,51 +125,165 @@ __global__ void __launch_bounds__(256, 1)
 
 
 // ---------------------------------------------------------------------------------------------------------------
-template <int HeadDim, int BlockN, int Stages, class Elem_, bool Causal, bool Paged>
+// The index values of one call, shared by the append and the attention kernels.
+struct CacheIndex {
+    const int* block_table;      // (batch, max_pages) or null (contiguous cache)
+    const int* cache_seqlens;    // (batch,) or null: every row holds fixed_seqlen
+    const int* cache_batch_idx;  // (batch,) or null: batch row b uses cache row b
+    int fixed_seqlen, seqlen_new;
+    int capacity;    // keys a row can hold: cache length, or max_pages * page_size
+    int cache_rows;  // rows of a contiguous cache, or pages of a paged one
+    int page_size, max_pages;
+
+    FA2_DEVICE int cached(int b) const { return cache_seqlens != nullptr ? cache_seqlens[b] : fixed_seqlen; }
+    FA2_DEVICE bool seqlen_ok(int len) const { return len >= 0 && len <= capacity - seqlen_new; }
+    FA2_DEVICE int cache_row(int b) const { return cache_batch_idx != nullptr ? cache_batch_idx[b] : b; }
+    FA2_DEVICE bool row_ok(int row) const { return row >= 0 && row < cache_rows; }
+};
+
+// k_new/v_new: (batch, seqlen_new, nheads_kv, d); caches as in decode_attention. Every block first checks all the
+// index values the call will use (cheap: O(batch + pages in use), from L2) and writes nothing if one is bad, so a
+// rejected call leaves the caches untouched; then the blocks copy 16-byte chunks, grid-stride.
+template <bool Paged>
+__global__ void __launch_bounds__(256)
+    kvcache_append(const u16* __restrict__ k_new, const u16* __restrict__ v_new, u16* __restrict__ k_cache,
+                   u16* __restrict__ v_cache, const int* __restrict__ block_table,
+                   const int* __restrict__ cache_seqlens, const int* __restrict__ cache_batch_idx, int* error_claim,
+                   long long* error_host, i64 kn_batch_stride, int kn_row_stride, i64 kn_head_stride,
+                   i64 vn_batch_stride, int vn_row_stride, i64 vn_head_stride, i64 k_batch_stride, int k_row_stride,
+                   i64 k_head_stride, i64 v_batch_stride, int v_row_stride, i64 v_head_stride, int batch,
+                   int nheads_kv, int headdim, int fixed_seqlen, int seqlen_new, int capacity, int cache_rows,
+                   int page_size, int max_pages) {
+    const CacheIndex index{block_table, cache_seqlens, cache_batch_idx, fixed_seqlen, seqlen_new,
+                           capacity,    cache_rows,    page_size,       max_pages};
+    const bool reporter = blockIdx.x == 0;
+    bool bad = false;
+    for (int b = threadIdx.x; b < batch; b += blockDim.x) {
+        const int len = index.cached(b);
+        if (!index.seqlen_ok(len)) {
+            bad = true;
+            if (reporter) report_bad_value(error_claim, error_host, kBadCacheSeqlen, b, 0, len);
+        }
+        if (!Paged && !index.row_ok(index.cache_row(b))) {
+            bad = true;
+            if (reporter) report_bad_value(error_claim, error_host, kBadCacheBatchIdx, b, 0, index.cache_row(b));
+        }
+    }
+    if (Paged) {  // every page a row reads or writes, not only the appended ones: the attention reads them all
+        for (int b = 0; b < batch; ++b) {
+            const int len = index.cached(b);
+            if (!index.seqlen_ok(len)) continue;
+            const int used = (len + seqlen_new + page_size - 1) / page_size;
+            for (int p = threadIdx.x; p < used; p += blockDim.x) {
+                const int page = block_table[(i64)b * max_pages + p];
+                if (!index.row_ok(page)) {
+                    bad = true;
+                    if (reporter) report_bad_value(error_claim, error_host, kBadBlockTable, b, p, page);
+                }
+            }
+        }
+    }
+    if (__syncthreads_or(bad)) return;
+
+    const int chunks_per_row = headdim / 8;
+    const i64 chunks = (i64)batch * seqlen_new * nheads_kv * chunks_per_row;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < chunks; i += (i64)gridDim.x * blockDim.x) {
+        const int c = (int)(i % chunks_per_row) * 8;
+        const int head = (int)(i / chunks_per_row % nheads_kv);
+        const int t = (int)(i / ((i64)chunks_per_row * nheads_kv) % seqlen_new);
+        const int b = (int)(i / ((i64)chunks_per_row * nheads_kv * seqlen_new));
+        const int pos = index.cached(b) + t;
+        i64 row_base;
+        int slot;
+        if (Paged) {
+            row_base = block_table[(i64)b * max_pages + pos / page_size];
+            slot = pos % page_size;
+        } else {
+            row_base = index.cache_row(b);
+            slot = pos;
+        }
+        u32 chunk[4];
+        ld_global_v4(k_new + b * kn_batch_stride + (i64)t * kn_row_stride + head * kn_head_stride + c, chunk);
+        st_global_v4(k_cache + row_base * k_batch_stride + (i64)slot * k_row_stride + head * k_head_stride + c, chunk);
+        ld_global_v4(v_new + b * vn_batch_stride + (i64)t * vn_row_stride + head * vn_head_stride + c, chunk);
+        st_global_v4(v_cache + row_base * v_batch_stride + (i64)slot * v_row_stride + head * v_head_stride + c, chunk);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+template <int HeadDim, int BlockN, int Stages, int Warps, bool L2Prefetch, class Elem_, bool Causal, bool Paged>
 struct DecodeTraits {
     using Elem = Elem_;
-    static constexpr int kHeadDim = HeadDim, kBlockN = BlockN, kStages = Stages, kThreads = 32;
+    static constexpr bool kL2Prefetch = L2Prefetch;  // cp.async with the L2::256B hint for K/V
+    static constexpr int kHeadDim = HeadDim, kBlockN = BlockN, kStages = Stages, kWarps = Warps;
+    static constexpr int kThreads = 32 * Warps;
     static constexpr bool kCausal = Causal, kPaged = Paged;
     using QTile = SmemTile<16, HeadDim>;
     using KVTile = SmemTile<BlockN, HeadDim>;
-    static constexpr int kSmemBytes = QTile::kBytes + 2 * Stages * KVTile::kBytes;
+    static constexpr int kRingBytes = 2 * Stages * KVTile::kBytes;         // K and V ring of one warp
+    static constexpr int kMergeBytes = Warps * 16 * (HeadDim + 1) * 4;     // every warp's fp32 (out, lse) rows
+    // The last split block's merge: a weight per (split, row), then per-thread float4 sums of (row, 4 columns)
+    // items, at most max(threads, 16 rows x HeadDim / 4) of them.
+    static constexpr int kSplitMergeBytes = kMaxSplits * 16 * 4 + cmax(kThreads, 4 * HeadDim) * 16;
+    static constexpr int kSmemBytes = QTile::kBytes + cmax(Warps * kRingBytes, cmax(kMergeBytes, kSplitMergeBytes));
     static_assert(Stages >= 2, "the K/V ring needs at least two stages");
+    static_assert(BlockN % 16 == 0 && BlockN <= 64, "key tiles of 16..64 keys (a tile spans few pages)");
 };
 
 // q: (batch, seqlen_q, nheads, d); k/v cache: (batch_cache, capacity, nheads_kv, d) or paged (pages, page_size,
-// nheads_kv, d) with block_table (batch, max_pages); seqlens_k: keys per batch row (after the append).
-// out_partial: (num_splits, batch, seqlen_q, nheads, d) fp32; lse_partial: (num_splits, batch, seqlen_q, nheads).
+// nheads_kv, d) with block_table (batch, max_pages); row b attends to its first cache_seqlens[b] + seqlen_new keys
+// (the append kernel has written the new ones). out: (batch, seqlen_q, nheads, d) contiguous; lse_out: (batch,
+// nheads, seqlen_q) or null. With more than one split: partial_out (splits, batch * seqlen_q * nheads, d) fp32,
+// partial_lse (splits, batch * seqlen_q * nheads), arrivals (batch * gridDim.y) int32 zeroed before the launch.
 template <class Tr>
-__global__ void __launch_bounds__(32)
-    decode_split(const u16* __restrict__ q, const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
-                 const int* __restrict__ block_table, const int* __restrict__ seqlens_k,
-                 const int* __restrict__ cache_batch_idx, float* __restrict__ out_partial,
-                 float* __restrict__ lse_partial, i64 q_batch_stride, int q_row_stride, i64 q_head_stride,
-                 i64 k_batch_stride, int k_row_stride, i64 k_head_stride, i64 v_batch_stride, int v_row_stride,
-                 i64 v_head_stride, int batch, int seqlen_q, int nheads, int heads_per_kv, int headdim,
-                 int page_size, int max_pages, float scale, float scale_log2) {
+__global__ void __launch_bounds__(Tr::kThreads, 1)
+    decode_attention(const u16* __restrict__ q, const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
+                     const int* __restrict__ block_table, const int* __restrict__ cache_seqlens,
+                     const int* __restrict__ cache_batch_idx, u16* __restrict__ out, float* __restrict__ lse_out,
+                     float* __restrict__ partial_out, float* __restrict__ partial_lse, int* __restrict__ arrivals,
+                     int* error_claim, long long* error_host, i64 q_batch_stride, int q_row_stride,
+                     i64 q_head_stride, i64 k_batch_stride, int k_row_stride, i64 k_head_stride, i64 v_batch_stride,
+                     int v_row_stride, i64 v_head_stride, int batch, int seqlen_q, int nheads, int heads_per_kv,
+                     int headdim, int fixed_seqlen, int seqlen_new, int capacity, int cache_rows, int page_size,
+                     int max_pages, float scale, float scale_log2) {
     using QTile = typename Tr::QTile;
     using KVTile = typename Tr::KVTile;
     using Mma = fa2::Mma<typename Tr::Elem>;
-    constexpr int kNT = Tr::kBlockN / 8, kDT = Tr::kHeadDim / 8, kKSteps = Tr::kHeadDim / 16;
+    constexpr int kNT = Tr::kBlockN / 8, kDT = Tr::kHeadDim / 8, kKSteps = Tr::kHeadDim / 16, kW = Tr::kWarps;
 
     extern __shared__ __align__(128) unsigned char smem[];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const u32 smem_q = smem_u32(smem);
-    const u32 smem_k = smem_q + QTile::kBytes;
+    const u32 smem_k = smem_q + QTile::kBytes + warp * Tr::kRingBytes;
     const u32 smem_v = smem_k + Tr::kStages * KVTile::kBytes;
 
-    const int lane = threadIdx.x;
     const int split = blockIdx.x, num_splits = gridDim.x;
     const int nheads_kv = nheads / heads_per_kv;
     const int kv_head = blockIdx.y % nheads_kv, row_block = blockIdx.y / nheads_kv;
     const int b = blockIdx.z;
     const int rows = seqlen_q * heads_per_kv;  // packed rows r = query * heads_per_kv + head-in-group
     const int row0 = row_block * 16;
-    const int seqlen_k = seqlens_k[b];
-    const int cache_row = cache_batch_idx != nullptr ? cache_batch_idx[b] : b;
+    const CacheIndex index{block_table, cache_seqlens, cache_batch_idx, fixed_seqlen, seqlen_new,
+                           capacity,    cache_rows,    page_size,       max_pages};
+
+    // Values the host could not check. A bad one, or a report still pending (this call's append found one),
+    // poisons the block: it writes NaN. Warp-uniform (lane 0's read), so the warps' loops never diverge.
+    const bool reporter = threadIdx.x == 0 && split == 0 && blockIdx.y == 0;  // one report per bad row
+    const int cached = index.cached(b);
+    const int cache_row = index.cache_row(b);
+    bool poisoned = __shfl_sync(0xffffffffu, *static_cast<volatile int*>(error_claim), 0) != 0;
+    if (!index.seqlen_ok(cached)) {
+        poisoned = true;
+        if (reporter) report_bad_value(error_claim, error_host, kBadCacheSeqlen, b, 0, cached);
+    }
+    if (!Tr::kPaged && !index.row_ok(cache_row)) {
+        poisoned = true;
+        if (reporter) report_bad_value(error_claim, error_host, kBadCacheBatchIdx, b, 0, cache_row);
+    }
+    const int seqlen_k = poisoned ? 0 : cached + seqlen_new;
 
     // This split's keys, whole BlockN tiles except at the end; under the causal mask no row of the block sees
-    // keys past the last row's limit.
+    // keys past the last row's limit. The block's warps take its tiles in turn.
     const int per_split = ((seqlen_k + num_splits - 1) / num_splits + Tr::kBlockN - 1) / Tr::kBlockN * Tr::kBlockN;
     const int key_begin = split * per_split;
     int key_end = min(seqlen_k, key_begin + per_split);
@@ -141,35 +292,75 @@ __global__ void __launch_bounds__(32)
         key_end = min(key_end, seqlen_k - seqlen_q + last_query + 1);
     }
     const int n_tiles = key_end > key_begin ? (key_end - key_begin + Tr::kBlockN - 1) / Tr::kBlockN : 0;
+    const int my_tiles = n_tiles > warp ? (n_tiles - warp + kW - 1) / kW : 0;
 
-    // Gathered loads: Q rows by (query, head), K/V rows by (page, offset) or (cache row, position).
-    auto q_row = [&](int r) {
-        const int packed = row0 + r, query = packed / heads_per_kv;
-        const int head = kv_head * heads_per_kv + packed % heads_per_kv;
-        return q + b * q_batch_stride + (i64)query * q_row_stride + head * q_head_stride;
-    };
-    auto kv_offset = [&](int key, i64 batch_stride, int row_stride, i64 head_stride) -> i64 {
-        if (Tr::kPaged) {
-            const int page = block_table[(i64)b * max_pages + key / page_size];
-            return page * batch_stride + (i64)(key % page_size) * row_stride + kv_head * head_stride;
-        }
-        return cache_row * batch_stride + (i64)key * row_stride + kv_head * head_stride;
-    };
-    auto load_kv = [&](int tile, int slot) {
-        const int first = key_begin + tile * Tr::kBlockN;
+    // K/V of the warp's j-th tile into ring slot `slot`; true if a block_table entry was out of range (reported,
+    // and read as zeros). Paged: one division per tile, then each row steps from the tile's first page (a tile
+    // spans at most BlockN / 16 + 1 pages).
+    auto load_kv = [&](int j, int slot) -> bool {
+        bool bad_page = false;
+        const int first = key_begin + (warp + j * kW) * Tr::kBlockN;
+        const int first_page = Tr::kPaged ? first / page_size : 0;
+        const int first_offset = Tr::kPaged ? first - first_page * page_size : 0;
         constexpr int kChunks = Tr::kBlockN * kDT;
 #pragma unroll 4
         for (int i = 0; i < kChunks / 32; ++i) {
             const int idx = lane + i * 32, r = idx / kDT, c = (idx % kDT) * 8;
-            const int key = first + r;
-            const bool ok = key < key_end && c < headdim;
-            const int safe = ok ? key : key_begin;  // a valid row: cp.async reads nothing when !ok anyway
-            cp_async_16(KVTile::at(smem_k + slot * KVTile::kBytes, r, c),
-                        k_cache + kv_offset(safe, k_batch_stride, k_row_stride, k_head_stride) + c, ok);
-            cp_async_16(KVTile::at(smem_v + slot * KVTile::kBytes, r, c),
-                        v_cache + kv_offset(safe, v_batch_stride, v_row_stride, v_head_stride) + c, ok);
+            bool ok = first + r < key_end && c < headdim;
+            i64 k_off, v_off;
+            if (Tr::kPaged) {
+                int page_idx = first_page, offset = first_offset + r;
+#pragma unroll
+                for (int step = 0; step < Tr::kBlockN / 16; ++step) {  // r < BlockN and page_size >= 16
+                    if (offset >= page_size) {
+                        offset -= page_size;
+                        ++page_idx;
+                    }
+                }
+                int page = ok ? block_table[(i64)b * max_pages + page_idx] : 0;
+                if (!index.row_ok(page)) {
+                    if (!bad_page) report_bad_value(error_claim, error_host, kBadBlockTable, b, page_idx, page);
+                    bad_page = true;
+                    ok = false;
+                    page = 0;
+                }
+                k_off = page * k_batch_stride + (i64)offset * k_row_stride;
+                v_off = page * v_batch_stride + (i64)offset * v_row_stride;
+            } else {
+                const int key = ok ? first + r : 0;
+                k_off = cache_row * k_batch_stride + (i64)key * k_row_stride;
+                v_off = cache_row * v_batch_stride + (i64)key * v_row_stride;
+            }
+            const u16* k_src = k_cache + k_off + kv_head * k_head_stride + c;
+            const u16* v_src = v_cache + v_off + kv_head * v_head_stride + c;
+            if constexpr (Tr::kL2Prefetch) {
+                cp_async_16_prefetch256(KVTile::at(smem_k + slot * KVTile::kBytes, r, c), k_src, ok);
+                cp_async_16_prefetch256(KVTile::at(smem_v + slot * KVTile::kBytes, r, c), v_src, ok);
+            } else {
+                cp_async_16(KVTile::at(smem_k + slot * KVTile::kBytes, r, c), k_src, ok);
+                cp_async_16(KVTile::at(smem_v + slot * KVTile::kBytes, r, c), v_src, ok);
+            }
         }
+        return bad_page;
     };
+    bool bad_page = false;
+
+    // Q rows by (query, head), all warps together; then each warp's ring prologue.
+    for (int idx = threadIdx.x; idx < 16 * kDT; idx += Tr::kThreads) {
+        const int r = idx / kDT, c = (idx % kDT) * 8, packed = row0 + r;
+        const bool ok = packed < rows && c < headdim;
+        const int query = packed / heads_per_kv, head = kv_head * heads_per_kv + packed % heads_per_kv;
+        cp_async_16(QTile::at(smem_q, r, c),
+                    ok ? q + b * q_batch_stride + (i64)query * q_row_stride + head * q_head_stride + c : q, ok);
+    }
+    cp_async_commit();
+#pragma unroll
+    for (int s = 0; s < Tr::kStages - 1; ++s) {
+        if (s < my_tiles) bad_page |= load_kv(s, s);
+        cp_async_commit();
+    }
+    cp_async_wait<Tr::kStages - 1>();  // the Q group (the oldest) has landed, for this thread
+    __syncthreads();                   // ... and for every thread
 
     float acc_o[1][kDT][4];
 #pragma unroll
@@ -179,93 +370,184 @@ __global__ void __launch_bounds__(32)
     OnlineSoftmax<1, kNT> softmax;
     softmax.init();
 
-    if (n_tiles > 0) {
-#pragma unroll
-        for (int i = 0; i < 16 * kDT / 32; ++i) {
-            const int idx = lane + i * 32, r = idx / kDT, c = (idx % kDT) * 8;
-            const bool ok = row0 + r < rows && c < headdim;
-            cp_async_16(QTile::at(smem_q, r, c), ok ? q_row(r) + c : q, ok);
-        }
-#pragma unroll
-        for (int s = 0; s < Tr::kStages - 1; ++s) {
-            if (s < n_tiles) load_kv(s, s);
+    for (int j = 0; j < my_tiles; ++j) {
+        cp_async_wait<Tr::kStages - 2>();
+        __syncwarp();
+        {
+            const int ahead = j + Tr::kStages - 1;
+            if (ahead < my_tiles) bad_page |= load_kv(ahead, ahead % Tr::kStages);
             cp_async_commit();
         }
-        for (int tile = 0; tile < n_tiles; ++tile) {
-            cp_async_wait<Tr::kStages - 2>();
-            __syncwarp();
-            {
-                const int ahead = tile + Tr::kStages - 1;
-                if (ahead < n_tiles) load_kv(ahead, ahead % Tr::kStages);
-                cp_async_commit();
-            }
-            const u32 k_slot = smem_k + (tile % Tr::kStages) * KVTile::kBytes;
-            const u32 v_slot = smem_v + (tile % Tr::kStages) * KVTile::kBytes;
-            float s[1][kNT][4];
+        const u32 k_slot = smem_k + (j % Tr::kStages) * KVTile::kBytes;
+        const u32 v_slot = smem_v + (j % Tr::kStages) * KVTile::kBytes;
+        float s[1][kNT][4];
 #pragma unroll
-            for (int nt = 0; nt < kNT; ++nt)
+        for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) s[0][nt][e] = 0.f;
+            for (int e = 0; e < 4; ++e) s[0][nt][e] = 0.f;
 #pragma unroll
-            for (int kk = 0; kk < kKSteps; ++kk) {
-                u32 a[4];
-                QTile::load_a(a, smem_q, 0, kk * 16, lane);
+        for (int kk = 0; kk < kKSteps; ++kk) {
+            u32 a[4];
+            QTile::load_a(a, smem_q, 0, kk * 16, lane);
 #pragma unroll
-                for (int np = 0; np < kNT / 2; ++np) {
-                    u32 bk[4];
-                    KVTile::load_b_nk(bk, k_slot, np * 16, kk * 16, lane);
-                    Mma::run(s[0][2 * np], a, bk[0], bk[1]);
-                    Mma::run(s[0][2 * np + 1], a, bk[2], bk[3]);
-                }
-            }
-            // Mask keys past this split's end and, under the causal mask, past each row's own query.
-            const int first = key_begin + tile * Tr::kBlockN;
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int query = (row0 + (lane >> 2) + half * 8) / heads_per_kv;
-                const int limit = Tr::kCausal ? min(key_end, seqlen_k - seqlen_q + query + 1) : key_end;
-#pragma unroll
-                for (int nt = 0; nt < kNT; ++nt) {
-                    const int key = first + nt * 8 + (lane & 3) * 2;
-                    if (key >= limit) s[0][nt][2 * half] = -pos_inf();
-                    if (key + 1 >= limit) s[0][nt][2 * half + 1] = -pos_inf();
-                }
-            }
-            softmax.update(s, acc_o, scale_log2);
-#pragma unroll
-            for (int kk = 0; kk < kNT / 2; ++kk) {
-                u32 a[4];
-                c_to_a<typename Tr::Elem>(a, s[0][2 * kk], s[0][2 * kk + 1]);
-#pragma unroll
-                for (int dp = 0; dp < kDT / 2; ++dp) {
-                    u32 bv[4];
-                    KVTile::load_b_kn(bv, v_slot, kk * 16, dp * 16, lane);
-                    Mma::run(acc_o[0][2 * dp], a, bv[0], bv[1]);
-                    Mma::run(acc_o[0][2 * dp + 1], a, bv[2], bv[3]);
-                }
+            for (int np = 0; np < kNT / 2; ++np) {
+                u32 bk[4];
+                KVTile::load_b_nk(bk, k_slot, np * 16, kk * 16, lane);
+                Mma::run(s[0][2 * np], a, bk[0], bk[1]);
+                Mma::run(s[0][2 * np + 1], a, bk[2], bk[3]);
             }
         }
-        cp_async_wait<0>();
+        // Mask keys past this split's end and, under the causal mask, past each row's own query.
+        const int first = key_begin + (warp + j * kW) * Tr::kBlockN;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int query = (row0 + (lane >> 2) + half * 8) / heads_per_kv;
+            const int limit = Tr::kCausal ? min(key_end, seqlen_k - seqlen_q + query + 1) : key_end;
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt) {
+                const int key = first + nt * 8 + (lane & 3) * 2;
+                if (key >= limit) s[0][nt][2 * half] = -pos_inf();
+                if (key + 1 >= limit) s[0][nt][2 * half + 1] = -pos_inf();
+            }
+        }
+        softmax.update(s, acc_o, scale_log2);
+#pragma unroll
+        for (int kk = 0; kk < kNT / 2; ++kk) {
+            u32 a[4];
+            c_to_a<typename Tr::Elem>(a, s[0][2 * kk], s[0][2 * kk + 1]);
+#pragma unroll
+            for (int dp = 0; dp < kDT / 2; ++dp) {
+                u32 bv[4];
+                KVTile::load_b_kn(bv, v_slot, kk * 16, dp * 16, lane);
+                Mma::run(acc_o[0][2 * dp], a, bv[0], bv[1]);
+                Mma::run(acc_o[0][2 * dp + 1], a, bv[2], bv[3]);
+            }
+        }
     }
+    cp_async_wait<0>();
     float row_lse[2];
     softmax.finalize(acc_o, row_lse, scale);
+    // Every warp is done with its ring (the barrier), so the rings' memory now holds each warp's result rows.
+    poisoned = __syncthreads_or(poisoned || bad_page);
 
-    // Partial results in fp32, unpacked: row (query, head) of this split.
+    float* merge_out = reinterpret_cast<float*>(smem + QTile::kBytes);  // [warp][16][HeadDim]
+    float* merge_lse = merge_out + kW * 16 * Tr::kHeadDim;              // [warp][16]
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-        const int packed = row0 + (lane >> 2) + half * 8;
-        if (packed < rows) {
-            const int query = packed / heads_per_kv, head = kv_head * heads_per_kv + packed % heads_per_kv;
-            const i64 row = (((i64)split * batch + b) * seqlen_q + query) * nheads + head;
-            float* dst = out_partial + row * headdim;
+        const int r = (lane >> 2) + half * 8;
+        float* dst = merge_out + (warp * 16 + r) * Tr::kHeadDim;
 #pragma unroll
-            for (int dt = 0; dt < kDT; ++dt) {
-                const int c = dt * 8 + (lane & 3) * 2;
-                if (c < headdim)
-                    *reinterpret_cast<float2*>(dst + c) = make_float2(acc_o[0][dt][2 * half], acc_o[0][dt][2 * half + 1]);
-            }
-            if ((lane & 3) == 0) lse_partial[row] = row_lse[half];
+        for (int dt = 0; dt < kDT; ++dt)
+            *reinterpret_cast<float2*>(dst + dt * 8 + (lane & 3) * 2) =
+                make_float2(acc_o[0][dt][2 * half], acc_o[0][dt][2 * half + 1]);
+        if ((lane & 3) == 0) merge_lse[warp * 16 + r] = row_lse[half];
+    }
+    __syncthreads();
+    __shared__ float block_lse[16];
+    if (threadIdx.x < 16) {  // per row: the block's lse, and each warp's lse replaced by its weight
+        const int r = threadIdx.x;
+        const float lse = merged_lse(kW, [&](int w) { return merge_lse[w * 16 + r]; });
+        for (int w = 0; w < kW; ++w) merge_lse[w * 16 + r] = part_weight(merge_lse[w * 16 + r], lse);
+        block_lse[r] = lse;
+    }
+    __syncthreads();
+
+    // The block's rows: merged over its warps, then final (one split) or an fp32 partial for the last block.
+    const i64 total_rows = (i64)batch * seqlen_q * nheads;
+    auto out_row = [&](int packed) {  // index of packed row `packed` in (batch, seqlen_q, nheads) order
+        const int query = packed / heads_per_kv, head = kv_head * heads_per_kv + packed % heads_per_kv;
+        return ((i64)b * seqlen_q + query) * nheads + head;
+    };
+    auto lse_index = [&](int packed) {  // ... and in lse_out's (batch, nheads, seqlen_q) order
+        const int query = packed / heads_per_kv, head = kv_head * heads_per_kv + packed % heads_per_kv;
+        return ((i64)b * nheads + head) * seqlen_q + query;
+    };
+    const int half_dim = headdim / 2;
+    for (int idx = threadIdx.x; idx < 16 * half_dim; idx += Tr::kThreads) {
+        const int r = idx / half_dim, c = (idx % half_dim) * 2;
+        if (row0 + r >= rows) break;
+        float lse = block_lse[r];
+        float2 o = make_float2(0.f, 0.f);
+#pragma unroll
+        for (int w = 0; w < kW; ++w) {
+            const float weight = merge_lse[w * 16 + r];
+            const float2 part = *reinterpret_cast<const float2*>(merge_out + (w * 16 + r) * Tr::kHeadDim + c);
+            o.x += weight * part.x;
+            o.y += weight * part.y;
         }
+        if (poisoned) o.x = o.y = lse = __int_as_float(0x7fc00000);
+        const i64 row = out_row(row0 + r);
+        if (num_splits == 1) {
+            reinterpret_cast<u32*>(out + row * headdim)[c / 2] = Mma::pack(o.x, o.y);
+            if (c == 0 && lse_out != nullptr) lse_out[lse_index(row0 + r)] = lse;
+        } else {
+            *reinterpret_cast<float2*>(partial_out + (split * total_rows + row) * headdim + c) = o;
+            if (c == 0) partial_lse[split * total_rows + row] = lse;
+        }
+    }
+    if (num_splits == 1) return;
+
+    // Split-KV: the last of the row's split blocks to arrive merges every split's partial.
+    __shared__ int last_to_arrive;
+    __threadfence();  // this block's partials are visible device-wide before its arrival is counted
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int* counter = arrivals + (i64)b * gridDim.y + blockIdx.y;
+        last_to_arrive = atomicAdd(counter, 1) == num_splits - 1;
+        if (last_to_arrive) *counter = 0;  // left zeroed, as it was found
+    }
+    __syncthreads();
+    if (!last_to_arrive) return;
+    __threadfence();
+    // Every split's weight for each row first (all loads in flight at once), then the output: each item (row,
+    // 4 columns) summed by several threads over interleaved splits (independent loads, no L2 latency chain),
+    // and those sums added in shared memory.
+    const int real_rows = min(16, rows - row0);
+    float* weights = reinterpret_cast<float*>(smem + QTile::kBytes);  // [split][16]
+    float4* sums = reinterpret_cast<float4*>(weights + kMaxSplits * 16);  // [group][item]
+    for (int i = threadIdx.x; i < num_splits * 16; i += Tr::kThreads) {
+        const int r = i % 16;
+        weights[i] = r < real_rows ? __ldcg(partial_lse + (i / 16) * total_rows + out_row(row0 + r)) : 0.f;
+    }
+    __syncthreads();
+    if (threadIdx.x < real_rows) {
+        const int r = threadIdx.x;
+        const float lse = merged_lse(num_splits, [&](int i) { return weights[i * 16 + r]; });
+        for (int i = 0; i < num_splits; ++i) weights[i * 16 + r] = part_weight(weights[i * 16 + r], lse);
+        if (lse_out != nullptr) lse_out[lse_index(row0 + r)] = lse;
+    }
+    __syncthreads();
+    const int quads = headdim / 4, items = real_rows * quads;
+    const int groups = max(1, min(Tr::kThreads / items, num_splits));
+    for (int t = threadIdx.x; t < items * groups; t += Tr::kThreads) {
+        const int item = t % items, group = t / items, r = item / quads, c = (item % quads) * 4;
+        const float* part = partial_out + out_row(row0 + r) * headdim + c;
+        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+        for (int i = group; i < num_splits; i += groups) {
+            const float weight = weights[i * 16 + r];
+            const float4 x = __ldcg(reinterpret_cast<const float4*>(part + i * total_rows * headdim));
+            o.x += weight * x.x;
+            o.y += weight * x.y;
+            o.z += weight * x.z;
+            o.w += weight * x.w;
+        }
+        sums[t] = o;
+    }
+    __syncthreads();
+    for (int item = threadIdx.x; item < items; item += Tr::kThreads) {
+        float4 o = sums[item];
+        for (int group = 1; group < groups; ++group) {
+            const float4 x = sums[group * items + item];
+            o.x += x.x;
+            o.y += x.y;
+            o.z += x.z;
+            o.w += x.w;
+        }
+        const int r = item / quads, c = (item % quads) * 4;
+        u32* dst = reinterpret_cast<u32*>(out + out_row(row0 + r) * headdim + c);
+        dst[0] = Mma::pack(o.x, o.y);
+        dst[1] = Mma::pack(o.z, o.w);
     }
 }
 

@@ -34,6 +34,11 @@ FA2_DEVICE u32 smem_u32(const void* ptr) {
 FA2_DEVICE void cp_async_16(u32 dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
+// The same with an L2 prefetch hint of 256 bytes: for streams read once in whole 256-byte rows (decode's K/V).
+FA2_DEVICE void cp_async_16_prefetch256(u32 dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+                 "r"(valid ? 16 : 0));
+}
 FA2_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 FA2_DEVICE void cp_async_wait() {

@@ -10,6 +10,7 @@ except ImportError as error:  # one clear message instead of a traceback from de
         "pip install 'fa2cupy[cuda12]' (CUDA 12.x) or pip install 'fa2cupy[cuda13]' (CUDA 13.x)"
     ) from error
 
+from .device_errors import check_device_errors
 from .interface import flash_attn_backward, flash_attn_func, flash_attn_with_kvcache, merge_attention_states
 
 __all__ = [
@@ -17,5 +18,6 @@ __all__ = [
     "flash_attn_backward",
     "flash_attn_with_kvcache",
     "merge_attention_states",
+    "check_device_errors",
     "__version__",
 ]

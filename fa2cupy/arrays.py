@@ -541,6 +541,15 @@ def caller_stream(framework: str, device: int):
     return _cupy().cuda.get_current_stream(device)
 
 
+def caller_stream_ptr(framework: str, device: int) -> int:
+    """The raw handle of :func:`caller_stream`'s stream, without building stream objects (fast path)."""
+    if framework == "torch":
+        torch = sys.modules["torch"]
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what torch's own kernels launch on
+        return raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+    return _cupy().cuda.get_current_stream(device).ptr
+
+
 # --------------------------------------------------------------------------- cached-dispatch fast path
 
 _cupy_ndarray = None

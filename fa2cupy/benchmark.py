@@ -12,7 +12,9 @@ The module is split in two halves:
 Modes: ``fwd``, ``bwd`` (backward only, given out/lse from one forward) and
 ``fwdbwd`` (forward + backward).  A mode is an entry in :data:`MODE_RUNNERS`
 (a function ``(case, ...) -> record``) plus a FLOP factor in
-:data:`FLOP_FACTORS`; ``decode`` will slot in the same way.
+:data:`FLOP_FACTORS`. ``decode`` is memory-bound and has its own grid (batch x
+cache length) and metric (KV-cache bytes read per second): :func:`decode_grid`,
+:func:`bench_decode_case`, :func:`decode_table`.
 
 The error bounds shared by ``fa2cupy check``, bench/sanitize_case.py and the GPU
 tests live here too (:func:`out_bound`, :func:`lse_bound`, :func:`gradient_bound`,
@@ -42,8 +44,9 @@ import numpy as np
 # Grid, dtypes, FLOPs (pure)
 # --------------------------------------------------------------------------- #
 
-#: Modes the CLI accepts.  Add "decode" here once it exists.
+#: FLOP-counted modes (the CLI also accepts "decode", timed by KV-cache bandwidth: see the decode section).
 MODES: tuple[str, ...] = ("fwd", "bwd", "fwdbwd")
+CLI_MODES: tuple[str, ...] = MODES + ("decode",)
 
 #: Other spellings accepted by :func:`canonical_mode`.
 MODE_ALIASES: dict[str, str] = {"fwd_bwd": "fwdbwd", "fwd+bwd": "fwdbwd", "fwd-bwd": "fwdbwd",
@@ -982,6 +985,122 @@ def bench_fwdbwd_case(case: Case, **kw) -> dict[str, Any]:
 MODE_RUNNERS: dict[str, Callable[..., dict[str, Any]]] = {
     "fwd": bench_forward_case, "bwd": bench_bwd_case, "fwdbwd": bench_fwdbwd_case,
 }
+
+
+# --------------------------------------------------------------------------- #
+# Decode (flash_attn_with_kvcache): KV-cache bandwidth
+# --------------------------------------------------------------------------- #
+
+#: The decode grid of issue 4: batch x cache length with batch * length <= 1M tokens.
+DECODE_BATCHES: tuple[int, ...] = (1, 8, 64)
+DECODE_SEQLENS: tuple[int, ...] = (1024, 4096, 16384, 65536)
+DECODE_MAX_TOKENS = 1 << 20
+
+
+def decode_grid(batches: Iterable[int], seqlens: Iterable[int],
+                max_tokens: int = DECODE_MAX_TOKENS) -> list[tuple[int, int]]:
+    """(batch, seqlen_k) pairs with batch * seqlen_k <= max_tokens, batch-major."""
+    return [(b, s) for b in batches for s in seqlens if b * s <= max_tokens]
+
+
+def kv_cache_bytes(batch: int, seqlen_k: int, nheads_kv: int, headdim: int, itemsize: int = 2) -> int:
+    """Bytes of K and V one decode step must read (the roofline's numerator)."""
+    return 2 * batch * seqlen_k * nheads_kv * headdim * itemsize
+
+
+def bench_decode_case(batch: int, seqlen_k: int, *, nheads: int = 32, nheads_kv: int = 8, headdim: int = 128,
+                      dtype: str = "bf16", page_size: int | None = 256, warmup: int = 10, repeats: int = 50,
+                      seed: int = 0) -> dict[str, Any]:
+    """One decode step (seqlen_q = 1, a full cache of ``seqlen_k`` keys per row, no append) timed for fa2cupy
+    (contiguous cache; paged too when ``page_size``) and torch SDPA flash / cuDNN on the same keys and values in
+    SDPA's own (batch, heads, seqlen, d) layout. Median of CUDA-event times per call, calls back to back.
+
+    Returns the record: microseconds and TB/s (KV bytes / time) per implementation, and the largest
+    difference of fa2cupy's outputs from SDPA flash's (paged must equal contiguous bitwise)."""
+    import fa2cupy  # noqa: PLC0415
+
+    torch = _torch()
+    from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
+
+    tdtype = torch.bfloat16 if canonical_dtype(dtype) == "bf16" else torch.float16
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", dtype=tdtype, generator=gen)
+
+    q = randn(batch, 1, nheads, headdim)
+    k_cache, v_cache = randn(batch, seqlen_k, nheads_kv, headdim), randn(batch, seqlen_k, nheads_kv, headdim)
+    lens = torch.full((batch,), seqlen_k, device="cuda", dtype=torch.int32)
+    nbytes = kv_cache_bytes(batch, seqlen_k, nheads_kv, headdim, q.element_size())
+    rec: dict[str, Any] = {"batch": batch, "seqlen_k": seqlen_k, "nheads": nheads, "nheads_kv": nheads_kv,
+                           "headdim": headdim, "dtype": canonical_dtype(dtype), "kv_bytes": nbytes,
+                           "label": f"b{batch} sk{seqlen_k}"}
+    events = TorchEvents()
+
+    def record(name, fn, context=None):
+        try:
+            if context is None:
+                timing = time_gpu(fn, events, warmup=warmup, repeats=repeats)
+            else:
+                with context():
+                    timing = time_gpu(fn, events, warmup=warmup, repeats=repeats)
+            rec[name + "_us"] = timing.median_ms * 1e3
+            rec[name + "_tbps"] = nbytes / (timing.median_ms * 1e-3) / 1e12
+        except Exception as exc:  # an implementation that cannot run this case gets an empty cell
+            rec[name + "_us"] = rec[name + "_tbps"] = None
+            rec[name + "_error"] = _first_line(exc)
+
+    def ours():
+        return fa2cupy.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens)
+
+    record("fa2cupy", ours)
+    out = ours().float()
+    if page_size and seqlen_k % page_size == 0:
+        pages = seqlen_k // page_size
+        perm = torch.randperm(batch * pages, device="cuda", generator=gen).to(torch.int32)
+        table = perm.reshape(batch, pages).contiguous()
+        k_pages = torch.empty(batch * pages, page_size, nheads_kv, headdim, device="cuda", dtype=tdtype)
+        v_pages = torch.empty_like(k_pages)
+        k_pages[perm.long()] = k_cache.reshape(batch * pages, page_size, nheads_kv, headdim)
+        v_pages[perm.long()] = v_cache.reshape(batch * pages, page_size, nheads_kv, headdim)
+
+        def ours_paged():
+            return fa2cupy.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=lens, block_table=table)
+
+        record("fa2cupy_paged", ours_paged)
+        rec["paged_equals_contiguous"] = bool(torch.equal(ours_paged().float(), out))
+        del k_pages, v_pages
+    qt = q.transpose(1, 2)
+    kt, vt = k_cache.transpose(1, 2).contiguous(), v_cache.transpose(1, 2).contiguous()
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+        def run_sdpa():
+            return sdpa(qt, kt, vt, enable_gqa=nheads != nheads_kv)
+
+        record(name, run_sdpa, lambda backend=backend: sdpa_kernel([backend]))
+        if name == "sdpa_flash" and rec.get("sdpa_flash_us") is not None:
+            with sdpa_kernel([backend]):
+                ref = run_sdpa().transpose(1, 2).float()
+            rec["max_abs_diff"] = float((out - ref).abs().max())
+    best = max((rec.get(n + "_tbps") or 0.0) for n in ("sdpa_flash", "sdpa_cudnn"))
+    rec["ratio_vs_best_sdpa"] = rec["fa2cupy_tbps"] / best if best and rec.get("fa2cupy_tbps") else None
+    return rec
+
+
+def decode_table(records: Sequence[dict[str, Any]]) -> str:
+    """The decode results as a text table: TB/s per implementation and fa2cupy's ratio to the better SDPA."""
+    def tb(x):
+        return None if x is None else f"{x:.2f}"
+
+    rows = []
+    for r in records:
+        rows.append([r["batch"], r["seqlen_k"], f"{r['kv_bytes'] / 2**20:.0f}", tb(r.get("fa2cupy_tbps")),
+                     tb(r.get("fa2cupy_paged_tbps")), tb(r.get("sdpa_flash_tbps")), tb(r.get("sdpa_cudnn_tbps")),
+                     None if r.get("ratio_vs_best_sdpa") is None else f"{r['ratio_vs_best_sdpa']:.2f}x",
+                     None if r.get("fa2cupy_us") is None else f"{r['fa2cupy_us']:.1f}",
+                     None if r.get("max_abs_diff") is None else f"{r['max_abs_diff']:.1e}"])
+    return format_table(["batch", "seqlen_k", "KV MiB", "fa2cupy TB/s", "paged TB/s", "SDPA flash", "SDPA cuDNN",
+                         "vs best SDPA", "fa2cupy us", "max|diff|"], rows)
 
 
 # --------------------------------------------------------------------------- #

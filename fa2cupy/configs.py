@@ -243,33 +243,56 @@ BACKWARD_DQ_TABLE: dict[tuple[str, int], BwdDqConfig] = {
 }
 
 
+#: Most key splits per row in decode (kMaxSplits in cuda/decode.cu); a larger num_splits is clamped.
+MAX_DECODE_SPLITS = 256
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Template arguments of ``fa2::DecodeTraits`` (cuda/decode.cu): one warp, 16 packed query rows."""
+    """Template arguments of ``fa2::DecodeTraits`` (cuda/decode.cu): 16 packed query rows per block, ``warps`` warps
+    each streaming its own key tiles through a ``stages``-deep cp.async ring."""
 
     headdim: int
     block_n: int  # keys per K/V tile
-    stages: int  # K/V ring depth
+    stages: int  # K/V ring depth per warp
+    warps: int = 4
+    l2_prefetch: bool = False  # cp.async with the L2::256B prefetch hint for K/V
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
 
     @property
     def smem_bytes(self) -> int:
-        return (16 + 2 * self.stages * self.block_n) * (self.headdim + 8) * 2
+        pitch = self.headdim + 8  # SmemTile pads each row by 16 bytes
+        rings = self.warps * 2 * self.stages * self.block_n * pitch * 2
+        merge = self.warps * 16 * (self.headdim + 1) * 4  # the warps' fp32 rows, reusing the rings' memory
+        split_merge = MAX_DECODE_SPLITS * 16 * 4 + max(self.threads, 4 * self.headdim) * 16  # last block's merge
+        return 16 * pitch * 2 + max(rings, merge, split_merge)
 
     def name_expression(self, dtype: str, causal: bool, paged: bool) -> str:
         return (
-            f"fa2::decode_split<fa2::DecodeTraits<{self.headdim}, {self.block_n}, {self.stages}, "
-            f"{DTYPE_TAGS[dtype]}, {str(bool(causal)).lower()}, {str(bool(paged)).lower()}>>"
+            f"fa2::decode_attention<fa2::DecodeTraits<{self.headdim}, {self.block_n}, {self.stages}, {self.warps}, "
+            f"{str(self.l2_prefetch).lower()}, {DTYPE_TAGS[dtype]}, {str(bool(causal)).lower()}, "
+            f"{str(bool(paged)).lower()}>>"
         )
 
 
-# Decode is memory-bound: small one-warp blocks, several resident per SM, each with a deep cp.async ring.
-_DEC = {d: DecodeConfig(d, 32, 4 if d <= 128 else 3) for d in HEADDIMS}
-_DEC_SM86 = {d: DecodeConfig(d, 32, 4 if d <= 128 else 2) for d in HEADDIMS}
+# Decode is memory-bound: what matters is bytes in flight per SM (warps x ring depth x tile) against the smem
+# that buys them. Starting points; bench/tune_decode.py sweeps DECODE_CANDIDATES on the device.
+_DEC = {d: DecodeConfig(d, 16, 3, 4) if d <= 128 else DecodeConfig(d, 16, 2, 2) for d in HEADDIMS}
+_DEC_SM86 = {d: DecodeConfig(d, 16, 3, 2) if d <= 128 else DecodeConfig(d, 16, 2, 2) for d in HEADDIMS}
 DECODE_TABLE: dict[tuple[str, int], DecodeConfig] = {
     **{("sm80", d): c for d, c in _DEC.items()},
     **{("sm86", d): c for d, c in _DEC_SM86.items()},
     **{("sm90", d): c for d, c in _DEC.items()},
 }
+#: Tuning candidates at d=128 (bench/tune_decode.py), compiled on demand, not shipped.
+DECODE_CANDIDATES = tuple(
+    DecodeConfig(128, bn, st, w, pf)
+    for bn, st, w, pf in ((16, 3, 4, True), (16, 4, 4, False), (16, 4, 4, True), (32, 2, 4, False),
+                          (32, 2, 4, True), (64, 2, 2, True), (16, 2, 8, True), (32, 3, 2, True))
+)
 
 
 def arch_family(arch: int) -> str:
@@ -345,7 +368,7 @@ def decode_config(arch: int, headdim: int) -> DecodeConfig:
 
 
 def decode_instantiations(family: str | None = None) -> list[str]:
-    """Name expressions of every shipped decode_split instantiation (of one arch family, or all)."""
+    """Name expressions of every shipped decode_attention instantiation (of one arch family, or all)."""
     return sorted({
         config.name_expression(dtype, causal, paged)
         for (fam, _), config in DECODE_TABLE.items()

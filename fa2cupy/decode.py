@@ -1,11 +1,16 @@
 """Decode kernel family (cuda/decode.cu): split-KV decoding with GQA packing over contiguous or paged caches, and
-the (out, lse) merge that combines the splits (also public as merge_attention_states)."""
+the (out, lse) merge (public as merge_attention_states). A plan depends on shapes, strides and options only; the
+interface caches it, so a decode step costs a dictionary look-up and one or two launches."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 
-from . import build, configs
+from . import arrays, build, configs
+
+_LOG2E = 1.4426950408889634
 
 #: merge_states instantiations by (parts dtype, output dtype): 16-bit parts keep their dtype; fp32 parts (split-KV
 #: partial results) are written out in the query's dtype.
@@ -19,43 +24,144 @@ def merge_name_expression(parts_dtype: str, out_dtype: str) -> str:
 
 def instantiations(family: str | None = None) -> list[str]:
     """Name expressions of every shipped decode-family instantiation (merge kernels are not per arch family)."""
-    return sorted({merge_name_expression(p, o) for p, o in MERGE_DTYPES} | set(configs.decode_instantiations(family)))
+    return sorted({merge_name_expression(p, o) for p, o in MERGE_DTYPES}
+                  | {append_name_expression(paged) for paged in (False, True)}
+                  | set(configs.decode_instantiations(family)))
 
 
-def choose_num_splits(batch: int, nheads_kv: int, row_blocks: int, max_seqlen_k: int, sm_count: int,
-                      block_n: int) -> int:
-    """Splits per batch row so that batch x kv heads x row blocks x splits fills the GPU about 4 blocks per SM
-    deep (several one-warp blocks per SM hide memory latency), with at least 4 key tiles per split."""
-    blocks = batch * nheads_kv * row_blocks
-    want = -(-4 * sm_count // blocks)
-    most = max(1, max_seqlen_k // (4 * block_n))
-    return max(1, min(want, most, 128))
+@dataclass(frozen=True)
+class DecodePlan:
+    """Everything a call needs but its pointers and its int cache_seqlens: built once per metadata, cached."""
+
+    attention: build.Launch  # variable slots: the 13 pointers, then fixed_seqlen
+    append: build.Launch | None  # None without new keys; variable slots: the 9 pointers, then fixed_seqlen
+    splits: int
+    workspace_floats: int  # arrivals, partial lse, partial out (float32 units); 0 with one split
+    arrivals: int
+    partial_lse_offset: int
+    partial_out_offset: int
+    capacity: int
+    seqlen_new: int
+    workspaces: dict = field(default_factory=dict, compare=False)  # stream handle -> (array, pointer)
+
+    def workspace(self, stream_ptr: int, framework: str, device: int) -> int:
+        """This plan's scratch memory for launches on one stream (0 with one split): zeroed once, then reused by
+        every call on that stream (stream order makes that safe); the merging block leaves the arrival counters
+        at 0 again, so a call needs no memset."""
+        if self.splits == 1:
+            return 0
+        found = self.workspaces.get(stream_ptr)
+        if found is None:
+            array, pointer = arrays.new_empty_raw((self.workspace_floats,), "float32", framework, device)
+            _memset_async(pointer, 0, self.arrivals * 4, stream_ptr)
+            found = self.workspaces[stream_ptr] = (array, pointer)
+        return found[1]
 
 
-def launch_decode(q, k_cache, v_cache, block_table, seqlens_k, cache_batch_idx, out_partial, lse_partial, *,
-                  page_size: int, softmax_scale: float, causal: bool, arch: int, stream) -> None:
-    """The split kernel. q (batch, seqlen_q, nheads, d); caches as in flash_attn_with_kvcache (paged when
-    block_table is not None); seqlens_k int32 (batch,) keys per row after the append; cache_batch_idx int32 or
-    None; out_partial (splits, batch, seqlen_q, nheads, d) fp32; lse_partial (splits, batch, seqlen_q, nheads)."""
-    batch, seqlen_q, nheads, headdim = q.shape
-    nheads_kv = k_cache.shape[2]
+def _resident_blocks(device: int, config: configs.DecodeConfig) -> int:
+    key = (device, config)
+    count = _residency.get(key)
+    if count is None:
+        import cupy
+
+        attributes = cupy.cuda.Device(device).attributes
+        smem = attributes["MaxSharedMemoryPerMultiprocessor"]
+        count = max(1, min(smem // (config.smem_bytes + 1024), 2048 // config.threads, 32))
+        _residency[key] = count * attributes["MultiProcessorCount"]
+    return _residency[key]
+
+
+_residency: dict = {}
+
+
+def choose_num_splits(blocks: int, slots: int, max_seqlen_k: int, tile_keys: int) -> int:
+    """Splits per (batch row, kv head, row block): ``blocks`` of them fill ``slots`` resident blocks of the GPU at
+    most once (floor, not ceil: a second wave of a few blocks would double the time), and each split keeps at
+    least two key tiles per warp (``tile_keys`` = warps x keys per tile)."""
+    if blocks >= slots:
+        return 1
+    most = max(1, max_seqlen_k // (2 * tile_keys))
+    return max(1, min(slots // blocks, most, configs.MAX_DECODE_SPLITS))
+
+
+def _strides(array_strides, item):
+    b, r, h, _ = array_strides
+    return (np.int64(b // item), np.int32(r // item), np.int64(h // item))
+
+
+def plan_decode(q_shape, strides, dtype: str, *, nheads_kv: int, cache_rows: int, capacity: int, page_size: int,
+                max_pages: int, seqlen_new: int, max_seqlen_k: int, softmax_scale: float, causal: bool, arch: int,
+                device: int, num_splits: int, item: int, config=None) -> DecodePlan:
+    """The launches of one flash_attn_with_kvcache call. ``strides`` maps q, k_cache, v_cache (and k, v when
+    appending) to byte strides; ``page_size`` 0 means a contiguous cache; ``max_seqlen_k`` bounds the keys per row
+    (for the split count); ``num_splits`` 0 chooses."""
+    batch, seqlen_q, nheads, headdim = q_shape
     group = nheads // nheads_kv
-    splits = out_partial.shape[0]
-    config = configs.decode_config(arch, headdim)
-    paged = block_table is not None
-    function = build.get_kernel("decode", config.name_expression(q.dtype.name, causal, paged), config.smem_bytes)
-    item = q.itemsize
-    args = (q, k_cache, v_cache, block_table if paged else np.uint64(0), seqlens_k,
-            cache_batch_idx if cache_batch_idx is not None else np.uint64(0), out_partial, lse_partial)
-    for array in (q, k_cache, v_cache):
-        b_stride, r_stride, h_stride, _ = array.strides
-        args += (np.int64(b_stride // item), np.int32(r_stride // item), np.int64(h_stride // item))
-    args += (np.int32(batch), np.int32(seqlen_q), np.int32(nheads), np.int32(group), np.int32(headdim),
-             np.int32(page_size), np.int32(block_table.shape[1] if paged else 0), np.float32(softmax_scale),
-             np.float32(softmax_scale * 1.4426950408889634))
+    paged = page_size > 0
+    if config is None:
+        config = configs.decode_config(arch, headdim)
+    function = build.get_kernel("decode", config.name_expression(dtype, causal, paged), config.smem_bytes)
     row_blocks = -(-seqlen_q * group // 16)
-    grid = (splits, nheads_kv * row_blocks, batch)
-    function(grid, (32, 1, 1), args, shared_mem=config.smem_bytes, stream=stream)
+    blocks = batch * nheads_kv * row_blocks
+    splits = min(num_splits, configs.MAX_DECODE_SPLITS) or choose_num_splits(
+        blocks, _resident_blocks(device, config), max_seqlen_k, config.warps * config.block_n)
+    rows = batch * seqlen_q * nheads
+    if splits > 1:
+        arrivals = batch * nheads_kv * row_blocks
+        lse_offset = -(-arrivals // 4) * 4
+        out_offset = lse_offset + -(-splits * rows // 4) * 4
+        workspace = out_offset + splits * rows * headdim
+    else:
+        arrivals = lse_offset = out_offset = workspace = 0
+    pointer = np.uint64(0)  # placeholder of a per-call pointer slot
+    args = (pointer,) * 13 + _strides(strides["q"], item) + _strides(strides["k_cache"], item) \
+        + _strides(strides["v_cache"], item)
+    args += (np.int32(batch), np.int32(seqlen_q), np.int32(nheads), np.int32(group), np.int32(headdim))
+    seqlen_slot = len(args)
+    index = (np.int32(0), np.int32(seqlen_new), np.int32(capacity), np.int32(cache_rows), np.int32(page_size),
+             np.int32(max_pages))  # fixed_seqlen (per call), then the rest
+    args += index + (np.float32(softmax_scale), np.float32(softmax_scale * _LOG2E))
+    attention = build.Launch(function, (splits, nheads_kv * row_blocks, batch), (config.threads, 1, 1),
+                             config.smem_bytes, args, tuple(range(13)) + (seqlen_slot,))
+    append = None
+    if seqlen_new:
+        chunks = batch * seqlen_new * nheads_kv * headdim // 8
+        args = (pointer,) * 9
+        for name in ("k", "v", "k_cache", "v_cache"):
+            args += _strides(strides[name], item)
+        args += (np.int32(batch), np.int32(nheads_kv), np.int32(headdim))
+        append = build.Launch(build.get_kernel("decode", append_name_expression(paged), 0),
+                              (max(1, min(-(-chunks // 1024), 64)), 1, 1), (256, 1, 1), 0, args + index,
+                              tuple(range(9)) + (len(args),))
+    return DecodePlan(attention, append, splits, workspace, arrivals, lse_offset, out_offset, capacity, seqlen_new)
+
+
+def append_name_expression(paged: bool) -> str:
+    return f"fa2::kvcache_append<{str(bool(paged)).lower()}>"
+
+
+def run_decode(plan: DecodePlan, inputs, out: int, lse: int, fixed_seqlen: int, stream_ptr: int, workspace: int,
+               errors: tuple) -> None:
+    """Launches a plan on the stream ``stream_ptr``. ``inputs``: device pointers of q, k_cache, v_cache, k, v,
+    cache_seqlens, cache_batch_idx, block_table (0 for an absent one); ``out``/``lse`` (lse 0: not wanted);
+    ``fixed_seqlen`` the int cache_seqlens (used when the cache_seqlens pointer is 0); ``workspace`` from
+    :meth:`DecodePlan.workspace`; ``errors`` the (claim, report) pointers of fa2cupy.device_errors."""
+    q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table = inputs
+    index = (block_table, cache_seqlens, cache_batch_idx)
+    if plan.append is not None:
+        plan.append(stream_ptr, (k, v, k_cache, v_cache) + index + errors + (fixed_seqlen,))
+    if workspace:
+        partial_lse, partial_out = workspace + 4 * plan.partial_lse_offset, workspace + 4 * plan.partial_out_offset
+    else:
+        partial_lse = partial_out = 0
+    plan.attention(stream_ptr, (q, k_cache, v_cache) + index + (out, lse, partial_out, partial_lse, workspace)
+                   + errors + (fixed_seqlen,))
+
+
+def _memset_async(ptr: int, value: int, nbytes: int, stream_ptr: int) -> None:
+    from cupy_backends.cuda.api import runtime
+
+    runtime.memsetAsync(ptr, value, nbytes, stream_ptr)
 
 
 def launch_merge(parts, lses, out, lse_out, stream) -> None:

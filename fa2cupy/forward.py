@@ -23,11 +23,7 @@ MAX_ROW_STRIDE = 1 << 24
 
 @dataclass(frozen=True)
 class ForwardPlan:
-    function: object  # cupy.cuda.Function
-    grid: tuple
-    block: tuple
-    smem_bytes: int
-    scalars: tuple  # every kernel argument after the five pointers
+    launch: build.Launch  # variable slots: the five pointers q, k, v, out, lse
     config: configs.FwdConfig
 
 
@@ -59,10 +55,11 @@ def plan_forward(
         np.float32(softmax_scale * _LOG2E),
     )
     grid = ((seqlen_q + config.block_m - 1) // config.block_m, nheads, batch)
-    return ForwardPlan(function, grid, (config.threads, 1, 1), config.smem_bytes, scalars, config)
+    launch = build.Launch(function, grid, (config.threads, 1, 1), config.smem_bytes, (np.uint64(0),) * 5 + scalars,
+                          range(5))
+    return ForwardPlan(launch, config)
 
 
 def run_forward(plan: ForwardPlan, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int, stream) -> None:
     """Launches a plan on ``stream`` (a ``cupy.cuda.Stream``) with raw device pointers."""
-    args = (np.uint64(q_ptr), np.uint64(k_ptr), np.uint64(v_ptr), np.uint64(out_ptr), np.uint64(lse_ptr))
-    plan.function(plan.grid, plan.block, args + plan.scalars, shared_mem=plan.smem_bytes, stream=stream)
+    plan.launch(stream.ptr, (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr))

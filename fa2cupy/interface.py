@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import cupy
 
-import numpy as np
-
-from . import arrays, backward, checks, configs, decode, forward
+from . import arrays, backward, checks, decode, device_errors, forward
 
 _arch_by_device: dict[int, int] = {}
 
@@ -332,9 +330,6 @@ def merge_attention_states(outs, lses):
             return arrays.from_cupy(out, framework), arrays.from_cupy(lse, framework)
 
 
-_sm_count: dict[int, int] = {}
-
-
 def _cache_usable_in_place(x, name: str) -> None:
     item = x.itemsize
     if x.data.ptr % 16 or any(s % (8 * item) for s in x.strides[:3]) or x.strides[3] != item:
@@ -383,13 +378,74 @@ def flash_attn_with_kvcache(
         cache_batch_idx: int32 ``(batch,)``: the cache row of each batch row (non-paged only).
         block_table: int32 ``(batch, max_pages)``: page indices of each row's cache, in order.
         causal: bottom-right aligned within each row: new query i sees keys up to ``seqlen_k_b - seqlen_q + i``.
-        num_splits: 0 picks the split-KV count from the GPU size and the problem; a positive count is honoured.
+        num_splits: 0 picks the split-KV count from the GPU size and the problem; a positive count is honoured
+            (up to 256; more is clamped, as flash-attn clamps at 128).
         return_softmax_lse: also return the float32 ``(batch, nheads, seqlen_q)`` log-sum-exp.
         rotary_cos, rotary_sin, cache_leftpad, window_size, softcap, alibi_slopes: not implemented yet.
 
     Returns:
         ``out`` like q, or ``(out, softmax_lse)``; a row with no key gives 0 (lse +inf).
+
+    Raises:
+        TypeError / ValueError naming the argument for bad shapes, dtypes and host-side values (an int
+        cache_seqlens). Values inside device arrays (cache_seqlens, cache_batch_idx, block_table) are checked by the
+        kernels, without a synchronisation: a bad one leaves the caches untouched, makes the affected rows NaN, and
+        raises ValueError at the next call or at ``fa2cupy.check_device_errors()``.
     """
+    if device_errors._report is not None and device_errors._report[0]:
+        device_errors.raise_pending()
+    key = None
+    seqlens_array = None if cache_seqlens is None or isinstance(cache_seqlens, int) else cache_seqlens
+    if not forward._debug_poison:
+        given = (q, k_cache, v_cache, k, v, seqlens_array, cache_batch_idx, block_table)
+        present = tuple(i for i, x in enumerate(given) if x is not None)
+        options = (present, type(cache_seqlens), softmax_scale, causal, window_size, softcap,
+                   rotary_cos is None and rotary_sin is None and cache_leftpad is None and alibi_slopes is None,
+                   num_splits, return_softmax_lse)
+        key, cached, ptrs = _cached_lookup("kvcache", [given[i] for i in present], options)
+        if cached is not None and options[6]:
+            # A repeat of a validated call: launch with the cached plan (only an int cache_seqlens is checked).
+            plan = cached.plan
+            fixed = _fixed_seqlen(cache_seqlens, plan.capacity, plan.seqlen_new)
+            device, framework = cached.device, cached.framework
+            stream_ptr = arrays.caller_stream_ptr(framework, device)
+            inputs = [0] * 8
+            for i, p in zip(present, ptrs):
+                inputs[i] = p
+            out, out_ptr = arrays.new_empty_raw(*cached.allocations[0], framework, device)
+            lse = lse_ptr = 0
+            if return_softmax_lse:
+                lse, lse_ptr = arrays.new_empty_raw(*cached.allocations[1], framework, device)
+            decode.run_decode(plan, inputs, out_ptr, lse_ptr, fixed, stream_ptr,
+                              plan.workspace(stream_ptr, framework, device), device_errors.pointers(device))
+            return (out, lse) if return_softmax_lse else out
+    return _flash_attn_with_kvcache_checked(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+        softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+        return_softmax_lse, key)
+
+
+_KVCACHE_INPUTS = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "cache_batch_idx", "block_table")
+
+
+def _fixed_seqlen(cache_seqlens, capacity: int, seqlen_new: int) -> int:
+    """The kernels' fixed_seqlen argument: an int cache_seqlens (checked here, on the host, where it is), the
+    whole cache for None, anything for an array (the kernels read and check the array)."""
+    if cache_seqlens is None:
+        return capacity - seqlen_new
+    if isinstance(cache_seqlens, int):
+        if not 0 <= cache_seqlens <= capacity - seqlen_new:
+            raise ValueError(f"cache_seqlens + seqlen_new must lie in [0, {capacity}] (the cache capacity); got "
+                             f"cache_seqlens={cache_seqlens}, seqlen_new={seqlen_new}")
+        return cache_seqlens
+    return 0
+
+
+def _flash_attn_with_kvcache_checked(
+    q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+    softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse,
+    cache_key,
+):
     for value, name, feature in ((rotary_cos, "rotary_cos", "rotary embeddings"),
                                  (rotary_sin, "rotary_sin", "rotary embeddings"),
                                  (cache_leftpad, "cache_leftpad", "left-padded caches"),
@@ -468,83 +524,58 @@ def flash_attn_with_kvcache(
             raise ValueError(f"cache_batch_idx must be int32 (batch,) = ({batch},), got {ci.dtype} {ci.shape}")
     elif not paged and kc_info.shape[0] < batch:
         raise ValueError(f"k_cache has {kc_info.shape[0]} rows but q has batch={batch}; pass cache_batch_idx")
-    if isinstance(cache_seqlens, bool):
-        raise TypeError("cache_seqlens must be an int or an int32 array, not a bool")
     if cache_seqlens is not None and not isinstance(cache_seqlens, int):
         cs = by_name["cache_seqlens"]
         if cs.shape != (batch,) or cs.dtype != "int32":
             raise ValueError(f"cache_seqlens must be an int or int32 (batch,) = ({batch},), got {cs.dtype} {cs.shape}")
 
+    if isinstance(cache_seqlens, bool):
+        raise TypeError("cache_seqlens must be an int or an int32 array, not a bool")
+    fixed = _fixed_seqlen(cache_seqlens, capacity, seqlen_new)
     scale = checks.default_scale(headdim) if softmax_scale is None else float(softmax_scale)
     device = q_info.device[1] if q_info.device[0] == "cuda" else cupy.cuda.runtime.getDevice()
     with cupy.cuda.Device(device):
         stream = arrays.caller_stream(framework, device)
         with stream:
-            qc = _kernel_ready(arrays.to_cupy(q, q_info), headdim)
-            kc, vc = arrays.to_cupy(k_cache, kc_info), arrays.to_cupy(v_cache, vc_info)
             if framework == "numpy" or (framework == "jax" and seqlen_new):
                 raise TypeError("flash_attn_with_kvcache appends to k_cache/v_cache in place: pass mutable device "
                                 "arrays (CuPy or PyTorch); NumPy arrays are copies and JAX arrays are immutable")
+            q_in = arrays.to_cupy(q, q_info)
+            qc = _kernel_ready(q_in, headdim)
+            if scale < 0:  # the kernel's running max needs a positive scale: softmax(c q k^T) = softmax(|c| (-q) k^T)
+                qc, scale = -qc, -scale
+            kc, vc = arrays.to_cupy(k_cache, kc_info), arrays.to_cupy(v_cache, vc_info)
             _cache_usable_in_place(kc, "k_cache")
             _cache_usable_in_place(vc, "v_cache")
-            if cache_seqlens is None:
-                seqlens = cupy.full((batch,), capacity - seqlen_new, dtype=cupy.int32)
-            elif isinstance(cache_seqlens, int):
-                seqlens = cupy.full((batch,), cache_seqlens, dtype=cupy.int32)
-            else:
-                seqlens = cupy.ascontiguousarray(arrays.to_cupy(cache_seqlens, by_name["cache_seqlens"]))
-            # Validation that needs values: one small device -> host copy, before anything is written.
-            host = cupy.asnumpy(seqlens)
-            if (host < 0).any() or (host + seqlen_new > capacity).any():
-                worst = int((host + seqlen_new).max())
-                raise ValueError(f"cache_seqlens + seqlen_new must lie in [0, {capacity}] (the cache capacity); "
-                                 f"got up to {worst} (min cache_seqlens {int(host.min())})")
-            table = batch_idx = None
-            if paged:
-                table = cupy.ascontiguousarray(arrays.to_cupy(block_table, by_name["block_table"]))
-                used = -(-(host + seqlen_new) // page_size)
-                t = cupy.asnumpy(table)
-                mask = np.arange(t.shape[1])[None, :] < used[:, None]
-                if mask.any() and (t[mask].min() < 0 or t[mask].max() >= kc.shape[0]):
-                    raise ValueError(f"block_table holds page indices outside [0, {kc.shape[0]}) in the pages "
-                                     f"the rows use")
-            if cache_batch_idx is not None:
-                batch_idx = cupy.ascontiguousarray(arrays.to_cupy(cache_batch_idx, by_name["cache_batch_idx"]))
-                bi = cupy.asnumpy(batch_idx)
-                if bi.min() < 0 or bi.max() >= kc.shape[0]:
-                    raise ValueError(f"cache_batch_idx values must lie in [0, {kc.shape[0]}), got "
-                                     f"[{bi.min()}, {bi.max()}]")
-            if seqlen_new:
-                positions = seqlens[:, None] + cupy.arange(seqlen_new, dtype=cupy.int32)[None, :]
-                kn, vn = arrays.to_cupy(k, by_name["k"]), arrays.to_cupy(v, by_name["v"])
-                if paged:
-                    pages = cupy.take_along_axis(table, positions // page_size, axis=1)
-                    kc[pages, positions % page_size] = kn
-                    vc[pages, positions % page_size] = vn
-                else:
-                    rows = (batch_idx if batch_idx is not None else cupy.arange(batch, dtype=cupy.int32))[:, None]
-                    kc[rows, positions] = kn
-                    vc[rows, positions] = vn
-            seqlens_k = seqlens + seqlen_new
-            config = configs.decode_config(_arch(device), headdim)
-            group = nheads // nheads_kv
-            splits = num_splits
-            if splits == 0:
-                sms = _sm_count.get(device)
-                if sms is None:
-                    sms = _sm_count[device] = cupy.cuda.Device(device).attributes["MultiProcessorCount"]
-                splits = decode.choose_num_splits(batch, nheads_kv, -(-seqlen_q * group // 16),
-                                                  int((host + seqlen_new).max()), sms, config.block_n)
-            out_partial = cupy.empty((splits, batch, seqlen_q, nheads, headdim), dtype=cupy.float32)
-            lse_partial = cupy.empty((splits, batch, seqlen_q, nheads), dtype=cupy.float32)
-            decode.launch_decode(qc, kc, vc, table, seqlens_k, batch_idx, out_partial, lse_partial,
-                                 page_size=page_size, softmax_scale=scale, causal=bool(causal), arch=_arch(device),
-                                 stream=stream)
-            out = cupy.empty((batch, seqlen_q, nheads, headdim), dtype=qc.dtype)
-            lse = cupy.empty((batch, seqlen_q, nheads), dtype=cupy.float32)
-            decode.launch_merge(out_partial.reshape(splits, -1, headdim), lse_partial.reshape(splits, -1),
-                                out.reshape(-1, headdim), lse.reshape(-1), stream)
-            result = arrays.from_cupy(out, framework)
-            if not return_softmax_lse:
-                return result
-            return result, arrays.from_cupy(cupy.ascontiguousarray(lse.transpose(0, 2, 1)), framework)
+            given = {"q": qc, "k_cache": kc, "v_cache": vc}
+            in_place = qc is q_in
+            for name, x in (("k", k), ("v", v), ("cache_seqlens", cache_seqlens),
+                            ("cache_batch_idx", cache_batch_idx), ("block_table", block_table)):
+                if x is None or isinstance(x, int):
+                    continue
+                x_in = arrays.to_cupy(x, by_name[name])
+                ready = _kernel_ready(x_in, headdim) if name in ("k", "v") else cupy.ascontiguousarray(x_in)
+                in_place &= ready is x_in
+                given[name] = ready
+            strides = {n: x.strides for n, x in given.items() if x.ndim == 4}
+            plan = decode.plan_decode(
+                qc.shape, strides, q_info.dtype, nheads_kv=nheads_kv, cache_rows=kc.shape[0], capacity=capacity,
+                page_size=page_size, max_pages=block_table.shape[1] if paged else 0, seqlen_new=seqlen_new,
+                max_seqlen_k=capacity, softmax_scale=scale, causal=bool(causal), arch=_arch(device), device=device,
+                num_splits=num_splits, item=qc.itemsize)
+            allocations = [((batch, seqlen_q, nheads, headdim), q_info.dtype)]
+            if return_softmax_lse:
+                allocations.append(((batch, nheads, seqlen_q), "float32"))
+            results = [arrays.new_empty(shape, dtype, framework, device) for shape, dtype in allocations]
+            if forward._debug_poison:
+                for _, view in results:
+                    view.fill(float("nan"))
+            inputs = [given[n].data.ptr if n in given else 0 for n in _KVCACHE_INPUTS]
+            lse_ptr = results[1][1].data.ptr if return_softmax_lse else 0
+            workspace_framework = framework if framework in ("cupy", "torch") else "cupy"
+            decode.run_decode(plan, inputs, results[0][1].data.ptr, lse_ptr, fixed, stream.ptr,
+                              plan.workspace(stream.ptr, workspace_framework, device), device_errors.pointers(device))
+            if in_place and framework in ("cupy", "torch"):
+                _remember(cache_key, _CachedCall(plan, device, framework, tuple(allocations)))
+            results = tuple(arrays.make_result(native, view, framework) for native, view in results)
+            return results if return_softmax_lse else results[0]

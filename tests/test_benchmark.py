@@ -275,8 +275,23 @@ def test_cuda_version_str():
     assert B.cuda_version_str(0) is None
 
 
+def test_decode_grid_and_bytes():
+    grid = B.decode_grid(B.DECODE_BATCHES, B.DECODE_SEQLENS)
+    assert (1, 65536) in grid and (8, 65536) in grid and (64, 16384) in grid
+    assert (64, 65536) not in grid  # 4M tokens > 1M
+    assert all(b * s <= B.DECODE_MAX_TOKENS for b, s in grid) and len(grid) == 11
+    assert B.kv_cache_bytes(1, 16384, 8, 128) == 2 * 16384 * 8 * 128 * 2  # 64 MiB of K and V
+
+
+def test_decode_table_formats_missing_cells():
+    rec = {"batch": 1, "seqlen_k": 1024, "kv_bytes": 4 << 20, "fa2cupy_tbps": 1.5, "sdpa_flash_tbps": None,
+           "sdpa_cudnn_tbps": 1.0, "ratio_vs_best_sdpa": 1.5, "fa2cupy_us": 2.8}
+    table = B.decode_table([rec])
+    assert "1.50" in table and "1.50x" in table and "4" in table
+
+
 def test_modes_registered():
-    assert B.MODES == ("fwd", "bwd", "fwdbwd")
+    assert B.MODES == ("fwd", "bwd", "fwdbwd") and B.CLI_MODES == B.MODES + ("decode",)
     for m in B.MODES:
         assert m in B.MODE_RUNNERS and m in B.FLOP_FACTORS and m in B.DIFF_LIMITS
     assert B.MODE_RUNNERS["fwd"] is B.bench_forward_case

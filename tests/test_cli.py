@@ -65,9 +65,9 @@ def test_help_lists_commands():
 
 def test_bench_mode_choices_and_bad_lists():
     runner = CliRunner()
-    r = runner.invoke(cli.main, ["bench", "--mode", "decode"])
-    assert r.exit_code == 2 and "decode" in r.output
-    for mode in ("fwd", "bwd", "fwdbwd"):
+    r = runner.invoke(cli.main, ["bench", "--mode", "sideways"])
+    assert r.exit_code == 2 and "sideways" in r.output
+    for mode in ("fwd", "bwd", "fwdbwd", "decode"):
         assert mode in runner.invoke(cli.main, ["bench", "--help"]).output
     r = runner.invoke(cli.main, ["bench", "--seqlens", "512,abc"])
     assert r.exit_code == 2 and "seqlens" in r.output

@@ -92,3 +92,20 @@ def test_merge_all_empty_rows():
     out, lse = fa2cupy.merge_attention_states([out0, out0], [lse0, -lse0])
     cp.cuda.runtime.deviceSynchronize()
     assert bool((out == 0).all()) and bool(cp.isinf(lse).all() and (lse > 0).all())
+
+
+# ------------------------------------------------------------------ split-KV heuristic (CPU)
+
+
+def test_split_count_fills_the_gpu_once():
+    from fa2cupy.decode import choose_num_splits
+
+    # b=1, 8 kv heads, 264 resident block slots (132 SMs x 2): 33 splits, one full wave of 264 blocks.
+    assert choose_num_splits(8, 264, 65536, 64) == 33
+    # Never a second partial wave: floor(264 / 64) = 4 splits, not 5.
+    assert choose_num_splits(64, 264, 65536, 64) == 4
+    # Enough blocks already: one split.
+    assert choose_num_splits(512, 264, 16384, 64) == 1
+    # Short caches: at least two tiles per warp per split (1024 keys / 128 = 8 splits at most).
+    assert choose_num_splits(8, 264, 1024, 64) == 8
+    assert choose_num_splits(8, 264, 16, 64) == 1

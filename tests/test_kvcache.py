@@ -401,22 +401,33 @@ def test_append_writes_exactly_the_new_slots(layout, new):
     run_and_check(case, causal=False)
 
 
-def test_decode_loop_appends_one_token_per_step():
-    # Real decode: the same cache arrays across steps, cache_seqlens advancing by one each step.
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("form", ["array", "int"])
+@pytest.mark.parametrize("cached_dispatch", [False, True])
+def test_decode_loop_appends_one_token_per_step(paged, form, cached_dispatch, monkeypatch):
+    # Real decode: the same cache arrays across steps, cache_seqlens advancing by one each step. With
+    # cached_dispatch the output poisoning is off, so from the second step on the call takes the cached fast
+    # path (plan reused, nothing re-validated on the host but an int cache_seqlens).
+    import fa2cupy.forward
+
+    if cached_dispatch:
+        monkeypatch.setattr(fa2cupy.forward, "_debug_poison", False)
     cp = _cupy()
     rng = np.random.default_rng(3)
     batch, h, hkv, d, dtype, ps, steps = 2, 8, 2, 64, "float16", 16, 5
     case = build_case(rng, batch=batch, seqlen_q=1, nheads=h, nheads_kv=hkv, headdim=d, dtype=dtype,
-                      capacity=64, seqlens=[14, 30], seqlen_new=1, page_size=ps)
-    k_cache, v_cache = cp.asarray(case["phys_k"]), cp.asarray(case["phys_v"])
-    table = cp.asarray(case["block_table"])
+                      capacity=64, seqlens=[14, 30] if form == "array" else [20, 20], seqlen_new=1,
+                      page_size=ps if paged else None)
+    k_cache, v_cache = cp.asarray(case["phys_k" if paged else "logical_k"]), cp.asarray(case["phys_v" if paged else "logical_v"])
+    extra = dict(block_table=cp.asarray(case["block_table"])) if paged else {}
     logical_k, logical_v = case["logical_k"].copy(), case["logical_v"].copy()
     seqlens = case["seqlens"].copy()
     for _ in range(steps):
         q = _randn(rng, (batch, 1, h, d), dtype)
         kn, vn = _randn(rng, (batch, 1, hkv, d), dtype), _randn(rng, (batch, 1, hkv, d), dtype)
+        lens = cp.asarray(seqlens) if form == "array" else int(seqlens[0])
         out, lse = _kvcache()(cp.asarray(q), k_cache, v_cache, k=cp.asarray(kn), v=cp.asarray(vn),
-                              cache_seqlens=cp.asarray(seqlens), block_table=table, return_softmax_lse=True)
+                              cache_seqlens=lens, return_softmax_lse=True, **extra)
         for b in range(batch):
             logical_k[b, seqlens[b]] = kn[b, 0]
             logical_v[b, seqlens[b]] = vn[b, 0]
@@ -424,11 +435,15 @@ def test_decode_loop_appends_one_token_per_step():
         step = dict(case, q=q, seqlens=seqlens + 1, seqlen_new=0, logical_k=logical_k, logical_v=logical_v)
         check_outputs(step, out, lse, None, True)
         seqlens += 1
-    pages_k = cp.asnumpy(k_cache)
+    if cached_dispatch:  # the cached path also rejects an int cache_seqlens past the capacity, on the host
+        with pytest.raises(ValueError, match="cache_seqlens"):
+            _kvcache()(cp.asarray(q), k_cache, v_cache, k=cp.asarray(kn), v=cp.asarray(vn),
+                       cache_seqlens=64, **extra)
+    stored_k = cp.asnumpy(k_cache)
     for b in range(batch):
         for p in range(int(seqlens[b])):
-            page = case["block_table"][b, p // ps]
-            assert np.array_equal(_bits(pages_k[page, p % ps]), _bits(logical_k[b, p])), (b, p)
+            where = (case["block_table"][b, p // ps], p % ps) if paged else (b, p)
+            assert np.array_equal(_bits(stored_k[where]), _bits(logical_k[b, p])), (b, p)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -487,9 +502,34 @@ def _assert_rejected(exc, match, args):
     with pytest.raises(exc, match=match):
         _kvcache()(**args)
     cp.cuda.runtime.deviceSynchronize()
+    _assert_unchanged(args, before)
+
+
+def _assert_unchanged(args, before):
+    cp = _cupy()
     for n, old in before.items():
         assert np.array_equal(np.ascontiguousarray(cp.asnumpy(args[n])).view(np.uint8), old.view(np.uint8)), \
             f"{n} was modified by a rejected call"
+
+
+def _assert_rejected_on_device(match, args, bad_rows):
+    """A bad value inside a device array: the call itself returns (no synchronisation), the rows ``bad_rows`` of
+    its output are NaN, the caches are untouched, and fa2cupy.check_device_errors() raises ValueError matching
+    ``match``; the same report is not raised twice, and a valid call afterwards is fine again."""
+    import fa2cupy
+
+    cp = _cupy()
+    before = {n: np.ascontiguousarray(cp.asnumpy(args[n])) for n in ("k_cache", "v_cache")}
+    out = _kvcache()(**args)
+    host = cp.asnumpy(out).astype(np.float32)
+    for b in bad_rows:
+        assert np.isnan(host[b]).all(), f"row {b} of a call with a bad value is not NaN"
+    with pytest.raises(ValueError, match=match):
+        fa2cupy.check_device_errors()
+    _assert_unchanged(args, before)
+    fa2cupy.check_device_errors()  # reported once, then cleared
+    valid = _valid_args(paged="block_table" in args)
+    assert not np.isnan(cp.asnumpy(_kvcache()(**valid)).astype(np.float32)).any()
 
 
 @pytest.mark.parametrize("paged", [False, True])
@@ -503,25 +543,55 @@ def test_valid_args_accepted(paged):
 def test_append_past_capacity_rejected(paged):
     cp = _cupy()
     args = _valid_args(paged)
-    args["cache_seqlens"] = cp.asarray([3, 63], dtype=cp.int32)  # row 1: 63 + 2 > 64; row 0 valid
+    args["cache_seqlens"] = 63  # Python int form: checked on the host, raised by the call itself
     _assert_rejected(ValueError, "cache_seqlens", args)
-    args["cache_seqlens"] = 63  # Python int form
+    args["cache_seqlens"] = -1
     _assert_rejected(ValueError, "cache_seqlens", args)
-    args = _valid_args(paged)
-    args["cache_seqlens"] = cp.asarray([3, 65], dtype=cp.int32)  # past capacity even without append
-    del args["k"], args["v"]
-    _assert_rejected(ValueError, "cache_seqlens", args)
+    # Device arrays: checked by the kernels. With an append, one bad row stops the whole append and poisons
+    # every row (the others would attend to keys that were not written).
+    args["cache_seqlens"] = cp.asarray([3, 63], dtype=cp.int32)  # row 1: 63 + 2 > 64
+    _assert_rejected_on_device(r"cache_seqlens\[1\] = 63", args, bad_rows=[0, 1])
     args["cache_seqlens"] = cp.asarray([-1, 3], dtype=cp.int32)
-    _assert_rejected(ValueError, "cache_seqlens", args)
+    _assert_rejected_on_device(r"cache_seqlens\[0\] = -1", args, bad_rows=[0, 1])
+    args = _valid_args(paged)
+    del args["k"], args["v"]
+    args["cache_seqlens"] = cp.asarray([3, 65], dtype=cp.int32)  # past capacity even without an append
+    _assert_rejected_on_device(r"cache_seqlens\[1\] = 65", args, bad_rows=[1])
+
+
+def test_error_raised_by_the_next_call():
+    # Without check_device_errors(), the next call raises the pending report itself (before launching anything).
+    cp = _cupy()
+    args = _valid_args()
+    args["cache_seqlens"] = cp.asarray([3, 64], dtype=cp.int32)
+    _kvcache()(**args)
+    cp.cuda.runtime.deviceSynchronize()
+    with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 64"):
+        _kvcache()(**_valid_args())
+    assert not np.isnan(cp.asnumpy(_kvcache()(**_valid_args())).astype(np.float32)).any()
 
 
 @pytest.mark.parametrize("bad", [-1, "num_pages"])
-def test_block_table_entry_out_of_range(bad):
+@pytest.mark.parametrize("append", [True, False])
+def test_block_table_entry_out_of_range(bad, append):
     args = _valid_args(paged=True)
     table = args["block_table"].copy()
-    table[1, 0] = args["k_cache"].shape[0] if bad == "num_pages" else bad
+    value = args["k_cache"].shape[0] if bad == "num_pages" else bad
+    table[1, 0] = value
     args["block_table"] = table
-    _assert_rejected(ValueError, "block_table", args)
+    if not append:
+        del args["k"], args["v"]
+    _assert_rejected_on_device(rf"block_table\[1, 0\] = {value}", args, bad_rows=[0, 1] if append else [1])
+
+
+def test_cache_batch_idx_out_of_range():
+    cp = _cupy()
+    args = _valid_args()
+    args["cache_batch_idx"] = cp.asarray([0, 2], dtype=cp.int32)  # k_cache has 2 rows
+    _assert_rejected_on_device(r"cache_batch_idx\[1\] = 2", args, bad_rows=[0, 1])
+    del args["k"], args["v"]
+    args["cache_batch_idx"] = cp.asarray([-1, 1], dtype=cp.int32)
+    _assert_rejected_on_device(r"cache_batch_idx\[0\] = -1", args, bad_rows=[0])
 
 
 def test_paged_argument_errors():
@@ -560,7 +630,6 @@ def test_shape_and_dtype_errors():
         ((TypeError, ValueError), r"cache_seqlens", dict(cache_seqlens=args["cache_seqlens"].astype(cp.int64))),
         ((TypeError, ValueError), r"cache_batch_idx",
          dict(cache_batch_idx=cp.asarray([1, 0], dtype=cp.int64))),
-        (ValueError, r"cache_batch_idx", dict(cache_batch_idx=cp.asarray([0, 2], dtype=cp.int32))),  # >= batch_cache
         (ValueError, r"cache_batch_idx", dict(cache_batch_idx=cp.asarray([0], dtype=cp.int32))),  # wrong length
     ]
     for exc, match, change in cases:
