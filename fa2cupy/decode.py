@@ -58,30 +58,28 @@ class DecodePlan:
         return found[1]
 
 
-def _resident_blocks(device: int, config: configs.DecodeConfig) -> int:
-    key = (device, config)
-    count = _residency.get(key)
+def _sm_count(device: int) -> int:
+    count = _sms.get(device)
     if count is None:
         import cupy
 
-        attributes = cupy.cuda.Device(device).attributes
-        smem = attributes["MaxSharedMemoryPerMultiprocessor"]
-        count = max(1, min(smem // (config.smem_bytes + 1024), 2048 // config.threads, 32))
-        _residency[key] = count * attributes["MultiProcessorCount"]
-    return _residency[key]
+        count = _sms[device] = cupy.cuda.Device(device).attributes["MultiProcessorCount"]
+    return count
 
 
-_residency: dict = {}
+_sms: dict[int, int] = {}
 
 
-def choose_num_splits(blocks: int, slots: int, max_seqlen_k: int, tile_keys: int) -> int:
-    """Splits per (batch row, kv head, row block): ``blocks`` of them fill ``slots`` resident blocks of the GPU at
-    most once (floor, not ceil: a second wave of a few blocks would double the time), and each split keeps at
-    least two key tiles per warp (``tile_keys`` = warps x keys per tile)."""
-    if blocks >= slots:
+def choose_num_splits(blocks: int, sms: int, max_seqlen_k: int, tile_keys: int) -> int:
+    """Splits per (batch row, kv head, row block): enough that the ``blocks`` x splits cover the GPU's ``sms``
+    once (floor: a second, partial wave would cost a whole wave), and each split keeps at least two key tiles
+    per warp (``tile_keys`` = warps x keys per tile). One block per SM, not full residency: measured on the
+    H100, one 4-warp block keeps enough loads in flight to saturate an SM's share of HBM, and more splits only
+    add partial results to merge (bench/NOTES.md)."""
+    if blocks >= sms:
         return 1
     most = max(1, max_seqlen_k // (2 * tile_keys))
-    return max(1, min(slots // blocks, most, configs.MAX_DECODE_SPLITS))
+    return max(1, min(sms // blocks, most, configs.MAX_DECODE_SPLITS))
 
 
 def _strides(array_strides, item):
@@ -104,7 +102,7 @@ def plan_decode(q_shape, strides, dtype: str, *, nheads_kv: int, cache_rows: int
     row_blocks = -(-seqlen_q * group // 16)
     blocks = batch * nheads_kv * row_blocks
     splits = min(num_splits, configs.MAX_DECODE_SPLITS) or choose_num_splits(
-        blocks, _resident_blocks(device, config), max_seqlen_k, config.warps * config.block_n)
+        blocks, _sm_count(device), max_seqlen_k, config.warps * config.block_n)
     rows = batch * seqlen_q * nheads
     if splits > 1:
         arrivals = batch * nheads_kv * row_blocks

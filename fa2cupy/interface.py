@@ -74,8 +74,10 @@ def _cached_lookup(kind: str, inputs, options):
         return None, None, None
     pointers = [m[1] for m in metas]
     if cached is not None:
-        aligned = not any(p & 15 for p in pointers)
-        if not aligned or cupy.cuda.runtime.getDevice() != cached.device:
+        bits = 0
+        for p in pointers:
+            bits |= p
+        if bits & 15 or cupy.cuda.runtime.getDevice() != cached.device:
             cached = None
     return key, cached, pointers
 
@@ -397,12 +399,16 @@ def flash_attn_with_kvcache(
     key = None
     seqlens_array = None if cache_seqlens is None or isinstance(cache_seqlens, int) else cache_seqlens
     if not forward._debug_poison:
-        given = (q, k_cache, v_cache, k, v, seqlens_array, cache_batch_idx, block_table)
-        present = tuple(i for i, x in enumerate(given) if x is not None)
-        options = (present, type(cache_seqlens), softmax_scale, causal, window_size, softcap,
+        given = [q, k_cache, v_cache]
+        present = [0, 1, 2]
+        for i, x in ((3, k), (4, v), (5, seqlens_array), (6, cache_batch_idx), (7, block_table)):
+            if x is not None:
+                given.append(x)
+                present.append(i)
+        options = (tuple(present), type(cache_seqlens), softmax_scale, causal, window_size, softcap,
                    rotary_cos is None and rotary_sin is None and cache_leftpad is None and alibi_slopes is None,
                    num_splits, return_softmax_lse)
-        key, cached, ptrs = _cached_lookup("kvcache", [given[i] for i in present], options)
+        key, cached, ptrs = _cached_lookup("kvcache", given, options)
         if cached is not None and options[6]:
             # A repeat of a validated call: launch with the cached plan (only an int cache_seqlens is checked).
             plan = cached.plan

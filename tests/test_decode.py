@@ -100,12 +100,12 @@ def test_merge_all_empty_rows():
 def test_split_count_fills_the_gpu_once():
     from fa2cupy.decode import choose_num_splits
 
-    # b=1, 8 kv heads, 264 resident block slots (132 SMs x 2): 33 splits, one full wave of 264 blocks.
-    assert choose_num_splits(8, 264, 65536, 64) == 33
-    # Never a second partial wave: floor(264 / 64) = 4 splits, not 5.
-    assert choose_num_splits(64, 264, 65536, 64) == 4
+    # b=1, 8 kv heads, 132 SMs: 16 splits, 128 blocks, one per SM.
+    assert choose_num_splits(8, 132, 65536, 128) == 16
+    # Never a second partial wave: floor(132 / 64) = 2 splits, not 3.
+    assert choose_num_splits(64, 132, 65536, 128) == 2
     # Enough blocks already: one split.
-    assert choose_num_splits(512, 264, 16384, 64) == 1
-    # Short caches: at least two tiles per warp per split (1024 keys / 128 = 8 splits at most).
-    assert choose_num_splits(8, 264, 1024, 64) == 8
-    assert choose_num_splits(8, 264, 16, 64) == 1
+    assert choose_num_splits(512, 132, 16384, 128) == 1
+    # Short caches: at least two tiles per warp per split (1024 keys / 256 = 4 splits at most).
+    assert choose_num_splits(8, 132, 1024, 128) == 4
+    assert choose_num_splits(8, 132, 16, 128) == 1
