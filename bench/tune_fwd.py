@@ -67,7 +67,7 @@ def main():
                     plan = forward.plan_forward(q.shape, k.shape, tuple(x.stride() for x in (q, k, v, out)),
                                                 "bfloat16", d ** -0.5, causal, arch, config=cfg)
                     launch = lambda: forward.run_forward(plan, q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                                                         out.data_ptr(), lse.data_ptr(), stream)
+                                                         out.data_ptr(), lse.data_ptr(), stream.ptr)
                     out.fill_(float("nan"))
                     launch()
                     torch.cuda.synchronize()

@@ -227,7 +227,7 @@ struct DecodeTraits {
     static constexpr int kSplitMergeBytes = kMaxSplits * 16 * 4 + cmax(kThreads, 4 * HeadDim) * 16;
     static constexpr int kSmemBytes = QTile::kBytes + cmax(Warps * kRingBytes, cmax(kMergeBytes, kSplitMergeBytes));
     static_assert(Stages >= 2, "the K/V ring needs at least two stages");
-    static_assert(BlockN % 16 == 0 && BlockN <= 64, "key tiles of 16..64 keys (a tile spans few pages)");
+    static_assert(BlockN % 16 == 0 && BlockN <= 64, "key tiles of 16..64 keys (a tile spans BlockN / 16 pages)");
 };
 
 // q: (batch, seqlen_q, nheads, d); k/v cache: (batch_cache, capacity, nheads_kv, d) or paged (pages, page_size,
@@ -300,29 +300,41 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     auto load_kv = [&](int j, int slot) -> bool {
         bool bad_page = false;
         const int first = key_begin + (warp + j * kW) * Tr::kBlockN;
-        const int first_page = Tr::kPaged ? first / page_size : 0;
-        const int first_offset = Tr::kPaged ? first - first_page * page_size : 0;
+        // Paged: the tile starts on a multiple of 16 keys and pages hold multiples of 16, so it spans at most
+        // BlockN / 16 pages: their indices are read (and checked) once per tile, not once per row.
+        constexpr int kTilePages = Tr::kPaged ? Tr::kBlockN / 16 : 1;
+        int pages[kTilePages];
+        int first_offset = 0;
+        if (Tr::kPaged) {
+            const int first_page = first / page_size;
+            first_offset = first - first_page * page_size;
+#pragma unroll
+            for (int p = 0; p < kTilePages; ++p) {
+                const int page_idx = first_page + p;
+                const bool used = p == 0 || (page_idx * page_size < key_end && page_idx < max_pages);
+                int page = first < key_end && used ? block_table[(i64)b * max_pages + page_idx] : 0;
+                if (!index.row_ok(page)) {
+                    if (!bad_page) report_bad_value(error_claim, error_host, kBadBlockTable, b, page_idx, page);
+                    bad_page = true;
+                    page = 0;
+                }
+                pages[p] = page;
+            }
+        }
         constexpr int kChunks = Tr::kBlockN * kDT;
 #pragma unroll 4
         for (int i = 0; i < kChunks / 32; ++i) {
             const int idx = lane + i * 32, r = idx / kDT, c = (idx % kDT) * 8;
-            bool ok = first + r < key_end && c < headdim;
+            const bool ok = first + r < key_end && c < headdim && !bad_page;
             i64 k_off, v_off;
             if (Tr::kPaged) {
-                int page_idx = first_page, offset = first_offset + r;
+                int page = pages[0], offset = first_offset + r;
 #pragma unroll
-                for (int step = 0; step < Tr::kBlockN / 16; ++step) {  // r < BlockN and page_size >= 16
+                for (int p = 1; p < kTilePages; ++p) {
                     if (offset >= page_size) {
                         offset -= page_size;
-                        ++page_idx;
+                        page = pages[p];
                     }
-                }
-                int page = ok ? block_table[(i64)b * max_pages + page_idx] : 0;
-                if (!index.row_ok(page)) {
-                    if (!bad_page) report_bad_value(error_claim, error_host, kBadBlockTable, b, page_idx, page);
-                    bad_page = true;
-                    ok = false;
-                    page = 0;
                 }
                 k_off = page * k_batch_stride + (i64)offset * k_row_stride;
                 v_off = page * v_batch_stride + (i64)offset * v_row_stride;

@@ -60,6 +60,7 @@ def plan_forward(
     return ForwardPlan(launch, config)
 
 
-def run_forward(plan: ForwardPlan, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int, stream) -> None:
-    """Launches a plan on ``stream`` (a ``cupy.cuda.Stream``) with raw device pointers."""
-    plan.launch(stream.ptr, (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr))
+def run_forward(plan: ForwardPlan, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int,
+                stream_ptr: int) -> None:
+    """Launches a plan on the stream with handle ``stream_ptr`` with raw device pointers."""
+    plan.launch(stream_ptr, (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr))

@@ -133,9 +133,9 @@ def flash_attn_func(
                    return_attn_probs)
         key, cached, ptrs = _cached_lookup("fwd", (q, k, v), options)
         if cached is not None:
-            stream = arrays.caller_stream(cached.framework, cached.device)
+            stream_ptr = arrays.caller_stream_ptr(cached.framework, cached.device)
             (out, out_ptr), (lse, lse_ptr) = cached.allocate()
-            forward.run_forward(cached.plan, ptrs[0], ptrs[1], ptrs[2], out_ptr, lse_ptr, stream)
+            forward.run_forward(cached.plan, ptrs[0], ptrs[1], ptrs[2], out_ptr, lse_ptr, stream_ptr)
             return (out, lse, None) if return_attn_probs else out
     return _flash_attn_checked(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
@@ -188,7 +188,7 @@ def _flash_attn_checked(
                 qc.shape, kc.shape, tuple(_elem_strides(x) for x in (qc, kc, vc, out)), shape.dtype, scale,
                 bool(causal), _arch(device),
             )
-            forward.run_forward(plan, qc.data.ptr, kc.data.ptr, vc.data.ptr, out.data.ptr, lse.data.ptr, stream)
+            forward.run_forward(plan, qc.data.ptr, kc.data.ptr, vc.data.ptr, out.data.ptr, lse.data.ptr, stream.ptr)
             if qc is q_in and kc is k_in and vc is v_in:  # inputs used in place: later calls may skip to launch
                 _remember(cache_key, _CachedCall(plan, device, framework,
                                                  ((out_shape, shape.dtype), (lse_shape, "float32"))))
