@@ -72,13 +72,14 @@ _sms: dict[int, int] = {}
 
 def choose_num_splits(blocks: int, sms: int, max_seqlen_k: int, tile_keys: int) -> int:
     """Splits per (batch row, kv head, row block): enough that the ``blocks`` x splits cover the GPU's ``sms``
-    once (floor: a second, partial wave would cost a whole wave), and each split keeps at least two key tiles
+    once (floor: a second, partial wave would cost a whole wave), and each split keeps at least one key tile
     per warp (``tile_keys`` = warps x keys per tile). One block per SM, not full residency: measured on the
     H100, one 4-warp block keeps enough loads in flight to saturate an SM's share of HBM, and more splits only
-    add partial results to merge (bench/NOTES.md)."""
+    add partial results to merge; this rule picked the fastest split count (or within 5% of it) at every point
+    of bench/results/tune_decode_splits_h100_20261123-0625.log."""
     if blocks >= sms:
         return 1
-    most = max(1, max_seqlen_k // (2 * tile_keys))
+    most = max(1, max_seqlen_k // tile_keys)
     return max(1, min(sms // blocks, most, configs.MAX_DECODE_SPLITS))
 
 

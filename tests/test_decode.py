@@ -106,6 +106,6 @@ def test_split_count_fills_the_gpu_once():
     assert choose_num_splits(64, 132, 65536, 128) == 2
     # Enough blocks already: one split.
     assert choose_num_splits(512, 132, 16384, 128) == 1
-    # Short caches: at least two tiles per warp per split (1024 keys / 256 = 4 splits at most).
-    assert choose_num_splits(8, 132, 1024, 128) == 4
+    # Short caches: at least one tile per warp per split (1024 keys / 128 = 8 splits at most).
+    assert choose_num_splits(8, 132, 1024, 128) == 8
     assert choose_num_splits(8, 132, 16, 128) == 1
