@@ -182,12 +182,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     };
 
     float acc_dk[kKT2][kDT][4], acc_dv[kKT2][kDT][4];
-#pragma unroll
-    for (int kt = 0; kt < kKT2; ++kt)
-#pragma unroll
-        for (int dt = 0; dt < kDT; ++dt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_dk[kt][dt][e] = acc_dv[kt][dt][e] = 0.f;
+    zero_fragments(acc_dk);
+    zero_fragments(acc_dv);
 
     if (n_iters > 0) load_q_tile(0, 0);
     cp_async_commit();
@@ -213,34 +209,18 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
         {  // Phase 1: S^T = K_j Q_i^T and dP^T = V_j dO_i^T (lines 9 and 12) for this warp's keys x queries.
             float st[kKT][kQT][4], dpt[kKT][kQT][4];
-#pragma unroll
-            for (int kt = 0; kt < kKT; ++kt)
-#pragma unroll
-                for (int nt = 0; nt < kQT; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) st[kt][nt][e] = dpt[kt][nt][e] = 0.f;
-#pragma unroll
-            for (int kk = 0; kk < kKSteps; ++kk) {
-                u32 ak[kKT][4], av[kKT][4];
-#pragma unroll
-                for (int kt = 0; kt < kKT; ++kt) {
-                    KVTile::load_a(ak[kt], smem_k, warp_key0 + kt * 16, kk * 16, lane);
-                    KVTile::load_a(av[kt], smem_v, warp_key0 + kt * 16, kk * 16, lane);
-                }
-#pragma unroll
-                for (int np = 0; np < kQT / 2; ++np) {
-                    u32 bq[4], bdo[4];
+            zero_fragments(st);
+            zero_fragments(dpt);
+            mma_tiles_pair<typename Tr::Elem, kKSteps>(
+                st, dpt,
+                [&](u32(&ak)[4], u32(&av)[4], int kt, int kk) {
+                    KVTile::load_a(ak, smem_k, warp_key0 + kt * 16, kk * 16, lane);
+                    KVTile::load_a(av, smem_v, warp_key0 + kt * 16, kk * 16, lane);
+                },
+                [&](u32(&bq)[4], u32(&bdo)[4], int np, int kk) {
                     QTile::load_b_nk(bq, q_s, warp_q0 + np * 16, kk * 16, lane);
                     QTile::load_b_nk(bdo, do_s, warp_q0 + np * 16, kk * 16, lane);
-#pragma unroll
-                    for (int kt = 0; kt < kKT; ++kt) {
-                        Mma::run(st[kt][2 * np], ak[kt], bq[0], bq[1]);
-                        Mma::run(st[kt][2 * np + 1], ak[kt], bq[2], bq[3]);
-                        Mma::run(dpt[kt][2 * np], av[kt], bdo[0], bdo[1]);
-                        Mma::run(dpt[kt][2 * np + 1], av[kt], bdo[2], bdo[3]);
-                    }
-                }
-            }
+                });
             // P^T = exp(S^T * scale - L) (line 11) and dS^T = P^T o (dP^T - D) (line 13), to shared memory.
             const bool need_mask = mask.tile_needs_mask(m0, key0, Tr::kBlockN);
 #pragma unroll
@@ -270,28 +250,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
         // Phase 2: dV_j += P^T dO_i (line 10) and dK_j += dS^T Q_i (line 16; scale applied at the end) for this
         // warp's keys x head-dim columns.
-#pragma unroll
-        for (int kk = 0; kk < kM / 16; ++kk) {
-            u32 ap[kKT2][4], ads[kKT2][4];
-#pragma unroll
-            for (int kt = 0; kt < kKT2; ++kt) {
-                PTile::load_a(ap[kt], smem_p, warp_key2 + kt * 16, kk * 16, lane);
-                PTile::load_a(ads[kt], smem_ds, warp_key2 + kt * 16, kk * 16, lane);
-            }
-#pragma unroll
-            for (int dp = 0; dp < kDT / 2; ++dp) {
-                u32 bdo[4], bq[4];
+        mma_tiles_pair<typename Tr::Elem, kM / 16>(
+            acc_dv, acc_dk,
+            [&](u32(&ap)[4], u32(&ads)[4], int kt, int kk) {
+                PTile::load_a(ap, smem_p, warp_key2 + kt * 16, kk * 16, lane);
+                PTile::load_a(ads, smem_ds, warp_key2 + kt * 16, kk * 16, lane);
+            },
+            [&](u32(&bdo)[4], u32(&bq)[4], int dp, int kk) {
                 QTile::load_b_kn(bdo, do_s, kk * 16, warp_d0 + dp * 16, lane);
                 QTile::load_b_kn(bq, q_s, kk * 16, warp_d0 + dp * 16, lane);
-#pragma unroll
-                for (int kt = 0; kt < kKT2; ++kt) {
-                    Mma::run(acc_dv[kt][2 * dp], ap[kt], bdo[0], bdo[1]);
-                    Mma::run(acc_dv[kt][2 * dp + 1], ap[kt], bdo[2], bdo[3]);
-                    Mma::run(acc_dk[kt][2 * dp], ads[kt], bq[0], bq[1]);
-                    Mma::run(acc_dk[kt][2 * dp + 1], ads[kt], bq[2], bq[3]);
-                }
-            }
-        }
+            });
         if (Tr::kAtomicDq) {
             // Phase 3: dQ_i += dS K_j (line 15) for this block's columns, added to the fp32 workspace. dS^T is
             // stored [key][query]; ldmatrix.trans turns it into A fragments with queries as rows.
@@ -456,12 +424,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     }
 
     float acc_dq[kMT][kDT][4];
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int dt = 0; dt < kDT; ++dt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_dq[mt][dt][e] = 0.f;
+    zero_fragments(acc_dq);
 
     if (n_blocks > 0) {
         QTile::template load_async<Tr::kThreads>(
@@ -481,34 +444,18 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             const u32 v_slot = smem_v + (n_block & 1) * KVTile::kBytes;
 
             float s[kMT][kNT][4], dp[kMT][kNT][4];
-#pragma unroll
-            for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) s[mt][nt][e] = dp[mt][nt][e] = 0.f;
-#pragma unroll
-            for (int kk = 0; kk < kKSteps; ++kk) {
-                u32 aq[kMT][4], ado[kMT][4];
-#pragma unroll
-                for (int mt = 0; mt < kMT; ++mt) {
-                    QTile::load_a(aq[mt], smem_q, warp_row0 + mt * 16, kk * 16, lane);
-                    QTile::load_a(ado[mt], smem_do, warp_row0 + mt * 16, kk * 16, lane);
-                }
-#pragma unroll
-                for (int np = 0; np < kNT / 2; ++np) {
-                    u32 bk[4], bv[4];
+            zero_fragments(s);
+            zero_fragments(dp);
+            mma_tiles_pair<typename Tr::Elem, kKSteps>(
+                s, dp,
+                [&](u32(&aq)[4], u32(&ado)[4], int mt, int kk) {
+                    QTile::load_a(aq, smem_q, warp_row0 + mt * 16, kk * 16, lane);
+                    QTile::load_a(ado, smem_do, warp_row0 + mt * 16, kk * 16, lane);
+                },
+                [&](u32(&bk)[4], u32(&bv)[4], int np, int kk) {
                     KVTile::load_b_nk(bk, k_slot, np * 16, kk * 16, lane);
                     KVTile::load_b_nk(bv, v_slot, np * 16, kk * 16, lane);
-#pragma unroll
-                    for (int mt = 0; mt < kMT; ++mt) {
-                        Mma::run(s[mt][2 * np], aq[mt], bk[0], bk[1]);
-                        Mma::run(s[mt][2 * np + 1], aq[mt], bk[2], bk[3]);
-                        Mma::run(dp[mt][2 * np], ado[mt], bv[0], bv[1]);
-                        Mma::run(dp[mt][2 * np + 1], ado[mt], bv[2], bv[3]);
-                    }
-                }
-            }
+                });
             const bool need_mask = mask.tile_needs_mask(row0, n_block * Tr::kBlockN, Tr::kBlockN);
 #pragma unroll
             for (int mt = 0; mt < kMT; ++mt)
@@ -524,22 +471,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                         dp[mt][nt][e] = p * (dp[mt][nt][e] - row_dsum[r]);  // dS
                     }
             // dQ += dS K_j, dS straight from the accumulators as A fragments.
-#pragma unroll
-            for (int kk = 0; kk < kNT / 2; ++kk) {
-                u32 a[kMT][4];
-#pragma unroll
-                for (int mt = 0; mt < kMT; ++mt) c_to_a<typename Tr::Elem>(a[mt], dp[mt][2 * kk], dp[mt][2 * kk + 1]);
-#pragma unroll
-                for (int dp2 = 0; dp2 < kDT / 2; ++dp2) {
-                    u32 b[4];
-                    KVTile::load_b_kn(b, k_slot, kk * 16, dp2 * 16, lane);
-#pragma unroll
-                    for (int mt = 0; mt < kMT; ++mt) {
-                        Mma::run(acc_dq[mt][2 * dp2], a[mt], b[0], b[1]);
-                        Mma::run(acc_dq[mt][2 * dp2 + 1], a[mt], b[2], b[3]);
-                    }
-                }
-            }
+            mma_c_b<typename Tr::Elem, KVTile>(acc_dq, dp, k_slot, lane);
         }
         cp_async_wait<0>();
     }

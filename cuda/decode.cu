@@ -375,10 +375,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     __syncthreads();                   // ... and for every thread
 
     float acc_o[1][kDT][4];
-#pragma unroll
-    for (int dt = 0; dt < kDT; ++dt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_o[0][dt][e] = 0.f;
+    zero_fragments(acc_o);
     OnlineSoftmax<1, kNT> softmax;
     softmax.init();
 
@@ -393,22 +390,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         const u32 k_slot = smem_k + (j % Tr::kStages) * KVTile::kBytes;
         const u32 v_slot = smem_v + (j % Tr::kStages) * KVTile::kBytes;
         float s[1][kNT][4];
-#pragma unroll
-        for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[0][nt][e] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < kKSteps; ++kk) {
-            u32 a[4];
-            QTile::load_a(a, smem_q, 0, kk * 16, lane);
-#pragma unroll
-            for (int np = 0; np < kNT / 2; ++np) {
-                u32 bk[4];
-                KVTile::load_b_nk(bk, k_slot, np * 16, kk * 16, lane);
-                Mma::run(s[0][2 * np], a, bk[0], bk[1]);
-                Mma::run(s[0][2 * np + 1], a, bk[2], bk[3]);
-            }
-        }
+        zero_fragments(s);
+        mma_tiles<typename Tr::Elem, kKSteps>(
+            s, [&](u32(&a)[4], int, int kk) { QTile::load_a(a, smem_q, 0, kk * 16, lane); },
+            [&](u32(&b)[4], int np, int kk) { KVTile::load_b_nk(b, k_slot, np * 16, kk * 16, lane); });
         // Mask keys past this split's end and, under the causal mask, past each row's own query.
         const int first = key_begin + (warp + j * kW) * Tr::kBlockN;
 #pragma unroll
@@ -423,18 +408,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             }
         }
         softmax.update(s, acc_o, scale_log2);
-#pragma unroll
-        for (int kk = 0; kk < kNT / 2; ++kk) {
-            u32 a[4];
-            c_to_a<typename Tr::Elem>(a, s[0][2 * kk], s[0][2 * kk + 1]);
-#pragma unroll
-            for (int dp = 0; dp < kDT / 2; ++dp) {
-                u32 bv[4];
-                KVTile::load_b_kn(bv, v_slot, kk * 16, dp * 16, lane);
-                Mma::run(acc_o[0][2 * dp], a, bv[0], bv[1]);
-                Mma::run(acc_o[0][2 * dp + 1], a, bv[2], bv[3]);
-            }
-        }
+        mma_c_b<typename Tr::Elem, KVTile>(acc_o, s, v_slot, lane);
     }
     cp_async_wait<0>();
     float row_lse[2];

@@ -75,12 +75,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
     };
 
     float acc_o[kMT][kDT][4];
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int dt = 0; dt < kDT; ++dt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.f;
+    zero_fragments(acc_o);
     OnlineSoftmax<kMT, kNT> softmax;
     softmax.init();
 
@@ -116,35 +111,18 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
 
             // S = Q K_j^T (Algorithm 1 line 8). Each K fragment feeds all of the warp's row tiles.
             float s[kMT][kNT][4];
+            zero_fragments(s);
+            mma_tiles<typename Tr::Elem, kKSteps>(
+                s,
+                [&](u32(&a)[4], int mt, int kk) {
+                    if constexpr (Tr::kQInRegs) {
 #pragma unroll
-            for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
-#pragma unroll
-            for (int kk = 0; kk < kKSteps; ++kk) {
-                u32 a[kMT][4];
-#pragma unroll
-                for (int mt = 0; mt < kMT; ++mt) {
-                    if (Tr::kQInRegs) {
-#pragma unroll
-                        for (int i = 0; i < 4; ++i) a[mt][i] = q_frag[Tr::kQInRegs ? mt : 0][Tr::kQInRegs ? kk : 0][i];
+                        for (int i = 0; i < 4; ++i) a[i] = q_frag[mt][kk][i];
                     } else {
-                        QTile::load_a(a[mt], smem_q, warp_row0 + mt * 16, kk * 16, lane);
+                        QTile::load_a(a, smem_q, warp_row0 + mt * 16, kk * 16, lane);
                     }
-                }
-#pragma unroll
-                for (int np = 0; np < kNT / 2; ++np) {
-                    u32 b[4];
-                    KVTile::load_b_nk(b, k_slot, np * 16, kk * 16, lane);
-#pragma unroll
-                    for (int mt = 0; mt < kMT; ++mt) {
-                        Mma::run(s[mt][2 * np], a[mt], b[0], b[1]);
-                        Mma::run(s[mt][2 * np + 1], a[mt], b[2], b[3]);
-                    }
-                }
-            }
+                },
+                [&](u32(&b)[4], int np, int kk) { KVTile::load_b_nk(b, k_slot, np * 16, kk * 16, lane); });
             // Only tiles that straddle the diagonal or the end of the keys pay for masking.
             if (mask.tile_needs_mask(row0, n_block * Tr::kBlockN, Tr::kBlockN))
                 mask.apply(s, row0 + warp_row0, n_block * Tr::kBlockN, lane);
@@ -152,7 +130,8 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
             // Lines 9-10: new row max, P = exp(S - m), rescale of the running output.
             softmax.update(s, acc_o, scale_log2);
 
-            // Line 10 (cont.): O += P V_j, P straight from the accumulators (c_to_a).
+            // Line 10 (cont.): O += P V_j, P straight from the accumulators (c_to_a). Written out rather than
+            // mma_c_b: at the 255-register cap of the d=64 128x128 row, ptxas spills 36 bytes with the call.
 #pragma unroll
             for (int kk = 0; kk < kNT / 2; ++kk) {
                 u32 a[kMT][4];
