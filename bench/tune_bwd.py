@@ -57,7 +57,7 @@ def main():
                     key = f"{cfg.block_m}x{cfg.block_n}w{cfg.warps}k{cfg.warps_keys}-{cfg.warps_keys2}s{cfg.stages}"
                     plan = backward.plan_backward(q.shape, k.shape, strides, "bfloat16", d ** -0.5, causal, False,
                                                   arch, config=cfg)
-                    launch = lambda: backward.run_backward(plan, ptrs, stream)  # noqa: E731
+                    launch = lambda: backward.run_backward(plan, ptrs, stream.ptr)  # noqa: E731
                     for g in (dq, dk, dv):
                         g.fill_(float("nan"))
                     launch()

@@ -18,23 +18,19 @@ _debug_poison = False
 
 
 @dataclass(frozen=True)
-class Launch:
-    function: object  # cupy.cuda.Function
-    grid: tuple
-    block: tuple
-    smem_bytes: int
-    scalars: tuple
-
-
-@dataclass(frozen=True)
 class BackwardPlan:
-    preprocess: Launch
-    main: Launch
-    dq: Launch | None  # deterministic=True: dQ by its own kernel
-    convert: Launch | None  # deterministic=False: fp32 accumulator -> dq
+    preprocess: build.Launch  # each launch's variable slots: its leading pointer arguments (see run_backward)
+    main: build.Launch
+    dq: build.Launch | None  # deterministic=True: dQ by its own kernel
+    convert: build.Launch | None  # deterministic=False: fp32 accumulator -> dq
     dsum_shape: tuple  # (batch, nheads, seqlen_q) float32 workspace
     dq_accum_shape: tuple | None  # (batch, nheads, seqlen_q, d) float32 workspace, atomics only
     config: configs.BwdConfig
+
+
+def _launch(function, grid, block, smem_bytes: int, pointers: int, scalars: tuple) -> build.Launch:
+    """A launch whose first ``pointers`` arguments are per-call device pointers, then fixed ``scalars``."""
+    return build.Launch(function, grid, block, smem_bytes, (np.uint64(0),) * pointers + scalars, range(pointers))
 
 
 def _strides3(strides) -> tuple:
@@ -61,32 +57,32 @@ def plan_backward(
     sizes = (np.int32(seqlen_q), np.int32(seqlen_k), np.int32(nheads), np.int32(nheads // nheads_kv),
              np.int32(headdim), np.float32(softmax_scale), np.float32(softmax_scale * _LOG2E))
 
-    pre = Launch(
+    pre = _launch(
         build.get_kernel("bwd", f"fa2::bwd_preprocess<{tag}>", 0),
-        ((seqlen_q + 7) // 8, nheads, batch), (256, 1, 1), 0,
+        ((seqlen_q + 7) // 8, nheads, batch), (256, 1, 1), 0, 4,
         _strides3(strides["dout"]) + _strides3(strides["out"]) + (np.int32(seqlen_q), np.int32(nheads),
                                                                   np.int32(headdim)),
     )
     smem = config.smem_bytes(atomic)
-    main = Launch(
+    main = _launch(
         build.get_kernel("bwd", config.name_expression(dtype, causal, atomic), smem),
         (((seqlen_k + config.block_n - 1) // config.block_n) * config.dslices, nheads_kv, batch),
-        (config.threads, 1, 1), smem,
+        (config.threads, 1, 1), smem, 9,
         sum((_strides3(strides[n]) for n in ("q", "k", "v", "dout", "dk", "dv")), ()) + sizes,
     )
     dq = convert = None
     if deterministic:
         dq_config = configs.backward_dq_config(arch, headdim, dtype, causal)
-        dq = Launch(
+        dq = _launch(
             build.get_kernel("bwd", dq_config.name_expression(dtype, causal), dq_config.smem_bytes),
             ((seqlen_q + dq_config.block_m - 1) // dq_config.block_m, nheads, batch),
-            (dq_config.threads, 1, 1), dq_config.smem_bytes,
+            (dq_config.threads, 1, 1), dq_config.smem_bytes, 7,
             sum((_strides3(strides[n]) for n in ("q", "k", "v", "dout", "dq")), ()) + sizes,
         )
     else:
-        convert = Launch(
+        convert = _launch(
             build.get_kernel("bwd", f"fa2::bwd_convert_dq<{tag}>", 0),
-            ((seqlen_q * (headdim // 8) + 255) // 256, nheads, batch), (256, 1, 1), 0,
+            ((seqlen_q * (headdim // 8) + 255) // 256, nheads, batch), (256, 1, 1), 0, 2,
             _strides3(strides["dq"]) + (np.int32(seqlen_q), np.int32(nheads), np.int32(headdim),
                                         np.float32(softmax_scale)),
         )
@@ -96,19 +92,14 @@ def plan_backward(
     )
 
 
-def _launch(launch: Launch, pointers, stream) -> None:
-    args = tuple(np.uint64(p) for p in pointers) + launch.scalars
-    launch.function(launch.grid, launch.block, args, shared_mem=launch.smem_bytes, stream=stream)
-
-
-def run_backward(plan: BackwardPlan, ptr: dict, stream) -> None:
-    """Launches a plan on ``stream``. ``ptr`` maps "q", "k", "v", "dout", "out", "lse", "dq", "dk", "dv", "dsum"
-    and (atomics only) "dq_accum" to device pointers."""
+def run_backward(plan: BackwardPlan, ptr: dict, stream_ptr: int) -> None:
+    """Launches a plan on the stream with handle ``stream_ptr``. ``ptr`` maps "q", "k", "v", "dout", "out", "lse",
+    "dq", "dk", "dv", "dsum" and (atomics only) "dq_accum" to device pointers."""
     dq_accum = ptr.get("dq_accum", 0) if plan.convert is not None else 0
-    _launch(plan.preprocess, (ptr["dout"], ptr["out"], ptr["dsum"], dq_accum), stream)
-    _launch(plan.main, (ptr["q"], ptr["k"], ptr["v"], ptr["dout"], ptr["lse"], ptr["dsum"], dq_accum, ptr["dk"],
-                        ptr["dv"]), stream)
+    plan.preprocess(stream_ptr, (ptr["dout"], ptr["out"], ptr["dsum"], dq_accum))
+    plan.main(stream_ptr, (ptr["q"], ptr["k"], ptr["v"], ptr["dout"], ptr["lse"], ptr["dsum"], dq_accum, ptr["dk"],
+                           ptr["dv"]))
     if plan.dq is not None:
-        _launch(plan.dq, (ptr["q"], ptr["k"], ptr["v"], ptr["dout"], ptr["lse"], ptr["dsum"], ptr["dq"]), stream)
+        plan.dq(stream_ptr, (ptr["q"], ptr["k"], ptr["v"], ptr["dout"], ptr["lse"], ptr["dsum"], ptr["dq"]))
     else:
-        _launch(plan.convert, (dq_accum, ptr["dq"]), stream)
+        plan.convert(stream_ptr, (dq_accum, ptr["dq"]))

@@ -230,11 +230,11 @@ def flash_attn_backward(
             "bwd", (dout, q, k, v, out, softmax_lse), (softmax_scale, causal, window_size, deterministic)
         )
         if cached is not None:
-            stream = arrays.caller_stream(cached.framework, cached.device)
+            stream_ptr = arrays.caller_stream_ptr(cached.framework, cached.device)
             allocated = cached.allocate()
             pointers = dict(zip(("dout", "q", "k", "v", "out", "lse"), ptrs))
             pointers.update(zip(("dq", "dk", "dv", "dsum", "dq_accum"), (p for _, p in allocated)))
-            backward.run_backward(cached.plan, pointers, stream)
+            backward.run_backward(cached.plan, pointers, stream_ptr)
             return allocated[0][0], allocated[1][0], allocated[2][0]
     return _flash_attn_backward_checked(
         dout, q, k, v, out, softmax_lse, softmax_scale, causal, window_size, deterministic, key
@@ -281,7 +281,7 @@ def _flash_attn_backward_checked(
             pointers = {n: x.data.ptr for n, x in zip(("dout", "q", "k", "v", "out"), ready)}
             pointers["lse"] = lse.data.ptr
             pointers.update({n: x.data.ptr for n, x in zip(("dq", "dk", "dv", "dsum", "dq_accum"), views)})
-            backward.run_backward(plan, pointers, stream)
+            backward.run_backward(plan, pointers, stream.ptr)
             if all(r is g for r, g in zip(ready, given[:5])) and lse is given[5]:
                 _remember(cache_key, _CachedCall(plan, device, framework, allocations))
             results = [arrays.make_result(native, view, framework) for native, view in made[:3]]
@@ -394,8 +394,7 @@ def flash_attn_with_kvcache(
         kernels, without a synchronisation: a bad one leaves the caches untouched, makes the affected rows NaN, and
         raises ValueError at the next call or at ``fa2cupy.check_device_errors()``.
     """
-    if device_errors._report is not None and device_errors._report[0]:
-        device_errors.raise_pending()
+    device_errors.raise_pending()
     key = None
     seqlens_array = None if cache_seqlens is None or isinstance(cache_seqlens, int) else cache_seqlens
     if not forward._debug_poison:
