@@ -29,20 +29,24 @@ def per_call_us(fn, n=2000):
     return sorted(times)[2]
 
 
+def profile(name, fn, calls=2000):
+    """Host time per call of ``fn``, then where it goes (cProfile, the 14 most expensive functions)."""
+    print(f"{name}: {per_call_us(fn):.1f} us per call")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+
+
 def main():
     import torch
 
     q = torch.randn(1, 128, 1, 64, device="cuda", dtype=torch.bfloat16)
     qc = cupy.from_dlpack(q)
     for name, args in (("torch", (q, q, q)), ("cupy", (qc, qc, qc))):
-        fn = lambda: fa2cupy.flash_attn_func(*args)  # noqa: E731
-        print(f"{name}: {per_call_us(fn):.1f} us per call")
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(2000):
-            fn()
-        prof.disable()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+        profile(name, lambda: fa2cupy.flash_attn_func(*args))
     # Decode step: b1, one query, 32/8 heads, d128, a 1k cache (the GPU work is ~3 us: this is host time).
     qd = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
     kc = torch.randn(1, 1024, 8, 128, device="cuda", dtype=torch.bfloat16)
@@ -50,14 +54,7 @@ def main():
     qdc, kcc, lensc = cupy.from_dlpack(qd), cupy.from_dlpack(kc), cupy.from_dlpack(lens)
     for name, args in (("kvcache torch", (qd, kc, kc, lens)), ("kvcache cupy", (qdc, kcc, kcc, lensc)),
                        ("kvcache torch int", (qd, kc, kc, 1024))):
-        fn = lambda: fa2cupy.flash_attn_with_kvcache(args[0], args[1], args[2], cache_seqlens=args[3])  # noqa: E731
-        print(f"{name}: {per_call_us(fn):.1f} us per call")
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(2000):
-            fn()
-        prof.disable()
-        pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+        profile(name, lambda: fa2cupy.flash_attn_with_kvcache(args[0], args[1], args[2], cache_seqlens=args[3]))
     for backend in ("FLASH_ATTENTION", "CUDNN_ATTENTION"):
         with torch.nn.attention.sdpa_kernel([getattr(torch.nn.attention.SDPBackend, backend)]):
             qt, kt = qd.transpose(1, 2), kc.transpose(1, 2).contiguous()

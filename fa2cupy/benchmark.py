@@ -23,6 +23,7 @@ tests live here too (:func:`out_bound`, :func:`lse_bound`, :func:`gradient_bound
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as _dt
 import json
@@ -634,14 +635,6 @@ class Runner:
     context: Callable[[], Any]   # context-manager factory wrapped around the timing loop
 
 
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
-
-
 def fa2cupy_runner(inp: ForwardInputs) -> Runner:
     try:
         import fa2cupy  # noqa: PLC0415
@@ -656,20 +649,13 @@ def fa2cupy_runner(inp: ForwardInputs) -> Runner:
     if inp.framework == "torch":
         # Run fa2cupy on torch's current stream so torch events bracket it,
         # whichever stream the interface would otherwise pick.
-        import cupy  # noqa: PLC0415
-
-        import warnings  # noqa: PLC0415
-
-        torch = _torch()
-        ptr = torch.cuda.current_stream().cuda_stream
-        with warnings.catch_warnings():   # CuPy 14 deprecates ExternalStream (still works)
-            warnings.simplefilter("ignore", DeprecationWarning)
-            stream = cupy.cuda.ExternalStream(ptr)
-        return Runner(fn, TorchEvents(), lambda: stream)
-    return Runner(fn, CupyEvents(), _Null)
+        return Runner(fn, TorchEvents(), _external_stream_ctx())
+    return Runner(fn, CupyEvents(), contextlib.nullcontext)
 
 
-def _sdpa_runner(inp: ForwardInputs, backend_name: str) -> Runner:
+def _sdpa_backend(inp: ForwardInputs, backend_name: str):
+    """(torch, context factory selecting the SDPA backend, sdpa, its keyword arguments for this case);
+    Unavailable when torch or the backend is missing."""
     if inp.framework != "torch":
         raise Unavailable("torch not importable")
     torch = _torch()
@@ -680,17 +666,18 @@ def _sdpa_runner(inp: ForwardInputs, backend_name: str) -> Runner:
     backend = getattr(SDPBackend, backend_name, None)
     if backend is None:
         raise Unavailable(f"SDPBackend.{backend_name} missing in torch {torch.__version__}")
-    sdpa = torch.nn.functional.scaled_dot_product_attention
     kwargs = {"is_causal": inp.case.causal}
     if inp.case.nheads != inp.case.nheads_kv:
         kwargs["enable_gqa"] = True
+    return torch, lambda: sdpa_kernel([backend]), torch.nn.functional.scaled_dot_product_attention, kwargs
+
+
+def _sdpa_runner(inp: ForwardInputs, backend_name: str) -> Runner:
+    torch, ctx, sdpa, kwargs = _sdpa_backend(inp, backend_name)
     q, k, v = inp.q_t, inp.k_t, inp.v_t
 
     def fn():
         return sdpa(q, k, v, **kwargs)
-
-    def ctx():
-        return sdpa_kernel([backend])
 
     try:
         with ctx():
@@ -821,7 +808,7 @@ def fa2cupy_backward_runner(inp: ForwardInputs, dout, mode: str = "bwd", determi
         raise Unavailable(_first_line(exc)) from exc
     c = inp.case.causal
     q, k, v = inp.q, inp.k, inp.v
-    ctx = _external_stream_ctx() if inp.framework == "torch" else _Null
+    ctx = _external_stream_ctx() if inp.framework == "torch" else contextlib.nullcontext
     events = TorchEvents() if inp.framework == "torch" else CupyEvents()
     if mode == "bwd":
         with ctx():
@@ -840,25 +827,8 @@ def _sdpa_backward_runner(inp: ForwardInputs, dout_t, backend_name: str, mode: s
     """SDPA with one backend; ``bwd`` times ``torch.autograd.grad`` of an output computed
     once (retain_graph), ``fwdbwd`` the SDPA call plus its gradient.  Returns
     (dq, dk, dv) in SDPA's (b, h, s, d) layout."""
-    if inp.framework != "torch":
-        raise Unavailable("torch not importable")
-    torch = _torch()
-    try:
-        from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
-    except Exception as exc:
-        raise Unavailable(_first_line(exc)) from exc
-    backend = getattr(SDPBackend, backend_name, None)
-    if backend is None:
-        raise Unavailable(f"SDPBackend.{backend_name} missing in torch {torch.__version__}")
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    kwargs = {"is_causal": inp.case.causal}
-    if inp.case.nheads != inp.case.nheads_kv:
-        kwargs["enable_gqa"] = True
+    torch, ctx, sdpa, kwargs = _sdpa_backend(inp, backend_name)
     q, k, v = (x.detach().requires_grad_(True) for x in (inp.q_t, inp.k_t, inp.v_t))
-
-    def ctx():
-        return sdpa_kernel([backend])
-
     try:
         if mode == "bwd":
             with ctx():
@@ -1097,7 +1067,7 @@ def bench_decode_case(batch: int, seqlen_k: int, *, nheads: int = 32, nheads_kv:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             graph = torch.cuda.CUDAGraph()
-            with context() if context is not None else _nullcontext():
+            with context() if context is not None else contextlib.nullcontext():
                 with torch.cuda.stream(side):
                     for _ in range(3):
                         fn()
@@ -1118,13 +1088,6 @@ def bench_decode_case(batch: int, seqlen_k: int, *, nheads: int = 32, nheads_kv:
         rec["ratio" + suffix + "_vs_best_sdpa"] = ours_tbps / best if best and ours_tbps else None
     return rec
 
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def decode_table(records: Sequence[dict[str, Any]]) -> str:

@@ -63,21 +63,40 @@ def pending() -> bool:
     return _report is not None and _report[0] != 0
 
 
-def raise_pending() -> None:
-    """Raises the pending report, if any, as a ValueError naming the argument, and clears it."""
-    if not pending():
-        return
+def _synchronize() -> None:
+    """Waits for every device a kernel may be reporting from."""
     cupy = _cupy()
-    for device in list(_claims):  # let every kernel that may still write a report finish first
+    for device in list(_claims):
         with cupy.cuda.Device(device):
             cupy.cuda.runtime.deviceSynchronize()
+
+
+def raise_pending() -> None:
+    """Raises the pending report, if any, as a ValueError naming the argument, and clears it."""
+    if pending():
+        _synchronize()  # let every kernel that may still write a report finish before clearing
+        _raise_and_clear()
+
+
+def check_device_errors() -> None:
+    """Waits for the GPU, then raises the first bad index value a kernel found since the last check (ValueError
+    naming the argument, its position and its value). Also raised, without waiting, by the next
+    ``flash_attn_with_kvcache`` call."""
+    if _report is None:
+        return
+    _synchronize()
+    if pending():
+        _raise_and_clear()
+
+
+def _raise_and_clear() -> None:
     what, where, value = (int(x) for x in _report)
     row, col = where >> 32, where & 0xFFFFFFFF
     _report[:] = 0
     for claim in _claims.values():
-        with cupy.cuda.Device(claim.device.id):
+        with _cupy().cuda.Device(claim.device.id):
             claim.fill(0)
-            cupy.cuda.runtime.deviceSynchronize()
+    _synchronize()
     after = ("(found on the GPU by a flash_attn_with_kvcache call, which wrote nothing to the caches and returned "
              "NaN for the rows it could not compute)")
     if what == _BAD_CACHE_SEQLEN:
@@ -90,16 +109,3 @@ def raise_pending() -> None:
         raise ValueError(f"block_table[{row}, {col}] = {value} is not a page of k_cache (0 <= page < "
                          f"k_cache.shape[0]) {after}")
     raise RuntimeError(f"fa2cupy kernel reported an unknown error code {what} {after}")
-
-
-def check_device_errors() -> None:
-    """Waits for the GPU, then raises the first bad index value a kernel found since the last check (ValueError
-    naming the argument, its position and its value). Also raised, without waiting, by the next
-    ``flash_attn_with_kvcache`` call."""
-    if _report is None:
-        return
-    cupy = _cupy()
-    for device in list(_claims):
-        with cupy.cuda.Device(device):
-            cupy.cuda.runtime.deviceSynchronize()
-    raise_pending()
