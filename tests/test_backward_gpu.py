@@ -69,6 +69,7 @@ from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
 from fa2cupy import benchmark as B
+from gpu_helpers import cupy_module as _cupy, debug_poison, np_dtype as _np_dtype, torch_cuda as _torch
 
 pytestmark = pytest.mark.gpu
 
@@ -83,33 +84,14 @@ PROPERTY_EXAMPLES = max(10, settings().max_examples // 4)
 
 @pytest.fixture(autouse=True, scope="module")
 def poison_outputs():
-    import fa2cupy.backward
-
-    patch = pytest.MonkeyPatch()
-    # raising=True: the hook is part of the contract, a missing one is a failure.
-    patch.setattr(fa2cupy.backward, "_debug_poison", True, raising=True)
-    yield
-    patch.undo()
-
-
-def _cupy():
-    import cupy
-
-    return cupy
+    with debug_poison("backward"):
+        yield
 
 
 def _fa2cupy():
     import fa2cupy
 
     return fa2cupy
-
-
-def _np_dtype(dtype):
-    if dtype == "bfloat16":
-        import ml_dtypes
-
-        return ml_dtypes.bfloat16
-    return np.float16
 
 
 def make_input(rng, shape, dtype, transposed=False):
@@ -351,13 +333,6 @@ def test_bound_rejects_wrong_gradients():
 
 
 # ------------------------------------------------------------------ interop
-
-
-def _torch():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("PyTorch has no CUDA")
-    return torch
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

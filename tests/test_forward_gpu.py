@@ -35,10 +35,10 @@ from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
 from fa2cupy.reference import attention_ref
+from gpu_helpers import UNIT_ROUNDOFF, cupy_module as _cupy, debug_poison, np_dtype as _np_dtype, torch_cuda as _torch
 
 pytestmark = pytest.mark.gpu
 
-UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
 
 SEQLENS = [1, 2, 15, 16, 17, 63, 64, 65, 97, 127, 128, 129, 255, 256, 257, 383, 1000]
 COMMON_HEADDIMS = [32, 64, 96, 128, 160, 192, 224, 256]
@@ -50,19 +50,8 @@ HEAD_GROUPS = [(1, 1), (2, 2), (4, 4), (3, 1), (4, 1), (8, 1), (4, 2), (6, 3), (
 def poison_outputs():
     # Module scope: Hypothesis rejects function-scoped fixtures around @given, and
     # the switch is the same for every example anyway.
-    import fa2cupy.forward
-
-    patch = pytest.MonkeyPatch()
-    # raising=True: the hook is part of the contract, a missing one is a failure.
-    patch.setattr(fa2cupy.forward, "_debug_poison", True)
-    yield
-    patch.undo()
-
-
-def _cupy():
-    import cupy
-
-    return cupy
+    with debug_poison("forward"):
+        yield
 
 
 def _flash_attn_func():
@@ -71,12 +60,6 @@ def _flash_attn_func():
     return fa2cupy.flash_attn_func
 
 
-def _np_dtype(dtype):
-    if dtype == "bfloat16":
-        import ml_dtypes
-
-        return ml_dtypes.bfloat16
-    return np.float16
 
 
 def make_input(rng, shape, dtype, transposed=False):
@@ -244,13 +227,6 @@ def test_cupy_non_default_stream():
 # ------------------------------------------------------------------ interop
 
 
-def _torch():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("PyTorch has no CUDA")
-    return torch
-
-
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_torch_on_non_default_stream(dtype):
     torch = _torch()
@@ -360,12 +336,8 @@ def no_poison():
     # The cached fast path is only taken when the poison hook is off (the hook needs the checked path).
     # Stale outputs still cannot pass: each call below uses new data, so an element the kernel failed to
     # write would hold the previous call's result and miss the new reference.
-    import fa2cupy.forward
-
-    patch = pytest.MonkeyPatch()
-    patch.setattr(fa2cupy.forward, "_debug_poison", False)
-    yield
-    patch.undo()
+    with debug_poison("forward", False):
+        yield
 
 
 @pytest.mark.parametrize("framework", ["cupy", "torch"])

@@ -31,10 +31,10 @@ from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
 from fa2cupy.reference import attention_ref
+from gpu_helpers import UNIT_ROUNDOFF, cupy_module as _cupy, debug_poison, np_dtype as _np_dtype
 
 pytestmark = pytest.mark.gpu
 
-UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
 HEAD_GROUPS = [(1, 1), (4, 1), (8, 2), (32, 8), (6, 3), (16, 16)]
 HEADDIMS = [64, 128, 40, 96, 256]
 PAGE_SIZES = [16, 32, 64]
@@ -44,33 +44,15 @@ NUM_SPLITS = [0, 1, 3, 7]
 @pytest.fixture(autouse=True, scope="module")
 def poison_outputs():
     # Same hook as tests/test_forward_gpu.py: if the kvcache path honours it, any output element the kernels
-    # fail to write is NaN and caught below; if it does not, nothing changes.
-    import fa2cupy.forward
-
-    patch = pytest.MonkeyPatch()
-    patch.setattr(fa2cupy.forward, "_debug_poison", True)
-    yield
-    patch.undo()
-
-
-def _cupy():
-    import cupy
-
-    return cupy
+    # fail to write is NaN and caught below.
+    with debug_poison("forward"):
+        yield
 
 
 def _kvcache():
     import fa2cupy
 
     return fa2cupy.flash_attn_with_kvcache
-
-
-def _np_dtype(dtype):
-    if dtype == "bfloat16":
-        import ml_dtypes
-
-        return ml_dtypes.bfloat16
-    return np.float16
 
 
 def _randn(rng, shape, dtype):

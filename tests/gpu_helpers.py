@@ -1,0 +1,52 @@
+"""Helpers shared by the GPU test modules (test_forward_gpu, test_backward_gpu, test_kvcache).
+
+Imports of CuPy, torch and ml_dtypes are deferred to first use, so collecting these modules on a machine without
+a GPU (CI) imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+
+import numpy as np
+import pytest
+
+#: Unit roundoff of the 16-bit types, the u of the error bounds.
+UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
+
+
+def cupy_module():
+    import cupy
+
+    return cupy
+
+
+def np_dtype(dtype: str):
+    """The NumPy dtype of "float16" / "bfloat16" (ml_dtypes for bfloat16)."""
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.float16
+
+
+def torch_cuda():
+    """torch, or skip the test when it is missing or has no CUDA."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch has no CUDA")
+    return torch
+
+
+@contextlib.contextmanager
+def debug_poison(module: str, value: bool = True):
+    """Sets ``fa2cupy.<module>._debug_poison`` (the hook that fills outputs with NaN before each launch, so an
+    element a kernel fails to write shows up) for the duration; a missing hook fails (raising=True: it is part
+    of the contract)."""
+    patch = pytest.MonkeyPatch()
+    patch.setattr(importlib.import_module(f"fa2cupy.{module}"), "_debug_poison", value, raising=True)
+    try:
+        yield
+    finally:
+        patch.undo()
