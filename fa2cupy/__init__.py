@@ -11,10 +11,19 @@ except ImportError as error:  # one clear message instead of a traceback from de
     ) from error
 
 from .device_errors import check_device_errors
-from .interface import flash_attn_backward, flash_attn_func, flash_attn_with_kvcache, merge_attention_states
+from .interface import (
+    flash_attn_backward,
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_with_kvcache,
+    merge_attention_states,
+)
 
 __all__ = [
     "flash_attn_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_kvpacked_func",
     "flash_attn_backward",
     "flash_attn_with_kvcache",
     "merge_attention_states",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import cupy
 
-from . import arrays, backward, checks, decode, device_errors, forward
+from . import arrays, backward, checks, decode, device_errors, forward, packed
 
 _arch_by_device: dict[int, int] = {}
 
@@ -141,6 +141,9 @@ def flash_attn_func(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
         return_attn_probs, key,
     )
+
+
+flash_attn_qkvpacked_func, flash_attn_kvpacked_func = packed.make_packed(flash_attn_func)
 
 
 def _flash_attn_checked(

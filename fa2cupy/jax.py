@@ -39,9 +39,9 @@ import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
 import fa2cupy
-from fa2cupy import arrays, checks
+from fa2cupy import arrays, checks, packed
 
-__all__ = ["flash_attn_func", "COMMAND_BUFFER_COMPATIBLE"]
+__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "COMMAND_BUFFER_COMPATIBLE"]
 
 #: Let XLA capture the callbacks into command buffers (CUDA graphs). Read when a call is traced.
 COMMAND_BUFFER_COMPATIBLE = True
@@ -333,3 +333,6 @@ def flash_attn_func(
     if return_attn_probs:
         return out, jax.lax.stop_gradient(lse), None
     return out
+
+
+flash_attn_qkvpacked_func, flash_attn_kvpacked_func = packed.make_packed(flash_attn_func)

@@ -25,9 +25,9 @@ import math
 import torch
 
 import fa2cupy
-from fa2cupy import checks
+from fa2cupy import checks, packed
 
-__all__ = ["flash_attn_func"]
+__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func"]
 
 
 def _contiguous_last_axis(t: torch.Tensor) -> torch.Tensor:
@@ -188,3 +188,6 @@ def flash_attn_func(
     if return_attn_probs:
         return out, lse, None
     return out
+
+
+flash_attn_qkvpacked_func, flash_attn_kvpacked_func = packed.make_packed(flash_attn_func)

@@ -136,6 +136,24 @@ def test_gpu_forward_eager_and_jit_equal_fa2cupy(dtype, causal):
         assert np.array_equal(np.asarray(got), np.asarray(want_lse))
 
 
+@gpu
+@needs_jax_gpu
+def test_gpu_qkvpacked_grad_is_the_stacked_unpacked_grad():
+    from fa2cupy.jax import flash_attn_qkvpacked_func
+
+    q, k, v, dout = _qkv(sq=150, sk=150, h=4, hkv=4, d=64)
+    qkv = jnp.stack([q, k, v], axis=2)
+
+    def packed_loss(qkv, dout):
+        return (flash_attn_qkvpacked_func(qkv, causal=True, deterministic=True).astype(jnp.float32)
+                * dout.astype(jnp.float32)).sum()
+
+    got = jax.jit(jax.grad(packed_loss))(qkv, dout)
+    want = jax.grad(_weighted, argnums=(0, 1, 2))(q, k, v, dout, causal=True, deterministic=True)
+    assert got.shape == qkv.shape
+    assert np.array_equal(np.asarray(got), np.asarray(jnp.stack(want, axis=2)))
+
+
 def _assert_close_to_reference(grads, dout, q, k, v, out, softmax_scale, causal):
     # The shared backward rule (fa2cupy.benchmark.gradient_errors), as for the torch wrapper.
     from fa2cupy import benchmark

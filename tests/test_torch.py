@@ -128,6 +128,42 @@ def test_gradients_flow_through_the_backward_op(cpu_kernels, causal):
         np.testing.assert_allclose(_np(got), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("form", ["qkv", "kv"])
+def test_packed_forms_are_views_with_gradients_into_the_pack(cpu_kernels, form):
+    # The packed inputs reach the op as strided views (no copies), and the gradient lands in the packed tensor
+    # in the same slots as the unpacked gradients.
+    from fa2cupy.torch import flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+
+    q, k, v = _cpu_qkv(hkv=4)
+    if form == "qkv":
+        pack = torch.stack([x.detach() for x in (q, k, v)], dim=2).requires_grad_()
+        out = flash_attn_qkvpacked_func(pack, causal=True, softmax_scale=0.3)
+    else:
+        pack = torch.stack([x.detach() for x in (k, v)], dim=2).requires_grad_()
+        out = flash_attn_kvpacked_func(q, pack, causal=True, softmax_scale=0.3)
+    dout = torch.randn_like(out)
+    (out * dout).sum().backward()
+    (call,) = cpu_kernels
+    assert call["k"].data_ptr() == pack.data_ptr() + pack.stride(2) * pack.element_size() * (form == "qkv")
+    want = reference.attention_ref_backward(_np(dout), _np(q), _np(k), _np(v), 0.3, True)
+    grads = [pack.grad[:, :, i] for i in range(pack.shape[2])]
+    if form == "kv":
+        np.testing.assert_allclose(_np(q.grad), want[0], rtol=1e-5, atol=1e-5)
+        want = want[1:]
+    for got, ref in zip(grads, want):
+        np.testing.assert_allclose(_np(got), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_shape_errors_name_the_argument():
+    from fa2cupy.torch import flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+
+    q, k, v = _cpu_qkv()
+    with pytest.raises(ValueError, match=r"qkv must be \(batch, seqlen, 3, nheads, headdim\)"):
+        flash_attn_qkvpacked_func(torch.stack([q, k], dim=2))
+    with pytest.raises(ValueError, match=r"kv must be \(batch, seqlen_k, 2, nheads_k, headdim\)"):
+        flash_attn_kvpacked_func(q, k)
+
+
 def test_default_scale_and_expanded_dout(cpu_kernels):
     q, k, v = _cpu_qkv(d=9)
     flash_attn_func(q, k, v).sum().backward()  # autograd hands over an expanded gradient: strides all 0
