@@ -134,7 +134,7 @@ def test_packed_forms_are_views_with_gradients_into_the_pack(cpu_kernels, form):
     # in the same slots as the unpacked gradients.
     from fa2cupy.torch import flash_attn_kvpacked_func, flash_attn_qkvpacked_func
 
-    q, k, v = _cpu_qkv(hkv=4)
+    q, k, v = _cpu_qkv(sq=5, sk=5, hkv=4) if form == "qkv" else _cpu_qkv(hkv=4)
     if form == "qkv":
         pack = torch.stack([x.detach() for x in (q, k, v)], dim=2).requires_grad_()
         out = flash_attn_qkvpacked_func(pack, causal=True, softmax_scale=0.3)
@@ -159,7 +159,7 @@ def test_packed_shape_errors_name_the_argument():
 
     q, k, v = _cpu_qkv()
     with pytest.raises(ValueError, match=r"qkv must be \(batch, seqlen, 3, nheads, headdim\)"):
-        flash_attn_qkvpacked_func(torch.stack([q, k], dim=2))
+        flash_attn_qkvpacked_func(torch.stack([k, v], dim=2))  # two tensors packed, not three
     with pytest.raises(ValueError, match=r"kv must be \(batch, seqlen_k, 2, nheads_k, headdim\)"):
         flash_attn_kvpacked_func(q, k)
 
