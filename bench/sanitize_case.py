@@ -15,7 +15,7 @@ The forward cases run the forward only; BWD_CASES run forward + backward
 ``flash_attn_with_kvcache`` (append, split-KV with the last-block merge, paged and
 contiguous, causal) against ``flash_attn_func`` over each row's keys.
 
-    python3 bench/sanitize_case.py [fwd|bwd|decode ...]    # default: all three groups
+    python3 bench/sanitize_case.py [fwd|bwd|window|decode ...]    # default: all four groups
 """
 
 from __future__ import annotations
@@ -108,6 +108,38 @@ def check_decode(i, batch, sq, h, hkv, d, cap, new, causal, page, splits) -> boo
     return ok
 
 
+# (sq, sk, h, hkv, d, causal, window_size): forward + backward with a sliding window.
+WINDOW_CASES = (
+    (130, 200, 4, 2, 64, False, (20, 5)),
+    (200, 90, 2, 1, 128, True, (16, 0)),  # sq > sk: rows and keys with nothing visible
+    (70, 70, 2, 2, 40, False, (0, -1)),
+)
+
+
+def check_window(i, sq, sk, h, hkv, d, causal, window) -> bool:
+    """Forward and backward with a sliding window against the float64 reference (fa2cupy check's bounds)."""
+    import cupy as cp
+
+    import fa2cupy
+    from fa2cupy import benchmark as B
+    from fa2cupy.reference import attention_ref
+
+    rng = np.random.default_rng(200 + i)
+    q, k, v, dout = (cp.asarray(rng.standard_normal(s, dtype=np.float32)).astype(cp.float16)
+                     for s in ((1, sq, h, d), (1, sk, hkv, d), (1, sk, hkv, d), (1, sq, h, d)))
+    out, lse, _ = fa2cupy.flash_attn_func(q, k, v, causal=causal, window_size=window, return_attn_probs=True)
+    grads = fa2cupy.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, window_size=window)
+    host = [cp.asnumpy(x).astype(np.float64) for x in (q, k, v, dout, out)]
+    ref, _ = attention_ref(*host[:3], causal=causal, window_size=window)
+    ok = np.abs(host[4] - ref).max() <= B.out_bound("fp16", np.abs(ref).max())
+    for name, err, bound in B.gradient_errors([cp.asnumpy(g) for g in grads], host[3], *host[:3], host[4], "fp16",
+                                              None, causal, window):
+        ok &= err <= bound
+    print(f"window {i}: sq{sq} sk{sk} h{h}/{hkv} d{d} causal={causal} window={window}: {'ok' if ok else 'FAIL'}",
+          flush=True)
+    return bool(ok)
+
+
 def main(groups) -> int:
     ok, msg = cli.probe_gpu()
     if not ok:
@@ -127,6 +159,10 @@ def main(groups) -> int:
             print(cli.check_row(j, r), flush=True)
             bad += not r.passed
             total += 1
+    if "window" in groups:
+        for i, case in enumerate(WINDOW_CASES):
+            bad += not check_window(i, *case)
+            total += 1
     if "decode" in groups:
         for i, case in enumerate(DECODE_CASES):
             bad += not check_decode(i, *case)
@@ -137,4 +173,4 @@ def main(groups) -> int:
 
 if __name__ == "__main__":
     np.seterr(all="ignore")
-    sys.exit(main(sys.argv[1:] or ("fwd", "bwd", "decode")))
+    sys.exit(main(sys.argv[1:] or ("fwd", "bwd", "window", "decode")))

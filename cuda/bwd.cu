@@ -26,12 +26,13 @@ constexpr float kLog2e = 1.4426950408889634f;
 // tiles; at small head dims phase 2 prefers 16 keys x all columns, where each P^T/dS^T fragment feeds more. DSlices > 1 splits the head dim of dK/dV/dQ over that many blocks (each recomputes S and dP for its key
 // tile over the full head dim), which keeps large head dims in registers.
 template <int HeadDim, int BlockM, int BlockN, int Warps, int WarpsKeys, int WarpsKeys2, int Stages, int DSlices,
-          class Elem_, bool Causal, bool AtomicDq>
+          class Elem_, int Mask, bool AtomicDq>
 struct BwdTraits {
     using Elem = Elem_;
     static constexpr int kHeadDim = HeadDim, kBlockM = BlockM, kBlockN = BlockN, kStages = Stages;
     static constexpr int kThreads = Warps * 32, kWarps = Warps, kDSlices = DSlices;
-    static constexpr bool kCausal = Causal, kAtomicDq = AtomicDq;
+    static constexpr bool kAtomicDq = AtomicDq;
+    static constexpr int kMask = Mask;  // a MaskKind (masks.cuh)
     static constexpr int kSliceD = HeadDim / DSlices;         // dK/dV/dQ columns per block
     static constexpr int kWarpsOther = Warps / WarpsKeys;     // phase 1: warps along the queries
     static constexpr int kKeyTiles = BlockN / WarpsKeys / 16; // phase 1: m16 key tiles per warp
@@ -113,7 +114,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
              i64 v_batch_stride, int v_row_stride, i64 v_head_stride, i64 do_batch_stride, int do_row_stride,
              i64 do_head_stride, i64 dk_batch_stride, int dk_row_stride, i64 dk_head_stride, i64 dv_batch_stride,
              int dv_row_stride, i64 dv_head_stride, int seqlen_q, int seqlen_k, int nheads, int heads_per_kv,
-             int headdim, float scale, float scale_log2) {
+             int headdim, int window_left, int window_right, float scale, float scale_log2) {
     using KVTile = typename Tr::KVTile;
     using QTile = typename Tr::QTile;
     using PTile = typename Tr::PTile;
@@ -144,9 +145,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const int warp_key2 = (warp / Tr::kWarpsOther2) * kKT2 * 16;          // phase 2 and the epilogue
     const int warp_d0 = col0 + (warp % Tr::kWarpsOther2) * Tr::kDCols;    // phase 2 and the epilogue
 
-    const CausalMask<Tr::kCausal> mask{seqlen_q, seqlen_k};
+    // Only the query tiles with a row whose window reaches this key tile are visited.
+    const WindowMask<Tr::kMask> mask{seqlen_q, seqlen_k, window_left, window_right};
     const int m_begin = mask.first_query(key0) / kM;
-    const int m_count = (seqlen_q + kM - 1) / kM - m_begin;
+    const int last_key = min(key0 + Tr::kBlockN, seqlen_k) - 1;
+    const int m_count = (mask.query_end(last_key) + kM - 1) / kM - m_begin;
     const int n_iters = heads_per_kv * (m_count > 0 ? m_count : 0);
 
     // K_j and V_j: loaded once (Algorithm 2 line 6).
@@ -222,7 +225,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                     QTile::load_b_nk(bdo, do_s, warp_q0 + np * 16, kk * 16, lane);
                 });
             // P^T = exp(S^T * scale - L) (line 11) and dS^T = P^T o (dP^T - D) (line 13), to shared memory.
-            const bool need_mask = mask.tile_needs_mask(m0, key0, Tr::kBlockN);
+            const bool need_mask = mask.tile_needs_mask(m0, kM, key0, Tr::kBlockN);
 #pragma unroll
             for (int kt = 0; kt < kKT; ++kt) {
 #pragma unroll
@@ -361,11 +364,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 // Deterministic dQ: one block per (query tile, head, batch), the forward's structure (warps own query rows),
 // keys visited in a fixed order, dQ accumulated in registers: no atomics, bit-identical run to run. It recomputes
 // S and dP (two extra matmuls), the documented cost of deterministic=True.
-template <int HeadDim, int BlockM, int BlockN, int Warps, class Elem_, bool Causal>
+template <int HeadDim, int BlockM, int BlockN, int Warps, class Elem_, int Mask>
 struct BwdDqTraits {
     using Elem = Elem_;
     static constexpr int kHeadDim = HeadDim, kBlockM = BlockM, kBlockN = BlockN, kThreads = Warps * 32;
-    static constexpr bool kCausal = Causal;
+    static constexpr int kMask = Mask;  // a MaskKind (masks.cuh)
     static constexpr int kMTiles = BlockM / (16 * Warps);
     using QTile = SmemTile<BlockM, HeadDim>;
     using KVTile = SmemTile<BlockN, HeadDim>;
@@ -380,8 +383,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
            u16* __restrict__ dq, i64 q_batch_stride, int q_row_stride, i64 q_head_stride, i64 k_batch_stride,
            int k_row_stride, i64 k_head_stride, i64 v_batch_stride, int v_row_stride, i64 v_head_stride,
            i64 do_batch_stride, int do_row_stride, i64 do_head_stride, i64 dq_batch_stride, int dq_row_stride,
-           i64 dq_head_stride, int seqlen_q, int seqlen_k, int nheads, int heads_per_kv, int headdim, float scale,
-           float scale_log2) {
+           i64 dq_head_stride, int seqlen_q, int seqlen_k, int nheads, int heads_per_kv, int headdim,
+           int window_left, int window_right, float scale, float scale_log2) {
     using QTile = typename Tr::QTile;
     using KVTile = typename Tr::KVTile;
     using Mma = fa2::Mma<typename Tr::Elem>;
@@ -400,13 +403,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const u16* k_head = k + batch * k_batch_stride + kv_head * k_head_stride;
     const u16* v_head = v + batch * v_batch_stride + kv_head * v_head_stride;
 
-    const CausalMask<Tr::kCausal> mask{seqlen_q, seqlen_k};
+    const WindowMask<Tr::kMask> mask{seqlen_q, seqlen_k, window_left, window_right};
     const int key_end = mask.key_end(row0, Tr::kBlockM);
-    const int n_blocks = key_end > 0 ? (key_end + Tr::kBlockN - 1) / Tr::kBlockN : 0;
+    const int n_first = mask.key_begin(row0) / Tr::kBlockN;
+    const int n_end = key_end > 0 ? (key_end + Tr::kBlockN - 1) / Tr::kBlockN : 0;
+    const int n_blocks = n_end > n_first ? n_end - n_first : 0;
 
-    auto load_kv = [&](int n_block, int slot) {
-        const i64 first = (i64)n_block * Tr::kBlockN;
-        const int rows = seqlen_k - n_block * Tr::kBlockN;
+    auto load_kv = [&](int n_block, int slot) {  // n_block counts from n_first
+        const i64 first = (i64)(n_first + n_block) * Tr::kBlockN;
+        const int rows = seqlen_k - (int)first;
         KVTile::template load_async<Tr::kThreads>(smem_k + slot * KVTile::kBytes, k_head + first * k_row_stride,
                                                   k_row_stride, rows, headdim, tid);
         KVTile::template load_async<Tr::kThreads>(smem_v + slot * KVTile::kBytes, v_head + first * v_row_stride,
@@ -456,7 +461,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                     KVTile::load_b_nk(bk, k_slot, np * 16, kk * 16, lane);
                     KVTile::load_b_nk(bv, v_slot, np * 16, kk * 16, lane);
                 });
-            const bool need_mask = mask.tile_needs_mask(row0, n_block * Tr::kBlockN, Tr::kBlockN);
+            const int col0 = (n_first + n_block) * Tr::kBlockN;
+            const bool need_mask = mask.tile_needs_mask(row0, Tr::kBlockM, col0, Tr::kBlockN);
 #pragma unroll
             for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -465,7 +471,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                     for (int e = 0; e < 4; ++e) {
                         const int r = mt * 2 + (e >> 1);
                         const int row = row0 + warp_row0 + mt * 16 + (lane >> 2) + (e >> 1) * 8;
-                        const int key = n_block * Tr::kBlockN + nt * 8 + (lane & 3) * 2 + (e & 1);
+                        const int key = col0 + nt * 8 + (lane & 3) * 2 + (e & 1);
                         float p = fast_exp2(s[mt][nt][e] * scale_log2 - row_lse[r]);
                         if (need_mask && !mask.visible(row, key)) p = 0.f;
                         dp[mt][nt][e] = p * (dp[mt][nt][e] - row_dsum[r]);  // dS

@@ -11,12 +11,13 @@ namespace fa2 {
 
 // A tile configuration is a type. Every instantiation the library can launch comes from fa2cupy/configs.py.
 template <int HeadDim, int BlockM, int BlockN, int Warps, int Stages, int MinBlocks, bool QInRegs, class Elem_,
-          bool Causal>
+          int Mask>
 struct FwdTraits {
     using Elem = Elem_;
     static constexpr int kHeadDim = HeadDim, kBlockM = BlockM, kBlockN = BlockN, kStages = Stages;
     static constexpr int kThreads = Warps * 32, kMinBlocks = MinBlocks;
-    static constexpr bool kQInRegs = QInRegs, kCausal = Causal;
+    static constexpr bool kQInRegs = QInRegs;
+    static constexpr int kMask = Mask;  // a MaskKind (masks.cuh)
     static constexpr int kMTiles = BlockM / (16 * Warps);  // m16 row tiles per warp
     static constexpr int kNTiles = BlockN / 8;             // n8 key tiles of S per row tile
     static constexpr int kDTiles = HeadDim / 8;            // n8 head-dim tiles of O per row tile
@@ -37,7 +38,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
               float* __restrict__ lse, i64 q_batch_stride, int q_row_stride, i64 q_head_stride, i64 k_batch_stride,
               int k_row_stride, i64 k_head_stride, i64 v_batch_stride, int v_row_stride, i64 v_head_stride,
               i64 o_batch_stride, int o_row_stride, i64 o_head_stride, int seqlen_q, int seqlen_k, int nheads,
-              int heads_per_kv, int headdim, float scale, float scale_log2) {
+              int heads_per_kv, int headdim, int window_left, int window_right, float scale, float scale_log2) {
     using QTile = typename Tr::QTile;
     using KVTile = typename Tr::KVTile;
     using Mma = fa2::Mma<typename Tr::Elem>;
@@ -61,13 +62,16 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
     const u16* k_head = k + batch * k_batch_stride + kv_head * k_head_stride;
     const u16* v_head = v + batch * v_batch_stride + kv_head * v_head_stride;
 
-    const CausalMask<Tr::kCausal> mask{seqlen_q, seqlen_k};
+    // Only key tiles inside the window of some row of this tile are visited: invisible tiles are skipped.
+    const WindowMask<Tr::kMask> mask{seqlen_q, seqlen_k, window_left, window_right};
     const int key_end = mask.key_end(row0, Tr::kBlockM);
-    const int n_blocks = key_end > 0 ? (key_end + Tr::kBlockN - 1) / Tr::kBlockN : 0;  // invisible tiles skipped
+    const int n_first = mask.key_begin(row0) / Tr::kBlockN;
+    const int n_end = key_end > 0 ? (key_end + Tr::kBlockN - 1) / Tr::kBlockN : 0;
+    const int n_blocks = n_end > n_first ? n_end - n_first : 0;
 
-    auto load_kv = [&](int n_block, int slot) {
-        const i64 first = (i64)n_block * Tr::kBlockN;
-        const int rows = seqlen_k - n_block * Tr::kBlockN;
+    auto load_kv = [&](int n_block, int slot) {  // n_block counts from n_first
+        const i64 first = (i64)(n_first + n_block) * Tr::kBlockN;
+        const int rows = seqlen_k - (int)first;
         KVTile::template load_async<Tr::kThreads>(smem_k + slot * KVTile::kBytes, k_head + first * k_row_stride,
                                                   k_row_stride, rows, headdim, tid);
         KVTile::template load_async<Tr::kThreads>(smem_v + slot * KVTile::kBytes, v_head + first * v_row_stride,
@@ -124,8 +128,8 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
                 },
                 [&](u32(&b)[4], int np, int kk) { KVTile::load_b_nk(b, k_slot, np * 16, kk * 16, lane); });
             // Only tiles that straddle the diagonal or the end of the keys pay for masking.
-            if (mask.tile_needs_mask(row0, n_block * Tr::kBlockN, Tr::kBlockN))
-                mask.apply(s, row0 + warp_row0, n_block * Tr::kBlockN, lane);
+            const int col0 = (n_first + n_block) * Tr::kBlockN;
+            if (mask.tile_needs_mask(row0, Tr::kBlockM, col0, Tr::kBlockN)) mask.apply(s, row0 + warp_row0, col0, lane);
 
             // Lines 9-10: new row max, P = exp(S - m), rescale of the running output.
             softmax.update(s, acc_o, scale_log2);

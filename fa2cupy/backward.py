@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import build, configs
+from . import build, checks, configs
 from .forward import _LOG2E
 
 #: Tests set this to fill dq, dk and dv with NaN before the kernels run (see forward._debug_poison).
@@ -40,7 +40,7 @@ def _strides3(strides) -> tuple:
 
 def plan_backward(
     q_shape, k_shape, strides: dict, dtype: str, softmax_scale: float, causal: bool, deterministic: bool, arch: int,
-    config=None,
+    config=None, window_size=(-1, -1),
 ) -> BackwardPlan:
     """Builds the launches for one backward problem.
 
@@ -48,14 +48,16 @@ def plan_backward(
     shapes and alignment as in :func:`fa2cupy.forward.plan_forward`. The scale may be negative here: the backward
     has no running maximum, P = exp(scale * s - lse) is exact for any sign.
     """
+    mask, left, right = checks.window_bounds(causal, window_size)
     batch, seqlen_q, nheads, headdim = q_shape
     seqlen_k, nheads_kv = k_shape[1], k_shape[2]
     tag = configs.DTYPE_TAGS[dtype]
     atomic = not deterministic
     if config is None:
-        config = configs.backward_config(arch, headdim, dtype, causal)
+        config = configs.backward_config(arch, headdim, dtype, mask)
     sizes = (np.int32(seqlen_q), np.int32(seqlen_k), np.int32(nheads), np.int32(nheads // nheads_kv),
-             np.int32(headdim), np.float32(softmax_scale), np.float32(softmax_scale * _LOG2E))
+             np.int32(headdim), np.int32(left), np.int32(right), np.float32(softmax_scale),
+             np.float32(softmax_scale * _LOG2E))
 
     pre = _launch(
         build.get_kernel("bwd", f"fa2::bwd_preprocess<{tag}>", 0),
@@ -65,16 +67,16 @@ def plan_backward(
     )
     smem = config.smem_bytes(atomic)
     main = _launch(
-        build.get_kernel("bwd", config.name_expression(dtype, causal, atomic), smem),
+        build.get_kernel("bwd", config.name_expression(dtype, mask, atomic), smem),
         (((seqlen_k + config.block_n - 1) // config.block_n) * config.dslices, nheads_kv, batch),
         (config.threads, 1, 1), smem, 9,
         sum((_strides3(strides[n]) for n in ("q", "k", "v", "dout", "dk", "dv")), ()) + sizes,
     )
     dq = convert = None
     if deterministic:
-        dq_config = configs.backward_dq_config(arch, headdim, dtype, causal)
+        dq_config = configs.backward_dq_config(arch, headdim, dtype, mask)
         dq = _launch(
-            build.get_kernel("bwd", dq_config.name_expression(dtype, causal), dq_config.smem_bytes),
+            build.get_kernel("bwd", dq_config.name_expression(dtype, mask), dq_config.smem_bytes),
             ((seqlen_q + dq_config.block_m - 1) // dq_config.block_m, nheads, batch),
             (dq_config.threads, 1, 1), dq_config.smem_bytes, 7,
             sum((_strides3(strides[n]) for n in ("q", "k", "v", "dout", "dq")), ()) + sizes,

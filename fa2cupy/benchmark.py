@@ -266,14 +266,14 @@ def gradient_bound(dtype: str, ref_absmax: float, floor: float = 0.0) -> float:
 
 
 def gradient_errors(grads, dout, q, k, v, out, dtype: str, softmax_scale: float | None = None,
-                    causal: bool = False):
+                    causal: bool = False, window_size=(-1, -1)):
     """[(name, max|g - ref_g|, bound)] for (dq, dk, dv) against :func:`reference_gradients` with
     :func:`gradient_bound` and :func:`gradient_floor`: the one backward acceptance rule shared by the tests of
     every framework wrapper. All arrays are float64-convertible host arrays in flash-attn layout; ``out`` is the
     forward output the backward was given."""
     dout, q, k, v, out = (np.asarray(x, dtype=np.float64) for x in (dout, q, k, v, out))
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    refs = reference_gradients(dout, q, k, v, out, softmax_scale=scale, causal=causal)
+    refs = reference_gradients(dout, q, k, v, out, softmax_scale=scale, causal=causal, window_size=window_size)
     floor = gradient_floor(scale, q.shape[-1], np.abs(dout).max(), np.abs(v).max(),
                            max(np.abs(q).max(), np.abs(k).max()))
     result = []
@@ -284,14 +284,16 @@ def gradient_errors(grads, dout, q, k, v, out, dtype: str, softmax_scale: float 
     return result
 
 
-def _probs64(q: np.ndarray, k: np.ndarray, scale: float, causal: bool) -> np.ndarray:
+def _probs64(q: np.ndarray, k: np.ndarray, scale: float, causal: bool, window_size=(-1, -1)) -> np.ndarray:
     """Float64 softmax probabilities (b, h, sq, sk) with k repeated to q's heads; dead rows 0."""
+    from fa2cupy.reference import _visible  # noqa: PLC0415
+
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     kr = np.repeat(k, h // hkv, axis=2)
     s = np.matmul(q.transpose(0, 2, 1, 3), kr.transpose(0, 2, 3, 1)) * scale
-    if causal:
-        vis = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)
+    vis = _visible(sq, sk, causal, window_size)
+    if vis is not None:
         s = np.where(vis, s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
     dead = ~np.isfinite(m)
@@ -301,7 +303,7 @@ def _probs64(q: np.ndarray, k: np.ndarray, scale: float, causal: bool) -> np.nda
 
 
 def reference_gradients(dout, q, k, v, out, softmax_scale: float | None = None, causal: bool = False,
-                        ref_out: np.ndarray | None = None):
+                        ref_out: np.ndarray | None = None, window_size=(-1, -1)):
     """Float64 (dq, dk, dv) of attention for the ``out`` the backward is *given*.
 
     FlashAttention-2's backward takes ``out`` as an input and uses it only in
@@ -318,16 +320,17 @@ def reference_gradients(dout, q, k, v, out, softmax_scale: float | None = None, 
     from fa2cupy.reference import attention_ref, attention_ref_backward  # noqa: PLC0415
 
     dout, q, k, v, out = (np.asarray(x, dtype=np.float64) for x in (dout, q, k, v, out))
-    dq, dk, dv = attention_ref_backward(dout, q, k, v, softmax_scale=softmax_scale, causal=causal)
+    dq, dk, dv = attention_ref_backward(dout, q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                        window_size=window_size)
     if ref_out is None:
-        ref_out, _ = attention_ref(q, k, v, softmax_scale=softmax_scale, causal=causal)
+        ref_out, _ = attention_ref(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size)
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     dD = np.einsum("bqhd,bqhd->bhq", dout, out - np.asarray(ref_out, np.float64))
     if not np.any(dD):
         return dq, dk, dv
-    p = _probs64(q, k, scale, causal)                                   # (b, h, sq, sk)
+    p = _probs64(q, k, scale, causal, window_size)                      # (b, h, sq, sk)
     kr = np.repeat(k, h // hkv, axis=2).transpose(0, 2, 1, 3)          # (b, h, sk, d)
     dq = dq - scale * (dD[..., None] * np.matmul(p, kr)).transpose(0, 2, 1, 3)
     x = dD[..., None] * q.transpose(0, 2, 1, 3)                          # (b, h, sq, d)
@@ -710,7 +713,7 @@ def _kernel_config(case: Case) -> dict[str, Any] | None:
 
         arch = gpu_arch()
         dtype = "bfloat16" if case.dtype == "bf16" else "float16"
-        cfg = configs.forward_config(arch, case.headdim, dtype, case.causal)
+        cfg = configs.forward_config(arch, case.headdim, dtype, "causal" if case.causal else "none")
         return dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else {"config": str(cfg)}
     except Exception:
         return None

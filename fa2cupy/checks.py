@@ -78,11 +78,34 @@ def _check_window(window_size) -> None:
         )
     ):
         raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
-    if tuple(int(w) for w in window_size) != (-1, -1):
-        raise NotImplementedError(
-            f"sliding-window attention (window_size={tuple(window_size)!r}) is not "
-            f"implemented yet; use window_size=(-1, -1)"
+    if any(int(w) < -1 for w in window_size):
+        raise ValueError(
+            f"window_size must be (left, right) with each side >= 0 (keys before / after the diagonal) or -1 "
+            f"(no limit), got {tuple(window_size)!r}"
         )
+
+
+#: A window side without a limit, as the kernels take it (kUnlimitedWindow in cuda/masks.cuh).
+UNLIMITED_WINDOW = 1 << 30
+
+
+def window_bounds(causal: bool, window_size) -> tuple[str, int, int]:
+    """``(mask, left, right)`` for the kernels from a validated ``causal`` and ``window_size``.
+
+    flash-attn semantics: query ``i`` sees key ``j`` iff ``i + sk - sq - left <= j <= i + sk - sq + right``, -1 meaning
+    no limit on that side; ``causal`` sets ``right`` to 0. ``mask`` (see configs.MASKS) is "none" when neither side
+    is limited, "causal" for the window (unlimited, 0), else "window"; an unlimited side becomes
+    :data:`UNLIMITED_WINDOW`."""
+    left, right = (int(w) for w in window_size)
+    if causal:
+        right = 0
+    if left < 0 and right < 0:
+        mask = "none"
+    elif left < 0 and right == 0:
+        mask = "causal"
+    else:
+        mask = "window"
+    return mask, (left if left >= 0 else UNLIMITED_WINDOW), (right if right >= 0 else UNLIMITED_WINDOW)
 
 
 def _check_layout(info: ArrayInfo, axes: tuple) -> None:
@@ -126,7 +149,7 @@ def check_forward_args(
         dropout_p: must be 0 (dropout is not implemented yet).
         softmax_scale: None (use 1/sqrt(headdim)) or a finite real number.
         causal: bool; causal mask aligned to the bottom-right corner.
-        window_size: (-1, -1) (sliding-window attention is not implemented yet).
+        window_size: (left, right), each an int >= -1 (-1: no limit on that side).
         softcap: must be 0 (softcapping is not implemented yet).
         alibi_slopes: must be None (ALiBi is not implemented yet).
         deterministic: bool; accepted and ignored (the forward pass is always
@@ -141,7 +164,7 @@ def check_forward_args(
         ValueError: wrong rank, mismatched or zero-length axes, bad head grouping,
             headdim out of range, last axis not contiguous, arrays on different
             frameworks/devices, or a non-finite/out-of-range option value.
-        NotImplementedError: dropout, sliding window, softcap or ALiBi requested.
+        NotImplementedError: dropout, softcap or ALiBi requested.
     """
     # --- options first: they are independent of the arrays. Each has a fast path
     # for the common spellings (this runs on every call; the numbers ABCs are slow).
@@ -276,7 +299,7 @@ def check_backward_args(
     """Validate the arguments of ``flash_attn_backward`` and return the problem size.
 
     q, k, v and the options are checked exactly as by :func:`check_forward_args` (same messages, including
-    NotImplementedError for a sliding ``window_size``). On top of that: ``dout`` and ``out`` have q's shape
+    the ``window_size`` rules). On top of that: ``dout`` and ``out`` have q's shape
     and dtype and a contiguous last axis (other axes may have any stride); ``softmax_lse`` is float32
     ``(batch, nheads, seqlen_q)`` and C-contiguous (as the forward returns it); all six arrays come from one
     framework and live on one device.
@@ -292,7 +315,7 @@ def check_backward_args(
         TypeError: wrong dtype, or an option of the wrong type.
         ValueError: wrong rank or shape, non-contiguous layout, arrays on different frameworks/devices, or a
             bad option value.
-        NotImplementedError: sliding window requested.
+        NotImplementedError: never for the options the backward takes.
     """
     shape = check_forward_args(
         q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, deterministic=deterministic

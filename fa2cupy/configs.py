@@ -15,6 +15,11 @@ HEADDIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 #: Element type tags of the kernels, by canonical dtype name.
 DTYPE_TAGS = {"float16": "fa2::f16", "bfloat16": "fa2::bf16"}
 
+#: Attention masks (enum MaskKind in cuda/masks.cuh), each its own kernel instantiation so that a kernel pays only
+#: for its own mask: none, causal (bounds folded in at compile time), window (sliding window, bounds at run time).
+MASKS = ("none", "causal", "window")
+MASK_TAGS = {"none": "fa2::kMaskNone", "causal": "fa2::kMaskCausal", "window": "fa2::kMaskWindow"}
+
 #: Arch families with their own table rows, told apart by shared memory per block: sm80 (A100, 163 KB),
 #: sm86 (RTX 30/40, L4, consumer Blackwell: 99 KB) and sm90 (H100/H200, B200: 227 KB).
 ARCH_FAMILIES = ("sm80", "sm86", "sm90")
@@ -40,11 +45,11 @@ class FwdConfig:
         # Must match FwdTraits::kSmemBytes: padded rows of (headdim + 8) 16-bit elements.
         return (self.block_m + 2 * self.stages * self.block_n) * (self.headdim + 8) * 2
 
-    def name_expression(self, dtype: str, causal: bool) -> str:
+    def name_expression(self, dtype: str, mask: str) -> str:
         return (
             f"fa2::flash_fwd<fa2::FwdTraits<{self.headdim}, {self.block_m}, {self.block_n}, {self.warps}, "
             f"{self.stages}, {self.min_blocks}, {str(self.q_in_regs).lower()}, {DTYPE_TAGS[dtype]}, "
-            f"{str(bool(causal)).lower()}>>"
+            f"{MASK_TAGS[mask]}>>"
         )
 
 
@@ -79,6 +84,12 @@ FORWARD_TABLE: dict[tuple[str, int], FwdConfig] = {
     ("sm90", 192): _fwd(192, 128, 64, 8),
     ("sm90", 224): _fwd(224, 128, 64, 8),
     ("sm90", 256): _fwd(256, 64, 64, 4),
+}
+
+#: Sliding-window rows that differ from FORWARD_TABLE's: the window's two run-time bounds cost registers, and the
+#: d=64 H100 row (128x128 at the 255-register cap) would spill 24 bytes with them.
+FORWARD_WINDOW_TABLE: dict[tuple[str, int], FwdConfig] = {
+    ("sm90", 64): _fwd(64, 128, 64, 4, min_blocks=2),
 }
 
 #: Extra configurations timed by bench/tune_fwd.py (``TUNE=1 bash bench/run_device.sh``) when re-tuning the table.
@@ -141,12 +152,11 @@ class BwdConfig:
         units_per_warp = -(-units // col_warps)
         return base + self.warps * 16 * (units_per_warp * 16 + 4) * 4
 
-    def name_expression(self, dtype: str, causal: bool, atomic_dq: bool) -> str:
+    def name_expression(self, dtype: str, mask: str, atomic_dq: bool) -> str:
         return (
             f"fa2::bwd_dkdv<fa2::BwdTraits<{self.headdim}, {self.block_m}, {self.block_n}, {self.warps}, "
             f"{self.warps_keys}, {self.warps_keys2}, {self.stages}, {self.dslices}, {DTYPE_TAGS[dtype]}, "
-            f"{str(bool(causal)).lower()}, "
-            f"{str(bool(atomic_dq)).lower()}>>"
+            f"{MASK_TAGS[mask]}, {str(bool(atomic_dq)).lower()}>>"
         )
 
 
@@ -167,10 +177,10 @@ class BwdDqConfig:
     def smem_bytes(self) -> int:
         return (2 * self.block_m + 4 * self.block_n) * (self.headdim + 8) * 2
 
-    def name_expression(self, dtype: str, causal: bool) -> str:
+    def name_expression(self, dtype: str, mask: str) -> str:
         return (
             f"fa2::bwd_dq<fa2::BwdDqTraits<{self.headdim}, {self.block_m}, {self.block_n}, {self.warps}, "
-            f"{DTYPE_TAGS[dtype]}, {str(bool(causal)).lower()}>>"
+            f"{DTYPE_TAGS[dtype]}, {MASK_TAGS[mask]}>>"
         )
 
 
@@ -227,7 +237,7 @@ BACKWARD_CANDIDATES: dict[int, tuple[BwdConfig, ...]] = {
     ),
 }
 
-#: Causal rows that differ from BACKWARD_TABLE's (the causal mask costs a few registers: the d=64 H100 row would
+#: Masked (causal or window) rows that differ from BACKWARD_TABLE's (the mask costs a few registers: the d=64 H100 row would
 #: spill 4 bytes with it).
 BACKWARD_CAUSAL_TABLE: dict[tuple[str, int], BwdConfig] = {
     ("sm90", 64): _bwd(64, 128, 128, 8, 2, warps_keys2=4),
@@ -316,27 +326,30 @@ def tile_headdim(headdim: int) -> int:
     raise ValueError(f"headdim must be at most {HEADDIMS[-1]}, got {headdim}")
 
 
-def forward_config(arch: int, headdim: int, dtype: str, causal: bool) -> FwdConfig:
-    """The forward tile configuration for a GPU arch (e.g. 90), head dim, dtype and mask.
+def forward_config(arch: int, headdim: int, dtype: str, mask: str) -> FwdConfig:
+    """The forward tile configuration for a GPU arch (e.g. 90), head dim, dtype and mask (one of MASKS).
 
-    dtype and causal are part of the key so that a tuned table may split on them; today they share rows.
+    dtype and mask are part of the key so that a tuned table may split on them; today they share rows.
     """
     if dtype not in DTYPE_TAGS:
         raise ValueError(f"dtype must be one of {tuple(DTYPE_TAGS)}, got {dtype}")
-    return FORWARD_TABLE[(arch_family(arch), tile_headdim(headdim))]
+    key = (arch_family(arch), tile_headdim(headdim))
+    if mask == "window" and key in FORWARD_WINDOW_TABLE:
+        return FORWARD_WINDOW_TABLE[key]
+    return FORWARD_TABLE[key]
 
 
-def backward_config(arch: int, headdim: int, dtype: str, causal: bool) -> BwdConfig:
+def backward_config(arch: int, headdim: int, dtype: str, mask: str) -> BwdConfig:
     """The backward main-kernel configuration (same key as :func:`forward_config`)."""
     if dtype not in DTYPE_TAGS:
         raise ValueError(f"dtype must be one of {tuple(DTYPE_TAGS)}, got {dtype}")
     key = (arch_family(arch), tile_headdim(headdim))
-    if causal and key in BACKWARD_CAUSAL_TABLE:
+    if mask != "none" and key in BACKWARD_CAUSAL_TABLE:
         return BACKWARD_CAUSAL_TABLE[key]
     return BACKWARD_TABLE[key]
 
 
-def backward_dq_config(arch: int, headdim: int, dtype: str, causal: bool) -> BwdDqConfig:
+def backward_dq_config(arch: int, headdim: int, dtype: str, mask: str) -> BwdDqConfig:
     """The deterministic dQ kernel's configuration."""
     if dtype not in DTYPE_TAGS:
         raise ValueError(f"dtype must be one of {tuple(DTYPE_TAGS)}, got {dtype}")
@@ -349,15 +362,15 @@ def backward_instantiations(family: str | None = None) -> list[str]:
     for (fam, width), base in BACKWARD_TABLE.items():
         if family is None or fam == family:
             for dtype in DTYPE_TAGS:
-                for causal in (False, True):
-                    config = BACKWARD_CAUSAL_TABLE.get((fam, width), base) if causal else base
+                for mask in MASKS:
+                    config = BACKWARD_CAUSAL_TABLE.get((fam, width), base) if mask != "none" else base
                     for atomic in (False, True):
-                        names.add(config.name_expression(dtype, causal, atomic))
+                        names.add(config.name_expression(dtype, mask, atomic))
     for (fam, _), config in BACKWARD_DQ_TABLE.items():
         if family is None or fam == family:
             for dtype in DTYPE_TAGS:
-                for causal in (False, True):
-                    names.add(config.name_expression(dtype, causal))
+                for mask in MASKS:
+                    names.add(config.name_expression(dtype, mask))
     for dtype in DTYPE_TAGS:
         names.add(f"fa2::bwd_preprocess<{DTYPE_TAGS[dtype]}>")
         names.add(f"fa2::bwd_convert_dq<{DTYPE_TAGS[dtype]}>")
@@ -383,10 +396,10 @@ def decode_instantiations(family: str | None = None) -> list[str]:
 def forward_instantiations(family: str | None = None) -> list[str]:
     """Name expressions of every shipped forward instantiation (of one arch family, or all), deduplicated."""
     names = {
-        config.name_expression(dtype, causal)
-        for (fam, _), config in FORWARD_TABLE.items()
-        if family is None or fam == family
+        (FORWARD_WINDOW_TABLE.get(key, config) if mask == "window" else config).name_expression(dtype, mask)
+        for key, config in FORWARD_TABLE.items()
+        if family is None or key[0] == family
         for dtype in DTYPE_TAGS
-        for causal in (False, True)
+        for mask in MASKS
     }
     return sorted(names)

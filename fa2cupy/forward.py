@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import build, configs
+from . import build, checks, configs
 
 #: Tests set this to fill out and lse with NaN before every launch, so an element the kernel fails to write
 #: shows up as NaN instead of as whatever the allocator happened to hand back.
@@ -28,7 +28,8 @@ class ForwardPlan:
 
 
 def plan_forward(
-    q_shape, k_shape, strides, dtype: str, softmax_scale: float, causal: bool, arch: int, config=None
+    q_shape, k_shape, strides, dtype: str, softmax_scale: float, causal: bool, arch: int, config=None,
+    window_size=(-1, -1),
 ) -> ForwardPlan:
     """Builds (and compiles on first use) the launch for one problem.
 
@@ -36,12 +37,14 @@ def plan_forward(
     element strides of q, k, v and out (4 tuples of 4). ``d`` is a multiple of 8 (<= 256); every last-axis
     stride is 1, the others are multiples of 8 with row strides below ``MAX_ROW_STRIDE``; ``softmax_scale >= 0``
     (the interface folds a negative scale into q). ``config`` overrides the tile table (tuning only).
+    ``causal`` and ``window_size`` (validated) pick the mask, see :func:`checks.window_bounds`.
     """
     batch, seqlen_q, nheads, headdim = q_shape
     seqlen_k, nheads_kv = k_shape[1], k_shape[2]
+    mask, left, right = checks.window_bounds(causal, window_size)
     if config is None:
-        config = configs.forward_config(arch, headdim, dtype, causal)
-    function = build.get_kernel("fwd", config.name_expression(dtype, causal), config.smem_bytes)
+        config = configs.forward_config(arch, headdim, dtype, mask)
+    function = build.get_kernel("fwd", config.name_expression(dtype, mask), config.smem_bytes)
     scalars = ()
     for batch_stride, row_stride, head_stride, _ in strides:
         scalars += (np.int64(batch_stride), np.int32(row_stride), np.int64(head_stride))
@@ -51,6 +54,8 @@ def plan_forward(
         np.int32(nheads),
         np.int32(nheads // nheads_kv),
         np.int32(headdim),
+        np.int32(left),
+        np.int32(right),
         np.float32(softmax_scale),
         np.float32(softmax_scale * _LOG2E),
     )

@@ -115,7 +115,11 @@ def flash_attn_func(
         softmax_scale: scale of the scores; default ``1 / sqrt(headdim)``.
         causal: bottom-right aligned causal mask: query ``i`` sees key ``j`` iff ``j <= i + seqlen_k -
             seqlen_q``. A query that sees no key outputs 0 (and its lse is +inf).
-        dropout_p, window_size, softcap, alibi_slopes: not implemented yet; anything but the defaults raises
+        window_size: ``(left, right)`` sliding-window (local) attention, flash-attn semantics: query ``i`` sees key
+            ``j`` iff ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right``; -1 = no limit on
+            that side; with ``causal`` the right side is 0. Key tiles outside every row's window are skipped, so
+            the cost falls with the window.
+        dropout_p, softcap, alibi_slopes: not implemented yet; anything but the defaults raises
             NotImplementedError naming the feature.
         deterministic: accepted for compatibility; the forward is always deterministic.
         return_attn_probs: also return the log-sum-exp (see Returns).
@@ -189,7 +193,7 @@ def _flash_attn_checked(
                 lse.fill(float("nan"))
             plan = forward.plan_forward(
                 qc.shape, kc.shape, tuple(_elem_strides(x) for x in (qc, kc, vc, out)), shape.dtype, scale,
-                bool(causal), _arch(device),
+                bool(causal), _arch(device), window_size=window_size,
             )
             forward.run_forward(plan, qc.data.ptr, kc.data.ptr, vc.data.ptr, out.data.ptr, lse.data.ptr, stream.ptr)
             if qc is q_in and kc is k_in and vc is v_in:  # inputs used in place: later calls may skip to launch
@@ -279,7 +283,8 @@ def _flash_attn_backward_checked(
             strides = {n: _elem_strides(x) for n, x in zip(("dout", "q", "k", "v", "out"), ready)}
             strides.update({n: _elem_strides(x) for n, x in zip(("dq", "dk", "dv"), views)})
             plan = backward.plan_backward(
-                q_c.shape, k_c.shape, strides, shape.dtype, scale, bool(causal), deterministic, _arch(device)
+                q_c.shape, k_c.shape, strides, shape.dtype, scale, bool(causal), deterministic, _arch(device),
+                window_size=window_size,
             )
             pointers = {n: x.data.ptr for n, x in zip(("dout", "q", "k", "v", "out"), ready)}
             pointers["lse"] = lse.data.ptr

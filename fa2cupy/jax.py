@@ -136,18 +136,21 @@ def _xla_stream(ctx) -> int:
 # ------------------------------------------------------------------------------------------ the callbacks
 
 
-def _run_forward(outs, q, k, v, scale, causal):
+def _run_forward(outs, q, k, v, scale, mask):
     """Forward on CuPy arrays, writing into the CuPy arrays ``outs = (out, lse)``; current stream."""
-    out, lse, _ = fa2cupy.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, return_attn_probs=True)
+    causal, left, right = mask
+    out, lse, _ = fa2cupy.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, window_size=(left, right),
+                                          return_attn_probs=True)
     stream = cupy.cuda.get_current_stream()
     _copy_into(outs[0], out, stream)
     _copy_into(outs[1], lse, stream)
 
 
-def _run_backward(outs, dout, q, k, v, out, lse, scale, causal, deterministic):
+def _run_backward(outs, dout, q, k, v, out, lse, scale, mask, deterministic):
     """Backward on CuPy arrays, writing into ``outs = (dq, dk, dv)``; current stream."""
     grads = fa2cupy.flash_attn_backward(
-        dout, q, k, v, out, lse, softmax_scale=scale, causal=causal, deterministic=deterministic
+        dout, q, k, v, out, lse, softmax_scale=scale, causal=mask[0], window_size=mask[1:],
+        deterministic=deterministic
     )
     stream = cupy.cuda.get_current_stream()
     for dst, src in zip(outs, grads):
@@ -168,18 +171,18 @@ def _in_callback(kind, run, options, ctx, outs, *inputs):
 
 
 @functools.lru_cache(maxsize=None)
-def _forward_callback(scale: float, causal: bool):
+def _forward_callback(scale: float, mask: tuple):
     # Cached so that equal calls share one callback object: eager calls then hit JAX's compilation cache.
     def callback(ctx, outs, q, k, v):
-        _in_callback("fwd", _run_forward, (scale, causal), ctx, outs, q, k, v)
+        _in_callback("fwd", _run_forward, (scale, mask), ctx, outs, q, k, v)
 
     return callback
 
 
 @functools.lru_cache(maxsize=None)
-def _backward_callback(scale: float, causal: bool, deterministic: bool):
+def _backward_callback(scale: float, mask: tuple, deterministic: bool):
     def callback(ctx, outs, dout, q, k, v, out, lse):
-        _in_callback("bwd", _run_backward, (scale, causal, deterministic), ctx, outs, dout, q, k, v, out, lse)
+        _in_callback("bwd", _run_backward, (scale, mask, deterministic), ctx, outs, dout, q, k, v, out, lse)
 
     return callback
 
@@ -190,7 +193,7 @@ def _backward_callback(scale: float, causal: bool, deterministic: bool):
 _warmed: set = set()
 
 
-def _warm_up(kind, shape: checks.AttnShape, scale, causal, deterministic) -> None:
+def _warm_up(kind, shape: checks.AttnShape, scale, mask, deterministic) -> None:
     """Compile and load the kernels of a call before XLA runs (and maybe captures) the callback.
 
     Runs the same code path on tiny CuPy arrays (one batch, one kv group, short sequences; same head dim,
@@ -198,7 +201,7 @@ def _warm_up(kind, shape: checks.AttnShape, scale, causal, deterministic) -> Non
     without a usable GPU it does nothing and the callback itself reports the problem.
     """
     group = shape.nheads // shape.nheads_kv
-    key = (kind, shape.headdim, shape.dtype, group, scale, causal, deterministic)
+    key = (kind, shape.headdim, shape.dtype, group, scale, mask, deterministic)
     if key in _warmed:
         return
     _warmed.add(key)
@@ -220,10 +223,10 @@ def _warm_up(kind, shape: checks.AttnShape, scale, causal, deterministic) -> Non
             q, k, v = make(1, sq, group, shape.headdim), make(1, sk, 1, shape.headdim), make(1, sk, 1, shape.headdim)
             out = cupy.empty_like(q)
             lse = cupy.empty((1, group, sq), cupy.float32)
-            _run_forward((out, lse), q, k, v, scale, causal)
+            _run_forward((out, lse), q, k, v, scale, mask)
             if kind == "bwd":
                 grads = (cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v))
-                _run_backward(grads, make(1, sq, group, shape.headdim), q, k, v, out, lse, scale, causal,
+                _run_backward(grads, make(1, sq, group, shape.headdim), q, k, v, out, lse, scale, mask,
                               deterministic)
         stream.synchronize()
     except Exception:  # noqa: BLE001 -- best effort, see the docstring
@@ -239,49 +242,49 @@ def _info(name, x) -> arrays.ArrayInfo:
     return arrays.ArrayInfo(name, "jax", shape, np.dtype(x.dtype).name, arrays._c_strides(shape), ("cuda", 0))
 
 
-def _forward_call(q, k, v, scale, causal):
+def _forward_call(q, k, v, scale, mask):
     b, sq, h, _ = q.shape
     result = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, sq), jnp.float32))
     call = buffer_callback(
-        _forward_callback(scale, causal), result, vmap_method="sequential",
+        _forward_callback(scale, mask), result, vmap_method="sequential",
         command_buffer_compatible=COMMAND_BUFFER_COMPATIBLE,
     )
     return call(q, k, v)
 
 
-def _backward_call(dout, q, k, v, out, lse, scale, causal, deterministic):
+def _backward_call(dout, q, k, v, out, lse, scale, mask, deterministic):
     result = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
     call = buffer_callback(
-        _backward_callback(scale, causal, deterministic), result, vmap_method="sequential",
+        _backward_callback(scale, mask, deterministic), result, vmap_method="sequential",
         command_buffer_compatible=COMMAND_BUFFER_COMPATIBLE,
     )
     return call(dout, q, k, v, out, lse)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _attention(q, k, v, scale, causal, deterministic):
-    return _forward_call(q, k, v, scale, causal)
+def _attention(q, k, v, scale, mask, deterministic):
+    return _forward_call(q, k, v, scale, mask)
 
 
-def _attention_fwd(q, k, v, scale, causal, deterministic):
-    out, lse = _forward_call(q, k, v, scale, causal)
+def _attention_fwd(q, k, v, scale, mask, deterministic):
+    out, lse = _forward_call(q, k, v, scale, mask)
     return (out, lse), (q, k, v, out, lse)  # the residuals: no probabilities, O(seqlen) besides q, k, v, out
 
 
-def _attention_bwd(scale, causal, deterministic, residuals, cotangents):
+def _attention_bwd(scale, mask, deterministic, residuals, cotangents):
     q, k, v, out, lse = residuals
     dout, _ = cotangents  # lse is returned through stop_gradient: its cotangent is always zero
     shape = checks.check_forward_args(_info("q", q), _info("k", k), _info("v", v))
-    _warm_up("bwd", shape, scale, causal, deterministic)
-    return _backward_call(dout.astype(q.dtype), q, k, v, out, lse, scale, causal, deterministic)
+    _warm_up("bwd", shape, scale, mask, deterministic)
+    return _backward_call(dout.astype(q.dtype), q, k, v, out, lse, scale, mask, deterministic)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 @functools.partial(jax.jit, static_argnums=(3, 4, 5))
-def _attention_jit(q, k, v, scale, causal, deterministic):
-    return _attention(q, k, v, scale, causal, deterministic)
+def _attention_jit(q, k, v, scale, mask, deterministic):
+    return _attention(q, k, v, scale, mask, deterministic)
 
 
 def flash_attn_func(
@@ -309,7 +312,8 @@ def flash_attn_func(
         softmax_scale: default ``1 / sqrt(headdim)``.
         causal: bottom-right aligned causal mask.
         deterministic: make the backward bit-reproducible run to run (the forward always is).
-        dropout_p, window_size, softcap, alibi_slopes: only the defaults; anything else raises
+        window_size: sliding window ``(left, right)``, as in :func:`fa2cupy.flash_attn_func`.
+        dropout_p, softcap, alibi_slopes: only the defaults; anything else raises
             NotImplementedError naming the feature.
         return_attn_probs: also return ``softmax_lse``.
 
@@ -328,8 +332,9 @@ def flash_attn_func(
         deterministic=deterministic, return_attn_probs=return_attn_probs,
     )
     scale = 1.0 / math.sqrt(shape.headdim) if softmax_scale is None else float(softmax_scale)
-    _warm_up("fwd", shape, scale, bool(causal), bool(deterministic))
-    out, lse = _attention_jit(q, k, v, scale, bool(causal), bool(deterministic))
+    mask = (bool(causal), int(window_size[0]), int(window_size[1]))  # hashable: a static argument of the jit
+    _warm_up("fwd", shape, scale, mask, bool(deterministic))
+    out, lse = _attention_jit(q, k, v, scale, mask, bool(deterministic))
     if return_attn_probs:
         return out, jax.lax.stop_gradient(lse), None
     return out

@@ -48,13 +48,24 @@ def _prepare(q, k, v, softmax_scale):
     return q, k, v, scale, hq // hkv
 
 
-def _visible(sq: int, sk: int, causal: bool):
-    """Boolean (sq, sk) mask of keys each query may see, or None for "all"."""
-    if not causal:
+def _visible(sq: int, sk: int, causal: bool, window_size=(-1, -1)):
+    """Boolean (sq, sk) mask of keys each query may see, or None for "all".
+
+    flash-attn's sliding window: query i sees key j iff i + sk - sq - left <= j <= i + sk - sq + right, -1 meaning
+    no limit on that side; causal sets right = 0."""
+    left, right = (int(w) for w in window_size)
+    if causal:
+        right = 0
+    if left < 0 and right < 0:
         return None
     i = np.arange(sq)[:, None]
     j = np.arange(sk)[None, :]
-    return j <= i + (sk - sq)
+    visible = np.ones((sq, sk), dtype=bool)
+    if right >= 0:
+        visible &= j <= i + (sk - sq) + right
+    if left >= 0:
+        visible &= j >= i + (sk - sq) - left
+    return visible
 
 
 def _probs(qb, kb, scale, mask):
@@ -78,7 +89,7 @@ def _probs(qb, kb, scale, mask):
     return p, lse
 
 
-def attention_ref(q, k, v, softmax_scale=None, causal=False):
+def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1)):
     """Exact attention in float64.
 
     Args:
@@ -87,6 +98,7 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False):
         k, v: ``(batch, seqlen_k, nheads_kv, headdim)``; nheads % nheads_kv == 0.
         softmax_scale: multiplier of q.k; None means ``1/sqrt(headdim)``.
         causal: bottom-right aligned causal mask.
+        window_size: ``(left, right)`` sliding window (flash-attn semantics, -1 = no limit).
 
     Returns:
         (out, lse): out float64 ``(batch, seqlen_q, nheads, headdim)``; lse float64
@@ -98,7 +110,7 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False):
     q, k, v, scale, group = _prepare(q, k, v, softmax_scale)
     b, sq, hq, d = q.shape
     sk = k.shape[1]
-    mask = _visible(sq, sk, causal)
+    mask = _visible(sq, sk, causal, window_size)
     out = np.empty((b, sq, hq, d))
     lse = np.empty((b, hq, sq))
     # One batch entry at a time bounds the (heads, sq, sk) score tensor.
@@ -110,7 +122,7 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False):
     return out, lse
 
 
-def attention_ref_backward(dout, q, k, v, softmax_scale=None, causal=False):
+def attention_ref_backward(dout, q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1)):
     """Analytic float64 gradients of :func:`attention_ref`'s output.
 
     With ``P = softmax(scale * Q K^T)`` and ``O = P V``:
@@ -121,7 +133,7 @@ def attention_ref_backward(dout, q, k, v, softmax_scale=None, causal=False):
 
     Args:
         dout: ``(batch, seqlen_q, nheads, headdim)``, gradient of the output.
-        q, k, v, softmax_scale, causal: as for :func:`attention_ref`.
+        q, k, v, softmax_scale, causal, window_size: as for :func:`attention_ref`.
 
     Returns:
         (dq, dk, dv) float64 with the shapes of q, k and v.
@@ -132,7 +144,7 @@ def attention_ref_backward(dout, q, k, v, softmax_scale=None, causal=False):
         raise ValueError(f"dout must have q's shape {q.shape}, got {dout.shape}")
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    mask = _visible(sq, sk, causal)
+    mask = _visible(sq, sk, causal, window_size)
     dq = np.empty_like(q)
     dk = np.empty_like(k)
     dv = np.empty_like(v)

@@ -41,20 +41,22 @@ def _contiguous_last_axis(t: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("fa2cupy::flash_attn_forward", mutates_args=())
 def _flash_attn_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool, deterministic: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool, window_left: int,
+    window_right: int, deterministic: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out ``(b, sq, h, d)`` contiguous in q's dtype and lse ``(b, h, sq)`` float32. ``deterministic`` is only
     carried to the backward (the forward is always deterministic)."""
     # detach(): the autograd wrapper already handles the graph; plain tensors take fa2cupy's cached fast path.
     out, lse, _ = fa2cupy.flash_attn_func(
-        q.detach(), k.detach(), v.detach(), softmax_scale=softmax_scale, causal=causal, return_attn_probs=True
+        q.detach(), k.detach(), v.detach(), softmax_scale=softmax_scale, causal=causal,
+        window_size=(window_left, window_right), return_attn_probs=True
     )
     # Odd head dims come back as a slice of a padded buffer; the fake implementation promises contiguous.
     return out.contiguous(), lse
 
 
 @_flash_attn_forward.register_fake
-def _flash_attn_forward_fake(q, k, v, softmax_scale, causal, deterministic):
+def _flash_attn_forward_fake(q, k, v, softmax_scale, causal, window_left, window_right, deterministic):
     b, sq, h, d = q.shape
     out = q.new_empty((b, sq, h, d))
     lse = q.new_empty((b, h, sq), dtype=torch.float32)
@@ -74,6 +76,8 @@ def _flash_attn_backward(
     lse: torch.Tensor,
     softmax_scale: float,
     causal: bool,
+    window_left: int,
+    window_right: int,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv: contiguous, shaped and typed like q, k, v."""
@@ -86,13 +90,15 @@ def _flash_attn_backward(
         lse.detach(),
         softmax_scale=softmax_scale,
         causal=causal,
+        window_size=(window_left, window_right),
         deterministic=deterministic,
     )
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @_flash_attn_backward.register_fake
-def _flash_attn_backward_fake(dout, q, k, v, out, lse, softmax_scale, causal, deterministic):
+def _flash_attn_backward_fake(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right,
+                              deterministic):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -100,10 +106,10 @@ def _flash_attn_backward_fake(dout, q, k, v, out, lse, softmax_scale, causal, de
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, deterministic = inputs
+    q, k, v, softmax_scale, causal, window_left, window_right, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)  # nothing else: O(seqlen) memory on top of q, k, v, out
-    ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
+    ctx.options = (softmax_scale, causal, window_left, window_right, deterministic)
     # lse is an auxiliary output (as in flash-attn): no gradient flows through it.
     ctx.mark_non_differentiable(lse)
 
@@ -111,10 +117,8 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, dlse):
     del dlse  # lse is non-differentiable
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = _flash_attn_backward(
-        dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, ctx.deterministic
-    )
-    return dq, dk, dv, None, None, None
+    dq, dk, dv = _flash_attn_backward(dout, q, k, v, out, lse, *ctx.options)
+    return dq, dk, dv, None, None, None, None, None
 
 
 torch.library.register_autograd("fa2cupy::flash_attn_forward", _backward, setup_context=_setup_context)
@@ -169,7 +173,8 @@ def flash_attn_func(
         softmax_scale: default ``1 / sqrt(headdim)``.
         causal: bottom-right aligned causal mask.
         deterministic: make the backward bit-reproducible run to run (the forward always is).
-        dropout_p, window_size, softcap, alibi_slopes: only the defaults; anything else raises
+        window_size: sliding window ``(left, right)``, as in :func:`fa2cupy.flash_attn_func`.
+        dropout_p, softcap, alibi_slopes: only the defaults; anything else raises
             NotImplementedError naming the feature.
         return_attn_probs: also return ``softmax_lse`` (see Returns).
 
@@ -184,7 +189,8 @@ def flash_attn_func(
         checks._check_bool(deterministic, "deterministic")
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(int(q.shape[-1]))
-    out, lse = _flash_attn_forward(q, k, v, float(softmax_scale), bool(causal), bool(deterministic))
+    left, right = (int(w) for w in window_size)
+    out, lse = _flash_attn_forward(q, k, v, float(softmax_scale), bool(causal), left, right, bool(deterministic))
     if return_attn_probs:
         return out, lse, None
     return out

@@ -112,7 +112,7 @@ def bound_for(dtype, scale, d, dout, q, k, v, ref_g) -> float:
     return B.gradient_bound(SHORT[dtype], float(np.abs(ref_g).max()) if ref_g.size else 0.0, floor)
 
 
-def check_gradients(dout, q, k, v, out, grads, softmax_scale, causal, dtype, *, ref=None):
+def check_gradients(dout, q, k, v, out, grads, softmax_scale, causal, dtype, *, ref=None, window_size=(-1, -1)):
     """Assert (dq, dk, dv) (any framework) against the reference; returns (ref, host grads, bounds)."""
     dout, q, k, v, out = (_host64(x) for x in (dout, q, k, v, out))
     g = [_host64(x) for x in grads]
@@ -123,7 +123,8 @@ def check_gradients(dout, q, k, v, out, grads, softmax_scale, causal, dtype, *, 
     for name, x in zip("qkv", g):
         assert not np.isnan(x).any(), f"d{name} has NaN: poisoned elements left unwritten (or a NaN computed)"
     if ref is None:
-        ref = B.reference_gradients(dout, q, k, v, out, softmax_scale=softmax_scale, causal=causal)
+        ref = B.reference_gradients(dout, q, k, v, out, softmax_scale=softmax_scale, causal=causal,
+                                    window_size=window_size)
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
     bounds = []
     for name, x, r in zip("qkv", g, ref):
@@ -164,6 +165,8 @@ def cases(draw):
         nheads_kv=nheads_kv,
         headdim=headdim,
         causal=draw(st.booleans()),
+        window_size=draw(st.one_of(st.just((-1, -1)), st.just((-1, -1)),
+                                   st.tuples(*[st.one_of(st.just(-1), st.integers(0, 8), st.integers(0, 300))] * 2))),
         dtype=draw(st.sampled_from(["float16", "bfloat16"])),
         softmax_scale=draw(st.one_of(st.none(), st.floats(0.01, 1.5))),
         deterministic=draw(st.booleans()),
@@ -184,13 +187,15 @@ def run_case(c, repeat=True):
     k = make_input(rng, (b, sk, hkv, d), dtype, c["transposed"])
     v = make_input(rng, (b, sk, hkv, d), dtype, c["transposed"])
     dout = make_input(rng, (b, sq, h, d), dtype, c["transposed"])
-    kw = dict(softmax_scale=c["softmax_scale"], causal=c["causal"])
+    window = c.get("window_size", (-1, -1))
+    kw = dict(softmax_scale=c["softmax_scale"], causal=c["causal"], window_size=window)
     out, lse, _ = fa.flash_attn_func(q, k, v, return_attn_probs=True, **kw)
     grads = fa.flash_attn_backward(dout, q, k, v, out, lse, deterministic=c["deterministic"], **kw)
     assert isinstance(grads, tuple) and len(grads) == 3
     for x, like in zip(grads, (q, k, v)):
         assert isinstance(x, cp.ndarray) and x.shape == like.shape and x.dtype == like.dtype
-    ref, g1, bounds = check_gradients(dout, q, k, v, out, grads, c["softmax_scale"], c["causal"], dtype)
+    ref, g1, bounds = check_gradients(dout, q, k, v, out, grads, c["softmax_scale"], c["causal"], dtype,
+                                      window_size=window)
     if repeat:
         again = fa.flash_attn_backward(dout, q, k, v, out, lse, deterministic=c["deterministic"], **kw)
         for name, x, y, tol in zip("qkv", grads, again, bounds):
@@ -234,6 +239,25 @@ def _case(b, sq, sk, h, hkv, d, causal, dtype, scale=None, det=False, transposed
 )
 def test_fixed_cases(dtype, b, sq, sk, h, hkv, d, causal, det):
     run_case(_case(b, sq, sk, h, hkv, d, causal, dtype, det=det))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("det", [False, True])
+@pytest.mark.parametrize(
+    "sq,sk,d,window",
+    [
+        (300, 300, 64, (32, 0)),  # local causal band
+        (260, 400, 128, (100, 50)),  # sq < sk, both sides limited
+        (400, 150, 64, (0, 0)),  # sq > sk: the diagonal key only; rows and keys with none
+        (200, 500, 96, (-1, 17)),
+        (129, 129, 256, (5, -1)),
+    ],
+)
+def test_sliding_window(dtype, causal, det, sq, sk, d, window):
+    c = _case(1, sq, sk, 4, 2, d, causal, dtype, det=det)
+    c["window_size"] = window
+    run_case(c)
 
 
 @pytest.mark.parametrize("scale", [0.01, 0.3, 1.5])

@@ -8,7 +8,15 @@ import numpy as np
 import pytest
 
 from fa2cupy.arrays import ArrayInfo, describe
-from fa2cupy.checks import MAX_HEADDIM, SUPPORTED_DTYPES, AttnShape, check_forward_args, default_scale
+from fa2cupy.checks import (
+    MAX_HEADDIM,
+    SUPPORTED_DTYPES,
+    UNLIMITED_WINDOW,
+    AttnShape,
+    check_forward_args,
+    default_scale,
+    window_bounds,
+)
 
 
 def _c_strides(shape):
@@ -212,10 +220,27 @@ def test_dropout_type():
         check_forward_args(*qkv(), dropout_p="0.1")
 
 
-@pytest.mark.parametrize("w", [(128, 0), (-1, 0), (4, 4)])
-def test_window_not_implemented(w):
-    with pytest.raises(NotImplementedError, match=r"^sliding-window attention \(window_size="):
+@pytest.mark.parametrize("w", [(128, 0), (-1, 0), (4, 4), [0, -1], (0, 0)])
+def test_window_accepted(w):
+    check_forward_args(*qkv(), window_size=w)
+
+
+@pytest.mark.parametrize("w", [(-2, 0), (0, -5)])
+def test_window_sides_below_minus_one(w):
+    with pytest.raises(ValueError, match=r"^window_size must be \(left, right\) with each side >= 0"):
         check_forward_args(*qkv(), window_size=w)
+
+
+@pytest.mark.parametrize("causal,w,want", [
+    (False, (-1, -1), ("none", UNLIMITED_WINDOW, UNLIMITED_WINDOW)),
+    (True, (-1, -1), ("causal", UNLIMITED_WINDOW, 0)),
+    (False, (-1, 0), ("causal", UNLIMITED_WINDOW, 0)),  # the same mask, the same kernel
+    (True, (64, 7), ("window", 64, 0)),  # causal forces the right side to 0, as in flash-attn
+    (False, (64, 7), ("window", 64, 7)),
+    (False, (-1, 3), ("window", UNLIMITED_WINDOW, 3)),
+])
+def test_window_bounds(causal, w, want):
+    assert window_bounds(causal, w) == want
 
 
 @pytest.mark.parametrize("w", [-1, (-1,), (-1, -1, -1), (-1.0, -1), (True, -1), None, "-1,-1"])
@@ -321,8 +346,8 @@ def test_bwd_reuses_forward_checks():
     args["k"] = info("k", (2, 7, 2, 64), "bfloat16")
     with pytest.raises(TypeError, match=r"^k has dtype bfloat16 but q has float16"):
         call_bwd(args)
-    with pytest.raises(NotImplementedError, match=r"^sliding-window attention \(window_size=\(8, 0\)\)"):
-        call_bwd(bwd_args(), window_size=(8, 0))
+    with pytest.raises(ValueError, match=r"^window_size must be \(left, right\)"):
+        call_bwd(bwd_args(), window_size=(8, -3))
     with pytest.raises(TypeError, match=r"^deterministic must be a bool"):
         call_bwd(bwd_args(), deterministic="yes")
     with pytest.raises(ValueError, match=r"^softmax_scale must be None or a finite number"):

@@ -76,11 +76,11 @@ def make_input(rng, shape, dtype, transposed=False):
     return x.transpose(0, 2, 1, 3) if transposed else x
 
 
-def check_against_reference(q, k, v, out, lse, softmax_scale, causal, dtype):
+def check_against_reference(q, k, v, out, lse, softmax_scale, causal, dtype, window_size=(-1, -1)):
     """Assert out/lse (CuPy) against attention_ref on the same rounded inputs."""
     cp = _cupy()
     qh, kh, vh = (cp.asnumpy(x) for x in (q, k, v))
-    ref_out, ref_lse = attention_ref(qh, kh, vh, softmax_scale=softmax_scale, causal=causal)
+    ref_out, ref_lse = attention_ref(qh, kh, vh, softmax_scale=softmax_scale, causal=causal, window_size=window_size)
     out_h = cp.asnumpy(out).astype(np.float64)
     assert out_h.shape == ref_out.shape
     assert not np.isnan(out_h).any(), "out has NaN: the kernel left poisoned elements unwritten"
@@ -131,6 +131,9 @@ def cases(draw):
         nheads_kv=nheads_kv,
         headdim=headdim,
         causal=draw(st.booleans()),
+        # Mostly no window; otherwise each side unlimited, 0, small, or tile-sized (rows with no key included).
+        window_size=draw(st.one_of(st.just((-1, -1)), st.just((-1, -1)),
+                                   st.tuples(*[st.one_of(st.just(-1), st.integers(0, 8), st.integers(0, 300))] * 2))),
         dtype=draw(st.sampled_from(["float16", "bfloat16"])),
         # Positive scales here; negative ones have their own test below so that a
         # failure there does not hide everything else from the search.
@@ -150,7 +153,8 @@ def run_case(c):
     k = make_input(rng, (b, sk, hkv, d), dtype, c["transposed"])
     v = make_input(rng, (b, sk, hkv, d), dtype, c["transposed"])
     fn = _flash_attn_func()
-    res = fn(q, k, v, softmax_scale=c["softmax_scale"], causal=c["causal"],
+    window = c.get("window_size", (-1, -1))
+    res = fn(q, k, v, softmax_scale=c["softmax_scale"], causal=c["causal"], window_size=window,
              return_attn_probs=c["return_lse"])
     if c["return_lse"]:
         assert isinstance(res, tuple) and len(res) == 3 and res[2] is None
@@ -159,7 +163,7 @@ def run_case(c):
         out, lse = res, None
     assert isinstance(out, cp.ndarray)
     assert out.shape == q.shape and out.dtype == q.dtype
-    check_against_reference(q, k, v, out, lse, c["softmax_scale"], c["causal"], dtype)
+    check_against_reference(q, k, v, out, lse, c["softmax_scale"], c["causal"], dtype, window)
 
 
 @given(cases())
@@ -187,6 +191,25 @@ def test_fixed_cases(dtype, b, sq, sk, h, hkv, d, causal):
     run_case(dict(batch=b, seqlen_q=sq, seqlen_k=sk, nheads=h, nheads_kv=hkv, headdim=d,
                   causal=causal, dtype=dtype, softmax_scale=None, transposed=False,
                   return_lse=True, seed=sq * 1000 + sk))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    "sq,sk,d,window",
+    [
+        (300, 300, 64, (32, 0)),  # local causal band
+        (500, 700, 128, (100, 50)),  # sq < sk, both sides limited
+        (700, 300, 64, (0, 0)),  # sq > sk: only the diagonal key; rows with none
+        (257, 1000, 96, (-1, 17)),  # left unlimited
+        (129, 129, 256, (5, -1)),  # right unlimited
+        (64, 64, 32, (200, 200)),  # window wider than the sequence
+    ],
+)
+def test_sliding_window(dtype, causal, sq, sk, d, window):
+    run_case(dict(batch=2, seqlen_q=sq, seqlen_k=sk, nheads=4, nheads_kv=2, headdim=d, causal=causal,
+                  window_size=window, dtype=dtype, softmax_scale=None, transposed=False, return_lse=True,
+                  seed=sq + sk + d))
 
 
 @pytest.mark.parametrize("scale", [-1.0, -0.125, -0.01])

@@ -68,7 +68,7 @@ def test_lowers_for_jit_value_and_grad():
 
 @pytest.mark.parametrize("kwargs,error,message", [
     (dict(dropout_p=0.1), NotImplementedError, r"^dropout \(dropout_p > 0\) is not implemented yet"),
-    (dict(window_size=(8, 0)), NotImplementedError, r"^sliding-window attention \(window_size=\(8, 0\)\)"),
+    (dict(window_size=(8, -2)), ValueError, r"^window_size must be \(left, right\) with each side >= 0"),
     (dict(softcap=5.0), NotImplementedError, r"^softcapping \(softcap > 0\) is not implemented yet"),
     (dict(alibi_slopes=np.ones(4)), NotImplementedError, r"^ALiBi \(alibi_slopes\) is not implemented yet"),
     (dict(causal="no"), TypeError, r"^causal must be a bool"),
@@ -152,6 +152,20 @@ def test_gpu_qkvpacked_grad_is_the_stacked_unpacked_grad():
     want = jax.grad(_weighted, argnums=(0, 1, 2))(q, k, v, dout, causal=True, deterministic=True)
     assert got.shape == qkv.shape
     assert np.array_equal(np.asarray(got), np.asarray(jnp.stack(want, axis=2)))
+
+
+@gpu
+@needs_jax_gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_window_grad_under_jit_equals_flash_attn_backward(causal):
+    q, k, v, dout = _qkv(sq=300, sk=420, h=4, hkv=2, d=64)
+    w = (70, 30)
+    grad = jax.jit(jax.grad(_weighted, argnums=(0, 1, 2)), static_argnames=("causal", "deterministic", "window_size"))
+    got = grad(q, k, v, dout, causal=causal, deterministic=True, window_size=w)
+    out, lse, _ = fa2cupy.flash_attn_func(q, k, v, causal=causal, window_size=w, return_attn_probs=True)
+    want = fa2cupy.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, window_size=w, deterministic=True)
+    for g, wnt in zip(got, want):
+        assert np.array_equal(np.asarray(g), np.asarray(wnt))
 
 
 def _assert_close_to_reference(grads, dout, q, k, v, out, softmax_scale, causal):

@@ -197,3 +197,32 @@ def test_backward_dead_rows_have_zero_gradient():
     q, k, v = _rand(rng, 1, 4, 1, 2), _rand(rng, 1, 2, 1, 2), _rand(rng, 1, 2, 1, 2)
     dq, _, _ = attention_ref_backward(_rand(rng, 1, 4, 1, 2), q, k, v, causal=True)
     assert np.all(dq[:, :2] == 0.0)
+
+
+def test_window_mask_semantics():
+    # flash-attn's sliding window, bottom-right aligned: query i sees key j iff
+    # i + sk - sq - left <= j <= i + sk - sq + right; causal sets right = 0; -1 = unlimited.
+    from fa2cupy.reference import _visible
+
+    sq, sk = 4, 7  # diag = 3
+    v = _visible(sq, sk, False, (1, 2))
+    for i in range(sq):
+        for j in range(sk):
+            assert v[i, j] == (i + 3 - 1 <= j <= i + 3 + 2)
+    assert np.array_equal(_visible(sq, sk, True, (-1, -1)), _visible(sq, sk, False, (-1, 0)))
+    assert np.array_equal(_visible(sq, sk, True, (2, 5)), _visible(sq, sk, False, (2, 0)))
+    assert _visible(sq, sk, False, (-1, -1)) is None
+
+
+def test_window_reference_equals_masked_dense():
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal(s) for s in ((1, 9, 2, 8), (1, 12, 1, 8), (1, 12, 1, 8)))
+    out, lse = attention_ref(q, k, v, 0.5, window_size=(2, 1))
+    diag = 12 - 9
+    for h in range(2):
+        for i in range(9):
+            js = [j for j in range(12) if i + diag - 2 <= j <= i + diag + 1]
+            s = np.array([0.5 * q[0, i, h] @ k[0, j, 0] for j in js])
+            p = np.exp(s - s.max()) / np.exp(s - s.max()).sum()
+            np.testing.assert_allclose(out[0, i, h], p @ v[0, js, 0], rtol=1e-12, atol=1e-12)
+            np.testing.assert_allclose(lse[0, h, i], s.max() + np.log(np.exp(s - s.max()).sum()), rtol=1e-12)

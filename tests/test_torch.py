@@ -26,17 +26,18 @@ def _np(t):
     return t.detach().to(torch.float64).cpu().numpy()
 
 
-def _ref_forward(q, k, v, softmax_scale=None, causal=False, return_attn_probs=False, **_):
-    out, lse = reference.attention_ref(_np(q), _np(k), _np(v), softmax_scale, causal)
+def _ref_forward(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), return_attn_probs=False, **_):
+    out, lse = reference.attention_ref(_np(q), _np(k), _np(v), softmax_scale, causal, window_size)
     out = torch.from_numpy(out).to(q.dtype)
     lse = torch.from_numpy(lse).to(torch.float32)
     return (out, lse, None) if return_attn_probs else out
 
 
-def _ref_backward(dout, q, k, v, out, softmax_lse, softmax_scale=None, causal=False, deterministic=False, **_):
+def _ref_backward(dout, q, k, v, out, softmax_lse, softmax_scale=None, causal=False, window_size=(-1, -1),
+                  deterministic=False, **_):
     calls.append(dict(dout=dout, q=q, k=k, v=v, out=out, lse=softmax_lse, softmax_scale=softmax_scale,
-                      causal=causal, deterministic=deterministic))
-    grads = reference.attention_ref_backward(_np(dout), _np(q), _np(k), _np(v), softmax_scale, causal)
+                      causal=causal, window_size=window_size, deterministic=deterministic))
+    grads = reference.attention_ref_backward(_np(dout), _np(q), _np(k), _np(v), softmax_scale, causal, window_size)
     return tuple(torch.from_numpy(g).to(x.dtype) for g, x in zip(grads, (q, k, v)))
 
 
@@ -72,8 +73,9 @@ def test_import_fa2cupy_does_not_import_the_wrappers():
 def test_ops_are_registered_with_schemas():
     fwd = str(torch.ops.fa2cupy.flash_attn_forward.default._schema)
     bwd = str(torch.ops.fa2cupy.flash_attn_backward.default._schema)
-    assert "float softmax_scale, bool causal, bool deterministic) -> (Tensor, Tensor)" in fwd
-    assert "Tensor lse, float softmax_scale, bool causal, bool deterministic) -> (Tensor, Tensor, Tensor)" in bwd
+    options = "float softmax_scale, bool causal, SymInt window_left, SymInt window_right, bool deterministic)"
+    assert options + " -> (Tensor, Tensor)" in fwd
+    assert "Tensor lse, " + options + " -> (Tensor, Tensor, Tensor)" in bwd
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -85,10 +87,10 @@ def test_fake_shapes_dtypes_strides(dtype):
         k = torch.empty(2, 7, 2, 40, dtype=dtype)
         # a (b, h, s, d) tensor seen as (b, s, h, d): outputs are still contiguous
         v = torch.empty(2, 2, 7, 40, dtype=dtype).transpose(1, 2)
-        out, lse = torch.ops.fa2cupy.flash_attn_forward(q, k, v, 0.1, True, False)
+        out, lse = torch.ops.fa2cupy.flash_attn_forward(q, k, v, 0.1, True, -1, 0, False)
         assert (out.shape, out.dtype, out.stride()) == ((2, 5, 4, 40), dtype, (800, 160, 40, 1))
         assert (lse.shape, lse.dtype, lse.stride()) == ((2, 4, 5), torch.float32, (20, 5, 1))
-        dq, dk, dv = torch.ops.fa2cupy.flash_attn_backward(out, q, k, v, out, lse, 0.1, True, False)
+        dq, dk, dv = torch.ops.fa2cupy.flash_attn_backward(out, q, k, v, out, lse, 0.1, True, -1, 0, False)
         assert (dq.shape, dq.dtype, dq.is_contiguous()) == (q.shape, dtype, True)
         assert (dk.shape, dk.dtype, dk.is_contiguous()) == (k.shape, dtype, True)
         assert (dv.shape, dv.dtype, dv.is_contiguous()) == (v.shape, dtype, True)
@@ -108,10 +110,10 @@ def test_fake_autograd_shapes():
 
 def test_opcheck_with_reference_kernels(cpu_kernels):
     q, k, v = (x.detach() for x in _cpu_qkv())
-    torch.library.opcheck(torch.ops.fa2cupy.flash_attn_forward.default, (q, k, v, 0.25, True, False))
-    out, lse = torch.ops.fa2cupy.flash_attn_forward(q, k, v, 0.25, True, False)
+    torch.library.opcheck(torch.ops.fa2cupy.flash_attn_forward.default, (q, k, v, 0.25, True, 3, 0, False))
+    out, lse = torch.ops.fa2cupy.flash_attn_forward(q, k, v, 0.25, True, 3, 0, False)
     torch.library.opcheck(torch.ops.fa2cupy.flash_attn_backward.default,
-                          (torch.randn_like(out), q, k, v, out, lse, 0.25, True, True))
+                          (torch.randn_like(out), q, k, v, out, lse, 0.25, True, 3, 0, True))
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -164,6 +166,20 @@ def test_packed_shape_errors_name_the_argument():
         flash_attn_kvpacked_func(q, k)
 
 
+def test_window_reaches_both_ops(cpu_kernels):
+    q, k, v = _cpu_qkv(sq=6, sk=9)
+    out = flash_attn_func(q, k, v, window_size=(2, 1), softmax_scale=0.3)
+    want_out, _ = reference.attention_ref(_np(q), _np(k), _np(v), 0.3, False, (2, 1))
+    np.testing.assert_allclose(_np(out), want_out, rtol=1e-5, atol=1e-5)
+    dout = torch.randn_like(out)
+    (out * dout).sum().backward()
+    (call,) = cpu_kernels
+    assert tuple(call["window_size"]) == (2, 1)
+    want = reference.attention_ref_backward(_np(dout), _np(q), _np(k), _np(v), 0.3, False, (2, 1))
+    for got, ref in zip((q.grad, k.grad, v.grad), want):
+        np.testing.assert_allclose(_np(got), ref, rtol=1e-5, atol=1e-5)
+
+
 def test_default_scale_and_expanded_dout(cpu_kernels):
     q, k, v = _cpu_qkv(d=9)
     flash_attn_func(q, k, v).sum().backward()  # autograd hands over an expanded gradient: strides all 0
@@ -192,7 +208,6 @@ def test_lse_is_not_differentiable(cpu_kernels):
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(dropout_p=0.1), r"^dropout \(dropout_p > 0\) is not implemented yet"),
-    (dict(window_size=(128, 0)), r"^sliding-window attention \(window_size=\(128, 0\)\) is not implemented"),
     (dict(softcap=30.0), r"^softcapping \(softcap > 0\) is not implemented yet"),
     (dict(alibi_slopes=torch.ones(4)), r"^ALiBi \(alibi_slopes\) is not implemented yet"),
 ])
