@@ -32,18 +32,18 @@ struct WindowMask {
     // One past the last key any of rows [row0, row0 + rows) can see.
     FA2_DEVICE int key_end(int row0, int rows) const {
         if (!Masked) return seqlen_k;
-        const int end = row0 + rows + diag() + right();
+        const int end = row0 + rows + seqlen_k - seqlen_q + right();
         return end < seqlen_k ? end : seqlen_k;
     }
     // Whether query row `row` sees key `col`.
     FA2_DEVICE bool visible(int row, int col) const {
         return col < seqlen_k &&
-               (!Masked || (col <= row + diag() + right() && (Kind != kMaskWindow || col >= row + diag() - left())));
+               (!Masked || (col <= row + seqlen_k - seqlen_q + right() && (Kind != kMaskWindow || col >= row + diag() - left())));
     }
     // The first query row that can see key `col` (the backward walks query tiles from there).
     FA2_DEVICE int first_query(int col) const {
         if (!Masked) return 0;
-        const int row = col - diag() - right();
+        const int row = col - (seqlen_k - seqlen_q) - right();
         return row > 0 ? row : 0;
     }
     // One past the last query row that can see key `col`.
@@ -54,9 +54,8 @@ struct WindowMask {
     }
     // Whether the tile of rows [row0, row0 + rows) x keys [col0, col0 + cols) needs per-element masking.
     FA2_DEVICE bool tile_needs_mask(int row0, int rows, int col0, int cols) const {
-        if (col0 + cols > seqlen_k) return true;
-        return Masked && (col0 + cols - 1 > row0 + diag() + right() ||
-                          (Kind == kMaskWindow && col0 < row0 + rows - 1 + diag() - left()));
+        return col0 + cols > seqlen_k || (Masked && col0 + cols - 1 > row0 + seqlen_k - seqlen_q + right()) ||
+               (Kind == kMaskWindow && col0 < row0 + rows - 1 + seqlen_k - seqlen_q - left());
     }
     // s: this warp's scores in C-fragment layout; rows start at row0 (global query index), columns at col0.
     template <int MTiles, int NTiles>
