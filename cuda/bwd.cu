@@ -410,10 +410,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const u16* v_head = v + batch * v_batch_stride + kv_head * v_head_stride;
 
     const WindowMask<Tr::kMask> mask{seqlen_q, seqlen_k, window_left, window_right};
-    const int key_end = mask.key_end(row0, Tr::kBlockM);
-    const int n_first = mask.key_begin(row0) / Tr::kBlockN;
-    const int n_end = key_end > 0 ? (key_end + Tr::kBlockN - 1) / Tr::kBlockN : 0;
-    const int n_blocks = n_end > n_first ? n_end - n_first : 0;
+    int n_first, n_blocks;
+    mask.template key_tiles<Tr::kBlockN>(row0, Tr::kBlockM, n_first, n_blocks);
 
     auto load_kv = [&](int n_block, int slot) {  // n_block counts from n_first
         const i64 first = (i64)(n_first + n_block) * Tr::kBlockN;

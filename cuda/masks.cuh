@@ -35,6 +35,15 @@ struct WindowMask {
         const int end = row0 + rows + seqlen_k - seqlen_q + right();
         return end < seqlen_k ? end : seqlen_k;
     }
+    // The key tiles of BlockN keys that rows [row0, row0 + rows) visit: from tile `first`, `count` of them (0: none
+    // is visible); tiles wholly outside every row's window are skipped.
+    template <int BlockN>
+    FA2_DEVICE void key_tiles(int row0, int rows, int& first, int& count) const {
+        const int end = key_end(row0, rows);
+        first = key_begin(row0) / BlockN;
+        const int last = end > 0 ? (end + BlockN - 1) / BlockN : 0;
+        count = last > first ? last - first : 0;
+    }
     // Whether query row `row` sees key `col`.
     FA2_DEVICE bool visible(int row, int col) const {
         return col < seqlen_k &&
