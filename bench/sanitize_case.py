@@ -15,7 +15,7 @@ The forward cases run the forward only; BWD_CASES run forward + backward
 ``flash_attn_with_kvcache`` (append, split-KV with the last-block merge, paged and
 contiguous, causal) against ``flash_attn_func`` over each row's keys.
 
-    python3 bench/sanitize_case.py [fwd|bwd|window|decode ...]    # default: all four groups
+    python3 bench/sanitize_case.py [fwd|bwd|window|varlen|decode ...]    # default: all five groups
 """
 
 from __future__ import annotations
@@ -140,6 +140,48 @@ def check_window(i, sq, sk, h, hkv, d, causal, window) -> bool:
     return bool(ok)
 
 
+# (lengths, h, hkv, d, causal, window_size, softcap, alibi, deterministic): varlen forward + backward.
+VARLEN_CASES = (
+    ((70, 0, 1, 130), 4, 2, 64, True, (-1, -1), 0.0, False, False),
+    ((33, 90), 2, 1, 128, False, (16, 4), 2.0, True, True),
+    ((65,), 2, 2, 40, True, (-1, -1), 5.0, True, False),
+)
+
+
+def check_varlen(i, lengths, h, hkv, d, causal, window, softcap, alibi, det) -> bool:
+    """Varlen (with softcap / ALiBi) forward and backward against the float64 reference."""
+    import cupy as cp
+
+    import fa2cupy
+    from fa2cupy import benchmark as B
+    from fa2cupy.reference import attention_ref_varlen, attention_ref_varlen_backward
+
+    rng = np.random.default_rng(300 + i)
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    total = int(cu[-1]) + 3  # three rows past the last sequence
+    q, k, v, dout = (cp.asarray(rng.standard_normal(s, dtype=np.float32)).astype(cp.float16)
+                     for s in ((total, h, d), (total, hkv, d), (total, hkv, d), (total, h, d)))
+    slopes = cp.asarray(rng.uniform(0, 0.3, (len(lengths), h)).astype(np.float32)) if alibi else None
+    kw = dict(causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes)
+    cu_d = cp.asarray(cu)
+    m = max(lengths)
+    out, lse, _ = fa2cupy.flash_attn_varlen_func(q, k, v, cu_d, cu_d, m, m, return_attn_probs=True, **kw)
+    grads = fa2cupy.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_d, cu_d, m, m, deterministic=det, **kw)
+    host = [cp.asnumpy(x).astype(np.float64) for x in (q, k, v, dout, out)]
+    ref_kw = dict(kw, alibi_slopes=None if slopes is None else cp.asnumpy(slopes))
+    ref, _ = attention_ref_varlen(*host[:3], cu, cu, **ref_kw)
+    rows = slice(0, int(cu[-1]))
+    ok = np.abs(host[4][rows] - ref[rows]).max() <= B.out_bound("fp16", np.abs(ref).max())
+    refs = attention_ref_varlen_backward(host[3], *host[:3], cu, cu, out=host[4], **ref_kw)
+    floor = B.gradient_floor(d ** -0.5, d, np.abs(host[3]).max(), np.abs(host[2]).max(), np.abs(host[0]).max())
+    for g, r in zip(grads, refs):
+        ok &= np.abs(cp.asnumpy(g).astype(np.float64)[rows] - r[rows]).max() <= B.gradient_bound(
+            "fp16", np.abs(r).max(), floor)
+    print(f"varlen {i}: lengths {lengths} h{h}/{hkv} d{d} causal={causal} window={window} softcap={softcap} "
+          f"alibi={alibi} deterministic={det}: {'ok' if ok else 'FAIL'}", flush=True)
+    return bool(ok)
+
+
 def main(groups) -> int:
     ok, msg = cli.probe_gpu()
     if not ok:
@@ -163,6 +205,10 @@ def main(groups) -> int:
         for i, case in enumerate(WINDOW_CASES):
             bad += not check_window(i, *case)
             total += 1
+    if "varlen" in groups:
+        for i, case in enumerate(VARLEN_CASES):
+            bad += not check_varlen(i, *case)
+            total += 1
     if "decode" in groups:
         for i, case in enumerate(DECODE_CASES):
             bad += not check_decode(i, *case)
@@ -173,4 +219,4 @@ def main(groups) -> int:
 
 if __name__ == "__main__":
     np.seterr(all="ignore")
-    sys.exit(main(sys.argv[1:] or ("fwd", "bwd", "window", "decode")))
+    sys.exit(main(sys.argv[1:] or ("fwd", "bwd", "window", "varlen", "decode")))

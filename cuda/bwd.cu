@@ -16,8 +16,6 @@
 
 namespace fa2 {
 
-constexpr float kLog2e = 1.4426950408889634f;
-
 // One tile configuration of the main kernel. The 8 (or 4, 2) warps are laid out twice over the block's work:
 //   phase 1 (S^T, dP^T: keys x queries): WarpsKeys warps along the keys times Warps/WarpsKeys along the queries,
 //   phase 2 (dV, dK: keys x head dim):   WarpsKeys2 along the keys times Warps/WarpsKeys2 along the head dim.
@@ -26,13 +24,14 @@ constexpr float kLog2e = 1.4426950408889634f;
 // tiles; at small head dims phase 2 prefers 16 keys x all columns, where each P^T/dS^T fragment feeds more. DSlices > 1 splits the head dim of dK/dV/dQ over that many blocks (each recomputes S and dP for its key
 // tile over the full head dim), which keeps large head dims in registers.
 template <int HeadDim, int BlockM, int BlockN, int Warps, int WarpsKeys, int WarpsKeys2, int Stages, int DSlices,
-          class Elem_, int Mask, bool AtomicDq>
+          class Elem_, int Mask, bool AtomicDq, bool Mods = false>
 struct BwdTraits {
     using Elem = Elem_;
     static constexpr int kHeadDim = HeadDim, kBlockM = BlockM, kBlockN = BlockN, kStages = Stages;
     static constexpr int kThreads = Warps * 32, kWarps = Warps, kDSlices = DSlices;
     static constexpr bool kAtomicDq = AtomicDq;
     static constexpr int kMask = Mask;  // a MaskKind (masks.cuh)
+    static constexpr bool kMods = Mods;  // softcap / ALiBi (ScoreMods in masks.cuh) switched on at run time
     static constexpr int kSliceD = HeadDim / DSlices;         // dK/dV/dQ columns per block
     static constexpr int kWarpsOther = Warps / WarpsKeys;     // phase 1: warps along the queries
     static constexpr int kKeyTiles = BlockN / WarpsKeys / 16; // phase 1: m16 key tiles per warp
@@ -68,21 +67,31 @@ struct BwdTraits {
     static_assert(Stages == 1 || Stages == 2, "the Q/dO ring has one or two stages");
 };
 
+// The row statistics (lse, D) and the fp32 dQ accumulator share one layout: row `row` of (batch, head) is entry
+// batch * stat_batch_stride + head * stat_head_stride + q_start + row ((batch, nheads, seqlen_q), or
+// (nheads, total_q) for varlen); the accumulator has headdim floats per entry.
+
 // ---------------------------------------------------------------------------------------------------------------
 // D = rowsum(dO * O) (FA2 Algorithm 2 line 4 hoisted out of the loop), one warp per query row; lanes read
 // 16-byte chunks. Also clears the row of the fp32 dQ accumulator when the main kernel adds into it.
 template <class Elem>
 __global__ void __launch_bounds__(256)
     bwd_preprocess(const u16* __restrict__ dout, const u16* __restrict__ out, float* __restrict__ dsum,
-                   float* __restrict__ dq_accum, i64 do_batch_stride, int do_row_stride, i64 do_head_stride,
-                   i64 o_batch_stride, int o_row_stride, i64 o_head_stride, int seqlen_q, int nheads, int headdim) {
+                   float* __restrict__ dq_accum, const int* __restrict__ cu_seqlens_q, i64 do_batch_stride,
+                   int do_row_stride, i64 do_head_stride, i64 o_batch_stride, int o_row_stride, i64 o_head_stride,
+                   i64 stat_batch_stride, i64 stat_head_stride, int seqlen_q, int headdim, int total_q,
+                   int* error_claim, long long* error_host) {
     const int lane = threadIdx.x & 31;
-    const int row = blockIdx.x * 8 + (threadIdx.x >> 5);
     const int head = blockIdx.y, batch = blockIdx.z;
+    int seqlen_k_unused = 0;
+    const SeqBounds seq(cu_seqlens_q, nullptr, batch, total_q, 0, error_claim, error_host, seqlen_q,
+                        seqlen_k_unused);
+    const int row = blockIdx.x * 8 + (threadIdx.x >> 5);
     if (row >= seqlen_q) return;
-    const u16* do_row = dout + batch * do_batch_stride + (i64)row * do_row_stride + head * do_head_stride;
-    const u16* o_row = out + batch * o_batch_stride + (i64)row * o_row_stride + head * o_head_stride;
-    const i64 stat = ((i64)batch * nheads + head) * seqlen_q + row;
+    const i64 row_g = seq.q_start + row;
+    const u16* do_row = dout + batch * do_batch_stride + row_g * do_row_stride + head * do_head_stride;
+    const u16* o_row = out + batch * o_batch_stride + row_g * o_row_stride + head * o_head_stride;
+    const i64 stat = batch * stat_batch_stride + head * stat_head_stride + row_g;
     float acc = 0.f;
     for (int c = lane * 8; c < headdim; c += 32 * 8) {
         u32 a[4], b[4];
@@ -109,12 +118,15 @@ template <class Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     bwd_dkdv(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
              const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
-             float* __restrict__ dq_accum, u16* __restrict__ dk, u16* __restrict__ dv, i64 q_batch_stride,
-             int q_row_stride, i64 q_head_stride, i64 k_batch_stride, int k_row_stride, i64 k_head_stride,
-             i64 v_batch_stride, int v_row_stride, i64 v_head_stride, i64 do_batch_stride, int do_row_stride,
-             i64 do_head_stride, i64 dk_batch_stride, int dk_row_stride, i64 dk_head_stride, i64 dv_batch_stride,
-             int dv_row_stride, i64 dv_head_stride, int seqlen_q, int seqlen_k, int nheads, int heads_per_kv,
-             int headdim, int window_left, int window_right, float scale, float scale_log2) {
+             float* __restrict__ dq_accum, u16* __restrict__ dk, u16* __restrict__ dv,
+             const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
+             const float* __restrict__ alibi_slopes, i64 q_batch_stride, int q_row_stride, i64 q_head_stride,
+             i64 k_batch_stride, int k_row_stride, i64 k_head_stride, i64 v_batch_stride, int v_row_stride,
+             i64 v_head_stride, i64 do_batch_stride, int do_row_stride, i64 do_head_stride, i64 dk_batch_stride,
+             int dk_row_stride, i64 dk_head_stride, i64 dv_batch_stride, int dv_row_stride, i64 dv_head_stride,
+             i64 stat_batch_stride, i64 stat_head_stride, int max_seqlen_q, int max_seqlen_k, int nheads, int heads_per_kv,
+             int headdim, int window_left, int window_right, float scale, float scale_log2, float softcap,
+             int alibi_batch_stride, int total_q, int total_k, int* error_claim, long long* error_host) {
     using KVTile = typename Tr::KVTile;
     using QTile = typename Tr::QTile;
     using PTile = typename Tr::PTile;
@@ -139,6 +151,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const int n_block = blockIdx.x / Tr::kDSlices, slice = blockIdx.x % Tr::kDSlices;
     const int kv_head = blockIdx.y, batch = blockIdx.z;
     const int key0 = n_block * Tr::kBlockN;
+    __shared__ int seq_info[4];  // this sequence's lengths and first rows, see share_seq_bounds
+    share_seq_bounds(seq_info, cu_seqlens_q, cu_seqlens_k, batch, total_q, total_k, error_claim, error_host,
+                     max_seqlen_q, max_seqlen_k);
+    const int seqlen_q = seq_info[0], seqlen_k = seq_info[1];
+    if (key0 >= seqlen_k) return;  // varlen: past this sequence's keys (those rows belong to the next one)
     const int col0 = slice * Tr::kSliceD;  // first head-dim column this block accumulates
     const int warp_key0 = (warp / Tr::kWarpsOther) * kKT * 16;            // phase 1
     const int warp_q0 = (warp % Tr::kWarpsOther) * Tr::kQCols;            // phase 1
@@ -147,16 +164,22 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
     // Only the query tiles with a row whose window reaches this key tile are visited.
     const WindowMask<Tr::kMask> mask{seqlen_q, seqlen_k, window_left, window_right};
+    // ALiBi slopes differ per query head: the walk over the group's heads rebuilds the modifiers per head.
+    auto mods_of = [&](int head) {
+        return make_score_mods(scale, softcap, alibi_slope(alibi_slopes, alibi_batch_stride, batch, head),
+                               seq_info[0], seq_info[1]);
+    };
     const int m_begin = mask.first_query(key0) / kM;
     const int last_key = min(key0 + Tr::kBlockN, seqlen_k) - 1;
     const int m_count = (mask.query_end(last_key) + kM - 1) / kM - m_begin;
     const int n_iters = heads_per_kv * (m_count > 0 ? m_count : 0);
 
     // K_j and V_j: loaded once (Algorithm 2 line 6).
-    KVTile::template load_async<Tr::kThreads>(smem_k, k + batch * k_batch_stride + (i64)key0 * k_row_stride +
+    const i64 key0_g = seq_info[3] + key0;
+    KVTile::template load_async<Tr::kThreads>(smem_k, k + batch * k_batch_stride + key0_g * k_row_stride +
                                                           kv_head * k_head_stride,
                                               k_row_stride, seqlen_k - key0, headdim, tid);
-    KVTile::template load_async<Tr::kThreads>(smem_v, v + batch * v_batch_stride + (i64)key0 * v_row_stride +
+    KVTile::template load_async<Tr::kThreads>(smem_v, v + batch * v_batch_stride + key0_g * v_row_stride +
                                                           kv_head * v_head_stride,
                                               v_row_stride, seqlen_k - key0, headdim, tid);
 
@@ -166,19 +189,20 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     auto load_q_tile = [&](int it, int slot) {
         const int head = kv_head * heads_per_kv + it / m_count;
         const int m0 = m_start(it);
+        const i64 m0_g = seq_info[2] + m0;
         QTile::template load_async<Tr::kThreads>(
-            smem_q + slot * QTile::kBytes, q + batch * q_batch_stride + (i64)m0 * q_row_stride + head * q_head_stride,
-            q_row_stride, seqlen_q - m0, headdim, tid);
+            smem_q + slot * QTile::kBytes, q + batch * q_batch_stride + m0_g * q_row_stride + head * q_head_stride,
+            q_row_stride, seq_info[0] - m0, headdim, tid);
         QTile::template load_async<Tr::kThreads>(
             smem_do + slot * QTile::kBytes,
-            dout + batch * do_batch_stride + (i64)m0 * do_row_stride + head * do_head_stride, do_row_stride,
-            seqlen_q - m0, headdim, tid);
+            dout + batch * do_batch_stride + m0_g * do_row_stride + head * do_head_stride, do_row_stride,
+            seq_info[0] - m0, headdim, tid);
         // The row statistics go through plain loads: rows past seqlen_q need lse = +inf (so P = 0), which a
         // zero-filling cp.async cannot produce. The slot is free (all threads passed the barrier after its
         // last use) and the next barrier publishes these stores.
         for (int r = tid; r < kM; r += Tr::kThreads) {
-            const i64 stat = ((i64)batch * nheads + head) * seqlen_q + m0 + r;
-            const bool ok = m0 + r < seqlen_q;
+            const i64 stat = batch * stat_batch_stride + head * stat_head_stride + m0_g + r;
+            const bool ok = m0 + r < seq_info[0];
             smem_lse[slot * kM + r] = ok ? lse[stat] * kLog2e : pos_inf();
             smem_dsum[slot * kM + r] = ok ? dsum[stat] : 0.f;
         }
@@ -209,6 +233,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         const float* dsum_s = smem_dsum + slot * kM;
         const int head = kv_head * heads_per_kv + it / m_count;
         const int m0 = m_start(it);
+        const ScoreMods mods = Tr::kMods ? mods_of(head) : ScoreMods{};
 
         {  // Phase 1: S^T = K_j Q_i^T and dP^T = V_j dO_i^T (lines 9 and 12) for this warp's keys x queries.
             float st[kKT][kQT][4], dpt[kKT][kQT][4];
@@ -228,10 +253,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             // mask.tile_needs_mask(m0, kM, key0, Tr::kBlockN) spelled out on the kernel parameters: ptxas can
             // reload those, while the mask's copies stay live; at d=64 causal that is 12 registers and 5% of the
             // backward's speed (bench/NOTES.md).
+            const WindowMask<Tr::kMask> mask_it{seq_info[0], seq_info[1], window_left, window_right};
             const bool need_mask =
-                key0 + Tr::kBlockN > seqlen_k ||
-                (Tr::kMask != kMaskNone && key0 + Tr::kBlockN - 1 > m0 + seqlen_k - seqlen_q + mask.right()) ||
-                (Tr::kMask == kMaskWindow && key0 < m0 + kM - 1 + seqlen_k - seqlen_q - mask.left());
+                key0 + Tr::kBlockN > mask_it.seqlen_k ||
+                (Tr::kMask != kMaskNone && key0 + Tr::kBlockN - 1 > m0 + mask_it.diag() + mask_it.right()) ||
+                (Tr::kMask == kMaskWindow && key0 < m0 + kM - 1 + mask_it.diag() - mask_it.left());
 #pragma unroll
             for (int kt = 0; kt < kKT; ++kt) {
 #pragma unroll
@@ -241,9 +267,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                     for (int e = 0; e < 4; ++e) {
                         const int key = key0 + warp_key0 + kt * 16 + (lane >> 2) + (e >> 1) * 8;
                         const int qc = warp_q0 + nt * 8 + (lane & 3) * 2 + (e & 1);
-                        p[e] = fast_exp2(st[kt][nt][e] * scale_log2 - lse_s[qc]);
-                        if (need_mask && !mask.visible(m0 + qc, key)) p[e] = 0.f;
+                        float dcap = 1.f;  // d logit / d(scale * s): the softcap's 1 - tanh^2
+                        if constexpr (Tr::kMods)
+                            p[e] = fast_exp2(mods.logit(st[kt][nt][e], m0 + qc, key, dcap) * kLog2e - lse_s[qc]);
+                        else
+                            p[e] = fast_exp2(st[kt][nt][e] * scale_log2 - lse_s[qc]);
+                        if (need_mask && !mask_it.visible(m0 + qc, key)) p[e] = 0.f;
                         ds[e] = p[e] * (dpt[kt][nt][e] - dsum_s[qc]);
+                        if constexpr (Tr::kMods) ds[e] *= dcap;
                     }
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
@@ -302,7 +333,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 }
             }
             float* scratch = smem_dq + warp * 16 * Tr::kDqPitch;
-            float* dq_head = dq_accum + ((i64)batch * nheads + head) * seqlen_q * headdim;
+            float* dq_head = dq_accum + (batch * stat_batch_stride + head * stat_head_stride + seq_info[2]) * headdim;
             const int col0_w = col0 + col_w * Tr::kDqCols;
 #pragma unroll
             for (int mt = 0; mt < kDqMT; ++mt) {
@@ -323,7 +354,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 for (int i = 0; i < (kChunks + 31) / 32; ++i) {
                     const int idx = lane + i * 32;
                     const int r = idx / (Tr::kDqCols / 4), c = (idx % (Tr::kDqCols / 4)) * 4;
-                    if ((kChunks % 32 == 0 || idx < kChunks) && row0_w + r < seqlen_q &&
+                    if ((kChunks % 32 == 0 || idx < kChunks) && row0_w + r < seq_info[0] &&
                         col0_w + c < col0 + Tr::kSliceD && col0_w + c < headdim) {
                         u32 v4[4];
                         ld_shared_v4(smem_u32(scratch + r * Tr::kDqPitch + c), v4);
@@ -351,12 +382,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 st_shared_u32(KVTile::at(smem_v, r, c), Mma::pack(acc_dv[kt][dt][2 * half], acc_dv[kt][dt][2 * half + 1]));
             }
     __syncthreads();
-    u16* dk_head = dk + batch * dk_batch_stride + kv_head * dk_head_stride;
-    u16* dv_head = dv + batch * dv_batch_stride + kv_head * dv_head_stride;
+    u16* dk_head = dk + batch * dk_batch_stride + (i64)seq_info[3] * dk_row_stride + kv_head * dk_head_stride;
+    u16* dv_head = dv + batch * dv_batch_stride + (i64)seq_info[3] * dv_row_stride + kv_head * dv_head_stride;
     constexpr int kChunksPerRow = Tr::kSliceD / 8;
     for (int idx = tid; idx < Tr::kBlockN * kChunksPerRow; idx += Tr::kThreads) {
         const int r = idx / kChunksPerRow, c = col0 + (idx % kChunksPerRow) * 8;
-        if (key0 + r < seqlen_k && c < headdim) {
+        if (key0 + r < seq_info[1] && c < headdim) {
             u32 chunk[4];
             ld_shared_v4(KVTile::at(smem_k, r, c), chunk);
             st_global_v4(dk_head + (i64)(key0 + r) * dk_row_stride + c, chunk);
@@ -370,11 +401,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 // Deterministic dQ: one block per (query tile, head, batch), the forward's structure (warps own query rows),
 // keys visited in a fixed order, dQ accumulated in registers: no atomics, bit-identical run to run. It recomputes
 // S and dP (two extra matmuls), the documented cost of deterministic=True.
-template <int HeadDim, int BlockM, int BlockN, int Warps, class Elem_, int Mask>
+template <int HeadDim, int BlockM, int BlockN, int Warps, class Elem_, int Mask, bool Mods = false>
 struct BwdDqTraits {
     using Elem = Elem_;
     static constexpr int kHeadDim = HeadDim, kBlockM = BlockM, kBlockN = BlockN, kThreads = Warps * 32;
     static constexpr int kMask = Mask;  // a MaskKind (masks.cuh)
+    static constexpr bool kMods = Mods;
     static constexpr int kMTiles = BlockM / (16 * Warps);
     using QTile = SmemTile<BlockM, HeadDim>;
     using KVTile = SmemTile<BlockN, HeadDim>;
@@ -386,11 +418,14 @@ template <class Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     bwd_dq(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
            const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
-           u16* __restrict__ dq, i64 q_batch_stride, int q_row_stride, i64 q_head_stride, i64 k_batch_stride,
-           int k_row_stride, i64 k_head_stride, i64 v_batch_stride, int v_row_stride, i64 v_head_stride,
-           i64 do_batch_stride, int do_row_stride, i64 do_head_stride, i64 dq_batch_stride, int dq_row_stride,
-           i64 dq_head_stride, int seqlen_q, int seqlen_k, int nheads, int heads_per_kv, int headdim,
-           int window_left, int window_right, float scale, float scale_log2) {
+           u16* __restrict__ dq, const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
+           const float* __restrict__ alibi_slopes, i64 q_batch_stride, int q_row_stride, i64 q_head_stride,
+           i64 k_batch_stride, int k_row_stride, i64 k_head_stride, i64 v_batch_stride, int v_row_stride,
+           i64 v_head_stride, i64 do_batch_stride, int do_row_stride, i64 do_head_stride, i64 dq_batch_stride,
+           int dq_row_stride, i64 dq_head_stride, i64 stat_batch_stride, i64 stat_head_stride, int max_seqlen_q,
+           int max_seqlen_k, int nheads, int heads_per_kv, int headdim, int window_left, int window_right, float scale,
+           float scale_log2, float softcap, int alibi_batch_stride, int total_q, int total_k, int* error_claim,
+           long long* error_host) {
     using QTile = typename Tr::QTile;
     using KVTile = typename Tr::KVTile;
     using Mma = fa2::Mma<typename Tr::Elem>;
@@ -406,16 +441,25 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const int m_block = gridDim.x - 1 - blockIdx.x;
     const int head = blockIdx.y, batch = blockIdx.z, kv_head = head / heads_per_kv;
     const int row0 = m_block * Tr::kBlockM, warp_row0 = warp * kMT * 16;
-    const u16* k_head = k + batch * k_batch_stride + kv_head * k_head_stride;
-    const u16* v_head = v + batch * v_batch_stride + kv_head * v_head_stride;
+    __shared__ int seq_info[4];  // this sequence's lengths and first rows, see share_seq_bounds
+    share_seq_bounds(seq_info, cu_seqlens_q, cu_seqlens_k, batch, total_q, total_k, error_claim, error_host,
+                     max_seqlen_q, max_seqlen_k);
+    const int seqlen_q = seq_info[0], seqlen_k = seq_info[1];
+    if (row0 >= seqlen_q) return;  // varlen: past this sequence's queries
+    const u16* k_head = k + batch * k_batch_stride + (i64)seq_info[3] * k_row_stride + kv_head * k_head_stride;
+    const u16* v_head = v + batch * v_batch_stride + (i64)seq_info[3] * v_row_stride + kv_head * v_head_stride;
+    const i64 row0_g = seq_info[2] + row0;
 
     const WindowMask<Tr::kMask> mask{seqlen_q, seqlen_k, window_left, window_right};
+    const ScoreMods mods = Tr::kMods ? make_score_mods(scale, softcap, alibi_slope(alibi_slopes, alibi_batch_stride,
+                                                                              batch, head), seqlen_q, seqlen_k)
+                                     : ScoreMods{};
     int n_first, n_blocks;
     mask.template key_tiles<Tr::kBlockN>(row0, Tr::kBlockM, n_first, n_blocks);
 
     auto load_kv = [&](int n_block, int slot) {  // n_block counts from n_first
         const i64 first = (i64)(n_first + n_block) * Tr::kBlockN;
-        const int rows = seqlen_k - (int)first;
+        const int rows = seq_info[1] - (int)first;
         KVTile::template load_async<Tr::kThreads>(smem_k + slot * KVTile::kBytes, k_head + first * k_row_stride,
                                                   k_row_stride, rows, headdim, tid);
         KVTile::template load_async<Tr::kThreads>(smem_v + slot * KVTile::kBytes, v_head + first * v_row_stride,
@@ -427,7 +471,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 #pragma unroll
     for (int r = 0; r < kMT * 2; ++r) {
         const int row = row0 + warp_row0 + (r / 2) * 16 + (lane >> 2) + (r % 2) * 8;
-        const i64 stat = ((i64)batch * nheads + head) * seqlen_q + row;
+        const i64 stat = batch * stat_batch_stride + head * stat_head_stride + seq_info[2] + row;
         row_lse[r] = row < seqlen_q ? lse[stat] * kLog2e : pos_inf();
         row_dsum[r] = row < seqlen_q ? dsum[stat] : 0.f;
     }
@@ -437,10 +481,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
     if (n_blocks > 0) {
         QTile::template load_async<Tr::kThreads>(
-            smem_q, q + batch * q_batch_stride + (i64)row0 * q_row_stride + head * q_head_stride, q_row_stride,
+            smem_q, q + batch * q_batch_stride + row0_g * q_row_stride + head * q_head_stride, q_row_stride,
             seqlen_q - row0, headdim, tid);
         QTile::template load_async<Tr::kThreads>(
-            smem_do, dout + batch * do_batch_stride + (i64)row0 * do_row_stride + head * do_head_stride,
+            smem_do, dout + batch * do_batch_stride + row0_g * do_row_stride + head * do_head_stride,
             do_row_stride, seqlen_q - row0, headdim, tid);
         load_kv(0, 0);
         cp_async_commit();
@@ -466,7 +510,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                     KVTile::load_b_nk(bv, v_slot, np * 16, kk * 16, lane);
                 });
             const int col0 = (n_first + n_block) * Tr::kBlockN;
-            const bool need_mask = mask.tile_needs_mask(row0, Tr::kBlockM, col0, Tr::kBlockN);
+            const WindowMask<Tr::kMask> mask_it{seq_info[0], seq_info[1], window_left, window_right};
+            const bool need_mask = mask_it.tile_needs_mask(row0, Tr::kBlockM, col0, Tr::kBlockN);
 #pragma unroll
             for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -476,9 +521,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                         const int r = mt * 2 + (e >> 1);
                         const int row = row0 + warp_row0 + mt * 16 + (lane >> 2) + (e >> 1) * 8;
                         const int key = col0 + nt * 8 + (lane & 3) * 2 + (e & 1);
-                        float p = fast_exp2(s[mt][nt][e] * scale_log2 - row_lse[r]);
-                        if (need_mask && !mask.visible(row, key)) p = 0.f;
-                        dp[mt][nt][e] = p * (dp[mt][nt][e] - row_dsum[r]);  // dS
+                        float dcap = 1.f, p;
+                        if constexpr (Tr::kMods)
+                            p = fast_exp2(mods.logit(s[mt][nt][e], row, key, dcap) * kLog2e - row_lse[r]);
+                        else
+                            p = fast_exp2(s[mt][nt][e] * scale_log2 - row_lse[r]);
+                        if (need_mask && !mask_it.visible(row, key)) p = 0.f;
+                        dp[mt][nt][e] = p * (dp[mt][nt][e] - row_dsum[r]) * dcap;  // dS
                     }
             // dQ += dS K_j, dS straight from the accumulators as A fragments.
             mma_c_b<typename Tr::Elem, KVTile>(acc_dq, dp, k_slot, lane);
@@ -488,22 +537,28 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // dQ = scale * dS K through this warp's own Q rows (only this warp read them).
     QTile::template store_warp_rows<typename Tr::Elem>(
         smem_q, acc_dq, scale, warp_row0,
-        dq + batch * dq_batch_stride + head * dq_head_stride + (i64)(row0 + warp_row0) * dq_row_stride,
-        dq_row_stride, seqlen_q - row0 - warp_row0, headdim, lane);
+        dq + batch * dq_batch_stride + head * dq_head_stride + (seq_info[2] + row0 + warp_row0) * dq_row_stride,
+        dq_row_stride, seq_info[0] - row0 - warp_row0, headdim, lane);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
 // dQ = scale * dq_accum in the input dtype; one thread per 8 columns of one row.
 template <class Elem>
 __global__ void __launch_bounds__(256)
-    bwd_convert_dq(const float* __restrict__ dq_accum, u16* __restrict__ dq, i64 dq_batch_stride, int dq_row_stride,
-                   i64 dq_head_stride, int seqlen_q, int nheads, int headdim, float scale) {
+    bwd_convert_dq(const float* __restrict__ dq_accum, u16* __restrict__ dq, const int* __restrict__ cu_seqlens_q,
+                   i64 dq_batch_stride, int dq_row_stride, i64 dq_head_stride, i64 stat_batch_stride,
+                   i64 stat_head_stride, int seqlen_q, int headdim, float scale, int total_q, int* error_claim,
+                   long long* error_host) {
     const int chunks = headdim / 8;
     const int idx = blockIdx.x * 256 + threadIdx.x;
     const int row = idx / chunks, c = (idx % chunks) * 8;
     const int head = blockIdx.y, batch = blockIdx.z;
+    int seqlen_k_unused = 0;
+    const SeqBounds seq(cu_seqlens_q, nullptr, batch, total_q, 0, error_claim, error_host, seqlen_q,
+                        seqlen_k_unused);
     if (row >= seqlen_q) return;
-    const float* src = dq_accum + (((i64)batch * nheads + head) * seqlen_q + row) * headdim + c;
+    const i64 row_g = seq.q_start + row;
+    const float* src = dq_accum + (batch * stat_batch_stride + head * stat_head_stride + row_g) * headdim + c;
     u32 lo[4], hi[4], packed[4];
     ld_global_v4(src, lo);
     ld_global_v4(src + 4, hi);
@@ -512,7 +567,7 @@ __global__ void __launch_bounds__(256)
         packed[i] = Mma<Elem>::pack(__uint_as_float(lo[2 * i]) * scale, __uint_as_float(lo[2 * i + 1]) * scale);
         packed[2 + i] = Mma<Elem>::pack(__uint_as_float(hi[2 * i]) * scale, __uint_as_float(hi[2 * i + 1]) * scale);
     }
-    st_global_v4(dq + batch * dq_batch_stride + (i64)row * dq_row_stride + head * dq_head_stride + c, packed);
+    st_global_v4(dq + batch * dq_batch_stride + row_g * dq_row_stride + head * dq_head_stride + c, packed);
 }
 
 }  // namespace fa2

@@ -11,13 +11,14 @@ namespace fa2 {
 
 // A tile configuration is a type. Every instantiation the library can launch comes from fa2cupy/configs.py.
 template <int HeadDim, int BlockM, int BlockN, int Warps, int Stages, int MinBlocks, bool QInRegs, class Elem_,
-          int Mask>
+          int Mask, bool Mods = false>
 struct FwdTraits {
     using Elem = Elem_;
     static constexpr int kHeadDim = HeadDim, kBlockM = BlockM, kBlockN = BlockN, kStages = Stages;
     static constexpr int kThreads = Warps * 32, kMinBlocks = MinBlocks;
     static constexpr bool kQInRegs = QInRegs;
     static constexpr int kMask = Mask;  // a MaskKind (masks.cuh)
+    static constexpr bool kMods = Mods;  // softcap / ALiBi (ScoreMods in masks.cuh) switched on at run time
     static constexpr int kMTiles = BlockM / (16 * Warps);  // m16 row tiles per warp
     static constexpr int kNTiles = BlockN / 8;             // n8 key tiles of S per row tile
     static constexpr int kDTiles = HeadDim / 8;            // n8 head-dim tiles of O per row tile
@@ -30,15 +31,22 @@ struct FwdTraits {
 };
 
 // q, o: (batch, seqlen_q, nheads, d) and k, v: (batch, seqlen_k, nheads_kv, d) with arbitrary strides in
-// elements on the first three axes and a contiguous last axis; lse: (batch, nheads, seqlen_q) float32.
-// `headdim` is the real head dim (a multiple of 8, <= kHeadDim); the rest of the tile is zero-filled.
+// elements on the first three axes and a contiguous last axis; lse[batch * lse_batch_stride + head *
+// lse_head_stride + row] float32. `headdim` is the real head dim (a multiple of 8, <= kHeadDim); the rest of the
+// tile is zero-filled. Varlen (cu_seqlens_q non-null): sequence `batch` is rows cu_seqlens_q[batch] ..
+// cu_seqlens_q[batch + 1] of q/o/lse (and likewise of k/v with cu_seqlens_k; total_q/total_k rows in all),
+// seqlen_q/seqlen_k are then the maxima the grid was sized for, and blocks past a sequence's end exit at once. Mods: softcap > 0 and
+// alibi_slopes[batch * alibi_batch_stride + head] (non-null) modify the scores.
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
     flash_fwd(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, u16* __restrict__ o,
-              float* __restrict__ lse, i64 q_batch_stride, int q_row_stride, i64 q_head_stride, i64 k_batch_stride,
-              int k_row_stride, i64 k_head_stride, i64 v_batch_stride, int v_row_stride, i64 v_head_stride,
-              i64 o_batch_stride, int o_row_stride, i64 o_head_stride, int seqlen_q, int seqlen_k, int nheads,
-              int heads_per_kv, int headdim, int window_left, int window_right, float scale, float scale_log2) {
+              float* __restrict__ lse, const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
+              const float* __restrict__ alibi_slopes, i64 q_batch_stride, int q_row_stride, i64 q_head_stride,
+              i64 k_batch_stride, int k_row_stride, i64 k_head_stride, i64 v_batch_stride, int v_row_stride,
+              i64 v_head_stride, i64 o_batch_stride, int o_row_stride, i64 o_head_stride, i64 lse_batch_stride,
+              i64 lse_head_stride, int max_seqlen_q, int max_seqlen_k, int nheads, int heads_per_kv, int headdim,
+              int window_left, int window_right, float scale, float scale_log2, float softcap,
+              int alibi_batch_stride, int total_q, int total_k, int* error_claim, long long* error_host) {
     using QTile = typename Tr::QTile;
     using KVTile = typename Tr::KVTile;
     using Mma = fa2::Mma<typename Tr::Elem>;
@@ -58,9 +66,15 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
     const int row0 = m_block * Tr::kBlockM;
     const int warp_row0 = warp * kMT * 16;  // first row of this warp within the tile
 
-    const u16* q_tile = q + batch * q_batch_stride + (i64)row0 * q_row_stride + head * q_head_stride;
-    const u16* k_head = k + batch * k_batch_stride + kv_head * k_head_stride;
-    const u16* v_head = v + batch * v_batch_stride + kv_head * v_head_stride;
+    __shared__ int seq_info[4];  // this sequence's lengths and first rows, see share_seq_bounds
+    share_seq_bounds(seq_info, cu_seqlens_q, cu_seqlens_k, batch, total_q, total_k, error_claim, error_host,
+                     max_seqlen_q, max_seqlen_k);
+    const int seqlen_q = seq_info[0], seqlen_k = seq_info[1], q_start = seq_info[2], k_start = seq_info[3];
+    if (row0 >= seqlen_q) return;  // varlen: past this sequence's queries
+    auto mask_now = [&] { return WindowMask<Tr::kMask>{seq_info[0], seq_info[1], window_left, window_right}; };
+    const u16* q_tile = q + batch * q_batch_stride + (i64)(q_start + row0) * q_row_stride + head * q_head_stride;
+    const u16* k_head = k + batch * k_batch_stride + (i64)k_start * k_row_stride + kv_head * k_head_stride;
+    const u16* v_head = v + batch * v_batch_stride + (i64)k_start * v_row_stride + kv_head * v_head_stride;
 
     // Only key tiles inside the window of some row of this tile are visited: invisible tiles are skipped.
     const WindowMask<Tr::kMask> mask{seqlen_q, seqlen_k, window_left, window_right};
@@ -69,12 +83,16 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
 
     auto load_kv = [&](int n_block, int slot) {  // n_block counts from n_first
         const i64 first = (i64)(n_first + n_block) * Tr::kBlockN;
-        const int rows = seqlen_k - (int)first;
+        const int rows = mask_now().seqlen_k - (int)first;
         KVTile::template load_async<Tr::kThreads>(smem_k + slot * KVTile::kBytes, k_head + first * k_row_stride,
                                                   k_row_stride, rows, headdim, tid);
         KVTile::template load_async<Tr::kThreads>(smem_v + slot * KVTile::kBytes, v_head + first * v_row_stride,
                                                   v_row_stride, rows, headdim, tid);
     };
+
+    const ScoreMods mods = Tr::kMods ? make_score_mods(scale, softcap, alibi_slope(alibi_slopes, alibi_batch_stride,
+                                                                              batch, head), seqlen_q, seqlen_k)
+                                     : ScoreMods{};
 
     float acc_o[kMT][kDT][4];
     zero_fragments(acc_o);
@@ -127,10 +145,13 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
                 [&](u32(&b)[4], int np, int kk) { KVTile::load_b_nk(b, k_slot, np * 16, kk * 16, lane); });
             // Only tiles that straddle the diagonal or the end of the keys pay for masking.
             const int col0 = (n_first + n_block) * Tr::kBlockN;
-            if (mask.tile_needs_mask(row0, Tr::kBlockM, col0, Tr::kBlockN)) mask.apply(s, row0 + warp_row0, col0, lane);
+            if constexpr (Tr::kMods) mods.apply(s, row0 + warp_row0, col0, lane);
+            if (mask_now().tile_needs_mask(row0, Tr::kBlockM, col0, Tr::kBlockN))
+                mask_now().apply(s, row0 + warp_row0, col0, lane);
 
-            // Lines 9-10: new row max, P = exp(S - m), rescale of the running output.
-            softmax.update(s, acc_o, scale_log2);
+            // Lines 9-10: new row max, P = exp(S - m), rescale of the running output. With modifiers the scores
+            // are already final logits: scale 1.
+            softmax.update(s, acc_o, Tr::kMods ? kLog2e : scale_log2);
 
             // Line 10 (cont.): O += P V_j, P straight from the accumulators (c_to_a). Written out rather than
             // mma_c_b: at the 255-register cap of the d=64 128x128 row, ptxas spills 36 bytes with the call.
@@ -156,20 +177,20 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
 
     // Line 12: O = diag(l)^-1 O and L = m + log(l), written once.
     float row_lse[kMT * 2];
-    softmax.finalize(acc_o, row_lse, scale);
+    softmax.finalize(acc_o, row_lse, Tr::kMods ? 1.f : scale);
 
     // Stage this warp's output rows through its own (no longer needed) Q rows so the global stores are
     // 16-byte and row-contiguous. Only this warp ever read these rows.
     QTile::template store_warp_rows<typename Tr::Elem>(
         smem_q, acc_o, 1.f, warp_row0,
-        o + batch * o_batch_stride + head * o_head_stride + (i64)(row0 + warp_row0) * o_row_stride, o_row_stride,
-        seqlen_q - row0 - warp_row0, headdim, lane);
+        o + batch * o_batch_stride + head * o_head_stride + (i64)(seq_info[2] + row0 + warp_row0) * o_row_stride,
+        o_row_stride, mask_now().seqlen_q - row0 - warp_row0, headdim, lane);
     if ((lane & 3) == 0) {
-        float* lse_head = lse + ((i64)batch * nheads + head) * seqlen_q;
+        float* lse_head = lse + batch * lse_batch_stride + head * lse_head_stride + seq_info[2];
 #pragma unroll
         for (int r = 0; r < kMT * 2; ++r) {
             const int row = row0 + warp_row0 + (r / 2) * 16 + (lane >> 2) + (r % 2) * 8;
-            if (row < seqlen_q) lse_head[row] = row_lse[r];
+            if (row < mask_now().seqlen_q) lse_head[row] = row_lse[r];
         }
     }
 }

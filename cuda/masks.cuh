@@ -1,8 +1,9 @@
-// Masks as small policies the kernels are templated on. A policy answers two questions: which key tiles a
+// Masks and score modifiers as small policies the kernels are templated on. A policy answers two questions: which key tiles a
 // query tile can see at all (so invisible tiles are skipped, not computed and masked), and which scores inside
 // a partially visible tile become -inf.
 #pragma once
 #include "primitives.cuh"
+#include "errors.cuh"
 
 namespace fa2 {
 
@@ -100,5 +101,98 @@ struct WindowMask {
         }
     }
 };
+
+// Varlen: sequence `batch` is rows cu_seqlens[batch] .. cu_seqlens[batch + 1] of the packed arrays. Turns the
+// kernel's seqlen_q/seqlen_k (the maxima the grid was sized for) into this sequence's lengths and gives its first
+// rows. A sequence whose bounds are not 0 <= start <= end <= total with end - start <= the maximum would read or
+// write outside the arrays: it is reported (ValueError on the host) and treated as empty. Without cu_seqlens
+// (null) nothing changes. cu_seqlens_k may be null for the kernels that only walk queries.
+struct SeqBounds {
+    int q_start = 0, k_start = 0;
+    FA2_DEVICE SeqBounds(const int* cu_seqlens_q, const int* cu_seqlens_k, int batch, int total_q, int total_k,
+                         int* error_claim, long long* error_host, int& seqlen_q, int& seqlen_k) {
+        if (cu_seqlens_q == nullptr) return;
+        const int q0 = cu_seqlens_q[batch], q1 = cu_seqlens_q[batch + 1];
+        const int k0 = cu_seqlens_k != nullptr ? cu_seqlens_k[batch] : 0;
+        const int k1 = cu_seqlens_k != nullptr ? cu_seqlens_k[batch + 1] : 0;
+        const bool q_ok = 0 <= q0 && q0 <= q1 && q1 <= total_q && q1 - q0 <= seqlen_q;
+        const bool k_ok = 0 <= k0 && k0 <= k1 && k1 <= total_k && k1 - k0 <= seqlen_k;
+        if (q_ok && k_ok) {
+            q_start = q0, k_start = k0;
+            seqlen_q = q1 - q0, seqlen_k = k1 - k0;
+            return;
+        }
+        if (threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0)
+            report_bad_value(error_claim, error_host, q_ok ? kBadCuSeqlensK : kBadCuSeqlensQ, batch,
+                             q_ok ? k0 : q0, q_ok ? k1 : q1);
+        seqlen_q = seqlen_k = 0;
+    }
+};
+
+// SeqBounds for the whole block, kept in shared memory: info = {seqlen_q, seqlen_k, q_start, k_start}. The tight
+// kernels read these where they use them instead of holding them: one more register across a main loop at the
+// 255-register cap costs tens of bytes of spills (bench/NOTES.md); the loops' barriers make the compiler re-read.
+FA2_DEVICE void share_seq_bounds(int* info, const int* cu_seqlens_q, const int* cu_seqlens_k, int batch, int total_q,
+                                 int total_k, int* error_claim, long long* error_host, int max_seqlen_q,
+                                 int max_seqlen_k) {
+    if (threadIdx.x == 0) {
+        int sq = max_seqlen_q, sk = max_seqlen_k;
+        const SeqBounds seq(cu_seqlens_q, cu_seqlens_k, batch, total_q, total_k, error_claim, error_host, sq, sk);
+        info[0] = sq, info[1] = sk, info[2] = seq.q_start, info[3] = seq.k_start;
+    }
+    __syncthreads();
+}
+
+// flash-attn's score modifiers, applied to the scaled score before the mask: the softcap softcap * tanh(x / softcap)
+// and the ALiBi bias -slope * |row + seqlen_k - seqlen_q - col|. Kernels with modifiers turn each raw score q.k into
+// its final logit with logit() and then run the softmax with scale 1 (the modifiers do not commute with the
+// scale, so it cannot stay folded into the exponent). softcap == 0 and slope == 0 switch each part off; the
+// branch is uniform over the launch.
+struct ScoreMods {
+    float scale;        // softmax scale
+    float cap;          // softcap, 0 for none
+    float cap_inv;      // scale / softcap: tanh's argument from the raw score in one multiply
+    float slope;        // ALiBi slope of this (batch, head), 0 for none
+    int diag;           // seqlen_k - seqlen_q
+
+    // The final logit of raw score s at (row, col); dcap receives d(logit) / d(scale * s) from the softcap,
+    // 1 - tanh^2 (1 without a softcap): the backward's dS picks it up.
+    FA2_DEVICE float logit(float s, int row, int col, float& dcap) const {
+        float x;
+        if (cap > 0.f) {
+            const float t = tanhf(s * cap_inv);
+            dcap = 1.f - t * t;
+            x = cap * t;
+        } else {
+            dcap = 1.f;
+            x = s * scale;
+        }
+        return x - slope * fabsf((float)(row + diag - col));
+    }
+
+    // s: one warp's raw scores in C-fragment layout with rows from row0 and columns from col0 -> final logits.
+    template <int MTiles, int NTiles>
+    FA2_DEVICE void apply(float (&s)[MTiles][NTiles][4], int row0, int col0, int lane) const {
+#pragma unroll
+        for (int mt = 0; mt < MTiles; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NTiles; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float unused;
+                    s[mt][nt][e] = logit(s[mt][nt][e], row0 + mt * 16 + (lane >> 2) + (e >> 1) * 8,
+                                         col0 + nt * 8 + (lane & 3) * 2 + (e & 1), unused);
+                }
+    }
+};
+
+// The ALiBi slope of (batch, head): slopes (nheads,) have batch_stride 0; no slopes (nullptr) mean slope 0.
+FA2_DEVICE float alibi_slope(const float* slopes, int batch_stride, int batch, int head) {
+    return slopes != nullptr ? slopes[batch * batch_stride + head] : 0.f;
+}
+
+FA2_DEVICE ScoreMods make_score_mods(float scale, float softcap, float slope, int seqlen_q, int seqlen_k) {
+    return ScoreMods{scale, softcap, softcap > 0.f ? scale / softcap : 0.f, slope, seqlen_k - seqlen_q};
+}
 
 }  // namespace fa2

@@ -22,6 +22,8 @@ constexpr int kElemBytes<f32> = 4;
 
 #define FA2_DEVICE __device__ __forceinline__
 
+constexpr float kLog2e = 1.4426950408889634f;  // log2(e): exp(x) = exp2(x * kLog2e)
+
 FA2_DEVICE u32 smem_u32(const void* ptr) {
     u32 addr;
     asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(addr) : "l"(ptr));

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import build, checks, configs
-from .forward import _LOG2E
+from .forward import _LOG2E, error_pointers, kernel_variant
 
 #: Tests set this to fill dq, dk and dv with NaN before the kernels run (see forward._debug_poison).
 _debug_poison = False
@@ -23,7 +23,7 @@ class BackwardPlan:
     main: build.Launch
     dq: build.Launch | None  # deterministic=True: dQ by its own kernel
     convert: build.Launch | None  # deterministic=False: fp32 accumulator -> dq
-    dsum_shape: tuple  # (batch, nheads, seqlen_q) float32 workspace
+    dsum_shape: tuple  # (batch, nheads, seqlen_q) float32 workspace ((nheads, total_q) for varlen)
     dq_accum_shape: tuple | None  # (batch, nheads, seqlen_q, d) float32 workspace, atomics only
     config: configs.BwdConfig
 
@@ -40,68 +40,76 @@ def _strides3(strides) -> tuple:
 
 def plan_backward(
     q_shape, k_shape, strides: dict, dtype: str, softmax_scale: float, causal: bool, deterministic: bool, arch: int,
-    config=None, window_size=(-1, -1),
+    config=None, window_size=(-1, -1), softcap: float = 0.0, alibi_batch_stride=None, varlen_totals=None,
 ) -> BackwardPlan:
     """Builds the launches for one backward problem.
 
     ``strides`` maps "q", "k", "v", "dout", "out", "dq", "dk", "dv" to element strides (4-tuples, last 1);
-    shapes and alignment as in :func:`fa2cupy.forward.plan_forward`. The scale may be negative here: the backward
-    has no running maximum, P = exp(scale * s - lse) is exact for any sign.
+    shapes, alignment, modifiers and varlen as in :func:`fa2cupy.forward.plan_forward` (varlen: lse, and the
+    dsum/dq_accum workspaces, are ``(nheads, total_q[, d])``). The scale may be negative here: the backward has no
+    running maximum, P = exp(scale * s - lse) is exact for any sign.
     """
-    mask, left, right = checks.window_bounds(causal, window_size)
+    mask, mods, left, right = kernel_variant(causal, window_size, softcap, alibi_batch_stride is not None)
     batch, seqlen_q, nheads, headdim = q_shape
     seqlen_k, nheads_kv = k_shape[1], k_shape[2]
     tag = configs.DTYPE_TAGS[dtype]
     atomic = not deterministic
     if config is None:
         config = configs.backward_config(arch, headdim, dtype, mask)
-    sizes = (np.int32(seqlen_q), np.int32(seqlen_k), np.int32(nheads), np.int32(nheads // nheads_kv),
-             np.int32(headdim), np.int32(left), np.int32(right), np.float32(softmax_scale),
-             np.float32(softmax_scale * _LOG2E))
+    total_q, total_k = varlen_totals or (0, 0)
+    stats = (np.int64(0), np.int64(total_q)) if varlen_totals else (np.int64(nheads * seqlen_q), np.int64(seqlen_q))
+    errors = error_pointers()
+    sizes = stats + (np.int32(seqlen_q), np.int32(seqlen_k), np.int32(nheads), np.int32(nheads // nheads_kv),
+                     np.int32(headdim), np.int32(left), np.int32(right), np.float32(softmax_scale),
+                     np.float32(softmax_scale * _LOG2E), np.float32(softcap), np.int32(alibi_batch_stride or 0),
+                     np.int32(total_q), np.int32(total_k)) + errors
 
     pre = _launch(
         build.get_kernel("bwd", f"fa2::bwd_preprocess<{tag}>", 0),
-        ((seqlen_q + 7) // 8, nheads, batch), (256, 1, 1), 0, 4,
-        _strides3(strides["dout"]) + _strides3(strides["out"]) + (np.int32(seqlen_q), np.int32(nheads),
-                                                                  np.int32(headdim)),
+        ((seqlen_q + 7) // 8, nheads, batch), (256, 1, 1), 0, 5,
+        _strides3(strides["dout"]) + _strides3(strides["out"]) + stats + (np.int32(seqlen_q), np.int32(headdim),
+                                                                          np.int32(total_q)) + errors,
     )
     smem = config.smem_bytes(atomic)
     main = _launch(
-        build.get_kernel("bwd", config.name_expression(dtype, mask, atomic), smem),
+        build.get_kernel("bwd", config.name_expression(dtype, mask, atomic, mods), smem),
         (((seqlen_k + config.block_n - 1) // config.block_n) * config.dslices, nheads_kv, batch),
-        (config.threads, 1, 1), smem, 9,
+        (config.threads, 1, 1), smem, 12,
         sum((_strides3(strides[n]) for n in ("q", "k", "v", "dout", "dk", "dv")), ()) + sizes,
     )
     dq = convert = None
+    dq_accum_shape = None
     if deterministic:
         dq_config = configs.backward_dq_config(arch, headdim, dtype, mask)
         dq = _launch(
-            build.get_kernel("bwd", dq_config.name_expression(dtype, mask), dq_config.smem_bytes),
+            build.get_kernel("bwd", dq_config.name_expression(dtype, mask, mods), dq_config.smem_bytes),
             ((seqlen_q + dq_config.block_m - 1) // dq_config.block_m, nheads, batch),
-            (dq_config.threads, 1, 1), dq_config.smem_bytes, 7,
+            (dq_config.threads, 1, 1), dq_config.smem_bytes, 10,
             sum((_strides3(strides[n]) for n in ("q", "k", "v", "dout", "dq")), ()) + sizes,
         )
     else:
         convert = _launch(
             build.get_kernel("bwd", f"fa2::bwd_convert_dq<{tag}>", 0),
-            ((seqlen_q * (headdim // 8) + 255) // 256, nheads, batch), (256, 1, 1), 0, 2,
-            _strides3(strides["dq"]) + (np.int32(seqlen_q), np.int32(nheads), np.int32(headdim),
-                                        np.float32(softmax_scale)),
+            ((seqlen_q * (headdim // 8) + 255) // 256, nheads, batch), (256, 1, 1), 0, 3,
+            _strides3(strides["dq"]) + stats + (np.int32(seqlen_q), np.int32(headdim), np.float32(softmax_scale),
+                                                np.int32(total_q)) + errors,
         )
-    return BackwardPlan(
-        pre, main, dq, convert, (batch, nheads, seqlen_q),
-        None if deterministic else (batch, nheads, seqlen_q, headdim), config,
-    )
+        dq_accum_shape = (nheads, total_q, headdim) if varlen_totals else (batch, nheads, seqlen_q, headdim)
+    dsum_shape = (nheads, total_q) if varlen_totals else (batch, nheads, seqlen_q)
+    return BackwardPlan(pre, main, dq, convert, dsum_shape, dq_accum_shape, config)
 
 
 def run_backward(plan: BackwardPlan, ptr: dict, stream_ptr: int) -> None:
     """Launches a plan on the stream with handle ``stream_ptr``. ``ptr`` maps "q", "k", "v", "dout", "out", "lse",
-    "dq", "dk", "dv", "dsum" and (atomics only) "dq_accum" to device pointers."""
+    "dq", "dk", "dv", "dsum" and (atomics only) "dq_accum" to device pointers, and optionally "cu_seqlens_q",
+    "cu_seqlens_k" (varlen) and "alibi_slopes"."""
     dq_accum = ptr.get("dq_accum", 0) if plan.convert is not None else 0
-    plan.preprocess(stream_ptr, (ptr["dout"], ptr["out"], ptr["dsum"], dq_accum))
+    cu_q, cu_k, alibi = ptr.get("cu_seqlens_q", 0), ptr.get("cu_seqlens_k", 0), ptr.get("alibi_slopes", 0)
+    plan.preprocess(stream_ptr, (ptr["dout"], ptr["out"], ptr["dsum"], dq_accum, cu_q))
     plan.main(stream_ptr, (ptr["q"], ptr["k"], ptr["v"], ptr["dout"], ptr["lse"], ptr["dsum"], dq_accum, ptr["dk"],
-                           ptr["dv"]))
+                           ptr["dv"], cu_q, cu_k, alibi))
     if plan.dq is not None:
-        plan.dq(stream_ptr, (ptr["q"], ptr["k"], ptr["v"], ptr["dout"], ptr["lse"], ptr["dsum"], ptr["dq"]))
+        plan.dq(stream_ptr, (ptr["q"], ptr["k"], ptr["v"], ptr["dout"], ptr["lse"], ptr["dsum"], ptr["dq"], cu_q,
+                             cu_k, alibi))
     else:
-        plan.convert(stream_ptr, (dq_accum, ptr["dq"]))
+        plan.convert(stream_ptr, (dq_accum, ptr["dq"], cu_q))

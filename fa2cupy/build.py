@@ -135,6 +135,8 @@ class Launch:
             from cupy_backends.cuda.api import driver
 
             _launch_kernel = driver.launchKernel
+        if not (self.grid[0] and self.grid[1] and self.grid[2]):
+            return  # an empty grid (say varlen with max_seqlen_k = 0) has nothing to do; CUDA rejects it
         with self._lock:
             slots = self._slots
             for i, value in zip(self.variable, values):

@@ -150,8 +150,9 @@ def check_forward_args(
         softmax_scale: None (use 1/sqrt(headdim)) or a finite real number.
         causal: bool; causal mask aligned to the bottom-right corner.
         window_size: (left, right), each an int >= -1 (-1: no limit on that side).
-        softcap: must be 0 (softcapping is not implemented yet).
-        alibi_slopes: must be None (ALiBi is not implemented yet).
+        softcap: a finite number >= 0; > 0 caps the scores at ``softcap * tanh(s / softcap)``.
+        alibi_slopes: None, or an ArrayInfo of float32 ``(nheads,)`` or ``(batch, nheads)`` ALiBi slopes from q's
+            framework and device (see :func:`check_alibi`).
         deterministic: bool; accepted and ignored (the forward pass is always
             deterministic).
         return_attn_probs: bool.
@@ -164,7 +165,7 @@ def check_forward_args(
         ValueError: wrong rank, mismatched or zero-length axes, bad head grouping,
             headdim out of range, last axis not contiguous, arrays on different
             frameworks/devices, or a non-finite/out-of-range option value.
-        NotImplementedError: dropout, softcap or ALiBi requested.
+        NotImplementedError: dropout requested.
     """
     # --- options first: they are independent of the arrays. Each has a fast path
     # for the common spellings (this runs on every call; the numbers ABCs are slow).
@@ -203,11 +204,6 @@ def check_forward_args(
         cap = _real(softcap, "softcap")
         if not (math.isfinite(cap) and cap >= 0.0):
             raise ValueError(f"softcap must be a finite number >= 0, got {softcap!r}")
-        if cap != 0.0:
-            raise NotImplementedError("softcapping (softcap > 0) is not implemented yet")
-
-    if alibi_slopes is not None:
-        raise NotImplementedError("ALiBi (alibi_slopes) is not implemented yet; pass None")
 
     # --- arrays
     _check_layout(q, _AXES_Q)
@@ -270,7 +266,91 @@ def check_forward_args(
                 f"a copy if the last axis is strided"
             )
 
+    if alibi_slopes is not None:
+        check_alibi(alibi_slopes, q, batch, nheads)
     return AttnShape(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, q.dtype)
+
+
+def check_alibi(slopes: ArrayInfo, q: ArrayInfo, batch: int, nheads: int) -> None:
+    """ALiBi slopes: float32 ``(nheads,)`` or ``(batch, nheads)``, from q's framework and on q's device."""
+    if tuple(slopes.shape) not in ((nheads,), (batch, nheads)):
+        raise ValueError(
+            f"alibi_slopes must have shape (nheads,) = ({nheads},) or (batch, nheads) = ({batch}, {nheads}), got "
+            f"{tuple(slopes.shape)}"
+        )
+    if slopes.dtype != "float32":
+        raise TypeError(f"alibi_slopes must be float32 (as flash-attn takes them), got {slopes.dtype}")
+    same_framework([q, slopes])
+
+
+def check_varlen_args(
+    q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, cu_seqlens_q: ArrayInfo, cu_seqlens_k: ArrayInfo, max_seqlen_q,
+    max_seqlen_k, **options,
+) -> tuple[AttnShape, int, int]:
+    """Validate ``flash_attn_varlen_func``'s arguments; returns (AttnShape with batch = number of sequences and
+    the maximum lengths, total_q, total_k).
+
+    q ``(total_q, nheads, headdim)``, k and v ``(total_k, nheads_kv, headdim)``; cu_seqlens_q/k int32
+    ``(batch + 1,)`` arrays of the same length from q's framework and device; max_seqlen_q/k ints >= 0. The
+    options and the per-array rules are :func:`check_forward_args`'s (applied to the arrays as one batch). The
+    values inside cu_seqlens live on the GPU: the kernels check them (see fa2cupy.device_errors)."""
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0 (the longest sequence), got {value!r}")
+    for info in (q, k, v):
+        if len(info.shape) != 3:
+            raise ValueError(
+                f"{info.name} must be 3-D (total_tokens, heads, headdim) for the varlen functions, got shape "
+                f"{info.shape}"
+            )
+    for info in (cu_seqlens_q, cu_seqlens_k):
+        if len(info.shape) != 1 or info.shape[0] < 2:
+            raise ValueError(f"{info.name} must be 1-D (batch + 1,) with batch >= 1, got shape {info.shape}")
+        if info.dtype != "int32":
+            raise TypeError(f"{info.name} must be int32 (cumulative sequence lengths), got {info.dtype}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(
+            f"cu_seqlens_q {cu_seqlens_q.shape} and cu_seqlens_k {cu_seqlens_k.shape} must have the same length "
+            f"(batch + 1)"
+        )
+    batch = cu_seqlens_q.shape[0] - 1
+    if batch > MAX_GRID_YZ:
+        raise ValueError(f"cu_seqlens_q describes {batch} sequences; at most {MAX_GRID_YZ} are supported per call")
+    same_framework([q, cu_seqlens_q, cu_seqlens_k])
+    alibi = options.pop("alibi_slopes", None)
+    total_q, total_k = q.shape[0], k.shape[0]
+    if total_q < 1 or total_k < 1:
+        raise ValueError(f"q has {total_q} tokens and k {total_k}; the packed arrays must not be empty")
+
+    def as_batch(info: ArrayInfo) -> ArrayInfo:  # (total, h, d) seen as one batch entry
+        return ArrayInfo(name=info.name, framework=info.framework, shape=(1,) + tuple(info.shape), dtype=info.dtype,
+                         strides=(0,) + tuple(info.strides), device=info.device)
+
+    shape = check_forward_args(as_batch(q), as_batch(k), as_batch(v), **options)
+    if alibi is not None:
+        check_alibi(alibi, q, batch, shape.nheads)
+    return (AttnShape(batch, int(max_seqlen_q), int(max_seqlen_k), shape.nheads, shape.nheads_kv, shape.headdim,
+                      shape.dtype), total_q, total_k)
+
+
+def check_varlen_backward_args(dout: ArrayInfo, out: ArrayInfo, softmax_lse: ArrayInfo, q: ArrayInfo,
+                               nheads: int) -> None:
+    """dout and out like q ``(total_q, nheads, headdim)`` (same dtype, contiguous last axis); softmax_lse float32
+    ``(nheads, total_q)`` as the varlen forward returns it; one framework."""
+    same_framework([q, dout, out, softmax_lse])
+    for info in (dout, out):
+        if tuple(info.shape) != tuple(q.shape):
+            raise ValueError(f"{info.name} has shape {info.shape} but q has {q.shape}; it must have q's shape")
+        if info.dtype != q.dtype:
+            raise TypeError(f"{info.name} has dtype {info.dtype} but q has {q.dtype}; it must have q's dtype")
+        if info.strides[-1] != 1 and info.shape[-1] != 1:
+            raise ValueError(f"{info.name} must be contiguous in its last (headdim) axis, got strides {info.strides}")
+    expected = (nheads, q.shape[0])
+    if tuple(softmax_lse.shape) != expected:
+        raise ValueError(f"softmax_lse has shape {softmax_lse.shape}, expected (nheads, total_q) = {expected}; pass "
+                         f"the softmax_lse that flash_attn_varlen_func returned")
+    if softmax_lse.dtype != "float32":
+        raise TypeError(f"softmax_lse must be float32 (as the forward returns it), got {softmax_lse.dtype}")
 
 
 def _c_contiguous(info: ArrayInfo) -> bool:
@@ -295,6 +375,8 @@ def check_backward_args(
     causal=False,
     window_size=(-1, -1),
     deterministic=False,
+    softcap=0.0,
+    alibi_slopes=None,
 ) -> AttnShape:
     """Validate the arguments of ``flash_attn_backward`` and return the problem size.
 
@@ -306,7 +388,8 @@ def check_backward_args(
 
     Args:
         dout, q, k, v, out, softmax_lse: ArrayInfo from :func:`fa2cupy.arrays.describe`.
-        softmax_scale, causal, window_size, deterministic: as for :func:`check_forward_args`.
+        softmax_scale, causal, window_size, deterministic, softcap, alibi_slopes: as for
+            :func:`check_forward_args`.
 
     Returns:
         AttnShape.
@@ -318,7 +401,8 @@ def check_backward_args(
         NotImplementedError: never for the options the backward takes.
     """
     shape = check_forward_args(
-        q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, deterministic=deterministic
+        q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, deterministic=deterministic,
+        softcap=softcap, alibi_slopes=alibi_slopes,
     )
     for info in (dout, out):
         if len(info.shape) != 4:

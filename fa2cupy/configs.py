@@ -20,6 +20,12 @@ DTYPE_TAGS = {"float16": "fa2::f16", "bfloat16": "fa2::bf16"}
 MASKS = ("none", "causal", "window")
 MASK_TAGS = {"none": "fa2::kMaskNone", "causal": "fa2::kMaskCausal", "window": "fa2::kMaskWindow"}
 
+#: Kernel variants shipped per table row: (mask, score modifiers). Softcap and ALiBi (ScoreMods in cuda/masks.cuh)
+#: are switched on at run time inside one extra variant built on the window mask (which also expresses "none" and
+#: "causal" with unlimited sides), so the plain kernels stay as they were and each row costs one more kernel, not
+#: one per combination.
+VARIANTS = (("none", False), ("causal", False), ("window", False), ("window", True))
+
 #: Arch families with their own table rows, told apart by shared memory per block: sm80 (A100, 163 KB),
 #: sm86 (RTX 30/40, L4, consumer Blackwell: 99 KB) and sm90 (H100/H200, B200: 227 KB).
 ARCH_FAMILIES = ("sm80", "sm86", "sm90")
@@ -45,11 +51,11 @@ class FwdConfig:
         # Must match FwdTraits::kSmemBytes: padded rows of (headdim + 8) 16-bit elements.
         return (self.block_m + 2 * self.stages * self.block_n) * (self.headdim + 8) * 2
 
-    def name_expression(self, dtype: str, mask: str) -> str:
+    def name_expression(self, dtype: str, mask: str, mods: bool = False) -> str:
         return (
             f"fa2::flash_fwd<fa2::FwdTraits<{self.headdim}, {self.block_m}, {self.block_n}, {self.warps}, "
             f"{self.stages}, {self.min_blocks}, {str(self.q_in_regs).lower()}, {DTYPE_TAGS[dtype]}, "
-            f"{MASK_TAGS[mask]}>>"
+            f"{MASK_TAGS[mask]}{', true' if mods else ''}>>"
         )
 
 
@@ -86,16 +92,18 @@ FORWARD_TABLE: dict[tuple[str, int], FwdConfig] = {
     ("sm90", 256): _fwd(256, 64, 64, 4),
 }
 
-#: Sliding-window rows that differ from FORWARD_TABLE's: the window's two run-time bounds cost registers, and the
-#: d=64 H100 row (128x128 at the 255-register cap) would spill 24 bytes with them.
-FORWARD_WINDOW_TABLE: dict[tuple[str, int], FwdConfig] = {
-    ("sm90", 64): _fwd(64, 128, 64, 4, min_blocks=2),
+#: Masked (causal or window) rows that differ from FORWARD_TABLE's: the mask's bounds, and for varlen the
+#: sequence's own lengths, cost registers; the d=64 H100 row (128x128 at the 255-register cap) spills 20 bytes
+#: with them, 128x96 has none.
+FORWARD_MASKED_TABLE: dict[tuple[str, int], FwdConfig] = {
+    ("sm90", 64): _fwd(64, 128, 96, 4, min_blocks=2),
 }
 
 #: Extra configurations timed by bench/tune_fwd.py (``TUNE=1 bash bench/run_device.sh``) when re-tuning the table.
 FORWARD_CANDIDATES: dict[int, tuple[FwdConfig, ...]] = {
     64: (
         _fwd(64, 128, 128, 4, min_blocks=2),
+        _fwd(64, 128, 96, 4, min_blocks=2),
         _fwd(64, 128, 64, 4, min_blocks=2),
         _fwd(64, 128, 64, 4, stages=3, min_blocks=2),
         _fwd(64, 256, 64, 8),
@@ -152,11 +160,11 @@ class BwdConfig:
         units_per_warp = -(-units // col_warps)
         return base + self.warps * 16 * (units_per_warp * 16 + 4) * 4
 
-    def name_expression(self, dtype: str, mask: str, atomic_dq: bool) -> str:
+    def name_expression(self, dtype: str, mask: str, atomic_dq: bool, mods: bool = False) -> str:
         return (
             f"fa2::bwd_dkdv<fa2::BwdTraits<{self.headdim}, {self.block_m}, {self.block_n}, {self.warps}, "
             f"{self.warps_keys}, {self.warps_keys2}, {self.stages}, {self.dslices}, {DTYPE_TAGS[dtype]}, "
-            f"{MASK_TAGS[mask]}, {str(bool(atomic_dq)).lower()}>>"
+            f"{MASK_TAGS[mask]}, {str(bool(atomic_dq)).lower()}{', true' if mods else ''}>>"
         )
 
 
@@ -177,10 +185,10 @@ class BwdDqConfig:
     def smem_bytes(self) -> int:
         return (2 * self.block_m + 4 * self.block_n) * (self.headdim + 8) * 2
 
-    def name_expression(self, dtype: str, mask: str) -> str:
+    def name_expression(self, dtype: str, mask: str, mods: bool = False) -> str:
         return (
             f"fa2::bwd_dq<fa2::BwdDqTraits<{self.headdim}, {self.block_m}, {self.block_n}, {self.warps}, "
-            f"{DTYPE_TAGS[dtype]}, {MASK_TAGS[mask]}>>"
+            f"{DTYPE_TAGS[dtype]}, {MASK_TAGS[mask]}{', true' if mods else ''}>>"
         )
 
 
@@ -195,7 +203,7 @@ _BWD_SM90 = {  # 227 KB of shared memory per block
     64: _bwd(64, 128, 128, 8, 4),
     96: _bwd(96, 64, 128, 8, 4),
     128: _bwd(128, 64, 128, 8, 4),
-    160: _bwd(160, 32, 64, 4, 2),
+    160: _bwd(160, 32, 64, 4, 4, dslices=2),  # one head-dim slice spills 4-16 B with the varlen bounds
     192: _bwd(192, 32, 64, 4, 2, dslices=2),
     224: _bwd(224, 32, 64, 4, 4, dslices=2),
     256: _bwd(256, 32, 64, 4, 2, dslices=2),
@@ -204,7 +212,6 @@ _BWD_SM80 = {  # 163 KB
     **_BWD_SM90,
     64: _bwd(64, 64, 128, 8, 4),
     128: _bwd(128, 64, 128, 8, 4, stages=1),
-    160: _bwd(160, 32, 64, 4, 4, dslices=2),
 }
 _BWD_SM86 = {  # 99 KB
     32: _bwd(32, 64, 128, 8, 4),
@@ -334,8 +341,8 @@ def forward_config(arch: int, headdim: int, dtype: str, mask: str) -> FwdConfig:
     if dtype not in DTYPE_TAGS:
         raise ValueError(f"dtype must be one of {tuple(DTYPE_TAGS)}, got {dtype}")
     key = (arch_family(arch), tile_headdim(headdim))
-    if mask == "window" and key in FORWARD_WINDOW_TABLE:
-        return FORWARD_WINDOW_TABLE[key]
+    if mask != "none" and key in FORWARD_MASKED_TABLE:
+        return FORWARD_MASKED_TABLE[key]
     return FORWARD_TABLE[key]
 
 
@@ -362,15 +369,15 @@ def backward_instantiations(family: str | None = None) -> list[str]:
     for (fam, width), base in BACKWARD_TABLE.items():
         if family is None or fam == family:
             for dtype in DTYPE_TAGS:
-                for mask in MASKS:
+                for mask, mods in VARIANTS:
                     config = BACKWARD_CAUSAL_TABLE.get((fam, width), base) if mask != "none" else base
                     for atomic in (False, True):
-                        names.add(config.name_expression(dtype, mask, atomic))
+                        names.add(config.name_expression(dtype, mask, atomic, mods))
     for (fam, _), config in BACKWARD_DQ_TABLE.items():
         if family is None or fam == family:
             for dtype in DTYPE_TAGS:
-                for mask in MASKS:
-                    names.add(config.name_expression(dtype, mask))
+                for mask, mods in VARIANTS:
+                    names.add(config.name_expression(dtype, mask, mods))
     for dtype in DTYPE_TAGS:
         names.add(f"fa2::bwd_preprocess<{DTYPE_TAGS[dtype]}>")
         names.add(f"fa2::bwd_convert_dq<{DTYPE_TAGS[dtype]}>")
@@ -396,10 +403,10 @@ def decode_instantiations(family: str | None = None) -> list[str]:
 def forward_instantiations(family: str | None = None) -> list[str]:
     """Name expressions of every shipped forward instantiation (of one arch family, or all), deduplicated."""
     names = {
-        (FORWARD_WINDOW_TABLE.get(key, config) if mask == "window" else config).name_expression(dtype, mask)
+        (FORWARD_MASKED_TABLE.get(key, config) if mask != "none" else config).name_expression(dtype, mask, mods)
         for key, config in FORWARD_TABLE.items()
         if family is None or key[0] == family
         for dtype in DTYPE_TAGS
-        for mask in MASKS
+        for mask, mods in VARIANTS
     }
     return sorted(names)

@@ -2,7 +2,7 @@
 memory, and reading them on the host would cost a synchronisation per call, which a decode loop (or a CUDA graph)
 cannot afford.
 
-So the kernels check them (cuda/decode.cu ``report_bad_value``): the first thread to find a bad value claims a
+So the kernels check them (cuda/errors.cuh ``report_bad_value``): the first thread to find a bad value claims a
 per-device word with atomicCAS and writes what, where and which value into pinned host memory mapped into the
 GPU's address space; while a report is pending, the kernels write NaN rows and the append writes nothing. The host
 reads that memory without synchronising: the next call raises, or :func:`check_device_errors` waits for the GPU
@@ -16,8 +16,9 @@ import ctypes
 
 import numpy as np
 
-#: What the kernels report (enum BadValue in cuda/decode.cu).
-_BAD_CACHE_SEQLEN, _BAD_CACHE_BATCH_IDX, _BAD_BLOCK_TABLE = 1, 2, 3
+#: What the kernels report (enum BadValue in cuda/errors.cuh).
+(_BAD_CACHE_SEQLEN, _BAD_CACHE_BATCH_IDX, _BAD_BLOCK_TABLE, _BAD_CU_SEQLENS_Q, _BAD_CU_SEQLENS_K,
+ _BAD_ROTARY_POSITION, _BAD_CACHE_LEFTPAD) = 1, 2, 3, 4, 5, 6, 7
 
 _report = None  # numpy int64[3] view of the mapped host words: [0] what, [1] row << 32 | col, [2] value
 _report_device_ptr = 0
@@ -92,6 +93,7 @@ def check_device_errors() -> None:
 def _raise_and_clear() -> None:
     what, where, value = (int(x) for x in _report)
     row, col = where >> 32, where & 0xFFFFFFFF
+    col = col - (1 << 32) if col >= 1 << 31 else col  # a signed int in the report's low word
     _report[:] = 0
     for claim in _claims.values():
         with _cupy().cuda.Device(claim.device.id):
@@ -105,6 +107,17 @@ def _raise_and_clear() -> None:
     if what == _BAD_CACHE_BATCH_IDX:
         raise ValueError(f"cache_batch_idx[{row}] = {value} is not a row of k_cache (0 <= cache_batch_idx < "
                          f"k_cache.shape[0]) {after}")
+    if what in (_BAD_CU_SEQLENS_Q, _BAD_CU_SEQLENS_K):
+        name, side = ("cu_seqlens_q", "q") if what == _BAD_CU_SEQLENS_Q else ("cu_seqlens_k", "k")
+        raise ValueError(f"{name}[{row}:{row + 2}] = ({col}, {value}) is not a sequence of the packed {side}: each "
+                         f"needs 0 <= start <= end <= {side}.shape[0] and end - start <= max_seqlen_{side} (found on "
+                         f"the GPU by a varlen call, which did not compute that sequence: its rows of the output and "
+                         f"gradients are not valid)")
+    if what == _BAD_ROTARY_POSITION:
+        raise ValueError(f"cache_seqlens[{row}] places a rotated token at position {value}, past the rows of "
+                         f"rotary_cos / rotary_sin; they must cover every position rotated {after}")
+    if what == _BAD_CACHE_LEFTPAD:
+        raise ValueError(f"cache_leftpad[{row}] = {value} must lie in [0, cache_seqlens[{row}]] {after}")
     if what == _BAD_BLOCK_TABLE:
         raise ValueError(f"block_table[{row}, {col}] = {value} is not a page of k_cache (0 <= page < "
                          f"k_cache.shape[0]) {after}")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import build, checks, configs
+from . import build, checks, configs, device_errors
 
 #: Tests set this to fill out and lse with NaN before every launch, so an element the kernel fails to write
 #: shows up as NaN instead of as whatever the allocator happened to hand back.
@@ -23,13 +23,29 @@ MAX_ROW_STRIDE = 1 << 24
 
 @dataclass(frozen=True)
 class ForwardPlan:
-    launch: build.Launch  # variable slots: the five pointers q, k, v, out, lse
+    launch: build.Launch  # variable slots: the eight pointers q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi
     config: configs.FwdConfig
+
+
+def kernel_variant(causal: bool, window_size, softcap: float, alibi: bool) -> tuple[str, bool, int, int]:
+    """``(mask, mods, left, right)``: the kernel variant (configs.VARIANTS) and window bounds for the options.
+    Softcap and ALiBi run in the modifier variant, built on the window mask, which expresses every mask."""
+    mask, left, right = checks.window_bounds(causal, window_size)
+    mods = softcap > 0 or alibi
+    return ("window" if mods else mask), mods, left, right
+
+
+def error_pointers() -> tuple:
+    """The device-error report words for kernels on the current device, as kernel arguments."""
+    import cupy
+
+    claim, host = device_errors.pointers(cupy.cuda.runtime.getDevice())
+    return np.uint64(claim), np.uint64(host)
 
 
 def plan_forward(
     q_shape, k_shape, strides, dtype: str, softmax_scale: float, causal: bool, arch: int, config=None,
-    window_size=(-1, -1),
+    window_size=(-1, -1), softcap: float = 0.0, alibi_batch_stride=None, varlen_totals=None,
 ) -> ForwardPlan:
     """Builds (and compiles on first use) the launch for one problem.
 
@@ -37,18 +53,27 @@ def plan_forward(
     element strides of q, k, v and out (4 tuples of 4). ``d`` is a multiple of 8 (<= 256); every last-axis
     stride is 1, the others are multiples of 8 with row strides below ``MAX_ROW_STRIDE``; ``softmax_scale >= 0``
     (the interface folds a negative scale into q). ``config`` overrides the tile table (tuning only).
-    ``causal`` and ``window_size`` (validated) pick the mask, see :func:`checks.window_bounds`.
+    ``causal`` and ``window_size`` (validated) pick the mask, see :func:`checks.window_bounds`; ``softcap > 0`` and
+    ``alibi_batch_stride`` (not None: slopes are passed, with this batch stride in elements) the score modifiers.
+
+    Varlen: ``varlen_totals = (total_q, total_k)``, the rows of the packed arrays; then the shapes carry the
+    number of sequences and the maximum lengths, the batch strides are 0, lse is ``(nheads, total_q)``, and the
+    launch takes cu_seqlens pointers.
     """
     batch, seqlen_q, nheads, headdim = q_shape
     seqlen_k, nheads_kv = k_shape[1], k_shape[2]
-    mask, left, right = checks.window_bounds(causal, window_size)
+    mask, mods, left, right = kernel_variant(causal, window_size, softcap, alibi_batch_stride is not None)
     if config is None:
         config = configs.forward_config(arch, headdim, dtype, mask)
-    function = build.get_kernel("fwd", config.name_expression(dtype, mask), config.smem_bytes)
+    function = build.get_kernel("fwd", config.name_expression(dtype, mask, mods), config.smem_bytes)
     scalars = ()
     for batch_stride, row_stride, head_stride, _ in strides:
         scalars += (np.int64(batch_stride), np.int32(row_stride), np.int64(head_stride))
+    total_q, total_k = varlen_totals or (0, 0)
+    lse_strides = (0, total_q) if varlen_totals else (nheads * seqlen_q, seqlen_q)
     scalars += (
+        np.int64(lse_strides[0]),
+        np.int64(lse_strides[1]),
         np.int32(seqlen_q),
         np.int32(seqlen_k),
         np.int32(nheads),
@@ -58,14 +83,19 @@ def plan_forward(
         np.int32(right),
         np.float32(softmax_scale),
         np.float32(softmax_scale * _LOG2E),
-    )
+        np.float32(softcap),
+        np.int32(alibi_batch_stride or 0),
+        np.int32(total_q),
+        np.int32(total_k),
+    ) + error_pointers()
     grid = ((seqlen_q + config.block_m - 1) // config.block_m, nheads, batch)
-    launch = build.Launch(function, grid, (config.threads, 1, 1), config.smem_bytes, (np.uint64(0),) * 5 + scalars,
-                          range(5))
+    launch = build.Launch(function, grid, (config.threads, 1, 1), config.smem_bytes, (np.uint64(0),) * 8 + scalars,
+                          range(8))
     return ForwardPlan(launch, config)
 
 
 def run_forward(plan: ForwardPlan, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int,
-                stream_ptr: int) -> None:
-    """Launches a plan on the stream with handle ``stream_ptr`` with raw device pointers."""
-    plan.launch(stream_ptr, (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr))
+                stream_ptr: int, cu_seqlens_q: int = 0, cu_seqlens_k: int = 0, alibi_slopes: int = 0) -> None:
+    """Launches a plan on the stream with handle ``stream_ptr`` with raw device pointers (0 for an absent
+    cu_seqlens or alibi_slopes)."""
+    plan.launch(stream_ptr, (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_seqlens_q, cu_seqlens_k, alibi_slopes))

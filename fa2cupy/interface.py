@@ -3,6 +3,9 @@ framework, on the caller's stream."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import cupy
 
 from . import arrays, backward, checks, decode, device_errors, forward, packed
@@ -38,6 +41,16 @@ def _kernel_ready(x, headdim: int):
 
 def _elem_strides(x) -> tuple:
     return tuple(s // x.itemsize for s in x.strides)
+
+
+def _alibi_ready(alibi_slopes, info):
+    """(CuPy slopes with a contiguous head axis or None, their batch stride in elements or None, whether the
+    caller's array is used as is). (nheads,) slopes have batch stride 0."""
+    if alibi_slopes is None:
+        return None, None, True
+    given = arrays.to_cupy(alibi_slopes, info)
+    slopes = given if given.strides[-1] == 4 and given.data.ptr % 4 == 0 else cupy.ascontiguousarray(given)
+    return slopes, (slopes.strides[0] // 4 if slopes.ndim == 2 else 0), slopes is given
 
 
 class _CachedCall:
@@ -119,8 +132,10 @@ def flash_attn_func(
             ``j`` iff ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right``; -1 = no limit on
             that side; with ``causal`` the right side is 0. Key tiles outside every row's window are skipped, so
             the cost falls with the window.
-        dropout_p, softcap, alibi_slopes: not implemented yet; anything but the defaults raises
-            NotImplementedError naming the feature.
+        softcap: ``> 0`` passes the scaled scores through ``softcap * tanh(s / softcap)`` (Gemma 2, Grok).
+        alibi_slopes: float32 ``(nheads,)`` or ``(batch, nheads)``: adds the ALiBi bias ``-slope * |i + seqlen_k -
+            seqlen_q - j|`` to the (capped) scores.
+        dropout_p: not implemented yet; anything but 0 raises NotImplementedError.
         deterministic: accepted for compatibility; the forward is always deterministic.
         return_attn_probs: also return the log-sum-exp (see Returns).
 
@@ -133,13 +148,15 @@ def flash_attn_func(
     """
     key = None
     if not forward._debug_poison:
-        options = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+        options = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes is None, deterministic,
                    return_attn_probs)
-        key, cached, ptrs = _cached_lookup("fwd", (q, k, v), options)
+        inputs = (q, k, v) if alibi_slopes is None else (q, k, v, alibi_slopes)
+        key, cached, ptrs = _cached_lookup("fwd", inputs, options)
         if cached is not None:
             stream_ptr = arrays.caller_stream_ptr(cached.framework, cached.device)
             (out, out_ptr), (lse, lse_ptr) = cached.allocate()
-            forward.run_forward(cached.plan, ptrs[0], ptrs[1], ptrs[2], out_ptr, lse_ptr, stream_ptr)
+            forward.run_forward(cached.plan, ptrs[0], ptrs[1], ptrs[2], out_ptr, lse_ptr, stream_ptr,
+                                alibi_slopes=ptrs[3] if alibi_slopes is not None else 0)
             return (out, lse, None) if return_attn_probs else out
     return _flash_attn_checked(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
@@ -157,6 +174,7 @@ def _flash_attn_checked(
     """The full path: describe, validate, adapt (copy where the kernels need it), plan, launch; and remember
     the plan under ``cache_key`` when the inputs were used in place."""
     q_info, k_info, v_info = arrays.describe(q, "q"), arrays.describe(k, "k"), arrays.describe(v, "v")
+    alibi_info = None if alibi_slopes is None else arrays.describe(alibi_slopes, "alibi_slopes")
     shape = checks.check_forward_args(
         q_info,
         k_info,
@@ -166,7 +184,7 @@ def _flash_attn_checked(
         causal=causal,
         window_size=window_size,
         softcap=softcap,
-        alibi_slopes=alibi_slopes,
+        alibi_slopes=alibi_info,
         deterministic=deterministic,
         return_attn_probs=return_attn_probs,
     )
@@ -191,12 +209,15 @@ def _flash_attn_checked(
             if forward._debug_poison:
                 out.fill(float("nan"))
                 lse.fill(float("nan"))
+            slopes, slopes_stride, slopes_in_place = _alibi_ready(alibi_slopes, alibi_info)
             plan = forward.plan_forward(
                 qc.shape, kc.shape, tuple(_elem_strides(x) for x in (qc, kc, vc, out)), shape.dtype, scale,
-                bool(causal), _arch(device), window_size=window_size,
+                bool(causal), _arch(device), window_size=window_size, softcap=float(softcap),
+                alibi_batch_stride=slopes_stride,
             )
-            forward.run_forward(plan, qc.data.ptr, kc.data.ptr, vc.data.ptr, out.data.ptr, lse.data.ptr, stream.ptr)
-            if qc is q_in and kc is k_in and vc is v_in:  # inputs used in place: later calls may skip to launch
+            forward.run_forward(plan, qc.data.ptr, kc.data.ptr, vc.data.ptr, out.data.ptr, lse.data.ptr, stream.ptr,
+                                alibi_slopes=slopes.data.ptr if slopes is not None else 0)
+            if qc is q_in and kc is k_in and vc is v_in and slopes_in_place:  # later calls may skip to launch
                 _remember(cache_key, _CachedCall(plan, device, framework,
                                                  ((out_shape, shape.dtype), (lse_shape, "float32"))))
             result = arrays.make_result(out_native, out, framework)
@@ -208,7 +229,8 @@ def _flash_attn_checked(
 
 
 def flash_attn_backward(
-    dout, q, k, v, out, softmax_lse, softmax_scale=None, causal=False, window_size=(-1, -1), deterministic=False
+    dout, q, k, v, out, softmax_lse, softmax_scale=None, causal=False, window_size=(-1, -1), deterministic=False,
+    softcap=0.0, alibi_slopes=None,
 ):
     """Gradients of ``flash_attn_func`` (FlashAttention-2 Algorithm 2) w.r.t. q, k and v.
 
@@ -218,7 +240,8 @@ def flash_attn_backward(
         out, softmax_lse: the forward's output and float32 ``(batch, nheads, seqlen_q)`` log-sum-exp, as returned
             by ``flash_attn_func(q, k, v, ..., return_attn_probs=True)`` with the same ``softmax_scale`` and
             ``causal``. Only these O(N) statistics are kept between forward and backward.
-        softmax_scale, causal, window_size: as given to the forward.
+        softmax_scale, causal, window_size, softcap, alibi_slopes: as given to the forward (with a softcap the
+            gradient goes through the tanh exactly; the ALiBi bias has none).
         deterministic: False accumulates dQ across key tiles with fp32 atomics (fastest; the summation order,
             hence the last bits, can change between runs). True computes dQ in a separate kernel that walks the
             key tiles in a fixed order: bit-identical results run to run, at the cost of recomputing Q K^T and
@@ -233,28 +256,32 @@ def flash_attn_backward(
     """
     key = None
     if not backward._debug_poison:
+        inputs = (dout, q, k, v, out, softmax_lse) + (() if alibi_slopes is None else (alibi_slopes,))
         key, cached, ptrs = _cached_lookup(
-            "bwd", (dout, q, k, v, out, softmax_lse), (softmax_scale, causal, window_size, deterministic)
+            "bwd", inputs, (softmax_scale, causal, window_size, deterministic, softcap, alibi_slopes is None)
         )
         if cached is not None:
             stream_ptr = arrays.caller_stream_ptr(cached.framework, cached.device)
             allocated = cached.allocate()
-            pointers = dict(zip(("dout", "q", "k", "v", "out", "lse"), ptrs))
+            pointers = dict(zip(("dout", "q", "k", "v", "out", "lse", "alibi_slopes"), ptrs))
             pointers.update(zip(("dq", "dk", "dv", "dsum", "dq_accum"), (p for _, p in allocated)))
             backward.run_backward(cached.plan, pointers, stream_ptr)
             return allocated[0][0], allocated[1][0], allocated[2][0]
     return _flash_attn_backward_checked(
-        dout, q, k, v, out, softmax_lse, softmax_scale, causal, window_size, deterministic, key
+        dout, q, k, v, out, softmax_lse, softmax_scale, causal, window_size, deterministic, softcap, alibi_slopes, key
     )
 
 
 def _flash_attn_backward_checked(
-    dout, q, k, v, out, softmax_lse, softmax_scale, causal, window_size, deterministic, cache_key
+    dout, q, k, v, out, softmax_lse, softmax_scale, causal, window_size, deterministic, softcap, alibi_slopes,
+    cache_key,
 ):
     names = ("dout", "q", "k", "v", "out", "softmax_lse")
     infos = [arrays.describe(x, name) for x, name in zip((dout, q, k, v, out, softmax_lse), names)]
+    alibi_info = None if alibi_slopes is None else arrays.describe(alibi_slopes, "alibi_slopes")
     shape = checks.check_backward_args(
-        *infos, softmax_scale=softmax_scale, causal=causal, window_size=window_size, deterministic=deterministic
+        *infos, softmax_scale=softmax_scale, causal=causal, window_size=window_size, deterministic=deterministic,
+        softcap=softcap, alibi_slopes=alibi_info,
     )
     scale = checks.default_scale(shape.headdim) if softmax_scale is None else float(softmax_scale)
     framework = infos[1].framework
@@ -282,20 +309,192 @@ def _flash_attn_backward_checked(
             dout_c, q_c, k_c, v_c, out_c = ready
             strides = {n: _elem_strides(x) for n, x in zip(("dout", "q", "k", "v", "out"), ready)}
             strides.update({n: _elem_strides(x) for n, x in zip(("dq", "dk", "dv"), views)})
+            slopes, slopes_stride, slopes_in_place = _alibi_ready(alibi_slopes, alibi_info)
             plan = backward.plan_backward(
                 q_c.shape, k_c.shape, strides, shape.dtype, scale, bool(causal), deterministic, _arch(device),
-                window_size=window_size,
+                window_size=window_size, softcap=float(softcap), alibi_batch_stride=slopes_stride,
             )
             pointers = {n: x.data.ptr for n, x in zip(("dout", "q", "k", "v", "out"), ready)}
             pointers["lse"] = lse.data.ptr
+            if slopes is not None:
+                pointers["alibi_slopes"] = slopes.data.ptr
             pointers.update({n: x.data.ptr for n, x in zip(("dq", "dk", "dv", "dsum", "dq_accum"), views)})
             backward.run_backward(plan, pointers, stream.ptr)
-            if all(r is g for r, g in zip(ready, given[:5])) and lse is given[5]:
+            if all(r is g for r, g in zip(ready, given[:5])) and lse is given[5] and slopes_in_place:
                 _remember(cache_key, _CachedCall(plan, device, framework, allocations))
             results = [arrays.make_result(native, view, framework) for native, view in made[:3]]
             if padded != shape.headdim:
                 results = [r[..., : shape.headdim] for r in results]
             return tuple(results)
+
+
+def _varlen_view(x, info, headdim: int):
+    """(total, heads, d) CuPy array -> kernel-ready (1, total, heads, d') view (see _kernel_ready)."""
+    return _kernel_ready(arrays.to_cupy(x, info)[None], headdim)
+
+
+def _varlen_strides(x) -> tuple:
+    """Element strides of a (1, total, heads, d) view for the kernels: batch stride 0 (cu_seqlens give the rows)."""
+    return (0,) + _elem_strides(x)[1:]
+
+
+def _cu_seqlens_ready(x, info):
+    given = arrays.to_cupy(x, info)
+    return given if given.flags.c_contiguous else cupy.ascontiguousarray(given)
+
+
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+):
+    """Attention over packed sequences of different lengths, no padding work (flash-attn 2.x).
+
+    Args:
+        q: ``(total_q, nheads, headdim)``; k, v: ``(total_k, nheads_kv, headdim)``: the sequences' tokens one after
+            another (dtypes, head grouping and layout rules as in :func:`flash_attn_func`).
+        cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)`` on the GPU: sequence ``b`` is rows
+            ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of q (and of k/v with cu_seqlens_k). Lengths may be 0.
+        max_seqlen_q, max_seqlen_k: ints, the longest sequence (the grid is sized for it).
+        softmax_scale, causal, window_size, softcap, alibi_slopes (``(nheads,)`` or ``(batch, nheads)``),
+            deterministic: as for :func:`flash_attn_func`; masks are aligned per sequence.
+        return_attn_probs: also return the log-sum-exp.
+        dropout_p, block_table: not implemented yet (NotImplementedError).
+
+    Returns:
+        ``out`` ``(total_q, nheads, headdim)``; with ``return_attn_probs`` ``(out, softmax_lse, None)``, lse float32
+        ``(nheads, total_q)``. Rows past ``cu_seqlens_q[-1]`` are not written (as in flash-attn).
+
+    Raises:
+        TypeError / ValueError naming the argument. cu_seqlens values live on the GPU and are checked there: a
+        sequence whose bounds do not fit the arrays or exceed max_seqlen is not computed, and a ValueError naming it
+        is raised at the next call or at ``fa2cupy.check_device_errors()``.
+    """
+    if block_table is not None:
+        raise NotImplementedError("paged K/V (block_table) in flash_attn_varlen_func is not implemented yet")
+    device_errors.raise_pending()
+    names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")
+    infos = [arrays.describe(x, n) for x, n in zip((q, k, v, cu_seqlens_q, cu_seqlens_k), names)]
+    alibi_info = None if alibi_slopes is None else arrays.describe(alibi_slopes, "alibi_slopes")
+    shape, total_q, total_k = checks.check_varlen_args(
+        *infos, max_seqlen_q, max_seqlen_k, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+        window_size=window_size, softcap=softcap, alibi_slopes=alibi_info, deterministic=deterministic,
+        return_attn_probs=return_attn_probs)
+    scale = checks.default_scale(shape.headdim) if softmax_scale is None else float(softmax_scale)
+    framework = infos[0].framework
+    device = infos[0].device[1] if infos[0].device[0] == "cuda" else cupy.cuda.runtime.getDevice()
+    padded = -(-shape.headdim // 8) * 8
+    with cupy.cuda.Device(device):
+        stream = arrays.caller_stream(framework, device)
+        with stream:
+            qc, kc, vc = (_varlen_view(x, info, shape.headdim) for x, info in zip((q, k, v), infos))
+            cu_q, cu_k = (_cu_seqlens_ready(x, info) for x, info in zip((cu_seqlens_q, cu_seqlens_k), infos[3:]))
+            if scale < 0:  # as in flash_attn_func: the running max needs a positive scale
+                qc, scale = -qc, -scale
+            out_native, out = arrays.new_empty((total_q, shape.nheads, padded), shape.dtype, framework, device)
+            lse_native, lse = arrays.new_empty((shape.nheads, total_q), "float32", framework, device)
+            if forward._debug_poison:
+                out.fill(float("nan"))
+                lse.fill(float("nan"))
+            slopes, slopes_stride, _ = _alibi_ready(alibi_slopes, alibi_info)
+            plan = forward.plan_forward(
+                (shape.batch, shape.seqlen_q, shape.nheads, padded), (shape.batch, shape.seqlen_k, shape.nheads_kv,
+                                                                      padded),
+                tuple(_varlen_strides(x) for x in (qc, kc, vc, out[None])), shape.dtype, scale, bool(causal),
+                _arch(device), window_size=window_size, softcap=float(softcap), alibi_batch_stride=slopes_stride,
+                varlen_totals=(total_q, total_k),
+            )
+            forward.run_forward(plan, qc.data.ptr, kc.data.ptr, vc.data.ptr, out.data.ptr, lse.data.ptr, stream.ptr,
+                                cu_q.data.ptr, cu_k.data.ptr, slopes.data.ptr if slopes is not None else 0)
+            result = arrays.make_result(out_native, out, framework)
+            if padded != shape.headdim:
+                result = result[..., : shape.headdim]
+            if not return_attn_probs:
+                return result
+            return result, arrays.make_result(lse_native, lse, framework), None
+
+
+def flash_attn_varlen_backward(
+    dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
+    causal=False, window_size=(-1, -1), deterministic=False, softcap=0.0, alibi_slopes=None,
+):
+    """Gradients of :func:`flash_attn_varlen_func` w.r.t. q, k and v.
+
+    Args:
+        dout, out: ``(total_q, nheads, headdim)``; softmax_lse: float32 ``(nheads, total_q)`` as the forward
+            returned it; the other arguments as given to the forward. ``deterministic`` as in
+            :func:`flash_attn_backward`.
+
+    Returns:
+        ``(dq, dk, dv)`` shaped like q, k, v. Rows outside every sequence are not written.
+    """
+    device_errors.raise_pending()
+    names = ("dout", "q", "k", "v", "out", "softmax_lse", "cu_seqlens_q", "cu_seqlens_k")
+    given_arrays = (dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k)
+    infos = dict((n, arrays.describe(x, n)) for x, n in zip(given_arrays, names))
+    alibi_info = None if alibi_slopes is None else arrays.describe(alibi_slopes, "alibi_slopes")
+    shape, total_q, total_k = checks.check_varlen_args(
+        infos["q"], infos["k"], infos["v"], infos["cu_seqlens_q"], infos["cu_seqlens_k"], max_seqlen_q, max_seqlen_k,
+        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_info, deterministic=deterministic)
+    checks.check_varlen_backward_args(infos["dout"], infos["out"], infos["softmax_lse"], infos["q"], shape.nheads)
+    scale = checks.default_scale(shape.headdim) if softmax_scale is None else float(softmax_scale)
+    framework = infos["q"].framework
+    device = infos["q"].device[1] if infos["q"].device[0] == "cuda" else cupy.cuda.runtime.getDevice()
+    padded = -(-shape.headdim // 8) * 8
+    deterministic = bool(deterministic)
+    with cupy.cuda.Device(device):
+        stream = arrays.caller_stream(framework, device)
+        with stream:
+            ready = {n: _varlen_view(x, infos[n], shape.headdim) for x, n in zip(given_arrays[:5], names[:5])}
+            lse = _cu_seqlens_ready(softmax_lse, infos["softmax_lse"])
+            cu_q, cu_k = (_cu_seqlens_ready(x, infos[n]) for x, n in zip(given_arrays[6:], names[6:]))
+            allocations = (
+                ((total_q, shape.nheads, padded), shape.dtype),  # dq
+                ((total_k, shape.nheads_kv, padded), shape.dtype),  # dk
+                ((total_k, shape.nheads_kv, padded), shape.dtype),  # dv
+                ((shape.nheads, total_q), "float32"),  # dsum
+            ) + (() if deterministic else (((shape.nheads, total_q, padded), "float32"),))
+            made = [arrays.new_empty(s, dt, framework, device) for s, dt in allocations]
+            views = [view for _, view in made]
+            if backward._debug_poison:
+                for view in views[:3]:
+                    view.fill(float("nan"))
+            strides = {n: _varlen_strides(x) for n, x in ready.items()}
+            strides.update({n: _varlen_strides(x[None]) for n, x in zip(("dq", "dk", "dv"), views)})
+            slopes, slopes_stride, _ = _alibi_ready(alibi_slopes, alibi_info)
+            plan = backward.plan_backward(
+                (shape.batch, shape.seqlen_q, shape.nheads, padded),
+                (shape.batch, shape.seqlen_k, shape.nheads_kv, padded), strides, shape.dtype, scale, bool(causal),
+                deterministic, _arch(device), window_size=window_size, softcap=float(softcap),
+                alibi_batch_stride=slopes_stride, varlen_totals=(total_q, total_k),
+            )
+            pointers = {n: x.data.ptr for n, x in ready.items()}
+            pointers.update(lse=lse.data.ptr, cu_seqlens_q=cu_q.data.ptr, cu_seqlens_k=cu_k.data.ptr)
+            if slopes is not None:
+                pointers["alibi_slopes"] = slopes.data.ptr
+            pointers.update({n: x.data.ptr for n, x in zip(("dq", "dk", "dv", "dsum", "dq_accum"), views)})
+            backward.run_backward(plan, pointers, stream.ptr)
+            results = [arrays.make_result(native, view, framework) for native, view in made[:3]]
+            if padded != shape.headdim:
+                results = [r[..., : shape.headdim] for r in results]
+            return tuple(results)
+
+
+flash_attn_varlen_qkvpacked_func, flash_attn_varlen_kvpacked_func = packed.make_varlen_packed(flash_attn_varlen_func)
 
 
 def merge_attention_states(outs, lses):
@@ -381,26 +580,45 @@ def flash_attn_with_kvcache(
         k_cache, v_cache: ``(batch_cache, seqlen_cache, nheads_kv, headdim)``, or with ``block_table`` paged
             ``(num_pages, page_size, nheads_kv, headdim)`` with page_size a multiple of 16. Read and written in
             place (never copied).
-        k, v: optional ``(batch, seqlen_new, nheads_kv, headdim)``, written into the cache at positions
+        k, v: optional ``(batch, seqlen_new, nheads_kv, headdim)``, written into the cache at slots
             ``cache_seqlens[b] ...`` before attending.
-        cache_seqlens: int or int32 ``(batch,)``: valid cache entries per batch row before the append (None: the
-            whole cache, non-paged only).
+        rotary_cos, rotary_sin: optional ``(seqlen_ro, rotary_dim / 2)`` in q's dtype, ``rotary_dim <= headdim``
+            and ``seqlen_ro`` at least the cache capacity (flash-attn's rule). The new keys are rotated at their
+            slots ``cache_seqlens[b] + t`` before they are written; q is rotated (into a temporary: the caller's q
+            and k are never modified) at ``cache_seqlens[b] + t`` with ``causal`` or a local window, else every
+            query at ``cache_seqlens[b]``. With ``cache_leftpad`` the positions are still these slots, pad
+            included (flash-attn's convention). flash-attn requires k, v with rotary; here q alone is rotated
+            when they are absent.
+        rotary_interleaved: True rotates column pairs (0, 1), (2, 3), ... (GPT-J); False pairs column i with
+            i + rotary_dim / 2 (GPT-NeoX).
+        cache_seqlens: int or int32 ``(batch,)``: the cache slots in use per batch row before the append (None:
+            the whole cache, non-paged only). With ``cache_leftpad`` it counts the pad too.
         cache_batch_idx: int32 ``(batch,)``: the cache row of each batch row (non-paged only).
+        cache_leftpad: int32 ``(batch,)``: row b's valid keys start at slot ``cache_leftpad[b]`` (``0 <=
+            cache_leftpad[b] <= cache_seqlens[b]``); the slots before it are ignored, and the masks, ALiBi and
+            ``seqlen_k_b = cache_seqlens[b] - cache_leftpad[b] + seqlen_new`` count from it. Not with block_table.
         block_table: int32 ``(batch, max_pages)``: page indices of each row's cache, in order.
+        softmax_scale: multiplier of q.k; None means ``1 / sqrt(headdim)``.
         causal: bottom-right aligned within each row: new query i sees keys up to ``seqlen_k_b - seqlen_q + i``.
+        window_size: ``(left, right)`` sliding window, bottom-right aligned per row: query i sees key j iff
+            ``i + seqlen_k_b - seqlen_q - left <= j <= i + seqlen_k_b - seqlen_q + right``; -1 = no limit on that
+            side; ``causal`` sets right to 0. Key tiles outside every row's window are not read.
+        softcap: ``> 0`` caps the scaled scores at ``softcap * tanh(s / softcap)``.
+        alibi_slopes: float32 ``(nheads,)`` or ``(batch, nheads)``: adds ``-slope * |i + seqlen_k_b - seqlen_q -
+            j|`` to the (capped) scores, before the mask.
         num_splits: 0 picks the split-KV count from the GPU size and the problem; a positive count is honoured
             (up to 256; more is clamped, as flash-attn clamps at 128).
         return_softmax_lse: also return the float32 ``(batch, nheads, seqlen_q)`` log-sum-exp.
-        rotary_cos, rotary_sin, cache_leftpad, window_size, softcap, alibi_slopes: not implemented yet.
 
     Returns:
         ``out`` like q, or ``(out, softmax_lse)``; a row with no key gives 0 (lse +inf).
 
     Raises:
         TypeError / ValueError naming the argument for bad shapes, dtypes and host-side values (an int
-        cache_seqlens). Values inside device arrays (cache_seqlens, cache_batch_idx, block_table) are checked by the
-        kernels, without a synchronisation: a bad one leaves the caches untouched, makes the affected rows NaN, and
-        raises ValueError at the next call or at ``fa2cupy.check_device_errors()``.
+        cache_seqlens, window_size, softcap, rotary_cos shorter than the cache). Values inside device arrays
+        (cache_seqlens, cache_batch_idx, block_table, cache_leftpad, and the rotary positions they imply) are
+        checked by the kernels, without a synchronisation: a bad one leaves the caches untouched, makes the
+        affected rows NaN, and raises ValueError at the next call or at ``fa2cupy.check_device_errors()``.
     """
     device_errors.raise_pending()
     key = None
@@ -408,29 +626,32 @@ def flash_attn_with_kvcache(
     if not forward._debug_poison:
         given = [q, k_cache, v_cache]
         present = [0, 1, 2]
-        for i, x in ((3, k), (4, v), (5, seqlens_array), (6, cache_batch_idx), (7, block_table)):
+        for i, x in enumerate((k, v, seqlens_array, cache_batch_idx, block_table, rotary_cos, rotary_sin,
+                               cache_leftpad, alibi_slopes), start=3):
             if x is not None:
                 given.append(x)
                 present.append(i)
         options = (tuple(present), type(cache_seqlens), softmax_scale, causal, window_size, softcap,
-                   rotary_cos is None and rotary_sin is None and cache_leftpad is None and alibi_slopes is None,
-                   num_splits, return_softmax_lse)
+                   rotary_interleaved, num_splits, return_softmax_lse)
         key, cached, ptrs = _cached_lookup("kvcache", given, options)
-        if cached is not None and options[6]:
+        if cached is not None:
             # A repeat of a validated call: launch with the cached plan (only an int cache_seqlens is checked).
             plan = cached.plan
-            fixed = _fixed_seqlen(cache_seqlens, plan.capacity, plan.seqlen_new)
+            fixed = _fixed_seqlen(cache_seqlens, plan.capacity, plan.seqlen_new, plan.rotary_span, plan.seqlen_ro)
             device, framework = cached.device, cached.framework
             stream_ptr = arrays.caller_stream_ptr(framework, device)
-            inputs = [0] * 8
+            inputs = [0] * len(decode.INPUTS)
             for i, p in zip(present, ptrs):
                 inputs[i] = p
             out, out_ptr = arrays.new_empty_raw(*cached.allocations[0], framework, device)
-            lse = lse_ptr = 0
+            lse = lse_ptr = q_rotated = 0
             if return_softmax_lse:
                 lse, lse_ptr = arrays.new_empty_raw(*cached.allocations[1], framework, device)
+            if plan.rotary is not None:
+                q_buffer, q_rotated = arrays.new_empty_raw(*cached.allocations[-1], framework, device)
             decode.run_decode(plan, inputs, out_ptr, lse_ptr, fixed, stream_ptr,
-                              plan.workspace(stream_ptr, framework, device), device_errors.pointers(device))
+                              plan.workspace(stream_ptr, framework, device), device_errors.pointers(device),
+                              q_rotated)
             return (out, lse) if return_softmax_lse else out
     return _flash_attn_with_kvcache_checked(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
@@ -438,57 +659,78 @@ def flash_attn_with_kvcache(
         return_softmax_lse, key)
 
 
-_KVCACHE_INPUTS = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "cache_batch_idx", "block_table")
-
-
-def _fixed_seqlen(cache_seqlens, capacity: int, seqlen_new: int) -> int:
+def _fixed_seqlen(cache_seqlens, capacity: int, seqlen_new: int, rotary_span: int = 0, seqlen_ro: int = 0) -> int:
     """The kernels' fixed_seqlen argument: an int cache_seqlens (checked here, on the host, where it is), the
-    whole cache for None, anything for an array (the kernels read and check the array)."""
+    whole cache for None, anything for an array (the kernels read and check the array). ``rotary_span``: with
+    rotary, how many positions from cache_seqlens on are rotated (they must lie below ``seqlen_ro``)."""
     if cache_seqlens is None:
-        return capacity - seqlen_new
-    if isinstance(cache_seqlens, int):
+        fixed = capacity - seqlen_new
+    elif isinstance(cache_seqlens, int):
         if not 0 <= cache_seqlens <= capacity - seqlen_new:
             raise ValueError(f"cache_seqlens + seqlen_new must lie in [0, {capacity}] (the cache capacity); got "
                              f"cache_seqlens={cache_seqlens}, seqlen_new={seqlen_new}")
-        return cache_seqlens
-    return 0
+        fixed = cache_seqlens
+    else:
+        return 0
+    if rotary_span and fixed + rotary_span > seqlen_ro:
+        raise ValueError(f"rotary_cos/rotary_sin have {seqlen_ro} rows but position {fixed + rotary_span - 1} "
+                         f"(cache_seqlens={fixed} plus the new tokens) is rotated; they need a row per position")
+    return fixed
 
 
-def _flash_attn_with_kvcache_checked(
-    q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
-    softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse,
-    cache_key,
-):
-    for value, name, feature in ((rotary_cos, "rotary_cos", "rotary embeddings"),
-                                 (rotary_sin, "rotary_sin", "rotary embeddings"),
-                                 (cache_leftpad, "cache_leftpad", "left-padded caches"),
-                                 (alibi_slopes, "alibi_slopes", "ALiBi")):
-        if value is not None:
-            raise NotImplementedError(f"{feature} ({name}) in flash_attn_with_kvcache is not implemented yet")
-    if tuple(window_size) != (-1, -1):
-        raise NotImplementedError("sliding-window attention (window_size) is not implemented yet")
-    if softcap != 0.0:
-        raise NotImplementedError("softcapping (softcap > 0) is not implemented yet")
-    if (k is None) != (v is None):
+@dataclasses.dataclass(frozen=True)
+class _KvcacheCall:
+    """A flash_attn_with_kvcache call's validated metadata (see _check_kvcache_args)."""
+
+    batch: int
+    seqlen_q: int
+    nheads: int
+    nheads_kv: int
+    headdim: int
+    dtype: str
+    seqlen_new: int
+    page_size: int  # 0: contiguous cache
+    capacity: int
+    max_pages: int
+    fixed_seqlen: int
+    scale: float
+    causal: bool
+    extras: decode.DecodeExtras
+
+
+def _check_kvcache_args(infos: dict, cache_seqlens, *, softmax_scale=None, causal=False, window_size=(-1, -1),
+                        softcap=0.0, rotary_interleaved=True, num_splits=0) -> _KvcacheCall:
+    """Validates a flash_attn_with_kvcache call from its arrays' descriptions (``infos``: argument name ->
+    ArrayInfo for each array given, cache_seqlens included when it is an array) and its scalar options; needs no
+    GPU. Raises TypeError / ValueError naming the argument and what is allowed."""
+    if ("k" in infos) != ("v" in infos):
         raise ValueError("k and v must be given together (new keys and values to append) or both be None")
-    if not isinstance(num_splits, int) or num_splits < 0:
+    if ("rotary_cos" in infos) != ("rotary_sin" in infos):
+        raise ValueError("rotary_cos and rotary_sin must be given together or both be None")
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
         raise ValueError(f"num_splits must be an int >= 0 (0 = choose automatically), got {num_splits!r}")
+    if causal is not True and causal is not False:
+        checks._check_bool(causal, "causal")
+    if rotary_interleaved is not True and rotary_interleaved is not False:
+        checks._check_bool(rotary_interleaved, "rotary_interleaved")
+    if type(window_size) is not tuple or window_size != (-1, -1):
+        checks._check_window(window_size)
+    cap = 0.0
+    if not (type(softcap) is float and softcap == 0.0):
+        cap = checks._real(softcap, "softcap")
+        if not (math.isfinite(cap) and cap >= 0.0):
+            raise ValueError(f"softcap must be a finite number >= 0 (0 = no softcap), got {softcap!r}")
+    if softmax_scale is not None:
+        scale = checks._real(softmax_scale, "softmax_scale")
+        if not math.isfinite(scale):
+            raise ValueError(f"softmax_scale must be None or a finite number, got {softmax_scale!r}")
 
-    q_info, kc_info, vc_info = (arrays.describe(x, n) for x, n in ((q, "q"), (k_cache, "k_cache"),
-                                                                    (v_cache, "v_cache")))
-    infos = [q_info, kc_info, vc_info]
-    for x, n in ((k, "k"), (v, "v"), (block_table, "block_table"), (cache_batch_idx, "cache_batch_idx")):
-        if x is not None:
-            infos.append(arrays.describe(x, n))
-    if cache_seqlens is not None and not isinstance(cache_seqlens, int):
-        infos.append(arrays.describe(cache_seqlens, "cache_seqlens"))
-    framework = arrays.same_framework(infos)
-    by_name = {i.name: i for i in infos}
-    for info in infos[:3]:
+    q_info, kc_info, vc_info = infos["q"], infos["k_cache"], infos["v_cache"]
+    for info in (q_info, kc_info, vc_info):
         if len(info.shape) != 4:
             raise ValueError(f"{info.name} must be 4-D, got shape {info.shape}")
     batch, seqlen_q, nheads, headdim = q_info.shape
-    paged = block_table is not None
+    paged = "block_table" in infos
     if kc_info.shape != vc_info.shape:
         raise ValueError(f"k_cache {kc_info.shape} and v_cache {vc_info.shape} must have the same shape")
     nheads_kv = kc_info.shape[2]
@@ -501,94 +743,173 @@ def _flash_attn_with_kvcache_checked(
                          f"(the caches are used in place, so they cannot be padded)")
     if nheads % nheads_kv:
         raise ValueError(f"q has nheads={nheads}, not a multiple of the caches' nheads_kv={nheads_kv}")
-    for info in infos[:3] + [by_name[n] for n in ("k", "v") if n in by_name]:
+    for info in [q_info, kc_info, vc_info] + [infos[n] for n in ("k", "v") if n in infos]:
         if info.dtype not in checks.SUPPORTED_DTYPES or info.dtype != q_info.dtype:
             raise TypeError(f"{info.name} has dtype {info.dtype}; q, k_cache, v_cache, k and v must share one "
                             f"dtype, float16 or bfloat16")
     seqlen_new = 0
-    if k is not None:
+    if "k" in infos:
         for n in ("k", "v"):
-            shape = by_name[n].shape
+            shape = infos[n].shape
             if len(shape) != 4 or shape[0] != batch or shape[2] != nheads_kv or shape[3] != headdim:
                 raise ValueError(f"{n} must be (batch, seqlen_new, nheads_kv, headdim) = ({batch}, *, {nheads_kv}, "
                                  f"{headdim}), got {shape}")
-        if by_name["k"].shape != by_name["v"].shape:
-            raise ValueError(f"k {by_name['k'].shape} and v {by_name['v'].shape} must have the same shape")
-        seqlen_new = by_name["k"].shape[1]
+        if infos["k"].shape != infos["v"].shape:
+            raise ValueError(f"k {infos['k'].shape} and v {infos['v'].shape} must have the same shape")
+        seqlen_new = infos["k"].shape[1]
     if paged:
-        bt = by_name["block_table"]
+        bt = infos["block_table"]
         if len(bt.shape) != 2 or bt.shape[0] != batch or bt.dtype != "int32":
             raise ValueError(f"block_table must be int32 (batch, max_pages) = ({batch}, *), got {bt.dtype} {bt.shape}")
-        if cache_batch_idx is not None:
+        if "cache_batch_idx" in infos:
             raise ValueError("cache_batch_idx cannot be combined with block_table (each row's pages say where it is)")
+        if "cache_leftpad" in infos:
+            raise ValueError("cache_leftpad cannot be combined with block_table (as in flash-attn, left-padded "
+                             "caches must be contiguous)")
         if cache_seqlens is None:
             raise ValueError("cache_seqlens is required with block_table")
         page_size = kc_info.shape[1]
         if page_size % 16:
             raise ValueError(f"k_cache has page_size={page_size} (axis 1 of a paged cache); it must be a multiple "
                              f"of 16")
-        capacity = bt.shape[1] * page_size
+        max_pages = bt.shape[1]
+        capacity = max_pages * page_size
     else:
-        page_size = 0
+        page_size = max_pages = 0
         capacity = kc_info.shape[1]
-    if cache_batch_idx is not None:
-        ci = by_name["cache_batch_idx"]
-        if ci.shape != (batch,) or ci.dtype != "int32":
-            raise ValueError(f"cache_batch_idx must be int32 (batch,) = ({batch},), got {ci.dtype} {ci.shape}")
-    elif not paged and kc_info.shape[0] < batch:
+    for name in ("cache_batch_idx", "cache_leftpad"):
+        if name in infos:
+            ci = infos[name]
+            if ci.shape != (batch,) or ci.dtype != "int32":
+                raise ValueError(f"{name} must be int32 (batch,) = ({batch},), got {ci.dtype} {ci.shape}")
+    if "cache_batch_idx" not in infos and not paged and kc_info.shape[0] < batch:
         raise ValueError(f"k_cache has {kc_info.shape[0]} rows but q has batch={batch}; pass cache_batch_idx")
-    if cache_seqlens is not None and not isinstance(cache_seqlens, int):
-        cs = by_name["cache_seqlens"]
+    if "cache_seqlens" in infos:
+        cs = infos["cache_seqlens"]
         if cs.shape != (batch,) or cs.dtype != "int32":
             raise ValueError(f"cache_seqlens must be an int or int32 (batch,) = ({batch},), got {cs.dtype} {cs.shape}")
-
     if isinstance(cache_seqlens, bool):
         raise TypeError("cache_seqlens must be an int or an int32 array, not a bool")
-    fixed = _fixed_seqlen(cache_seqlens, capacity, seqlen_new)
+
+    # The mask, flash-attn's way: causal is the window's right side 0, and a side of at least the cache capacity
+    # is no limit (so it also decides whether q's rotary positions advance, below).
+    left, right = (int(w) for w in window_size)
+    if causal:
+        right = 0
+    left = -1 if left >= capacity else left
+    right = -1 if right >= capacity else right
+    unlimited = decode.UNLIMITED_WINDOW
+    extras = dict(window_left=left if left >= 0 else unlimited, window_right=right if right >= 0 else unlimited,
+                  softcap=cap)
+    if "alibi_slopes" in infos:
+        al = infos["alibi_slopes"]
+        if al.dtype != "float32":
+            raise TypeError(f"alibi_slopes must be float32, got {al.dtype}")
+        if al.shape not in ((nheads,), (batch, nheads)):
+            raise ValueError(f"alibi_slopes must be ({nheads},) or ({batch}, {nheads}) = (nheads,) or (batch, nheads), "
+                             f"got {al.shape}")
+        extras["alibi"] = True
+    extras["leftpad"] = "cache_leftpad" in infos
+    rotary_span = 0
+    if "rotary_cos" in infos:
+        cos, sin = infos["rotary_cos"], infos["rotary_sin"]
+        for info in (cos, sin):
+            if info.dtype != q_info.dtype:
+                raise TypeError(f"{info.name} has dtype {info.dtype}; it must be q's dtype, {q_info.dtype}")
+            if len(info.shape) != 2 or info.shape[1] < 1:
+                raise ValueError(f"{info.name} must be 2-D (seqlen_ro, rotary_dim / 2), got shape {info.shape}")
+        if cos.shape != sin.shape:
+            raise ValueError(f"rotary_cos {cos.shape} and rotary_sin {sin.shape} must have the same shape")
+        seqlen_ro, rotary_dim = cos.shape[0], 2 * cos.shape[1]
+        if rotary_dim > headdim:
+            raise ValueError(f"rotary_cos has {cos.shape[1]} columns, so rotary_dim = {rotary_dim}; it must be at "
+                             f"most headdim = {headdim} (rotary_cos: (seqlen_ro, rotary_dim / 2))")
+        if seqlen_ro < capacity:
+            raise ValueError(f"rotary_cos/rotary_sin have {seqlen_ro} rows; they need at least one per cache slot, "
+                             f"{capacity} (the cache capacity), as in flash-attn")
+        advance = left >= 0 or right >= 0
+        extras.update(rotary_dim=rotary_dim, seqlen_ro=seqlen_ro, rotary_interleaved=bool(rotary_interleaved),
+                      rotary_advance=advance)
+        rotary_span = max(seqlen_new, seqlen_q if advance else 1)
+    fixed = _fixed_seqlen(cache_seqlens, capacity, seqlen_new, rotary_span, extras.get("seqlen_ro", 0))
     scale = checks.default_scale(headdim) if softmax_scale is None else float(softmax_scale)
+    return _KvcacheCall(batch, seqlen_q, nheads, nheads_kv, headdim, q_info.dtype, seqlen_new, page_size, capacity,
+                        max_pages, fixed, scale, bool(causal), decode.DecodeExtras(**extras))
+
+
+def _flash_attn_with_kvcache_checked(
+    q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+    softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse,
+    cache_key,
+):
+    named = dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, cache_batch_idx=cache_batch_idx,
+                 block_table=block_table, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_leftpad=cache_leftpad,
+                 alibi_slopes=alibi_slopes)
+    if cache_seqlens is not None and not isinstance(cache_seqlens, int):
+        named["cache_seqlens"] = cache_seqlens
+    if (k is None) != (v is None):  # before describing the arrays: a None among them is this error, not a type
+        raise ValueError("k and v must be given together (new keys and values to append) or both be None")
+    infos = {name: arrays.describe(x, name) for name, x in named.items() if x is not None}
+    framework = arrays.same_framework(list(infos.values()))
+    call = _check_kvcache_args(infos, cache_seqlens, softmax_scale=softmax_scale, causal=causal,
+                               window_size=window_size, softcap=softcap, rotary_interleaved=rotary_interleaved,
+                               num_splits=num_splits)
+    batch, seqlen_q, nheads, headdim = call.batch, call.seqlen_q, call.nheads, call.headdim
+    extras, scale = call.extras, call.scale
+    q_info = infos["q"]
     device = q_info.device[1] if q_info.device[0] == "cuda" else cupy.cuda.runtime.getDevice()
     with cupy.cuda.Device(device):
         stream = arrays.caller_stream(framework, device)
         with stream:
-            if framework == "numpy" or (framework == "jax" and seqlen_new):
+            if framework == "numpy" or (framework == "jax" and call.seqlen_new):
                 raise TypeError("flash_attn_with_kvcache appends to k_cache/v_cache in place: pass mutable device "
                                 "arrays (CuPy or PyTorch); NumPy arrays are copies and JAX arrays are immutable")
             q_in = arrays.to_cupy(q, q_info)
             qc = _kernel_ready(q_in, headdim)
             if scale < 0:  # the kernel's running max needs a positive scale: softmax(c q k^T) = softmax(|c| (-q) k^T)
                 qc, scale = -qc, -scale
-            kc, vc = arrays.to_cupy(k_cache, kc_info), arrays.to_cupy(v_cache, vc_info)
+            kc, vc = arrays.to_cupy(k_cache, infos["k_cache"]), arrays.to_cupy(v_cache, infos["v_cache"])
             _cache_usable_in_place(kc, "k_cache")
             _cache_usable_in_place(vc, "v_cache")
             given = {"q": qc, "k_cache": kc, "v_cache": vc}
             in_place = qc is q_in
-            for name, x in (("k", k), ("v", v), ("cache_seqlens", cache_seqlens),
-                            ("cache_batch_idx", cache_batch_idx), ("block_table", block_table)):
-                if x is None or isinstance(x, int):
+            for name in ("k", "v", "cache_seqlens", "cache_batch_idx", "block_table", "rotary_cos", "rotary_sin",
+                         "cache_leftpad"):
+                if name not in infos:
                     continue
-                x_in = arrays.to_cupy(x, by_name[name])
+                x_in = arrays.to_cupy(named[name], infos[name])
                 ready = _kernel_ready(x_in, headdim) if name in ("k", "v") else cupy.ascontiguousarray(x_in)
                 in_place &= ready is x_in
                 given[name] = ready
+            if alibi_slopes is not None:
+                slopes, batch_stride, as_is = _alibi_ready(alibi_slopes, infos["alibi_slopes"])
+                in_place &= as_is
+                given["alibi_slopes"] = slopes
+                extras = dataclasses.replace(extras, alibi_batch_stride=batch_stride)
             strides = {n: x.strides for n, x in given.items() if x.ndim == 4}
             plan = decode.plan_decode(
-                qc.shape, strides, q_info.dtype, nheads_kv=nheads_kv, cache_rows=kc.shape[0], capacity=capacity,
-                page_size=page_size, max_pages=block_table.shape[1] if paged else 0, seqlen_new=seqlen_new,
-                max_seqlen_k=capacity, softmax_scale=scale, causal=bool(causal), arch=_arch(device), device=device,
-                num_splits=num_splits, item=qc.itemsize)
-            allocations = [((batch, seqlen_q, nheads, headdim), q_info.dtype)]
+                qc.shape, strides, call.dtype, nheads_kv=call.nheads_kv, cache_rows=kc.shape[0],
+                capacity=call.capacity, page_size=call.page_size, max_pages=call.max_pages,
+                seqlen_new=call.seqlen_new, max_seqlen_k=call.capacity, softmax_scale=scale, causal=call.causal,
+                arch=_arch(device), device=device, num_splits=num_splits, item=qc.itemsize, extras=extras)
+            allocations = [((batch, seqlen_q, nheads, headdim), call.dtype)]
             if return_softmax_lse:
                 allocations.append(((batch, nheads, seqlen_q), "float32"))
+            if plan.rotary is not None:  # the rotated q, read by the attention (last: not returned)
+                allocations.append(((batch, seqlen_q, nheads, headdim), call.dtype))
             results = [arrays.new_empty(shape, dtype, framework, device) for shape, dtype in allocations]
             if forward._debug_poison:
                 for _, view in results:
                     view.fill(float("nan"))
-            inputs = [given[n].data.ptr if n in given else 0 for n in _KVCACHE_INPUTS]
+            inputs = [given[n].data.ptr if n in given else 0 for n in decode.INPUTS]
             lse_ptr = results[1][1].data.ptr if return_softmax_lse else 0
+            q_rotated = results[-1][1].data.ptr if plan.rotary is not None else 0
             workspace_framework = framework if framework in ("cupy", "torch") else "cupy"
-            decode.run_decode(plan, inputs, results[0][1].data.ptr, lse_ptr, fixed, stream.ptr,
-                              plan.workspace(stream.ptr, workspace_framework, device), device_errors.pointers(device))
+            decode.run_decode(plan, inputs, results[0][1].data.ptr, lse_ptr, call.fixed_seqlen, stream.ptr,
+                              plan.workspace(stream.ptr, workspace_framework, device), device_errors.pointers(device),
+                              q_rotated)
             if in_place and framework in ("cupy", "torch"):
                 _remember(cache_key, _CachedCall(plan, device, framework, tuple(allocations)))
-            results = tuple(arrays.make_result(native, view, framework) for native, view in results)
+            results = [arrays.make_result(native, view, framework) for native, view in results]
+            results = tuple(results[:2 if return_softmax_lse else 1])
             return results if return_softmax_lse else results[0]

@@ -138,9 +138,9 @@ def _xla_stream(ctx) -> int:
 
 def _run_forward(outs, q, k, v, scale, mask):
     """Forward on CuPy arrays, writing into the CuPy arrays ``outs = (out, lse)``; current stream."""
-    causal, left, right = mask
+    causal, left, right, softcap = mask
     out, lse, _ = fa2cupy.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, window_size=(left, right),
-                                          return_attn_probs=True)
+                                          softcap=softcap, return_attn_probs=True)
     stream = cupy.cuda.get_current_stream()
     _copy_into(outs[0], out, stream)
     _copy_into(outs[1], lse, stream)
@@ -149,8 +149,8 @@ def _run_forward(outs, q, k, v, scale, mask):
 def _run_backward(outs, dout, q, k, v, out, lse, scale, mask, deterministic):
     """Backward on CuPy arrays, writing into ``outs = (dq, dk, dv)``; current stream."""
     grads = fa2cupy.flash_attn_backward(
-        dout, q, k, v, out, lse, softmax_scale=scale, causal=mask[0], window_size=mask[1:],
-        deterministic=deterministic
+        dout, q, k, v, out, lse, softmax_scale=scale, causal=mask[0], window_size=mask[1:3],
+        deterministic=deterministic, softcap=mask[3]
     )
     stream = cupy.cuda.get_current_stream()
     for dst, src in zip(outs, grads):
@@ -313,8 +313,8 @@ def flash_attn_func(
         causal: bottom-right aligned causal mask.
         deterministic: make the backward bit-reproducible run to run (the forward always is).
         window_size: sliding window ``(left, right)``, as in :func:`fa2cupy.flash_attn_func`.
-        dropout_p, softcap, alibi_slopes: only the defaults; anything else raises
-            NotImplementedError naming the feature.
+        softcap: as in :func:`fa2cupy.flash_attn_func` (a static option: one compiled callback per value).
+        dropout_p, alibi_slopes: only the defaults; anything else raises NotImplementedError naming the feature.
         return_attn_probs: also return ``softmax_lse``.
 
     Returns:
@@ -325,14 +325,17 @@ def flash_attn_func(
         TypeError / ValueError / NotImplementedError with the messages of :func:`fa2cupy.flash_attn_func`,
         when the call is traced.
     """
+    if alibi_slopes is not None:
+        raise NotImplementedError("ALiBi (alibi_slopes) in fa2cupy.jax is not implemented yet; pass None")
     q, k, v = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (q, k, v))
     shape = checks.check_forward_args(
         _info("q", q), _info("k", k), _info("v", v), dropout_p=dropout_p, softmax_scale=softmax_scale,
-        causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+        causal=causal, window_size=window_size, softcap=softcap,
         deterministic=deterministic, return_attn_probs=return_attn_probs,
     )
     scale = 1.0 / math.sqrt(shape.headdim) if softmax_scale is None else float(softmax_scale)
-    mask = (bool(causal), int(window_size[0]), int(window_size[1]))  # hashable: a static argument of the jit
+    # hashable: a static argument of the jit
+    mask = (bool(causal), int(window_size[0]), int(window_size[1]), float(softcap))
     _warm_up("fwd", shape, scale, mask, bool(deterministic))
     out, lse = _attention_jit(q, k, v, scale, mask, bool(deterministic))
     if return_attn_probs:

@@ -16,6 +16,15 @@ def split(x, name: str, count: int):
     return tuple(x[:, :, i] for i in range(count))
 
 
+def split_varlen(x, name: str, count: int):
+    """``count`` views ``x[:, i]`` of ``x`` shaped ``(total_tokens, count, nheads, headdim)``."""
+    shape = tuple(getattr(x, "shape", ()))
+    if len(shape) != 4 or shape[1] != count:
+        what = "(total, 3, nheads, headdim)" if count == 3 else "(total_k, 2, nheads_k, headdim)"
+        raise ValueError(f"{name} must be {what}, got shape {shape}")
+    return tuple(x[:, i] for i in range(count))
+
+
 def make_packed(flash_attn_func):
     """(flash_attn_qkvpacked_func, flash_attn_kvpacked_func) calling ``flash_attn_func``."""
 
@@ -39,3 +48,31 @@ def make_packed(flash_attn_func):
                                deterministic=deterministic, return_attn_probs=return_attn_probs)
 
     return flash_attn_qkvpacked_func, flash_attn_kvpacked_func
+
+
+def make_varlen_packed(flash_attn_varlen_func):
+    """(flash_attn_varlen_qkvpacked_func, flash_attn_varlen_kvpacked_func) calling ``flash_attn_varlen_func``."""
+
+    def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
+                                         causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                                         deterministic=False, return_attn_probs=False):
+        """Varlen attention with q, k and v packed in ``qkv`` ``(total, 3, nheads, headdim)`` and one
+        ``cu_seqlens`` for queries and keys (flash-attn 2.x). Otherwise as ``flash_attn_varlen_func``."""
+        q, k, v = split_varlen(qkv, "qkv", 3)
+        return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p=dropout_p,
+                                      softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                      softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
+                                      return_attn_probs=return_attn_probs)
+
+    def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                        softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                        alibi_slopes=None, deterministic=False, return_attn_probs=False):
+        """Varlen attention with k and v packed in ``kv`` ``(total_k, 2, nheads_k, headdim)`` (flash-attn 2.x);
+        q ``(total_q, nheads, headdim)``. Otherwise as ``flash_attn_varlen_func``."""
+        k, v = split_varlen(kv, "kv", 2)
+        return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                      dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+                                      window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                      deterministic=deterministic, return_attn_probs=return_attn_probs)
+
+    return flash_attn_varlen_qkvpacked_func, flash_attn_varlen_kvpacked_func

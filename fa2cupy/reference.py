@@ -9,7 +9,12 @@ No CuPy here: this runs on any machine. Conventions follow flash-attn 2.x:
   query ``i`` sees key ``j`` iff ``j <= i + seqlen_k - seqlen_q``;
 * a query row that sees no key gets output exactly 0 and lse ``+inf``;
 * lse is ``log(sum_j exp(scale * q_i . k_j))`` in natural log, shape
-  ``(batch, nheads, seqlen_q)``.
+  ``(batch, nheads, seqlen_q)``;
+* scores are ``s = scale * q . k``, then ``softcap * tanh(s / softcap)`` when
+  ``softcap > 0``, then plus the ALiBi bias ``-slope * |i + seqlen_k - seqlen_q - j|``,
+  then masked (flash-attn's order);
+* varlen inputs are packed ``(total_tokens, nheads, headdim)`` with ``cu_seqlens``
+  offsets; their lse is ``(nheads, total_q)``.
 """
 
 from __future__ import annotations
@@ -68,14 +73,40 @@ def _visible(sq: int, sk: int, causal: bool, window_size=(-1, -1)):
     return visible
 
 
-def _probs(qb, kb, scale, mask):
+def _alibi_slopes(alibi_slopes, batch: int, nheads: int):
+    """(batch, nheads) float64 slopes from ``(nheads,)`` or ``(batch, nheads)``, or None."""
+    if alibi_slopes is None:
+        return None
+    slopes = np.asarray(alibi_slopes, dtype=np.float64)
+    if slopes.shape == (nheads,):
+        slopes = np.broadcast_to(slopes, (batch, nheads))
+    if slopes.shape != (batch, nheads):
+        raise ValueError(f"alibi_slopes must be ({nheads},) or ({batch}, {nheads}), got {slopes.shape}")
+    return slopes
+
+
+def _alibi_bias(slopes, sq: int, sk: int):
+    """(hq, sq, sk) bias ``-slope * |i + sk - sq - j|`` for one batch entry's slopes (hq,)."""
+    i = np.arange(sq)[:, None]
+    j = np.arange(sk)[None, :]
+    return -slopes[:, None, None] * np.abs(i + sk - sq - j)[None]
+
+
+def _probs(qb, kb, scale, mask, softcap=0.0, bias=None, with_tanh=False):
     """Softmax probabilities and lse for one batch entry.
 
-    qb (sq, hq, d), kb (sk, hq, d) already repeated to hq heads.
-    Returns p (hq, sq, sk) and lse (hq, sq); dead rows have p = 0, lse = +inf.
+    qb (sq, hq, d), kb (sk, hq, d) already repeated to hq heads; bias (hq, sq, sk) or None.
+    Returns p (hq, sq, sk) and lse (hq, sq); dead rows have p = 0, lse = +inf. With ``with_tanh`` also the
+    softcap's tanh (hq, sq, sk) (None without a softcap), which the backward differentiates.
     """
     # matmul (BLAS) rather than einsum: the GPU tests run this at seqlen ~1000.
     s = np.matmul(qb.transpose(1, 0, 2), kb.transpose(1, 2, 0)) * scale
+    t = None
+    if softcap > 0:
+        t = np.tanh(s / softcap)
+        s = softcap * t
+    if bias is not None:
+        s = s + bias
     if mask is not None:
         s = np.where(mask[None], s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
@@ -86,10 +117,12 @@ def _probs(qb, kb, scale, mask):
     with np.errstate(divide="ignore", invalid="ignore"):
         p = np.where(dead, 0.0, e / denom)
         lse = np.where(dead, np.inf, m + np.log(denom))[..., 0]
+    if with_tanh:
+        return p, lse, t
     return p, lse
 
 
-def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1)):
+def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
     """Exact attention in float64.
 
     Args:
@@ -99,6 +132,8 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1
         softmax_scale: multiplier of q.k; None means ``1/sqrt(headdim)``.
         causal: bottom-right aligned causal mask.
         window_size: ``(left, right)`` sliding window (flash-attn semantics, -1 = no limit).
+        softcap: ``> 0`` caps the scaled scores at ``softcap * tanh(s / softcap)``.
+        alibi_slopes: ``(nheads,)`` or ``(batch, nheads)``: bias ``-slope * |i + seqlen_k - seqlen_q - j|``.
 
     Returns:
         (out, lse): out float64 ``(batch, seqlen_q, nheads, headdim)``; lse float64
@@ -111,29 +146,35 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1
     b, sq, hq, d = q.shape
     sk = k.shape[1]
     mask = _visible(sq, sk, causal, window_size)
+    slopes = _alibi_slopes(alibi_slopes, b, hq)
     out = np.empty((b, sq, hq, d))
     lse = np.empty((b, hq, sq))
     # One batch entry at a time bounds the (heads, sq, sk) score tensor.
     for bi in range(b):
         kb = np.repeat(k[bi], group, axis=1)
         vb = np.repeat(v[bi], group, axis=1)
-        p, lse[bi] = _probs(q[bi], kb, scale, mask)
+        bias = None if slopes is None else _alibi_bias(slopes[bi], sq, sk)
+        p, lse[bi] = _probs(q[bi], kb, scale, mask, float(softcap), bias)
         out[bi] = np.matmul(p, vb.transpose(1, 0, 2)).transpose(1, 0, 2)
     return out, lse
 
 
-def attention_ref_backward(dout, q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1)):
+def attention_ref_backward(dout, q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                           alibi_slopes=None, out=None):
     """Analytic float64 gradients of :func:`attention_ref`'s output.
 
     With ``P = softmax(scale * Q K^T)`` and ``O = P V``:
     ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P * (dP - rowsum(dO * O))``,
     ``dQ = scale * dS K``, ``dK = scale * dS^T Q``. For MQA/GQA the kv gradients
     are summed over the query heads of each group. Rows with no visible key
-    contribute nothing.
+    contribute nothing. With a softcap, ``dS`` is multiplied by the tanh's
+    derivative ``1 - tanh^2``; the ALiBi bias has no gradient.
 
     Args:
         dout: ``(batch, seqlen_q, nheads, headdim)``, gradient of the output.
-        q, k, v, softmax_scale, causal, window_size: as for :func:`attention_ref`.
+        q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes: as for :func:`attention_ref`.
+        out: optional output to use in ``rowsum(dO * O)`` instead of the exact one: FlashAttention-2's backward
+            takes ``out`` as an input, so with a rounded ``out`` these are the exact gradients *for that out*.
 
     Returns:
         (dq, dk, dv) float64 with the shapes of q, k and v.
@@ -145,22 +186,117 @@ def attention_ref_backward(dout, q, k, v, softmax_scale=None, causal=False, wind
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     mask = _visible(sq, sk, causal, window_size)
+    slopes = _alibi_slopes(alibi_slopes, b, hq)
     dq = np.empty_like(q)
     dk = np.empty_like(k)
     dv = np.empty_like(v)
     for bi in range(b):
         kb = np.repeat(k[bi], group, axis=1)
         vb = np.repeat(v[bi], group, axis=1)
-        p, _ = _probs(q[bi], kb, scale, mask)  # (hq, sq, sk)
-        ob = np.einsum("hqk,khd->qhd", p, vb)
+        bias = None if slopes is None else _alibi_bias(slopes[bi], sq, sk)
+        p, _, t = _probs(q[bi], kb, scale, mask, float(softcap), bias, with_tanh=True)  # (hq, sq, sk)
+        ob = np.einsum("hqk,khd->qhd", p, vb) if out is None else _as_f64(out, "out")[bi]
         do = dout[bi]
         dvb = np.einsum("hqk,qhd->khd", p, do)
         dp = np.einsum("qhd,khd->hqk", do, vb)
         delta = np.einsum("qhd,qhd->hq", do, ob)[..., None]
         ds = p * (dp - delta)
+        if t is not None:
+            ds = ds * (1.0 - t * t)
         dq[bi] = scale * np.einsum("hqk,khd->qhd", ds, kb)
         dkb = scale * np.einsum("hqk,qhd->khd", ds, q[bi])
         # Sum the repeated heads back onto their kv head: query head h = g*group + r.
         dk[bi] = dkb.reshape(sk, hkv, group, d).sum(axis=2)
         dv[bi] = dvb.reshape(sk, hkv, group, d).sum(axis=2)
     return dq, dk, dv
+
+
+def _check_cu_seqlens(cu, total: int, name: str) -> np.ndarray:
+    cu = np.asarray(cu, dtype=np.int64)
+    if cu.ndim != 1 or cu.size < 1 or cu[0] != 0 or np.any(np.diff(cu) < 0) or cu[-1] > total:
+        raise ValueError(f"{name} must start at 0, not decrease and end at most at {total}, got {cu}")
+    return cu
+
+
+def attention_ref_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False,
+                         window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+    """:func:`attention_ref` over packed sequences: q ``(total_q, nheads, d)``, k/v ``(total_k, nheads_kv, d)``,
+    sequence ``b`` being rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` of q (and likewise for k/v), each attended
+    on its own (masks aligned per sequence). Returns (out ``(total_q, nheads, d)``, lse ``(nheads, total_q)``);
+    rows past ``cu_seqlens_q[-1]`` are 0 and +inf."""
+    q, k, v = _as_f64(q, "q"), _as_f64(k, "k"), _as_f64(v, "v")
+    cu_q = _check_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
+    cu_k = _check_cu_seqlens(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
+    batch = cu_q.size - 1
+    if cu_k.size != cu_q.size:
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must have the same length")
+    slopes = _alibi_slopes(alibi_slopes, batch, q.shape[1])
+    out = np.zeros(q.shape)
+    lse = np.full((q.shape[1], q.shape[0]), np.inf)
+    for bi in range(batch):
+        qs, ks = slice(cu_q[bi], cu_q[bi + 1]), slice(cu_k[bi], cu_k[bi + 1])
+        if cu_q[bi] == cu_q[bi + 1] or cu_k[bi] == cu_k[bi + 1]:
+            continue  # no queries, or no keys: out 0 and lse +inf, as initialised
+        o, l = attention_ref(q[None, qs], k[None, ks], v[None, ks], softmax_scale, causal, window_size, softcap,
+                             None if slopes is None else slopes[bi : bi + 1])
+        out[qs], lse[:, qs] = o[0], l[0]
+    return out, lse
+
+
+def attention_ref_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False,
+                                  window_size=(-1, -1), softcap=0.0, alibi_slopes=None, out=None):
+    """:func:`attention_ref_backward` over packed sequences (see :func:`attention_ref_varlen`; ``out`` packed like
+    q); rows outside every sequence get zero gradients."""
+    q, k, v, dout = _as_f64(q, "q"), _as_f64(k, "k"), _as_f64(v, "v"), _as_f64(dout, "dout")
+    cu_q = _check_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
+    cu_k = _check_cu_seqlens(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
+    batch = cu_q.size - 1
+    slopes = _alibi_slopes(alibi_slopes, batch, q.shape[1])
+    dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+    for bi in range(batch):
+        qs, ks = slice(cu_q[bi], cu_q[bi + 1]), slice(cu_k[bi], cu_k[bi + 1])
+        if cu_q[bi] == cu_q[bi + 1] or cu_k[bi] == cu_k[bi + 1]:
+            continue  # nothing attends: zero gradients
+        g = attention_ref_backward(dout[None, qs], q[None, qs], k[None, ks], v[None, ks], softmax_scale, causal,
+                                   window_size, softcap, None if slopes is None else slopes[bi : bi + 1],
+                                   None if out is None else _as_f64(out, "out")[None, qs])
+        dq[qs], dk[ks], dv[ks] = g[0][0], g[1][0], g[2][0]
+    return dq, dk, dv
+
+
+def apply_rotary_ref(x, cos, sin, positions, interleaved=True):
+    """Rotary embedding (RoPE) in float64, flash-attn's convention.
+
+    Args:
+        x: ``(batch, seqlen, nheads, headdim)``.
+        cos, sin: ``(seqlen_ro, rotary_dim / 2)``; ``rotary_dim = 2 * cos.shape[1] <= headdim``.
+        positions: int ``(batch, seqlen)``: the row of cos/sin for each token.
+        interleaved: True rotates column pairs ``(2i, 2i + 1)`` by angle ``i`` (GPT-J); False pairs column ``i``
+            with ``i + rotary_dim / 2`` (GPT-NeoX).
+
+    Returns:
+        float64 array like x: pair ``(a, b)`` at angle ``i`` becomes ``(a cos - b sin, a sin + b cos)``; the
+        columns from rotary_dim on are unchanged.
+    """
+    x = _as_f64(x, "x")
+    cos, sin = np.asarray(cos, dtype=np.float64), np.asarray(sin, dtype=np.float64)
+    positions = np.asarray(positions)
+    half = cos.shape[1]
+    rotary_dim = 2 * half
+    if cos.shape != sin.shape or cos.ndim != 2 or rotary_dim > x.shape[-1]:
+        raise ValueError(f"cos/sin must be (seqlen_ro, rotary_dim / 2) with rotary_dim <= {x.shape[-1]}, got "
+                         f"{cos.shape} and {sin.shape}")
+    if positions.shape != x.shape[:2]:
+        raise ValueError(f"positions must be (batch, seqlen) = {x.shape[:2]}, got {positions.shape}")
+    c = cos[positions][:, :, None, :]  # (batch, seqlen, 1, half)
+    s = sin[positions][:, :, None, :]
+    out = x.copy()
+    if interleaved:
+        a, b = x[..., 0:rotary_dim:2], x[..., 1:rotary_dim:2]
+        out[..., 0:rotary_dim:2] = a * c - b * s
+        out[..., 1:rotary_dim:2] = a * s + b * c
+    else:
+        a, b = x[..., :half], x[..., half:rotary_dim]
+        out[..., :half] = a * c - b * s
+        out[..., half:rotary_dim] = a * s + b * c
+    return out

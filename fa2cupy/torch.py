@@ -2,9 +2,11 @@
 
 The forward and backward are registered as PyTorch custom operators (``torch.library.custom_op``):
 
-* ``torch.ops.fa2cupy.flash_attn_forward(q, k, v, softmax_scale, causal, deterministic) -> (out, lse)``
-* ``torch.ops.fa2cupy.flash_attn_backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic)
-  -> (dq, dk, dv)``
+* ``torch.ops.fa2cupy.flash_attn_forward(q, k, v, softmax_scale, causal, window_left, window_right,
+  deterministic, softcap, alibi_slopes) -> (out, lse)``
+* ``torch.ops.fa2cupy.flash_attn_backward(dout, q, k, v, out, lse, <the same options>) -> (dq, dk, dv)``
+* ``torch.ops.fa2cupy.flash_attn_varlen_forward`` / ``flash_attn_varlen_backward``: the same for packed
+  sequences, with ``cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k`` after q, k, v
 
 each with a fake (meta) implementation, so they trace into ``torch.compile(fullgraph=True)`` graphs as single
 opaque nodes, and the pair is tied together with ``torch.library.register_autograd``. The autograd context
@@ -21,13 +23,21 @@ This module imports torch; ``import fa2cupy`` does not import it.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
 import fa2cupy
 from fa2cupy import checks, packed
 
-__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func"]
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_varlen_kvpacked_func",
+]
 
 
 def _contiguous_last_axis(t: torch.Tensor) -> torch.Tensor:
@@ -42,21 +52,22 @@ def _contiguous_last_axis(t: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("fa2cupy::flash_attn_forward", mutates_args=())
 def _flash_attn_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool, window_left: int,
-    window_right: int, deterministic: bool
+    window_right: int, deterministic: bool, softcap: float, alibi_slopes: Optional[torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out ``(b, sq, h, d)`` contiguous in q's dtype and lse ``(b, h, sq)`` float32. ``deterministic`` is only
     carried to the backward (the forward is always deterministic)."""
     # detach(): the autograd wrapper already handles the graph; plain tensors take fa2cupy's cached fast path.
     out, lse, _ = fa2cupy.flash_attn_func(
         q.detach(), k.detach(), v.detach(), softmax_scale=softmax_scale, causal=causal,
-        window_size=(window_left, window_right), return_attn_probs=True
+        window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes, return_attn_probs=True
     )
     # Odd head dims come back as a slice of a padded buffer; the fake implementation promises contiguous.
     return out.contiguous(), lse
 
 
 @_flash_attn_forward.register_fake
-def _flash_attn_forward_fake(q, k, v, softmax_scale, causal, window_left, window_right, deterministic):
+def _flash_attn_forward_fake(q, k, v, softmax_scale, causal, window_left, window_right, deterministic, softcap,
+                             alibi_slopes):
     b, sq, h, d = q.shape
     out = q.new_empty((b, sq, h, d))
     lse = q.new_empty((b, h, sq), dtype=torch.float32)
@@ -79,6 +90,8 @@ def _flash_attn_backward(
     window_left: int,
     window_right: int,
     deterministic: bool,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv: contiguous, shaped and typed like q, k, v."""
     dq, dk, dv = fa2cupy.flash_attn_backward(
@@ -92,13 +105,15 @@ def _flash_attn_backward(
         causal=causal,
         window_size=(window_left, window_right),
         deterministic=deterministic,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
     )
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @_flash_attn_backward.register_fake
 def _flash_attn_backward_fake(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right,
-                              deterministic):
+                              deterministic, softcap, alibi_slopes):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -106,10 +121,11 @@ def _flash_attn_backward_fake(dout, q, k, v, out, lse, softmax_scale, causal, wi
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, window_left, window_right, deterministic = inputs
+    q, k, v, softmax_scale, causal, window_left, window_right, deterministic, softcap, alibi_slopes = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)  # nothing else: O(seqlen) memory on top of q, k, v, out
-    ctx.options = (softmax_scale, causal, window_left, window_right, deterministic)
+    ctx.alibi_slopes = alibi_slopes  # not differentiated (as in flash-attn)
+    ctx.options = (softmax_scale, causal, window_left, window_right, deterministic, softcap)
     # lse is an auxiliary output (as in flash-attn): no gradient flows through it.
     ctx.mark_non_differentiable(lse)
 
@@ -117,8 +133,8 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, dlse):
     del dlse  # lse is non-differentiable
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = _flash_attn_backward(dout, q, k, v, out, lse, *ctx.options)
-    return dq, dk, dv, None, None, None, None, None
+    dq, dk, dv = _flash_attn_backward(dout, q, k, v, out, lse, *ctx.options, ctx.alibi_slopes)
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("fa2cupy::flash_attn_forward", _backward, setup_context=_setup_context)
@@ -142,10 +158,9 @@ def _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes) -> None:
         cap = checks._real(softcap, "softcap")
         if not (math.isfinite(cap) and cap >= 0.0):
             raise ValueError(f"softcap must be a finite number >= 0, got {softcap!r}")
-        if cap != 0.0:
-            raise NotImplementedError("softcapping (softcap > 0) is not implemented yet")
-    if alibi_slopes is not None:
-        raise NotImplementedError("ALiBi (alibi_slopes) is not implemented yet; pass None")
+    if alibi_slopes is not None and not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a float32 torch.Tensor (nheads,) or (batch, nheads), got "
+                        f"{type(alibi_slopes).__name__}")
 
 
 def flash_attn_func(
@@ -174,8 +189,8 @@ def flash_attn_func(
         causal: bottom-right aligned causal mask.
         deterministic: make the backward bit-reproducible run to run (the forward always is).
         window_size: sliding window ``(left, right)``, as in :func:`fa2cupy.flash_attn_func`.
-        dropout_p, softcap, alibi_slopes: only the defaults; anything else raises
-            NotImplementedError naming the feature.
+        softcap, alibi_slopes: as in :func:`fa2cupy.flash_attn_func` (no gradient flows to the slopes).
+        dropout_p: only 0; anything else raises NotImplementedError.
         return_attn_probs: also return ``softmax_lse`` (see Returns).
 
     Returns:
@@ -190,10 +205,111 @@ def flash_attn_func(
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(int(q.shape[-1]))
     left, right = (int(w) for w in window_size)
-    out, lse = _flash_attn_forward(q, k, v, float(softmax_scale), bool(causal), left, right, bool(deterministic))
+    out, lse = _flash_attn_forward(q, k, v, float(softmax_scale), bool(causal), left, right, bool(deterministic),
+                                   float(softcap), alibi_slopes)
     if return_attn_probs:
         return out, lse, None
     return out
 
 
 flash_attn_qkvpacked_func, flash_attn_kvpacked_func = packed.make_packed(flash_attn_func)
+
+
+# --------------------------------------------------------------------------------------------- varlen
+
+
+@torch.library.custom_op("fa2cupy::flash_attn_varlen_forward", mutates_args=())
+def _flash_attn_varlen_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int, window_right: int,
+    deterministic: bool, softcap: float, alibi_slopes: Optional[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """out ``(total_q, h, d)`` contiguous and lse ``(h, total_q)`` float32."""
+    out, lse, _ = fa2cupy.flash_attn_varlen_func(
+        q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right), softcap=softcap,
+        alibi_slopes=alibi_slopes, return_attn_probs=True)
+    return out.contiguous(), lse
+
+
+@_flash_attn_varlen_forward.register_fake
+def _flash_attn_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                                    causal, window_left, window_right, deterministic, softcap, alibi_slopes):
+    total, h, d = q.shape
+    return q.new_empty((total, h, d)), q.new_empty((h, total), dtype=torch.float32)
+
+
+@torch.library.custom_op("fa2cupy::flash_attn_varlen_backward", mutates_args=())
+def _flash_attn_varlen_backward(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+    softmax_scale: float, causal: bool, window_left: int, window_right: int, deterministic: bool, softcap: float,
+    alibi_slopes: Optional[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv like q, k, v (rows outside every sequence are zero)."""
+    dq, dk, dv = fa2cupy.flash_attn_varlen_backward(
+        _contiguous_last_axis(dout.detach()), q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(),
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
+        window_size=(window_left, window_right), deterministic=deterministic, softcap=softcap,
+        alibi_slopes=alibi_slopes)
+    # Autograd needs defined values everywhere: rows past the last sequence, which no kernel writes, become 0.
+    grads = []
+    for g, cu in ((dq, cu_seqlens_q), (dk, cu_seqlens_k), (dv, cu_seqlens_k)):
+        g = g.contiguous()
+        rows = torch.arange(g.shape[0], device=g.device)
+        grads.append(torch.where((rows < cu[-1]).view(-1, 1, 1), g, torch.zeros((), dtype=g.dtype, device=g.device)))
+    return tuple(grads)
+
+
+@_flash_attn_varlen_backward.register_fake
+def _flash_attn_varlen_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                     softmax_scale, causal, window_left, window_right, deterministic, softcap,
+                                     alibi_slopes):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_varlen_context(ctx, inputs, output):
+    (q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_left, window_right, deterministic, softcap,
+     alibi_slopes) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.alibi_slopes = alibi_slopes
+    ctx.options = (max_q, max_k, softmax_scale, causal, window_left, window_right, deterministic, softcap)
+    ctx.mark_non_differentiable(lse)
+
+
+def _varlen_backward(ctx, dout, dlse):
+    del dlse
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = _flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.options, ctx.alibi_slopes)
+    return (dq, dk, dv) + (None,) * 11
+
+
+torch.library.register_autograd("fa2cupy::flash_attn_varlen_forward", _varlen_backward,
+                                setup_context=_setup_varlen_context)
+
+
+def flash_attn_varlen_func(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+    causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+    return_attn_probs=False, block_table=None,
+):
+    """Differentiable :func:`fa2cupy.flash_attn_varlen_func` on PyTorch CUDA tensors (same arguments and results);
+    gradients flow to q, k and v."""
+    if block_table is not None:
+        raise NotImplementedError("paged K/V (block_table) in flash_attn_varlen_func is not implemented yet")
+    _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
+    if causal is not True and causal is not False:
+        checks._check_bool(causal, "causal")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(int(q.shape[-1]))
+    left, right = (int(w) for w in window_size)
+    out, lse = _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                                          float(softmax_scale), bool(causal), left, right, bool(deterministic),
+                                          float(softcap), alibi_slopes)
+    if return_attn_probs:
+        return out, lse, None
+    return out
+
+
+flash_attn_varlen_qkvpacked_func, flash_attn_varlen_kvpacked_func = packed.make_varlen_packed(flash_attn_varlen_func)

@@ -14,6 +14,7 @@ from fa2cupy.checks import (
     UNLIMITED_WINDOW,
     AttnShape,
     check_forward_args,
+    check_varlen_args,
     default_scale,
     window_bounds,
 )
@@ -249,9 +250,8 @@ def test_window_type(w):
         check_forward_args(*qkv(), window_size=w)
 
 
-def test_softcap_not_implemented():
-    with pytest.raises(NotImplementedError, match=r"^softcapping \(softcap > 0\) is not implemented yet"):
-        check_forward_args(*qkv(), softcap=30.0)
+def test_softcap_accepted():
+    assert check_forward_args(*qkv(), softcap=30.0).headdim == 64
 
 
 @pytest.mark.parametrize("c", [-1.0, float("inf"), float("nan")])
@@ -260,9 +260,57 @@ def test_softcap_value(c):
         check_forward_args(*qkv(), softcap=c)
 
 
-def test_alibi_not_implemented():
-    with pytest.raises(NotImplementedError, match=r"^ALiBi \(alibi_slopes\) is not implemented yet"):
-        check_forward_args(*qkv(), alibi_slopes=np.ones(4, np.float32))
+@pytest.mark.parametrize("shape", [(4,), (2, 4)])
+def test_alibi_accepted(shape):
+    assert check_forward_args(*qkv(), alibi_slopes=info("alibi_slopes", shape, "float32")).nheads == 4
+
+
+@pytest.mark.parametrize("shape,dtype,error,message", [
+    ((2,), "float32", ValueError, r"^alibi_slopes must have shape \(nheads,\) = \(4,\) or \(batch, nheads\)"),
+    ((3, 4), "float32", ValueError, r"^alibi_slopes must have shape"),
+    ((4,), "float16", TypeError, r"^alibi_slopes must be float32"),
+])
+def test_alibi_rejected(shape, dtype, error, message):
+    with pytest.raises(error, match=message):
+        check_forward_args(*qkv(), alibi_slopes=info("alibi_slopes", shape, dtype))
+
+
+def test_alibi_other_framework_rejected():
+    with pytest.raises(ValueError):
+        check_forward_args(*qkv(), alibi_slopes=info("alibi_slopes", (4,), "float32", framework="torch"))
+
+
+# ------------------------------------------------------------------ varlen
+
+
+def varlen(tq=30, tk=40, h=4, hkv=2, d=64, batch=3, cu_dtype="int32"):
+    return (info("q", (tq, h, d)), info("k", (tk, hkv, d)), info("v", (tk, hkv, d)),
+            info("cu_seqlens_q", (batch + 1,), cu_dtype), info("cu_seqlens_k", (batch + 1,), cu_dtype))
+
+
+def test_varlen_valid():
+    shape, tq, tk = check_varlen_args(*varlen(), 17, 25, causal=True)
+    assert (shape.batch, shape.seqlen_q, shape.seqlen_k, shape.nheads, tq, tk) == (3, 17, 25, 4, 30, 40)
+
+
+@pytest.mark.parametrize("args,kw,error,message", [
+    (varlen(cu_dtype="int64"), {}, TypeError, r"^cu_seqlens_q must be int32"),
+    (varlen(batch=0), {}, ValueError, r"^cu_seqlens_q must be 1-D \(batch \+ 1,\) with batch >= 1"),
+    (varlen()[:3] + (info("cu_seqlens_q", (4,), "int32"), info("cu_seqlens_k", (3,), "int32")), {}, ValueError,
+     r"^cu_seqlens_q \(4,\) and cu_seqlens_k \(3,\) must have the same length"),
+    ((info("q", (2, 30, 4, 64)),) + varlen()[1:], {}, ValueError, r"^q must be 3-D \(total_tokens, heads, headdim\)"),
+    (varlen(hkv=3), {}, ValueError, r"^q has nheads=4, which is not a multiple of nheads_kv=3"),
+    (varlen(), dict(dropout_p=0.5), NotImplementedError, r"^dropout"),
+])
+def test_varlen_rejected(args, kw, error, message):
+    with pytest.raises(error, match=message):
+        check_varlen_args(*args, 17, 25, **kw)
+
+
+@pytest.mark.parametrize("m", [-1, 2.5, None, True])
+def test_varlen_max_seqlen_rejected(m):
+    with pytest.raises(ValueError, match=r"^max_seqlen_q must be an int >= 0"):
+        check_varlen_args(*varlen(), m, 25)
 
 
 @pytest.mark.parametrize("s", [float("nan"), float("inf"), -float("inf")])

@@ -68,7 +68,7 @@ def test_instantiations_compile_without_spills(family, arch):
 
 def test_every_table_entry_fits_its_family():
     limits = {"sm80": 163 * 1024, "sm86": 99 * 1024, "sm90": 227 * 1024}
-    for (family, width), config in [*configs.FORWARD_TABLE.items(), *configs.FORWARD_WINDOW_TABLE.items()]:
+    for (family, width), config in [*configs.FORWARD_TABLE.items(), *configs.FORWARD_MASKED_TABLE.items()]:
         assert config.headdim == width
         assert config.smem_bytes <= limits[family], (family, width, config)
         assert config.block_m % (16 * config.warps) == 0

@@ -226,3 +226,69 @@ def test_window_reference_equals_masked_dense():
             p = np.exp(s - s.max()) / np.exp(s - s.max()).sum()
             np.testing.assert_allclose(out[0, i, h], p @ v[0, js, 0], rtol=1e-12, atol=1e-12)
             np.testing.assert_allclose(lse[0, h, i], s.max() + np.log(np.exp(s - s.max()).sum()), rtol=1e-12)
+
+
+# ------------------------------------------------------------------ softcap, ALiBi, varlen
+
+
+def _numeric_grad(f, x, eps=1e-6):
+    g = np.zeros_like(x)
+    it = np.nditer(x, flags=["multi_index"])
+    for _ in it:
+        i = it.multi_index
+        old = x[i]
+        x[i] = old + eps
+        hi = f()
+        x[i] = old - eps
+        lo = f()
+        x[i] = old
+        g[i] = (hi - lo) / (2 * eps)
+    return g
+
+
+@pytest.mark.parametrize("softcap,alibi", [(2.0, False), (0.0, True), (1.5, True)])
+def test_modifier_gradients_match_finite_differences(softcap, alibi):
+    from fa2cupy.reference import attention_ref, attention_ref_backward
+
+    rng = np.random.default_rng(0)
+    q, k, v, dout = (rng.standard_normal(s) for s in ((1, 5, 2, 4), (1, 6, 1, 4), (1, 6, 1, 4), (1, 5, 2, 4)))
+    slopes = rng.uniform(0, 0.5, (1, 2)) if alibi else None
+    kw = dict(softmax_scale=0.7, causal=True, softcap=softcap, alibi_slopes=slopes)
+    loss = lambda: float((attention_ref(q, k, v, **kw)[0] * dout).sum())  # noqa: E731
+    dq, dk, dv = attention_ref_backward(dout, q, k, v, **kw)
+    for x, g in ((q, dq), (k, dk), (v, dv)):
+        np.testing.assert_allclose(g, _numeric_grad(loss, x), rtol=1e-5, atol=1e-7)
+
+
+def test_softcap_caps_and_alibi_biases():
+    from fa2cupy.reference import attention_ref
+
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((1, 3, 1, 8)) * 10 for _ in range(3))
+    _, lse = attention_ref(q, k, v, softmax_scale=1.0, softcap=0.5)
+    assert np.all(lse <= 0.5 + np.log(3) + 1e-12)  # every logit is capped at 0.5
+    _, plain = attention_ref(q, k, v, softmax_scale=0.0)
+    _, biased = attention_ref(q, k, v, softmax_scale=0.0, alibi_slopes=np.array([1.0]))
+    # zero scores: lse = log(sum_j exp(-|i - j|)); row 0 sees distances 0, 1, 2
+    assert np.allclose(biased[0, 0, 0], np.log(1 + np.exp(-1) + np.exp(-2)))
+    assert np.allclose(plain, np.log(3))
+
+
+def test_varlen_reference_is_per_sequence():
+    from fa2cupy.reference import attention_ref, attention_ref_varlen, attention_ref_varlen_backward
+
+    rng = np.random.default_rng(2)
+    cu = np.array([0, 3, 3, 7, 8])
+    q, k, v, dout = (rng.standard_normal((9, 2, 4)) for _ in range(4))  # row 8 is past the last sequence
+    out, lse = attention_ref_varlen(q, k, v, cu, cu, causal=True)
+    assert out.shape == (9, 2, 4) and lse.shape == (2, 9)
+    assert np.all(out[8] == 0) and np.all(np.isinf(lse[:, 8]))
+    for b in range(4):
+        s = slice(cu[b], cu[b + 1])
+        if cu[b] == cu[b + 1]:
+            continue
+        o, l = attention_ref(q[None, s], k[None, s], v[None, s], causal=True)
+        np.testing.assert_allclose(out[s], o[0])
+        np.testing.assert_allclose(lse[:, s], l[0])
+    dq, dk, dv = attention_ref_varlen_backward(dout, q, k, v, cu, cu, causal=True)
+    assert np.all(dq[8] == 0) and np.all(dk[8] == 0)

@@ -1,0 +1,92 @@
+"""Varlen speed against the padded batch of the same real tokens (issue 5's bar: >= 0.95x), forward and backward,
+fp16, 16 heads of 128, 16k tokens in all.
+
+    python bench/varlen_speed.py [--tokens 16384] [--causal]
+
+Two comparisons, each timed back to back with the same timer as ``fa2cupy bench`` (CUDA events, median):
+* equal lengths: varlen over b sequences of s tokens against flash_attn_func on (b, s): the same work, so the
+  time ratio is the overhead of varlen;
+* mixed lengths (random, 256..4096, fixed seed): varlen TFLOPs/s against the padded batch's at the same total
+  real tokens, padded to the longest sequence; the padded batch does the extra work of its padding, so this is
+  the speed a user gains by not padding.
+"""
+
+import argparse
+import sys
+
+import cupy
+import numpy as np
+
+sys.path.insert(0, ".")
+import fa2cupy  # noqa: E402
+from fa2cupy import benchmark as B  # noqa: E402
+
+
+def flops(lengths, heads, d, causal, bwd):
+    per = sum(4 * n * n * heads * d for n in lengths) * (0.5 if causal else 1.0)
+    return per * (2.5 if bwd else 1.0)
+
+
+def time_pair(fwd, bwd, events):
+    f = B.time_gpu(fwd, events, warmup=3, repeats=15).median_ms
+    b = B.time_gpu(bwd, events, warmup=3, repeats=15).median_ms
+    return f, b
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--headdim", type=int, default=128)
+    parser.add_argument("--causal", action="store_true")
+    args = parser.parse_args()
+    h, d, causal = args.heads, args.headdim, args.causal
+    rng = cupy.random.default_rng(0)
+    events = B.CupyEvents()
+
+    def rand(*shape):
+        return rng.standard_normal(shape, dtype=cupy.float32).astype(cupy.float16)
+
+    for seqlen in (1024, 4096):
+        b = args.tokens // seqlen
+        q, k, v, do = (rand(b, seqlen, h, d) for _ in range(4))
+        out, lse, _ = fa2cupy.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+        pf, pb = time_pair(lambda: fa2cupy.flash_attn_func(q, k, v, causal=causal),
+                           lambda: fa2cupy.flash_attn_backward(do, q, k, v, out, lse, causal=causal), events)
+        cu = cupy.arange(0, b * seqlen + 1, seqlen, dtype=cupy.int32)
+        qv, kv, vv, dov = (x.reshape(b * seqlen, h, d) for x in (q, k, v, do))
+        outv, lsev, _ = fa2cupy.flash_attn_varlen_func(qv, kv, vv, cu, cu, seqlen, seqlen, causal=causal,
+                                                        return_attn_probs=True)
+        vf, vb = time_pair(lambda: fa2cupy.flash_attn_varlen_func(qv, kv, vv, cu, cu, seqlen, seqlen, causal=causal),
+                           lambda: fa2cupy.flash_attn_varlen_backward(dov, qv, kv, vv, outv, lsev, cu, cu, seqlen,
+                                                                      seqlen, causal=causal), events)
+        print(f"equal lengths {b}x{seqlen} causal={causal}: padded fwd {pf:.3f} ms bwd {pb:.3f} ms | varlen fwd "
+              f"{vf:.3f} ms bwd {vb:.3f} ms | varlen speed / padded: fwd {pf / vf:.3f}x bwd {pb / vb:.3f}x "
+              f"(bar >= 0.95x)", flush=True)
+
+    lengths, total = [], 0
+    gen = np.random.default_rng(1)
+    while total < args.tokens:
+        n = int(min(gen.integers(256, 4097), args.tokens - total))
+        lengths.append(n)
+        total += n
+    longest = max(lengths)
+    cu = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    qv, kv, vv, dov = (rand(total, h, d) for _ in range(4))
+    outv, lsev, _ = fa2cupy.flash_attn_varlen_func(qv, kv, vv, cu, cu, longest, longest, causal=causal,
+                                                    return_attn_probs=True)
+    vf, vb = time_pair(lambda: fa2cupy.flash_attn_varlen_func(qv, kv, vv, cu, cu, longest, longest, causal=causal),
+                       lambda: fa2cupy.flash_attn_varlen_backward(dov, qv, kv, vv, outv, lsev, cu, cu, longest,
+                                                                  longest, causal=causal), events)
+    q, k, v, do = (rand(len(lengths), longest, h, d) for _ in range(4))
+    out, lse, _ = fa2cupy.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    pf, pb = time_pair(lambda: fa2cupy.flash_attn_func(q, k, v, causal=causal),
+                       lambda: fa2cupy.flash_attn_backward(do, q, k, v, out, lse, causal=causal), events)
+    real_f, real_b = flops(lengths, h, d, causal, False), flops(lengths, h, d, causal, True)
+    print(f"mixed lengths ({len(lengths)} sequences, {total} tokens, longest {longest}) causal={causal}: "
+          f"varlen {real_f / vf / 1e9:.0f} / {real_b / vb / 1e9:.0f} TFLOPs/s fwd/bwd on real tokens; padded "
+          f"batch ({len(lengths)}x{longest}) takes {pf / vf:.2f}x / {pb / vb:.2f}x varlen's time", flush=True)
+
+
+if __name__ == "__main__":
+    main()

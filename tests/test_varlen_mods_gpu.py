@@ -1,0 +1,322 @@
+"""Varlen sequences and the score modifiers (softcap, ALiBi) on a real GPU, forward and backward.
+
+Compared against the float64 reference (``attention_ref``/``attention_ref_varlen`` and their backward) on exactly
+the rounded inputs the kernels see, with the bounds of tests/test_forward_gpu.py (out: 4u max|v| + 1e-6; lse:
+1e-3 (1 + |ref|)) and tests/test_backward_gpu.py (16u max|ref_g| + floor). The backward reference is taken *for
+the out the kernel was given* (``attention_ref_backward(..., out=out)``), the same exact correction
+test_backward_gpu applies. Softcap's tanh and the ALiBi bias are fp32 in the kernels: O(2^-24 |logit|) error,
+far below u.
+
+Also: a varlen call equals the padded call of each sequence on its own bitwise (same tiles, same arithmetic);
+rows past ``cu_seqlens[-1]`` are not written (they stay poisoned and are not compared); cu_seqlens values that do
+not fit the arrays are reported by the kernels as a ValueError naming them, and nothing plausible is returned.
+Every output is poisoned with NaN before the launch (``_debug_poison``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, note, settings
+from hypothesis import strategies as st
+from hypothesis.control import currently_in_test_context
+
+from fa2cupy import benchmark as B
+from fa2cupy.reference import (
+    attention_ref,
+    attention_ref_backward,
+    attention_ref_varlen,
+    attention_ref_varlen_backward,
+)
+from gpu_helpers import UNIT_ROUNDOFF, cupy_module as _cupy, debug_poison, np_dtype as _np_dtype, torch_cuda as _torch
+
+pytestmark = pytest.mark.gpu
+
+LENGTHS = [0, 1, 2, 15, 16, 17, 63, 64, 65, 128, 129, 200, 300]
+HEADDIMS = [32, 64, 96, 128, 40, 160, 256]
+HEAD_GROUPS = [(1, 1), (2, 2), (4, 1), (6, 3), (8, 2)]
+SHORT = {"float16": "fp16", "bfloat16": "bf16"}
+EXAMPLES = max(10, settings().max_examples // 4)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def poison_outputs():
+    with debug_poison("forward"), debug_poison("backward"):
+        yield
+
+
+def _fa():
+    import fa2cupy
+
+    return fa2cupy
+
+
+def _randn(rng, shape, dtype):
+    return _cupy().asarray(rng.standard_normal(shape, dtype=np.float32).astype(_np_dtype(dtype)))
+
+
+def _host(x) -> np.ndarray:
+    return B.to_numpy64(x)
+
+
+def _check_out(out, lse, ref_out, ref_lse, v, dtype, rows=None):
+    """out/lse against the reference; ``rows`` (varlen) selects the rows that belong to a sequence."""
+    out_h, lse_h = _host(out), _host(lse)
+    if rows is not None:
+        out_h, ref_out = out_h[rows], ref_out[rows]
+        lse_h, ref_lse = lse_h[:, rows], ref_lse[:, rows]
+    assert not np.isnan(out_h).any(), "out has NaN: rows of a sequence were left unwritten"
+    tol = 4 * UNIT_ROUNDOFF[dtype] * float(np.abs(_host(v)).max()) + 1e-6
+    err = np.abs(out_h - ref_out)
+    msg = f"max|out-ref|={err.max() if err.size else 0:.3e} tol={tol:.3e}"
+    if currently_in_test_context():
+        note(msg)
+    assert err.size == 0 or err.max() <= tol, msg
+    dead = np.isinf(ref_lse)
+    assert np.all(lse_h[dead] == np.inf), "rows with no visible key must have lse +inf"
+    live = ~dead
+    assert np.all(np.abs(lse_h[live] - ref_lse[live]) <= 1e-3 * (1 + np.abs(ref_lse[live])))
+
+
+def _check_grads(grads, refs, dtype, scale, d, dout, q, k, v, selections=(None, None, None)):
+    amax = lambda x: float(np.abs(x).max(initial=0.0))  # noqa: E731 -- sequences may all be empty
+    floor = B.gradient_floor(scale, d, amax(dout), amax(v), max(amax(q), amax(k)))
+    for name, g, ref, rows in zip(("dq", "dk", "dv"), grads, refs, selections):
+        g = _host(g)
+        if rows is not None:
+            g, ref = g[rows], ref[rows]
+        assert not np.isnan(g).any(), f"{name} has NaN: rows of a sequence were left unwritten"
+        tol = B.gradient_bound(SHORT[dtype], float(np.abs(ref).max()) if ref.size else 0.0, floor)
+        err = float(np.abs(g - ref).max()) if g.size else 0.0
+        msg = f"max|{name}-ref|={err:.3e} max|ref|={np.abs(ref).max() if ref.size else 0:.3e} tol={tol:.3e}"
+        if currently_in_test_context():
+            note(msg)
+        assert err <= tol, msg
+
+
+def _slopes(rng, batch, nheads, per_batch):
+    shape = (batch, nheads) if per_batch else (nheads,)
+    return _cupy().asarray(rng.uniform(0.0, 0.5, shape).astype(np.float32))
+
+
+# ------------------------------------------------------------------------------------------ padded, modifiers
+
+
+@st.composite
+def mod_cases(draw):
+    h, hkv = draw(st.sampled_from(HEAD_GROUPS))
+    return dict(
+        batch=draw(st.integers(1, 2)), seqlen_q=draw(st.sampled_from(LENGTHS[1:])),
+        seqlen_k=draw(st.sampled_from(LENGTHS[1:])), nheads=h, nheads_kv=hkv, headdim=draw(st.sampled_from(HEADDIMS)),
+        causal=draw(st.booleans()),
+        window_size=draw(st.one_of(st.just((-1, -1)), st.tuples(st.integers(-1, 80), st.integers(-1, 80)))),
+        softcap=draw(st.sampled_from([0.0, 0.0, 1.0, 5.0, 30.0])),
+        alibi=draw(st.sampled_from([None, "heads", "batch"])),
+        dtype=draw(st.sampled_from(["float16", "bfloat16"])),
+        softmax_scale=draw(st.one_of(st.none(), st.floats(0.05, 1.5), st.floats(-1.0, -0.05))),
+        deterministic=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**32 - 1)),
+    )
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(mod_cases())
+def test_softcap_alibi_forward_backward(c):
+    if c["softcap"] == 0.0 and c["alibi"] is None:
+        c["softcap"] = 2.0  # this test is about the modifiers
+    fa = _fa()
+    rng = np.random.default_rng(c["seed"])
+    b, sq, sk, h, hkv, d, dtype = (c[n] for n in ("batch", "seqlen_q", "seqlen_k", "nheads", "nheads_kv", "headdim",
+                                                  "dtype"))
+    q, k, v = _randn(rng, (b, sq, h, d), dtype), _randn(rng, (b, sk, hkv, d), dtype), _randn(rng, (b, sk, hkv, d),
+                                                                                             dtype)
+    dout = _randn(rng, (b, sq, h, d), dtype)
+    slopes = None if c["alibi"] is None else _slopes(rng, b, h, c["alibi"] == "batch")
+    kw = dict(softmax_scale=c["softmax_scale"], causal=c["causal"], window_size=c["window_size"],
+              softcap=c["softcap"], alibi_slopes=slopes)
+    out, lse, _ = fa.flash_attn_func(q, k, v, return_attn_probs=True, **kw)
+    ref_kw = dict(kw, alibi_slopes=None if slopes is None else _cupy().asnumpy(slopes))
+    qh, kh, vh, doh = (_host(x) for x in (q, k, v, dout))
+    ref_out, ref_lse = attention_ref(qh, kh, vh, **ref_kw)
+    _check_padded(out, lse, ref_out, ref_lse, v, dtype)
+    grads = fa.flash_attn_backward(dout, q, k, v, out, lse, deterministic=c["deterministic"], **kw)
+    refs = attention_ref_backward(doh, qh, kh, vh, out=_host(out), **ref_kw)
+    scale = 1 / math.sqrt(d) if c["softmax_scale"] is None else c["softmax_scale"]
+    _check_grads(grads, refs, dtype, abs(scale), d, doh, qh, kh, vh)
+
+
+def _check_padded(out, lse, ref_out, ref_lse, v, dtype):
+    """Padded layout: lse (b, h, sq) checked per batch entry through the varlen-shaped checker."""
+    for bi in range(out.shape[0]):
+        _check_out(out[bi], lse[bi], ref_out[bi], ref_lse[bi], v, dtype)
+
+
+def test_softcap_bounds_the_logits():
+    """A large score with a small cap: the probabilities must follow the capped logits, not the raw ones."""
+    fa = _fa()
+    cp = _cupy()
+    rng = np.random.default_rng(1)
+    q = _randn(rng, (1, 64, 2, 64), "float16") * 4
+    k = _randn(rng, (1, 96, 2, 64), "float16") * 4
+    v = _randn(rng, (1, 96, 2, 64), "float16")
+    out, lse, _ = fa.flash_attn_func(q, k, v, softcap=1.0, return_attn_probs=True)
+    ref_out, ref_lse = attention_ref(cp.asnumpy(q), cp.asnumpy(k), cp.asnumpy(v), softcap=1.0)
+    _check_padded(out, lse, ref_out, ref_lse, v, "float16")
+    plain, _ = attention_ref(cp.asnumpy(q), cp.asnumpy(k), cp.asnumpy(v))
+    assert np.abs(plain - ref_out).max() > 0.1  # the cap changes the answer: the test can fail
+
+
+# ------------------------------------------------------------------------------------------ varlen
+
+
+def _cu(lengths):
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+@st.composite
+def varlen_cases(draw):
+    batch = draw(st.integers(1, 4))
+    h, hkv = draw(st.sampled_from(HEAD_GROUPS))
+    lq = draw(st.lists(st.sampled_from(LENGTHS), min_size=batch, max_size=batch))
+    same = draw(st.booleans())
+    lk = lq if same else draw(st.lists(st.sampled_from(LENGTHS), min_size=batch, max_size=batch))
+    return dict(
+        lengths_q=lq, lengths_k=lk, nheads=h, nheads_kv=hkv, headdim=draw(st.sampled_from(HEADDIMS)),
+        causal=draw(st.booleans()),
+        window_size=draw(st.one_of(st.just((-1, -1)), st.just((-1, -1)),
+                                   st.tuples(st.integers(-1, 80), st.integers(-1, 80)))),
+        softcap=draw(st.sampled_from([0.0, 0.0, 0.0, 3.0])),
+        alibi=draw(st.sampled_from([None, None, "heads", "batch"])),
+        extra_rows=draw(st.sampled_from([0, 0, 5])),  # rows past cu_seqlens[-1], which nothing may read
+        slack=draw(st.sampled_from([0, 0, 7])),  # max_seqlen larger than the longest sequence
+        dtype=draw(st.sampled_from(["float16", "bfloat16"])),
+        deterministic=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**32 - 1)),
+    )
+
+
+def _varlen_inputs(c):
+    rng = np.random.default_rng(c["seed"])
+    h, hkv, d, dtype = c["nheads"], c["nheads_kv"], c["headdim"], c["dtype"]
+    cu_q, cu_k = _cu(c["lengths_q"]), _cu(c["lengths_k"])
+    tq, tk = int(cu_q[-1]) + c["extra_rows"], int(cu_k[-1]) + c["extra_rows"]
+    tq, tk = max(tq, 1), max(tk, 1)
+    arrays = dict(q=_randn(rng, (tq, h, d), dtype), k=_randn(rng, (tk, hkv, d), dtype),
+                  v=_randn(rng, (tk, hkv, d), dtype), dout=_randn(rng, (tq, h, d), dtype))
+    slopes = None if c["alibi"] is None else _slopes(rng, len(c["lengths_q"]), h, c["alibi"] == "batch")
+    return arrays, cu_q, cu_k, slopes
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(varlen_cases())
+def test_varlen_forward_backward(c):
+    fa = _fa()
+    cp = _cupy()
+    x, cu_q, cu_k, slopes = _varlen_inputs(c)
+    max_q, max_k = max(c["lengths_q"]) + c["slack"], max(c["lengths_k"]) + c["slack"]
+    kw = dict(causal=c["causal"], window_size=c["window_size"], softcap=c["softcap"], alibi_slopes=slopes)
+    out, lse, _ = fa.flash_attn_varlen_func(x["q"], x["k"], x["v"], cp.asarray(cu_q), cp.asarray(cu_k), max_q, max_k,
+                                            return_attn_probs=True, **kw)
+    assert out.shape == x["q"].shape and lse.shape == (c["nheads"], x["q"].shape[0])
+    ref_kw = dict(kw, alibi_slopes=None if slopes is None else cp.asnumpy(slopes))
+    qh, kh, vh, doh = (_host(x[n]) for n in ("q", "k", "v", "dout"))
+    ref_out, ref_lse = attention_ref_varlen(qh, kh, vh, cu_q, cu_k, **ref_kw)
+    rows_q, rows_k = np.arange(int(cu_q[-1])), np.arange(int(cu_k[-1]))
+    _check_out(out, lse, ref_out, ref_lse, x["v"], c["dtype"], rows=rows_q)
+
+    grads = fa.flash_attn_varlen_backward(x["dout"], x["q"], x["k"], x["v"], out, lse, cp.asarray(cu_q),
+                                          cp.asarray(cu_k), max_q, max_k, deterministic=c["deterministic"], **kw)
+    refs = attention_ref_varlen_backward(doh, qh, kh, vh, cu_q, cu_k, out=_host(out), **ref_kw)
+    _check_grads(grads, refs, c["dtype"], 1 / math.sqrt(c["headdim"]), c["headdim"], doh[rows_q], qh[rows_q],
+                 kh[rows_k], vh[rows_k], selections=(rows_q, rows_k, rows_k))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_equals_padded_bitwise(causal):
+    """Each sequence of a varlen call gives bitwise what a batch-1 call on that sequence alone gives."""
+    fa = _fa()
+    cp = _cupy()
+    rng = np.random.default_rng(7)
+    lengths = [130, 0, 1, 257, 64]
+    cu = _cu(lengths)
+    q, k, v = (_randn(rng, (int(cu[-1]), 4, 128), "bfloat16") for _ in range(3))
+    out = fa.flash_attn_varlen_func(q, k, v, cp.asarray(cu), cp.asarray(cu), max(lengths), max(lengths),
+                                    causal=causal)
+    for b, n in enumerate(lengths):
+        if n == 0:
+            continue
+        s = slice(int(cu[b]), int(cu[b + 1]))
+        alone = fa.flash_attn_func(q[None, s], k[None, s], v[None, s], causal=causal)
+        assert cp.array_equal(out[s].view(cp.uint16), alone[0].view(cp.uint16)), f"sequence {b} differs"
+
+
+@pytest.mark.parametrize("bad", ["decreasing", "past_end", "over_max", "negative"])
+def test_bad_cu_seqlens_raise(bad):
+    fa = _fa()
+    cp = _cupy()
+    rng = np.random.default_rng(3)
+    q, k, v = (_randn(rng, (100, 2, 64), "float16") for _ in range(3))
+    cu = {"decreasing": [0, 60, 40, 100], "past_end": [0, 50, 100, 140], "over_max": [0, 10, 90, 100],
+          "negative": [-8, 10, 50, 100]}[bad]
+    cu = cp.asarray(np.array(cu, np.int32))
+    fa.flash_attn_varlen_func(q, k, v, cu, cu, 60, 60)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        fa.check_device_errors()
+    fa.check_device_errors()  # reported once, then cleared
+    ok = cp.asarray(np.array([0, 50, 100], np.int32))
+    out = fa.flash_attn_varlen_func(q, k, v, ok, ok, 50, 50)  # a good call afterwards works
+    assert not cp.isnan(out).any()
+
+
+def test_varlen_packed_forms_are_views():
+    fa = _fa()
+    cp = _cupy()
+    rng = np.random.default_rng(5)
+    cu = cp.asarray(_cu([33, 70]))
+    qkv = _randn(rng, (103, 3, 4, 64), "float16")
+    a = fa.flash_attn_varlen_qkvpacked_func(qkv, cu, 70, causal=True)
+    b = fa.flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu, cu, 70, 70, causal=True)
+    assert cp.array_equal(a.view(cp.uint16), b.view(cp.uint16))
+    q = _randn(rng, (103, 4, 64), "float16")
+    kv = _randn(rng, (103, 2, 2, 64), "float16")
+    a = fa.flash_attn_varlen_kvpacked_func(q, kv, cu, cu, 70, 70)
+    b = fa.flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu, cu, 70, 70)
+    assert cp.array_equal(a.view(cp.uint16), b.view(cp.uint16))
+
+
+# ------------------------------------------------------------------------------------------ torch
+
+
+@pytest.mark.parametrize("mods", ["softcap", "alibi", "varlen"])
+def test_torch_gradients(mods):
+    torch = _torch()
+    from fa2cupy import torch as fat
+
+    g = torch.Generator(device="cpu").manual_seed(11)
+    dtype = torch.bfloat16
+    if mods == "varlen":
+        cu = torch.tensor([0, 37, 37, 130], dtype=torch.int32, device="cuda")
+        q, k, v = (torch.randn((130, 4, 64), generator=g).to("cuda", dtype).requires_grad_() for _ in range(3))
+        out = fat.flash_attn_varlen_func(q, k, v, cu, cu, 93, 93, causal=True)
+        ref_out, _ = attention_ref_varlen(*(x.detach().float().cpu().numpy() for x in (q, k, v)), cu.cpu().numpy(),
+                                          cu.cpu().numpy(), causal=True)
+    else:
+        q, k, v = (torch.randn((2, 77, 4, 64), generator=g).to("cuda", dtype).requires_grad_() for _ in range(3))
+        slopes = torch.rand((2, 4), generator=g).cuda() * 0.3 if mods == "alibi" else None
+        cap = 4.0 if mods == "softcap" else 0.0
+        out = fat.flash_attn_func(q, k, v, causal=True, softcap=cap, alibi_slopes=slopes)
+        ref_out, _ = attention_ref(*(x.detach().float().cpu().numpy() for x in (q, k, v)), causal=True, softcap=cap,
+                                   alibi_slopes=None if slopes is None else slopes.cpu().numpy())
+    dout = torch.randn(out.shape, generator=g).to("cuda", dtype)
+    out.backward(dout)
+    host = lambda t: t.detach().float().cpu().numpy().astype(np.float64)  # noqa: E731
+    assert np.abs(host(out) - ref_out).max() <= 4 * 2**-8 * np.abs(host(v)).max() + 1e-6
+    if mods == "varlen":
+        refs = attention_ref_varlen_backward(host(dout), host(q), host(k), host(v), cu.cpu().numpy(),
+                                             cu.cpu().numpy(), causal=True, out=host(out))
+    else:
+        refs = attention_ref_backward(host(dout), host(q), host(k), host(v), causal=True, softcap=cap,
+                                      alibi_slopes=None if slopes is None else slopes.cpu().numpy(), out=host(out))
+    _check_grads((q.grad, k.grad, v.grad), refs, "bfloat16", 1 / 8, 64, host(dout), host(q), host(k), host(v))
