@@ -1,14 +1,16 @@
 // Decode-time attention (FA2 paper §4.2, "flash-decoding") over a KV cache.
 //
 //   kvcache_append    writes the new keys/values into the cache at each row's length, after checking every index
-//                     value the host cannot see (cache_seqlens, cache_batch_idx, block_table): one bad value and
-//                     nothing is written.
+//                     value the host cannot see (cache_seqlens, cache_batch_idx, block_table, cache_leftpad): one
+//                     bad value and nothing is written. With rotary embeddings it stores the keys rotated.
+//   rotary_q          rotates q (rotary embeddings) into a temporary that the attention reads.
 //   decode_attention  one block per (split of the keys, 16 packed query rows, kv head, batch row). The rows are the
 //                     (new token, query head) pairs that share one KV head (GQA packing), so each K/V byte is read
 //                     once per KV head, on tensor cores. The warps of a block stream interleaved key tiles of the
 //                     block's split through their own cp.async rings (more bytes in flight per SM) and merge in
 //                     shared memory; the splits of a row (split-KV, so that small batches fill the GPU) write fp32
-//                     partials, and the last split block to finish merges them: one launch per call.
+//                     partials, and the last split block to finish merges them: one launch per call. Its Extras
+//                     variant adds the sliding window, softcap, ALiBi and left-padded caches.
 //   merge_states      merges attention computed over disjoint key sets, (out_i, lse_i) -> (out, lse):
 //                     fa2cupy.merge_attention_states for cascade / prefix-shared attention and context parallelism.
 //
@@ -19,27 +21,16 @@
 // (atomicCAS on a device word) and writes it to pinned host memory that the host reads without synchronising
 // (fa2cupy/device_errors.py); every output row computed while a report is pending is NaN, never a wrong number.
 #include "primitives.cuh"
+#include "errors.cuh"
 #include "softmax.cuh"
+#include "masks.cuh"
 
 namespace fa2 {
-
-enum BadValue : int { kBadCacheSeqlen = 1, kBadCacheBatchIdx = 2, kBadBlockTable = 3 };
 
 // Most key splits of one row (the host clamps num_splits): the merging block keeps a weight per split and row.
 constexpr int kMaxSplits = 256;
 
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
-
-// Records the first bad value: what (BadValue), where (row, col of the offending array) and the value itself.
-FA2_DEVICE void report_bad_value(int* claim, long long* host, int what, int row, int col, int value) {
-    if (atomicCAS(claim, 0, 1) == 0) {
-        volatile long long* report = host;
-        report[1] = ((long long)row << 32) | (unsigned)col;
-        report[2] = value;
-        __threadfence_system();
-        report[0] = what;  // last: the host reads the rest once it sees this
-    }
-}
 
 FA2_DEVICE bool is_inf(float x) { return x == pos_inf() || x == -pos_inf(); }
 
@@ -141,10 +132,69 @@ struct CacheIndex {
     FA2_DEVICE bool row_ok(int row) const { return row >= 0 && row < cache_rows; }
 };
 
+// ---------------------------------------------------------------------------------------------------------------
+// Rotary embedding (RoPE) with flash-attn's conventions: position p rotates pair i of the first rotary_dim columns
+// by the angle whose cosine and sine are cos[p, i] and sin[p, i] ((seqlen_ro, rotary_dim / 2) tables in the data
+// type). Interleaved pairs are columns (2i, 2i + 1); GPT-NeoX pairs (not interleaved) are columns (i, i +
+// rotary_dim / 2). Columns from rotary_dim on pass through. fp32 arithmetic, one rounding to the data type.
+struct Rotary {
+    const u16* cos;
+    const u16* sin;
+    int rotary_dim;  // 0: no rotary embedding
+    int seqlen_ro;   // rows of cos / sin: positions must lie below
+    bool interleaved;
+};
+
+template <class Elem>
+FA2_DEVICE float to_float(u16 x) {
+    return unpack2<Elem>(x).x;
+}
+
+// chunk: columns c..c+7 of the head vector that starts at `row` (global memory), already loaded; rotated in place
+// for position pos. A NeoX partner column lives rotary_dim / 2 away, usually in another chunk: read from `row`.
+template <class Elem>
+FA2_DEVICE void rotate_chunk(u32 (&chunk)[4], const u16* row, int c, int pos, const Rotary& rot) {
+    if (c >= rot.rotary_dim) return;
+    const int half = rot.rotary_dim / 2;
+    const u16* cos_row = rot.cos + (i64)pos * half;
+    const u16* sin_row = rot.sin + (i64)pos * half;
+    float x[8], y[8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = unpack2<Elem>(chunk[i]);
+        x[2 * i] = f.x;
+        x[2 * i + 1] = f.y;
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        const int col = c + e;
+        y[e] = x[e];
+        if (col >= rot.rotary_dim) continue;
+        const int i = rot.interleaved ? col / 2 : (col < half ? col : col - half);
+        const float cs = to_float<Elem>(cos_row[i]), sn = to_float<Elem>(sin_row[i]);
+        if (rot.interleaved) {  // c is a multiple of 8, so both columns of a pair are in this chunk
+            if (e & 1)
+                y[e] = x[e - 1] * sn + x[e] * cs;
+            else
+                y[e] = x[e] * cs - x[e + 1] * sn;
+        } else if (col < half) {
+            y[e] = x[e] * cs - to_float<Elem>(row[col + half]) * sn;
+        } else {
+            y[e] = to_float<Elem>(row[i]) * sn + x[e] * cs;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) chunk[i] = Mma<Elem>::pack(y[2 * i], y[2 * i + 1]);
+}
+
 // k_new/v_new: (batch, seqlen_new, nheads_kv, d); caches as in decode_attention. Every block first checks all the
 // index values the call will use (cheap: O(batch + pages in use), from L2) and writes nothing if one is bad, so a
 // rejected call leaves the caches untouched; then the blocks copy 16-byte chunks, grid-stride.
-template <bool Paged>
+// Extras (rotary embedding and/or cache_leftpad; Elem is the data type, for the rotation's arithmetic): also checks
+// each row's left pad (0 <= cache_leftpad[b] <= cache_seqlens[b]) and rotary positions, those of the new keys and
+// the `q_span` positions the query rotation (rotary_q) will use from cache_seqlens[b] on, and rotates the new keys
+// at their slots cache_seqlens[b] + t (flash-attn: the position is the slot, left pad included).
+template <bool Paged, bool Extras = false, class Elem = f16>
 __global__ void __launch_bounds__(256)
     kvcache_append(const u16* __restrict__ k_new, const u16* __restrict__ v_new, u16* __restrict__ k_cache,
                    u16* __restrict__ v_cache, const int* __restrict__ block_table,
@@ -153,7 +203,9 @@ __global__ void __launch_bounds__(256)
                    i64 vn_batch_stride, int vn_row_stride, i64 vn_head_stride, i64 k_batch_stride, int k_row_stride,
                    i64 k_head_stride, i64 v_batch_stride, int v_row_stride, i64 v_head_stride, int batch,
                    int nheads_kv, int headdim, int fixed_seqlen, int seqlen_new, int capacity, int cache_rows,
-                   int page_size, int max_pages) {
+                   int page_size, int max_pages, const u16* __restrict__ rotary_cos,
+                   const u16* __restrict__ rotary_sin, const int* __restrict__ cache_leftpad, int rotary_dim,
+                   int seqlen_ro, int rotary_interleaved, int q_span) {
     const CacheIndex index{block_table, cache_seqlens, cache_batch_idx, fixed_seqlen, seqlen_new,
                            capacity,    cache_rows,    page_size,       max_pages};
     const bool reporter = blockIdx.x == 0;
@@ -167,6 +219,20 @@ __global__ void __launch_bounds__(256)
         if (!Paged && !index.row_ok(index.cache_row(b))) {
             bad = true;
             if (reporter) report_bad_value(error_claim, error_host, kBadCacheBatchIdx, b, 0, index.cache_row(b));
+        }
+        if constexpr (Extras) {
+            if (index.seqlen_ok(len)) {
+                const int pad = cache_leftpad != nullptr ? cache_leftpad[b] : 0;
+                if (pad < 0 || pad > len) {
+                    bad = true;
+                    if (reporter) report_bad_value(error_claim, error_host, kBadCacheLeftpad, b, 0, pad);
+                }
+                const int last = len + max(seqlen_new, q_span) - 1;
+                if (rotary_dim > 0 && last >= seqlen_ro) {
+                    bad = true;
+                    if (reporter) report_bad_value(error_claim, error_host, kBadRotaryPosition, b, 0, last);
+                }
+            }
         }
     }
     if (Paged) {  // every page a row reads or writes, not only the appended ones: the attention reads them all
@@ -185,6 +251,7 @@ __global__ void __launch_bounds__(256)
     }
     if (__syncthreads_or(bad)) return;
 
+    const Rotary rot{rotary_cos, rotary_sin, rotary_dim, seqlen_ro, rotary_interleaved != 0};
     const int chunks_per_row = headdim / 8;
     const i64 chunks = (i64)batch * seqlen_new * nheads_kv * chunks_per_row;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < chunks; i += (i64)gridDim.x * blockDim.x) {
@@ -203,21 +270,62 @@ __global__ void __launch_bounds__(256)
             slot = pos;
         }
         u32 chunk[4];
-        ld_global_v4(k_new + b * kn_batch_stride + (i64)t * kn_row_stride + head * kn_head_stride + c, chunk);
+        const u16* k_row = k_new + b * kn_batch_stride + (i64)t * kn_row_stride + head * kn_head_stride;
+        ld_global_v4(k_row + c, chunk);
+        if constexpr (Extras) rotate_chunk<Elem>(chunk, k_row, c, pos, rot);
         st_global_v4(k_cache + row_base * k_batch_stride + (i64)slot * k_row_stride + head * k_head_stride + c, chunk);
         ld_global_v4(v_new + b * vn_batch_stride + (i64)t * vn_row_stride + head * vn_head_stride + c, chunk);
         st_global_v4(v_cache + row_base * v_batch_stride + (i64)slot * v_row_stride + head * v_head_stride + c, chunk);
     }
 }
 
+// q rotated into q_out, (batch, seqlen_q, nheads, d) contiguous, which the attention then reads: query t of batch
+// row b is at position cache_seqlens[b] + t when `advance` (causal or local attention) and at cache_seqlens[b]
+// otherwise, flash-attn's rule. The values it reads are checked as the attention checks them: a bad one is
+// reported, its rows are written as zeros, and the attention kernel, launched after this one, returns NaN.
+template <class Elem>
+__global__ void __launch_bounds__(256)
+    rotary_q(const u16* __restrict__ q, u16* __restrict__ q_out, const u16* __restrict__ rotary_cos,
+             const u16* __restrict__ rotary_sin, const int* __restrict__ cache_seqlens, int* error_claim,
+             long long* error_host, i64 q_batch_stride, int q_row_stride, i64 q_head_stride, int batch,
+             int seqlen_q, int nheads, int headdim, int fixed_seqlen, int seqlen_new, int capacity, int rotary_dim,
+             int seqlen_ro, int rotary_interleaved, int advance) {
+    const CacheIndex index{nullptr, cache_seqlens, nullptr, fixed_seqlen, seqlen_new, capacity, 0, 0, 0};
+    const Rotary rot{rotary_cos, rotary_sin, rotary_dim, seqlen_ro, rotary_interleaved != 0};
+    const int chunks_per_row = headdim / 8;
+    const i64 chunks = (i64)batch * seqlen_q * nheads * chunks_per_row;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < chunks; i += (i64)gridDim.x * blockDim.x) {
+        const int c = (int)(i % chunks_per_row) * 8;
+        const int head = (int)(i / chunks_per_row % nheads);
+        const int t = (int)(i / ((i64)chunks_per_row * nheads) % seqlen_q);
+        const int b = (int)(i / ((i64)chunks_per_row * nheads * seqlen_q));
+        const int len = index.cached(b), pos = len + (advance ? t : 0);
+        u32 chunk[4] = {0u, 0u, 0u, 0u};
+        if (!index.seqlen_ok(len)) {
+            report_bad_value(error_claim, error_host, kBadCacheSeqlen, b, 0, len);
+        } else if (pos >= seqlen_ro) {
+            report_bad_value(error_claim, error_host, kBadRotaryPosition, b, 0, pos);
+        } else {
+            const u16* row = q + b * q_batch_stride + (i64)t * q_row_stride + head * q_head_stride;
+            ld_global_v4(row + c, chunk);
+            rotate_chunk<Elem>(chunk, row, c, pos, rot);
+        }
+        st_global_v4(q_out + i * 8, chunk);
+    }
+}
+
 // ---------------------------------------------------------------------------------------------------------------
-template <int HeadDim, int BlockN, int Stages, int Warps, bool L2Prefetch, class Elem_, bool Causal, bool Paged>
+// Extras: the sliding window (causal folded in as its right side 0; instantiated with Causal = false), softcap,
+// ALiBi and cache_leftpad, all switched by run-time values; without it the kernel compiles to the plain decode.
+template <int HeadDim, int BlockN, int Stages, int Warps, bool L2Prefetch, class Elem_, bool Causal, bool Paged,
+          bool Extras = false>
 struct DecodeTraits {
     using Elem = Elem_;
     static constexpr bool kL2Prefetch = L2Prefetch;  // cp.async with the L2::256B hint for K/V
     static constexpr int kHeadDim = HeadDim, kBlockN = BlockN, kStages = Stages, kWarps = Warps;
     static constexpr int kThreads = 32 * Warps;
-    static constexpr bool kCausal = Causal, kPaged = Paged;
+    static constexpr bool kCausal = Causal, kPaged = Paged, kExtras = Extras;
+    static_assert(!(Causal && Extras), "with Extras, causal is the window's right side 0");
     using QTile = SmemTile<16, HeadDim>;
     using KVTile = SmemTile<BlockN, HeadDim>;
     static constexpr int kRingBytes = 2 * Stages * KVTile::kBytes;         // K and V ring of one warp
@@ -235,6 +343,10 @@ struct DecodeTraits {
 // (the append kernel has written the new ones). out: (batch, seqlen_q, nheads, d) contiguous; lse_out: (batch,
 // nheads, seqlen_q) or null. With more than one split: partial_out (splits, batch * seqlen_q * nheads, d) fp32,
 // partial_lse (splits, batch * seqlen_q * nheads), arrivals (batch * gridDim.y) int32 zeroed before the launch.
+// Tr::kExtras: alibi_slopes float32 (batch, nheads) with batch stride alibi_batch_stride (0 for (nheads,)) or null;
+// cache_leftpad (batch,) or null (contiguous caches only): row b's keys are slots [cache_leftpad[b], cache_seqlens[b]
+// + seqlen_new); window_left / window_right (kUnlimitedWindow for no limit); softcap (0 for none). The scores become
+// final logits (ScoreMods) and the softmax runs with scale 1.
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     decode_attention(const u16* __restrict__ q, const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
@@ -245,7 +357,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                      i64 q_head_stride, i64 k_batch_stride, int k_row_stride, i64 k_head_stride, i64 v_batch_stride,
                      int v_row_stride, i64 v_head_stride, int batch, int seqlen_q, int nheads, int heads_per_kv,
                      int headdim, int fixed_seqlen, int seqlen_new, int capacity, int cache_rows, int page_size,
-                     int max_pages, float scale, float scale_log2) {
+                     int max_pages, float scale, float scale_log2, const float* __restrict__ alibi_slopes,
+                     i64 alibi_batch_stride, const int* __restrict__ cache_leftpad, int window_left,
+                     int window_right, float softcap) {
     using QTile = typename Tr::QTile;
     using KVTile = typename Tr::KVTile;
     using Mma = fa2::Mma<typename Tr::Elem>;
@@ -280,16 +394,42 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         poisoned = true;
         if (reporter) report_bad_value(error_claim, error_host, kBadCacheBatchIdx, b, 0, cache_row);
     }
-    const int seqlen_k = poisoned ? 0 : cached + seqlen_new;
+    int pad = 0;  // left pad: key j of the row is cache slot pad + j (Extras only; 0 folds away otherwise)
+    if constexpr (Tr::kExtras) {
+        if (cache_leftpad != nullptr && !poisoned) {
+            pad = cache_leftpad[b];
+            if (pad < 0 || pad > cached) {
+                poisoned = true;
+                if (reporter) report_bad_value(error_claim, error_host, kBadCacheLeftpad, b, 0, pad);
+            }
+        }
+    }
+    const int seqlen_k = poisoned ? 0 : cached + seqlen_new - pad;
 
     // This split's keys, whole BlockN tiles except at the end; under the causal mask no row of the block sees
     // keys past the last row's limit. The block's warps take its tiles in turn.
-    const int per_split = ((seqlen_k + num_splits - 1) / num_splits + Tr::kBlockN - 1) / Tr::kBlockN * Tr::kBlockN;
-    const int key_begin = split * per_split;
-    int key_end = min(seqlen_k, key_begin + per_split);
-    if (Tr::kCausal) {
+    int key_begin, key_end;
+    const WindowMask<kMaskWindow> window{seqlen_q, seqlen_k, window_left, window_right};
+    if constexpr (Tr::kExtras) {
+        // Only the keys some row of the block sees, from a tile boundary (paged tiles must start on a multiple of
+        // 16 keys), are split: a small window over a long cache costs a few tiles, not the cache.
+        const int first_query = row0 / heads_per_kv;
         const int last_query = min(seqlen_q - 1, (min(rows, row0 + 16) - 1) / heads_per_kv);
-        key_end = min(key_end, seqlen_k - seqlen_q + last_query + 1);
+        const int lo = window.key_begin(first_query) / Tr::kBlockN * Tr::kBlockN;
+        const int hi = window.key_end(first_query, last_query - first_query + 1);
+        const int span = max(hi - lo, 0);
+        const int per_split = ((span + num_splits - 1) / num_splits + Tr::kBlockN - 1) / Tr::kBlockN * Tr::kBlockN;
+        key_begin = lo + split * per_split;
+        key_end = min(hi, key_begin + per_split);
+    } else {
+        const int per_split =
+            ((seqlen_k + num_splits - 1) / num_splits + Tr::kBlockN - 1) / Tr::kBlockN * Tr::kBlockN;
+        key_begin = split * per_split;
+        key_end = min(seqlen_k, key_begin + per_split);
+        if (Tr::kCausal) {
+            const int last_query = min(seqlen_q - 1, (min(rows, row0 + 16) - 1) / heads_per_kv);
+            key_end = min(key_end, seqlen_k - seqlen_q + last_query + 1);
+        }
     }
     const int n_tiles = key_end > key_begin ? (key_end - key_begin + Tr::kBlockN - 1) / Tr::kBlockN : 0;
     const int my_tiles = n_tiles > warp ? (n_tiles - warp + kW - 1) / kW : 0;
@@ -339,7 +479,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 k_off = page * k_batch_stride + (i64)offset * k_row_stride;
                 v_off = page * v_batch_stride + (i64)offset * v_row_stride;
             } else {
-                const int key = ok ? first + r : 0;
+                const int key = ok ? pad + first + r : 0;
                 k_off = cache_row * k_batch_stride + (i64)key * k_row_stride;
                 v_off = cache_row * v_batch_stride + (i64)key * v_row_stride;
             }
@@ -378,6 +518,19 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     zero_fragments(acc_o);
     OnlineSoftmax<1, kNT> softmax;
     softmax.init();
+    // Extras: each thread's two rows (packed row g and g + 8) belong to their own query heads, so each has its
+    // own ALiBi slope and score modifiers.
+    ScoreMods mods[2];
+    if constexpr (Tr::kExtras) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int packed = row0 + (lane >> 2) + half * 8;
+            const int head = kv_head * heads_per_kv + packed % heads_per_kv;
+            const float slope =
+                alibi_slopes != nullptr && packed < rows ? alibi_slopes[b * alibi_batch_stride + head] : 0.f;
+            mods[half] = make_score_mods(scale, softcap, slope, seqlen_q, seqlen_k);
+        }
+    }
 
     for (int j = 0; j < my_tiles; ++j) {
         cp_async_wait<Tr::kStages - 2>();
@@ -396,23 +549,43 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             [&](u32(&b)[4], int np, int kk) { KVTile::load_b_nk(b, k_slot, np * 16, kk * 16, lane); });
         // Mask keys past this split's end and, under the causal mask, past each row's own query.
         const int first = key_begin + (warp + j * kW) * Tr::kBlockN;
+        if constexpr (Tr::kExtras) {
+            // Final logits (softcap, ALiBi), then the window: a key's distance from the row's diagonal decides.
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int query = (row0 + (lane >> 2) + half * 8) / heads_per_kv;
-            const int limit = Tr::kCausal ? min(key_end, seqlen_k - seqlen_q + query + 1) : key_end;
+            for (int half = 0; half < 2; ++half) {
+                const int query = (row0 + (lane >> 2) + half * 8) / heads_per_kv;
 #pragma unroll
-            for (int nt = 0; nt < kNT; ++nt) {
-                const int key = first + nt * 8 + (lane & 3) * 2;
-                if (key >= limit) s[0][nt][2 * half] = -pos_inf();
-                if (key + 1 >= limit) s[0][nt][2 * half + 1] = -pos_inf();
+                for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int key = first + nt * 8 + (lane & 3) * 2 + e;
+                        const int dist = key - query - window.diag();
+                        float unused;
+                        const float x = mods[half].logit(s[0][nt][2 * half + e], query, key, unused);
+                        s[0][nt][2 * half + e] =
+                            key >= key_end || dist > window_right || dist < -window_left ? -pos_inf() : x;
+                    }
+                }
+            }
+        } else {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int query = (row0 + (lane >> 2) + half * 8) / heads_per_kv;
+                const int limit = Tr::kCausal ? min(key_end, seqlen_k - seqlen_q + query + 1) : key_end;
+#pragma unroll
+                for (int nt = 0; nt < kNT; ++nt) {
+                    const int key = first + nt * 8 + (lane & 3) * 2;
+                    if (key >= limit) s[0][nt][2 * half] = -pos_inf();
+                    if (key + 1 >= limit) s[0][nt][2 * half + 1] = -pos_inf();
+                }
             }
         }
-        softmax.update(s, acc_o, scale_log2);
+        softmax.update(s, acc_o, Tr::kExtras ? kLog2e : scale_log2);
         mma_c_b<typename Tr::Elem, KVTile>(acc_o, s, v_slot, lane);
     }
     cp_async_wait<0>();
     float row_lse[2];
-    softmax.finalize(acc_o, row_lse, scale);
+    softmax.finalize(acc_o, row_lse, Tr::kExtras ? 1.f : scale);
     // Every warp is done with its ring (the barrier), so the rings' memory now holds each warp's result rows.
     poisoned = __syncthreads_or(poisoned || bad_page);
 

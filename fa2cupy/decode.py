@@ -1,6 +1,7 @@
 """Decode kernel family (cuda/decode.cu): split-KV decoding with GQA packing over contiguous or paged caches, and
 the (out, lse) merge (public as merge_attention_states). A plan depends on shapes, strides and options only; the
-interface caches it, so a decode step costs a dictionary look-up and one or two launches."""
+interface caches it, so a decode step costs a dictionary look-up and one to three launches (append, rotary q,
+attention)."""
 
 from __future__ import annotations
 
@@ -22,19 +23,85 @@ def merge_name_expression(parts_dtype: str, out_dtype: str) -> str:
     return f"fa2::merge_states<{_TAGS[parts_dtype]}, {_TAGS[out_dtype]}>"
 
 
+def attention_name_expression(config: configs.DecodeConfig, dtype: str, causal: bool, paged: bool,
+                              extras: bool = False) -> str:
+    """decode_attention's instantiation. ``extras`` (window, softcap, ALiBi, cache_leftpad; causal folded into the
+    window) is DecodeTraits' last template argument, defaulted to false, so the plain names are the table's own."""
+    if not extras:
+        return config.name_expression(dtype, causal, paged)
+    plain = config.name_expression(dtype, False, paged)
+    assert plain.endswith(">>"), plain
+    return plain[:-2] + ", true>>"
+
+
 def instantiations(family: str | None = None) -> list[str]:
-    """Name expressions of every shipped decode-family instantiation (merge kernels are not per arch family)."""
+    """Name expressions of every shipped decode-family instantiation (of one arch family, or all; merge, append and
+    rotary kernels are not per arch family): per table row the plain kernels (causal x paged x dtype) and the Extras
+    ones (paged x dtype)."""
+    extras = {
+        attention_name_expression(config, dtype, False, paged, extras=True)
+        for (fam, _), config in configs.DECODE_TABLE.items()
+        if family is None or fam == family
+        for dtype in configs.DTYPE_TAGS
+        for paged in (False, True)
+    }
     return sorted({merge_name_expression(p, o) for p, o in MERGE_DTYPES}
                   | {append_name_expression(paged) for paged in (False, True)}
-                  | set(configs.decode_instantiations(family)))
+                  | {append_name_expression(paged, dtype) for paged in (False, True) for dtype in configs.DTYPE_TAGS}
+                  | {rotary_name_expression(dtype) for dtype in configs.DTYPE_TAGS}
+                  | set(configs.decode_instantiations(family)) | extras)
+
+
+#: A window side without a limit, as the kernels take it (kUnlimitedWindow in cuda/masks.cuh).
+UNLIMITED_WINDOW = 1 << 30
+
+
+@dataclass(frozen=True)
+class DecodeExtras:
+    """The optional features of a call, validated, as the kernels take them. The default is the plain decode."""
+
+    window_left: int = UNLIMITED_WINDOW  # keys before the diagonal a query sees (UNLIMITED_WINDOW: no limit)
+    window_right: int = UNLIMITED_WINDOW  # keys after it; causal is 0 here
+    softcap: float = 0.0
+    alibi: bool = False  # alibi_slopes given (float32 (batch, nheads) or (nheads,))
+    alibi_batch_stride: int = 0  # elements; 0 for (nheads,)
+    leftpad: bool = False  # cache_leftpad given
+    rotary_dim: int = 0  # 0: no rotary embedding
+    seqlen_ro: int = 0  # rows of rotary_cos / rotary_sin
+    rotary_interleaved: bool = True
+    rotary_advance: bool = False  # query t at position cache_seqlens + t (causal or local), else cache_seqlens
+
+    @property
+    def masked(self) -> bool:
+        return self.window_left != UNLIMITED_WINDOW or self.window_right != UNLIMITED_WINDOW
+
+    @property
+    def plain_causal(self) -> bool:
+        """The window is the causal mask (unlimited, 0), which the plain kernels handle."""
+        return self.window_left == UNLIMITED_WINDOW and self.window_right == 0
+
+    @property
+    def attention(self) -> bool:
+        """Whether the attention needs the Extras kernel (anything but no mask or the causal mask)."""
+        return (self.masked and not self.plain_causal) or self.softcap > 0 or self.alibi or self.leftpad
+
+    @property
+    def append(self) -> bool:
+        """Whether the append needs its Extras kernel (rotating the new keys, checking pads and positions)."""
+        return self.rotary_dim > 0 or self.leftpad
+
+
+PLAIN = DecodeExtras()
 
 
 @dataclass(frozen=True)
 class DecodePlan:
     """Everything a call needs but its pointers and its int cache_seqlens: built once per metadata, cached."""
 
-    attention: build.Launch  # variable slots: the 13 pointers, then fixed_seqlen
-    append: build.Launch | None  # None without new keys; variable slots: the 9 pointers, then fixed_seqlen
+    attention: build.Launch  # variable slots: the 13 pointers, fixed_seqlen, alibi_slopes, cache_leftpad
+    append: build.Launch | None  # None without new keys; variable slots: the 9 pointers, fixed_seqlen, then
+    # rotary_cos, rotary_sin, cache_leftpad
+    rotary: build.Launch | None  # rotates q into a temporary; variable slots: the 7 pointers, then fixed_seqlen
     splits: int
     workspace_floats: int  # arrivals, partial lse, partial out (float32 units); 0 with one split
     arrivals: int
@@ -42,6 +109,8 @@ class DecodePlan:
     partial_out_offset: int
     capacity: int
     seqlen_new: int
+    rotary_span: int = 0  # with rotary: positions rotated from cache_seqlens on (an int one is checked on the host)
+    seqlen_ro: int = 0  # rows of rotary_cos / rotary_sin
     workspaces: dict = field(default_factory=dict, compare=False)  # stream handle -> (array, pointer)
 
     def workspace(self, stream_ptr: int, framework: str, device: int) -> int:
@@ -90,16 +159,25 @@ def _strides(array_strides, item):
 
 def plan_decode(q_shape, strides, dtype: str, *, nheads_kv: int, cache_rows: int, capacity: int, page_size: int,
                 max_pages: int, seqlen_new: int, max_seqlen_k: int, softmax_scale: float, causal: bool, arch: int,
-                device: int, num_splits: int, item: int, config=None) -> DecodePlan:
+                device: int, num_splits: int, item: int, config=None, extras: DecodeExtras = PLAIN) -> DecodePlan:
     """The launches of one flash_attn_with_kvcache call. ``strides`` maps q, k_cache, v_cache (and k, v when
     appending) to byte strides; ``page_size`` 0 means a contiguous cache; ``max_seqlen_k`` bounds the keys per row
-    (for the split count); ``num_splits`` 0 chooses."""
+    (for the split count); ``num_splits`` 0 chooses. ``extras``: the optional features; with them ``causal`` must
+    already be folded into ``extras.window_right`` (0)."""
     batch, seqlen_q, nheads, headdim = q_shape
     group = nheads // nheads_kv
     paged = page_size > 0
     if config is None:
         config = configs.decode_config(arch, headdim)
-    function = build.get_kernel("decode", config.name_expression(dtype, causal, paged), config.smem_bytes)
+    use_extras = extras.attention
+    if extras.masked and not use_extras:  # the window is the causal mask: the plain causal kernel
+        causal = True
+    if use_extras:
+        causal = False
+    name = attention_name_expression(config, dtype, causal, paged, use_extras)
+    function = build.get_kernel("decode", name, config.smem_bytes)
+    if extras.window_left != UNLIMITED_WINDOW:  # a row sees at most left + 1 + right keys: split only those
+        max_seqlen_k = min(max_seqlen_k, extras.window_left + seqlen_q + min(extras.window_right, max_seqlen_k))
     row_blocks = -(-seqlen_q * group // 16)
     blocks = batch * nheads_kv * row_blocks
     splits = min(num_splits, configs.MAX_DECODE_SPLITS) or choose_num_splits(
@@ -113,15 +191,23 @@ def plan_decode(q_shape, strides, dtype: str, *, nheads_kv: int, cache_rows: int
     else:
         arrivals = lse_offset = out_offset = workspace = 0
     pointer = np.uint64(0)  # placeholder of a per-call pointer slot
-    args = (pointer,) * 13 + _strides(strides["q"], item) + _strides(strides["k_cache"], item) \
+    # With rotary, the attention reads the rotated copy of q, contiguous.
+    q_strides = (seqlen_q * nheads * headdim * item, nheads * headdim * item, headdim * item, item) \
+        if extras.rotary_dim else strides["q"]
+    args = (pointer,) * 13 + _strides(q_strides, item) + _strides(strides["k_cache"], item) \
         + _strides(strides["v_cache"], item)
     args += (np.int32(batch), np.int32(seqlen_q), np.int32(nheads), np.int32(group), np.int32(headdim))
     seqlen_slot = len(args)
     index = (np.int32(0), np.int32(seqlen_new), np.int32(capacity), np.int32(cache_rows), np.int32(page_size),
              np.int32(max_pages))  # fixed_seqlen (per call), then the rest
     args += index + (np.float32(softmax_scale), np.float32(softmax_scale * _LOG2E))
+    extra_slot = len(args)  # alibi_slopes, then cache_leftpad two slots later (per-call pointers)
+    args += (pointer, np.int64(extras.alibi_batch_stride), pointer, np.int32(extras.window_left),
+             np.int32(extras.window_right), np.float32(extras.softcap))
     attention = build.Launch(function, (splits, nheads_kv * row_blocks, batch), (config.threads, 1, 1),
-                             config.smem_bytes, args, tuple(range(13)) + (seqlen_slot,))
+                             config.smem_bytes, args, tuple(range(13)) + (seqlen_slot, extra_slot, extra_slot + 2))
+    q_span = (seqlen_q if extras.rotary_advance else 1) if extras.rotary_dim else 0
+    rotary_args = (np.int32(extras.rotary_dim), np.int32(extras.seqlen_ro), np.int32(extras.rotary_interleaved))
     append = None
     if seqlen_new:
         chunks = batch * seqlen_new * nheads_kv * headdim // 8
@@ -129,32 +215,67 @@ def plan_decode(q_shape, strides, dtype: str, *, nheads_kv: int, cache_rows: int
         for name in ("k", "v", "k_cache", "v_cache"):
             args += _strides(strides[name], item)
         args += (np.int32(batch), np.int32(nheads_kv), np.int32(headdim))
-        append = build.Launch(build.get_kernel("decode", append_name_expression(paged), 0),
-                              (max(1, min(-(-chunks // 1024), 64)), 1, 1), (256, 1, 1), 0, args + index,
-                              tuple(range(9)) + (len(args),))
-    return DecodePlan(attention, append, splits, workspace, arrivals, lse_offset, out_offset, capacity, seqlen_new)
+        seqlen_slot = len(args)
+        args += index
+        extra_slot = len(args)
+        args += (pointer,) * 3 + rotary_args + (np.int32(q_span),)
+        append_name = append_name_expression(paged, dtype if extras.append else None)
+        append = build.Launch(build.get_kernel("decode", append_name, 0),
+                              (max(1, min(-(-chunks // 1024), 64)), 1, 1), (256, 1, 1), 0, args,
+                              tuple(range(9)) + (seqlen_slot, extra_slot, extra_slot + 1, extra_slot + 2))
+    rotary = None
+    if extras.rotary_dim:
+        chunks = batch * seqlen_q * nheads * headdim // 8
+        args = (pointer,) * 7 + _strides(strides["q"], item)
+        args += (np.int32(batch), np.int32(seqlen_q), np.int32(nheads), np.int32(headdim))
+        seqlen_slot = len(args)
+        args += (np.int32(0), np.int32(seqlen_new), np.int32(capacity)) + rotary_args
+        args += (np.int32(extras.rotary_advance),)
+        rotary = build.Launch(build.get_kernel("decode", rotary_name_expression(dtype), 0),
+                              (max(1, min(-(-chunks // 256), 132)), 1, 1), (256, 1, 1), 0, args,
+                              tuple(range(7)) + (seqlen_slot,))
+    rotary_span = max(seqlen_new, q_span) if extras.rotary_dim else 0
+    return DecodePlan(attention, append, rotary, splits, workspace, arrivals, lse_offset, out_offset, capacity,
+                      seqlen_new, rotary_span, extras.seqlen_ro)
 
 
-def append_name_expression(paged: bool) -> str:
-    return f"fa2::kvcache_append<{str(bool(paged)).lower()}>"
+def append_name_expression(paged: bool, extras_dtype: str | None = None) -> str:
+    """kvcache_append's instantiation: plain, or with the Extras (rotary keys, left-pad checks) for one dtype."""
+    if extras_dtype is None:
+        return f"fa2::kvcache_append<{str(bool(paged)).lower()}>"
+    return f"fa2::kvcache_append<{str(bool(paged)).lower()}, true, {configs.DTYPE_TAGS[extras_dtype]}>"
+
+
+def rotary_name_expression(dtype: str) -> str:
+    return f"fa2::rotary_q<{configs.DTYPE_TAGS[dtype]}>"
+
+
+#: The per-call device pointers run_decode takes, in order (0 for an absent one).
+INPUTS = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "cache_batch_idx", "block_table", "rotary_cos",
+          "rotary_sin", "cache_leftpad", "alibi_slopes")
 
 
 def run_decode(plan: DecodePlan, inputs, out: int, lse: int, fixed_seqlen: int, stream_ptr: int, workspace: int,
-               errors: tuple) -> None:
-    """Launches a plan on the stream ``stream_ptr``. ``inputs``: device pointers of q, k_cache, v_cache, k, v,
-    cache_seqlens, cache_batch_idx, block_table (0 for an absent one); ``out``/``lse`` (lse 0: not wanted);
-    ``fixed_seqlen`` the int cache_seqlens (used when the cache_seqlens pointer is 0); ``workspace`` from
-    :meth:`DecodePlan.workspace`; ``errors`` the (claim, report) pointers of fa2cupy.device_errors."""
-    q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table = inputs
+               errors: tuple, q_rotated: int = 0) -> None:
+    """Launches a plan on the stream ``stream_ptr``. ``inputs``: device pointers in :data:`INPUTS` order (the first
+    8 are enough without extras); ``out``/``lse`` (lse 0: not wanted); ``fixed_seqlen`` the int cache_seqlens
+    (used when the cache_seqlens pointer is 0); ``workspace`` from :meth:`DecodePlan.workspace`; ``errors`` the
+    (claim, report) pointers of fa2cupy.device_errors; ``q_rotated``: with rotary, a (batch, seqlen_q, nheads, d)
+    contiguous buffer of q's dtype that receives the rotated q, which the attention then reads."""
+    q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table = inputs[:8]
+    cos, sin, leftpad, slopes = tuple(inputs[8:]) + (0,) * (12 - len(inputs))
     index = (block_table, cache_seqlens, cache_batch_idx)
     if plan.append is not None:
-        plan.append(stream_ptr, (k, v, k_cache, v_cache) + index + errors + (fixed_seqlen,))
+        plan.append(stream_ptr, (k, v, k_cache, v_cache) + index + errors + (fixed_seqlen, cos, sin, leftpad))
+    if plan.rotary is not None:
+        plan.rotary(stream_ptr, (q, q_rotated, cos, sin, cache_seqlens) + errors + (fixed_seqlen,))
+        q = q_rotated
     if workspace:
         partial_lse, partial_out = workspace + 4 * plan.partial_lse_offset, workspace + 4 * plan.partial_out_offset
     else:
         partial_lse = partial_out = 0
     plan.attention(stream_ptr, (q, k_cache, v_cache) + index + (out, lse, partial_out, partial_lse, workspace)
-                   + errors + (fixed_seqlen,))
+                   + errors + (fixed_seqlen, slopes, leftpad))
 
 
 def _memset_async(ptr: int, value: int, nbytes: int, stream_ptr: int) -> None:

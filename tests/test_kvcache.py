@@ -11,8 +11,14 @@ What is checked (flash-attn 2.x semantics):
   (unused slots, unused pages, other cache rows) is bitwise unchanged.
 * paged and contiguous layouts of the same logical cache give bitwise-identical out for one ``num_splits``;
   different ``num_splits`` agree within the error bound.
-* bad arguments raise TypeError/ValueError naming the argument, unbuilt features NotImplementedError naming
-  the feature, and in both cases the caches are left untouched.
+* bad arguments raise TypeError/ValueError naming the argument, and the caches are left untouched.
+* the optional features, each against the same float64 reference: sliding windows (rows that see no key
+  included; a small window over a long cache must be cheap), softcap, ALiBi ((nheads,) and (batch, nheads)),
+  cache_leftpad (row b's keys are slots [cache_leftpad[b], cache_seqlens[b] + seqlen_new)) and rotary embeddings
+  (the new keys are stored rotated at their slots, within one rounding of the float64 rotation; q is rotated at
+  cache_seqlens[b] + t under a causal or local mask, else at cache_seqlens[b]; the caller's q and k are never
+  modified). With features the attention reference reads the cache as the kernels left it (after checking it),
+  so a rotated key's rounding is not counted twice.
 
 Error bound for out: 4u * max|v| + 1e-6 with u the unit roundoff (fp16 2^-11, bf16 2^-8), max|v| over the
 values that row attends to; see tests/test_forward_gpu.py for the derivation (a split-K combine adds one more
@@ -30,7 +36,7 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
-from fa2cupy.reference import attention_ref
+from fa2cupy.reference import apply_rotary_ref, attention_ref
 from gpu_helpers import UNIT_ROUNDOFF, cupy_module as _cupy, debug_poison, np_dtype as _np_dtype
 
 pytestmark = pytest.mark.gpu
@@ -618,16 +624,429 @@ def test_shape_and_dtype_errors():
         _assert_rejected(exc, match, dict(args, **change))
 
 
-def test_unimplemented_features():
+# ------------------------------------------------------------------ window, softcap, ALiBi, leftpad, rotary
+
+
+def _effective_window(window, causal, capacity):
+    """flash-attn's normalisation: causal sets the right side to 0; a side of at least the capacity is no limit."""
+    left, right = (int(w) for w in window)
+    if causal:
+        right = 0
+    return (-1 if left >= capacity else left), (-1 if right >= capacity else right)
+
+
+def make_features(rng, case, *, window=(-1, -1), softcap=0.0, alibi=None, leftpad=None, rotary_dim=0,
+                  interleaved=True, seqlen_ro=None):
+    """Host arrays of the optional arguments. alibi: None, "heads" ((nheads,) slopes) or "batch" ((batch,
+    nheads)); leftpad: None, "random" (each in [0, cache_seqlens[b]]) or a list; rotary_dim 0 means none
+    (seqlen_ro defaults to capacity + seqlen_q, enough for every q position)."""
+    batch, seqlen_q, nheads = case["q"].shape[:3]
+    f = dict(window=tuple(window), softcap=float(softcap), alibi=None, leftpad=None, rotary=None)
+    if alibi == "heads":
+        f["alibi"] = rng.uniform(0.0, 0.3, nheads).astype(np.float32)
+    elif alibi == "batch":
+        f["alibi"] = rng.uniform(0.0, 0.3, (batch, nheads)).astype(np.float32)
+    if leftpad is not None:
+        pads = [int(rng.integers(0, s + 1)) for s in case["seqlens"]] if leftpad == "random" else leftpad
+        f["leftpad"] = np.asarray(pads, dtype=np.int32)
+    if rotary_dim:
+        rows = seqlen_ro or case["capacity"] + seqlen_q
+        angle = rng.uniform(0.0, 2 * np.pi, (rows, rotary_dim // 2))
+        dt = _np_dtype(case["dtype"])
+        f["rotary"] = dict(cos=np.cos(angle).astype(dt), sin=np.sin(angle).astype(dt), interleaved=interleaved)
+    return f
+
+
+def rotary_positions(case, f, causal):
+    """(q positions (batch, seqlen_q), new-key positions (batch, seqlen_new)): flash-attn's rule."""
+    left, right = _effective_window(f["window"], causal, case["capacity"])
+    seqlen_q, n = case["q"].shape[1], case["seqlen_new"]
+    s = case["seqlens"].astype(np.int64)[:, None]
+    q_pos = s + (np.arange(seqlen_q)[None] if left >= 0 or right >= 0 else 0) + np.zeros((1, seqlen_q), np.int64)
+    return q_pos, s + np.arange(n)[None]
+
+
+def _round(x, dtype):
+    return x.astype(_np_dtype(dtype)).astype(np.float64)
+
+
+def call_features(case, f, *, causal=False, num_splits=0, softmax_scale=None, return_lse=True,
+                  seqlens_form="array"):
+    """Like call(), with the features of ``f``; also checks that the caller's q and k were not modified."""
     cp = _cupy()
-    args = _valid_args()
-    cos = cp.ones((64, 32), dtype=cp.float16)
+    paged = case["block_table"] is not None
+    k_cache = cp.asarray(case["phys_k"] if paged else case["logical_k"])
+    v_cache = cp.asarray(case["phys_v"] if paged else case["logical_v"])
+    seqlens = case["seqlens"]
+    cache_seqlens = cp.asarray(seqlens) if seqlens_form == "array" else int(seqlens[0])
+    kwargs = dict(cache_seqlens=cache_seqlens, softmax_scale=softmax_scale, causal=causal, window_size=f["window"],
+                  softcap=f["softcap"], num_splits=num_splits, return_softmax_lse=return_lse)
+    if case["seqlen_new"]:
+        kwargs.update(k=cp.asarray(case["k_new"]), v=cp.asarray(case["v_new"]))
+    if case["cache_batch_idx"] is not None:
+        kwargs["cache_batch_idx"] = cp.asarray(case["cache_batch_idx"])
+    if paged:
+        kwargs["block_table"] = cp.asarray(case["block_table"])
+    if f["alibi"] is not None:
+        kwargs["alibi_slopes"] = cp.asarray(f["alibi"])
+    if f["leftpad"] is not None:
+        kwargs["cache_leftpad"] = cp.asarray(f["leftpad"])
+    if f["rotary"] is not None:
+        kwargs.update(rotary_cos=cp.asarray(f["rotary"]["cos"]), rotary_sin=cp.asarray(f["rotary"]["sin"]),
+                      rotary_interleaved=f["rotary"]["interleaved"])
+    q = cp.asarray(case["q"])
+    res = _kvcache()(q, k_cache, v_cache, **kwargs)
+    out, lse = res if return_lse else (res, None)
+    cp.cuda.runtime.deviceSynchronize()
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert np.array_equal(_bits(cp.asnumpy(q)), _bits(case["q"])), "q was modified"
+    if case["seqlen_new"]:
+        assert np.array_equal(_bits(cp.asnumpy(kwargs["k"])), _bits(case["k_new"])), "k was modified"
+    return out, lse, k_cache, v_cache
+
+
+def _append_slot(case, b, t):
+    """Physical index (cache row or page, slot) of the t-th appended key of batch row b."""
+    pos = int(case["seqlens"][b]) + t
+    if case["block_table"] is None:
+        return cache_row(case, b), pos
+    ps = case["page_size"]
+    return int(case["block_table"][b, pos // ps]), pos % ps
+
+
+def check_cache_features(case, f, causal, k_cache, v_cache):
+    """v_cache bitwise as expected_after(); k_cache too, except the rotated columns of the appended keys, which
+    must lie within one rounding (of the dtype, plus fp32 arithmetic) of the float64 rotation of k."""
+    cp = _cupy()
+    if f["rotary"] is None or case["seqlen_new"] == 0:
+        check_cache(case, k_cache, v_cache)
+        return
+    rot = f["rotary"]
+    _, k_pos = rotary_positions(case, f, causal)
+    k_rot = apply_rotary_ref(case["k_new"], rot["cos"], rot["sin"], k_pos, rot["interleaved"])
+    rounded = k_rot.astype(_np_dtype(case["dtype"]))
+    lk, lv, pk, pv = expected_after(dict(case, k_new=rounded))
+    want_k, want_v = (pk, pv) if case["block_table"] is not None else (lk, lv)
+    got_k, got_v = cp.asnumpy(k_cache), cp.asnumpy(v_cache)
+    assert np.array_equal(_bits(got_v), _bits(want_v)), "v_cache differs from the expected post-append state"
+    rotary_dim = 2 * rot["cos"].shape[1]
+    allowed = np.zeros(got_k.shape, dtype=bool)
+    ref = want_k.astype(np.float64)
+    for b in range(case["batch"]):
+        for t in range(case["seqlen_new"]):
+            where = _append_slot(case, b, t)
+            allowed[where][..., :rotary_dim] = True
+            ref[where] = k_rot[b, t]
+    differs = _bits(got_k) != _bits(want_k)
+    assert not (differs & ~allowed).any(), \
+        f"k_cache differs outside the rotated columns at {np.argwhere(differs & ~allowed)[:8].tolist()}"
+    u = UNIT_ROUNDOFF[case["dtype"]]
+    tol = u * np.abs(ref) + 2.0**-22 * float(np.abs(case["k_new"].astype(np.float64)).max()) + 2.0**-24
+    err = np.abs(got_k.astype(np.float64) - ref)
+    bad = allowed & (err > tol)
+    assert not bad.any(), f"rotated keys off by more than one rounding at {np.argwhere(bad)[:8].tolist()}"
+
+
+def _logical(case, phys):
+    if case["block_table"] is None:
+        return phys
+    table = case["block_table"]
+    gathered = phys[table]  # (batch, max_pages, page_size, hkv, d)
+    return gathered.reshape(table.shape[0], -1, *phys.shape[2:])
+
+
+def check_outputs_features(case, f, out, lse, k_cache, v_cache, softmax_scale, causal):
+    """out/lse against attention_ref per batch row, over that row's keys as the call left them in the cache."""
+    cp = _cupy()
+    lk, lv = _logical(case, cp.asnumpy(k_cache)), _logical(case, cp.asnumpy(v_cache))
+    out_h = cp.asnumpy(out).astype(np.float64)
+    lse_h = None if lse is None else cp.asnumpy(lse).astype(np.float64)
+    assert not np.isnan(out_h).any(), "out has NaN"
+    window = _effective_window(f["window"], causal, case["capacity"])
+    q = case["q"].astype(np.float64)
+    if f["rotary"] is not None:
+        rot = f["rotary"]
+        q_pos, _ = rotary_positions(case, f, causal)
+        q = _round(apply_rotary_ref(case["q"], rot["cos"], rot["sin"], q_pos, rot["interleaved"]), case["dtype"])
+    u = UNIT_ROUNDOFF[case["dtype"]]
+    for b in range(case["batch"]):
+        row = b if case["block_table"] is not None else cache_row(case, b)
+        pad = 0 if f["leftpad"] is None else int(f["leftpad"][b])
+        end = int(case["seqlens"][b]) + case["seqlen_new"]
+        if end - pad == 0:
+            assert np.all(out_h[b] == 0.0), f"row {b} has no key: out must be exactly 0"
+            if lse_h is not None:
+                assert np.all(lse_h[b] == np.inf), f"row {b} has no key: lse must be +inf"
+            continue
+        k_rows, v_rows = lk[row:row + 1, pad:end], lv[row:row + 1, pad:end]
+        slopes = f["alibi"] if f["alibi"] is None or f["alibi"].ndim == 1 else f["alibi"][b:b + 1]
+        ref_out, ref_lse = attention_ref(q[b:b + 1], k_rows, v_rows, softmax_scale, causal, window, f["softcap"],
+                                         slopes)
+        ref_out, ref_lse = ref_out[0], ref_lse[0]
+        tol = 4 * u * float(np.abs(v_rows.astype(np.float64)).max()) + 1e-6
+        err = np.abs(out_h[b] - ref_out)
+        worst = np.unravel_index(int(np.argmax(err)), err.shape)
+        _note(f"row {b}: keys [{pad}, {end}), max|out-ref|={err.max():.3e} at {worst}, tol={tol:.3e}")
+        assert err.max() <= tol, f"row {b} (keys [{pad}, {end})): max|out-ref| = {err.max():.3e} at {worst} > {tol:.3e}"
+        dead = np.isinf(ref_lse)  # (h, sq): queries whose window holds no key
+        if dead.any():
+            assert np.all(out_h[b][dead.T] == 0.0), f"row {b}: queries that see no key must give exactly 0"
+        if lse_h is not None:
+            assert not np.isnan(lse_h[b]).any(), "lse has NaN"
+            assert np.all(lse_h[b][dead] == np.inf), f"row {b}: queries that see no key must have lse +inf"
+            live = ~dead
+            lerr = np.abs(lse_h[b][live] - ref_lse[live])
+            assert np.all(lerr <= 1e-3 * (1 + np.abs(ref_lse[live]))), f"row {b}: max|lse-ref| = {lerr.max():.3e}"
+
+
+def run_features(case, f, **kw):
+    out, lse, k_cache, v_cache = call_features(case, f, **kw)
+    check_cache_features(case, f, kw.get("causal", False), k_cache, v_cache)
+    check_outputs_features(case, f, out, lse, k_cache, v_cache, kw.get("softmax_scale"), kw.get("causal", False))
+    return out, lse
+
+
+@st.composite
+def feature_cases(draw):
+    c = draw(kv_cases())
+    paged = c["page_size"] is not None
+    window = draw(st.one_of(st.sampled_from([(-1, -1), (0, 0), (3, 0), (16, -1), (-1, 2), (40, 5), (-1, 0)]),
+                            st.tuples(st.integers(-1, 700), st.integers(-1, 20))))
+    rotary_dim = draw(st.sampled_from([0, 0, 2, 16, 32, 40, c["headdim"]]))
+    c.update(window=window, softcap=draw(st.sampled_from([0.0, 0.0, 5.0, 30.0])),
+             alibi=draw(st.sampled_from([None, None, "heads", "batch"])),
+             leftpad=None if paged else draw(st.sampled_from([None, "random", "random"])),
+             rotary_dim=rotary_dim if rotary_dim <= c["headdim"] else 0, interleaved=draw(st.booleans()))
+    return c
+
+
+@settings(max_examples=30)
+@given(feature_cases())
+def test_features_match_reference(c):
+    note(repr(c))
+    rng = np.random.default_rng(c["seed"])
+    case = build_case(
+        rng, batch=c["batch"], seqlen_q=c["seqlen_q"], nheads=c["nheads"], nheads_kv=c["nheads_kv"],
+        headdim=c["headdim"], dtype=c["dtype"], capacity=c["capacity"], seqlens=c["seqlens"],
+        seqlen_new=c["seqlen_new"], page_size=c["page_size"], use_batch_idx=c["use_batch_idx"],
+        extra_pages=c["extra_pages"],
+    )
+    f = make_features(rng, case, window=c["window"], softcap=c["softcap"], alibi=c["alibi"], leftpad=c["leftpad"],
+                      rotary_dim=c["rotary_dim"], interleaved=c["interleaved"])
+    run_features(case, f, causal=c["causal"], num_splits=c["num_splits"], softmax_scale=c["softmax_scale"],
+                 return_lse=c["return_lse"])
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("window,causal", [
+    ((0, 0), False),  # each query sees one key; with seqlen_q > keys, the first queries see none
+    ((2, 0), True), ((5, 3), False), ((-1, 0), False), ((0, -1), False), ((1000, 1000), False), ((40, 0), True),
+])
+def test_windows(dtype, paged, window, causal):
+    rng = np.random.default_rng(len(window) + window[0] + 7 * causal)
+    case = build_case(rng, batch=4, seqlen_q=8, nheads=8, nheads_kv=2, headdim=128, dtype=dtype, capacity=320,
+                      seqlens=[0, 3, 150, 318], seqlen_new=2, page_size=32 if paged else None)
+    f = make_features(rng, case, window=window)
+    for splits in (1, 3):
+        run_features(case, f, causal=causal, num_splits=splits)
+
+
+def test_small_window_over_a_long_cache_is_cheap(monkeypatch):
+    # 4 x 64k keys (1 GB of K/V), a 256-key window: the kernel reads a few tiles per row, not the cache. Ten calls
+    # back to back between the events (cached dispatch, no output poisoning), so the full attention is GPU-bound.
+    import fa2cupy.forward
+
+    monkeypatch.setattr(fa2cupy.forward, "_debug_poison", False)
+    cp = _cupy()
+    rng = np.random.default_rng(8)
+    b, h, hkv, d, capacity, window = 4, 32, 8, 128, 65536, 256
+    k_cache = cp.asarray(_randn(rng, (b, capacity, hkv, d), "bfloat16"))
+    v_cache = cp.asarray(_randn(rng, (b, capacity, hkv, d), "bfloat16"))
+    q = cp.asarray(_randn(rng, (b, 1, h, d), "bfloat16"))
+    lens = cp.asarray([capacity, capacity - 1000, 300, 5], dtype=cp.int32)
+
+    def median_ms(**kw):
+        _kvcache()(q, k_cache, v_cache, cache_seqlens=lens, **kw)  # compile, warm up, cache the plan
+        times = []
+        for _ in range(7):
+            start, stop = cp.cuda.Event(), cp.cuda.Event()
+            start.record()
+            for _ in range(10):
+                _kvcache()(q, k_cache, v_cache, cache_seqlens=lens, **kw)
+            stop.record()
+            stop.synchronize()
+            times.append(cp.cuda.get_elapsed_time(start, stop) / 10)
+        return float(np.median(times))
+
+    full, windowed = median_ms(causal=True), median_ms(causal=True, window_size=(window, 0))
+    print(f"decode over 4 x 64k keys: full causal {full:.3f} ms, (256, 0) window {windowed:.3f} ms")
+    assert windowed < 0.25 * full, f"a 256-key window over 64k keys took {windowed:.3f} ms vs {full:.3f} ms full"
+    # And it is right: one query sees the last window + 1 keys of its row, i.e. plain attention over those.
+    out, lse = _kvcache()(q, k_cache, v_cache, cache_seqlens=lens, causal=True, window_size=(window, 0),
+                          return_softmax_lse=True)
+    out_h, lse_h = cp.asnumpy(out).astype(np.float64), cp.asnumpy(lse).astype(np.float64)
+    for row, n in enumerate(cp.asnumpy(lens).tolist()):
+        lo = max(0, n - window - 1)
+        k_rows, v_rows = cp.asnumpy(k_cache[row:row + 1, lo:n]), cp.asnumpy(v_cache[row:row + 1, lo:n])
+        ref_out, ref_lse = attention_ref(cp.asnumpy(q[row:row + 1]), k_rows, v_rows)
+        tol = 4 * UNIT_ROUNDOFF["bfloat16"] * float(np.abs(v_rows.astype(np.float64)).max()) + 1e-6
+        assert np.abs(out_h[row] - ref_out[0]).max() <= tol, row
+        assert np.all(np.abs(lse_h[row] - ref_lse[0]) <= 1e-3 * (1 + np.abs(ref_lse[0]))), row
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("softcap", [0.0, 10.0])
+@pytest.mark.parametrize("alibi", [None, "heads", "batch"])
+@pytest.mark.parametrize("paged", [False, True])
+def test_softcap_and_alibi(dtype, softcap, alibi, paged):
+    if softcap == 0.0 and alibi is None:
+        pytest.skip("the plain decode (tested above)")
+    rng = np.random.default_rng(int(softcap) + len(str(alibi)))
+    case = build_case(rng, batch=3, seqlen_q=4, nheads=16, nheads_kv=4, headdim=64, dtype=dtype, capacity=500,
+                      seqlens=[0, 200, 496], seqlen_new=4, page_size=16 if paged else None)
+    f = make_features(rng, case, softcap=softcap, alibi=alibi)
+    for causal in (False, True):
+        for splits in (0, 1, 5):
+            run_features(case, f, causal=causal, num_splits=splits)
+    # Scores large enough for the cap to bite: q scaled up.
+    case["q"] = (case["q"].astype(np.float32) * 8).astype(_np_dtype(dtype))
+    run_features(case, f, causal=False, num_splits=2)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("use_batch_idx", [False, True])
+@pytest.mark.parametrize("window,causal", [((-1, -1), False), ((-1, -1), True), ((6, 0), False), ((3, 2), True)])
+def test_cache_leftpad(dtype, use_batch_idx, window, causal):
+    rng = np.random.default_rng(5 + use_batch_idx)
+    # Pads: none, some, all the cached keys (only the appended ones remain), and an empty row (pad 0 of 0).
+    case = build_case(rng, batch=5, seqlen_q=3, nheads=8, nheads_kv=2, headdim=96, dtype=dtype, capacity=200,
+                      seqlens=[50, 120, 40, 0, 197], seqlen_new=3, use_batch_idx=use_batch_idx)
+    f = make_features(rng, case, window=window, leftpad=[0, 70, 40, 0, 196], alibi="heads")
+    run_features(case, f, causal=causal, num_splits=3)
+    # Without an append: a row whose pad equals its length has no key at all (out 0, lse +inf).
+    case = build_case(rng, batch=3, seqlen_q=2, nheads=8, nheads_kv=2, headdim=64, dtype=dtype, capacity=100,
+                      seqlens=[30, 30, 99], seqlen_new=0, use_batch_idx=use_batch_idx)
+    f = make_features(rng, case, window=window, leftpad=[30, 5, 0])
+    run_features(case, f, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("headdim,rotary_dim", [(128, 128), (128, 64), (64, 2), (40, 24), (256, 96)])
+@pytest.mark.parametrize("paged", [False, True])
+def test_rotary(dtype, interleaved, headdim, rotary_dim, paged):
+    rng = np.random.default_rng(headdim + rotary_dim + interleaved)
+    for seqlen_q, new, causal, window in ((1, 1, False, (-1, -1)), (4, 4, True, (-1, -1)),
+                                         (24, 24, True, (-1, -1)), (5, 2, False, (-1, -1)),
+                                         (6, 6, False, (10, 0)), (3, 3, False, (700, 700))):
+        case = build_case(rng, batch=3, seqlen_q=seqlen_q, nheads=8, nheads_kv=2, headdim=headdim, dtype=dtype,
+                          capacity=160, seqlens=[0, 17, 160 - max(new, seqlen_q)], seqlen_new=new,
+                          page_size=16 if paged else None)
+        f = make_features(rng, case, window=window, rotary_dim=rotary_dim, interleaved=interleaved,
+                          seqlen_ro=case["capacity"])
+        run_features(case, f, causal=causal, num_splits=2)
+
+
+def test_rotary_with_leftpad_uses_the_slot_as_position():
+    # flash-attn: the new key at slot cache_seqlens[b] + t is rotated at that position, pad included.
+    rng = np.random.default_rng(9)
+    case = build_case(rng, batch=2, seqlen_q=2, nheads=4, nheads_kv=4, headdim=64, dtype="float16", capacity=64,
+                      seqlens=[20, 33], seqlen_new=2)
+    f = make_features(rng, case, leftpad=[7, 30], rotary_dim=64)
+    run_features(case, f, causal=True)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_features_in_a_cached_decode_loop(paged, monkeypatch):
+    # The cached fast path (no output poisoning) replays the plan with its rotary buffer and extra pointers.
+    import fa2cupy.forward
+
+    monkeypatch.setattr(fa2cupy.forward, "_debug_poison", False)
+    cp = _cupy()
+    rng = np.random.default_rng(10)
+    batch, h, hkv, d, dtype = 2, 8, 2, 64, "bfloat16"
+    case = build_case(rng, batch=batch, seqlen_q=1, nheads=h, nheads_kv=hkv, headdim=d, dtype=dtype,
+                      capacity=96, seqlens=[14, 40], seqlen_new=1, page_size=16 if paged else None)
+    f = make_features(rng, case, window=(8, 0), softcap=20.0, alibi="batch", rotary_dim=32, interleaved=False)
+    k_cache = cp.asarray(case["phys_k" if paged else "logical_k"])
+    v_cache = cp.asarray(case["phys_v" if paged else "logical_v"])
+    extra = dict(block_table=cp.asarray(case["block_table"])) if paged else {}
+    rot = f["rotary"]
+    cos, sin, slopes = cp.asarray(rot["cos"]), cp.asarray(rot["sin"]), cp.asarray(f["alibi"])
+    seqlens = case["seqlens"].copy()
+    for _ in range(4):
+        q = _randn(rng, (batch, 1, h, d), dtype)
+        kn, vn = _randn(rng, (batch, 1, hkv, d), dtype), _randn(rng, (batch, 1, hkv, d), dtype)
+        step = dict(case, q=q, k_new=kn, v_new=vn, seqlens=seqlens.copy(), seqlen_new=1)
+        out, lse = _kvcache()(cp.asarray(q), k_cache, v_cache, k=cp.asarray(kn), v=cp.asarray(vn),
+                              cache_seqlens=cp.asarray(seqlens), rotary_cos=cos, rotary_sin=sin,
+                              rotary_interleaved=False, causal=True, window_size=(8, 0), softcap=20.0,
+                              alibi_slopes=slopes, return_softmax_lse=True, **extra)
+        cp.cuda.runtime.deviceSynchronize()
+        check_outputs_features(step, f, out, lse, k_cache, v_cache, None, True)
+        seqlens += 1
+
+
+# ------------------------------------------------------------------ errors of the features (caches untouched)
+
+
+def _feature_args(paged=False):
+    cp = _cupy()
+    args = _valid_args(paged)  # batch 2, seqlen_q 1, 4/2 heads, d 64, capacity 64, append 2, cache_seqlens [3, 40]
+    cos = cp.asarray(np.ones((64, 16), np.float16))
+    return args, cos
+
+
+def test_feature_argument_errors():
+    cp = _cupy()
+    args, cos = _feature_args()
     cases = [
-        (r"(?i)rotary", dict(rotary_cos=cos, rotary_sin=cos)),
-        (r"cache_leftpad", dict(cache_leftpad=cp.zeros(2, dtype=cp.int32))),
-        (r"softcap", dict(softcap=30.0)),
-        (r"(?i)alibi", dict(alibi_slopes=cp.ones(4, dtype=cp.float32))),
-        (r"window", dict(window_size=(8, 0))),
+        (ValueError, "window_size", dict(window_size=(-2, 0))),
+        ((TypeError, ValueError), "window_size", dict(window_size=(1.5, 0))),
+        (ValueError, "softcap", dict(softcap=-1.0)),
+        (TypeError, "alibi_slopes", dict(alibi_slopes=cp.ones(4, dtype=cp.float16))),
+        (ValueError, "alibi_slopes", dict(alibi_slopes=cp.ones(3, dtype=cp.float32))),
+        (ValueError, "alibi_slopes", dict(alibi_slopes=cp.ones((3, 4), dtype=cp.float32))),
+        (ValueError, "cache_leftpad", dict(cache_leftpad=cp.zeros(2, dtype=cp.int64))),
+        (ValueError, "cache_leftpad", dict(cache_leftpad=cp.zeros(3, dtype=cp.int32))),
+        (ValueError, "rotary_sin", dict(rotary_cos=cos)),
+        (TypeError, "rotary_cos", dict(rotary_cos=cos.astype(cp.float32), rotary_sin=cos.astype(cp.float32))),
+        (ValueError, "rotary_dim", dict(rotary_cos=cp.ones((64, 33), cp.float16), rotary_sin=cp.ones((64, 33), cp.float16))),
+        (ValueError, "rotary_cos", dict(rotary_cos=cos[:63], rotary_sin=cos[:63])),  # fewer rows than the capacity
+        (ValueError, "rotary_cos", dict(rotary_cos=cos, rotary_sin=cos[:, :8])),
+        # int cache_seqlens: q (4 tokens, causal) would reach position 60 + 3 = 63 < 64: fine; 61 + 3 = 64 is not.
+        (ValueError, "rotary_cos", dict(rotary_cos=cos, rotary_sin=cos, causal=True, cache_seqlens=61,
+                                        q=cp.asarray(np.ones((2, 4, 4, 64), np.float16)))),
     ]
-    for match, change in cases:
-        _assert_rejected(NotImplementedError, match, dict(args, **change))
+    for exc, match, change in cases:
+        _assert_rejected(exc, match, dict(args, **change))
+    paged_args, _ = _feature_args(paged=True)
+    _assert_rejected(ValueError, r"cache_leftpad.*block_table",
+                     dict(paged_args, cache_leftpad=cp.zeros(2, dtype=cp.int32)))
+
+
+@pytest.mark.parametrize("append", [True, False])
+def test_cache_leftpad_past_cache_seqlens_rejected_on_device(append):
+    cp = _cupy()
+    args, _ = _feature_args()
+    args["cache_leftpad"] = cp.asarray([0, 41], dtype=cp.int32)  # cache_seqlens[1] = 40
+    if not append:
+        del args["k"], args["v"]
+    _assert_rejected_on_device(r"cache_leftpad\[1\] = 41", args, bad_rows=[0, 1] if append else [1])
+    args["cache_leftpad"] = cp.asarray([-1, 0], dtype=cp.int32)
+    _assert_rejected_on_device(r"cache_leftpad\[0\] = -1", args, bad_rows=[0, 1] if append else [0])
+
+
+@pytest.mark.parametrize("append", [True, False])
+def test_rotary_position_past_the_table_rejected_on_device(append):
+    # cos has 64 rows (the capacity); 4 causal queries from cache_seqlens 62 reach position 65.
+    cp = _cupy()
+    args, cos = _feature_args()
+    args.update(q=cp.asarray(np.ones((2, 4, 4, 64), np.float16)), rotary_cos=cos, rotary_sin=cos, causal=True,
+                cache_seqlens=cp.asarray([3, 62], dtype=cp.int32))
+    if append:
+        args.update(k=args["k"][:, :1], v=args["v"][:, :1])
+    else:
+        del args["k"], args["v"]
+    _assert_rejected_on_device(r"cache_seqlens\[1\].*rotary_cos", args, bad_rows=[0, 1])
