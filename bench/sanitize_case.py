@@ -15,7 +15,7 @@ The forward cases run the forward only; BWD_CASES run forward + backward
 ``flash_attn_with_kvcache`` (append, split-KV with the last-block merge, paged and
 contiguous, causal) against ``flash_attn_func`` over each row's keys.
 
-    python3 bench/sanitize_case.py [fwd|bwd|window|varlen|decode ...]    # default: all five groups
+    python3 bench/sanitize_case.py [fwd|bwd|window|varlen|dropout|decode ...]    # default: all six groups
 """
 
 from __future__ import annotations
@@ -182,6 +182,41 @@ def check_varlen(i, lengths, h, hkv, d, causal, window, softcap, alibi, det) -> 
     return bool(ok)
 
 
+# (b, sq, sk, h, hkv, d, causal, dropout_p, deterministic): forward + backward with dropout.
+DROPOUT_CASES = (
+    (1, 70, 90, 2, 1, 64, True, 0.3, False),
+    (2, 33, 33, 2, 2, 128, False, 0.5, True),
+)
+
+
+def check_dropout(i, b, sq, sk, h, hkv, d, causal, p, det) -> bool:
+    """Dropout forward and backward against the reference applying fa2cupy.dropout_mask's mask."""
+    import cupy as cp
+
+    import fa2cupy
+    from fa2cupy import benchmark as B
+    from fa2cupy.reference import attention_ref, attention_ref_backward
+
+    rng = np.random.default_rng(400 + i)
+    q, k, v, dout = (cp.asarray(rng.standard_normal(s, dtype=np.float32)).astype(cp.float16)
+                     for s in ((b, sq, h, d), (b, sk, hkv, d), (b, sk, hkv, d), (b, sq, h, d)))
+    kw = dict(causal=causal, dropout_p=p, dropout_seed=1000 + i, dropout_offset=8)
+    out, lse, _ = fa2cupy.flash_attn_func(q, k, v, return_attn_probs=True, **kw)
+    grads = fa2cupy.flash_attn_backward(dout, q, k, v, out, lse, deterministic=det, **kw)
+    mask = cp.asnumpy(fa2cupy.dropout_mask(b, h, sq, sk, p, 1000 + i, 8))
+    host = [cp.asnumpy(x).astype(np.float64) for x in (q, k, v, dout, out)]
+    ref, _ = attention_ref(*host[:3], causal=causal, dropout_p=p, dropout_mask=mask)
+    ok = np.abs(host[4] - ref).max() <= B.out_bound("fp16", np.abs(ref).max()) / (1 - p)
+    refs = attention_ref_backward(host[3], *host[:3], causal=causal, out=host[4], dropout_p=p, dropout_mask=mask)
+    floor = B.gradient_floor(d ** -0.5 / (1 - p), d, np.abs(host[3]).max(), np.abs(host[2]).max(),
+                             np.abs(host[0]).max())
+    for g, r in zip(grads, refs):
+        ok &= np.abs(cp.asnumpy(g).astype(np.float64) - r).max() <= B.gradient_bound("fp16", np.abs(r).max(), floor)
+    print(f"dropout {i}: b{b} sq{sq} sk{sk} h{h}/{hkv} d{d} causal={causal} p={p} deterministic={det}: "
+          f"{'ok' if ok else 'FAIL'}", flush=True)
+    return bool(ok)
+
+
 def main(groups) -> int:
     ok, msg = cli.probe_gpu()
     if not ok:
@@ -209,6 +244,10 @@ def main(groups) -> int:
         for i, case in enumerate(VARLEN_CASES):
             bad += not check_varlen(i, *case)
             total += 1
+    if "dropout" in groups:
+        for i, case in enumerate(DROPOUT_CASES):
+            bad += not check_dropout(i, *case)
+            total += 1
     if "decode" in groups:
         for i, case in enumerate(DECODE_CASES):
             bad += not check_decode(i, *case)
@@ -219,4 +258,4 @@ def main(groups) -> int:
 
 if __name__ == "__main__":
     np.seterr(all="ignore")
-    sys.exit(main(sys.argv[1:] or ("fwd", "bwd", "window", "varlen", "decode")))
+    sys.exit(main(sys.argv[1:] or ("fwd", "bwd", "window", "varlen", "dropout", "decode")))

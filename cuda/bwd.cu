@@ -126,7 +126,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
              int dk_row_stride, i64 dk_head_stride, i64 dv_batch_stride, int dv_row_stride, i64 dv_head_stride,
              i64 stat_batch_stride, i64 stat_head_stride, int max_seqlen_q, int max_seqlen_k, int nheads, int heads_per_kv,
              int headdim, int window_left, int window_right, float scale, float scale_log2, float softcap,
-             int alibi_batch_stride, int total_q, int total_k, int* error_claim, long long* error_host) {
+             int alibi_batch_stride, u32 dropout_threshold, u32 seed_lo, u32 seed_hi, u32 offset_lo, u32 offset_hi,
+             float dropout_scale, int total_q, int total_k, int* error_claim, long long* error_host) {
     using KVTile = typename Tr::KVTile;
     using QTile = typename Tr::QTile;
     using PTile = typename Tr::PTile;
@@ -154,7 +155,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     __shared__ int seq_info[4];  // this sequence's lengths and first rows, see share_seq_bounds
     share_seq_bounds(seq_info, cu_seqlens_q, cu_seqlens_k, batch, total_q, total_k, error_claim, error_host,
                      max_seqlen_q, max_seqlen_k);
-    const int seqlen_q = seq_info[0], seqlen_k = seq_info[1];
+    // Inside the loop: the kernel parameters for padded calls (no register, no load), shared memory for varlen.
+    const auto sq = [&] { return cu_seqlens_q != nullptr ? seq_info[0] : max_seqlen_q; };
+    const auto sk = [&] { return cu_seqlens_q != nullptr ? seq_info[1] : max_seqlen_k; };
+    const auto q_start = [&] { return cu_seqlens_q != nullptr ? seq_info[2] : 0; };
+    const auto k_start = [&] { return cu_seqlens_q != nullptr ? seq_info[3] : 0; };
+    const int seqlen_q = sq(), seqlen_k = sk();
     if (key0 >= seqlen_k) return;  // varlen: past this sequence's keys (those rows belong to the next one)
     const int col0 = slice * Tr::kSliceD;  // first head-dim column this block accumulates
     const int warp_key0 = (warp / Tr::kWarpsOther) * kKT * 16;            // phase 1
@@ -167,7 +173,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // ALiBi slopes differ per query head: the walk over the group's heads rebuilds the modifiers per head.
     auto mods_of = [&](int head) {
         return make_score_mods(scale, softcap, alibi_slope(alibi_slopes, alibi_batch_stride, batch, head),
-                               seq_info[0], seq_info[1]);
+                               sq(), sk());
     };
     const int m_begin = mask.first_query(key0) / kM;
     const int last_key = min(key0 + Tr::kBlockN, seqlen_k) - 1;
@@ -175,7 +181,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const int n_iters = heads_per_kv * (m_count > 0 ? m_count : 0);
 
     // K_j and V_j: loaded once (Algorithm 2 line 6).
-    const i64 key0_g = seq_info[3] + key0;
+    const i64 key0_g = k_start() + key0;
     KVTile::template load_async<Tr::kThreads>(smem_k, k + batch * k_batch_stride + key0_g * k_row_stride +
                                                           kv_head * k_head_stride,
                                               k_row_stride, seqlen_k - key0, headdim, tid);
@@ -189,20 +195,20 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     auto load_q_tile = [&](int it, int slot) {
         const int head = kv_head * heads_per_kv + it / m_count;
         const int m0 = m_start(it);
-        const i64 m0_g = seq_info[2] + m0;
+        const i64 m0_g = q_start() + m0;
         QTile::template load_async<Tr::kThreads>(
             smem_q + slot * QTile::kBytes, q + batch * q_batch_stride + m0_g * q_row_stride + head * q_head_stride,
-            q_row_stride, seq_info[0] - m0, headdim, tid);
+            q_row_stride, sq() - m0, headdim, tid);
         QTile::template load_async<Tr::kThreads>(
             smem_do + slot * QTile::kBytes,
             dout + batch * do_batch_stride + m0_g * do_row_stride + head * do_head_stride, do_row_stride,
-            seq_info[0] - m0, headdim, tid);
+            sq() - m0, headdim, tid);
         // The row statistics go through plain loads: rows past seqlen_q need lse = +inf (so P = 0), which a
         // zero-filling cp.async cannot produce. The slot is free (all threads passed the barrier after its
         // last use) and the next barrier publishes these stores.
         for (int r = tid; r < kM; r += Tr::kThreads) {
             const i64 stat = batch * stat_batch_stride + head * stat_head_stride + m0_g + r;
-            const bool ok = m0 + r < seq_info[0];
+            const bool ok = m0 + r < sq();
             smem_lse[slot * kM + r] = ok ? lse[stat] * kLog2e : pos_inf();
             smem_dsum[slot * kM + r] = ok ? dsum[stat] : 0.f;
         }
@@ -234,6 +240,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         const int head = kv_head * heads_per_kv + it / m_count;
         const int m0 = m_start(it);
         const ScoreMods mods = Tr::kMods ? mods_of(head) : ScoreMods{};
+        const Dropout dropout = Tr::kMods ? make_dropout(dropout_threshold, seed_lo, seed_hi, offset_lo, offset_hi,
+                                                         batch, nheads, head, dropout_scale)
+                                          : Dropout{};
 
         {  // Phase 1: S^T = K_j Q_i^T and dP^T = V_j dO_i^T (lines 9 and 12) for this warp's keys x queries.
             float st[kKT][kQT][4], dpt[kKT][kQT][4];
@@ -253,19 +262,27 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             // mask.tile_needs_mask(m0, kM, key0, Tr::kBlockN) spelled out on the kernel parameters: ptxas can
             // reload those, while the mask's copies stay live; at d=64 causal that is 12 registers and 5% of the
             // backward's speed (bench/NOTES.md).
-            const WindowMask<Tr::kMask> mask_it{seq_info[0], seq_info[1], window_left, window_right};
+            const WindowMask<Tr::kMask> mask_it{sq(), sk(), window_left, window_right};
             const bool need_mask =
                 key0 + Tr::kBlockN > mask_it.seqlen_k ||
                 (Tr::kMask != kMaskNone && key0 + Tr::kBlockN - 1 > m0 + mask_it.diag() + mask_it.right()) ||
                 (Tr::kMask == kMaskWindow && key0 < m0 + kM - 1 + mask_it.diag() - mask_it.left());
+            const bool drop = Tr::kMods && dropout.on();
 #pragma unroll
             for (int kt = 0; kt < kKT; ++kt) {
+                const int key_lo = key0 + warp_key0 + kt * 16 + (lane >> 2);  // this thread's keys: key_lo, +8
+                u32 rnd[2][4];  // Dropout numbers of query rows q and q + 1 (with q + 8, q + 9), refreshed per n8 pair
 #pragma unroll
                 for (int nt = 0; nt < kQT; ++nt) {
+                    if (drop && nt % 2 == 0) {
+                        const int q = m0 + warp_q0 + nt * 8 + (lane & 3) * 2;
+                        dropout.numbers(rnd[0], q, key_lo & ~1);
+                        dropout.numbers(rnd[1], q + 1, key_lo & ~1);
+                    }
                     float p[4], ds[4];
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        const int key = key0 + warp_key0 + kt * 16 + (lane >> 2) + (e >> 1) * 8;
+                        const int key = key_lo + (e >> 1) * 8;
                         const int qc = warp_q0 + nt * 8 + (lane & 3) * 2 + (e & 1);
                         float dcap = 1.f;  // d logit / d(scale * s): the softcap's 1 - tanh^2
                         if constexpr (Tr::kMods)
@@ -273,8 +290,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                         else
                             p[e] = fast_exp2(st[kt][nt][e] * scale_log2 - lse_s[qc]);
                         if (need_mask && !mask_it.visible(m0 + qc, key)) p[e] = 0.f;
-                        ds[e] = p[e] * (dpt[kt][nt][e] - dsum_s[qc]);
-                        if constexpr (Tr::kMods) ds[e] *= dcap;
+                        if (drop) {
+                            // dV takes the dropped P; dS = P o (Z o dP / (1 - p) - D) (dP of the dropped output).
+                            const bool kept = dropout.keep(rnd[e & 1], (nt & 1) * 4 + (key_lo & 1) + (e >> 1) * 2);
+                            ds[e] = p[e] * ((kept ? dpt[kt][nt][e] * dropout.scale : 0.f) - dsum_s[qc]) * dcap;
+                            p[e] = kept ? p[e] * dropout.scale : 0.f;
+                        } else {
+                            ds[e] = p[e] * (dpt[kt][nt][e] - dsum_s[qc]);
+                            if constexpr (Tr::kMods) ds[e] *= dcap;
+                        }
                     }
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
@@ -333,7 +357,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 }
             }
             float* scratch = smem_dq + warp * 16 * Tr::kDqPitch;
-            float* dq_head = dq_accum + (batch * stat_batch_stride + head * stat_head_stride + seq_info[2]) * headdim;
+            float* dq_head = dq_accum + (batch * stat_batch_stride + head * stat_head_stride + q_start()) * headdim;
             const int col0_w = col0 + col_w * Tr::kDqCols;
 #pragma unroll
             for (int mt = 0; mt < kDqMT; ++mt) {
@@ -354,7 +378,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 for (int i = 0; i < (kChunks + 31) / 32; ++i) {
                     const int idx = lane + i * 32;
                     const int r = idx / (Tr::kDqCols / 4), c = (idx % (Tr::kDqCols / 4)) * 4;
-                    if ((kChunks % 32 == 0 || idx < kChunks) && row0_w + r < seq_info[0] &&
+                    if ((kChunks % 32 == 0 || idx < kChunks) && row0_w + r < sq() &&
                         col0_w + c < col0 + Tr::kSliceD && col0_w + c < headdim) {
                         u32 v4[4];
                         ld_shared_v4(smem_u32(scratch + r * Tr::kDqPitch + c), v4);
@@ -382,12 +406,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 st_shared_u32(KVTile::at(smem_v, r, c), Mma::pack(acc_dv[kt][dt][2 * half], acc_dv[kt][dt][2 * half + 1]));
             }
     __syncthreads();
-    u16* dk_head = dk + batch * dk_batch_stride + (i64)seq_info[3] * dk_row_stride + kv_head * dk_head_stride;
-    u16* dv_head = dv + batch * dv_batch_stride + (i64)seq_info[3] * dv_row_stride + kv_head * dv_head_stride;
+    u16* dk_head = dk + batch * dk_batch_stride + (i64)k_start() * dk_row_stride + kv_head * dk_head_stride;
+    u16* dv_head = dv + batch * dv_batch_stride + (i64)k_start() * dv_row_stride + kv_head * dv_head_stride;
     constexpr int kChunksPerRow = Tr::kSliceD / 8;
     for (int idx = tid; idx < Tr::kBlockN * kChunksPerRow; idx += Tr::kThreads) {
         const int r = idx / kChunksPerRow, c = col0 + (idx % kChunksPerRow) * 8;
-        if (key0 + r < seq_info[1] && c < headdim) {
+        if (key0 + r < sk() && c < headdim) {
             u32 chunk[4];
             ld_shared_v4(KVTile::at(smem_k, r, c), chunk);
             st_global_v4(dk_head + (i64)(key0 + r) * dk_row_stride + c, chunk);
@@ -424,7 +448,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
            i64 v_head_stride, i64 do_batch_stride, int do_row_stride, i64 do_head_stride, i64 dq_batch_stride,
            int dq_row_stride, i64 dq_head_stride, i64 stat_batch_stride, i64 stat_head_stride, int max_seqlen_q,
            int max_seqlen_k, int nheads, int heads_per_kv, int headdim, int window_left, int window_right, float scale,
-           float scale_log2, float softcap, int alibi_batch_stride, int total_q, int total_k, int* error_claim,
+           float scale_log2, float softcap, int alibi_batch_stride, u32 dropout_threshold, u32 seed_lo, u32 seed_hi,
+           u32 offset_lo, u32 offset_hi, float dropout_scale, int total_q, int total_k, int* error_claim,
            long long* error_host) {
     using QTile = typename Tr::QTile;
     using KVTile = typename Tr::KVTile;
@@ -444,22 +469,30 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     __shared__ int seq_info[4];  // this sequence's lengths and first rows, see share_seq_bounds
     share_seq_bounds(seq_info, cu_seqlens_q, cu_seqlens_k, batch, total_q, total_k, error_claim, error_host,
                      max_seqlen_q, max_seqlen_k);
-    const int seqlen_q = seq_info[0], seqlen_k = seq_info[1];
+    // Inside the loop: the kernel parameters for padded calls (no register, no load), shared memory for varlen.
+    const auto sq = [&] { return cu_seqlens_q != nullptr ? seq_info[0] : max_seqlen_q; };
+    const auto sk = [&] { return cu_seqlens_q != nullptr ? seq_info[1] : max_seqlen_k; };
+    const auto q_start = [&] { return cu_seqlens_q != nullptr ? seq_info[2] : 0; };
+    const auto k_start = [&] { return cu_seqlens_q != nullptr ? seq_info[3] : 0; };
+    const int seqlen_q = sq(), seqlen_k = sk();
     if (row0 >= seqlen_q) return;  // varlen: past this sequence's queries
-    const u16* k_head = k + batch * k_batch_stride + (i64)seq_info[3] * k_row_stride + kv_head * k_head_stride;
-    const u16* v_head = v + batch * v_batch_stride + (i64)seq_info[3] * v_row_stride + kv_head * v_head_stride;
-    const i64 row0_g = seq_info[2] + row0;
+    const u16* k_head = k + batch * k_batch_stride + (i64)k_start() * k_row_stride + kv_head * k_head_stride;
+    const u16* v_head = v + batch * v_batch_stride + (i64)k_start() * v_row_stride + kv_head * v_head_stride;
+    const i64 row0_g = q_start() + row0;
 
     const WindowMask<Tr::kMask> mask{seqlen_q, seqlen_k, window_left, window_right};
     const ScoreMods mods = Tr::kMods ? make_score_mods(scale, softcap, alibi_slope(alibi_slopes, alibi_batch_stride,
                                                                               batch, head), seqlen_q, seqlen_k)
                                      : ScoreMods{};
+    const Dropout dropout = Tr::kMods ? make_dropout(dropout_threshold, seed_lo, seed_hi, offset_lo, offset_hi,
+                                                     batch, nheads, head, dropout_scale)
+                                      : Dropout{};
     int n_first, n_blocks;
     mask.template key_tiles<Tr::kBlockN>(row0, Tr::kBlockM, n_first, n_blocks);
 
     auto load_kv = [&](int n_block, int slot) {  // n_block counts from n_first
         const i64 first = (i64)(n_first + n_block) * Tr::kBlockN;
-        const int rows = seq_info[1] - (int)first;
+        const int rows = sk() - (int)first;
         KVTile::template load_async<Tr::kThreads>(smem_k + slot * KVTile::kBytes, k_head + first * k_row_stride,
                                                   k_row_stride, rows, headdim, tid);
         KVTile::template load_async<Tr::kThreads>(smem_v + slot * KVTile::kBytes, v_head + first * v_row_stride,
@@ -471,7 +504,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 #pragma unroll
     for (int r = 0; r < kMT * 2; ++r) {
         const int row = row0 + warp_row0 + (r / 2) * 16 + (lane >> 2) + (r % 2) * 8;
-        const i64 stat = batch * stat_batch_stride + head * stat_head_stride + seq_info[2] + row;
+        const i64 stat = batch * stat_batch_stride + head * stat_head_stride + q_start() + row;
         row_lse[r] = row < seqlen_q ? lse[stat] * kLog2e : pos_inf();
         row_dsum[r] = row < seqlen_q ? dsum[stat] : 0.f;
     }
@@ -510,12 +543,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                     KVTile::load_b_nk(bv, v_slot, np * 16, kk * 16, lane);
                 });
             const int col0 = (n_first + n_block) * Tr::kBlockN;
-            const WindowMask<Tr::kMask> mask_it{seq_info[0], seq_info[1], window_left, window_right};
+            const WindowMask<Tr::kMask> mask_it{sq(), sk(), window_left, window_right};
             const bool need_mask = mask_it.tile_needs_mask(row0, Tr::kBlockM, col0, Tr::kBlockN);
+            const bool drop = Tr::kMods && dropout.on();
 #pragma unroll
-            for (int mt = 0; mt < kMT; ++mt)
+            for (int mt = 0; mt < kMT; ++mt) {
+                u32 rnd[4];  // Dropout numbers of this thread's rows x the keys of n8 tiles nt, nt + 1 (nt even)
 #pragma unroll
-                for (int nt = 0; nt < kNT; ++nt)
+                for (int nt = 0; nt < kNT; ++nt) {
+                    if (drop && nt % 2 == 0)
+                        dropout.numbers(rnd, row0 + warp_row0 + mt * 16 + (lane >> 2), col0 + nt * 8 + (lane & 3) * 2);
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const int r = mt * 2 + (e >> 1);
@@ -527,8 +564,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                         else
                             p = fast_exp2(s[mt][nt][e] * scale_log2 - row_lse[r]);
                         if (need_mask && !mask_it.visible(row, key)) p = 0.f;
-                        dp[mt][nt][e] = p * (dp[mt][nt][e] - row_dsum[r]) * dcap;  // dS
+                        float dpv = dp[mt][nt][e];
+                        if (drop)
+                            dpv = dropout.keep(rnd, (e >> 1) * 4 + (nt & 1) * 2 + (e & 1)) ? dpv * dropout.scale : 0.f;
+                        dp[mt][nt][e] = p * (dpv - row_dsum[r]) * dcap;  // dS
                     }
+                }
+            }
             // dQ += dS K_j, dS straight from the accumulators as A fragments.
             mma_c_b<typename Tr::Elem, KVTile>(acc_dq, dp, k_slot, lane);
         }
@@ -537,8 +579,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // dQ = scale * dS K through this warp's own Q rows (only this warp read them).
     QTile::template store_warp_rows<typename Tr::Elem>(
         smem_q, acc_dq, scale, warp_row0,
-        dq + batch * dq_batch_stride + head * dq_head_stride + (seq_info[2] + row0 + warp_row0) * dq_row_stride,
-        dq_row_stride, seq_info[0] - row0 - warp_row0, headdim, lane);
+        dq + batch * dq_batch_stride + head * dq_head_stride + (q_start() + row0 + warp_row0) * dq_row_stride,
+        dq_row_stride, sq() - row0 - warp_row0, headdim, lane);
 }
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -36,7 +36,8 @@ struct FwdTraits {
 // tile is zero-filled. Varlen (cu_seqlens_q non-null): sequence `batch` is rows cu_seqlens_q[batch] ..
 // cu_seqlens_q[batch + 1] of q/o/lse (and likewise of k/v with cu_seqlens_k; total_q/total_k rows in all),
 // seqlen_q/seqlen_k are then the maxima the grid was sized for, and blocks past a sequence's end exit at once. Mods: softcap > 0 and
-// alibi_slopes[batch * alibi_batch_stride + head] (non-null) modify the scores.
+// alibi_slopes[batch * alibi_batch_stride + head] (non-null) modify the scores, and dropout_threshold != 0 drops
+// entries of P (Dropout in masks.cuh), the kept ones scaled by dropout_scale.
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
     flash_fwd(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, u16* __restrict__ o,
@@ -46,7 +47,9 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
               i64 v_head_stride, i64 o_batch_stride, int o_row_stride, i64 o_head_stride, i64 lse_batch_stride,
               i64 lse_head_stride, int max_seqlen_q, int max_seqlen_k, int nheads, int heads_per_kv, int headdim,
               int window_left, int window_right, float scale, float scale_log2, float softcap,
-              int alibi_batch_stride, int total_q, int total_k, int* error_claim, long long* error_host) {
+              int alibi_batch_stride, u32 dropout_threshold, u32 seed_lo, u32 seed_hi, u32 offset_lo,
+              u32 offset_hi, float dropout_scale, int total_q, int total_k, int* error_claim,
+              long long* error_host) {
     using QTile = typename Tr::QTile;
     using KVTile = typename Tr::KVTile;
     using Mma = fa2::Mma<typename Tr::Elem>;
@@ -69,9 +72,12 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
     __shared__ int seq_info[4];  // this sequence's lengths and first rows, see share_seq_bounds
     share_seq_bounds(seq_info, cu_seqlens_q, cu_seqlens_k, batch, total_q, total_k, error_claim, error_host,
                      max_seqlen_q, max_seqlen_k);
-    const int seqlen_q = seq_info[0], seqlen_k = seq_info[1], q_start = seq_info[2], k_start = seq_info[3];
+    // Inside the loop: the kernel parameters for padded calls (no register, no load), shared memory for varlen.
+    const auto sq = [&] { return cu_seqlens_q != nullptr ? seq_info[0] : max_seqlen_q; };
+    const auto sk = [&] { return cu_seqlens_q != nullptr ? seq_info[1] : max_seqlen_k; };
+    const int seqlen_q = sq(), seqlen_k = sk(), q_start = seq_info[2], k_start = seq_info[3];
     if (row0 >= seqlen_q) return;  // varlen: past this sequence's queries
-    auto mask_now = [&] { return WindowMask<Tr::kMask>{seq_info[0], seq_info[1], window_left, window_right}; };
+    auto mask_now = [&] { return WindowMask<Tr::kMask>{sq(), sk(), window_left, window_right}; };
     const u16* q_tile = q + batch * q_batch_stride + (i64)(q_start + row0) * q_row_stride + head * q_head_stride;
     const u16* k_head = k + batch * k_batch_stride + (i64)k_start * k_row_stride + kv_head * k_head_stride;
     const u16* v_head = v + batch * v_batch_stride + (i64)k_start * v_row_stride + kv_head * v_head_stride;
@@ -93,6 +99,9 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
     const ScoreMods mods = Tr::kMods ? make_score_mods(scale, softcap, alibi_slope(alibi_slopes, alibi_batch_stride,
                                                                               batch, head), seqlen_q, seqlen_k)
                                      : ScoreMods{};
+    const Dropout dropout = Tr::kMods ? make_dropout(dropout_threshold, seed_lo, seed_hi, offset_lo, offset_hi,
+                                                     batch, nheads, head, dropout_scale)
+                                      : Dropout{};
 
     float acc_o[kMT][kDT][4];
     zero_fragments(acc_o);
@@ -152,6 +161,8 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
             // Lines 9-10: new row max, P = exp(S - m), rescale of the running output. With modifiers the scores
             // are already final logits: scale 1.
             softmax.update(s, acc_o, Tr::kMods ? kLog2e : scale_log2);
+            // Dropout after the row sums: the softmax normaliser counts every key, the output only the kept ones.
+            if (Tr::kMods && dropout.on()) dropout.apply_rows(s, row0 + warp_row0, col0, lane);
 
             // Line 10 (cont.): O += P V_j, P straight from the accumulators (c_to_a). Written out rather than
             // mma_c_b: at the 255-register cap of the d=64 128x128 row, ptxas spills 36 bytes with the call.
@@ -182,7 +193,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
     // Stage this warp's output rows through its own (no longer needed) Q rows so the global stores are
     // 16-byte and row-contiguous. Only this warp ever read these rows.
     QTile::template store_warp_rows<typename Tr::Elem>(
-        smem_q, acc_o, 1.f, warp_row0,
+        smem_q, acc_o, Tr::kMods && dropout.on() ? dropout.scale : 1.f, warp_row0,
         o + batch * o_batch_stride + head * o_head_stride + (i64)(seq_info[2] + row0 + warp_row0) * o_row_stride,
         o_row_stride, mask_now().seqlen_q - row0 - warp_row0, headdim, lane);
     if ((lane & 3) == 0) {
@@ -193,6 +204,22 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
             if (row < mask_now().seqlen_q) lse_head[row] = row_lse[r];
         }
     }
+}
+
+}  // namespace fa2
+
+namespace fa2 {
+
+// Dropout's keep mask as the attention kernels draw it (Dropout in masks.cuh): mask[bh][i][j] = 1 where score
+// (i, j) of batch * nheads + head = bh is kept. For fa2cupy.dropout_mask (tests, return_attn_probs).
+__global__ void __launch_bounds__(256)
+    dropout_keep_mask(unsigned char* __restrict__ mask, int seqlen_q, int seqlen_k, int nheads, u32 threshold,
+                      u32 seed_lo, u32 seed_hi, u32 offset_lo, u32 offset_hi) {
+    const int j = blockIdx.x * blockDim.x + threadIdx.x, i = blockIdx.y, bh = blockIdx.z;
+    if (j >= seqlen_k) return;
+    const Dropout dropout = make_dropout(threshold, seed_lo, seed_hi, offset_lo, offset_hi, bh / nheads, nheads,
+                                         bh % nheads, 1.f);
+    mask[((i64)bh * seqlen_q + i) * seqlen_k + j] = dropout.keep_one(i, j) ? 1 : 0;
 }
 
 }  // namespace fa2

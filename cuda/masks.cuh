@@ -129,6 +129,71 @@ struct SeqBounds {
     }
 };
 
+// Dropout on P (FA2 with dropout): Philox4x32-10 (Salmon et al. 2011), counter-based, so the forward and both
+// backward kernels regenerate the same keep mask from (seed, offset) whatever their tiling. The random 16-bit
+// number of score (i, j) of sequence entry bh = batch * nheads + head is element
+//     (i >> 3 & 1) * 4 + (j & 1) + (j >> 3 & 1) * 2
+// of the eight 16-bit halves of philox(key = seed ^ (offset_hi << 32), counter = (i & ~8, j & ~9, bh, offset_lo)):
+// one call covers rows {i, i + 8} x keys {j, j + 1, j + 8, j + 9}, exactly what one thread of an m16n8 C fragment
+// pair holds in the forward. A score is kept iff its number is below `threshold` = round((1 - p) * 65536).
+FA2_DEVICE void philox_4x32_10(u32 (&c)[4], u32 k0, u32 k1) {
+#pragma unroll
+    for (int round = 0; round < 10; ++round) {
+        const u32 hi0 = __umulhi(0xD2511F53u, c[0]), lo0 = 0xD2511F53u * c[0];
+        const u32 hi1 = __umulhi(0xCD9E8D57u, c[2]), lo1 = 0xCD9E8D57u * c[2];
+        const u32 n0 = hi1 ^ c[1] ^ k0, n2 = hi0 ^ c[3] ^ k1;
+        c[0] = n0, c[1] = lo1, c[2] = n2, c[3] = lo0;
+        k0 += 0x9E3779B9u, k1 += 0xBB67AE85u;
+    }
+}
+
+struct Dropout {
+    u32 threshold;            // keep iff the 16-bit number < threshold; 0 switches dropout off (keep all)
+    u32 key0, key1, offset;   // Philox key (the seed, offset's high word folded in) and the counter's last word
+    u32 bh;                   // batch * nheads + head
+    float scale;              // 1 / (1 - p), applied to the kept P
+
+    FA2_DEVICE bool on() const { return threshold != 0; }
+    // The eight 16-bit numbers of rows {i_lo, i_lo + 8} x keys {k_lo, k_lo + 1, k_lo + 8, k_lo + 9}.
+    FA2_DEVICE void numbers(u32 (&r)[4], int i_lo, int k_lo) const {
+        r[0] = (u32)i_lo, r[1] = (u32)k_lo, r[2] = bh, r[3] = offset;
+        philox_4x32_10(r, key0, key1);
+    }
+    FA2_DEVICE bool keep(const u32 (&r)[4], int index) const {
+        return ((r[index >> 1] >> ((index & 1) * 16)) & 0xFFFFu) < threshold;
+    }
+    // Score (i, j) on its own (the mask-reporting kernel; the attention kernels share calls as described above).
+    FA2_DEVICE bool keep_one(int i, int j) const {
+        u32 r[4];
+        numbers(r, i & ~8, j & ~9);
+        return keep(r, ((i >> 3) & 1) * 4 + (j & 1) + ((j >> 3) & 1) * 2);
+    }
+    // p: one warp's P in C-fragment layout (rows = queries from row0, 16-aligned; columns = keys from col0,
+    // 16-aligned): dropped entries become 0 (the 1 / (1 - p) is applied to the output once).
+    template <int MTiles, int NTiles>
+    FA2_DEVICE void apply_rows(float (&p)[MTiles][NTiles][4], int row0, int col0, int lane) const {
+        static_assert(NTiles % 2 == 0, "keys come in 16-key pairs of n8 tiles");
+#pragma unroll
+        for (int mt = 0; mt < MTiles; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NTiles; nt += 2) {
+                u32 r[4];
+                numbers(r, row0 + mt * 16 + (lane >> 2), col0 + nt * 8 + (lane & 3) * 2);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int half = e >> 1, col = e & 1;
+                    if (!keep(r, half * 4 + col)) p[mt][nt][e] = 0.f;
+                    if (!keep(r, half * 4 + 2 + col)) p[mt][nt + 1][e] = 0.f;
+                }
+            }
+    }
+};
+
+FA2_DEVICE Dropout make_dropout(u32 threshold, u32 seed_lo, u32 seed_hi, u32 offset_lo, u32 offset_hi, int batch,
+                                int nheads, int head, float scale) {
+    return Dropout{threshold, seed_lo, seed_hi ^ offset_hi, offset_lo, (u32)(batch * nheads + head), scale};
+}
+
 // SeqBounds for the whole block, kept in shared memory: info = {seqlen_q, seqlen_k, q_start, k_start}. The tight
 // kernels read these where they use them instead of holding them: one more register across a main loop at the
 // 255-register cap costs tens of bytes of spills (bench/NOTES.md); the loops' barriers make the compiler re-read.

@@ -12,6 +12,7 @@ except ImportError as error:  # one clear message instead of a traceback from de
 
 from .device_errors import check_device_errors
 from .interface import (
+    dropout_mask,
     flash_attn_backward,
     flash_attn_func,
     flash_attn_kvpacked_func,
@@ -35,6 +36,7 @@ __all__ = [
     "flash_attn_varlen_backward",
     "flash_attn_with_kvcache",
     "merge_attention_states",
+    "dropout_mask",
     "check_device_errors",
     "__version__",
 ]

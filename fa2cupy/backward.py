@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import build, checks, configs
-from .forward import _LOG2E, error_pointers, kernel_variant
+from .forward import _LOG2E, dropout_scalars, dropout_words, error_pointers, kernel_variant
 
 #: Tests set this to fill dq, dk and dv with NaN before the kernels run (see forward._debug_poison).
 _debug_poison = False
@@ -28,9 +28,11 @@ class BackwardPlan:
     config: configs.BwdConfig
 
 
-def _launch(function, grid, block, smem_bytes: int, pointers: int, scalars: tuple) -> build.Launch:
-    """A launch whose first ``pointers`` arguments are per-call device pointers, then fixed ``scalars``."""
-    return build.Launch(function, grid, block, smem_bytes, (np.uint64(0),) * pointers + scalars, range(pointers))
+def _launch(function, grid, block, smem_bytes: int, pointers: int, scalars: tuple, rng_at=None) -> build.Launch:
+    """A launch whose first ``pointers`` arguments are per-call device pointers, then fixed ``scalars``; with
+    ``rng_at``, the four argument slots from there (dropout seed and offset words) are per-call values too."""
+    variable = list(range(pointers)) + ([] if rng_at is None else list(range(rng_at, rng_at + 4)))
+    return build.Launch(function, grid, block, smem_bytes, (np.uint64(0),) * pointers + scalars, variable)
 
 
 def _strides3(strides) -> tuple:
@@ -41,6 +43,7 @@ def _strides3(strides) -> tuple:
 def plan_backward(
     q_shape, k_shape, strides: dict, dtype: str, softmax_scale: float, causal: bool, deterministic: bool, arch: int,
     config=None, window_size=(-1, -1), softcap: float = 0.0, alibi_batch_stride=None, varlen_totals=None,
+    dropout_p: float = 0.0,
 ) -> BackwardPlan:
     """Builds the launches for one backward problem.
 
@@ -49,20 +52,23 @@ def plan_backward(
     dsum/dq_accum workspaces, are ``(nheads, total_q[, d])``). The scale may be negative here: the backward has no
     running maximum, P = exp(scale * s - lse) is exact for any sign.
     """
-    mask, mods, left, right = kernel_variant(causal, window_size, softcap, alibi_batch_stride is not None)
+    mask, mods, left, right = kernel_variant(causal, window_size, softcap, alibi_batch_stride is not None, dropout_p)
     batch, seqlen_q, nheads, headdim = q_shape
     seqlen_k, nheads_kv = k_shape[1], k_shape[2]
     tag = configs.DTYPE_TAGS[dtype]
     atomic = not deterministic
     if config is None:
-        config = configs.backward_config(arch, headdim, dtype, mask)
+        config = configs.backward_config(arch, headdim, dtype, mask, mods)
     total_q, total_k = varlen_totals or (0, 0)
     stats = (np.int64(0), np.int64(total_q)) if varlen_totals else (np.int64(nheads * seqlen_q), np.int64(seqlen_q))
     errors = error_pointers()
+    threshold, keep_scale = dropout_scalars(dropout_p)
     sizes = stats + (np.int32(seqlen_q), np.int32(seqlen_k), np.int32(nheads), np.int32(nheads // nheads_kv),
                      np.int32(headdim), np.int32(left), np.int32(right), np.float32(softmax_scale),
                      np.float32(softmax_scale * _LOG2E), np.float32(softcap), np.int32(alibi_batch_stride or 0),
-                     np.int32(total_q), np.int32(total_k)) + errors
+                     threshold)
+    rng_at = len(sizes)  # the dropout seed and offset words come next: per-call values
+    sizes += (np.uint32(0),) * 4 + (keep_scale, np.int32(total_q), np.int32(total_k)) + errors
 
     pre = _launch(
         build.get_kernel("bwd", f"fa2::bwd_preprocess<{tag}>", 0),
@@ -75,7 +81,7 @@ def plan_backward(
         build.get_kernel("bwd", config.name_expression(dtype, mask, atomic, mods), smem),
         (((seqlen_k + config.block_n - 1) // config.block_n) * config.dslices, nheads_kv, batch),
         (config.threads, 1, 1), smem, 12,
-        sum((_strides3(strides[n]) for n in ("q", "k", "v", "dout", "dk", "dv")), ()) + sizes,
+        sum((_strides3(strides[n]) for n in ("q", "k", "v", "dout", "dk", "dv")), ()) + sizes, rng_at=12 + 18 + rng_at,
     )
     dq = convert = None
     dq_accum_shape = None
@@ -85,7 +91,7 @@ def plan_backward(
             build.get_kernel("bwd", dq_config.name_expression(dtype, mask, mods), dq_config.smem_bytes),
             ((seqlen_q + dq_config.block_m - 1) // dq_config.block_m, nheads, batch),
             (dq_config.threads, 1, 1), dq_config.smem_bytes, 10,
-            sum((_strides3(strides[n]) for n in ("q", "k", "v", "dout", "dq")), ()) + sizes,
+            sum((_strides3(strides[n]) for n in ("q", "k", "v", "dout", "dq")), ()) + sizes, rng_at=10 + 15 + rng_at,
         )
     else:
         convert = _launch(
@@ -102,14 +108,15 @@ def plan_backward(
 def run_backward(plan: BackwardPlan, ptr: dict, stream_ptr: int) -> None:
     """Launches a plan on the stream with handle ``stream_ptr``. ``ptr`` maps "q", "k", "v", "dout", "out", "lse",
     "dq", "dk", "dv", "dsum" and (atomics only) "dq_accum" to device pointers, and optionally "cu_seqlens_q",
-    "cu_seqlens_k" (varlen) and "alibi_slopes"."""
+    "cu_seqlens_k" (varlen) and "alibi_slopes", and the ints "dropout_seed" and "dropout_offset"."""
     dq_accum = ptr.get("dq_accum", 0) if plan.convert is not None else 0
     cu_q, cu_k, alibi = ptr.get("cu_seqlens_q", 0), ptr.get("cu_seqlens_k", 0), ptr.get("alibi_slopes", 0)
+    rng = dropout_words(ptr.get("dropout_seed", 0), ptr.get("dropout_offset", 0))
     plan.preprocess(stream_ptr, (ptr["dout"], ptr["out"], ptr["dsum"], dq_accum, cu_q))
     plan.main(stream_ptr, (ptr["q"], ptr["k"], ptr["v"], ptr["dout"], ptr["lse"], ptr["dsum"], dq_accum, ptr["dk"],
-                           ptr["dv"], cu_q, cu_k, alibi))
+                           ptr["dv"], cu_q, cu_k, alibi) + rng)
     if plan.dq is not None:
         plan.dq(stream_ptr, (ptr["q"], ptr["k"], ptr["v"], ptr["dout"], ptr["lse"], ptr["dsum"], ptr["dq"], cu_q,
-                             cu_k, alibi))
+                             cu_k, alibi) + rng)
     else:
         plan.convert(stream_ptr, (dq_accum, ptr["dq"], cu_q))

@@ -146,7 +146,7 @@ def check_forward_args(
 
     Args:
         q, k, v: ArrayInfo from :func:`fa2cupy.arrays.describe`.
-        dropout_p: must be 0 (dropout is not implemented yet).
+        dropout_p: in [0, 1); > 0 drops entries of P (see :func:`check_dropout_rng` for its seed).
         softmax_scale: None (use 1/sqrt(headdim)) or a finite real number.
         causal: bool; causal mask aligned to the bottom-right corner.
         window_size: (left, right), each an int >= -1 (-1: no limit on that side).
@@ -165,7 +165,7 @@ def check_forward_args(
         ValueError: wrong rank, mismatched or zero-length axes, bad head grouping,
             headdim out of range, last axis not contiguous, arrays on different
             frameworks/devices, or a non-finite/out-of-range option value.
-        NotImplementedError: dropout requested.
+        NotImplementedError: never for these options.
     """
     # --- options first: they are independent of the arrays. Each has a fast path
     # for the common spellings (this runs on every call; the numbers ABCs are slow).
@@ -180,8 +180,6 @@ def check_forward_args(
         p = _real(dropout_p, "dropout_p")
         if not 0.0 <= p < 1.0:  # also rejects NaN
             raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
-        if p != 0.0:
-            raise NotImplementedError("dropout (dropout_p > 0) is not implemented yet")
 
     if softmax_scale is not None and not (
         type(softmax_scale) is float and -math.inf < softmax_scale < math.inf
@@ -269,6 +267,19 @@ def check_forward_args(
     if alibi_slopes is not None:
         check_alibi(alibi_slopes, q, batch, nheads)
     return AttnShape(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, q.dtype)
+
+
+def check_dropout_rng(dropout_p, dropout_seed, dropout_offset) -> tuple[int, int]:
+    """(seed, offset) of dropout as ints; with ``dropout_p > 0`` the seed must be given (an int in [0, 2**64)): the
+    backward regenerates the forward's keep mask from the same seed and offset. Without dropout both are ignored."""
+    if not dropout_p:
+        return 0, 0
+    for name, value in (("dropout_seed", dropout_seed), ("dropout_offset", dropout_offset)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value < 1 << 64:
+            hint = (" (dropout_p > 0 needs it so that the backward can regenerate the same mask; fa2cupy.torch "
+                    "draws it from torch's generator)") if name == "dropout_seed" and value is None else ""
+            raise ValueError(f"{name} must be an int in [0, 2**64), got {value!r}{hint}")
+    return int(dropout_seed), int(dropout_offset)
 
 
 def check_alibi(slopes: ArrayInfo, q: ArrayInfo, batch: int, nheads: int) -> None:
@@ -377,6 +388,7 @@ def check_backward_args(
     deterministic=False,
     softcap=0.0,
     alibi_slopes=None,
+    dropout_p=0.0,
 ) -> AttnShape:
     """Validate the arguments of ``flash_attn_backward`` and return the problem size.
 
@@ -402,7 +414,7 @@ def check_backward_args(
     """
     shape = check_forward_args(
         q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size, deterministic=deterministic,
-        softcap=softcap, alibi_slopes=alibi_slopes,
+        softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
     )
     for info in (dout, out):
         if len(info.shape) != 4:

@@ -346,12 +346,13 @@ def forward_config(arch: int, headdim: int, dtype: str, mask: str) -> FwdConfig:
     return FORWARD_TABLE[key]
 
 
-def backward_config(arch: int, headdim: int, dtype: str, mask: str) -> BwdConfig:
-    """The backward main-kernel configuration (same key as :func:`forward_config`)."""
+def backward_config(arch: int, headdim: int, dtype: str, mask: str, mods: bool = False) -> BwdConfig:
+    """The backward main-kernel configuration (same key as :func:`forward_config`). The modifier variant keeps
+    BACKWARD_TABLE's rows (the d=64 H100 masked row spills 24-68 bytes with dropout's Philox)."""
     if dtype not in DTYPE_TAGS:
         raise ValueError(f"dtype must be one of {tuple(DTYPE_TAGS)}, got {dtype}")
     key = (arch_family(arch), tile_headdim(headdim))
-    if mask != "none" and key in BACKWARD_CAUSAL_TABLE:
+    if mask != "none" and not mods and key in BACKWARD_CAUSAL_TABLE:
         return BACKWARD_CAUSAL_TABLE[key]
     return BACKWARD_TABLE[key]
 
@@ -370,7 +371,7 @@ def backward_instantiations(family: str | None = None) -> list[str]:
         if family is None or fam == family:
             for dtype in DTYPE_TAGS:
                 for mask, mods in VARIANTS:
-                    config = BACKWARD_CAUSAL_TABLE.get((fam, width), base) if mask != "none" else base
+                    config = BACKWARD_CAUSAL_TABLE.get((fam, width), base) if mask != "none" and not mods else base
                     for atomic in (False, True):
                         names.add(config.name_expression(dtype, mask, atomic, mods))
     for (fam, _), config in BACKWARD_DQ_TABLE.items():
@@ -409,4 +410,5 @@ def forward_instantiations(family: str | None = None) -> list[str]:
         for dtype in DTYPE_TAGS
         for mask, mods in VARIANTS
     }
+    names.add("fa2::dropout_keep_mask")
     return sorted(names)

@@ -23,16 +23,32 @@ MAX_ROW_STRIDE = 1 << 24
 
 @dataclass(frozen=True)
 class ForwardPlan:
-    launch: build.Launch  # variable slots: the eight pointers q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi
+    # variable slots: the eight pointers q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi, then the dropout
+    # seed and offset words (see dropout_words)
+    launch: build.Launch
     config: configs.FwdConfig
 
 
-def kernel_variant(causal: bool, window_size, softcap: float, alibi: bool) -> tuple[str, bool, int, int]:
+def kernel_variant(causal: bool, window_size, softcap: float, alibi: bool,
+                   dropout_p: float = 0.0) -> tuple[str, bool, int, int]:
     """``(mask, mods, left, right)``: the kernel variant (configs.VARIANTS) and window bounds for the options.
-    Softcap and ALiBi run in the modifier variant, built on the window mask, which expresses every mask."""
+    Softcap, ALiBi and dropout run in the modifier variant, built on the window mask, which expresses every mask."""
     mask, left, right = checks.window_bounds(causal, window_size)
-    mods = softcap > 0 or alibi
+    mods = softcap > 0 or alibi or dropout_p > 0
     return ("window" if mods else mask), mods, left, right
+
+
+def dropout_scalars(dropout_p: float) -> tuple:
+    """(keep threshold, 1 / (1 - p)) as kernel arguments: a score is kept iff its 16-bit Philox number is below
+    the threshold, round((1 - p) * 65536) (at least 1); threshold 0 switches dropout off."""
+    if dropout_p <= 0:
+        return np.uint32(0), np.float32(1.0)
+    return np.uint32(max(1, min(65536, round((1.0 - dropout_p) * 65536)))), np.float32(1.0 / (1.0 - dropout_p))
+
+
+def dropout_words(seed: int, offset: int) -> tuple[int, int, int, int]:
+    """The 64-bit dropout seed and offset as the kernels' four 32-bit words (seed lo/hi, offset lo/hi)."""
+    return seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, offset & 0xFFFFFFFF, (offset >> 32) & 0xFFFFFFFF
 
 
 def error_pointers() -> tuple:
@@ -45,7 +61,7 @@ def error_pointers() -> tuple:
 
 def plan_forward(
     q_shape, k_shape, strides, dtype: str, softmax_scale: float, causal: bool, arch: int, config=None,
-    window_size=(-1, -1), softcap: float = 0.0, alibi_batch_stride=None, varlen_totals=None,
+    window_size=(-1, -1), softcap: float = 0.0, alibi_batch_stride=None, varlen_totals=None, dropout_p: float = 0.0,
 ) -> ForwardPlan:
     """Builds (and compiles on first use) the launch for one problem.
 
@@ -54,7 +70,8 @@ def plan_forward(
     stride is 1, the others are multiples of 8 with row strides below ``MAX_ROW_STRIDE``; ``softmax_scale >= 0``
     (the interface folds a negative scale into q). ``config`` overrides the tile table (tuning only).
     ``causal`` and ``window_size`` (validated) pick the mask, see :func:`checks.window_bounds`; ``softcap > 0`` and
-    ``alibi_batch_stride`` (not None: slopes are passed, with this batch stride in elements) the score modifiers.
+    ``alibi_batch_stride`` (not None: slopes are passed, with this batch stride in elements) the score modifiers,
+    ``dropout_p > 0`` dropout (the seed and offset are per-call arguments of :func:`run_forward`).
 
     Varlen: ``varlen_totals = (total_q, total_k)``, the rows of the packed arrays; then the shapes carry the
     number of sequences and the maximum lengths, the batch strides are 0, lse is ``(nheads, total_q)``, and the
@@ -62,7 +79,7 @@ def plan_forward(
     """
     batch, seqlen_q, nheads, headdim = q_shape
     seqlen_k, nheads_kv = k_shape[1], k_shape[2]
-    mask, mods, left, right = kernel_variant(causal, window_size, softcap, alibi_batch_stride is not None)
+    mask, mods, left, right = kernel_variant(causal, window_size, softcap, alibi_batch_stride is not None, dropout_p)
     if config is None:
         config = configs.forward_config(arch, headdim, dtype, mask)
     function = build.get_kernel("fwd", config.name_expression(dtype, mask, mods), config.smem_bytes)
@@ -85,17 +102,33 @@ def plan_forward(
         np.float32(softmax_scale * _LOG2E),
         np.float32(softcap),
         np.int32(alibi_batch_stride or 0),
-        np.int32(total_q),
-        np.int32(total_k),
-    ) + error_pointers()
+    )
+    threshold, keep_scale = dropout_scalars(dropout_p)
+    rng_slot = 8 + len(scalars) + 1  # seed lo, seed hi, offset lo, offset hi follow the threshold
+    scalars += (threshold, np.uint32(0), np.uint32(0), np.uint32(0), np.uint32(0), keep_scale,
+                np.int32(total_q), np.int32(total_k)) + error_pointers()
     grid = ((seqlen_q + config.block_m - 1) // config.block_m, nheads, batch)
     launch = build.Launch(function, grid, (config.threads, 1, 1), config.smem_bytes, (np.uint64(0),) * 8 + scalars,
-                          range(8))
+                          list(range(8)) + list(range(rng_slot, rng_slot + 4)))
     return ForwardPlan(launch, config)
 
 
 def run_forward(plan: ForwardPlan, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int,
-                stream_ptr: int, cu_seqlens_q: int = 0, cu_seqlens_k: int = 0, alibi_slopes: int = 0) -> None:
+                stream_ptr: int, cu_seqlens_q: int = 0, cu_seqlens_k: int = 0, alibi_slopes: int = 0,
+                dropout_seed: int = 0, dropout_offset: int = 0) -> None:
     """Launches a plan on the stream with handle ``stream_ptr`` with raw device pointers (0 for an absent
-    cu_seqlens or alibi_slopes)."""
-    plan.launch(stream_ptr, (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_seqlens_q, cu_seqlens_k, alibi_slopes))
+    cu_seqlens or alibi_slopes) and the dropout seed and offset (ignored without dropout)."""
+    plan.launch(stream_ptr, (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+                + dropout_words(dropout_seed, dropout_offset))
+
+
+def dropout_mask(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, dropout_p: float, seed: int, offset: int,
+                 stream_ptr: int, out_ptr: int) -> None:
+    """Writes the keep mask (uint8 ``(batch, nheads, seqlen_q, seqlen_k)``, 1 = kept) that the kernels draw for
+    these dropout parameters into ``out_ptr``."""
+    function = build.get_kernel("fwd", "fa2::dropout_keep_mask", 0)
+    threshold, _ = dropout_scalars(dropout_p)
+    args = (np.uint64(out_ptr), np.int32(seqlen_q), np.int32(seqlen_k), np.int32(nheads), threshold) + tuple(
+        np.uint32(w) for w in dropout_words(seed, offset))
+    build.Launch(function, ((seqlen_k + 255) // 256, seqlen_q, batch * nheads), (256, 1, 1), 0, args, ())(
+        stream_ptr, ())

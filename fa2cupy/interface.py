@@ -115,6 +115,9 @@ def flash_attn_func(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    *,
+    dropout_seed=None,
+    dropout_offset=0,
 ):
     """Exact attention ``softmax(q k^T * softmax_scale) v`` by FlashAttention-2, flash-attn 2.x compatible.
 
@@ -135,13 +138,19 @@ def flash_attn_func(
         softcap: ``> 0`` passes the scaled scores through ``softcap * tanh(s / softcap)`` (Gemma 2, Grok).
         alibi_slopes: float32 ``(nheads,)`` or ``(batch, nheads)``: adds the ALiBi bias ``-slope * |i + seqlen_k -
             seqlen_q - j|`` to the (capped) scores.
-        dropout_p: not implemented yet; anything but 0 raises NotImplementedError.
+        dropout_p: in [0, 1): each entry of P is dropped with this probability and the kept ones scaled by
+            ``1 / (1 - dropout_p)`` (Philox in the kernel; see :func:`dropout_mask`).
+        dropout_seed, dropout_offset: with ``dropout_p > 0``, the Philox seed (required) and offset, ints in
+            [0, 2**64): the same pair gives the same mask, bit for bit, and flash_attn_backward needs the same pair.
+            (``fa2cupy.torch`` draws them from torch's CUDA generator.)
         deterministic: accepted for compatibility; the forward is always deterministic.
         return_attn_probs: also return the log-sum-exp (see Returns).
 
     Returns:
         ``out`` shaped and typed like q, in q's framework; with ``return_attn_probs=True`` the tuple
-        ``(out, softmax_lse, None)`` with ``softmax_lse`` float32 ``(batch, nheads, seqlen_q)``, natural log.
+        ``(out, softmax_lse, probs)`` with ``softmax_lse`` float32 ``(batch, nheads, seqlen_q)``, natural log, and
+        ``probs`` None without dropout; with dropout the float32 ``(batch, nheads, seqlen_q, seqlen_k)``
+        probabilities the output was made of, ``P o Z / (1 - p)`` (for tests at small sizes: it is recomputed).
 
     Raises:
         TypeError / ValueError naming the offending argument for bad shapes, dtypes, devices or layouts.
@@ -152,15 +161,17 @@ def flash_attn_func(
                    return_attn_probs)
         inputs = (q, k, v) if alibi_slopes is None else (q, k, v, alibi_slopes)
         key, cached, ptrs = _cached_lookup("fwd", inputs, options)
-        if cached is not None:
+        if cached is not None and (not dropout_p or not return_attn_probs):
+            seed, offset = checks.check_dropout_rng(dropout_p, dropout_seed, dropout_offset)
             stream_ptr = arrays.caller_stream_ptr(cached.framework, cached.device)
             (out, out_ptr), (lse, lse_ptr) = cached.allocate()
             forward.run_forward(cached.plan, ptrs[0], ptrs[1], ptrs[2], out_ptr, lse_ptr, stream_ptr,
-                                alibi_slopes=ptrs[3] if alibi_slopes is not None else 0)
+                                alibi_slopes=ptrs[3] if alibi_slopes is not None else 0, dropout_seed=seed,
+                                dropout_offset=offset)
             return (out, lse, None) if return_attn_probs else out
     return _flash_attn_checked(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-        return_attn_probs, key,
+        return_attn_probs, key, dropout_seed, dropout_offset,
     )
 
 
@@ -169,7 +180,7 @@ flash_attn_qkvpacked_func, flash_attn_kvpacked_func = packed.make_packed(flash_a
 
 def _flash_attn_checked(
     q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-    return_attn_probs, cache_key,
+    return_attn_probs, cache_key, dropout_seed=None, dropout_offset=0,
 ):
     """The full path: describe, validate, adapt (copy where the kernels need it), plan, launch; and remember
     the plan under ``cache_key`` when the inputs were used in place."""
@@ -188,6 +199,7 @@ def _flash_attn_checked(
         deterministic=deterministic,
         return_attn_probs=return_attn_probs,
     )
+    seed, offset = checks.check_dropout_rng(dropout_p, dropout_seed, dropout_offset)
     scale = checks.default_scale(shape.headdim) if softmax_scale is None else float(softmax_scale)
     framework = q_info.framework
     device = q_info.device[1] if q_info.device[0] == "cuda" else cupy.cuda.runtime.getDevice()
@@ -213,10 +225,11 @@ def _flash_attn_checked(
             plan = forward.plan_forward(
                 qc.shape, kc.shape, tuple(_elem_strides(x) for x in (qc, kc, vc, out)), shape.dtype, scale,
                 bool(causal), _arch(device), window_size=window_size, softcap=float(softcap),
-                alibi_batch_stride=slopes_stride,
+                alibi_batch_stride=slopes_stride, dropout_p=float(dropout_p),
             )
             forward.run_forward(plan, qc.data.ptr, kc.data.ptr, vc.data.ptr, out.data.ptr, lse.data.ptr, stream.ptr,
-                                alibi_slopes=slopes.data.ptr if slopes is not None else 0)
+                                alibi_slopes=slopes.data.ptr if slopes is not None else 0, dropout_seed=seed,
+                                dropout_offset=offset)
             if qc is q_in and kc is k_in and vc is v_in and slopes_in_place:  # later calls may skip to launch
                 _remember(cache_key, _CachedCall(plan, device, framework,
                                                  ((out_shape, shape.dtype), (lse_shape, "float32"))))
@@ -225,12 +238,58 @@ def _flash_attn_checked(
                 result = result[..., : shape.headdim]
             if not return_attn_probs:
                 return result
-            return result, arrays.make_result(lse_native, lse, framework), None
+            probs = None
+            if dropout_p:
+                probs_view = _dropped_probs(qc, kc, lse, scale, causal, window_size, float(softcap), slopes,
+                                            float(dropout_p), seed, offset, stream.ptr)
+                probs = arrays.from_cupy(probs_view, framework)
+            return result, arrays.make_result(lse_native, lse, framework), probs
+
+
+def dropout_mask(batch, nheads, seqlen_q, seqlen_k, dropout_p, dropout_seed, dropout_offset=0):
+    """The dropout keep mask the kernels draw for these parameters: a CuPy bool array ``(batch, nheads, seqlen_q,
+    seqlen_k)``, True where the score is kept (current device and stream). For tests and analysis at small sizes;
+    the attention kernels never materialise it."""
+    for name, value in (("batch", batch), ("nheads", nheads), ("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if seqlen_q > checks.MAX_GRID_YZ or batch * nheads > checks.MAX_GRID_YZ:
+        raise ValueError(f"dropout_mask covers seqlen_q and batch * nheads up to {checks.MAX_GRID_YZ} each")
+    p = checks._real(dropout_p, "dropout_p")
+    if not 0.0 < p < 1.0:
+        raise ValueError(f"dropout_p must be in (0, 1), got {dropout_p!r}")
+    seed, offset = checks.check_dropout_rng(p, dropout_seed, dropout_offset)
+    mask = cupy.empty((batch, nheads, seqlen_q, seqlen_k), dtype=cupy.uint8)
+    forward.dropout_mask(batch, nheads, seqlen_q, seqlen_k, p, seed, offset, cupy.cuda.get_current_stream().ptr,
+                         mask.data.ptr)
+    return mask.view(cupy.bool_)
+
+
+def _dropped_probs(q, k, lse, scale, causal, window_size, softcap, slopes, dropout_p, seed, offset, stream_ptr):
+    """float32 ``P o Z / (1 - p)`` recomputed from the kernel's lse (return_attn_probs with dropout): q, k the
+    kernel-ready CuPy arrays, lse (batch, nheads, seqlen_q). Small sizes only: it materialises every score."""
+    from .reference import _visible
+
+    batch, sq, nheads, _ = q.shape
+    sk, nheads_kv = k.shape[1], k.shape[2]
+    kr = cupy.repeat(k.astype(cupy.float32), nheads // nheads_kv, axis=2)
+    s = cupy.einsum("bqhd,bkhd->bhqk", q.astype(cupy.float32), kr) * scale
+    if softcap > 0:
+        s = softcap * cupy.tanh(s / softcap)
+    if slopes is not None:
+        dist = cupy.abs(cupy.arange(sq)[:, None] + sk - sq - cupy.arange(sk)[None, :]).astype(cupy.float32)
+        s = s - cupy.broadcast_to(slopes.reshape(-1, nheads), (batch, nheads))[:, :, None, None] * dist
+    visible = _visible(sq, sk, causal, window_size)
+    p = cupy.exp(s - lse[..., None])
+    if visible is not None:
+        p = cupy.where(cupy.asarray(visible), p, 0.0)
+    keep = dropout_mask(batch, nheads, sq, sk, dropout_p, seed, offset)
+    return cupy.where(keep, p / (1.0 - dropout_p), 0.0).astype(cupy.float32)
 
 
 def flash_attn_backward(
     dout, q, k, v, out, softmax_lse, softmax_scale=None, causal=False, window_size=(-1, -1), deterministic=False,
-    softcap=0.0, alibi_slopes=None,
+    softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0,
 ):
     """Gradients of ``flash_attn_func`` (FlashAttention-2 Algorithm 2) w.r.t. q, k and v.
 
@@ -242,6 +301,7 @@ def flash_attn_backward(
             ``causal``. Only these O(N) statistics are kept between forward and backward.
         softmax_scale, causal, window_size, softcap, alibi_slopes: as given to the forward (with a softcap the
             gradient goes through the tanh exactly; the ALiBi bias has none).
+        dropout_p, dropout_seed, dropout_offset: as given to the forward: the kernels regenerate its keep mask.
         deterministic: False accumulates dQ across key tiles with fp32 atomics (fastest; the summation order,
             hence the last bits, can change between runs). True computes dQ in a separate kernel that walks the
             key tiles in a fixed order: bit-identical results run to run, at the cost of recomputing Q K^T and
@@ -258,31 +318,35 @@ def flash_attn_backward(
     if not backward._debug_poison:
         inputs = (dout, q, k, v, out, softmax_lse) + (() if alibi_slopes is None else (alibi_slopes,))
         key, cached, ptrs = _cached_lookup(
-            "bwd", inputs, (softmax_scale, causal, window_size, deterministic, softcap, alibi_slopes is None)
+            "bwd", inputs, (softmax_scale, causal, window_size, deterministic, softcap, alibi_slopes is None, dropout_p)
         )
         if cached is not None:
+            seed, offset = checks.check_dropout_rng(dropout_p, dropout_seed, dropout_offset)
             stream_ptr = arrays.caller_stream_ptr(cached.framework, cached.device)
             allocated = cached.allocate()
             pointers = dict(zip(("dout", "q", "k", "v", "out", "lse", "alibi_slopes"), ptrs))
+            pointers.update(dropout_seed=seed, dropout_offset=offset)
             pointers.update(zip(("dq", "dk", "dv", "dsum", "dq_accum"), (p for _, p in allocated)))
             backward.run_backward(cached.plan, pointers, stream_ptr)
             return allocated[0][0], allocated[1][0], allocated[2][0]
     return _flash_attn_backward_checked(
-        dout, q, k, v, out, softmax_lse, softmax_scale, causal, window_size, deterministic, softcap, alibi_slopes, key
+        dout, q, k, v, out, softmax_lse, softmax_scale, causal, window_size, deterministic, softcap, alibi_slopes, key,
+        dropout_p, dropout_seed, dropout_offset,
     )
 
 
 def _flash_attn_backward_checked(
     dout, q, k, v, out, softmax_lse, softmax_scale, causal, window_size, deterministic, softcap, alibi_slopes,
-    cache_key,
+    cache_key, dropout_p=0.0, dropout_seed=None, dropout_offset=0,
 ):
     names = ("dout", "q", "k", "v", "out", "softmax_lse")
     infos = [arrays.describe(x, name) for x, name in zip((dout, q, k, v, out, softmax_lse), names)]
     alibi_info = None if alibi_slopes is None else arrays.describe(alibi_slopes, "alibi_slopes")
     shape = checks.check_backward_args(
         *infos, softmax_scale=softmax_scale, causal=causal, window_size=window_size, deterministic=deterministic,
-        softcap=softcap, alibi_slopes=alibi_info,
+        softcap=softcap, alibi_slopes=alibi_info, dropout_p=dropout_p,
     )
+    seed, offset = checks.check_dropout_rng(dropout_p, dropout_seed, dropout_offset)
     scale = checks.default_scale(shape.headdim) if softmax_scale is None else float(softmax_scale)
     framework = infos[1].framework
     device = infos[1].device[1] if infos[1].device[0] == "cuda" else cupy.cuda.runtime.getDevice()
@@ -313,9 +377,10 @@ def _flash_attn_backward_checked(
             plan = backward.plan_backward(
                 q_c.shape, k_c.shape, strides, shape.dtype, scale, bool(causal), deterministic, _arch(device),
                 window_size=window_size, softcap=float(softcap), alibi_batch_stride=slopes_stride,
+                dropout_p=float(dropout_p),
             )
             pointers = {n: x.data.ptr for n, x in zip(("dout", "q", "k", "v", "out"), ready)}
-            pointers["lse"] = lse.data.ptr
+            pointers.update(lse=lse.data.ptr, dropout_seed=seed, dropout_offset=offset)
             if slopes is not None:
                 pointers["alibi_slopes"] = slopes.data.ptr
             pointers.update({n: x.data.ptr for n, x in zip(("dq", "dk", "dv", "dsum", "dq_accum"), views)})
@@ -360,6 +425,9 @@ def flash_attn_varlen_func(
     deterministic=False,
     return_attn_probs=False,
     block_table=None,
+    *,
+    dropout_seed=None,
+    dropout_offset=0,
 ):
     """Attention over packed sequences of different lengths, no padding work (flash-attn 2.x).
 
@@ -370,9 +438,10 @@ def flash_attn_varlen_func(
             ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of q (and of k/v with cu_seqlens_k). Lengths may be 0.
         max_seqlen_q, max_seqlen_k: ints, the longest sequence (the grid is sized for it).
         softmax_scale, causal, window_size, softcap, alibi_slopes (``(nheads,)`` or ``(batch, nheads)``),
-            deterministic: as for :func:`flash_attn_func`; masks are aligned per sequence.
-        return_attn_probs: also return the log-sum-exp.
-        dropout_p, block_table: not implemented yet (NotImplementedError).
+            dropout_p, dropout_seed, dropout_offset, deterministic: as for :func:`flash_attn_func`; masks are
+            aligned per sequence, and the dropout mask of sequence b is that of batch entry b of a padded call.
+        return_attn_probs: also return the log-sum-exp (the third element is None: no probabilities for varlen).
+        block_table: not implemented yet (NotImplementedError).
 
     Returns:
         ``out`` ``(total_q, nheads, headdim)``; with ``return_attn_probs`` ``(out, softmax_lse, None)``, lse float32
@@ -393,6 +462,7 @@ def flash_attn_varlen_func(
         *infos, max_seqlen_q, max_seqlen_k, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
         window_size=window_size, softcap=softcap, alibi_slopes=alibi_info, deterministic=deterministic,
         return_attn_probs=return_attn_probs)
+    seed, offset = checks.check_dropout_rng(dropout_p, dropout_seed, dropout_offset)
     scale = checks.default_scale(shape.headdim) if softmax_scale is None else float(softmax_scale)
     framework = infos[0].framework
     device = infos[0].device[1] if infos[0].device[0] == "cuda" else cupy.cuda.runtime.getDevice()
@@ -415,10 +485,11 @@ def flash_attn_varlen_func(
                                                                       padded),
                 tuple(_varlen_strides(x) for x in (qc, kc, vc, out[None])), shape.dtype, scale, bool(causal),
                 _arch(device), window_size=window_size, softcap=float(softcap), alibi_batch_stride=slopes_stride,
-                varlen_totals=(total_q, total_k),
+                varlen_totals=(total_q, total_k), dropout_p=float(dropout_p),
             )
             forward.run_forward(plan, qc.data.ptr, kc.data.ptr, vc.data.ptr, out.data.ptr, lse.data.ptr, stream.ptr,
-                                cu_q.data.ptr, cu_k.data.ptr, slopes.data.ptr if slopes is not None else 0)
+                                cu_q.data.ptr, cu_k.data.ptr, slopes.data.ptr if slopes is not None else 0, seed,
+                                offset)
             result = arrays.make_result(out_native, out, framework)
             if padded != shape.headdim:
                 result = result[..., : shape.headdim]
@@ -429,7 +500,8 @@ def flash_attn_varlen_func(
 
 def flash_attn_varlen_backward(
     dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
-    causal=False, window_size=(-1, -1), deterministic=False, softcap=0.0, alibi_slopes=None,
+    causal=False, window_size=(-1, -1), deterministic=False, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+    dropout_seed=None, dropout_offset=0,
 ):
     """Gradients of :func:`flash_attn_varlen_func` w.r.t. q, k and v.
 
@@ -449,7 +521,8 @@ def flash_attn_varlen_backward(
     shape, total_q, total_k = checks.check_varlen_args(
         infos["q"], infos["k"], infos["v"], infos["cu_seqlens_q"], infos["cu_seqlens_k"], max_seqlen_q, max_seqlen_k,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-        alibi_slopes=alibi_info, deterministic=deterministic)
+        alibi_slopes=alibi_info, deterministic=deterministic, dropout_p=dropout_p)
+    seed, offset = checks.check_dropout_rng(dropout_p, dropout_seed, dropout_offset)
     checks.check_varlen_backward_args(infos["dout"], infos["out"], infos["softmax_lse"], infos["q"], shape.nheads)
     scale = checks.default_scale(shape.headdim) if softmax_scale is None else float(softmax_scale)
     framework = infos["q"].framework
@@ -480,10 +553,11 @@ def flash_attn_varlen_backward(
                 (shape.batch, shape.seqlen_q, shape.nheads, padded),
                 (shape.batch, shape.seqlen_k, shape.nheads_kv, padded), strides, shape.dtype, scale, bool(causal),
                 deterministic, _arch(device), window_size=window_size, softcap=float(softcap),
-                alibi_batch_stride=slopes_stride, varlen_totals=(total_q, total_k),
+                alibi_batch_stride=slopes_stride, varlen_totals=(total_q, total_k), dropout_p=float(dropout_p),
             )
             pointers = {n: x.data.ptr for n, x in ready.items()}
-            pointers.update(lse=lse.data.ptr, cu_seqlens_q=cu_q.data.ptr, cu_seqlens_k=cu_k.data.ptr)
+            pointers.update(lse=lse.data.ptr, cu_seqlens_q=cu_q.data.ptr, cu_seqlens_k=cu_k.data.ptr,
+                            dropout_seed=seed, dropout_offset=offset)
             if slopes is not None:
                 pointers["alibi_slopes"] = slopes.data.ptr
             pointers.update({n: x.data.ptr for n, x in zip(("dq", "dk", "dv", "dsum", "dq_accum"), views)})

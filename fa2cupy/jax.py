@@ -314,7 +314,8 @@ def flash_attn_func(
         deterministic: make the backward bit-reproducible run to run (the forward always is).
         window_size: sliding window ``(left, right)``, as in :func:`fa2cupy.flash_attn_func`.
         softcap: as in :func:`fa2cupy.flash_attn_func` (a static option: one compiled callback per value).
-        dropout_p, alibi_slopes: only the defaults; anything else raises NotImplementedError naming the feature.
+        dropout_p, alibi_slopes: only the defaults in fa2cupy.jax so far; anything else raises NotImplementedError
+            naming the feature.
         return_attn_probs: also return ``softmax_lse``.
 
     Returns:
@@ -327,6 +328,10 @@ def flash_attn_func(
     """
     if alibi_slopes is not None:
         raise NotImplementedError("ALiBi (alibi_slopes) in fa2cupy.jax is not implemented yet; pass None")
+    if not (type(dropout_p) is float and dropout_p == 0.0) and checks._real(dropout_p, "dropout_p") != 0.0:
+        if not 0.0 < float(dropout_p) < 1.0:
+            raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+        raise NotImplementedError("dropout (dropout_p > 0) in fa2cupy.jax is not implemented yet")
     q, k, v = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (q, k, v))
     shape = checks.check_forward_args(
         _info("q", q), _info("k", k), _info("v", v), dropout_p=dropout_p, softmax_scale=softmax_scale,

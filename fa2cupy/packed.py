@@ -1,7 +1,8 @@
 """flash-attn's packed-input forms, ``flash_attn_qkvpacked_func`` and ``flash_attn_kvpacked_func``, built on any
 ``flash_attn_func`` with the flash-attn 2.x signature (fa2cupy's own, and the torch and JAX wrappers'): the
 packed array is split into views along its "which tensor" axis (no copies for CuPy, PyTorch and NumPy; the
-kernels take the strides as they are), so gradients in the wrappers flow back into the packed array.
+kernels take the strides as they are), so gradients in the wrappers flow back into the packed array. Extra
+keyword arguments (fa2cupy's ``dropout_seed`` / ``dropout_offset``) pass through.
 """
 
 from __future__ import annotations
@@ -29,23 +30,25 @@ def make_packed(flash_attn_func):
     """(flash_attn_qkvpacked_func, flash_attn_kvpacked_func) calling ``flash_attn_func``."""
 
     def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                                  softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                                  softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                                  **dropout_rng):
         """Attention with q, k and v packed in one array ``qkv`` ``(batch, seqlen, 3, nheads, headdim)``
         (self-attention, flash-attn 2.x). Otherwise as ``flash_attn_func``; gradients (in the torch and JAX
         wrappers) flow into ``qkv``."""
         q, k, v = split(qkv, "qkv", 3)
         return flash_attn_func(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                                window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                               deterministic=deterministic, return_attn_probs=return_attn_probs)
+                               deterministic=deterministic, return_attn_probs=return_attn_probs, **dropout_rng)
 
     def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                                 softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                                 softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                                 **dropout_rng):
         """Attention with k and v packed in ``kv`` ``(batch, seqlen_k, 2, nheads_k, headdim)`` (flash-attn 2.x);
         q ``(batch, seqlen_q, nheads, headdim)``. Otherwise as ``flash_attn_func``."""
         k, v = split(kv, "kv", 2)
         return flash_attn_func(q, k, v, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                                window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                               deterministic=deterministic, return_attn_probs=return_attn_probs)
+                               deterministic=deterministic, return_attn_probs=return_attn_probs, **dropout_rng)
 
     return flash_attn_qkvpacked_func, flash_attn_kvpacked_func
 
@@ -55,24 +58,25 @@ def make_varlen_packed(flash_attn_varlen_func):
 
     def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None,
                                          causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                                         deterministic=False, return_attn_probs=False):
+                                         deterministic=False, return_attn_probs=False, **dropout_rng):
         """Varlen attention with q, k and v packed in ``qkv`` ``(total, 3, nheads, headdim)`` and one
         ``cu_seqlens`` for queries and keys (flash-attn 2.x). Otherwise as ``flash_attn_varlen_func``."""
         q, k, v = split_varlen(qkv, "qkv", 3)
         return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p=dropout_p,
                                       softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                                       softcap=softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
-                                      return_attn_probs=return_attn_probs)
+                                      return_attn_probs=return_attn_probs, **dropout_rng)
 
     def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                         softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                                        alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                                        alibi_slopes=None, deterministic=False, return_attn_probs=False,
+                                        **dropout_rng):
         """Varlen attention with k and v packed in ``kv`` ``(total_k, 2, nheads_k, headdim)`` (flash-attn 2.x);
         q ``(total_q, nheads, headdim)``. Otherwise as ``flash_attn_varlen_func``."""
         k, v = split_varlen(kv, "kv", 2)
         return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                       dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
                                       window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                                      deterministic=deterministic, return_attn_probs=return_attn_probs)
+                                      deterministic=deterministic, return_attn_probs=return_attn_probs, **dropout_rng)
 
     return flash_attn_varlen_qkvpacked_func, flash_attn_varlen_kvpacked_func

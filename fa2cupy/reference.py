@@ -122,7 +122,15 @@ def _probs(qb, kb, scale, mask, softcap=0.0, bias=None, with_tanh=False):
     return p, lse
 
 
-def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+def _dropped(p, bi, dropout_p, dropout_mask):
+    """P o Z / (1 - p) for batch entry bi (dropout_mask (batch, heads, sq, sk) bool, True = kept), or P."""
+    if dropout_mask is None:
+        return p
+    return np.where(np.asarray(dropout_mask)[bi], p, 0.0) / (1.0 - float(dropout_p))
+
+
+def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                  dropout_p=0.0, dropout_mask=None):
     """Exact attention in float64.
 
     Args:
@@ -134,6 +142,8 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1
         window_size: ``(left, right)`` sliding window (flash-attn semantics, -1 = no limit).
         softcap: ``> 0`` caps the scaled scores at ``softcap * tanh(s / softcap)``.
         alibi_slopes: ``(nheads,)`` or ``(batch, nheads)``: bias ``-slope * |i + seqlen_k - seqlen_q - j|``.
+        dropout_p, dropout_mask: dropout with the given keep mask ``(batch, nheads, seqlen_q, seqlen_k)`` (True =
+            kept): ``out = (P o Z / (1 - p)) V``; lse is that of the undropped softmax (as the kernels keep it).
 
     Returns:
         (out, lse): out float64 ``(batch, seqlen_q, nheads, headdim)``; lse float64
@@ -155,12 +165,13 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1
         vb = np.repeat(v[bi], group, axis=1)
         bias = None if slopes is None else _alibi_bias(slopes[bi], sq, sk)
         p, lse[bi] = _probs(q[bi], kb, scale, mask, float(softcap), bias)
+        p = _dropped(p, bi, dropout_p, dropout_mask)
         out[bi] = np.matmul(p, vb.transpose(1, 0, 2)).transpose(1, 0, 2)
     return out, lse
 
 
 def attention_ref_backward(dout, q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                           alibi_slopes=None, out=None):
+                           alibi_slopes=None, out=None, dropout_p=0.0, dropout_mask=None):
     """Analytic float64 gradients of :func:`attention_ref`'s output.
 
     With ``P = softmax(scale * Q K^T)`` and ``O = P V``:
@@ -175,6 +186,8 @@ def attention_ref_backward(dout, q, k, v, softmax_scale=None, causal=False, wind
         q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes: as for :func:`attention_ref`.
         out: optional output to use in ``rowsum(dO * O)`` instead of the exact one: FlashAttention-2's backward
             takes ``out`` as an input, so with a rounded ``out`` these are the exact gradients *for that out*.
+        dropout_p, dropout_mask: as for :func:`attention_ref`; then ``dV = Pd^T dO`` with ``Pd = P o Z / (1 - p)``,
+            and ``dS = P o (Z o dP / (1 - p) - D)``.
 
     Returns:
         (dq, dk, dv) float64 with the shapes of q, k and v.
@@ -195,10 +208,11 @@ def attention_ref_backward(dout, q, k, v, softmax_scale=None, causal=False, wind
         vb = np.repeat(v[bi], group, axis=1)
         bias = None if slopes is None else _alibi_bias(slopes[bi], sq, sk)
         p, _, t = _probs(q[bi], kb, scale, mask, float(softcap), bias, with_tanh=True)  # (hq, sq, sk)
-        ob = np.einsum("hqk,khd->qhd", p, vb) if out is None else _as_f64(out, "out")[bi]
+        pd = _dropped(p, bi, dropout_p, dropout_mask)
+        ob = np.einsum("hqk,khd->qhd", pd, vb) if out is None else _as_f64(out, "out")[bi]
         do = dout[bi]
-        dvb = np.einsum("hqk,qhd->khd", p, do)
-        dp = np.einsum("qhd,khd->hqk", do, vb)
+        dvb = np.einsum("hqk,qhd->khd", pd, do)
+        dp = _dropped(np.einsum("qhd,khd->hqk", do, vb), bi, dropout_p, dropout_mask)
         delta = np.einsum("qhd,qhd->hq", do, ob)[..., None]
         ds = p * (dp - delta)
         if t is not None:

@@ -52,14 +52,16 @@ def _contiguous_last_axis(t: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("fa2cupy::flash_attn_forward", mutates_args=())
 def _flash_attn_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool, window_left: int,
-    window_right: int, deterministic: bool, softcap: float, alibi_slopes: Optional[torch.Tensor]
+    window_right: int, deterministic: bool, softcap: float, alibi_slopes: Optional[torch.Tensor], dropout_p: float,
+    dropout_seed: int, dropout_offset: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out ``(b, sq, h, d)`` contiguous in q's dtype and lse ``(b, h, sq)`` float32. ``deterministic`` is only
     carried to the backward (the forward is always deterministic)."""
     # detach(): the autograd wrapper already handles the graph; plain tensors take fa2cupy's cached fast path.
     out, lse, _ = fa2cupy.flash_attn_func(
-        q.detach(), k.detach(), v.detach(), softmax_scale=softmax_scale, causal=causal,
-        window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes, return_attn_probs=True
+        q.detach(), k.detach(), v.detach(), dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+        window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes, return_attn_probs=True,
+        dropout_seed=_unsigned(dropout_seed), dropout_offset=_unsigned(dropout_offset)
     )
     # Odd head dims come back as a slice of a padded buffer; the fake implementation promises contiguous.
     return out.contiguous(), lse
@@ -67,7 +69,7 @@ def _flash_attn_forward(
 
 @_flash_attn_forward.register_fake
 def _flash_attn_forward_fake(q, k, v, softmax_scale, causal, window_left, window_right, deterministic, softcap,
-                             alibi_slopes):
+                             alibi_slopes, dropout_p, dropout_seed, dropout_offset):
     b, sq, h, d = q.shape
     out = q.new_empty((b, sq, h, d))
     lse = q.new_empty((b, h, sq), dtype=torch.float32)
@@ -91,6 +93,9 @@ def _flash_attn_backward(
     window_right: int,
     deterministic: bool,
     softcap: float,
+    dropout_p: float,
+    dropout_seed: int,
+    dropout_offset: int,
     alibi_slopes: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv: contiguous, shaped and typed like q, k, v."""
@@ -107,13 +112,16 @@ def _flash_attn_backward(
         deterministic=deterministic,
         softcap=softcap,
         alibi_slopes=alibi_slopes,
+        dropout_p=dropout_p,
+        dropout_seed=_unsigned(dropout_seed),
+        dropout_offset=_unsigned(dropout_offset),
     )
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @_flash_attn_backward.register_fake
 def _flash_attn_backward_fake(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right,
-                              deterministic, softcap, alibi_slopes):
+                              deterministic, softcap, dropout_p, dropout_seed, dropout_offset, alibi_slopes):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -121,11 +129,14 @@ def _flash_attn_backward_fake(dout, q, k, v, out, lse, softmax_scale, causal, wi
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, window_left, window_right, deterministic, softcap, alibi_slopes = inputs
+    (q, k, v, softmax_scale, causal, window_left, window_right, deterministic, softcap, alibi_slopes, dropout_p,
+     dropout_seed, dropout_offset) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)  # nothing else: O(seqlen) memory on top of q, k, v, out
     ctx.alibi_slopes = alibi_slopes  # not differentiated (as in flash-attn)
-    ctx.options = (softmax_scale, causal, window_left, window_right, deterministic, softcap)
+    # The backward regenerates the forward's dropout mask from the same seed and offset.
+    ctx.options = (softmax_scale, causal, window_left, window_right, deterministic, softcap, dropout_p, dropout_seed,
+                   dropout_offset)
     # lse is an auxiliary output (as in flash-attn): no gradient flows through it.
     ctx.mark_non_differentiable(lse)
 
@@ -134,7 +145,7 @@ def _backward(ctx, dout, dlse):
     del dlse  # lse is non-differentiable
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = _flash_attn_backward(dout, q, k, v, out, lse, *ctx.options, ctx.alibi_slopes)
-    return dq, dk, dv, None, None, None, None, None, None, None
+    return (dq, dk, dv) + (None,) * 10
 
 
 torch.library.register_autograd("fa2cupy::flash_attn_forward", _backward, setup_context=_setup_context)
@@ -143,15 +154,30 @@ torch.library.register_autograd("fa2cupy::flash_attn_forward", _backward, setup_
 # --------------------------------------------------------------------------------------------- public API
 
 
-def _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes) -> None:
+def _unsigned(x: int) -> int:
+    """A 64-bit seed or offset carried through an op as a signed int64, back to [0, 2**64)."""
+    return int(x) & 0xFFFFFFFFFFFFFFFF
+
+
+def _draw_dropout_rng(device: torch.device) -> tuple[int, int]:
+    """(seed, offset) for one dropout call from torch's default CUDA generator of ``device``, advancing its offset
+    (as torch's own dropout does), so torch.manual_seed makes fa2cupy's dropout reproducible. Signed int64s."""
+    gen = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    state = gen.get_state()  # the Philox seed and offset, two int64s
+    seed, offset = (int(x) for x in state.view(torch.int64)[:2])
+    state.view(torch.int64)[1] = offset + 4
+    gen.set_state(state)
+    return seed, offset
+
+
+def _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes) -> float:
     # The same rules and messages as fa2cupy.checks.check_forward_args, checked before any op is traced or run
-    # (the ops only take the supported arguments). The common spellings skip the helpers.
+    # (the ops only take the supported arguments). The common spellings skip the helpers. Returns dropout_p.
+    p = 0.0
     if not (type(dropout_p) is float and dropout_p == 0.0):
         p = checks._real(dropout_p, "dropout_p")
         if not 0.0 <= p < 1.0:
             raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
-        if p != 0.0:
-            raise NotImplementedError("dropout (dropout_p > 0) is not implemented yet")
     if not (type(window_size) is tuple and window_size == (-1, -1)):
         checks._check_window(window_size)
     if not (type(softcap) is float and softcap == 0.0):
@@ -161,6 +187,7 @@ def _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes) -> None:
     if alibi_slopes is not None and not isinstance(alibi_slopes, torch.Tensor):
         raise TypeError(f"alibi_slopes must be a float32 torch.Tensor (nheads,) or (batch, nheads), got "
                         f"{type(alibi_slopes).__name__}")
+    return p
 
 
 def flash_attn_func(
@@ -190,14 +217,15 @@ def flash_attn_func(
         deterministic: make the backward bit-reproducible run to run (the forward always is).
         window_size: sliding window ``(left, right)``, as in :func:`fa2cupy.flash_attn_func`.
         softcap, alibi_slopes: as in :func:`fa2cupy.flash_attn_func` (no gradient flows to the slopes).
-        dropout_p: only 0; anything else raises NotImplementedError.
+        dropout_p: dropout on the attention probabilities, with the seed and offset drawn from torch's CUDA
+            generator (``torch.manual_seed`` reproduces it); the backward regenerates the same mask.
         return_attn_probs: also return ``softmax_lse`` (see Returns).
 
     Returns:
         ``out`` like q; with ``return_attn_probs=True``, ``(out, softmax_lse, None)`` with ``softmax_lse``
         float32 ``(batch, nheads, seqlen_q)``, which is not differentiable (as in flash-attn).
     """
-    _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
+    p = _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
     if causal is not True and causal is not False:
         checks._check_bool(causal, "causal")
     if deterministic is not True and deterministic is not False:
@@ -205,8 +233,9 @@ def flash_attn_func(
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(int(q.shape[-1]))
     left, right = (int(w) for w in window_size)
+    seed, offset = _draw_dropout_rng(q.device) if p > 0 else (0, 0)
     out, lse = _flash_attn_forward(q, k, v, float(softmax_scale), bool(causal), left, right, bool(deterministic),
-                                   float(softcap), alibi_slopes)
+                                   float(softcap), alibi_slopes, p, seed, offset)
     if return_attn_probs:
         return out, lse, None
     return out
@@ -222,19 +251,22 @@ flash_attn_qkvpacked_func, flash_attn_kvpacked_func = packed.make_packed(flash_a
 def _flash_attn_varlen_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int, window_right: int,
-    deterministic: bool, softcap: float, alibi_slopes: Optional[torch.Tensor]
+    deterministic: bool, softcap: float, alibi_slopes: Optional[torch.Tensor], dropout_p: float, dropout_seed: int,
+    dropout_offset: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out ``(total_q, h, d)`` contiguous and lse ``(h, total_q)`` float32."""
     out, lse, _ = fa2cupy.flash_attn_varlen_func(
         q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right), softcap=softcap,
-        alibi_slopes=alibi_slopes, return_attn_probs=True)
+        dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
+        softcap=softcap, alibi_slopes=alibi_slopes, return_attn_probs=True, dropout_seed=_unsigned(dropout_seed),
+        dropout_offset=_unsigned(dropout_offset))
     return out.contiguous(), lse
 
 
 @_flash_attn_varlen_forward.register_fake
 def _flash_attn_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                                    causal, window_left, window_right, deterministic, softcap, alibi_slopes):
+                                    causal, window_left, window_right, deterministic, softcap, alibi_slopes,
+                                    dropout_p, dropout_seed, dropout_offset):
     total, h, d = q.shape
     return q.new_empty((total, h, d)), q.new_empty((h, total), dtype=torch.float32)
 
@@ -244,14 +276,15 @@ def _flash_attn_varlen_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
     softmax_scale: float, causal: bool, window_left: int, window_right: int, deterministic: bool, softcap: float,
-    alibi_slopes: Optional[torch.Tensor]
+    dropout_p: float, dropout_seed: int, dropout_offset: int, alibi_slopes: Optional[torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv like q, k, v (rows outside every sequence are zero)."""
     dq, dk, dv = fa2cupy.flash_attn_varlen_backward(
         _contiguous_last_axis(dout.detach()), q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(),
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
         window_size=(window_left, window_right), deterministic=deterministic, softcap=softcap,
-        alibi_slopes=alibi_slopes)
+        alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=_unsigned(dropout_seed),
+        dropout_offset=_unsigned(dropout_offset))
     # Autograd needs defined values everywhere: rows past the last sequence, which no kernel writes, become 0.
     grads = []
     for g, cu in ((dq, cu_seqlens_q), (dk, cu_seqlens_k), (dv, cu_seqlens_k)):
@@ -264,17 +297,18 @@ def _flash_attn_varlen_backward(
 @_flash_attn_varlen_backward.register_fake
 def _flash_attn_varlen_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      softmax_scale, causal, window_left, window_right, deterministic, softcap,
-                                     alibi_slopes):
+                                     dropout_p, dropout_seed, dropout_offset, alibi_slopes):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_varlen_context(ctx, inputs, output):
     (q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_left, window_right, deterministic, softcap,
-     alibi_slopes) = inputs
+     alibi_slopes, dropout_p, dropout_seed, dropout_offset) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
     ctx.alibi_slopes = alibi_slopes
-    ctx.options = (max_q, max_k, softmax_scale, causal, window_left, window_right, deterministic, softcap)
+    ctx.options = (max_q, max_k, softmax_scale, causal, window_left, window_right, deterministic, softcap, dropout_p,
+                   dropout_seed, dropout_offset)
     ctx.mark_non_differentiable(lse)
 
 
@@ -282,7 +316,7 @@ def _varlen_backward(ctx, dout, dlse):
     del dlse
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
     dq, dk, dv = _flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.options, ctx.alibi_slopes)
-    return (dq, dk, dv) + (None,) * 11
+    return (dq, dk, dv) + (None,) * 14
 
 
 torch.library.register_autograd("fa2cupy::flash_attn_varlen_forward", _varlen_backward,
@@ -298,15 +332,16 @@ def flash_attn_varlen_func(
     gradients flow to q, k and v."""
     if block_table is not None:
         raise NotImplementedError("paged K/V (block_table) in flash_attn_varlen_func is not implemented yet")
-    _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
+    p = _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
     if causal is not True and causal is not False:
         checks._check_bool(causal, "causal")
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(int(q.shape[-1]))
     left, right = (int(w) for w in window_size)
+    seed, offset = _draw_dropout_rng(q.device) if p > 0 else (0, 0)
     out, lse = _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                                           float(softmax_scale), bool(causal), left, right, bool(deterministic),
-                                          float(softcap), alibi_slopes)
+                                          float(softcap), alibi_slopes, p, seed, offset)
     if return_attn_probs:
         return out, lse, None
     return out

@@ -13,6 +13,7 @@ from fa2cupy.checks import (
     SUPPORTED_DTYPES,
     UNLIMITED_WINDOW,
     AttnShape,
+    check_dropout_rng,
     check_forward_args,
     check_varlen_args,
     default_scale,
@@ -204,10 +205,26 @@ def test_frameworks_differ():
 
 # ------------------------------------------------------------------ option errors
 
-@pytest.mark.parametrize("p", [0.1, 0.5])
-def test_dropout_not_implemented(p):
-    with pytest.raises(NotImplementedError, match=r"^dropout \(dropout_p > 0\) is not implemented yet$"):
-        check_forward_args(*qkv(), dropout_p=p)
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.999])
+def test_dropout_accepted(p):
+    assert check_forward_args(*qkv(), dropout_p=p).headdim == 64
+
+
+@pytest.mark.parametrize("seed,offset,message", [
+    (None, 0, r"^dropout_seed must be an int in \[0, 2\*\*64\), got None \(dropout_p > 0 needs it"),
+    (-1, 0, r"^dropout_seed must be an int"),
+    (1 << 64, 0, r"^dropout_seed must be an int"),
+    (3, -2, r"^dropout_offset must be an int"),
+    (3, 1.5, r"^dropout_offset must be an int"),
+])
+def test_dropout_rng_rejected(seed, offset, message):
+    with pytest.raises(ValueError, match=message):
+        check_dropout_rng(0.1, seed, offset)
+
+
+def test_dropout_rng_ignored_without_dropout():
+    assert check_dropout_rng(0.0, None, None) == (0, 0)
+    assert check_dropout_rng(0.2, 5, 7) == (5, 7)
 
 
 @pytest.mark.parametrize("p", [-0.1, 1.0, float("nan")])
@@ -300,7 +317,6 @@ def test_varlen_valid():
      r"^cu_seqlens_q \(4,\) and cu_seqlens_k \(3,\) must have the same length"),
     ((info("q", (2, 30, 4, 64)),) + varlen()[1:], {}, ValueError, r"^q must be 3-D \(total_tokens, heads, headdim\)"),
     (varlen(hkv=3), {}, ValueError, r"^q has nheads=4, which is not a multiple of nheads_kv=3"),
-    (varlen(), dict(dropout_p=0.5), NotImplementedError, r"^dropout"),
 ])
 def test_varlen_rejected(args, kw, error, message):
     with pytest.raises(error, match=message):

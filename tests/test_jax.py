@@ -67,7 +67,7 @@ def test_lowers_for_jit_value_and_grad():
 
 
 @pytest.mark.parametrize("kwargs,error,message", [
-    (dict(dropout_p=0.1), NotImplementedError, r"^dropout \(dropout_p > 0\) is not implemented yet"),
+    (dict(dropout_p=0.1), NotImplementedError, r"^dropout \(dropout_p > 0\) in fa2cupy.jax is not implemented"),
     (dict(window_size=(8, -2)), ValueError, r"^window_size must be \(left, right\) with each side >= 0"),
     (dict(softcap=-5.0), ValueError, r"^softcap must be a finite number >= 0"),
     (dict(alibi_slopes=np.ones(4)), NotImplementedError, r"^ALiBi \(alibi_slopes\) in fa2cupy.jax is not implemented"),

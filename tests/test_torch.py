@@ -206,15 +206,6 @@ def test_lse_is_not_differentiable(cpu_kernels):
     assert lse.shape == (2, 4, 5) and lse.dtype == torch.float32
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(dropout_p=0.1), r"^dropout \(dropout_p > 0\) is not implemented yet"),
-])
-def test_unsupported_features_raise_before_any_op(cpu_kernels, kwargs, message):
-    q, k, v = _cpu_qkv()
-    with pytest.raises(NotImplementedError, match=message):
-        flash_attn_func(q, k, v, **kwargs)
-
-
 @pytest.mark.parametrize("kwargs,error,message", [
     (dict(dropout_p=1.5), ValueError, r"^dropout_p must be in \[0, 1\)"),
     (dict(window_size=4), TypeError, r"^window_size must be a pair of ints"),

@@ -320,3 +320,123 @@ def test_torch_gradients(mods):
         refs = attention_ref_backward(host(dout), host(q), host(k), host(v), causal=True, softcap=cap,
                                       alibi_slopes=None if slopes is None else slopes.cpu().numpy(), out=host(out))
     _check_grads((q.grad, k.grad, v.grad), refs, "bfloat16", 1 / 8, 64, host(dout), host(q), host(k), host(v))
+
+
+# ------------------------------------------------------------------------------------------ dropout
+
+
+@st.composite
+def dropout_cases(draw):
+    h, hkv = draw(st.sampled_from(HEAD_GROUPS))
+    return dict(
+        batch=draw(st.integers(1, 2)), seqlen_q=draw(st.sampled_from([1, 17, 64, 65, 130, 200])),
+        seqlen_k=draw(st.sampled_from([1, 16, 63, 128, 129, 200])), nheads=h, nheads_kv=hkv,
+        headdim=draw(st.sampled_from([32, 64, 128, 40])), causal=draw(st.booleans()),
+        softcap=draw(st.sampled_from([0.0, 0.0, 4.0])), dropout_p=draw(st.sampled_from([0.1, 0.5, 0.9])),
+        dtype=draw(st.sampled_from(["float16", "bfloat16"])), deterministic=draw(st.booleans()),
+        dropout_seed=draw(st.integers(0, 2**64 - 1)), dropout_offset=draw(st.integers(0, 2**40)),
+        seed=draw(st.integers(0, 2**32 - 1)),
+    )
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(dropout_cases())
+def test_dropout_matches_reference_with_the_reported_mask(c):
+    """The kernels' output and gradients equal the reference that applies the mask fa2cupy.dropout_mask reports."""
+    fa = _fa()
+    cp = _cupy()
+    rng = np.random.default_rng(c["seed"])
+    b, sq, sk, h, hkv, d, dtype, p = (c[n] for n in ("batch", "seqlen_q", "seqlen_k", "nheads", "nheads_kv",
+                                                     "headdim", "dtype", "dropout_p"))
+    q, k, v = _randn(rng, (b, sq, h, d), dtype), _randn(rng, (b, sk, hkv, d), dtype), _randn(rng, (b, sk, hkv, d),
+                                                                                             dtype)
+    dout = _randn(rng, (b, sq, h, d), dtype)
+    rng_kw = dict(dropout_seed=c["dropout_seed"], dropout_offset=c["dropout_offset"])
+    kw = dict(causal=c["causal"], softcap=c["softcap"])
+    out, lse, probs = fa.flash_attn_func(q, k, v, dropout_p=p, return_attn_probs=True, **kw, **rng_kw)
+    mask = cp.asnumpy(fa.dropout_mask(b, h, sq, sk, p, c["dropout_seed"], c["dropout_offset"]))
+    qh, kh, vh, doh = (_host(x) for x in (q, k, v, dout))
+    ref_out, ref_lse = attention_ref(qh, kh, vh, dropout_p=p, dropout_mask=mask, **kw)
+    for bi in range(b):
+        _check_out(out[bi], lse[bi], ref_out[bi], ref_lse[bi], v * (1 / (1 - p)), dtype)
+    grads = fa.flash_attn_backward(dout, q, k, v, out, lse, deterministic=c["deterministic"], dropout_p=p, **kw,
+                                   **rng_kw)
+    refs = attention_ref_backward(doh, qh, kh, vh, out=_host(out), dropout_p=p, dropout_mask=mask, **kw)
+    _check_grads(grads, refs, dtype, 1 / math.sqrt(d) / (1 - p), d, doh, qh, kh, vh)
+    # return_attn_probs: P o Z / (1 - p) as the output was made of (float32, recomputed from the kernel's lse)
+    from fa2cupy.benchmark import _probs64
+    p_ref = _probs64(qh, kh, 1 / math.sqrt(d), c["causal"]) if c["softcap"] == 0 else None
+    if p_ref is not None:
+        expect = np.where(mask, p_ref, 0.0) / (1 - p)
+        assert np.abs(_host(probs) - expect).max() <= 1e-3 * max(1.0, float(np.abs(expect).max()))
+
+
+def test_dropout_keep_rate_and_reproducibility():
+    fa = _fa()
+    cp = _cupy()
+    for p in (0.1, 0.3, 0.75):
+        mask = fa.dropout_mask(4, 8, 512, 512, p, 1234, 0)
+        n = mask.size
+        rate = float(mask.mean())
+        keep = round((1 - p) * 65536) / 65536
+        sigma = math.sqrt(keep * (1 - keep) / n)
+        assert abs(rate - keep) <= 5 * sigma, (p, rate, keep)
+        assert abs(keep - (1 - p)) <= 2**-16
+        # neighbours are not copies of each other (a broken counter would repeat whole blocks)
+        assert float((mask[..., ::2] == mask[..., 1::2]).mean()) < 1 - 0.1 * min(p, 1 - p)
+    rng = np.random.default_rng(9)
+    q, k, v = (_randn(rng, (2, 100, 4, 64), "bfloat16") for _ in range(3))
+    a = fa.flash_attn_func(q, k, v, dropout_p=0.2, dropout_seed=7, dropout_offset=3)
+    b = fa.flash_attn_func(q, k, v, dropout_p=0.2, dropout_seed=7, dropout_offset=3)
+    assert cp.array_equal(a.view(cp.uint16), b.view(cp.uint16)), "same seed and offset must be bitwise equal"
+    for other in (dict(dropout_seed=8, dropout_offset=3), dict(dropout_seed=7, dropout_offset=4)):
+        c = fa.flash_attn_func(q, k, v, dropout_p=0.2, **other)
+        assert not cp.array_equal(a.view(cp.uint16), c.view(cp.uint16))
+    with pytest.raises(ValueError, match="dropout_seed"):
+        fa.flash_attn_func(q, k, v, dropout_p=0.2)
+
+
+def test_varlen_dropout_mask_is_per_sequence():
+    """Sequence b of a varlen call drops what batch entry b of a padded call with the same seed drops."""
+    fa = _fa()
+    cp = _cupy()
+    rng = np.random.default_rng(4)
+    lengths = [70, 0, 33]
+    cu = _cu(lengths)
+    q, k, v = (_randn(rng, (int(cu[-1]), 2, 64), "float16") for _ in range(3))
+    out = fa.flash_attn_varlen_func(q, k, v, cp.asarray(cu), cp.asarray(cu), 70, 70, dropout_p=0.4, causal=True,
+                                    dropout_seed=99, dropout_offset=5)
+    for bi, n in enumerate(lengths):
+        if n == 0:
+            continue
+        s = slice(int(cu[bi]), int(cu[bi + 1]))
+        mask = cp.asnumpy(fa.dropout_mask(len(lengths), 2, n, n, 0.4, 99, 5))[bi : bi + 1]
+        ref, _ = attention_ref(_host(q[None, s]), _host(k[None, s]), _host(v[None, s]), causal=True, dropout_p=0.4,
+                               dropout_mask=mask)
+        tol = 4 * UNIT_ROUNDOFF["float16"] * float(np.abs(_host(v)).max()) / 0.6 + 1e-6
+        assert np.abs(_host(out[s]) - ref[0]).max() <= tol
+
+
+def test_torch_dropout_uses_torch_generator():
+    torch = _torch()
+    import fa2cupy
+    from fa2cupy import torch as fat
+
+    g = torch.Generator(device="cpu").manual_seed(2)
+    q, k, v = (torch.randn((2, 90, 4, 64), generator=g).to("cuda", torch.float16).requires_grad_() for _ in range(3))
+    torch.manual_seed(123)
+    state = torch.cuda.default_generators[0].get_state().view(torch.int64)[:2].tolist()
+    out = fat.flash_attn_func(q, k, v, dropout_p=0.3, causal=True)
+    torch.manual_seed(123)
+    again = fat.flash_attn_func(q, k, v, dropout_p=0.3, causal=True)
+    assert torch.equal(out, again), "torch.manual_seed must reproduce the dropout"
+    seed, offset = (x & (2**64 - 1) for x in state)
+    mask = _cupy().asnumpy(fa2cupy.dropout_mask(2, 4, 90, 90, 0.3, seed, offset))
+    host = lambda t: t.detach().float().cpu().numpy().astype(np.float64)  # noqa: E731
+    ref, _ = attention_ref(host(q), host(k), host(v), causal=True, dropout_p=0.3, dropout_mask=mask)
+    assert np.abs(host(out) - ref).max() <= 4 * 2**-11 * np.abs(host(v)).max() / 0.7 + 1e-6
+    dout = torch.randn(out.shape, generator=g).to("cuda", torch.float16)
+    out.backward(dout)
+    refs = attention_ref_backward(host(dout), host(q), host(k), host(v), causal=True, out=host(out), dropout_p=0.3,
+                                  dropout_mask=mask)
+    _check_grads((q.grad, k.grad, v.grad), refs, "float16", 1 / 8 / 0.7, 64, host(dout), host(q), host(k), host(v))
