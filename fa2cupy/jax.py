@@ -41,7 +41,15 @@ from jax.experimental.buffer_callback import buffer_callback
 import fa2cupy
 from fa2cupy import arrays, checks, packed
 
-__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "COMMAND_BUFFER_COMPATIBLE"]
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_varlen_kvpacked_func",
+    "COMMAND_BUFFER_COMPATIBLE",
+]
 
 #: Let XLA capture the callbacks into command buffers (CUDA graphs). Read when a call is traced.
 COMMAND_BUFFER_COMPATIBLE = True
@@ -134,26 +142,53 @@ def _xla_stream(ctx) -> int:
 
 
 # ------------------------------------------------------------------------------------------ the callbacks
+#
+# A call's static options are one hashable tuple, opts = (scale, causal, left, right, softcap, has_alibi, varlen),
+# varlen being None or (max_seqlen_q, max_seqlen_k). Its array inputs are q, k, v, then cu_seqlens_q and
+# cu_seqlens_k (varlen), then the ALiBi slopes (has_alibi): the "extras" below.
 
 
-def _run_forward(outs, q, k, v, scale, mask):
+def _split_extras(extras, opts):
+    """(cu_seqlens_q, cu_seqlens_k, alibi_slopes) from the extra inputs, None where absent."""
+    has_alibi, varlen = opts[5], opts[6]
+    cu_q, cu_k = (extras[0], extras[1]) if varlen else (None, None)
+    return cu_q, cu_k, (extras[-1] if has_alibi else None)
+
+
+def _kw(opts):
+    scale, causal, left, right, softcap = opts[:5]
+    return dict(softmax_scale=scale, causal=causal, window_size=(left, right), softcap=softcap)
+
+
+def _run_forward(outs, q, k, v, *extras_and_opts):
     """Forward on CuPy arrays, writing into the CuPy arrays ``outs = (out, lse)``; current stream."""
-    causal, left, right, softcap = mask
-    out, lse, _ = fa2cupy.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, window_size=(left, right),
-                                          softcap=softcap, return_attn_probs=True)
+    *extras, opts = extras_and_opts
+    cu_q, cu_k, slopes = _split_extras(extras, opts)
+    if opts[6]:
+        out, lse, _ = fa2cupy.flash_attn_varlen_func(q, k, v, cu_q, cu_k, *opts[6], alibi_slopes=slopes,
+                                                     return_attn_probs=True, **_kw(opts))
+    else:
+        out, lse, _ = fa2cupy.flash_attn_func(q, k, v, alibi_slopes=slopes, return_attn_probs=True, **_kw(opts))
     stream = cupy.cuda.get_current_stream()
     _copy_into(outs[0], out, stream)
     _copy_into(outs[1], lse, stream)
 
 
-def _run_backward(outs, dout, q, k, v, out, lse, scale, mask, deterministic):
+def _run_backward(outs, dout, q, k, v, out, lse, *extras_and_opts):
     """Backward on CuPy arrays, writing into ``outs = (dq, dk, dv)``; current stream."""
-    grads = fa2cupy.flash_attn_backward(
-        dout, q, k, v, out, lse, softmax_scale=scale, causal=mask[0], window_size=mask[1:3],
-        deterministic=deterministic, softcap=mask[3]
-    )
+    *extras, opts, deterministic = extras_and_opts
+    cu_q, cu_k, slopes = _split_extras(extras, opts)
+    if opts[6]:
+        grads = fa2cupy.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, *opts[6],
+                                                   deterministic=deterministic, alibi_slopes=slopes, **_kw(opts))
+    else:
+        grads = fa2cupy.flash_attn_backward(dout, q, k, v, out, lse, deterministic=deterministic,
+                                            alibi_slopes=slopes, **_kw(opts))
     stream = cupy.cuda.get_current_stream()
-    for dst, src in zip(outs, grads):
+    for dst, src, cu in zip(outs, grads, (cu_q, cu_k, cu_k)):
+        if opts[6]:  # rows outside every sequence are not written by the kernels: zero them (no host sync)
+            rows = cupy.arange(src.shape[0], dtype=cupy.int32)[:, None, None]
+            src = cupy.where(rows < cu[-1], src, cupy.zeros((), src.dtype))
         _copy_into(dst, src, stream)
 
 
@@ -171,18 +206,18 @@ def _in_callback(kind, run, options, ctx, outs, *inputs):
 
 
 @functools.lru_cache(maxsize=None)
-def _forward_callback(scale: float, mask: tuple):
+def _forward_callback(opts: tuple):
     # Cached so that equal calls share one callback object: eager calls then hit JAX's compilation cache.
-    def callback(ctx, outs, q, k, v):
-        _in_callback("fwd", _run_forward, (scale, mask), ctx, outs, q, k, v)
+    def callback(ctx, outs, *inputs):
+        _in_callback("fwd", _run_forward, (opts,), ctx, outs, *inputs)
 
     return callback
 
 
 @functools.lru_cache(maxsize=None)
-def _backward_callback(scale: float, mask: tuple, deterministic: bool):
-    def callback(ctx, outs, dout, q, k, v, out, lse):
-        _in_callback("bwd", _run_backward, (scale, mask, deterministic), ctx, outs, dout, q, k, v, out, lse)
+def _backward_callback(opts: tuple, deterministic: bool):
+    def callback(ctx, outs, *inputs):
+        _in_callback("bwd", _run_backward, (opts, deterministic), ctx, outs, *inputs)
 
     return callback
 
@@ -193,15 +228,16 @@ def _backward_callback(scale: float, mask: tuple, deterministic: bool):
 _warmed: set = set()
 
 
-def _warm_up(kind, shape: checks.AttnShape, scale, mask, deterministic) -> None:
+def _warm_up(kind, shape: checks.AttnShape, opts, deterministic) -> None:
     """Compile and load the kernels of a call before XLA runs (and maybe captures) the callback.
 
-    Runs the same code path on tiny CuPy arrays (one batch, one kv group, short sequences; same head dim,
-    dtype, group size and options) on a private stream, once per signature. Best effort: on a machine
-    without a usable GPU it does nothing and the callback itself reports the problem.
+    Runs a padded call of the same kernel variant on tiny CuPy arrays (one batch, one kv group, short sequences;
+    same head dim, dtype, group size and options; varlen calls use the same kernels) on a private stream, once
+    per signature. Best effort: on a machine without a usable GPU it does nothing and the callback itself reports
+    the problem.
     """
     group = shape.nheads // shape.nheads_kv
-    key = (kind, shape.headdim, shape.dtype, group, scale, mask, deterministic)
+    key = (kind, shape.headdim, shape.dtype, group, opts[:6], deterministic)
     if key in _warmed:
         return
     _warmed.add(key)
@@ -212,7 +248,7 @@ def _warm_up(kind, shape: checks.AttnShape, scale, mask, deterministic) -> None:
         return
     try:
         dtype = arrays._cupy_dtype(shape.dtype)
-        sq, sk = min(shape.seqlen_q, 128), min(shape.seqlen_k, 128)
+        sq, sk = min(shape.seqlen_q, 128) or 1, min(shape.seqlen_k, 128) or 1
         stream = cupy.cuda.Stream(non_blocking=True)
         with stream:
             rnd = cupy.random.default_rng(0)
@@ -220,13 +256,15 @@ def _warm_up(kind, shape: checks.AttnShape, scale, mask, deterministic) -> None:
             def make(*dims):
                 return rnd.standard_normal(dims, dtype=cupy.float32).astype(dtype)
 
+            padded = opts[:6] + (None,)
+            extras = (cupy.ones(group, cupy.float32),) if opts[5] else ()
             q, k, v = make(1, sq, group, shape.headdim), make(1, sk, 1, shape.headdim), make(1, sk, 1, shape.headdim)
             out = cupy.empty_like(q)
             lse = cupy.empty((1, group, sq), cupy.float32)
-            _run_forward((out, lse), q, k, v, scale, mask)
+            _run_forward((out, lse), q, k, v, *extras, padded)
             if kind == "bwd":
                 grads = (cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v))
-                _run_backward(grads, make(1, sq, group, shape.headdim), q, k, v, out, lse, scale, mask,
+                _run_backward(grads, make(1, sq, group, shape.headdim), q, k, v, out, lse, *extras, padded,
                               deterministic)
         stream.synchronize()
     except Exception:  # noqa: BLE001 -- best effort, see the docstring
@@ -242,49 +280,75 @@ def _info(name, x) -> arrays.ArrayInfo:
     return arrays.ArrayInfo(name, "jax", shape, np.dtype(x.dtype).name, arrays._c_strides(shape), ("cuda", 0))
 
 
-def _forward_call(q, k, v, scale, mask):
-    b, sq, h, _ = q.shape
-    result = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, sq), jnp.float32))
+def _forward_call(q, k, v, extras, opts):
+    if opts[6]:  # varlen: out like q, lse (nheads, total_q)
+        lse_shape = (q.shape[1], q.shape[0])
+    else:
+        lse_shape = (q.shape[0], q.shape[2], q.shape[1])
+    result = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32))
     call = buffer_callback(
-        _forward_callback(scale, mask), result, vmap_method="sequential",
+        _forward_callback(opts), result, vmap_method="sequential",
         command_buffer_compatible=COMMAND_BUFFER_COMPATIBLE,
     )
-    return call(q, k, v)
+    return call(q, k, v, *extras)
 
 
-def _backward_call(dout, q, k, v, out, lse, scale, mask, deterministic):
+def _backward_call(dout, q, k, v, out, lse, extras, opts, deterministic):
     result = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
     call = buffer_callback(
-        _backward_callback(scale, mask, deterministic), result, vmap_method="sequential",
+        _backward_callback(opts, deterministic), result, vmap_method="sequential",
         command_buffer_compatible=COMMAND_BUFFER_COMPATIBLE,
     )
-    return call(dout, q, k, v, out, lse)
+    return call(dout, q, k, v, out, lse, *extras)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _attention(q, k, v, scale, mask, deterministic):
-    return _forward_call(q, k, v, scale, mask)
+def _shape_of(q, k, opts) -> checks.AttnShape:
+    if opts[6]:  # varlen: (total, heads, d) arrays; the warm-up only needs heads, head dim and dtype
+        return checks.AttnShape(1, opts[6][0], opts[6][1], q.shape[1], k.shape[1], q.shape[2],
+                                np.dtype(q.dtype).name)
+    return checks.check_forward_args(_info("q", q), _info("k", k), _info("v", k))
 
 
-def _attention_fwd(q, k, v, scale, mask, deterministic):
-    out, lse = _forward_call(q, k, v, scale, mask)
-    return (out, lse), (q, k, v, out, lse)  # the residuals: no probabilities, O(seqlen) besides q, k, v, out
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _attention(q, k, v, extras, opts, deterministic):
+    return _forward_call(q, k, v, extras, opts)
 
 
-def _attention_bwd(scale, mask, deterministic, residuals, cotangents):
-    q, k, v, out, lse = residuals
+def _attention_fwd(q, k, v, extras, opts, deterministic):
+    out, lse = _forward_call(q, k, v, extras, opts)
+    # the residuals: no probabilities, O(seqlen) besides q, k, v, out
+    return (out, lse), (q, k, v, out, lse, extras)
+
+
+def _attention_bwd(opts, deterministic, residuals, cotangents):
+    q, k, v, out, lse, extras = residuals
     dout, _ = cotangents  # lse is returned through stop_gradient: its cotangent is always zero
-    shape = checks.check_forward_args(_info("q", q), _info("k", k), _info("v", v))
-    _warm_up("bwd", shape, scale, mask, deterministic)
-    return _backward_call(dout.astype(q.dtype), q, k, v, out, lse, scale, mask, deterministic)
+    _warm_up("bwd", _shape_of(q, k, opts), opts, deterministic)
+    dq, dk, dv = _backward_call(dout.astype(q.dtype), q, k, v, out, lse, extras, opts, deterministic)
+    # cu_seqlens and the ALiBi slopes get no gradient (as in flash-attn)
+    return dq, dk, dv, tuple(None for _ in extras)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4, 5))
-def _attention_jit(q, k, v, scale, mask, deterministic):
-    return _attention(q, k, v, scale, mask, deterministic)
+@functools.partial(jax.jit, static_argnums=(4, 5))
+def _attention_jit(q, k, v, extras, opts, deterministic):
+    return _attention(q, k, v, extras, opts, deterministic)
+
+
+def _reject_dropout(dropout_p) -> None:
+    if not (type(dropout_p) is float and dropout_p == 0.0) and checks._real(dropout_p, "dropout_p") != 0.0:
+        if not 0.0 < float(dropout_p) < 1.0:
+            raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+        raise NotImplementedError("dropout (dropout_p > 0) in fa2cupy.jax is not implemented yet")
+
+
+def _alibi_info(alibi_slopes):
+    if alibi_slopes is None:
+        return None, ()
+    slopes = alibi_slopes if isinstance(alibi_slopes, jax.Array) else jnp.asarray(alibi_slopes)
+    return _info("alibi_slopes", slopes), (slopes,)
 
 
 def flash_attn_func(
@@ -314,8 +378,8 @@ def flash_attn_func(
         deterministic: make the backward bit-reproducible run to run (the forward always is).
         window_size: sliding window ``(left, right)``, as in :func:`fa2cupy.flash_attn_func`.
         softcap: as in :func:`fa2cupy.flash_attn_func` (a static option: one compiled callback per value).
-        dropout_p, alibi_slopes: only the defaults in fa2cupy.jax so far; anything else raises NotImplementedError
-            naming the feature.
+        alibi_slopes: float32 ``(nheads,)`` or ``(batch, nheads)`` array (an input of the call; no gradient).
+        dropout_p: only 0 in fa2cupy.jax so far; anything else raises NotImplementedError.
         return_attn_probs: also return ``softmax_lse``.
 
     Returns:
@@ -326,26 +390,66 @@ def flash_attn_func(
         TypeError / ValueError / NotImplementedError with the messages of :func:`fa2cupy.flash_attn_func`,
         when the call is traced.
     """
-    if alibi_slopes is not None:
-        raise NotImplementedError("ALiBi (alibi_slopes) in fa2cupy.jax is not implemented yet; pass None")
-    if not (type(dropout_p) is float and dropout_p == 0.0) and checks._real(dropout_p, "dropout_p") != 0.0:
-        if not 0.0 < float(dropout_p) < 1.0:
-            raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
-        raise NotImplementedError("dropout (dropout_p > 0) in fa2cupy.jax is not implemented yet")
+    _reject_dropout(dropout_p)
     q, k, v = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (q, k, v))
+    alibi_info, extras = _alibi_info(alibi_slopes)
     shape = checks.check_forward_args(
         _info("q", q), _info("k", k), _info("v", v), dropout_p=dropout_p, softmax_scale=softmax_scale,
-        causal=causal, window_size=window_size, softcap=softcap,
+        causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_info,
         deterministic=deterministic, return_attn_probs=return_attn_probs,
     )
     scale = 1.0 / math.sqrt(shape.headdim) if softmax_scale is None else float(softmax_scale)
     # hashable: a static argument of the jit
-    mask = (bool(causal), int(window_size[0]), int(window_size[1]), float(softcap))
-    _warm_up("fwd", shape, scale, mask, bool(deterministic))
-    out, lse = _attention_jit(q, k, v, scale, mask, bool(deterministic))
+    opts = (scale, bool(causal), int(window_size[0]), int(window_size[1]), float(softcap), alibi_info is not None,
+            None)
+    _warm_up("fwd", shape, opts, bool(deterministic))
+    out, lse = _attention_jit(q, k, v, extras, opts, bool(deterministic))
+    if return_attn_probs:
+        return out, jax.lax.stop_gradient(lse), None
+    return out
+
+
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+):
+    """Differentiable :func:`fa2cupy.flash_attn_varlen_func` on JAX GPU arrays (same arguments and results;
+    ``max_seqlen_q``/``max_seqlen_k`` are static ints). Gradients flow to q, k and v; rows outside every sequence
+    get zero gradients."""
+    if block_table is not None:
+        raise NotImplementedError("paged K/V (block_table) in flash_attn_varlen_func is not implemented yet")
+    _reject_dropout(dropout_p)
+    q, k, v, cu_q, cu_k = (x if isinstance(x, jax.Array) else jnp.asarray(x)
+                           for x in (q, k, v, cu_seqlens_q, cu_seqlens_k))
+    alibi_info, slopes = _alibi_info(alibi_slopes)
+    shape, _, _ = checks.check_varlen_args(
+        _info("q", q), _info("k", k), _info("v", v), _info("cu_seqlens_q", cu_q), _info("cu_seqlens_k", cu_k),
+        max_seqlen_q, max_seqlen_k, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+        window_size=window_size, softcap=softcap, alibi_slopes=alibi_info, deterministic=deterministic,
+        return_attn_probs=return_attn_probs)
+    scale = 1.0 / math.sqrt(shape.headdim) if softmax_scale is None else float(softmax_scale)
+    opts = (scale, bool(causal), int(window_size[0]), int(window_size[1]), float(softcap), alibi_info is not None,
+            (int(max_seqlen_q), int(max_seqlen_k)))
+    _warm_up("fwd", shape, opts, bool(deterministic))
+    out, lse = _attention_jit(q, k, v, (cu_q, cu_k) + slopes, opts, bool(deterministic))
     if return_attn_probs:
         return out, jax.lax.stop_gradient(lse), None
     return out
 
 
 flash_attn_qkvpacked_func, flash_attn_kvpacked_func = packed.make_packed(flash_attn_func)
+flash_attn_varlen_qkvpacked_func, flash_attn_varlen_kvpacked_func = packed.make_varlen_packed(flash_attn_varlen_func)

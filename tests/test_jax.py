@@ -230,3 +230,69 @@ def test_gpu_lse_gets_no_gradient():
     q, k, v, _ = _qkv(sq=64, sk=64, h=2, hkv=2, d=64)
     g = jax.grad(lambda q: flash_attn_func(q, k, v, return_attn_probs=True)[1].sum())(q)
     assert not np.asarray(g).any()
+
+
+# ============================================================================== softcap, ALiBi, varlen
+
+
+def test_varlen_traced_shapes_and_grad():
+    from fa2cupy.jax import flash_attn_varlen_func
+
+    q, k = _sds(30, 4, 64), _sds(40, 2, 64)
+    cu = jax.ShapeDtypeStruct((4,), jnp.int32)
+    out, lse = jax.eval_shape(
+        lambda q, k, v, cq, ck: flash_attn_varlen_func(q, k, v, cq, ck, 17, 25, causal=True,
+                                                       return_attn_probs=True)[:2], q, k, k, cu, cu)
+    assert out.shape == (30, 4, 64) and lse.shape == (4, 30) and lse.dtype == jnp.float32
+
+    def loss(q, k, v, cq, ck):
+        return (flash_attn_varlen_func(q, k, v, cq, ck, 17, 25).astype(jnp.float32) ** 2).sum()
+
+    dq, dk, dv = jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, cu, cu)
+    assert (dq.shape, dk.shape, dv.shape) == ((30, 4, 64), (40, 2, 64), (40, 2, 64))
+
+
+def test_alibi_traced_and_checked():
+    q = _sds(2, 5, 4, 64)
+    slopes = jax.ShapeDtypeStruct((4,), jnp.float32)
+    jax.eval_shape(jax.grad(lambda q, s: _loss(q, q, q, alibi_slopes=s)), q, slopes)
+    with pytest.raises(ValueError, match="^alibi_slopes must have shape"):
+        jax.eval_shape(lambda q, s: flash_attn_func(q, q, q, alibi_slopes=s), q, jax.ShapeDtypeStruct((3,), jnp.float32))
+
+
+@gpu
+@needs_jax_gpu
+def test_gpu_softcap_alibi_grad_under_jit_equals_fa2cupy():
+    q, k, v, dout = _qkv(sq=150, sk=190, h=4, hkv=2, d=64)
+    slopes = jnp.asarray(np.linspace(0.05, 0.4, 4), jnp.float32)
+    kw = dict(causal=True, softcap=3.0, deterministic=True)
+    got = jax.jit(jax.grad(lambda q, k, v, s: _weighted(q, k, v, dout, alibi_slopes=s, **kw), argnums=(0, 1, 2)))(
+        q, k, v, slopes)
+    out, lse, _ = fa2cupy.flash_attn_func(q, k, v, alibi_slopes=slopes, return_attn_probs=True, causal=True,
+                                          softcap=3.0)
+    want = fa2cupy.flash_attn_backward(dout, q, k, v, out, lse, alibi_slopes=slopes, **kw)
+    for g, wnt in zip(got, want):
+        assert np.array_equal(np.asarray(g), np.asarray(wnt))
+
+
+@gpu
+@needs_jax_gpu
+def test_gpu_varlen_grad_under_jit_against_reference():
+    from fa2cupy.jax import flash_attn_varlen_func
+
+    cu = np.array([0, 50, 50, 170], np.int32)
+    keys = jax.random.split(jax.random.PRNGKey(3), 4)
+    q, k, v, dout = (jax.random.normal(kk, (175, 4, 64), jnp.float32).astype(jnp.float16) for kk in keys)
+
+    def loss(q, k, v, cu):
+        out = flash_attn_varlen_func(q, k, v, cu, cu, 120, 120, causal=True, deterministic=True)
+        return (out.astype(jnp.float32) * dout.astype(jnp.float32)).sum()
+
+    dq, dk, dv = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, jnp.asarray(cu))
+    out = flash_attn_varlen_func(q, k, v, jnp.asarray(cu), jnp.asarray(cu), 120, 120, causal=True)
+    refs = reference.attention_ref_varlen_backward(_f64(dout), _f64(q), _f64(k), _f64(v), cu, cu, causal=True,
+                                                   out=_f64(out))
+    for g, r in zip((dq, dk, dv), refs):
+        g = _f64(g)
+        assert np.all(g[170:] == 0), "rows outside every sequence get zero gradients"
+        assert np.abs(g[:170] - r[:170]).max() <= 16 * 2**-11 * np.abs(r).max() + 1e-3
