@@ -24,7 +24,7 @@ namespace fa2 {
 // tiles; at small head dims phase 2 prefers 16 keys x all columns, where each P^T/dS^T fragment feeds more. DSlices > 1 splits the head dim of dK/dV/dQ over that many blocks (each recomputes S and dP for its key
 // tile over the full head dim), which keeps large head dims in registers.
 template <int HeadDim, int BlockM, int BlockN, int Warps, int WarpsKeys, int WarpsKeys2, int Stages, int DSlices,
-          class Elem_, int Mask, bool AtomicDq, bool Mods = false>
+          class Elem_, int Mask, bool AtomicDq, bool Mods = false, bool Varlen = false>
 struct BwdTraits {
     using Elem = Elem_;
     static constexpr int kHeadDim = HeadDim, kBlockM = BlockM, kBlockN = BlockN, kStages = Stages;
@@ -32,6 +32,9 @@ struct BwdTraits {
     static constexpr bool kAtomicDq = AtomicDq;
     static constexpr int kMask = Mask;  // a MaskKind (masks.cuh)
     static constexpr bool kMods = Mods;  // softcap / ALiBi (ScoreMods in masks.cuh) switched on at run time
+    // cu_seqlens read (else ignored): padded calls keep the sequence bounds in the kernel parameters, with
+    // exactly the code they had before varlen (the run-time choice cost this kernel 2.5%).
+    static constexpr bool kVarlen = Varlen;
     static constexpr int kSliceD = HeadDim / DSlices;         // dK/dV/dQ columns per block
     static constexpr int kWarpsOther = Warps / WarpsKeys;     // phase 1: warps along the queries
     static constexpr int kKeyTiles = BlockN / WarpsKeys / 16; // phase 1: m16 key tiles per warp
@@ -153,13 +156,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const int kv_head = blockIdx.y, batch = blockIdx.z;
     const int key0 = n_block * Tr::kBlockN;
     __shared__ int seq_info[4];  // this sequence's lengths and first rows, see share_seq_bounds
-    share_seq_bounds(seq_info, cu_seqlens_q, cu_seqlens_k, batch, total_q, total_k, error_claim, error_host,
-                     max_seqlen_q, max_seqlen_k);
+    if constexpr (Tr::kVarlen)
+        share_seq_bounds(seq_info, cu_seqlens_q, cu_seqlens_k, batch, total_q, total_k, error_claim, error_host,
+                         max_seqlen_q, max_seqlen_k);
     // Inside the loop: the kernel parameters for padded calls (no register, no load), shared memory for varlen.
-    const auto sq = [&] { return cu_seqlens_q != nullptr ? seq_info[0] : max_seqlen_q; };
-    const auto sk = [&] { return cu_seqlens_q != nullptr ? seq_info[1] : max_seqlen_k; };
-    const auto q_start = [&] { return cu_seqlens_q != nullptr ? seq_info[2] : 0; };
-    const auto k_start = [&] { return cu_seqlens_q != nullptr ? seq_info[3] : 0; };
+    const auto sq = [&] { return Tr::kVarlen ? seq_info[0] : max_seqlen_q; };
+    const auto sk = [&] { return Tr::kVarlen ? seq_info[1] : max_seqlen_k; };
+    const auto q_start = [&] { return Tr::kVarlen ? seq_info[2] : 0; };
+    const auto k_start = [&] { return Tr::kVarlen ? seq_info[3] : 0; };
     const int seqlen_q = sq(), seqlen_k = sk();
     if (key0 >= seqlen_k) return;  // varlen: past this sequence's keys (those rows belong to the next one)
     const int col0 = slice * Tr::kSliceD;  // first head-dim column this block accumulates
@@ -467,7 +471,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const int head = blockIdx.y, batch = blockIdx.z, kv_head = head / heads_per_kv;
     const int row0 = m_block * Tr::kBlockM, warp_row0 = warp * kMT * 16;
     __shared__ int seq_info[4];  // this sequence's lengths and first rows, see share_seq_bounds
-    share_seq_bounds(seq_info, cu_seqlens_q, cu_seqlens_k, batch, total_q, total_k, error_claim, error_host,
+    if (cu_seqlens_q != nullptr)  // padded calls read the kernel parameters (see the accessors below)
+        share_seq_bounds(seq_info, cu_seqlens_q, cu_seqlens_k, batch, total_q, total_k, error_claim, error_host,
                      max_seqlen_q, max_seqlen_k);
     // Inside the loop: the kernel parameters for padded calls (no register, no load), shared memory for varlen.
     const auto sq = [&] { return cu_seqlens_q != nullptr ? seq_info[0] : max_seqlen_q; };

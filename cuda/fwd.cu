@@ -11,7 +11,7 @@ namespace fa2 {
 
 // A tile configuration is a type. Every instantiation the library can launch comes from fa2cupy/configs.py.
 template <int HeadDim, int BlockM, int BlockN, int Warps, int Stages, int MinBlocks, bool QInRegs, class Elem_,
-          int Mask, bool Mods = false>
+          int Mask, bool Mods = false, bool Varlen = false>
 struct FwdTraits {
     using Elem = Elem_;
     static constexpr int kHeadDim = HeadDim, kBlockM = BlockM, kBlockN = BlockN, kStages = Stages;
@@ -19,6 +19,9 @@ struct FwdTraits {
     static constexpr bool kQInRegs = QInRegs;
     static constexpr int kMask = Mask;  // a MaskKind (masks.cuh)
     static constexpr bool kMods = Mods;  // softcap / ALiBi (ScoreMods in masks.cuh) switched on at run time
+    // cu_seqlens read (else ignored): padded calls keep the sequence bounds in the kernel parameters, so their
+    // code is what it was before varlen (the d=64 128x128 causal row spills 20 bytes with the run-time choice).
+    static constexpr bool kVarlen = Varlen;
     static constexpr int kMTiles = BlockM / (16 * Warps);  // m16 row tiles per warp
     static constexpr int kNTiles = BlockN / 8;             // n8 key tiles of S per row tile
     static constexpr int kDTiles = HeadDim / 8;            // n8 head-dim tiles of O per row tile
@@ -70,15 +73,17 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
     const int warp_row0 = warp * kMT * 16;  // first row of this warp within the tile
 
     __shared__ int seq_info[4];  // this sequence's lengths and first rows, see share_seq_bounds
-    share_seq_bounds(seq_info, cu_seqlens_q, cu_seqlens_k, batch, total_q, total_k, error_claim, error_host,
-                     max_seqlen_q, max_seqlen_k);
+    if constexpr (Tr::kVarlen)
+        share_seq_bounds(seq_info, cu_seqlens_q, cu_seqlens_k, batch, total_q, total_k, error_claim, error_host,
+                         max_seqlen_q, max_seqlen_k);
     // Inside the loop: the kernel parameters for padded calls (no register, no load), shared memory for varlen.
-    const auto sq = [&] { return cu_seqlens_q != nullptr ? seq_info[0] : max_seqlen_q; };
-    const auto sk = [&] { return cu_seqlens_q != nullptr ? seq_info[1] : max_seqlen_k; };
-    const int seqlen_q = sq(), seqlen_k = sk(), q_start = seq_info[2], k_start = seq_info[3];
+    const auto sq = [&] { return Tr::kVarlen ? seq_info[0] : max_seqlen_q; };
+    const auto sk = [&] { return Tr::kVarlen ? seq_info[1] : max_seqlen_k; };
+    const auto q_start = [&] { return Tr::kVarlen ? seq_info[2] : 0; };
+    const int seqlen_q = sq(), seqlen_k = sk(), k_start = Tr::kVarlen ? seq_info[3] : 0;
     if (row0 >= seqlen_q) return;  // varlen: past this sequence's queries
     auto mask_now = [&] { return WindowMask<Tr::kMask>{sq(), sk(), window_left, window_right}; };
-    const u16* q_tile = q + batch * q_batch_stride + (i64)(q_start + row0) * q_row_stride + head * q_head_stride;
+    const u16* q_tile = q + batch * q_batch_stride + (i64)(q_start() + row0) * q_row_stride + head * q_head_stride;
     const u16* k_head = k + batch * k_batch_stride + (i64)k_start * k_row_stride + kv_head * k_head_stride;
     const u16* v_head = v + batch * v_batch_stride + (i64)k_start * v_row_stride + kv_head * v_head_stride;
 
@@ -194,10 +199,10 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
     // 16-byte and row-contiguous. Only this warp ever read these rows.
     QTile::template store_warp_rows<typename Tr::Elem>(
         smem_q, acc_o, Tr::kMods && dropout.on() ? dropout.scale : 1.f, warp_row0,
-        o + batch * o_batch_stride + head * o_head_stride + (i64)(seq_info[2] + row0 + warp_row0) * o_row_stride,
+        o + batch * o_batch_stride + head * o_head_stride + (i64)(q_start() + row0 + warp_row0) * o_row_stride,
         o_row_stride, mask_now().seqlen_q - row0 - warp_row0, headdim, lane);
     if ((lane & 3) == 0) {
-        float* lse_head = lse + batch * lse_batch_stride + head * lse_head_stride + seq_info[2];
+        float* lse_head = lse + batch * lse_batch_stride + head * lse_head_stride + q_start();
 #pragma unroll
         for (int r = 0; r < kMT * 2; ++r) {
             const int row = row0 + warp_row0 + (r / 2) * 16 + (lane >> 2) + (r % 2) * 8;

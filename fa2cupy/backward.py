@@ -78,7 +78,7 @@ def plan_backward(
     )
     smem = config.smem_bytes(atomic)
     main = _launch(
-        build.get_kernel("bwd", config.name_expression(dtype, mask, atomic, mods), smem),
+        build.get_kernel("bwd", config.name_expression(dtype, mask, atomic, mods, varlen_totals is not None), smem),
         (((seqlen_k + config.block_n - 1) // config.block_n) * config.dslices, nheads_kv, batch),
         (config.threads, 1, 1), smem, 12,
         sum((_strides3(strides[n]) for n in ("q", "k", "v", "dout", "dk", "dv")), ()) + sizes, rng_at=12 + 18 + rng_at,

@@ -51,11 +51,12 @@ class FwdConfig:
         # Must match FwdTraits::kSmemBytes: padded rows of (headdim + 8) 16-bit elements.
         return (self.block_m + 2 * self.stages * self.block_n) * (self.headdim + 8) * 2
 
-    def name_expression(self, dtype: str, mask: str, mods: bool = False) -> str:
+    def name_expression(self, dtype: str, mask: str, mods: bool = False, varlen: bool = False) -> str:
+        tail = f", {str(bool(mods)).lower()}, true" if varlen else (", true" if mods else "")
         return (
             f"fa2::flash_fwd<fa2::FwdTraits<{self.headdim}, {self.block_m}, {self.block_n}, {self.warps}, "
             f"{self.stages}, {self.min_blocks}, {str(self.q_in_regs).lower()}, {DTYPE_TAGS[dtype]}, "
-            f"{MASK_TAGS[mask]}{', true' if mods else ''}>>"
+            f"{MASK_TAGS[mask]}{tail}>>"
         )
 
 
@@ -92,9 +93,9 @@ FORWARD_TABLE: dict[tuple[str, int], FwdConfig] = {
     ("sm90", 256): _fwd(256, 64, 64, 4),
 }
 
-#: Masked (causal or window) rows that differ from FORWARD_TABLE's: the mask's bounds, and for varlen the
-#: sequence's own lengths, cost registers; the d=64 H100 row (128x128 at the 255-register cap) spills 20 bytes
-#: with them, 128x96 has none.
+#: Rows that differ from FORWARD_TABLE's for the window mask (and so the modifier variant) and for varlen with a
+#: causal mask: run-time window bounds, or the sequence's own lengths, cost registers; the d=64 H100 row
+#: (128x128 at the 255-register cap) spills 20-24 bytes with them, 128x96 has none.
 FORWARD_MASKED_TABLE: dict[tuple[str, int], FwdConfig] = {
     ("sm90", 64): _fwd(64, 128, 96, 4, min_blocks=2),
 }
@@ -160,11 +161,12 @@ class BwdConfig:
         units_per_warp = -(-units // col_warps)
         return base + self.warps * 16 * (units_per_warp * 16 + 4) * 4
 
-    def name_expression(self, dtype: str, mask: str, atomic_dq: bool, mods: bool = False) -> str:
+    def name_expression(self, dtype: str, mask: str, atomic_dq: bool, mods: bool = False, varlen: bool = False) -> str:
+        tail = f", {str(bool(mods)).lower()}, true" if varlen else (", true" if mods else "")
         return (
             f"fa2::bwd_dkdv<fa2::BwdTraits<{self.headdim}, {self.block_m}, {self.block_n}, {self.warps}, "
             f"{self.warps_keys}, {self.warps_keys2}, {self.stages}, {self.dslices}, {DTYPE_TAGS[dtype]}, "
-            f"{MASK_TAGS[mask]}, {str(bool(atomic_dq)).lower()}{', true' if mods else ''}>>"
+            f"{MASK_TAGS[mask]}, {str(bool(atomic_dq)).lower()}{tail}>>"
         )
 
 
@@ -333,15 +335,18 @@ def tile_headdim(headdim: int) -> int:
     raise ValueError(f"headdim must be at most {HEADDIMS[-1]}, got {headdim}")
 
 
-def forward_config(arch: int, headdim: int, dtype: str, mask: str) -> FwdConfig:
-    """The forward tile configuration for a GPU arch (e.g. 90), head dim, dtype and mask (one of MASKS).
+def _uses_masked_row(mask: str, varlen: bool) -> bool:
+    return mask == "window" or (mask == "causal" and varlen)
 
-    dtype and mask are part of the key so that a tuned table may split on them; today they share rows.
+
+def forward_config(arch: int, headdim: int, dtype: str, mask: str, varlen: bool = False) -> FwdConfig:
+    """The forward tile configuration for a GPU arch (e.g. 90), head dim, dtype, mask (one of MASKS) and
+    varlen-ness. dtype is part of the key so that a tuned table may split on it; today its rows are shared.
     """
     if dtype not in DTYPE_TAGS:
         raise ValueError(f"dtype must be one of {tuple(DTYPE_TAGS)}, got {dtype}")
     key = (arch_family(arch), tile_headdim(headdim))
-    if mask != "none" and key in FORWARD_MASKED_TABLE:
+    if _uses_masked_row(mask, varlen) and key in FORWARD_MASKED_TABLE:
         return FORWARD_MASKED_TABLE[key]
     return FORWARD_TABLE[key]
 
@@ -373,7 +378,8 @@ def backward_instantiations(family: str | None = None) -> list[str]:
                 for mask, mods in VARIANTS:
                     config = BACKWARD_CAUSAL_TABLE.get((fam, width), base) if mask != "none" and not mods else base
                     for atomic in (False, True):
-                        names.add(config.name_expression(dtype, mask, atomic, mods))
+                        for varlen in (False, True):  # the dK/dV kernel has its own varlen instantiations
+                            names.add(config.name_expression(dtype, mask, atomic, mods, varlen))
     for (fam, _), config in BACKWARD_DQ_TABLE.items():
         if family is None or fam == family:
             for dtype in DTYPE_TAGS:
@@ -404,11 +410,13 @@ def decode_instantiations(family: str | None = None) -> list[str]:
 def forward_instantiations(family: str | None = None) -> list[str]:
     """Name expressions of every shipped forward instantiation (of one arch family, or all), deduplicated."""
     names = {
-        (FORWARD_MASKED_TABLE.get(key, config) if mask != "none" else config).name_expression(dtype, mask, mods)
+        (FORWARD_MASKED_TABLE.get(key, config) if _uses_masked_row(mask, varlen) else config).name_expression(
+            dtype, mask, mods, varlen)
         for key, config in FORWARD_TABLE.items()
         if family is None or key[0] == family
         for dtype in DTYPE_TAGS
         for mask, mods in VARIANTS
+        for varlen in (False, True)
     }
     names.add("fa2::dropout_keep_mask")
     return sorted(names)

@@ -81,8 +81,9 @@ def plan_forward(
     seqlen_k, nheads_kv = k_shape[1], k_shape[2]
     mask, mods, left, right = kernel_variant(causal, window_size, softcap, alibi_batch_stride is not None, dropout_p)
     if config is None:
-        config = configs.forward_config(arch, headdim, dtype, mask)
-    function = build.get_kernel("fwd", config.name_expression(dtype, mask, mods), config.smem_bytes)
+        config = configs.forward_config(arch, headdim, dtype, mask, varlen_totals is not None)
+    function = build.get_kernel("fwd", config.name_expression(dtype, mask, mods, varlen_totals is not None),
+                                config.smem_bytes)
     scalars = ()
     for batch_stride, row_stride, head_stride, _ in strides:
         scalars += (np.int64(batch_stride), np.int32(row_stride), np.int64(head_stride))
