@@ -123,7 +123,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
              const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
              float* __restrict__ dq_accum, u16* __restrict__ dk, u16* __restrict__ dv,
              const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
-             const float* __restrict__ alibi_slopes, i64 q_batch_stride, int q_row_stride, i64 q_head_stride,
+             const float* __restrict__ alibi_slopes, const u32* __restrict__ rng_state, i64 q_batch_stride,
+             int q_row_stride, i64 q_head_stride,
              i64 k_batch_stride, int k_row_stride, i64 k_head_stride, i64 v_batch_stride, int v_row_stride,
              i64 v_head_stride, i64 do_batch_stride, int do_row_stride, i64 do_head_stride, i64 dk_batch_stride,
              int dk_row_stride, i64 dk_head_stride, i64 dv_batch_stride, int dv_row_stride, i64 dv_head_stride,
@@ -175,6 +176,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // Only the query tiles with a row whose window reaches this key tile are visited.
     const WindowMask<Tr::kMask> mask{seqlen_q, seqlen_k, window_left, window_right};
     // ALiBi slopes differ per query head: the walk over the group's heads rebuilds the modifiers per head.
+    if constexpr (Tr::kMods) load_rng_state(rng_state, seed_lo, seed_hi, offset_lo, offset_hi);
     auto mods_of = [&](int head) {
         return make_score_mods(scale, softcap, alibi_slope(alibi_slopes, alibi_batch_stride, batch, head),
                                sq(), sk());
@@ -447,7 +449,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     bwd_dq(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
            const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
            u16* __restrict__ dq, const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
-           const float* __restrict__ alibi_slopes, i64 q_batch_stride, int q_row_stride, i64 q_head_stride,
+           const float* __restrict__ alibi_slopes, const u32* __restrict__ rng_state, i64 q_batch_stride,
+           int q_row_stride, i64 q_head_stride,
            i64 k_batch_stride, int k_row_stride, i64 k_head_stride, i64 v_batch_stride, int v_row_stride,
            i64 v_head_stride, i64 do_batch_stride, int do_row_stride, i64 do_head_stride, i64 dq_batch_stride,
            int dq_row_stride, i64 dq_head_stride, i64 stat_batch_stride, i64 stat_head_stride, int max_seqlen_q,
@@ -489,6 +492,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const ScoreMods mods = Tr::kMods ? make_score_mods(scale, softcap, alibi_slope(alibi_slopes, alibi_batch_stride,
                                                                               batch, head), seqlen_q, seqlen_k)
                                      : ScoreMods{};
+    if constexpr (Tr::kMods) load_rng_state(rng_state, seed_lo, seed_hi, offset_lo, offset_hi);
     const Dropout dropout = Tr::kMods ? make_dropout(dropout_threshold, seed_lo, seed_hi, offset_lo, offset_hi,
                                                      batch, nheads, head, dropout_scale)
                                       : Dropout{};

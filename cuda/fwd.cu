@@ -40,12 +40,14 @@ struct FwdTraits {
 // cu_seqlens_q[batch + 1] of q/o/lse (and likewise of k/v with cu_seqlens_k; total_q/total_k rows in all),
 // seqlen_q/seqlen_k are then the maxima the grid was sized for, and blocks past a sequence's end exit at once. Mods: softcap > 0 and
 // alibi_slopes[batch * alibi_batch_stride + head] (non-null) modify the scores, and dropout_threshold != 0 drops
-// entries of P (Dropout in masks.cuh), the kept ones scaled by dropout_scale.
+// entries of P (Dropout in masks.cuh), the kept ones scaled by dropout_scale, with the seed and offset from the
+// arguments or, when rng_state is non-null, from device memory.
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
     flash_fwd(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, u16* __restrict__ o,
               float* __restrict__ lse, const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
-              const float* __restrict__ alibi_slopes, i64 q_batch_stride, int q_row_stride, i64 q_head_stride,
+              const float* __restrict__ alibi_slopes, const u32* __restrict__ rng_state, i64 q_batch_stride,
+              int q_row_stride, i64 q_head_stride,
               i64 k_batch_stride, int k_row_stride, i64 k_head_stride, i64 v_batch_stride, int v_row_stride,
               i64 v_head_stride, i64 o_batch_stride, int o_row_stride, i64 o_head_stride, i64 lse_batch_stride,
               i64 lse_head_stride, int max_seqlen_q, int max_seqlen_k, int nheads, int heads_per_kv, int headdim,
@@ -104,6 +106,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
     const ScoreMods mods = Tr::kMods ? make_score_mods(scale, softcap, alibi_slope(alibi_slopes, alibi_batch_stride,
                                                                               batch, head), seqlen_q, seqlen_k)
                                      : ScoreMods{};
+    if constexpr (Tr::kMods) load_rng_state(rng_state, seed_lo, seed_hi, offset_lo, offset_hi);
     const Dropout dropout = Tr::kMods ? make_dropout(dropout_threshold, seed_lo, seed_hi, offset_lo, offset_hi,
                                                      batch, nheads, head, dropout_scale)
                                       : Dropout{};

@@ -189,6 +189,15 @@ struct Dropout {
     }
 };
 
+// The dropout seed and offset from device memory when rng_state = {seed lo, seed hi, offset lo, offset hi} is given
+// (else the kernel arguments stay): a seed traced by JAX never has to reach the host.
+FA2_DEVICE void load_rng_state(const u32* rng_state, u32& seed_lo, u32& seed_hi, u32& offset_lo, u32& offset_hi) {
+    if (rng_state != nullptr) {
+        seed_lo = rng_state[0], seed_hi = rng_state[1];
+        offset_lo = rng_state[2], offset_hi = rng_state[3];
+    }
+}
+
 FA2_DEVICE Dropout make_dropout(u32 threshold, u32 seed_lo, u32 seed_hi, u32 offset_lo, u32 offset_hi, int batch,
                                 int nheads, int head, float scale) {
     return Dropout{threshold, seed_lo, seed_hi ^ offset_hi, offset_lo, (u32)(batch * nheads + head), scale};

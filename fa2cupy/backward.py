@@ -80,8 +80,8 @@ def plan_backward(
     main = _launch(
         build.get_kernel("bwd", config.name_expression(dtype, mask, atomic, mods, varlen_totals is not None), smem),
         (((seqlen_k + config.block_n - 1) // config.block_n) * config.dslices, nheads_kv, batch),
-        (config.threads, 1, 1), smem, 12,
-        sum((_strides3(strides[n]) for n in ("q", "k", "v", "dout", "dk", "dv")), ()) + sizes, rng_at=12 + 18 + rng_at,
+        (config.threads, 1, 1), smem, 13,
+        sum((_strides3(strides[n]) for n in ("q", "k", "v", "dout", "dk", "dv")), ()) + sizes, rng_at=13 + 18 + rng_at,
     )
     dq = convert = None
     dq_accum_shape = None
@@ -90,8 +90,8 @@ def plan_backward(
         dq = _launch(
             build.get_kernel("bwd", dq_config.name_expression(dtype, mask, mods), dq_config.smem_bytes),
             ((seqlen_q + dq_config.block_m - 1) // dq_config.block_m, nheads, batch),
-            (dq_config.threads, 1, 1), dq_config.smem_bytes, 10,
-            sum((_strides3(strides[n]) for n in ("q", "k", "v", "dout", "dq")), ()) + sizes, rng_at=10 + 15 + rng_at,
+            (dq_config.threads, 1, 1), dq_config.smem_bytes, 11,
+            sum((_strides3(strides[n]) for n in ("q", "k", "v", "dout", "dq")), ()) + sizes, rng_at=11 + 15 + rng_at,
         )
     else:
         convert = _launch(
@@ -108,15 +108,16 @@ def plan_backward(
 def run_backward(plan: BackwardPlan, ptr: dict, stream_ptr: int) -> None:
     """Launches a plan on the stream with handle ``stream_ptr``. ``ptr`` maps "q", "k", "v", "dout", "out", "lse",
     "dq", "dk", "dv", "dsum" and (atomics only) "dq_accum" to device pointers, and optionally "cu_seqlens_q",
-    "cu_seqlens_k" (varlen) and "alibi_slopes", and the ints "dropout_seed" and "dropout_offset"."""
+    "cu_seqlens_k" (varlen), "alibi_slopes" and "rng_state", and the ints "dropout_seed" and "dropout_offset"."""
     dq_accum = ptr.get("dq_accum", 0) if plan.convert is not None else 0
     cu_q, cu_k, alibi = ptr.get("cu_seqlens_q", 0), ptr.get("cu_seqlens_k", 0), ptr.get("alibi_slopes", 0)
+    rng_state = ptr.get("rng_state", 0)
     rng = dropout_words(ptr.get("dropout_seed", 0), ptr.get("dropout_offset", 0))
     plan.preprocess(stream_ptr, (ptr["dout"], ptr["out"], ptr["dsum"], dq_accum, cu_q))
     plan.main(stream_ptr, (ptr["q"], ptr["k"], ptr["v"], ptr["dout"], ptr["lse"], ptr["dsum"], dq_accum, ptr["dk"],
-                           ptr["dv"], cu_q, cu_k, alibi) + rng)
+                           ptr["dv"], cu_q, cu_k, alibi, rng_state) + rng)
     if plan.dq is not None:
         plan.dq(stream_ptr, (ptr["q"], ptr["k"], ptr["v"], ptr["dout"], ptr["lse"], ptr["dsum"], ptr["dq"], cu_q,
-                             cu_k, alibi) + rng)
+                             cu_k, alibi, rng_state) + rng)
     else:
         plan.convert(stream_ptr, (dq_accum, ptr["dq"], cu_q))

@@ -269,10 +269,16 @@ def check_forward_args(
     return AttnShape(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, q.dtype)
 
 
-def check_dropout_rng(dropout_p, dropout_seed, dropout_offset) -> tuple[int, int]:
+def check_dropout_rng(dropout_p, dropout_seed, dropout_offset, rng_state: ArrayInfo | None = None) -> tuple[int, int]:
     """(seed, offset) of dropout as ints; with ``dropout_p > 0`` the seed must be given (an int in [0, 2**64)): the
-    backward regenerates the forward's keep mask from the same seed and offset. Without dropout both are ignored."""
+    backward regenerates the forward's keep mask from the same seed and offset. Without dropout both are ignored.
+    ``rng_state`` (a device array uint32 (4,): seed lo, seed hi, offset lo, offset hi) replaces both."""
     if not dropout_p:
+        return 0, 0
+    if rng_state is not None:
+        if tuple(rng_state.shape) != (4,) or rng_state.dtype != "uint32":
+            raise ValueError(f"dropout_rng_state must be a uint32 array (4,) = (seed lo, seed hi, offset lo, offset hi), "
+                             f"got {rng_state.dtype} {tuple(rng_state.shape)}")
         return 0, 0
     for name, value in (("dropout_seed", dropout_seed), ("dropout_offset", dropout_offset)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value < 1 << 64:

@@ -23,8 +23,8 @@ MAX_ROW_STRIDE = 1 << 24
 
 @dataclass(frozen=True)
 class ForwardPlan:
-    # variable slots: the eight pointers q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi, then the dropout
-    # seed and offset words (see dropout_words)
+    # variable slots: the nine pointers q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi, rng_state, then the
+    # dropout seed and offset words (see dropout_words)
     launch: build.Launch
     config: configs.FwdConfig
 
@@ -105,22 +105,23 @@ def plan_forward(
         np.int32(alibi_batch_stride or 0),
     )
     threshold, keep_scale = dropout_scalars(dropout_p)
-    rng_slot = 8 + len(scalars) + 1  # seed lo, seed hi, offset lo, offset hi follow the threshold
+    rng_slot = 9 + len(scalars) + 1  # seed lo, seed hi, offset lo, offset hi follow the threshold
     scalars += (threshold, np.uint32(0), np.uint32(0), np.uint32(0), np.uint32(0), keep_scale,
                 np.int32(total_q), np.int32(total_k)) + error_pointers()
     grid = ((seqlen_q + config.block_m - 1) // config.block_m, nheads, batch)
-    launch = build.Launch(function, grid, (config.threads, 1, 1), config.smem_bytes, (np.uint64(0),) * 8 + scalars,
-                          list(range(8)) + list(range(rng_slot, rng_slot + 4)))
+    launch = build.Launch(function, grid, (config.threads, 1, 1), config.smem_bytes, (np.uint64(0),) * 9 + scalars,
+                          list(range(9)) + list(range(rng_slot, rng_slot + 4)))
     return ForwardPlan(launch, config)
 
 
 def run_forward(plan: ForwardPlan, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int,
                 stream_ptr: int, cu_seqlens_q: int = 0, cu_seqlens_k: int = 0, alibi_slopes: int = 0,
-                dropout_seed: int = 0, dropout_offset: int = 0) -> None:
+                dropout_seed: int = 0, dropout_offset: int = 0, rng_state: int = 0) -> None:
     """Launches a plan on the stream with handle ``stream_ptr`` with raw device pointers (0 for an absent
-    cu_seqlens or alibi_slopes) and the dropout seed and offset (ignored without dropout)."""
-    plan.launch(stream_ptr, (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
-                + dropout_words(dropout_seed, dropout_offset))
+    cu_seqlens, alibi_slopes or rng_state) and the dropout seed and offset (ignored without dropout; a non-zero
+    ``rng_state`` points to uint32 {seed lo, seed hi, offset lo, offset hi} in device memory instead)."""
+    plan.launch(stream_ptr, (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+                             rng_state) + dropout_words(dropout_seed, dropout_offset))
 
 
 def dropout_mask(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, dropout_p: float, seed: int, offset: int,

@@ -43,6 +43,13 @@ def _elem_strides(x) -> tuple:
     return tuple(s // x.itemsize for s in x.strides)
 
 
+def _rng_state_ready(state, info):
+    """The dropout rng state as a contiguous CuPy uint32 (4,) array, or None."""
+    if state is None:
+        return None
+    return cupy.ascontiguousarray(arrays.to_cupy(state, info))
+
+
 def _alibi_ready(alibi_slopes, info):
     """(CuPy slopes with a contiguous head axis or None, their batch stride in elements or None, whether the
     caller's array is used as is). (nheads,) slopes have batch stride 0."""
@@ -118,6 +125,7 @@ def flash_attn_func(
     *,
     dropout_seed=None,
     dropout_offset=0,
+    dropout_rng_state=None,
 ):
     """Exact attention ``softmax(q k^T * softmax_scale) v`` by FlashAttention-2, flash-attn 2.x compatible.
 
@@ -142,7 +150,8 @@ def flash_attn_func(
             ``1 / (1 - dropout_p)`` (Philox in the kernel; see :func:`dropout_mask`).
         dropout_seed, dropout_offset: with ``dropout_p > 0``, the Philox seed (required) and offset, ints in
             [0, 2**64): the same pair gives the same mask, bit for bit, and flash_attn_backward needs the same pair.
-            (``fa2cupy.torch`` draws them from torch's CUDA generator.)
+            (``fa2cupy.torch`` draws them from torch's CUDA generator.) ``dropout_rng_state``, a device uint32 array
+            (4,) = (seed lo, seed hi, offset lo, offset hi), gives them from GPU memory instead (``fa2cupy.jax``).
         deterministic: accepted for compatibility; the forward is always deterministic.
         return_attn_probs: also return the log-sum-exp (see Returns).
 
@@ -150,13 +159,14 @@ def flash_attn_func(
         ``out`` shaped and typed like q, in q's framework; with ``return_attn_probs=True`` the tuple
         ``(out, softmax_lse, probs)`` with ``softmax_lse`` float32 ``(batch, nheads, seqlen_q)``, natural log, and
         ``probs`` None without dropout; with dropout the float32 ``(batch, nheads, seqlen_q, seqlen_k)``
-        probabilities the output was made of, ``P o Z / (1 - p)`` (for tests at small sizes: it is recomputed).
+        probabilities the output was made of, ``P o Z / (1 - p)`` (for tests at small sizes: it is recomputed;
+        None with ``dropout_rng_state``).
 
     Raises:
         TypeError / ValueError naming the offending argument for bad shapes, dtypes, devices or layouts.
     """
     key = None
-    if not forward._debug_poison:
+    if not forward._debug_poison and dropout_rng_state is None:
         options = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes is None, deterministic,
                    return_attn_probs)
         inputs = (q, k, v) if alibi_slopes is None else (q, k, v, alibi_slopes)
@@ -171,7 +181,7 @@ def flash_attn_func(
             return (out, lse, None) if return_attn_probs else out
     return _flash_attn_checked(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-        return_attn_probs, key, dropout_seed, dropout_offset,
+        return_attn_probs, key, dropout_seed, dropout_offset, dropout_rng_state,
     )
 
 
@@ -180,7 +190,7 @@ flash_attn_qkvpacked_func, flash_attn_kvpacked_func = packed.make_packed(flash_a
 
 def _flash_attn_checked(
     q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-    return_attn_probs, cache_key, dropout_seed=None, dropout_offset=0,
+    return_attn_probs, cache_key, dropout_seed=None, dropout_offset=0, dropout_rng_state=None,
 ):
     """The full path: describe, validate, adapt (copy where the kernels need it), plan, launch; and remember
     the plan under ``cache_key`` when the inputs were used in place."""
@@ -199,7 +209,8 @@ def _flash_attn_checked(
         deterministic=deterministic,
         return_attn_probs=return_attn_probs,
     )
-    seed, offset = checks.check_dropout_rng(dropout_p, dropout_seed, dropout_offset)
+    state_info = None if dropout_rng_state is None else arrays.describe(dropout_rng_state, "dropout_rng_state")
+    seed, offset = checks.check_dropout_rng(dropout_p, dropout_seed, dropout_offset, state_info)
     scale = checks.default_scale(shape.headdim) if softmax_scale is None else float(softmax_scale)
     framework = q_info.framework
     device = q_info.device[1] if q_info.device[0] == "cuda" else cupy.cuda.runtime.getDevice()
@@ -227,9 +238,10 @@ def _flash_attn_checked(
                 bool(causal), _arch(device), window_size=window_size, softcap=float(softcap),
                 alibi_batch_stride=slopes_stride, dropout_p=float(dropout_p),
             )
+            state = _rng_state_ready(dropout_rng_state, state_info) if dropout_p else None
             forward.run_forward(plan, qc.data.ptr, kc.data.ptr, vc.data.ptr, out.data.ptr, lse.data.ptr, stream.ptr,
                                 alibi_slopes=slopes.data.ptr if slopes is not None else 0, dropout_seed=seed,
-                                dropout_offset=offset)
+                                dropout_offset=offset, rng_state=state.data.ptr if state is not None else 0)
             if qc is q_in and kc is k_in and vc is v_in and slopes_in_place:  # later calls may skip to launch
                 _remember(cache_key, _CachedCall(plan, device, framework,
                                                  ((out_shape, shape.dtype), (lse_shape, "float32"))))
@@ -239,7 +251,7 @@ def _flash_attn_checked(
             if not return_attn_probs:
                 return result
             probs = None
-            if dropout_p:
+            if dropout_p and state is None:  # (with dropout_rng_state the seed is not known here: no probabilities)
                 probs_view = _dropped_probs(qc, kc, lse, scale, causal, window_size, float(softcap), slopes,
                                             float(dropout_p), seed, offset, stream.ptr)
                 probs = arrays.from_cupy(probs_view, framework)
@@ -289,7 +301,7 @@ def _dropped_probs(q, k, lse, scale, causal, window_size, softcap, slopes, dropo
 
 def flash_attn_backward(
     dout, q, k, v, out, softmax_lse, softmax_scale=None, causal=False, window_size=(-1, -1), deterministic=False,
-    softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0,
+    softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0, dropout_rng_state=None,
 ):
     """Gradients of ``flash_attn_func`` (FlashAttention-2 Algorithm 2) w.r.t. q, k and v.
 
@@ -301,7 +313,8 @@ def flash_attn_backward(
             ``causal``. Only these O(N) statistics are kept between forward and backward.
         softmax_scale, causal, window_size, softcap, alibi_slopes: as given to the forward (with a softcap the
             gradient goes through the tanh exactly; the ALiBi bias has none).
-        dropout_p, dropout_seed, dropout_offset: as given to the forward: the kernels regenerate its keep mask.
+        dropout_p, dropout_seed, dropout_offset, dropout_rng_state: as given to the forward: the kernels regenerate
+            its keep mask.
         deterministic: False accumulates dQ across key tiles with fp32 atomics (fastest; the summation order,
             hence the last bits, can change between runs). True computes dQ in a separate kernel that walks the
             key tiles in a fixed order: bit-identical results run to run, at the cost of recomputing Q K^T and
@@ -315,7 +328,7 @@ def flash_attn_backward(
         TypeError / ValueError naming the offending argument; NotImplementedError for unbuilt features.
     """
     key = None
-    if not backward._debug_poison:
+    if not backward._debug_poison and dropout_rng_state is None:
         inputs = (dout, q, k, v, out, softmax_lse) + (() if alibi_slopes is None else (alibi_slopes,))
         key, cached, ptrs = _cached_lookup(
             "bwd", inputs, (softmax_scale, causal, window_size, deterministic, softcap, alibi_slopes is None, dropout_p)
@@ -331,13 +344,13 @@ def flash_attn_backward(
             return allocated[0][0], allocated[1][0], allocated[2][0]
     return _flash_attn_backward_checked(
         dout, q, k, v, out, softmax_lse, softmax_scale, causal, window_size, deterministic, softcap, alibi_slopes, key,
-        dropout_p, dropout_seed, dropout_offset,
+        dropout_p, dropout_seed, dropout_offset, dropout_rng_state,
     )
 
 
 def _flash_attn_backward_checked(
     dout, q, k, v, out, softmax_lse, softmax_scale, causal, window_size, deterministic, softcap, alibi_slopes,
-    cache_key, dropout_p=0.0, dropout_seed=None, dropout_offset=0,
+    cache_key, dropout_p=0.0, dropout_seed=None, dropout_offset=0, dropout_rng_state=None,
 ):
     names = ("dout", "q", "k", "v", "out", "softmax_lse")
     infos = [arrays.describe(x, name) for x, name in zip((dout, q, k, v, out, softmax_lse), names)]
@@ -346,7 +359,8 @@ def _flash_attn_backward_checked(
         *infos, softmax_scale=softmax_scale, causal=causal, window_size=window_size, deterministic=deterministic,
         softcap=softcap, alibi_slopes=alibi_info, dropout_p=dropout_p,
     )
-    seed, offset = checks.check_dropout_rng(dropout_p, dropout_seed, dropout_offset)
+    state_info = None if dropout_rng_state is None else arrays.describe(dropout_rng_state, "dropout_rng_state")
+    seed, offset = checks.check_dropout_rng(dropout_p, dropout_seed, dropout_offset, state_info)
     scale = checks.default_scale(shape.headdim) if softmax_scale is None else float(softmax_scale)
     framework = infos[1].framework
     device = infos[1].device[1] if infos[1].device[0] == "cuda" else cupy.cuda.runtime.getDevice()
@@ -381,6 +395,9 @@ def _flash_attn_backward_checked(
             )
             pointers = {n: x.data.ptr for n, x in zip(("dout", "q", "k", "v", "out"), ready)}
             pointers.update(lse=lse.data.ptr, dropout_seed=seed, dropout_offset=offset)
+            state = _rng_state_ready(dropout_rng_state, state_info) if dropout_p else None
+            if state is not None:
+                pointers["rng_state"] = state.data.ptr
             if slopes is not None:
                 pointers["alibi_slopes"] = slopes.data.ptr
             pointers.update({n: x.data.ptr for n, x in zip(("dq", "dk", "dv", "dsum", "dq_accum"), views)})
@@ -428,6 +445,7 @@ def flash_attn_varlen_func(
     *,
     dropout_seed=None,
     dropout_offset=0,
+    dropout_rng_state=None,
 ):
     """Attention over packed sequences of different lengths, no padding work (flash-attn 2.x).
 
@@ -438,7 +456,8 @@ def flash_attn_varlen_func(
             ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of q (and of k/v with cu_seqlens_k). Lengths may be 0.
         max_seqlen_q, max_seqlen_k: ints, the longest sequence (the grid is sized for it).
         softmax_scale, causal, window_size, softcap, alibi_slopes (``(nheads,)`` or ``(batch, nheads)``),
-            dropout_p, dropout_seed, dropout_offset, deterministic: as for :func:`flash_attn_func`; masks are
+            dropout_p, dropout_seed, dropout_offset, dropout_rng_state, deterministic: as for
+            :func:`flash_attn_func`; masks are
             aligned per sequence, and the dropout mask of sequence b is that of batch entry b of a padded call.
         return_attn_probs: also return the log-sum-exp (the third element is None: no probabilities for varlen).
         block_table: not implemented yet (NotImplementedError).
@@ -462,7 +481,8 @@ def flash_attn_varlen_func(
         *infos, max_seqlen_q, max_seqlen_k, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
         window_size=window_size, softcap=softcap, alibi_slopes=alibi_info, deterministic=deterministic,
         return_attn_probs=return_attn_probs)
-    seed, offset = checks.check_dropout_rng(dropout_p, dropout_seed, dropout_offset)
+    state_info = None if dropout_rng_state is None else arrays.describe(dropout_rng_state, "dropout_rng_state")
+    seed, offset = checks.check_dropout_rng(dropout_p, dropout_seed, dropout_offset, state_info)
     scale = checks.default_scale(shape.headdim) if softmax_scale is None else float(softmax_scale)
     framework = infos[0].framework
     device = infos[0].device[1] if infos[0].device[0] == "cuda" else cupy.cuda.runtime.getDevice()
@@ -487,9 +507,10 @@ def flash_attn_varlen_func(
                 _arch(device), window_size=window_size, softcap=float(softcap), alibi_batch_stride=slopes_stride,
                 varlen_totals=(total_q, total_k), dropout_p=float(dropout_p),
             )
+            state = _rng_state_ready(dropout_rng_state, state_info) if dropout_p else None
             forward.run_forward(plan, qc.data.ptr, kc.data.ptr, vc.data.ptr, out.data.ptr, lse.data.ptr, stream.ptr,
                                 cu_q.data.ptr, cu_k.data.ptr, slopes.data.ptr if slopes is not None else 0, seed,
-                                offset)
+                                offset, state.data.ptr if state is not None else 0)
             result = arrays.make_result(out_native, out, framework)
             if padded != shape.headdim:
                 result = result[..., : shape.headdim]
@@ -501,7 +522,7 @@ def flash_attn_varlen_func(
 def flash_attn_varlen_backward(
     dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
     causal=False, window_size=(-1, -1), deterministic=False, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-    dropout_seed=None, dropout_offset=0,
+    dropout_seed=None, dropout_offset=0, dropout_rng_state=None,
 ):
     """Gradients of :func:`flash_attn_varlen_func` w.r.t. q, k and v.
 
@@ -522,7 +543,8 @@ def flash_attn_varlen_backward(
         infos["q"], infos["k"], infos["v"], infos["cu_seqlens_q"], infos["cu_seqlens_k"], max_seqlen_q, max_seqlen_k,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_info, deterministic=deterministic, dropout_p=dropout_p)
-    seed, offset = checks.check_dropout_rng(dropout_p, dropout_seed, dropout_offset)
+    state_info = None if dropout_rng_state is None else arrays.describe(dropout_rng_state, "dropout_rng_state")
+    seed, offset = checks.check_dropout_rng(dropout_p, dropout_seed, dropout_offset, state_info)
     checks.check_varlen_backward_args(infos["dout"], infos["out"], infos["softmax_lse"], infos["q"], shape.nheads)
     scale = checks.default_scale(shape.headdim) if softmax_scale is None else float(softmax_scale)
     framework = infos["q"].framework
@@ -558,6 +580,9 @@ def flash_attn_varlen_backward(
             pointers = {n: x.data.ptr for n, x in ready.items()}
             pointers.update(lse=lse.data.ptr, cu_seqlens_q=cu_q.data.ptr, cu_seqlens_k=cu_k.data.ptr,
                             dropout_seed=seed, dropout_offset=offset)
+            state = _rng_state_ready(dropout_rng_state, state_info) if dropout_p else None
+            if state is not None:
+                pointers["rng_state"] = state.data.ptr
             if slopes is not None:
                 pointers["alibi_slopes"] = slopes.data.ptr
             pointers.update({n: x.data.ptr for n, x in zip(("dq", "dk", "dv", "dsum", "dq_accum"), views)})

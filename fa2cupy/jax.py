@@ -143,32 +143,38 @@ def _xla_stream(ctx) -> int:
 
 # ------------------------------------------------------------------------------------------ the callbacks
 #
-# A call's static options are one hashable tuple, opts = (scale, causal, left, right, softcap, has_alibi, varlen),
-# varlen being None or (max_seqlen_q, max_seqlen_k). Its array inputs are q, k, v, then cu_seqlens_q and
-# cu_seqlens_k (varlen), then the ALiBi slopes (has_alibi): the "extras" below.
+# A call's static options are one hashable tuple, opts = (scale, causal, left, right, softcap, has_alibi, varlen,
+# dropout_p), varlen being None or (max_seqlen_q, max_seqlen_k). Its array inputs are q, k, v, then cu_seqlens_q
+# and cu_seqlens_k (varlen), then the ALiBi slopes (has_alibi), then the dropout rng state (dropout_p > 0: uint32
+# (4,) drawn from the caller's key, read by the kernels from GPU memory): the "extras" below.
 
 
 def _split_extras(extras, opts):
-    """(cu_seqlens_q, cu_seqlens_k, alibi_slopes) from the extra inputs, None where absent."""
-    has_alibi, varlen = opts[5], opts[6]
-    cu_q, cu_k = (extras[0], extras[1]) if varlen else (None, None)
-    return cu_q, cu_k, (extras[-1] if has_alibi else None)
+    """(cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state) from the extra inputs, None where absent."""
+    has_alibi, varlen, dropout_p = opts[5], opts[6], opts[7]
+    extras = list(extras)
+    cu_q, cu_k = (extras.pop(0), extras.pop(0)) if varlen else (None, None)
+    slopes = extras.pop(0) if has_alibi else None
+    state = extras.pop(0) if dropout_p else None
+    return cu_q, cu_k, slopes, state
 
 
-def _kw(opts):
+def _kw(opts, state):
     scale, causal, left, right, softcap = opts[:5]
-    return dict(softmax_scale=scale, causal=causal, window_size=(left, right), softcap=softcap)
+    return dict(softmax_scale=scale, causal=causal, window_size=(left, right), softcap=softcap, dropout_p=opts[7],
+                dropout_rng_state=state)
 
 
 def _run_forward(outs, q, k, v, *extras_and_opts):
     """Forward on CuPy arrays, writing into the CuPy arrays ``outs = (out, lse)``; current stream."""
     *extras, opts = extras_and_opts
-    cu_q, cu_k, slopes = _split_extras(extras, opts)
+    cu_q, cu_k, slopes, state = _split_extras(extras, opts)
     if opts[6]:
         out, lse, _ = fa2cupy.flash_attn_varlen_func(q, k, v, cu_q, cu_k, *opts[6], alibi_slopes=slopes,
-                                                     return_attn_probs=True, **_kw(opts))
+                                                     return_attn_probs=True, **_kw(opts, state))
     else:
-        out, lse, _ = fa2cupy.flash_attn_func(q, k, v, alibi_slopes=slopes, return_attn_probs=True, **_kw(opts))
+        out, lse = fa2cupy.flash_attn_func(q, k, v, alibi_slopes=slopes, return_attn_probs=True,
+                                           **_kw(opts, state))[:2]
     stream = cupy.cuda.get_current_stream()
     _copy_into(outs[0], out, stream)
     _copy_into(outs[1], lse, stream)
@@ -177,13 +183,14 @@ def _run_forward(outs, q, k, v, *extras_and_opts):
 def _run_backward(outs, dout, q, k, v, out, lse, *extras_and_opts):
     """Backward on CuPy arrays, writing into ``outs = (dq, dk, dv)``; current stream."""
     *extras, opts, deterministic = extras_and_opts
-    cu_q, cu_k, slopes = _split_extras(extras, opts)
+    cu_q, cu_k, slopes, state = _split_extras(extras, opts)
     if opts[6]:
         grads = fa2cupy.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, *opts[6],
-                                                   deterministic=deterministic, alibi_slopes=slopes, **_kw(opts))
+                                                   deterministic=deterministic, alibi_slopes=slopes,
+                                                   **_kw(opts, state))
     else:
         grads = fa2cupy.flash_attn_backward(dout, q, k, v, out, lse, deterministic=deterministic,
-                                            alibi_slopes=slopes, **_kw(opts))
+                                            alibi_slopes=slopes, **_kw(opts, state))
     stream = cupy.cuda.get_current_stream()
     for dst, src, cu in zip(outs, grads, (cu_q, cu_k, cu_k)):
         if opts[6]:  # rows outside every sequence are not written by the kernels: zero them (no host sync)
@@ -237,7 +244,7 @@ def _warm_up(kind, shape: checks.AttnShape, opts, deterministic) -> None:
     the problem.
     """
     group = shape.nheads // shape.nheads_kv
-    key = (kind, shape.headdim, shape.dtype, group, opts[:6], deterministic)
+    key = (kind, shape.headdim, shape.dtype, group, opts[:6] + opts[7:], deterministic)
     if key in _warmed:
         return
     _warmed.add(key)
@@ -256,8 +263,9 @@ def _warm_up(kind, shape: checks.AttnShape, opts, deterministic) -> None:
             def make(*dims):
                 return rnd.standard_normal(dims, dtype=cupy.float32).astype(dtype)
 
-            padded = opts[:6] + (None,)
-            extras = (cupy.ones(group, cupy.float32),) if opts[5] else ()
+            padded = opts[:6] + (None,) + opts[7:]
+            extras = ((cupy.ones(group, cupy.float32),) if opts[5] else ()) + (
+                (cupy.zeros(4, cupy.uint32),) if opts[7] else ())
             q, k, v = make(1, sq, group, shape.headdim), make(1, sk, 1, shape.headdim), make(1, sk, 1, shape.headdim)
             out = cupy.empty_like(q)
             lse = cupy.empty((1, group, sq), cupy.float32)
@@ -325,7 +333,7 @@ def _attention_bwd(opts, deterministic, residuals, cotangents):
     dout, _ = cotangents  # lse is returned through stop_gradient: its cotangent is always zero
     _warm_up("bwd", _shape_of(q, k, opts), opts, deterministic)
     dq, dk, dv = _backward_call(dout.astype(q.dtype), q, k, v, out, lse, extras, opts, deterministic)
-    # cu_seqlens and the ALiBi slopes get no gradient (as in flash-attn)
+    # cu_seqlens, the ALiBi slopes and the rng state get no gradient (as in flash-attn)
     return dq, dk, dv, tuple(None for _ in extras)
 
 
@@ -337,11 +345,18 @@ def _attention_jit(q, k, v, extras, opts, deterministic):
     return _attention(q, k, v, extras, opts, deterministic)
 
 
-def _reject_dropout(dropout_p) -> None:
-    if not (type(dropout_p) is float and dropout_p == 0.0) and checks._real(dropout_p, "dropout_p") != 0.0:
-        if not 0.0 < float(dropout_p) < 1.0:
-            raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
-        raise NotImplementedError("dropout (dropout_p > 0) in fa2cupy.jax is not implemented yet")
+def _dropout_extras(dropout_p, dropout_rng) -> tuple[float, tuple]:
+    """(dropout_p, (rng state,) or ()): with dropout, four uint32 words drawn from the caller's JAX PRNG key
+    (``jax.random.key`` or ``PRNGKey``), a traced array the kernels read from GPU memory."""
+    p = 0.0 if (type(dropout_p) is float and dropout_p == 0.0) else checks._real(dropout_p, "dropout_p")
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    if p == 0.0:
+        return 0.0, ()
+    if dropout_rng is None:
+        raise ValueError("dropout_p > 0 needs dropout_rng, a JAX PRNG key (jax.random.key(seed)): the backward "
+                         "regenerates the forward's mask from it")
+    return p, (jax.random.bits(dropout_rng, (4,), jnp.uint32),)
 
 
 def _alibi_info(alibi_slopes):
@@ -363,6 +378,8 @@ def flash_attn_func(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    *,
+    dropout_rng=None,
 ):
     """Differentiable FlashAttention-2 on JAX GPU arrays, flash-attn 2.x compatible.
 
@@ -379,7 +396,8 @@ def flash_attn_func(
         window_size: sliding window ``(left, right)``, as in :func:`fa2cupy.flash_attn_func`.
         softcap: as in :func:`fa2cupy.flash_attn_func` (a static option: one compiled callback per value).
         alibi_slopes: float32 ``(nheads,)`` or ``(batch, nheads)`` array (an input of the call; no gradient).
-        dropout_p: only 0 in fa2cupy.jax so far; anything else raises NotImplementedError.
+        dropout_p, dropout_rng: dropout on the probabilities with its mask drawn from ``dropout_rng``, a JAX PRNG
+            key (required with dropout; split it per step as usual); the backward regenerates the same mask.
         return_attn_probs: also return ``softmax_lse``.
 
     Returns:
@@ -390,9 +408,10 @@ def flash_attn_func(
         TypeError / ValueError / NotImplementedError with the messages of :func:`fa2cupy.flash_attn_func`,
         when the call is traced.
     """
-    _reject_dropout(dropout_p)
+    p, rng_extras = _dropout_extras(dropout_p, dropout_rng)
     q, k, v = (x if isinstance(x, jax.Array) else jnp.asarray(x) for x in (q, k, v))
     alibi_info, extras = _alibi_info(alibi_slopes)
+    extras += rng_extras
     shape = checks.check_forward_args(
         _info("q", q), _info("k", k), _info("v", v), dropout_p=dropout_p, softmax_scale=softmax_scale,
         causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_info,
@@ -401,7 +420,7 @@ def flash_attn_func(
     scale = 1.0 / math.sqrt(shape.headdim) if softmax_scale is None else float(softmax_scale)
     # hashable: a static argument of the jit
     opts = (scale, bool(causal), int(window_size[0]), int(window_size[1]), float(softcap), alibi_info is not None,
-            None)
+            None, p)
     _warm_up("fwd", shape, opts, bool(deterministic))
     out, lse = _attention_jit(q, k, v, extras, opts, bool(deterministic))
     if return_attn_probs:
@@ -426,13 +445,15 @@ def flash_attn_varlen_func(
     deterministic=False,
     return_attn_probs=False,
     block_table=None,
+    *,
+    dropout_rng=None,
 ):
     """Differentiable :func:`fa2cupy.flash_attn_varlen_func` on JAX GPU arrays (same arguments and results;
-    ``max_seqlen_q``/``max_seqlen_k`` are static ints). Gradients flow to q, k and v; rows outside every sequence
-    get zero gradients."""
+    ``max_seqlen_q``/``max_seqlen_k`` are static ints; dropout with ``dropout_rng`` as in :func:`flash_attn_func`).
+    Gradients flow to q, k and v; rows outside every sequence get zero gradients."""
     if block_table is not None:
         raise NotImplementedError("paged K/V (block_table) in flash_attn_varlen_func is not implemented yet")
-    _reject_dropout(dropout_p)
+    p, rng_extras = _dropout_extras(dropout_p, dropout_rng)
     q, k, v, cu_q, cu_k = (x if isinstance(x, jax.Array) else jnp.asarray(x)
                            for x in (q, k, v, cu_seqlens_q, cu_seqlens_k))
     alibi_info, slopes = _alibi_info(alibi_slopes)
@@ -443,9 +464,9 @@ def flash_attn_varlen_func(
         return_attn_probs=return_attn_probs)
     scale = 1.0 / math.sqrt(shape.headdim) if softmax_scale is None else float(softmax_scale)
     opts = (scale, bool(causal), int(window_size[0]), int(window_size[1]), float(softcap), alibi_info is not None,
-            (int(max_seqlen_q), int(max_seqlen_k)))
+            (int(max_seqlen_q), int(max_seqlen_k)), p)
     _warm_up("fwd", shape, opts, bool(deterministic))
-    out, lse = _attention_jit(q, k, v, (cu_q, cu_k) + slopes, opts, bool(deterministic))
+    out, lse = _attention_jit(q, k, v, (cu_q, cu_k) + slopes + rng_extras, opts, bool(deterministic))
     if return_attn_probs:
         return out, jax.lax.stop_gradient(lse), None
     return out

@@ -67,7 +67,8 @@ def test_lowers_for_jit_value_and_grad():
 
 
 @pytest.mark.parametrize("kwargs,error,message", [
-    (dict(dropout_p=0.1), NotImplementedError, r"^dropout \(dropout_p > 0\) in fa2cupy.jax is not implemented"),
+    (dict(dropout_p=0.1), ValueError, r"^dropout_p > 0 needs dropout_rng, a JAX PRNG key"),
+    (dict(dropout_p=1.0, dropout_rng=jax.random.PRNGKey(0)), ValueError, r"^dropout_p must be in \[0, 1\)"),
     (dict(window_size=(8, -2)), ValueError, r"^window_size must be \(left, right\) with each side >= 0"),
     (dict(softcap=-5.0), ValueError, r"^softcap must be a finite number >= 0"),
     (dict(alibi_slopes=np.ones(4)), NotImplementedError, r"^ALiBi \(alibi_slopes\) in fa2cupy.jax is not implemented"),
@@ -296,3 +297,25 @@ def test_gpu_varlen_grad_under_jit_against_reference():
         g = _f64(g)
         assert np.all(g[170:] == 0), "rows outside every sequence get zero gradients"
         assert np.abs(g[:170] - r[:170]).max() <= 16 * 2**-11 * np.abs(r).max() + 1e-3
+
+
+@gpu
+@needs_jax_gpu
+def test_gpu_dropout_grad_under_jit_equals_fa2cupy_with_the_same_seed():
+    """The JAX key's four words are the kernels' seed and offset: fa2cupy with those ints gives the same bits."""
+    q, k, v, dout = _qkv(sq=130, sk=170, h=4, hkv=2, d=64)
+    key = jax.random.PRNGKey(42)
+    kw = dict(causal=True, deterministic=True, dropout_p=0.25)
+    out = jax.jit(lambda q, k, v, key: flash_attn_func(q, k, v, dropout_rng=key, **kw))(q, k, v, key)
+    grads = jax.jit(jax.grad(lambda q, k, v, key: _weighted(q, k, v, dout, dropout_rng=key, **kw),
+                             argnums=(0, 1, 2)))(q, k, v, key)
+    words = [int(w) for w in np.asarray(jax.random.bits(key, (4,), jnp.uint32))]
+    seed, offset = words[0] | words[1] << 32, words[2] | words[3] << 32
+    want, lse, _ = fa2cupy.flash_attn_func(q, k, v, return_attn_probs=True, dropout_seed=seed, dropout_offset=offset,
+                                           **kw)
+    assert np.array_equal(np.asarray(out), np.asarray(want))
+    want_g = fa2cupy.flash_attn_backward(dout, q, k, v, want, lse, dropout_seed=seed, dropout_offset=offset, **kw)
+    for g, w in zip(grads, want_g):
+        assert np.array_equal(np.asarray(g), np.asarray(w))
+    other = flash_attn_func(q, k, v, dropout_rng=jax.random.PRNGKey(43), **kw)
+    assert not np.array_equal(np.asarray(other), np.asarray(out))
