@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import build, checks, configs
+from . import build, configs
 from .forward import _LOG2E, dropout_scalars, dropout_words, error_pointers, kernel_variant
 
 #: Tests set this to fill dq, dk and dv with NaN before the kernels run (see forward._debug_poison).

@@ -43,11 +43,15 @@ def _elem_strides(x) -> tuple:
     return tuple(s // x.itemsize for s in x.strides)
 
 
-def _rng_state_ready(state, info):
-    """The dropout rng state as a contiguous CuPy uint32 (4,) array, or None."""
-    if state is None:
-        return None
-    return cupy.ascontiguousarray(arrays.to_cupy(state, info))
+def _describe_optional(x, name: str):
+    """ArrayInfo of an optional array argument (alibi_slopes, dropout_rng_state), or None."""
+    return None if x is None else arrays.describe(x, name)
+
+
+def _contiguous(x, info):
+    """A C-contiguous CuPy view of a small side array (cu_seqlens, lse, the dropout rng state): the caller's own
+    memory when it already is contiguous, else a copy; None for None."""
+    return None if x is None else cupy.ascontiguousarray(arrays.to_cupy(x, info))
 
 
 def _alibi_ready(alibi_slopes, info):
@@ -195,7 +199,7 @@ def _flash_attn_checked(
     """The full path: describe, validate, adapt (copy where the kernels need it), plan, launch; and remember
     the plan under ``cache_key`` when the inputs were used in place."""
     q_info, k_info, v_info = arrays.describe(q, "q"), arrays.describe(k, "k"), arrays.describe(v, "v")
-    alibi_info = None if alibi_slopes is None else arrays.describe(alibi_slopes, "alibi_slopes")
+    alibi_info = _describe_optional(alibi_slopes, "alibi_slopes")
     shape = checks.check_forward_args(
         q_info,
         k_info,
@@ -209,7 +213,7 @@ def _flash_attn_checked(
         deterministic=deterministic,
         return_attn_probs=return_attn_probs,
     )
-    state_info = None if dropout_rng_state is None else arrays.describe(dropout_rng_state, "dropout_rng_state")
+    state_info = _describe_optional(dropout_rng_state, "dropout_rng_state")
     seed, offset = checks.check_dropout_rng(dropout_p, dropout_seed, dropout_offset, state_info)
     scale = checks.default_scale(shape.headdim) if softmax_scale is None else float(softmax_scale)
     framework = q_info.framework
@@ -238,7 +242,7 @@ def _flash_attn_checked(
                 bool(causal), _arch(device), window_size=window_size, softcap=float(softcap),
                 alibi_batch_stride=slopes_stride, dropout_p=float(dropout_p),
             )
-            state = _rng_state_ready(dropout_rng_state, state_info) if dropout_p else None
+            state = _contiguous(dropout_rng_state, state_info) if dropout_p else None
             forward.run_forward(plan, qc.data.ptr, kc.data.ptr, vc.data.ptr, out.data.ptr, lse.data.ptr, stream.ptr,
                                 alibi_slopes=slopes.data.ptr if slopes is not None else 0, dropout_seed=seed,
                                 dropout_offset=offset, rng_state=state.data.ptr if state is not None else 0)
@@ -354,12 +358,12 @@ def _flash_attn_backward_checked(
 ):
     names = ("dout", "q", "k", "v", "out", "softmax_lse")
     infos = [arrays.describe(x, name) for x, name in zip((dout, q, k, v, out, softmax_lse), names)]
-    alibi_info = None if alibi_slopes is None else arrays.describe(alibi_slopes, "alibi_slopes")
+    alibi_info = _describe_optional(alibi_slopes, "alibi_slopes")
     shape = checks.check_backward_args(
         *infos, softmax_scale=softmax_scale, causal=causal, window_size=window_size, deterministic=deterministic,
         softcap=softcap, alibi_slopes=alibi_info, dropout_p=dropout_p,
     )
-    state_info = None if dropout_rng_state is None else arrays.describe(dropout_rng_state, "dropout_rng_state")
+    state_info = _describe_optional(dropout_rng_state, "dropout_rng_state")
     seed, offset = checks.check_dropout_rng(dropout_p, dropout_seed, dropout_offset, state_info)
     scale = checks.default_scale(shape.headdim) if softmax_scale is None else float(softmax_scale)
     framework = infos[1].framework
@@ -395,7 +399,7 @@ def _flash_attn_backward_checked(
             )
             pointers = {n: x.data.ptr for n, x in zip(("dout", "q", "k", "v", "out"), ready)}
             pointers.update(lse=lse.data.ptr, dropout_seed=seed, dropout_offset=offset)
-            state = _rng_state_ready(dropout_rng_state, state_info) if dropout_p else None
+            state = _contiguous(dropout_rng_state, state_info) if dropout_p else None
             if state is not None:
                 pointers["rng_state"] = state.data.ptr
             if slopes is not None:
@@ -418,11 +422,6 @@ def _varlen_view(x, info, headdim: int):
 def _varlen_strides(x) -> tuple:
     """Element strides of a (1, total, heads, d) view for the kernels: batch stride 0 (cu_seqlens give the rows)."""
     return (0,) + _elem_strides(x)[1:]
-
-
-def _cu_seqlens_ready(x, info):
-    given = arrays.to_cupy(x, info)
-    return given if given.flags.c_contiguous else cupy.ascontiguousarray(given)
 
 
 def flash_attn_varlen_func(
@@ -476,12 +475,12 @@ def flash_attn_varlen_func(
     device_errors.raise_pending()
     names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")
     infos = [arrays.describe(x, n) for x, n in zip((q, k, v, cu_seqlens_q, cu_seqlens_k), names)]
-    alibi_info = None if alibi_slopes is None else arrays.describe(alibi_slopes, "alibi_slopes")
+    alibi_info = _describe_optional(alibi_slopes, "alibi_slopes")
     shape, total_q, total_k = checks.check_varlen_args(
         *infos, max_seqlen_q, max_seqlen_k, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
         window_size=window_size, softcap=softcap, alibi_slopes=alibi_info, deterministic=deterministic,
         return_attn_probs=return_attn_probs)
-    state_info = None if dropout_rng_state is None else arrays.describe(dropout_rng_state, "dropout_rng_state")
+    state_info = _describe_optional(dropout_rng_state, "dropout_rng_state")
     seed, offset = checks.check_dropout_rng(dropout_p, dropout_seed, dropout_offset, state_info)
     scale = checks.default_scale(shape.headdim) if softmax_scale is None else float(softmax_scale)
     framework = infos[0].framework
@@ -491,7 +490,7 @@ def flash_attn_varlen_func(
         stream = arrays.caller_stream(framework, device)
         with stream:
             qc, kc, vc = (_varlen_view(x, info, shape.headdim) for x, info in zip((q, k, v), infos))
-            cu_q, cu_k = (_cu_seqlens_ready(x, info) for x, info in zip((cu_seqlens_q, cu_seqlens_k), infos[3:]))
+            cu_q, cu_k = (_contiguous(x, info) for x, info in zip((cu_seqlens_q, cu_seqlens_k), infos[3:]))
             if scale < 0:  # as in flash_attn_func: the running max needs a positive scale
                 qc, scale = -qc, -scale
             out_native, out = arrays.new_empty((total_q, shape.nheads, padded), shape.dtype, framework, device)
@@ -507,7 +506,7 @@ def flash_attn_varlen_func(
                 _arch(device), window_size=window_size, softcap=float(softcap), alibi_batch_stride=slopes_stride,
                 varlen_totals=(total_q, total_k), dropout_p=float(dropout_p),
             )
-            state = _rng_state_ready(dropout_rng_state, state_info) if dropout_p else None
+            state = _contiguous(dropout_rng_state, state_info) if dropout_p else None
             forward.run_forward(plan, qc.data.ptr, kc.data.ptr, vc.data.ptr, out.data.ptr, lse.data.ptr, stream.ptr,
                                 cu_q.data.ptr, cu_k.data.ptr, slopes.data.ptr if slopes is not None else 0, seed,
                                 offset, state.data.ptr if state is not None else 0)
@@ -532,18 +531,19 @@ def flash_attn_varlen_backward(
             :func:`flash_attn_backward`.
 
     Returns:
-        ``(dq, dk, dv)`` shaped like q, k, v. Rows outside every sequence are not written.
+        ``(dq, dk, dv)`` shaped like q, k, v. Rows outside every sequence (past ``cu_seqlens[-1]``) are zero, so
+        autograd wrappers can hand the gradients on as they are.
     """
     device_errors.raise_pending()
     names = ("dout", "q", "k", "v", "out", "softmax_lse", "cu_seqlens_q", "cu_seqlens_k")
     given_arrays = (dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k)
     infos = dict((n, arrays.describe(x, n)) for x, n in zip(given_arrays, names))
-    alibi_info = None if alibi_slopes is None else arrays.describe(alibi_slopes, "alibi_slopes")
+    alibi_info = _describe_optional(alibi_slopes, "alibi_slopes")
     shape, total_q, total_k = checks.check_varlen_args(
         infos["q"], infos["k"], infos["v"], infos["cu_seqlens_q"], infos["cu_seqlens_k"], max_seqlen_q, max_seqlen_k,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_info, deterministic=deterministic, dropout_p=dropout_p)
-    state_info = None if dropout_rng_state is None else arrays.describe(dropout_rng_state, "dropout_rng_state")
+    state_info = _describe_optional(dropout_rng_state, "dropout_rng_state")
     seed, offset = checks.check_dropout_rng(dropout_p, dropout_seed, dropout_offset, state_info)
     checks.check_varlen_backward_args(infos["dout"], infos["out"], infos["softmax_lse"], infos["q"], shape.nheads)
     scale = checks.default_scale(shape.headdim) if softmax_scale is None else float(softmax_scale)
@@ -555,8 +555,8 @@ def flash_attn_varlen_backward(
         stream = arrays.caller_stream(framework, device)
         with stream:
             ready = {n: _varlen_view(x, infos[n], shape.headdim) for x, n in zip(given_arrays[:5], names[:5])}
-            lse = _cu_seqlens_ready(softmax_lse, infos["softmax_lse"])
-            cu_q, cu_k = (_cu_seqlens_ready(x, infos[n]) for x, n in zip(given_arrays[6:], names[6:]))
+            lse = _contiguous(softmax_lse, infos["softmax_lse"])
+            cu_q, cu_k = (_contiguous(x, infos[n]) for x, n in zip(given_arrays[6:], names[6:]))
             allocations = (
                 ((total_q, shape.nheads, padded), shape.dtype),  # dq
                 ((total_k, shape.nheads_kv, padded), shape.dtype),  # dk
@@ -580,13 +580,17 @@ def flash_attn_varlen_backward(
             pointers = {n: x.data.ptr for n, x in ready.items()}
             pointers.update(lse=lse.data.ptr, cu_seqlens_q=cu_q.data.ptr, cu_seqlens_k=cu_k.data.ptr,
                             dropout_seed=seed, dropout_offset=offset)
-            state = _rng_state_ready(dropout_rng_state, state_info) if dropout_p else None
+            state = _contiguous(dropout_rng_state, state_info) if dropout_p else None
             if state is not None:
                 pointers["rng_state"] = state.data.ptr
             if slopes is not None:
                 pointers["alibi_slopes"] = slopes.data.ptr
             pointers.update({n: x.data.ptr for n, x in zip(("dq", "dk", "dv", "dsum", "dq_accum"), views)})
             backward.run_backward(plan, pointers, stream.ptr)
+            # The kernels write only the rows of sequences; gradients must be defined everywhere (no host sync).
+            for view, cu in zip(views[:3], (cu_q, cu_k, cu_k)):
+                rows = cupy.arange(view.shape[0], dtype=cupy.int32)[:, None, None]
+                view[...] = cupy.where(rows < cu[-1], view, cupy.zeros((), view.dtype))
             results = [arrays.make_result(native, view, framework) for native, view in made[:3]]
             if padded != shape.headdim:
                 results = [r[..., : shape.headdim] for r in results]

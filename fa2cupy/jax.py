@@ -192,10 +192,7 @@ def _run_backward(outs, dout, q, k, v, out, lse, *extras_and_opts):
         grads = fa2cupy.flash_attn_backward(dout, q, k, v, out, lse, deterministic=deterministic,
                                             alibi_slopes=slopes, **_kw(opts, state))
     stream = cupy.cuda.get_current_stream()
-    for dst, src, cu in zip(outs, grads, (cu_q, cu_k, cu_k)):
-        if opts[6]:  # rows outside every sequence are not written by the kernels: zero them (no host sync)
-            rows = cupy.arange(src.shape[0], dtype=cupy.int32)[:, None, None]
-            src = cupy.where(rows < cu[-1], src, cupy.zeros((), src.dtype))
+    for dst, src in zip(outs, grads):
         _copy_into(dst, src, stream)
 
 

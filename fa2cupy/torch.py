@@ -278,20 +278,14 @@ def _flash_attn_varlen_backward(
     softmax_scale: float, causal: bool, window_left: int, window_right: int, deterministic: bool, softcap: float,
     dropout_p: float, dropout_seed: int, dropout_offset: int, alibi_slopes: Optional[torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv like q, k, v (rows outside every sequence are zero)."""
+    """dq, dk, dv like q, k, v (rows outside every sequence are zero: fa2cupy.flash_attn_varlen_backward)."""
     dq, dk, dv = fa2cupy.flash_attn_varlen_backward(
         _contiguous_last_axis(dout.detach()), q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(),
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
         window_size=(window_left, window_right), deterministic=deterministic, softcap=softcap,
         alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=_unsigned(dropout_seed),
         dropout_offset=_unsigned(dropout_offset))
-    # Autograd needs defined values everywhere: rows past the last sequence, which no kernel writes, become 0.
-    grads = []
-    for g, cu in ((dq, cu_seqlens_q), (dk, cu_seqlens_k), (dv, cu_seqlens_k)):
-        g = g.contiguous()
-        rows = torch.arange(g.shape[0], device=g.device)
-        grads.append(torch.where((rows < cu[-1]).view(-1, 1, 1), g, torch.zeros((), dtype=g.dtype, device=g.device)))
-    return tuple(grads)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @_flash_attn_varlen_backward.register_fake

@@ -217,6 +217,24 @@ def check_cache(case, k_cache, v_cache, as_contiguous=False):
             raise AssertionError(f"{name} differs from the expected post-append state at (row/page, slot) {where}")
 
 
+def _check_row(b, keys, out_h, lse_h, ref_out, ref_lse, v_rows, u):
+    """Batch row b's out (and lse) against the reference over its keys (``keys`` names them in messages)."""
+    tol = 4 * u * float(np.abs(v_rows.astype(np.float64)).max()) + 1e-6
+    err = np.abs(out_h[b] - ref_out)
+    worst = np.unravel_index(int(np.argmax(err)), err.shape)
+    _note(f"row {b}: {keys}, max|out-ref|={err.max():.3e} at {worst}, tol={tol:.3e}")
+    assert err.max() <= tol, f"row {b} ({keys}): max|out-ref| = {err.max():.3e} at {worst} > {tol:.3e}"
+    dead = np.isinf(ref_lse)  # (h, sq): queries that see no key
+    if dead.any():
+        assert np.all(out_h[b][dead.T] == 0.0), f"row {b}: queries that see no key must give exactly 0"
+    if lse_h is not None:
+        assert not np.isnan(lse_h[b]).any(), "lse has NaN"
+        assert np.all(lse_h[b][dead] == np.inf), f"row {b}: queries that see no key must have lse +inf"
+        live = ~dead
+        lerr = np.abs(lse_h[b][live] - ref_lse[live])
+        assert np.all(lerr <= 1e-3 * (1 + np.abs(ref_lse[live]))), f"row {b}: max|lse-ref| = {lerr.max():.3e}"
+
+
 def check_outputs(case, out, lse, softmax_scale, causal):
     """out/lse against attention_ref per batch row, over the keys of that row after the append."""
     cp = _cupy()
@@ -237,20 +255,7 @@ def check_outputs(case, out, lse, softmax_scale, causal):
             continue
         k_rows, v_rows = lk[row:row + 1, :nkeys], lv[row:row + 1, :nkeys]
         ref_out, ref_lse = attention_ref(case["q"][b:b + 1], k_rows, v_rows, softmax_scale, causal)
-        ref_out, ref_lse = ref_out[0], ref_lse[0]
-        tol = 4 * u * float(np.abs(v_rows.astype(np.float64)).max()) + 1e-6
-        err = np.abs(out_h[b] - ref_out)
-        worst = np.unravel_index(int(np.argmax(err)), err.shape)
-        _note(f"row {b}: {nkeys} keys, max|out-ref|={err.max():.3e} at {worst}, tol={tol:.3e}")
-        assert err.max() <= tol, f"row {b} ({nkeys} keys): max|out-ref| = {err.max():.3e} at {worst} > {tol:.3e}"
-        dead = np.isinf(ref_lse)  # (h, sq): causal rows that see no key
-        if dead.any():
-            assert np.all(out_h[b][dead.T] == 0.0), f"row {b}: queries that see no key must give exactly 0"
-        if lse_h is not None:
-            assert np.all(lse_h[b][dead] == np.inf), f"row {b}: queries that see no key must have lse +inf"
-            live = ~dead
-            lerr = np.abs(lse_h[b][live] - ref_lse[live])
-            assert np.all(lerr <= 1e-3 * (1 + np.abs(ref_lse[live]))), f"row {b}: max|lse-ref| = {lerr.max():.3e}"
+        _check_row(b, f"{nkeys} keys", out_h, lse_h, ref_out[0], ref_lse[0], v_rows, u)
 
 
 def run_and_check(case, **kw):
@@ -782,21 +787,7 @@ def check_outputs_features(case, f, out, lse, k_cache, v_cache, softmax_scale, c
         slopes = f["alibi"] if f["alibi"] is None or f["alibi"].ndim == 1 else f["alibi"][b:b + 1]
         ref_out, ref_lse = attention_ref(q[b:b + 1], k_rows, v_rows, softmax_scale, causal, window, f["softcap"],
                                          slopes)
-        ref_out, ref_lse = ref_out[0], ref_lse[0]
-        tol = 4 * u * float(np.abs(v_rows.astype(np.float64)).max()) + 1e-6
-        err = np.abs(out_h[b] - ref_out)
-        worst = np.unravel_index(int(np.argmax(err)), err.shape)
-        _note(f"row {b}: keys [{pad}, {end}), max|out-ref|={err.max():.3e} at {worst}, tol={tol:.3e}")
-        assert err.max() <= tol, f"row {b} (keys [{pad}, {end})): max|out-ref| = {err.max():.3e} at {worst} > {tol:.3e}"
-        dead = np.isinf(ref_lse)  # (h, sq): queries whose window holds no key
-        if dead.any():
-            assert np.all(out_h[b][dead.T] == 0.0), f"row {b}: queries that see no key must give exactly 0"
-        if lse_h is not None:
-            assert not np.isnan(lse_h[b]).any(), "lse has NaN"
-            assert np.all(lse_h[b][dead] == np.inf), f"row {b}: queries that see no key must have lse +inf"
-            live = ~dead
-            lerr = np.abs(lse_h[b][live] - ref_lse[live])
-            assert np.all(lerr <= 1e-3 * (1 + np.abs(ref_lse[live]))), f"row {b}: max|lse-ref| = {lerr.max():.3e}"
+        _check_row(b, f"keys [{pad}, {end})", out_h, lse_h, ref_out[0], ref_lse[0], v_rows, u)
 
 
 def run_features(case, f, **kw):

@@ -231,6 +231,8 @@ def test_varlen_forward_backward(c):
     refs = attention_ref_varlen_backward(doh, qh, kh, vh, cu_q, cu_k, out=_host(out), **ref_kw)
     _check_grads(grads, refs, c["dtype"], 1 / math.sqrt(c["headdim"]), c["headdim"], doh[rows_q], qh[rows_q],
                  kh[rows_k], vh[rows_k], selections=(rows_q, rows_k, rows_k))
+    for g, end in zip(grads, (cu_q[-1], cu_k[-1], cu_k[-1])):  # rows past every sequence: exactly zero
+        assert np.all(_host(g)[int(end):] == 0.0)
 
 
 @pytest.mark.parametrize("causal", [False, True])
