@@ -15,7 +15,7 @@ The forward cases run the forward only; BWD_CASES run forward + backward
 ``flash_attn_with_kvcache`` (append, split-KV with the last-block merge, paged and
 contiguous, causal) against ``flash_attn_func`` over each row's keys.
 
-    python3 bench/sanitize_case.py [fwd|bwd|window|varlen|dropout|decode ...]    # default: all six groups
+    python3 bench/sanitize_case.py [fwd|bwd|window|varlen|paged|dropout|decode ...]    # default: all seven groups
 """
 
 from __future__ import annotations
@@ -217,6 +217,61 @@ def check_dropout(i, b, sq, sk, h, hkv, d, causal, p, det) -> bool:
     return bool(ok)
 
 
+# (lengths_q, lengths_k, h, hkv, d, page_size, window_size): causal paged varlen forward + backward.
+PAGED_CASES = (
+    ((70, 0, 1, 130), (90, 3, 40, 130), 4, 2, 64, 16, (-1, -1)),
+    ((33, 90), (100, 17), 2, 1, 128, 48, (16, 4)),
+    ((65,), (65,), 2, 2, 40, 1, (-1, -1)),
+)
+
+
+def check_paged(i, lengths_q, lengths_k, h, hkv, d, page_size, window) -> bool:
+    """Paged varlen (block_table) against the packed varlen call on the same keys: bitwise forward, deterministic
+    backward (dq bitwise, dk/dv summed onto pages)."""
+    import cupy as cp
+
+    import fa2cupy
+
+    rng = np.random.default_rng(500 + i)
+    cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
+    q, dout = (rng.standard_normal((int(cu_q[-1]), h, d), dtype=np.float32).astype(np.float16) for _ in range(2))
+    k, v = (rng.standard_normal((int(cu_k[-1]), hkv, d), dtype=np.float32).astype(np.float16) for _ in range(2))
+    need = [-(-n // page_size) for n in lengths_k]
+    num_pages, max_pages = sum(need) + 2, max(need)
+    order = rng.permutation(num_pages)
+    k_pages, v_pages = (rng.standard_normal((num_pages, page_size, hkv, d), dtype=np.float32).astype(np.float16)
+                        for _ in range(2))
+    table = np.zeros((len(lengths_k), max_pages), np.int32)
+    used = 0
+    for b, n in enumerate(lengths_k):
+        for j in range(n):
+            if j % page_size == 0:
+                table[b, j // page_size] = order[used]
+                used += 1
+            k_pages[table[b, j // page_size], j % page_size] = k[cu_k[b] + j]
+            v_pages[table[b, j // page_size], j % page_size] = v[cu_k[b] + j]
+    q, dout, k, v, k_pages, v_pages, table, cu_qd, cu_kd = (
+        cp.asarray(x) for x in (q, dout, k, v, k_pages, v_pages, table, cu_q, cu_k))
+    mq, mk = max(lengths_q), max(lengths_k)
+    kw = dict(causal=True, window_size=window, deterministic=True)
+    out_p, lse_p, _ = fa2cupy.flash_attn_varlen_func(q, k_pages, v_pages, cu_qd, cu_kd, mq, mk, block_table=table,
+                                                     return_attn_probs=True, **kw)
+    out, lse, _ = fa2cupy.flash_attn_varlen_func(q, k, v, cu_qd, cu_kd, mq, mk, return_attn_probs=True, **kw)
+    ok = bool(cp.array_equal(out_p, out)) and bool(cp.array_equal(lse_p, lse))
+    dq_p, dk_p, dv_p = fa2cupy.flash_attn_varlen_backward(dout, q, k_pages, v_pages, out, lse, cu_qd, cu_kd, mq, mk,
+                                                          block_table=table, **kw)
+    dq, dk, dv = fa2cupy.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_qd, cu_kd, mq, mk, **kw)
+    ok &= bool(cp.array_equal(dq_p, dq))
+    pages_of = cp.asarray(np.concatenate([table[b, np.arange(n) // page_size] for b, n in enumerate(lengths_k)]))
+    slots = cp.asarray(np.concatenate([np.arange(n) % page_size for n in lengths_k]))
+    ok &= bool(cp.array_equal(dk_p[pages_of, slots], dk)) and bool(cp.array_equal(dv_p[pages_of, slots], dv))
+    fa2cupy.check_device_errors()
+    print(f"paged {i}: lengths q {lengths_q} k {lengths_k} h{h}/{hkv} d{d} page {page_size} window={window}: "
+          f"{'ok' if ok else 'FAIL'}", flush=True)
+    return ok
+
+
 def main(groups) -> int:
     ok, msg = cli.probe_gpu()
     if not ok:
@@ -244,6 +299,10 @@ def main(groups) -> int:
         for i, case in enumerate(VARLEN_CASES):
             bad += not check_varlen(i, *case)
             total += 1
+    if "paged" in groups:
+        for i, case in enumerate(PAGED_CASES):
+            bad += not check_paged(i, *case)
+            total += 1
     if "dropout" in groups:
         for i, case in enumerate(DROPOUT_CASES):
             bad += not check_dropout(i, *case)
@@ -258,4 +317,4 @@ def main(groups) -> int:
 
 if __name__ == "__main__":
     np.seterr(all="ignore")
-    sys.exit(main(sys.argv[1:] or ("fwd", "bwd", "window", "varlen", "dropout", "decode")))
+    sys.exit(main(sys.argv[1:] or ("fwd", "bwd", "window", "varlen", "paged", "dropout", "decode")))

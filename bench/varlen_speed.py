@@ -1,14 +1,16 @@
 """Varlen speed against the padded batch of the same real tokens (issue 5's bar: >= 0.95x), forward and backward,
 fp16, 16 heads of 128, 16k tokens in all.
 
-    python bench/varlen_speed.py [--tokens 16384] [--causal]
+    python bench/varlen_speed.py [--tokens 16384] [--causal] [--paged 16,256]
 
 Two comparisons, each timed back to back with the same timer as ``fa2cupy bench`` (CUDA events, median):
 * equal lengths: varlen over b sequences of s tokens against flash_attn_func on (b, s): the same work, so the
   time ratio is the overhead of varlen;
 * mixed lengths (random, 256..4096, fixed seed): varlen TFLOPs/s against the padded batch's at the same total
   real tokens, padded to the longest sequence; the padded batch does the extra work of its padding, so this is
-  the speed a user gains by not padding.
+  the speed a user gains by not padding;
+* with --paged: the varlen forward reading K/V through a shuffled block_table of pages of each given size against
+  the packed varlen forward on the same keys (the page look-ups' cost).
 """
 
 import argparse
@@ -39,6 +41,7 @@ def main():
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--headdim", type=int, default=128)
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--paged", default="", help="comma-separated page sizes: paged forward vs packed")
     args = parser.parse_args()
     h, d, causal = args.heads, args.headdim, args.causal
     rng = cupy.random.default_rng(0)
@@ -86,6 +89,35 @@ def main():
     print(f"mixed lengths ({len(lengths)} sequences, {total} tokens, longest {longest}) causal={causal}: "
           f"varlen {real_f / vf / 1e9:.0f} / {real_b / vb / 1e9:.0f} TFLOPs/s fwd/bwd on real tokens; padded "
           f"batch ({len(lengths)}x{longest}) takes {pf / vf:.2f}x / {pb / vb:.2f}x varlen's time", flush=True)
+
+    for page_size in (int(p) for p in args.paged.split(",") if p):
+        # The mixed lengths again, each sequence's keys on pages of page_size rows in a shuffled pool.
+        need = [-(-n // page_size) for n in lengths]
+        pool = gen.permutation(sum(need)).astype(np.int32)
+        table = np.zeros((len(lengths), max(need)), np.int32)
+        table_rows = [pool[sum(need[:b]):sum(need[:b + 1])] for b in range(len(lengths))]
+        for b, pages in enumerate(table_rows):
+            table[b, :len(pages)] = pages
+        k_pages = cupy.zeros((len(pool), page_size, h, d), cupy.float16)
+        v_pages = cupy.zeros_like(k_pages)
+        cu_h = np.concatenate([[0], np.cumsum(lengths)])
+        for b, n in enumerate(lengths):
+            rows = cupy.arange(n)
+            pages = cupy.asarray(table[b])[rows // page_size]
+            k_pages[pages, rows % page_size] = kv[cu_h[b]:cu_h[b] + n]
+            v_pages[pages, rows % page_size] = vv[cu_h[b]:cu_h[b] + n]
+        table_d = cupy.asarray(table)
+        paged = fa2cupy.flash_attn_varlen_func(qv, k_pages, v_pages, cu, cu, longest, longest, causal=causal,
+                                               block_table=table_d)
+        packed = fa2cupy.flash_attn_varlen_func(qv, kv, vv, cu, cu, longest, longest, causal=causal)
+        same = bool(cupy.array_equal(paged, packed))
+        pf = B.time_gpu(lambda: fa2cupy.flash_attn_varlen_func(qv, k_pages, v_pages, cu, cu, longest, longest,
+                                                               causal=causal, block_table=table_d),
+                        events, warmup=3, repeats=15).median_ms
+        vf = B.time_gpu(lambda: fa2cupy.flash_attn_varlen_func(qv, kv, vv, cu, cu, longest, longest, causal=causal),
+                        events, warmup=3, repeats=15).median_ms
+        print(f"paged K/V, pages of {page_size}, mixed lengths causal={causal}: paged fwd {pf:.3f} ms, packed fwd "
+              f"{vf:.3f} ms: paged speed / packed {vf / pf:.3f}x (bitwise equal: {same})", flush=True)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ enum BadValue : int {
     kBadCuSeqlensK = 5,
     kBadRotaryPosition = 6,  // a rotated position (value) past the rows of rotary_cos / rotary_sin
     kBadCacheLeftpad = 7,    // cache_leftpad[row] (value) outside [0, cache_seqlens[row]]
+    kBadVarlenPage = 8,      // block_table[row, col] (value) of a paged varlen forward is not a page of k
 };
 
 // Records the first bad value: what (BadValue), where (row, col of the offending array) and the value itself.

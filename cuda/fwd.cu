@@ -11,7 +11,7 @@ namespace fa2 {
 
 // A tile configuration is a type. Every instantiation the library can launch comes from fa2cupy/configs.py.
 template <int HeadDim, int BlockM, int BlockN, int Warps, int Stages, int MinBlocks, bool QInRegs, class Elem_,
-          int Mask, bool Mods = false, bool Varlen = false>
+          int Mask, bool Mods = false, bool Varlen = false, bool Paged = false>
 struct FwdTraits {
     using Elem = Elem_;
     static constexpr int kHeadDim = HeadDim, kBlockM = BlockM, kBlockN = BlockN, kStages = Stages;
@@ -22,6 +22,8 @@ struct FwdTraits {
     // cu_seqlens read (else ignored): padded calls keep the sequence bounds in the kernel parameters, so their
     // code is what it was before varlen (the d=64 128x128 causal row spills 20 bytes with the run-time choice).
     static constexpr bool kVarlen = Varlen;
+    // Varlen with paged K/V (block_table non-null): its own instantiation, as the page look-ups cost registers.
+    static constexpr bool kPaged = Paged;
     static constexpr int kMTiles = BlockM / (16 * Warps);  // m16 row tiles per warp
     static constexpr int kNTiles = BlockN / 8;             // n8 key tiles of S per row tile
     static constexpr int kDTiles = HeadDim / 8;            // n8 head-dim tiles of O per row tile
@@ -31,6 +33,7 @@ struct FwdTraits {
     static_assert(kMTiles >= 1 && BlockM % (16 * Warps) == 0, "BlockM must be a multiple of 16 x warps");
     static_assert(BlockN % 16 == 0 && HeadDim % 16 == 0, "tiles are built from m16n8k16 steps");
     static_assert(Stages >= 2, "the K/V ring needs at least two stages");
+    static_assert(Varlen || !Paged, "paged K/V comes with varlen");
 };
 
 // q, o: (batch, seqlen_q, nheads, d) and k, v: (batch, seqlen_k, nheads_kv, d) with arbitrary strides in
@@ -46,15 +49,16 @@ template <class Tr>
 __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
     flash_fwd(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, u16* __restrict__ o,
               float* __restrict__ lse, const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
-              const float* __restrict__ alibi_slopes, const u32* __restrict__ rng_state, i64 q_batch_stride,
+              const float* __restrict__ alibi_slopes, const u32* __restrict__ rng_state,
+              const int* __restrict__ block_table, i64 q_batch_stride,
               int q_row_stride, i64 q_head_stride,
               i64 k_batch_stride, int k_row_stride, i64 k_head_stride, i64 v_batch_stride, int v_row_stride,
               i64 v_head_stride, i64 o_batch_stride, int o_row_stride, i64 o_head_stride, i64 lse_batch_stride,
               i64 lse_head_stride, int max_seqlen_q, int max_seqlen_k, int nheads, int heads_per_kv, int headdim,
               int window_left, int window_right, float scale, float scale_log2, float softcap,
               int alibi_batch_stride, u32 dropout_threshold, u32 seed_lo, u32 seed_hi, u32 offset_lo,
-              u32 offset_hi, float dropout_scale, int total_q, int total_k, int* error_claim,
-              long long* error_host) {
+              u32 offset_hi, float dropout_scale, int total_q, int total_k, int page_size, u32 page_magic,
+              int page_shift, int max_pages, int num_pages, int* error_claim, long long* error_host) {
     using QTile = typename Tr::QTile;
     using KVTile = typename Tr::KVTile;
     using Mma = fa2::Mma<typename Tr::Elem>;
@@ -82,12 +86,16 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
     const auto sq = [&] { return Tr::kVarlen ? seq_info[0] : max_seqlen_q; };
     const auto sk = [&] { return Tr::kVarlen ? seq_info[1] : max_seqlen_k; };
     const auto q_start = [&] { return Tr::kVarlen ? seq_info[2] : 0; };
-    const int seqlen_q = sq(), seqlen_k = sk(), k_start = Tr::kVarlen ? seq_info[3] : 0;
+    // Paged K/V (varlen only): k/v are (num_pages, page_size, nheads_kv, d) with page strides k/v_batch_stride,
+    // and key j of sequence `batch` is row j % page_size of page block_table[batch][j / page_size].
+    constexpr bool paged = Tr::kPaged;
+    const FastDiv page_of{page_magic, page_shift};
+    const int seqlen_q = sq(), seqlen_k = sk(), k_start = Tr::kVarlen && !paged ? seq_info[3] : 0;
     if (row0 >= seqlen_q) return;  // varlen: past this sequence's queries
     auto mask_now = [&] { return WindowMask<Tr::kMask>{sq(), sk(), window_left, window_right}; };
     const u16* q_tile = q + batch * q_batch_stride + (i64)(q_start() + row0) * q_row_stride + head * q_head_stride;
-    const u16* k_head = k + batch * k_batch_stride + (i64)k_start * k_row_stride + kv_head * k_head_stride;
-    const u16* v_head = v + batch * v_batch_stride + (i64)k_start * v_row_stride + kv_head * v_head_stride;
+    const u16* k_head = k + (paged ? 0 : batch * k_batch_stride) + (i64)k_start * k_row_stride + kv_head * k_head_stride;
+    const u16* v_head = v + (paged ? 0 : batch * v_batch_stride) + (i64)k_start * v_row_stride + kv_head * v_head_stride;
 
     // Only key tiles inside the window of some row of this tile are visited: invisible tiles are skipped.
     const WindowMask<Tr::kMask> mask{seqlen_q, seqlen_k, window_left, window_right};
@@ -97,6 +105,24 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
     auto load_kv = [&](int n_block, int slot) {  // n_block counts from n_first
         const i64 first = (i64)(n_first + n_block) * Tr::kBlockN;
         const int rows = mask_now().seqlen_k - (int)first;
+        if constexpr (paged) {
+            const int* pages = block_table + (i64)batch * max_pages;
+            KVTile::template load_async_pair_rows<Tr::kThreads>(
+                smem_k + slot * KVTile::kBytes, smem_v + slot * KVTile::kBytes, k_head, v_head, headdim, tid,
+                [&](int r, const u16*& k_row, const u16*& v_row) {
+                    if (r >= rows) return false;
+                    const int key = (int)first + r, page_idx = page_of.div(key), page = pages[page_idx];
+                    if ((unsigned)page >= (unsigned)num_pages) {  // reported, and read as zeros
+                        report_bad_value(error_claim, error_host, kBadVarlenPage, batch, page_idx, page);
+                        return false;
+                    }
+                    const int row_in_page = key - page_idx * page_size;
+                    k_row = k_head + page * k_batch_stride + (i64)row_in_page * k_row_stride;
+                    v_row = v_head + page * v_batch_stride + (i64)row_in_page * v_row_stride;
+                    return true;
+                });
+            return;
+        }
         KVTile::template load_async<Tr::kThreads>(smem_k + slot * KVTile::kBytes, k_head + first * k_row_stride,
                                                   k_row_stride, rows, headdim, tid);
         KVTile::template load_async<Tr::kThreads>(smem_v + slot * KVTile::kBytes, v_head + first * v_row_stride,

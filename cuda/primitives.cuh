@@ -174,6 +174,15 @@ FA2_DEVICE void st_global_v4(void* ptr, const u32 (&r)[4]) {
                  "r"(r[3]));
 }
 
+// n / d for a divisor fixed per launch, by a multiply-high and a shift (Granlund & Montgomery 1994) instead of a
+// ~20-instruction integer division: the host computes magic and shift (fa2cupy/forward.py fast_divisor). Exact for
+// 0 <= n < 2^31.
+struct FastDiv {
+    u32 magic;
+    int shift;
+    FA2_DEVICE int div(int n) const { return (int)((__umulhi((u32)n, magic) + (u32)n) >> shift); }
+};
+
 FA2_DEVICE float pos_inf() { return __int_as_float(0x7f800000); }
 
 // ---- shared-memory tiles ----------------------------------------------------------------------------------
@@ -221,6 +230,30 @@ struct SmemTile {
                     const bool ok = r < rows_valid && c < cols_valid;
                     cp_async_16(at(base, r, c), ok ? gmem + r * row_stride + c : gmem, ok);
                 }
+            }
+        }
+    }
+
+    // K and V tiles together from gathered rows (paged K/V): row_src(r, k_row, v_row) points k_row/v_row at the
+    // first elements of tile row r and returns true, or returns false for a row to zero-fill. One look-up serves
+    // both tiles (their rows come from the same page). Columns >= cols_valid are zero-filled as in load_async.
+    // Zero-filled chunks name k_any/v_any (any valid address) as their source, which is not read.
+    template <int Threads, class RowSrc>
+    static FA2_DEVICE void load_async_pair_rows(u32 base_k, u32 base_v, const u16* k_any, const u16* v_any,
+                                                int cols_valid, int tid, RowSrc row_src) {
+        constexpr int kChunksPerRow = Cols / 8;
+        constexpr int kChunks = Rows * kChunksPerRow;
+        // Not unrolled: unrolled, every chunk's look-up and two 64-bit addresses are live at once, and kernels at
+        // the register cap spill (92 bytes at d=64 128x128).
+#pragma unroll 1
+        for (int i = 0; i < (kChunks + Threads - 1) / Threads; ++i) {
+            const int idx = tid + i * Threads;
+            if (kChunks % Threads == 0 || idx < kChunks) {
+                const int r = idx / kChunksPerRow, c = (idx % kChunksPerRow) * 8;
+                const u16 *k_row = k_any, *v_row = v_any;
+                const bool ok = row_src(r, k_row, v_row) && c < cols_valid;
+                cp_async_16(at(base_k, r, c), ok ? k_row + c : k_any, ok);
+                cp_async_16(at(base_v, r, c), ok ? v_row + c : v_any, ok);
             }
         }
     }

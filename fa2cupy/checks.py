@@ -310,11 +310,16 @@ def check_varlen_args(
     q ``(total_q, nheads, headdim)``, k and v ``(total_k, nheads_kv, headdim)``; cu_seqlens_q/k int32
     ``(batch + 1,)`` arrays of the same length from q's framework and device; max_seqlen_q/k ints >= 0. The
     options and the per-array rules are :func:`check_forward_args`'s (applied to the arrays as one batch). The
-    values inside cu_seqlens live on the GPU: the kernels check them (see fa2cupy.device_errors)."""
+    values inside cu_seqlens live on the GPU: the kernels check them (see fa2cupy.device_errors).
+
+    Paged K/V (option ``block_table``, an ArrayInfo): k and v are ``(num_pages, page_size, nheads_kv, headdim)``
+    and block_table int32 ``(batch, max_pages)`` with ``max_seqlen_k <= max_pages * page_size``; total_k is then
+    the pages' capacity ``num_pages * page_size``. Page indices are checked on the GPU."""
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
             raise ValueError(f"{name} must be an int >= 0 (the longest sequence), got {value!r}")
-    for info in (q, k, v):
+    block_table = options.pop("block_table", None)
+    for info in (q,) if block_table is not None else (q, k, v):
         if len(info.shape) != 3:
             raise ValueError(
                 f"{info.name} must be 3-D (total_tokens, heads, headdim) for the varlen functions, got shape "
@@ -335,6 +340,9 @@ def check_varlen_args(
         raise ValueError(f"cu_seqlens_q describes {batch} sequences; at most {MAX_GRID_YZ} are supported per call")
     same_framework([q, cu_seqlens_q, cu_seqlens_k])
     alibi = options.pop("alibi_slopes", None)
+    if block_table is not None:
+        same_framework([q, block_table])
+        return _check_paged_varlen(q, k, v, block_table, batch, max_seqlen_q, max_seqlen_k, alibi, options)
     total_q, total_k = q.shape[0], k.shape[0]
     if total_q < 1 or total_k < 1:
         raise ValueError(f"q has {total_q} tokens and k {total_k}; the packed arrays must not be empty")
@@ -348,6 +356,44 @@ def check_varlen_args(
         check_alibi(alibi, q, batch, shape.nheads)
     return (AttnShape(batch, int(max_seqlen_q), int(max_seqlen_k), shape.nheads, shape.nheads_kv, shape.headdim,
                       shape.dtype), total_q, total_k)
+
+
+def _check_paged_varlen(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, block_table: ArrayInfo, batch: int,
+                        max_seqlen_q, max_seqlen_k, alibi, options) -> tuple[AttnShape, int, int]:
+    for info in (k, v):
+        if len(info.shape) != 4:
+            raise ValueError(f"{info.name} must be 4-D (num_pages, page_size, nheads_kv, headdim) with block_table, "
+                             f"got shape {info.shape}")
+    if len(block_table.shape) != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1:
+        raise ValueError(f"block_table must be 2-D (batch, max_pages) = ({batch}, >= 1) (one row of page indices per "
+                         f"sequence of cu_seqlens), got shape {block_table.shape}")
+    if block_table.dtype != "int32":
+        raise TypeError(f"block_table must be int32 (page indices), got {block_table.dtype}")
+    num_pages, page_size = k.shape[0], k.shape[1]
+    if num_pages < 1 or page_size < 1:
+        raise ValueError(f"k has shape {k.shape}; with block_table it needs at least one page of at least one row")
+    if tuple(v.shape[:2]) != (num_pages, page_size):
+        raise ValueError(f"v has shape {v.shape} but k has {k.shape}; k and v must have the same shape")
+    capacity = block_table.shape[1] * page_size
+    if max_seqlen_k > capacity:
+        raise ValueError(f"max_seqlen_k = {max_seqlen_k} exceeds what block_table can address: max_pages "
+                         f"{block_table.shape[1]} x page_size {page_size} = {capacity} keys per sequence")
+    if q.shape[0] < 1:
+        raise ValueError(f"q has {q.shape[0]} tokens; the packed arrays must not be empty")
+
+    def as_batch(info: ArrayInfo) -> ArrayInfo:  # (total, h, d) seen as one batch entry
+        return ArrayInfo(name=info.name, framework=info.framework, shape=(1,) + tuple(info.shape), dtype=info.dtype,
+                         strides=(0,) + tuple(info.strides), device=info.device)
+
+    def one_page(info: ArrayInfo) -> ArrayInfo:  # the layout rules apply within a page
+        return ArrayInfo(name=info.name, framework=info.framework, shape=(1,) + tuple(info.shape[1:]),
+                         dtype=info.dtype, strides=(0,) + tuple(info.strides[1:]), device=info.device)
+
+    shape = check_forward_args(as_batch(q), one_page(k), one_page(v), **options)
+    if alibi is not None:
+        check_alibi(alibi, q, batch, shape.nheads)
+    return (AttnShape(batch, int(max_seqlen_q), int(max_seqlen_k), shape.nheads, shape.nheads_kv, shape.headdim,
+                      shape.dtype), q.shape[0], num_pages * page_size)
 
 
 def check_varlen_backward_args(dout: ArrayInfo, out: ArrayInfo, softmax_lse: ArrayInfo, q: ArrayInfo,

@@ -51,8 +51,12 @@ class FwdConfig:
         # Must match FwdTraits::kSmemBytes: padded rows of (headdim + 8) 16-bit elements.
         return (self.block_m + 2 * self.stages * self.block_n) * (self.headdim + 8) * 2
 
-    def name_expression(self, dtype: str, mask: str, mods: bool = False, varlen: bool = False) -> str:
+    def name_expression(self, dtype: str, mask: str, mods: bool = False, varlen: bool = False,
+                        paged: bool = False) -> str:
+        if paged and not varlen:
+            raise ValueError("paged K/V comes with varlen")
         tail = f", {str(bool(mods)).lower()}, true" if varlen else (", true" if mods else "")
+        tail += ", true" if paged else ""
         return (
             f"fa2::flash_fwd<fa2::FwdTraits<{self.headdim}, {self.block_m}, {self.block_n}, {self.warps}, "
             f"{self.stages}, {self.min_blocks}, {str(self.q_in_regs).lower()}, {DTYPE_TAGS[dtype]}, "
@@ -411,12 +415,12 @@ def forward_instantiations(family: str | None = None) -> list[str]:
     """Name expressions of every shipped forward instantiation (of one arch family, or all), deduplicated."""
     names = {
         (FORWARD_MASKED_TABLE.get(key, config) if _uses_masked_row(mask, varlen) else config).name_expression(
-            dtype, mask, mods, varlen)
+            dtype, mask, mods, varlen, paged)
         for key, config in FORWARD_TABLE.items()
         if family is None or key[0] == family
         for dtype in DTYPE_TAGS
         for mask, mods in VARIANTS
-        for varlen in (False, True)
+        for varlen, paged in ((False, False), (True, False), (True, True))
     }
     names.add("fa2::dropout_keep_mask")
     return sorted(names)

@@ -18,7 +18,7 @@ import numpy as np
 
 #: What the kernels report (enum BadValue in cuda/errors.cuh).
 (_BAD_CACHE_SEQLEN, _BAD_CACHE_BATCH_IDX, _BAD_BLOCK_TABLE, _BAD_CU_SEQLENS_Q, _BAD_CU_SEQLENS_K,
- _BAD_ROTARY_POSITION, _BAD_CACHE_LEFTPAD) = 1, 2, 3, 4, 5, 6, 7
+ _BAD_ROTARY_POSITION, _BAD_CACHE_LEFTPAD, _BAD_VARLEN_PAGE) = 1, 2, 3, 4, 5, 6, 7, 8
 
 _report = None  # numpy int64[3] view of the mapped host words: [0] what, [1] row << 32 | col, [2] value
 _report_device_ptr = 0
@@ -118,6 +118,10 @@ def _raise_and_clear() -> None:
                          f"rotary_cos / rotary_sin; they must cover every position rotated {after}")
     if what == _BAD_CACHE_LEFTPAD:
         raise ValueError(f"cache_leftpad[{row}] = {value} must lie in [0, cache_seqlens[{row}]] {after}")
+    if what == _BAD_VARLEN_PAGE:
+        raise ValueError(f"block_table[{row}, {col}] = {value} is not a page of k (0 <= page < k.shape[0]) (found on "
+                         f"the GPU by flash_attn_varlen_func, which read that page as zeros: the output rows of "
+                         f"sequence {row} are not valid)")
     if what == _BAD_BLOCK_TABLE:
         raise ValueError(f"block_table[{row}, {col}] = {value} is not a page of k_cache (0 <= page < "
                          f"k_cache.shape[0]) {after}")

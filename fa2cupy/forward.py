@@ -23,8 +23,8 @@ MAX_ROW_STRIDE = 1 << 24
 
 @dataclass(frozen=True)
 class ForwardPlan:
-    # variable slots: the nine pointers q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi, rng_state, then the
-    # dropout seed and offset words (see dropout_words)
+    # variable slots: the ten pointers q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi, rng_state,
+    # block_table, then the dropout seed and offset words (see dropout_words)
     launch: build.Launch
     config: configs.FwdConfig
 
@@ -51,6 +51,15 @@ def dropout_words(seed: int, offset: int) -> tuple[int, int, int, int]:
     return seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, offset & 0xFFFFFFFF, (offset >> 32) & 0xFFFFFFFF
 
 
+def fast_divisor(d: int) -> tuple[int, int]:
+    """(magic, shift) with ``n // d == (umulhi(n, magic) + n) >> shift`` for 0 <= n < 2**31 (FastDiv in
+    cuda/primitives.cuh; Granlund & Montgomery 1994: shift = ceil(log2 d), magic = 2**32 (2**shift - d) // d + 1)."""
+    if not 1 <= d < 1 << 31:
+        raise ValueError(f"divisor must be in [1, 2**31), got {d}")
+    shift = (d - 1).bit_length()
+    return ((1 << 32) * ((1 << shift) - d)) // d + 1, shift
+
+
 def error_pointers() -> tuple:
     """The device-error report words for kernels on the current device, as kernel arguments."""
     import cupy
@@ -62,6 +71,7 @@ def error_pointers() -> tuple:
 def plan_forward(
     q_shape, k_shape, strides, dtype: str, softmax_scale: float, causal: bool, arch: int, config=None,
     window_size=(-1, -1), softcap: float = 0.0, alibi_batch_stride=None, varlen_totals=None, dropout_p: float = 0.0,
+    paged=None,
 ) -> ForwardPlan:
     """Builds (and compiles on first use) the launch for one problem.
 
@@ -75,15 +85,18 @@ def plan_forward(
 
     Varlen: ``varlen_totals = (total_q, total_k)``, the rows of the packed arrays; then the shapes carry the
     number of sequences and the maximum lengths, the batch strides are 0, lse is ``(nheads, total_q)``, and the
-    launch takes cu_seqlens pointers.
+    launch takes cu_seqlens pointers. Paged K/V (varlen only): ``paged = (num_pages, page_size, max_pages)``;
+    k/v are then ``(num_pages, page_size, nheads_kv, d)`` (their batch strides are the page strides), the launch
+    takes a block_table pointer (int32 ``(batch, max_pages)``), and key ``j`` of sequence ``b`` is row
+    ``j % page_size`` of page ``block_table[b, j // page_size]``; ``k_shape[1]`` is then max_seqlen_k.
     """
     batch, seqlen_q, nheads, headdim = q_shape
     seqlen_k, nheads_kv = k_shape[1], k_shape[2]
     mask, mods, left, right = kernel_variant(causal, window_size, softcap, alibi_batch_stride is not None, dropout_p)
     if config is None:
         config = configs.forward_config(arch, headdim, dtype, mask, varlen_totals is not None)
-    function = build.get_kernel("fwd", config.name_expression(dtype, mask, mods, varlen_totals is not None),
-                                config.smem_bytes)
+    function = build.get_kernel("fwd", config.name_expression(dtype, mask, mods, varlen_totals is not None,
+                                                              paged is not None), config.smem_bytes)
     scalars = ()
     for batch_stride, row_stride, head_stride, _ in strides:
         scalars += (np.int64(batch_stride), np.int32(row_stride), np.int64(head_stride))
@@ -105,23 +118,31 @@ def plan_forward(
         np.int32(alibi_batch_stride or 0),
     )
     threshold, keep_scale = dropout_scalars(dropout_p)
-    rng_slot = 9 + len(scalars) + 1  # seed lo, seed hi, offset lo, offset hi follow the threshold
+    rng_slot = 10 + len(scalars) + 1  # seed lo, seed hi, offset lo, offset hi follow the threshold
+    if paged is not None and varlen_totals is None:
+        raise ValueError("paged K/V needs varlen_totals (the varlen forward)")
+    num_pages, page_size, max_pages = paged or (0, 1, 0)
+    if paged is not None:
+        total_k = (1 << 31) - 1  # cu_seqlens_k counts keys of the sequences' pages, not rows of k
+    magic, shift = fast_divisor(page_size)
     scalars += (threshold, np.uint32(0), np.uint32(0), np.uint32(0), np.uint32(0), keep_scale,
-                np.int32(total_q), np.int32(total_k)) + error_pointers()
+                np.int32(total_q), np.int32(total_k), np.int32(page_size), np.uint32(magic), np.int32(shift),
+                np.int32(max_pages), np.int32(num_pages)) + error_pointers()
     grid = ((seqlen_q + config.block_m - 1) // config.block_m, nheads, batch)
-    launch = build.Launch(function, grid, (config.threads, 1, 1), config.smem_bytes, (np.uint64(0),) * 9 + scalars,
-                          list(range(9)) + list(range(rng_slot, rng_slot + 4)))
+    launch = build.Launch(function, grid, (config.threads, 1, 1), config.smem_bytes, (np.uint64(0),) * 10 + scalars,
+                          list(range(10)) + list(range(rng_slot, rng_slot + 4)))
     return ForwardPlan(launch, config)
 
 
 def run_forward(plan: ForwardPlan, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int,
                 stream_ptr: int, cu_seqlens_q: int = 0, cu_seqlens_k: int = 0, alibi_slopes: int = 0,
-                dropout_seed: int = 0, dropout_offset: int = 0, rng_state: int = 0) -> None:
+                dropout_seed: int = 0, dropout_offset: int = 0, rng_state: int = 0, block_table: int = 0) -> None:
     """Launches a plan on the stream with handle ``stream_ptr`` with raw device pointers (0 for an absent
-    cu_seqlens, alibi_slopes or rng_state) and the dropout seed and offset (ignored without dropout; a non-zero
-    ``rng_state`` points to uint32 {seed lo, seed hi, offset lo, offset hi} in device memory instead)."""
+    cu_seqlens, alibi_slopes, rng_state or block_table) and the dropout seed and offset (ignored without dropout; a
+    non-zero ``rng_state`` points to uint32 {seed lo, seed hi, offset lo, offset hi} in device memory instead).
+    ``block_table`` is required by a plan made with ``paged`` and must be 0 otherwise."""
     plan.launch(stream_ptr, (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
-                             rng_state) + dropout_words(dropout_seed, dropout_offset))
+                             rng_state, block_table) + dropout_words(dropout_seed, dropout_offset))
 
 
 def dropout_mask(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, dropout_p: float, seed: int, offset: int,

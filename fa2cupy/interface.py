@@ -7,8 +7,9 @@ import dataclasses
 import math
 
 import cupy
+import cupyx
 
-from . import arrays, backward, checks, decode, device_errors, forward, packed
+from . import arrays, backward, checks, decode, device_errors, forward, packed, paging
 
 _arch_by_device: dict[int, int] = {}
 
@@ -329,7 +330,7 @@ def flash_attn_backward(
         gradient of each K/V head sums over the query heads that share it).
 
     Raises:
-        TypeError / ValueError naming the offending argument; NotImplementedError for unbuilt features.
+        TypeError / ValueError naming the offending argument.
     """
     key = None
     if not backward._debug_poison and dropout_rng_state is None:
@@ -459,7 +460,11 @@ def flash_attn_varlen_func(
             :func:`flash_attn_func`; masks are
             aligned per sequence, and the dropout mask of sequence b is that of batch entry b of a padded call.
         return_attn_probs: also return the log-sum-exp (the third element is None: no probabilities for varlen).
-        block_table: not implemented yet (NotImplementedError).
+        block_table: int32 ``(batch, max_pages)`` on the GPU for paged K/V: k and v are then page pools
+            ``(num_pages, page_size, nheads_kv, headdim)`` (any page size), and key ``j`` of sequence ``b`` is row
+            ``j % page_size`` of page ``block_table[b, j // page_size]``; cu_seqlens_k counts each sequence's keys
+            (``max_seqlen_k <= max_pages * page_size``). The forward kernel reads the pages in place. A page index
+            outside ``[0, num_pages)`` is found on the GPU (ValueError at the next call, as for cu_seqlens).
 
     Returns:
         ``out`` ``(total_q, nheads, headdim)``; with ``return_attn_probs`` ``(out, softmax_lse, None)``, lse float32
@@ -470,16 +475,15 @@ def flash_attn_varlen_func(
         sequence whose bounds do not fit the arrays or exceed max_seqlen is not computed, and a ValueError naming it
         is raised at the next call or at ``fa2cupy.check_device_errors()``.
     """
-    if block_table is not None:
-        raise NotImplementedError("paged K/V (block_table) in flash_attn_varlen_func is not implemented yet")
     device_errors.raise_pending()
     names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")
     infos = [arrays.describe(x, n) for x, n in zip((q, k, v, cu_seqlens_q, cu_seqlens_k), names)]
     alibi_info = _describe_optional(alibi_slopes, "alibi_slopes")
+    table_info = _describe_optional(block_table, "block_table")
     shape, total_q, total_k = checks.check_varlen_args(
         *infos, max_seqlen_q, max_seqlen_k, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
         window_size=window_size, softcap=softcap, alibi_slopes=alibi_info, deterministic=deterministic,
-        return_attn_probs=return_attn_probs)
+        return_attn_probs=return_attn_probs, block_table=table_info)
     state_info = _describe_optional(dropout_rng_state, "dropout_rng_state")
     seed, offset = checks.check_dropout_rng(dropout_p, dropout_seed, dropout_offset, state_info)
     scale = checks.default_scale(shape.headdim) if softmax_scale is None else float(softmax_scale)
@@ -489,7 +493,15 @@ def flash_attn_varlen_func(
     with cupy.cuda.Device(device):
         stream = arrays.caller_stream(framework, device)
         with stream:
-            qc, kc, vc = (_varlen_view(x, info, shape.headdim) for x, info in zip((q, k, v), infos))
+            qc = _varlen_view(q, infos[0], shape.headdim)
+            if table_info is None:
+                kc, vc = (_varlen_view(x, info, shape.headdim) for x, info in zip((k, v), infos[1:3]))
+                kv_strides, paged = tuple(_varlen_strides(x) for x in (kc, vc)), None
+            else:  # page pools: their page strides go where the batch strides go
+                kc, vc = (_kernel_ready(arrays.to_cupy(x, info), shape.headdim) for x, info in zip((k, v), infos[1:3]))
+                kv_strides = (_elem_strides(kc), _elem_strides(vc))
+                table = _contiguous(block_table, table_info)
+                paged = (kc.shape[0], kc.shape[1], table.shape[1])
             cu_q, cu_k = (_contiguous(x, info) for x, info in zip((cu_seqlens_q, cu_seqlens_k), infos[3:]))
             if scale < 0:  # as in flash_attn_func: the running max needs a positive scale
                 qc, scale = -qc, -scale
@@ -502,14 +514,16 @@ def flash_attn_varlen_func(
             plan = forward.plan_forward(
                 (shape.batch, shape.seqlen_q, shape.nheads, padded), (shape.batch, shape.seqlen_k, shape.nheads_kv,
                                                                       padded),
-                tuple(_varlen_strides(x) for x in (qc, kc, vc, out[None])), shape.dtype, scale, bool(causal),
-                _arch(device), window_size=window_size, softcap=float(softcap), alibi_batch_stride=slopes_stride,
-                varlen_totals=(total_q, total_k), dropout_p=float(dropout_p),
+                (_varlen_strides(qc),) + kv_strides + (_varlen_strides(out[None]),), shape.dtype, scale,
+                bool(causal), _arch(device), window_size=window_size, softcap=float(softcap),
+                alibi_batch_stride=slopes_stride, varlen_totals=(total_q, total_k), dropout_p=float(dropout_p),
+                paged=paged,
             )
             state = _contiguous(dropout_rng_state, state_info) if dropout_p else None
             forward.run_forward(plan, qc.data.ptr, kc.data.ptr, vc.data.ptr, out.data.ptr, lse.data.ptr, stream.ptr,
                                 cu_q.data.ptr, cu_k.data.ptr, slopes.data.ptr if slopes is not None else 0, seed,
-                                offset, state.data.ptr if state is not None else 0)
+                                offset, state.data.ptr if state is not None else 0,
+                                table.data.ptr if paged is not None else 0)
             result = arrays.make_result(out_native, out, framework)
             if padded != shape.headdim:
                 result = result[..., : shape.headdim]
@@ -521,7 +535,7 @@ def flash_attn_varlen_func(
 def flash_attn_varlen_backward(
     dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
     causal=False, window_size=(-1, -1), deterministic=False, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-    dropout_seed=None, dropout_offset=0, dropout_rng_state=None,
+    dropout_seed=None, dropout_offset=0, dropout_rng_state=None, block_table=None,
 ):
     """Gradients of :func:`flash_attn_varlen_func` w.r.t. q, k and v.
 
@@ -529,12 +543,21 @@ def flash_attn_varlen_backward(
         dout, out: ``(total_q, nheads, headdim)``; softmax_lse: float32 ``(nheads, total_q)`` as the forward
             returned it; the other arguments as given to the forward. ``deterministic`` as in
             :func:`flash_attn_backward`.
+        block_table: as given to the forward (paged K/V). The pages the sequences use are gathered into packed
+            K/V first (on the GPU, no host synchronisation), and dk/dv are summed back onto the pages.
 
     Returns:
         ``(dq, dk, dv)`` shaped like q, k, v. Rows outside every sequence (past ``cu_seqlens[-1]``) are zero, so
-        autograd wrappers can hand the gradients on as they are.
+        autograd wrappers can hand the gradients on as they are; with block_table, dk/dv are zero on every page row
+        no sequence reads, and a page shared by several sequences gets the sum of their gradients.
     """
     device_errors.raise_pending()
+    if block_table is not None:
+        return _paged_varlen_backward(
+            dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+            dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, deterministic=deterministic,
+                 softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                 dropout_offset=dropout_offset, dropout_rng_state=dropout_rng_state))
     names = ("dout", "q", "k", "v", "out", "softmax_lse", "cu_seqlens_q", "cu_seqlens_k")
     given_arrays = (dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k)
     infos = dict((n, arrays.describe(x, n)) for x, n in zip(given_arrays, names))
@@ -595,6 +618,40 @@ def flash_attn_varlen_backward(
             if padded != shape.headdim:
                 results = [r[..., : shape.headdim] for r in results]
             return tuple(results)
+
+
+def _paged_varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           block_table, options):
+    """flash_attn_varlen_backward for paged K/V: gathers each sequence's keys from its pages into packed K/V of
+    batch * max_seqlen_k rows (an upper bound on the keys, so no host synchronisation is needed to size them), runs
+    the packed backward, and sums dk/dv back onto the pages (in float32: pages may be shared)."""
+    given = dict(dout=dout, q=q, k=k, v=v, out=out, softmax_lse=softmax_lse, cu_seqlens_q=cu_seqlens_q,
+                 cu_seqlens_k=cu_seqlens_k, block_table=block_table)
+    infos = {n: arrays.describe(x, n) for n, x in given.items()}
+    optional = {n: options[n] for n in ("alibi_slopes", "dropout_rng_state") if options[n] is not None}
+    infos.update({n: arrays.describe(x, n) for n, x in optional.items()})
+    checks.check_varlen_args(
+        *(infos[n] for n in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")), max_seqlen_q, max_seqlen_k,
+        block_table=infos["block_table"], alibi_slopes=infos.get("alibi_slopes"),
+        **{n: options[n] for n in ("softmax_scale", "causal", "window_size", "softcap", "deterministic", "dropout_p")})
+    framework = infos["q"].framework
+    device = infos["q"].device[1] if infos["q"].device[0] == "cuda" else cupy.cuda.runtime.getDevice()
+    with cupy.cuda.Device(device):
+        stream = arrays.caller_stream(framework, device)
+        with stream:
+            c = {n: arrays.to_cupy(x, infos[n]) for n, x in {**given, **optional}.items()}
+            k_pages, v_pages, table = c["k"], c["v"], c["block_table"]
+            rows = max(1, table.shape[0] * int(max_seqlen_k))
+            packed_cu_k, page, slot, inside = paging.key_pages(cupy, c["cu_seqlens_k"], table, rows,
+                                                               k_pages.shape[1], k_pages.shape[0])
+            k_packed, v_packed = (paging.gather(cupy, x, page, slot, inside) for x in (k_pages, v_pages))
+            options = {**options, **{n: c[n] for n in optional}}
+            dq, dk, dv = flash_attn_varlen_backward(c["dout"], c["q"], k_packed, v_packed, c["out"], c["softmax_lse"],
+                                                    c["cu_seqlens_q"], packed_cu_k, max_seqlen_q, max_seqlen_k,
+                                                    **options)
+            grads = [dq] + [paging.sum_onto_pages(cupy, cupyx.scatter_add, g, x.shape, page, slot, inside).astype(
+                x.dtype) for g, x in ((dk, k_pages), (dv, v_pages))]
+            return tuple(arrays.make_result(None, g, framework) for g in grads)
 
 
 flash_attn_varlen_qkvpacked_func, flash_attn_varlen_kvpacked_func = packed.make_varlen_packed(flash_attn_varlen_func)

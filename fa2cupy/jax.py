@@ -144,19 +144,22 @@ def _xla_stream(ctx) -> int:
 # ------------------------------------------------------------------------------------------ the callbacks
 #
 # A call's static options are one hashable tuple, opts = (scale, causal, left, right, softcap, has_alibi, varlen,
-# dropout_p), varlen being None or (max_seqlen_q, max_seqlen_k). Its array inputs are q, k, v, then cu_seqlens_q
-# and cu_seqlens_k (varlen), then the ALiBi slopes (has_alibi), then the dropout rng state (dropout_p > 0: uint32
-# (4,) drawn from the caller's key, read by the kernels from GPU memory): the "extras" below.
+# dropout_p, paged), varlen being None or (max_seqlen_q, max_seqlen_k). Its array inputs are q, k, v, then
+# cu_seqlens_q and cu_seqlens_k (varlen), then the block_table (paged), then the ALiBi slopes (has_alibi), then the
+# dropout rng state (dropout_p > 0: uint32 (4,) drawn from the caller's key, read by the kernels from GPU memory):
+# the "extras" below.
 
 
 def _split_extras(extras, opts):
-    """(cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state) from the extra inputs, None where absent."""
-    has_alibi, varlen, dropout_p = opts[5], opts[6], opts[7]
+    """(cu_seqlens_q, cu_seqlens_k, block_table, alibi_slopes, rng_state) from the extra inputs, None where
+    absent."""
+    has_alibi, varlen, dropout_p, paged = opts[5], opts[6], opts[7], opts[8]
     extras = list(extras)
     cu_q, cu_k = (extras.pop(0), extras.pop(0)) if varlen else (None, None)
+    table = extras.pop(0) if varlen and paged else None
     slopes = extras.pop(0) if has_alibi else None
     state = extras.pop(0) if dropout_p else None
-    return cu_q, cu_k, slopes, state
+    return cu_q, cu_k, table, slopes, state
 
 
 def _kw(opts, state):
@@ -168,10 +171,10 @@ def _kw(opts, state):
 def _run_forward(outs, q, k, v, *extras_and_opts):
     """Forward on CuPy arrays, writing into the CuPy arrays ``outs = (out, lse)``; current stream."""
     *extras, opts = extras_and_opts
-    cu_q, cu_k, slopes, state = _split_extras(extras, opts)
+    cu_q, cu_k, table, slopes, state = _split_extras(extras, opts)
     if opts[6]:
         out, lse, _ = fa2cupy.flash_attn_varlen_func(q, k, v, cu_q, cu_k, *opts[6], alibi_slopes=slopes,
-                                                     return_attn_probs=True, **_kw(opts, state))
+                                                     return_attn_probs=True, block_table=table, **_kw(opts, state))
     else:
         out, lse = fa2cupy.flash_attn_func(q, k, v, alibi_slopes=slopes, return_attn_probs=True,
                                            **_kw(opts, state))[:2]
@@ -183,11 +186,11 @@ def _run_forward(outs, q, k, v, *extras_and_opts):
 def _run_backward(outs, dout, q, k, v, out, lse, *extras_and_opts):
     """Backward on CuPy arrays, writing into ``outs = (dq, dk, dv)``; current stream."""
     *extras, opts, deterministic = extras_and_opts
-    cu_q, cu_k, slopes, state = _split_extras(extras, opts)
+    cu_q, cu_k, table, slopes, state = _split_extras(extras, opts)
     if opts[6]:
         grads = fa2cupy.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, *opts[6],
                                                    deterministic=deterministic, alibi_slopes=slopes,
-                                                   **_kw(opts, state))
+                                                   block_table=table, **_kw(opts, state))
     else:
         grads = fa2cupy.flash_attn_backward(dout, q, k, v, out, lse, deterministic=deterministic,
                                             alibi_slopes=slopes, **_kw(opts, state))
@@ -241,7 +244,7 @@ def _warm_up(kind, shape: checks.AttnShape, opts, deterministic) -> None:
     the problem.
     """
     group = shape.nheads // shape.nheads_kv
-    key = (kind, shape.headdim, shape.dtype, group, opts[:6] + opts[7:], deterministic)
+    key = (kind, shape.headdim, shape.dtype, group, opts[:6] + opts[7:8], deterministic)
     if key in _warmed:
         return
     _warmed.add(key)
@@ -260,7 +263,7 @@ def _warm_up(kind, shape: checks.AttnShape, opts, deterministic) -> None:
             def make(*dims):
                 return rnd.standard_normal(dims, dtype=cupy.float32).astype(dtype)
 
-            padded = opts[:6] + (None,) + opts[7:]
+            padded = opts[:6] + (None,) + opts[7:8] + (False,)
             extras = ((cupy.ones(group, cupy.float32),) if opts[5] else ()) + (
                 (cupy.zeros(4, cupy.uint32),) if opts[7] else ())
             q, k, v = make(1, sq, group, shape.headdim), make(1, sk, 1, shape.headdim), make(1, sk, 1, shape.headdim)
@@ -308,8 +311,8 @@ def _backward_call(dout, q, k, v, out, lse, extras, opts, deterministic):
 
 
 def _shape_of(q, k, opts) -> checks.AttnShape:
-    if opts[6]:  # varlen: (total, heads, d) arrays; the warm-up only needs heads, head dim and dtype
-        return checks.AttnShape(1, opts[6][0], opts[6][1], q.shape[1], k.shape[1], q.shape[2],
+    if opts[6]:  # varlen: (total, heads, d) arrays (k: or pages); the warm-up only needs heads, head dim and dtype
+        return checks.AttnShape(1, opts[6][0], opts[6][1], q.shape[1], k.shape[-2], q.shape[2],
                                 np.dtype(q.dtype).name)
     return checks.check_forward_args(_info("q", q), _info("k", k), _info("v", k))
 
@@ -417,7 +420,7 @@ def flash_attn_func(
     scale = 1.0 / math.sqrt(shape.headdim) if softmax_scale is None else float(softmax_scale)
     # hashable: a static argument of the jit
     opts = (scale, bool(causal), int(window_size[0]), int(window_size[1]), float(softcap), alibi_info is not None,
-            None, p)
+            None, p, False)
     _warm_up("fwd", shape, opts, bool(deterministic))
     out, lse = _attention_jit(q, k, v, extras, opts, bool(deterministic))
     if return_attn_probs:
@@ -447,23 +450,24 @@ def flash_attn_varlen_func(
 ):
     """Differentiable :func:`fa2cupy.flash_attn_varlen_func` on JAX GPU arrays (same arguments and results;
     ``max_seqlen_q``/``max_seqlen_k`` are static ints; dropout with ``dropout_rng`` as in :func:`flash_attn_func`).
-    Gradients flow to q, k and v; rows outside every sequence get zero gradients."""
-    if block_table is not None:
-        raise NotImplementedError("paged K/V (block_table) in flash_attn_varlen_func is not implemented yet")
+    Gradients flow to q, k and v (with block_table, to the page pools k and v); rows outside every sequence get
+    zero gradients."""
     p, rng_extras = _dropout_extras(dropout_p, dropout_rng)
     q, k, v, cu_q, cu_k = (x if isinstance(x, jax.Array) else jnp.asarray(x)
                            for x in (q, k, v, cu_seqlens_q, cu_seqlens_k))
+    table = () if block_table is None else (block_table if isinstance(block_table, jax.Array)
+                                            else jnp.asarray(block_table),)
     alibi_info, slopes = _alibi_info(alibi_slopes)
     shape, _, _ = checks.check_varlen_args(
         _info("q", q), _info("k", k), _info("v", v), _info("cu_seqlens_q", cu_q), _info("cu_seqlens_k", cu_k),
         max_seqlen_q, max_seqlen_k, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
         window_size=window_size, softcap=softcap, alibi_slopes=alibi_info, deterministic=deterministic,
-        return_attn_probs=return_attn_probs)
+        return_attn_probs=return_attn_probs, block_table=_info("block_table", table[0]) if table else None)
     scale = 1.0 / math.sqrt(shape.headdim) if softmax_scale is None else float(softmax_scale)
     opts = (scale, bool(causal), int(window_size[0]), int(window_size[1]), float(softcap), alibi_info is not None,
-            (int(max_seqlen_q), int(max_seqlen_k)), p)
+            (int(max_seqlen_q), int(max_seqlen_k)), p, bool(table))
     _warm_up("fwd", shape, opts, bool(deterministic))
-    out, lse = _attention_jit(q, k, v, (cu_q, cu_k) + slopes + rng_extras, opts, bool(deterministic))
+    out, lse = _attention_jit(q, k, v, (cu_q, cu_k) + table + slopes + rng_extras, opts, bool(deterministic))
     if return_attn_probs:
         return out, jax.lax.stop_gradient(lse), None
     return out

@@ -252,21 +252,21 @@ def _flash_attn_varlen_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int, window_right: int,
     deterministic: bool, softcap: float, alibi_slopes: Optional[torch.Tensor], dropout_p: float, dropout_seed: int,
-    dropout_offset: int
+    dropout_offset: int, block_table: Optional[torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out ``(total_q, h, d)`` contiguous and lse ``(h, total_q)`` float32."""
     out, lse, _ = fa2cupy.flash_attn_varlen_func(
         q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
         softcap=softcap, alibi_slopes=alibi_slopes, return_attn_probs=True, dropout_seed=_unsigned(dropout_seed),
-        dropout_offset=_unsigned(dropout_offset))
+        dropout_offset=_unsigned(dropout_offset), block_table=block_table)
     return out.contiguous(), lse
 
 
 @_flash_attn_varlen_forward.register_fake
 def _flash_attn_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                     causal, window_left, window_right, deterministic, softcap, alibi_slopes,
-                                    dropout_p, dropout_seed, dropout_offset):
+                                    dropout_p, dropout_seed, dropout_offset, block_table):
     total, h, d = q.shape
     return q.new_empty((total, h, d)), q.new_empty((h, total), dtype=torch.float32)
 
@@ -276,7 +276,8 @@ def _flash_attn_varlen_backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
     softmax_scale: float, causal: bool, window_left: int, window_right: int, deterministic: bool, softcap: float,
-    dropout_p: float, dropout_seed: int, dropout_offset: int, alibi_slopes: Optional[torch.Tensor]
+    dropout_p: float, dropout_seed: int, dropout_offset: int, alibi_slopes: Optional[torch.Tensor],
+    block_table: Optional[torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv like q, k, v (rows outside every sequence are zero: fa2cupy.flash_attn_varlen_backward)."""
     dq, dk, dv = fa2cupy.flash_attn_varlen_backward(
@@ -284,23 +285,23 @@ def _flash_attn_varlen_backward(
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
         window_size=(window_left, window_right), deterministic=deterministic, softcap=softcap,
         alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=_unsigned(dropout_seed),
-        dropout_offset=_unsigned(dropout_offset))
+        dropout_offset=_unsigned(dropout_offset), block_table=block_table)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @_flash_attn_varlen_backward.register_fake
 def _flash_attn_varlen_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      softmax_scale, causal, window_left, window_right, deterministic, softcap,
-                                     dropout_p, dropout_seed, dropout_offset, alibi_slopes):
+                                     dropout_p, dropout_seed, dropout_offset, alibi_slopes, block_table):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_varlen_context(ctx, inputs, output):
     (q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_left, window_right, deterministic, softcap,
-     alibi_slopes, dropout_p, dropout_seed, dropout_offset) = inputs
+     alibi_slopes, dropout_p, dropout_seed, dropout_offset, block_table) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-    ctx.alibi_slopes = alibi_slopes
+    ctx.alibi_slopes, ctx.block_table = alibi_slopes, block_table
     ctx.options = (max_q, max_k, softmax_scale, causal, window_left, window_right, deterministic, softcap, dropout_p,
                    dropout_seed, dropout_offset)
     ctx.mark_non_differentiable(lse)
@@ -309,8 +310,9 @@ def _setup_varlen_context(ctx, inputs, output):
 def _varlen_backward(ctx, dout, dlse):
     del dlse
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-    dq, dk, dv = _flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.options, ctx.alibi_slopes)
-    return (dq, dk, dv) + (None,) * 14
+    dq, dk, dv = _flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.options, ctx.alibi_slopes,
+                                             ctx.block_table)
+    return (dq, dk, dv) + (None,) * 15
 
 
 torch.library.register_autograd("fa2cupy::flash_attn_varlen_forward", _varlen_backward,
@@ -323,9 +325,7 @@ def flash_attn_varlen_func(
     return_attn_probs=False, block_table=None,
 ):
     """Differentiable :func:`fa2cupy.flash_attn_varlen_func` on PyTorch CUDA tensors (same arguments and results);
-    gradients flow to q, k and v."""
-    if block_table is not None:
-        raise NotImplementedError("paged K/V (block_table) in flash_attn_varlen_func is not implemented yet")
+    gradients flow to q, k and v (with block_table, to the page pools k and v)."""
     p = _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
     if causal is not True and causal is not False:
         checks._check_bool(causal, "causal")
@@ -335,7 +335,7 @@ def flash_attn_varlen_func(
     seed, offset = _draw_dropout_rng(q.device) if p > 0 else (0, 0)
     out, lse = _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                                           float(softmax_scale), bool(causal), left, right, bool(deterministic),
-                                          float(softcap), alibi_slopes, p, seed, offset)
+                                          float(softcap), alibi_slopes, p, seed, offset, block_table)
     if return_attn_probs:
         return out, lse, None
     return out

@@ -329,6 +329,43 @@ def test_varlen_max_seqlen_rejected(m):
         check_varlen_args(*varlen(), m, 25)
 
 
+def paged(pages=9, page_size=16, hkv=2, d=64, batch=3, max_pages=4, table_dtype="int32", table_batch=None):
+    q, _, _, cu_q, cu_k = varlen(hkv=hkv, d=d, batch=batch)
+    return (q, info("k", (pages, page_size, hkv, d)), info("v", (pages, page_size, hkv, d)), cu_q, cu_k,
+            info("block_table", (batch if table_batch is None else table_batch, max_pages), table_dtype))
+
+
+def test_paged_varlen_valid():
+    *arrays, table = paged()
+    shape, tq, capacity = check_varlen_args(*arrays, 17, 64, causal=True, block_table=table)
+    assert (shape.batch, shape.seqlen_k, shape.nheads_kv, tq, capacity) == (3, 64, 2, 30, 9 * 16)
+    *arrays, table = paged(page_size=5, max_pages=1)  # any page size
+    assert check_varlen_args(*arrays, 17, 5, block_table=table)[2] == 45
+
+
+@pytest.mark.parametrize("case,kw,error,message", [
+    (paged(), {"max_seqlen_k": 65}, ValueError, r"^max_seqlen_k = 65 exceeds what block_table can address: "
+                                                r"max_pages 4 x page_size 16 = 64"),
+    (paged(table_dtype="int64"), {}, TypeError, r"^block_table must be int32"),
+    (paged(table_batch=2), {}, ValueError, r"^block_table must be 2-D \(batch, max_pages\) = \(3, >= 1\)"),
+    (paged(max_pages=0), {}, ValueError, r"^block_table must be 2-D"),
+    (varlen() + (info("block_table", (3, 4), "int32"),), {}, ValueError,
+     r"^k must be 4-D \(num_pages, page_size, nheads_kv, headdim\) with block_table"),
+    (paged(hkv=3), {}, ValueError, r"^q has nheads=4, which is not a multiple of nheads_kv=3"),
+    ((varlen()[0],) + paged(d=32)[1:], {}, ValueError, r"^k has headdim=32 but q has headdim=64"),
+])
+def test_paged_varlen_rejected(case, kw, error, message):
+    *arrays, table = case
+    with pytest.raises(error, match=message):
+        check_varlen_args(*arrays, 17, kw.get("max_seqlen_k", 25), block_table=table)
+
+
+def test_paged_varlen_other_framework_rejected():
+    *arrays, _ = paged()
+    with pytest.raises(ValueError):
+        check_varlen_args(*arrays, 17, 25, block_table=info("block_table", (3, 4), "int32", framework="torch"))
+
+
 @pytest.mark.parametrize("s", [float("nan"), float("inf"), -float("inf")])
 def test_scale_not_finite(s):
     with pytest.raises(ValueError, match="^softmax_scale must be None or a finite number"):

@@ -1,0 +1,289 @@
+"""Paged K/V (``block_table``) in the varlen forward and backward, on a real GPU.
+
+The same keys are laid out twice: packed ``(total_k, hkv, d)`` and scattered over a shuffled pool of pages (unused
+rows and pages hold other random values, unused block_table entries hold an invalid page so that reading one would
+be reported). The paged call must equal the packed call bitwise (same tiles and arithmetic; only the addresses of
+the K/V rows differ), and the packed call is checked against the float64 reference in test_varlen_mods_gpu.py;
+one case here is also checked against the reference directly. Outputs are poisoned with NaN before every launch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fa2cupy import benchmark as B
+from fa2cupy.reference import attention_ref_varlen
+from gpu_helpers import UNIT_ROUNDOFF, cupy_module as _cupy, debug_poison, np_dtype as _np_dtype, torch_cuda as _torch
+
+pytestmark = pytest.mark.gpu
+
+LENGTHS = [0, 1, 2, 15, 16, 17, 64, 65, 129, 200]
+PAGE_SIZES = [1, 3, 16, 24, 64, 256]
+HEAD_GROUPS = [(1, 1), (4, 1), (6, 3), (8, 2)]
+EXAMPLES = max(10, settings().max_examples // 4)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def poison_outputs():
+    with debug_poison("forward"), debug_poison("backward"):
+        yield
+
+
+def _fa():
+    import fa2cupy
+
+    return fa2cupy
+
+
+def _cu(lengths):
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+def _randn(rng, shape, dtype):
+    return rng.standard_normal(shape, dtype=np.float32).astype(_np_dtype(dtype))
+
+
+def paged_layout(rng, lengths_k, page_size, k_packed, v_packed, share_first_page=False):
+    """Page pools and a shuffled block_table holding packed K/V's sequences: (k_pages, v_pages, table) as NumPy.
+    With share_first_page, every sequence's first page is sequence 0's (prefix sharing); the packed arrays must then
+    hold the same first page_size keys in every sequence (the caller arranges that)."""
+    batch = len(lengths_k)
+    cu = _cu(lengths_k)
+    need = [-(-n // page_size) for n in lengths_k]
+    max_pages = max(max(need), 1) + int(rng.integers(0, 2))
+    num_pages = sum(need) + int(rng.integers(1, 4))
+    order = rng.permutation(num_pages)
+    pool = (num_pages, page_size) + k_packed.shape[1:]
+    k_pages, v_pages = (rng.standard_normal(pool, dtype=np.float32).astype(x.dtype) for x in (k_packed, v_packed))
+    table = np.full((batch, max_pages), num_pages + 5, np.int32)  # never read: a read would be reported
+    used = 0
+    for b in range(batch):
+        for p in range(need[b]):
+            if share_first_page and p == 0 and b > 0:
+                table[b, 0] = table[0, 0]
+                continue
+            page = order[used]
+            used += 1
+            table[b, p] = page
+            rows = slice(cu[b] + p * page_size, min(cu[b] + (p + 1) * page_size, cu[b + 1]))
+            n = rows.stop - rows.start
+            k_pages[page, :n] = k_packed[rows]
+            v_pages[page, :n] = v_packed[rows]
+    return k_pages, v_pages, table
+
+
+@st.composite
+def paged_cases(draw):
+    batch = draw(st.integers(1, 4))
+    h, hkv = draw(st.sampled_from(HEAD_GROUPS))
+    return dict(
+        lengths_q=draw(st.lists(st.sampled_from(LENGTHS), min_size=batch, max_size=batch)),
+        lengths_k=draw(st.lists(st.sampled_from(LENGTHS), min_size=batch, max_size=batch)),
+        page_size=draw(st.sampled_from(PAGE_SIZES)), nheads=h, nheads_kv=hkv,
+        headdim=draw(st.sampled_from([32, 64, 128, 40, 256])),
+        causal=draw(st.booleans()),
+        window_size=draw(st.one_of(st.just((-1, -1)), st.tuples(st.integers(-1, 80), st.integers(-1, 80)))),
+        softcap=draw(st.sampled_from([0.0, 0.0, 0.0, 5.0])),
+        alibi=draw(st.booleans()),
+        dropout_p=draw(st.sampled_from([0.0, 0.0, 0.0, 0.3])),
+        dtype=draw(st.sampled_from(["float16", "bfloat16"])),
+        seed=draw(st.integers(0, 2**32 - 1)),
+    )
+
+
+def _case_arrays(c):
+    cp = _cupy()
+    rng = np.random.default_rng(c["seed"])
+    tq, tk = max(sum(c["lengths_q"]), 1), max(sum(c["lengths_k"]), 1)
+    q = _randn(rng, (tq, c["nheads"], c["headdim"]), c["dtype"])
+    k, v = (_randn(rng, (tk, c["nheads_kv"], c["headdim"]), c["dtype"]) for _ in range(2))
+    k_pages, v_pages, table = paged_layout(rng, c["lengths_k"], c["page_size"], k, v)
+    slopes = rng.uniform(0.0, 0.5, (c["nheads"],)).astype(np.float32) if c["alibi"] else None
+    put = lambda x: None if x is None else cp.asarray(x)  # noqa: E731
+    return (put(q), put(k), put(v), put(k_pages), put(v_pages), put(table), put(_cu(c["lengths_q"])),
+            put(_cu(c["lengths_k"])), put(slopes))
+
+
+def _options(c, slopes):
+    return dict(causal=c["causal"], window_size=c["window_size"], softcap=c["softcap"], alibi_slopes=slopes,
+                dropout_p=c["dropout_p"], dropout_seed=c["seed"], dropout_offset=7)
+
+
+def _same_rows(a, b, rows):
+    """Bitwise equality of the first ``rows`` rows (rows past cu_seqlens_q[-1] are not written)."""
+    cp = _cupy()
+    assert not np.isnan(B.to_numpy64(a[:rows])).any(), "rows of a sequence were left unwritten"
+    assert cp.array_equal(a[:rows].view(cp.uint16), b[:rows].view(cp.uint16))
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(paged_cases())
+def test_paged_forward_equals_packed(c):
+    fa = _fa()
+    q, k, v, k_pages, v_pages, table, cu_q, cu_k, slopes = _case_arrays(c)
+    max_q, max_k = max(c["lengths_q"]), max(c["lengths_k"])
+    options = _options(c, slopes)
+    out_p, lse_p, _ = fa.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, max_q, max_k, block_table=table,
+                                                return_attn_probs=True, **options)
+    out, lse, _ = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, return_attn_probs=True, **options)
+    rows = sum(c["lengths_q"])
+    _same_rows(out_p, out, rows)
+    assert _cupy().array_equal(lse_p[:, :rows], lse[:, :rows])
+    fa.check_device_errors()  # unused block_table entries (invalid pages) were never read
+
+
+def test_paged_forward_matches_reference():
+    fa = _fa()
+    c = dict(lengths_q=[70, 1, 0, 130], lengths_k=[200, 17, 5, 129], page_size=48, nheads=4, nheads_kv=2,
+             headdim=64, causal=True, window_size=(-1, -1), softcap=0.0, alibi=False, dropout_p=0.0,
+             dtype="bfloat16", seed=11)
+    q, k, v, k_pages, v_pages, table, cu_q, cu_k, _ = _case_arrays(c)
+    out, lse, _ = fa.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 130, 200, causal=True,
+                                            block_table=table, return_attn_probs=True)
+    ref_out, ref_lse = attention_ref_varlen(*(B.to_numpy64(x) for x in (q, k, v)), _cu(c["lengths_q"]),
+                                            _cu(c["lengths_k"]), causal=True)
+    tol = 4 * UNIT_ROUNDOFF["bfloat16"] * float(np.abs(B.to_numpy64(v)).max()) + 1e-6
+    assert np.abs(B.to_numpy64(out) - ref_out).max() <= tol
+    live = ~np.isinf(ref_lse)
+    assert np.all(np.abs(B.to_numpy64(lse)[live] - ref_lse[live]) <= 1e-3 * (1 + np.abs(ref_lse[live])))
+
+
+def _scatter_to_pages(grad_packed, table, lengths_k, page_size, shape):
+    """Float64 sum of packed per-key gradients onto their pages (the expected dk/dv of a paged call)."""
+    grad = B.to_numpy64(grad_packed)
+    table = _cupy().asnumpy(table)
+    pages = np.zeros(shape)
+    cu = _cu(lengths_k)
+    for b, n in enumerate(lengths_k):
+        for j in range(n):
+            pages[table[b, j // page_size], j % page_size] += grad[cu[b] + j]
+    return pages
+
+
+@pytest.mark.parametrize("share_first_page", [False, True])
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_paged_backward(share_first_page, deterministic):
+    fa = _fa()
+    cp = _cupy()
+    rng = np.random.default_rng(21)
+    page_size, hkv, d, dtype = 32, 2, 64, "float16"
+    lengths_q, lengths_k = [50, 0, 77], [100, 40, 90]
+    k, v = (_randn(rng, (sum(lengths_k), hkv, d), dtype) for _ in range(2))
+    if share_first_page:  # the same first page_size keys in every sequence
+        cu = _cu(lengths_k)
+        for b in range(1, len(lengths_k)):
+            k[cu[b]:cu[b] + page_size], v[cu[b]:cu[b] + page_size] = k[:page_size], v[:page_size]
+    k_pages, v_pages, table = paged_layout(rng, lengths_k, page_size, k, v, share_first_page)
+    q = _randn(rng, (sum(lengths_q), 4, d), dtype)
+    dout = _randn(rng, q.shape, dtype)
+    q, k, v, k_pages, v_pages, table, dout = (cp.asarray(x) for x in (q, k, v, k_pages, v_pages, table, dout))
+    cu_q, cu_k = cp.asarray(_cu(lengths_q)), cp.asarray(_cu(lengths_k))
+    opts = dict(causal=True, window_size=(60, 0), deterministic=deterministic)
+    out, lse, _ = fa.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 77, 100, block_table=table,
+                                            return_attn_probs=True, **opts)
+    dq_p, dk_p, dv_p = fa.flash_attn_varlen_backward(dout, q, k_pages, v_pages, out, lse, cu_q, cu_k, 77, 100,
+                                                     block_table=table, **opts)
+    dq, dk, dv = fa.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, 77, 100, **opts)
+    assert dk_p.shape == k_pages.shape and dv_p.shape == v_pages.shape
+    unit = UNIT_ROUNDOFF[dtype]
+    if deterministic:
+        assert cp.array_equal(dq_p.view(cp.uint16), dq.view(cp.uint16))
+    else:
+        scale = float(cp.abs(dq.astype(cp.float32)).max())
+        assert float(cp.abs(dq_p.astype(cp.float32) - dq.astype(cp.float32)).max()) <= 8 * unit * scale
+    for got, packed in ((dk_p, dk), (dv_p, dv)):
+        want = _scatter_to_pages(packed, table, lengths_k, page_size, got.shape)
+        # one rounding of the float32 page sum (plus atomics' reordering of dq only): a few units of the largest
+        tol = (2 if deterministic else 8) * unit * float(np.abs(want).max())
+        assert np.abs(B.to_numpy64(got) - want).max() <= tol
+    # rows no sequence reads get zero gradient
+    touched = np.zeros(k_pages.shape[:2], bool)
+    table_h = cp.asnumpy(table)
+    for b, n in enumerate(lengths_k):
+        for j in range(n):
+            touched[table_h[b, j // page_size], j % page_size] = True
+    assert not B.to_numpy64(dk_p)[~touched].any() and not B.to_numpy64(dv_p)[~touched].any()
+
+
+def test_bad_page_is_reported():
+    fa = _fa()
+    cp = _cupy()
+    rng = np.random.default_rng(2)
+    q = cp.asarray(_randn(rng, (40, 2, 64), "float16"))
+    k_pages, v_pages = (cp.asarray(_randn(rng, (6, 16, 2, 64), "float16")) for _ in range(2))
+    cu = cp.asarray(_cu([20, 20]))
+    table = cp.asarray(np.array([[0, 1], [2, 6]], np.int32))  # page 6 of 6 does not exist (sequence 1, keys 16..)
+    fa.flash_attn_varlen_func(q, k_pages, v_pages, cu, cu, 20, 20, block_table=table)
+    with pytest.raises(ValueError, match=r"block_table\[1, 1\] = 6 is not a page of k"):
+        fa.check_device_errors()
+    table[1, 1] = 3
+    out = fa.flash_attn_varlen_func(q, k_pages, v_pages, cu, cu, 20, 20, block_table=table)
+    fa.check_device_errors()
+    assert not cp.isnan(out).any()
+
+
+def test_paged_torch_autograd():
+    torch = _torch()
+    import fa2cupy.torch as ft
+
+    fa = _fa()
+    rng = np.random.default_rng(8)
+    lengths_q, lengths_k, page_size = [33, 64], [80, 47], 16
+    k, v = (_randn(rng, (sum(lengths_k), 2, 128), "bfloat16") for _ in range(2))
+    k_pages, v_pages, table = paged_layout(rng, lengths_k, page_size, k, v)
+    q = _randn(rng, (sum(lengths_q), 4, 128), "bfloat16")
+    dout = _randn(rng, q.shape, "bfloat16")
+    as_torch = lambda x: torch.from_dlpack(_cupy().asarray(x))  # noqa: E731
+    qt, kt, vt = (as_torch(x).requires_grad_() for x in (q, k_pages, v_pages))
+    tt, dt = as_torch(table), as_torch(dout)
+    cu_q, cu_k = as_torch(_cu(lengths_q)), as_torch(_cu(lengths_k))
+    out = ft.flash_attn_varlen_func(qt, kt, vt, cu_q, cu_k, 64, 80, causal=True, block_table=tt, deterministic=True)
+    out.backward(dt)
+    ref_out, lse, _ = fa.flash_attn_varlen_func(qt.detach(), kt.detach(), vt.detach(), cu_q, cu_k, 64, 80, causal=True,
+                                                block_table=tt, return_attn_probs=True)
+    assert torch.equal(out.detach(), ref_out)
+    grads = fa.flash_attn_varlen_backward(dt, qt.detach(), kt.detach(), vt.detach(), ref_out, lse, cu_q, cu_k, 64, 80,
+                                          causal=True, block_table=tt, deterministic=True)
+    for got, want in zip((qt.grad, kt.grad, vt.grad), grads):
+        assert isinstance(want, torch.Tensor) and torch.equal(got, want)
+
+
+def test_paged_jax_jit_grad():
+    jax = pytest.importorskip("jax")
+    if not any(dev.platform == "gpu" for dev in jax.devices()):
+        pytest.skip("JAX has no GPU")
+    import jax.numpy as jnp
+
+    import fa2cupy.jax as fj
+
+    fa = _fa()
+    cp = _cupy()
+    rng = np.random.default_rng(9)
+    lengths_q, lengths_k, page_size = [20, 45], [64, 30], 32
+    k, v = (_randn(rng, (sum(lengths_k), 1, 64), "float16") for _ in range(2))
+    k_pages, v_pages, table = paged_layout(rng, lengths_k, page_size, k, v)
+    q = _randn(rng, (sum(lengths_q), 2, 64), "float16")
+    dout = _randn(rng, q.shape, "float16")
+    cu_q, cu_k = _cu(lengths_q), _cu(lengths_k)
+    jq, jk, jv, jt, jd, jcq, jck = (jnp.asarray(x) for x in (q, k_pages, v_pages, table, dout, cu_q, cu_k))
+
+    def loss(q_, k_, v_):
+        out = fj.flash_attn_varlen_func(q_, k_, v_, jcq, jck, 45, 64, causal=True, block_table=jt,
+                                        deterministic=True)
+        return jnp.sum(out.astype(jnp.float32) * jd.astype(jnp.float32))
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(jq, jk, jv)
+    cq, ck, cv, ct, cd = (cp.asarray(x) for x in (q, k_pages, v_pages, table, dout))
+    ccq, cck = cp.asarray(cu_q), cp.asarray(cu_k)
+    out, lse, _ = fa.flash_attn_varlen_func(cq, ck, cv, ccq, cck, 45, 64, causal=True, block_table=ct,
+                                            return_attn_probs=True)
+    want = fa.flash_attn_varlen_backward(cd, cq, ck, cv, out, lse, ccq, cck, 45, 64, causal=True, block_table=ct,
+                                         deterministic=True)
+    for got, w in zip(grads, want):
+        assert np.array_equal(np.asarray(got).view(np.uint16), cp.asnumpy(w).view(np.uint16))
+    assert math.isfinite(float(loss(jq, jk, jv)))
