@@ -169,6 +169,17 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
                         QTile::load_a(q_frag[Tr::kQInRegs ? mt : 0][Tr::kQInRegs ? kk : 0], smem_q,
                                       warp_row0 + mt * 16, kk * 16, lane);
             }
+            const int col0 = (n_first + n_block) * Tr::kBlockN;
+            if constexpr (Tr::kMask == kMaskWindow && !Tr::kMods) {
+                // A tile at the edge of the block's window band may lie outside every window of this warp's rows:
+                // the warp skips it (all its scores would be masked) and leaves the tensor cores to the others.
+                // (Not in the modifier kernels: the test spills at the register cap there.)
+                const WindowMask<Tr::kMask> m = mask_now();
+                const int warp_first = row0 + warp_row0, warp_last = warp_first + kMT * 16 - 1;
+                if (col0 + Tr::kBlockN <= warp_first + m.diag() - m.left() ||
+                    col0 > warp_last + m.diag() + m.right())
+                    continue;
+            }
             const u32 k_slot = smem_k + (n_block % Tr::kStages) * KVTile::kBytes;
             const u32 v_slot = smem_v + (n_block % Tr::kStages) * KVTile::kBytes;
 
@@ -187,7 +198,6 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
                 },
                 [&](u32(&b)[4], int np, int kk) { KVTile::load_b_nk(b, k_slot, np * 16, kk * 16, lane); });
             // Only tiles that straddle the diagonal or the end of the keys pay for masking.
-            const int col0 = (n_first + n_block) * Tr::kBlockN;
             if constexpr (Tr::kMods) mods.apply(s, row0 + warp_row0, col0, lane);
             if (mask_now().tile_needs_mask(row0, Tr::kBlockM, col0, Tr::kBlockN))
                 mask_now().apply(s, row0 + warp_row0, col0, lane);
