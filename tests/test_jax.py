@@ -71,7 +71,7 @@ def test_lowers_for_jit_value_and_grad():
     (dict(dropout_p=1.0, dropout_rng=jax.random.PRNGKey(0)), ValueError, r"^dropout_p must be in \[0, 1\)"),
     (dict(window_size=(8, -2)), ValueError, r"^window_size must be \(left, right\) with each side >= 0"),
     (dict(softcap=-5.0), ValueError, r"^softcap must be a finite number >= 0"),
-    (dict(alibi_slopes=np.ones(4)), NotImplementedError, r"^ALiBi \(alibi_slopes\) in fa2cupy.jax is not implemented"),
+    (dict(alibi_slopes=np.ones(3, np.float32)), ValueError, r"^alibi_slopes must have shape"),
     (dict(causal="no"), TypeError, r"^causal must be a bool"),
     (dict(softmax_scale=float("inf")), ValueError, r"^softmax_scale must be None or a finite number"),
 ])
@@ -251,6 +251,26 @@ def test_varlen_traced_shapes_and_grad():
 
     dq, dk, dv = jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), q, k, k, cu, cu)
     assert (dq.shape, dk.shape, dv.shape) == ((30, 4, 64), (40, 2, 64), (40, 2, 64))
+
+
+def test_paged_varlen_traced_shapes_grad_and_checks():
+    from fa2cupy.jax import flash_attn_varlen_func
+
+    q, pages = _sds(30, 4, 64), _sds(9, 16, 2, 64)
+    cu = jax.ShapeDtypeStruct((4,), jnp.int32)
+    table = jax.ShapeDtypeStruct((3, 4), jnp.int32)
+
+    def loss(q, k, v, cq, ck, t):
+        return (flash_attn_varlen_func(q, k, v, cq, ck, 17, 64, causal=True, block_table=t).astype(jnp.float32)
+                ** 2).sum()
+
+    dq, dk, dv = jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), q, pages, pages, cu, cu, table)
+    assert (dq.shape, dk.shape, dv.shape) == ((30, 4, 64), (9, 16, 2, 64), (9, 16, 2, 64))
+    text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, pages, pages, cu, cu, table).as_text()
+    assert text.count("xla_buffer_python_") == 2
+    with pytest.raises(ValueError, match=r"^max_seqlen_k = 65 exceeds what block_table can address"):
+        jax.eval_shape(lambda q, k, cq, t: flash_attn_varlen_func(q, k, k, cq, cq, 17, 65, block_table=t),
+                       q, pages, cu, table)
 
 
 def test_alibi_traced_and_checked():

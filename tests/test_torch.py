@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import fa2cupy  # noqa: E402
-from fa2cupy import reference  # noqa: E402
+from fa2cupy import paging, reference  # noqa: E402
 from fa2cupy.torch import flash_attn_func  # noqa: E402
 
 # ============================================================================== CPU: reference stand-ins
@@ -71,11 +71,24 @@ def test_import_fa2cupy_does_not_import_the_wrappers():
 
 
 def test_ops_are_registered_with_schemas():
-    fwd = str(torch.ops.fa2cupy.flash_attn_forward.default._schema)
-    bwd = str(torch.ops.fa2cupy.flash_attn_backward.default._schema)
-    options = "float softmax_scale, bool causal, SymInt window_left, SymInt window_right, bool deterministic)"
-    assert options + " -> (Tensor, Tensor)" in fwd
-    assert "Tensor lse, " + options + " -> (Tensor, Tensor, Tensor)" in bwd
+    schema = {name: str(getattr(torch.ops.fa2cupy, name).default._schema) for name in (
+        "flash_attn_forward", "flash_attn_backward", "flash_attn_varlen_forward", "flash_attn_varlen_backward")}
+    options = "float softmax_scale, bool causal, SymInt window_left, SymInt window_right, bool deterministic"
+    dropout = "float dropout_p, SymInt dropout_seed, SymInt dropout_offset"
+    varlen = "Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, "
+    assert (f"(Tensor q, Tensor k, Tensor v, {options}, float softcap, Tensor? alibi_slopes, {dropout}) -> "
+            "(Tensor, Tensor)") in schema["flash_attn_forward"]
+    assert (f"Tensor lse, {options}, float softcap, {dropout}, Tensor? alibi_slopes) -> (Tensor, Tensor, Tensor)"
+            in schema["flash_attn_backward"])
+    assert (f"(Tensor q, Tensor k, Tensor v, {varlen}{options}, float softcap, Tensor? alibi_slopes, {dropout}, "
+            "Tensor? block_table) -> (Tensor, Tensor)") in schema["flash_attn_varlen_forward"]
+    assert (f"Tensor lse, {varlen}{options}, float softcap, {dropout}, Tensor? alibi_slopes, Tensor? block_table) "
+            "-> (Tensor, Tensor, Tensor)") in schema["flash_attn_varlen_backward"]
+
+
+#: The trailing arguments of the ops after (..., window_right, deterministic): no softcap, ALiBi or dropout.
+PLAIN_FWD = (0.0, None, 0.0, 0, 0)
+PLAIN_BWD = (0.0, 0.0, 0, 0, None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -87,10 +100,11 @@ def test_fake_shapes_dtypes_strides(dtype):
         k = torch.empty(2, 7, 2, 40, dtype=dtype)
         # a (b, h, s, d) tensor seen as (b, s, h, d): outputs are still contiguous
         v = torch.empty(2, 2, 7, 40, dtype=dtype).transpose(1, 2)
-        out, lse = torch.ops.fa2cupy.flash_attn_forward(q, k, v, 0.1, True, -1, 0, False)
+        out, lse = torch.ops.fa2cupy.flash_attn_forward(q, k, v, 0.1, True, -1, 0, False, *PLAIN_FWD)
         assert (out.shape, out.dtype, out.stride()) == ((2, 5, 4, 40), dtype, (800, 160, 40, 1))
         assert (lse.shape, lse.dtype, lse.stride()) == ((2, 4, 5), torch.float32, (20, 5, 1))
-        dq, dk, dv = torch.ops.fa2cupy.flash_attn_backward(out, q, k, v, out, lse, 0.1, True, -1, 0, False)
+        dq, dk, dv = torch.ops.fa2cupy.flash_attn_backward(out, q, k, v, out, lse, 0.1, True, -1, 0, False,
+                                                           *PLAIN_BWD)
         assert (dq.shape, dq.dtype, dq.is_contiguous()) == (q.shape, dtype, True)
         assert (dk.shape, dk.dtype, dk.is_contiguous()) == (k.shape, dtype, True)
         assert (dv.shape, dv.dtype, dv.is_contiguous()) == (v.shape, dtype, True)
@@ -110,10 +124,11 @@ def test_fake_autograd_shapes():
 
 def test_opcheck_with_reference_kernels(cpu_kernels):
     q, k, v = (x.detach() for x in _cpu_qkv())
-    torch.library.opcheck(torch.ops.fa2cupy.flash_attn_forward.default, (q, k, v, 0.25, True, 3, 0, False))
-    out, lse = torch.ops.fa2cupy.flash_attn_forward(q, k, v, 0.25, True, 3, 0, False)
+    torch.library.opcheck(torch.ops.fa2cupy.flash_attn_forward.default,
+                          (q, k, v, 0.25, True, 3, 0, False) + PLAIN_FWD)
+    out, lse = torch.ops.fa2cupy.flash_attn_forward(q, k, v, 0.25, True, 3, 0, False, *PLAIN_FWD)
     torch.library.opcheck(torch.ops.fa2cupy.flash_attn_backward.default,
-                          (torch.randn_like(out), q, k, v, out, lse, 0.25, True, 3, 0, True))
+                          (torch.randn_like(out), q, k, v, out, lse, 0.25, True, 3, 0, True) + PLAIN_BWD)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -186,6 +201,105 @@ def test_default_scale_and_expanded_dout(cpu_kernels):
     (call,) = cpu_kernels
     assert call["softmax_scale"] == pytest.approx(1 / math.sqrt(9))
     assert call["dout"].stride()[-1] == 1
+
+
+# ------------------------------------------------------------------------------ varlen (and paged K/V) on CPU
+
+
+def _packed_keys(k, v, cu_k, max_k, block_table):
+    """float64 packed K/V and their cu_seqlens: as given, or gathered from pages (fa2cupy.paging, as the GPU
+    backward does)."""
+    cu_k = cu_k.numpy()
+    if block_table is None:
+        return _np(k), _np(v), cu_k
+    table = block_table.numpy()
+    packed_cu, page, slot, inside = paging.key_pages(np, cu_k, table, table.shape[0] * max_k, k.shape[1], k.shape[0])
+    return paging.gather(np, _np(k), page, slot, inside), paging.gather(np, _np(v), page, slot, inside), packed_cu
+
+
+def _ref_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False, window_size=(-1, -1),
+                        return_attn_probs=False, block_table=None, **_):
+    kp, vp, packed_cu = _packed_keys(k, v, cu_k, max_k, block_table)
+    out, lse = reference.attention_ref_varlen(_np(q), kp, vp, cu_q.numpy(), packed_cu, softmax_scale, causal,
+                                              window_size)
+    out, lse = torch.from_numpy(out).to(q.dtype), torch.from_numpy(lse).to(torch.float32)
+    return (out, lse, None) if return_attn_probs else out
+
+
+def _ref_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False,
+                         window_size=(-1, -1), block_table=None, **_):
+    calls.append(dict(k=k, block_table=block_table, max_seqlen_k=max_k))
+    kp, vp, packed_cu = _packed_keys(k, v, cu_k, max_k, block_table)
+    dq, dk, dv = reference.attention_ref_varlen_backward(_np(dout), _np(q), kp, vp, cu_q.numpy(), packed_cu,
+                                                         softmax_scale, causal, window_size)
+    if block_table is not None:  # summed back onto the pages (float64: this is the stand-in, not the GPU path)
+        table = block_table.numpy()
+        _, page, slot, inside = paging.key_pages(np, cu_k.numpy(), table, dk.shape[0], k.shape[1], k.shape[0])
+        dk, dv = (_sum_pages(g, page, slot, inside, k.shape) for g in (dk, dv))
+    return tuple(torch.from_numpy(g).to(x.dtype) for g, x in zip((dq, dk, dv), (q, k, v)))
+
+
+def _sum_pages(grad, page, slot, inside, shape):
+    summed = np.zeros(shape)
+    np.add.at(summed, (page, slot), np.where(inside[:, None, None], grad, 0.0))
+    return summed
+
+
+@pytest.fixture
+def cpu_varlen_kernels(monkeypatch):
+    calls.clear()
+    monkeypatch.setattr(fa2cupy, "flash_attn_varlen_func", _ref_varlen_forward)
+    monkeypatch.setattr(fa2cupy, "flash_attn_varlen_backward", _ref_varlen_backward)
+    return calls
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_varlen_gradients_reach_packed_or_paged_keys(cpu_varlen_kernels, paged):
+    from fa2cupy.torch import flash_attn_varlen_func
+
+    g = torch.Generator().manual_seed(3)
+    lengths_q, lengths_k, page_size = [4, 0, 6], [7, 3, 9], 4
+    cu_q = torch.tensor(np.concatenate([[0], np.cumsum(lengths_q)]), dtype=torch.int32)
+    cu_k = torch.tensor(np.concatenate([[0], np.cumsum(lengths_k)]), dtype=torch.int32)
+    q = torch.randn(sum(lengths_q), 4, 16, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(sum(lengths_k), 2, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    table = None
+    if paged:  # sequence b's keys on pages table[b] of a shuffled pool (with two spare pages)
+        need = [-(-n // page_size) for n in lengths_k]
+        order = iter(np.random.default_rng(0).permutation(sum(need) + 2).tolist())
+        table = torch.full((3, max(need)), -1, dtype=torch.int32)
+        k_pages = torch.randn(sum(need) + 2, page_size, 2, 16, generator=g, dtype=torch.float64)
+        v_pages = torch.randn(k_pages.shape, generator=g, dtype=torch.float64)
+        for b, n in enumerate(lengths_k):
+            for j in range(n):
+                if j % page_size == 0:
+                    table[b, j // page_size] = next(order)
+                page = table[b, j // page_size]
+                k_pages[page, j % page_size] = k[cu_k[b] + j]
+                v_pages[page, j % page_size] = v[cu_k[b] + j]
+        k_in, v_in = k_pages.requires_grad_(), v_pages.requires_grad_()
+    else:
+        k_in, v_in = k.requires_grad_(), v.requires_grad_()
+    q.requires_grad_()
+    out = flash_attn_varlen_func(q, k_in, v_in, cu_q, cu_k, 6, 9, causal=True, softmax_scale=0.3, block_table=table)
+    want_out, _ = reference.attention_ref_varlen(_np(q), _np(k), _np(v), cu_q.numpy(), cu_k.numpy(), 0.3, True)
+    np.testing.assert_allclose(_np(out), want_out, rtol=1e-12, atol=1e-12)
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    (out * dout).sum().backward()
+    (call,) = cpu_varlen_kernels
+    assert call["block_table"] is table or torch.equal(call["block_table"], table)
+    dq, dk, dv = reference.attention_ref_varlen_backward(_np(dout), _np(q), _np(k), _np(v), cu_q.numpy(),
+                                                         cu_k.numpy(), 0.3, True)
+    np.testing.assert_allclose(_np(q.grad), dq, rtol=1e-12, atol=1e-12)
+    for got, want in ((k_in.grad, dk), (v_in.grad, dv)):
+        if paged:  # each key's gradient lands in its page row; rows no key came from get 0
+            assert got.shape == k_pages.shape
+            landed = torch.zeros(k_pages.shape, dtype=torch.float64)
+            for b, n in enumerate(lengths_k):
+                for j in range(n):
+                    landed[table[b, j // page_size], j % page_size] = torch.from_numpy(want[cu_k[b] + j])
+            want = landed.numpy()
+        np.testing.assert_allclose(_np(got), want, rtol=1e-12, atol=1e-12)
 
 
 def test_saves_only_q_k_v_out_lse(cpu_kernels):
