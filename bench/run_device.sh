@@ -12,7 +12,8 @@
 #   DECODE=1         also run `cli.py bench --mode decode` (KV bandwidth vs SDPA flash/cuDNN) -> bench_decode.log
 #   TUNE_DEC=1       also time every decode candidate (bench/tune_decode.py) -> tune_decode.log
 #   PROFILE=1        also profile host dispatch (bench/dispatch_profile.py) -> profile.log
-#   MASKS=1          also issue 5's speed bars: bench/window_speed.py ((4096, 0) window over 64k vs full causal)
+#   MASKS=1          also issue 5's speed bars: bench/window_speed.py --candidates ((4096, 0) window over 64k vs
+#                    full causal, and the window tile candidates)
 #                    and bench/varlen_speed.py --causal --paged 16,256 (varlen vs padded, paged vs packed)
 #                    -> masks.log
 #   SANITIZE=1       also run compute-sanitizer memcheck + racecheck over bench/sanitize_case.py
@@ -128,7 +129,7 @@ fi
 
 if [ "${MASKS:-0}" = 1 ]; then  # issue 5's bars: window speed-up, varlen vs padded, paged vs packed
   step masks "${MASKS_TIMEOUT:-150}" "$OUT/masks.log" \
-    bash -c "'$PY' bench/window_speed.py && '$PY' bench/varlen_speed.py --causal --paged 16,256"
+    bash -c "'$PY' bench/window_speed.py --candidates && '$PY' bench/varlen_speed.py --causal --paged 16,256"
 fi
 
 if [ "${PROFILE:-0}" = 1 ]; then  # host dispatch cost and where it goes

@@ -127,6 +127,19 @@ FORWARD_CANDIDATES: dict[int, tuple[FwdConfig, ...]] = {
 }
 
 
+#: Window-forward tiles timed by ``python bench/window_speed.py --candidates`` against the shipped row: smaller
+#: query blocks waste fewer keys at the window's edges (a 128-row block's band covers left + 128 keys), at the cost
+#: of more K/V traffic per row (bench/NOTES.md, "Why the 8x window bar is hard"). The 2-warp 64-row row keeps each
+#: warp's 32 rows (the shipped row's MMA reuse) with 4 blocks per SM.
+WINDOW_FORWARD_CANDIDATES: dict[int, tuple[FwdConfig, ...]] = {
+    128: (
+        _fwd(128, 64, 32, 2, min_blocks=4),
+        _fwd(128, 64, 32, 4, min_blocks=4),
+        _fwd(128, 64, 64, 4, min_blocks=2),
+    ),
+}
+
+
 @dataclass(frozen=True)
 class BwdConfig:
     """Template arguments of ``fa2::BwdTraits`` (cuda/bwd.cu), minus element type, causal and AtomicDq."""
