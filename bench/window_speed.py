@@ -4,8 +4,9 @@
     python bench/window_speed.py [--seqlen 65536] [--window 4096] [--candidates]
 
 Same timer as ``fa2cupy bench`` (CUDA events per call, calls back to back, median). With ``--candidates`` the
-window forward is also timed on each tile of configs.WINDOW_FORWARD_CANDIDATES (checked against the shipped
-row's output first), as a speed-up over the same full causal run.
+window forward and backward are also timed on each tile of configs.WINDOW_FORWARD_CANDIDATES /
+WINDOW_BACKWARD_CANDIDATES (checked against the shipped rows' results first), as speed-ups over the same full
+causal runs.
 """
 
 import argparse
@@ -16,7 +17,7 @@ import cupy
 sys.path.insert(0, ".")
 import fa2cupy  # noqa: E402
 from fa2cupy import benchmark as B  # noqa: E402
-from fa2cupy import configs, forward  # noqa: E402
+from fa2cupy import backward, configs, forward  # noqa: E402
 
 
 def main():
@@ -67,6 +68,32 @@ def main():
         ms = B.time_gpu(launch, events, warmup=3, repeats=10).median_ms
         print(f"candidate {name}: window forward {ms:.2f} ms, speed-up over full causal {cf / ms:.2f}x "
               f"(max |out - shipped| = {diff:.1e})", flush=True)
+    out, lse, _ = fa2cupy.flash_attn_func(q, k, v, causal=True, window_size=window, return_attn_probs=True)
+    shipped = fa2cupy.flash_attn_backward(dout, q, k, v, out, lse, causal=True, window_size=window)
+    grads = [cupy.empty_like(x) for x in (q, k, v)]
+    grad_strides = {n: tuple(s // x.itemsize for s in x.strides)
+                    for n, x in zip(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), (q, k, v, dout, out, *grads))}
+    for config in configs.WINDOW_BACKWARD_CANDIDATES.get(args.headdim, ()):
+        plan = backward.plan_backward(q.shape, k.shape, grad_strides, "float16", args.headdim ** -0.5, True, False,
+                                      arch, config=config, window_size=window)
+        dsum = cupy.empty(plan.dsum_shape, cupy.float32)
+        dq_accum = cupy.empty(plan.dq_accum_shape, cupy.float32)
+        pointers = dict(q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, dout=dout.data.ptr, out=out.data.ptr,
+                        lse=lse.data.ptr, dq=grads[0].data.ptr, dk=grads[1].data.ptr, dv=grads[2].data.ptr,
+                        dsum=dsum.data.ptr, dq_accum=dq_accum.data.ptr)
+        launch = lambda: backward.run_backward(plan, pointers, stream.ptr)  # noqa: E731
+        for g in grads:
+            g.fill(float("nan"))
+        launch()
+        diff = max(float(cupy.abs(g.astype(cupy.float32) - s.astype(cupy.float32)).max())
+                   for g, s in zip(grads, shipped))
+        name = (f"{config.block_m}x{config.block_n} {config.warps} warps ({config.warps_keys} along keys)")
+        if not diff <= 5e-2:
+            print(f"backward candidate {name}: WRONG (max |grad - shipped| = {diff})", flush=True)
+            continue
+        ms = B.time_gpu(launch, events, warmup=3, repeats=10).median_ms
+        print(f"backward candidate {name}: window backward {ms:.2f} ms, speed-up over full causal {cb / ms:.2f}x "
+              f"(max |grad - shipped| = {diff:.1e})", flush=True)
 
 
 if __name__ == "__main__":

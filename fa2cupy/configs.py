@@ -263,6 +263,15 @@ BACKWARD_CANDIDATES: dict[int, tuple[BwdConfig, ...]] = {
     ),
 }
 
+#: Window-backward tiles timed by ``python bench/window_speed.py --candidates``: 64-key blocks see left + 64 query
+#: rows instead of left + 128 (less edge waste), with twice the dQ atomics per key.
+WINDOW_BACKWARD_CANDIDATES: dict[int, tuple[BwdConfig, ...]] = {
+    128: (
+        _bwd(128, 64, 64, 8, 4),
+        _bwd(128, 64, 64, 4, 2),
+    ),
+}
+
 #: Masked (causal or window) rows that differ from BACKWARD_TABLE's (the mask costs a few registers: the d=64 H100 row would
 #: spill 4 bytes with it).
 BACKWARD_CAUSAL_TABLE: dict[tuple[str, int], BwdConfig] = {
