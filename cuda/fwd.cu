@@ -173,12 +173,14 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
             if constexpr (Tr::kMask == kMaskWindow && !Tr::kMods) {
                 // A tile at the edge of the block's window band may lie outside every window of this warp's rows:
                 // the warp skips it (all its scores would be masked) and leaves the tensor cores to the others.
-                // (Not in the modifier kernels: the test spills at the register cap there.)
+                // (Not in the modifier kernels: the d=224 one spills 16 bytes with it.)
                 const WindowMask<Tr::kMask> m = mask_now();
                 const int warp_first = row0 + warp_row0, warp_last = warp_first + kMT * 16 - 1;
-                if (col0 + Tr::kBlockN <= warp_first + m.diag() - m.left() ||
-                    col0 > warp_last + m.diag() + m.right())
-                    continue;
+                const bool invisible = col0 + Tr::kBlockN <= warp_first + m.diag() - m.left() ||
+                                       col0 > warp_last + m.diag() + m.right();
+                // The same for every lane; the vote tells ptxas so, which keeps the softmax shuffles free of
+                // divergence handling (as a plain branch it duplicated them and the epilogue: +15% code).
+                if (__all_sync(0xffffffffu, invisible)) continue;
             }
             const u32 k_slot = smem_k + (n_block % Tr::kStages) * KVTile::kBytes;
             const u32 v_slot = smem_v + (n_block % Tr::kStages) * KVTile::kBytes;
