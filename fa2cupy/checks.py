@@ -347,15 +347,18 @@ def check_varlen_args(
     if total_q < 1 or total_k < 1:
         raise ValueError(f"q has {total_q} tokens and k {total_k}; the packed arrays must not be empty")
 
-    def as_batch(info: ArrayInfo) -> ArrayInfo:  # (total, h, d) seen as one batch entry
-        return ArrayInfo(name=info.name, framework=info.framework, shape=(1,) + tuple(info.shape), dtype=info.dtype,
-                         strides=(0,) + tuple(info.strides), device=info.device)
-
-    shape = check_forward_args(as_batch(q), as_batch(k), as_batch(v), **options)
+    shape = check_forward_args(_as_batch(q), _as_batch(k), _as_batch(v), **options)
     if alibi is not None:
         check_alibi(alibi, q, batch, shape.nheads)
     return (AttnShape(batch, int(max_seqlen_q), int(max_seqlen_k), shape.nheads, shape.nheads_kv, shape.headdim,
                       shape.dtype), total_q, total_k)
+
+
+def _as_batch(info: ArrayInfo, drop: int = 0) -> ArrayInfo:
+    """A packed (total, h, d) array (after dropping ``drop`` leading axes) seen as one batch entry (1, total, h, d)
+    with batch stride 0, for check_forward_args's rules."""
+    return ArrayInfo(name=info.name, framework=info.framework, shape=(1,) + tuple(info.shape[drop:]),
+                     dtype=info.dtype, strides=(0,) + tuple(info.strides[drop:]), device=info.device)
 
 
 def _check_paged_varlen(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, block_table: ArrayInfo, batch: int,
@@ -381,15 +384,8 @@ def _check_paged_varlen(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, block_table: A
     if q.shape[0] < 1:
         raise ValueError(f"q has {q.shape[0]} tokens; the packed arrays must not be empty")
 
-    def as_batch(info: ArrayInfo) -> ArrayInfo:  # (total, h, d) seen as one batch entry
-        return ArrayInfo(name=info.name, framework=info.framework, shape=(1,) + tuple(info.shape), dtype=info.dtype,
-                         strides=(0,) + tuple(info.strides), device=info.device)
-
-    def one_page(info: ArrayInfo) -> ArrayInfo:  # the layout rules apply within a page
-        return ArrayInfo(name=info.name, framework=info.framework, shape=(1,) + tuple(info.shape[1:]),
-                         dtype=info.dtype, strides=(0,) + tuple(info.strides[1:]), device=info.device)
-
-    shape = check_forward_args(as_batch(q), one_page(k), one_page(v), **options)
+    # the layout rules apply within a page
+    shape = check_forward_args(_as_batch(q), _as_batch(k, drop=1), _as_batch(v, drop=1), **options)
     if alibi is not None:
         check_alibi(alibi, q, batch, shape.nheads)
     return (AttnShape(batch, int(max_seqlen_q), int(max_seqlen_k), shape.nheads, shape.nheads_kv, shape.headdim,

@@ -649,8 +649,8 @@ def _paged_varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seq
             dq, dk, dv = flash_attn_varlen_backward(c["dout"], c["q"], k_packed, v_packed, c["out"], c["softmax_lse"],
                                                     c["cu_seqlens_q"], packed_cu_k, max_seqlen_q, max_seqlen_k,
                                                     **options)
-            grads = [dq] + [paging.sum_onto_pages(cupy, cupyx.scatter_add, g, x.shape, page, slot, inside).astype(
-                x.dtype) for g, x in ((dk, k_pages), (dv, v_pages))]
+            grads = [dq] + [paging.sum_onto_pages(cupy, cupyx.scatter_add, g, x.shape, page, slot, inside)
+                            for g, x in ((dk, k_pages), (dv, v_pages))]
             return tuple(arrays.make_result(None, g, framework) for g in grads)
 
 
