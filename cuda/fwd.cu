@@ -89,7 +89,6 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
     // Paged K/V (varlen only): k/v are (num_pages, page_size, nheads_kv, d) with page strides k/v_batch_stride,
     // and key j of sequence `batch` is row j % page_size of page block_table[batch][j / page_size].
     constexpr bool paged = Tr::kPaged;
-    const FastDiv page_of{page_magic, page_shift};
     const int seqlen_q = sq(), seqlen_k = sk(), k_start = Tr::kVarlen && !paged ? seq_info[3] : 0;
     if (row0 >= seqlen_q) return;  // varlen: past this sequence's queries
     auto mask_now = [&] { return WindowMask<Tr::kMask>{sq(), sk(), window_left, window_right}; };
@@ -107,6 +106,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
         const int rows = mask_now().seqlen_k - (int)first;
         if constexpr (paged) {
             const int* pages = block_table + (i64)batch * max_pages;
+            const FastDiv page_of{page_magic, page_shift};
             KVTile::template load_async_pair_rows<Tr::kThreads>(
                 smem_k + slot * KVTile::kBytes, smem_v + slot * KVTile::kBytes, k_head, v_head, headdim, tid,
                 [&](int r, const u16*& k_row, const u16*& v_row) {

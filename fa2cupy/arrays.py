@@ -324,6 +324,20 @@ def _bf16_numpy_dtype():
     return _bf16
 
 
+def bf16_bits(xp, x):
+    """float32 -> bfloat16 bit patterns (uint16), round to nearest even, NaN kept (as 0x7FC0); ``xp`` is numpy or
+    cupy (the bits are exact where the array libraries have no bfloat16 arithmetic)."""
+    x = xp.ascontiguousarray(x, dtype=xp.float32)
+    u = x.view(xp.uint32).astype(xp.uint64)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(xp.uint16)
+    return xp.where(xp.isnan(x), xp.uint16(0x7FC0), rounded)
+
+
+def bf16_bits_to_float(xp, bits):
+    """bfloat16 bit patterns (uint16) -> float32 values, exactly; ``xp`` is numpy or cupy."""
+    return (xp.asarray(bits, dtype=xp.uint16).astype(xp.uint32) << 16).view(xp.float32)
+
+
 def to_cupy(x, info: ArrayInfo):
     """View a caller array as a ``cupy.ndarray``.
 

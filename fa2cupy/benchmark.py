@@ -41,6 +41,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
+from fa2cupy import arrays
+
 # --------------------------------------------------------------------------- #
 # Grid, dtypes, FLOPs (pure)
 # --------------------------------------------------------------------------- #
@@ -351,19 +353,12 @@ def backward_work(case: Case) -> int:
 
 def bf16_bits(x: np.ndarray) -> np.ndarray:
     """float32 -> bfloat16 bit patterns (uint16), round-to-nearest-even, NaN kept."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    u = x.view(np.uint32).astype(np.uint64)
-    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-    out = rounded.astype(np.uint16)
-    nan = np.isnan(x)
-    if nan.any():
-        out[nan] = 0x7FC0
-    return out
+    return arrays.bf16_bits(np, x)
 
 
 def bf16_bits_to_float(bits: np.ndarray) -> np.ndarray:
     """bfloat16 bit patterns (uint16) -> float32 values."""
-    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return arrays.bf16_bits_to_float(np, bits)
 
 
 def round_host(x: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:

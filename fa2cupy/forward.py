@@ -119,8 +119,6 @@ def plan_forward(
     )
     threshold, keep_scale = dropout_scalars(dropout_p)
     rng_slot = 10 + len(scalars) + 1  # seed lo, seed hi, offset lo, offset hi follow the threshold
-    if paged is not None and varlen_totals is None:
-        raise ValueError("paged K/V needs varlen_totals (the varlen forward)")
     num_pages, page_size, max_pages = paged or (0, 1, 0)
     if paged is not None:
         total_k = (1 << 31) - 1  # cu_seqlens_k counts keys of the sequences' pages, not rows of k

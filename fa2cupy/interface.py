@@ -44,6 +44,11 @@ def _elem_strides(x) -> tuple:
     return tuple(s // x.itemsize for s in x.strides)
 
 
+def _device_of(info) -> int:
+    """The CUDA device a call runs on: its array's, or the current one for host NumPy inputs."""
+    return info.device[1] if info.device[0] == "cuda" else cupy.cuda.runtime.getDevice()
+
+
 def _describe_optional(x, name: str):
     """ArrayInfo of an optional array argument (alibi_slopes, dropout_rng_state), or None."""
     return None if x is None else arrays.describe(x, name)
@@ -218,7 +223,7 @@ def _flash_attn_checked(
     seed, offset = checks.check_dropout_rng(dropout_p, dropout_seed, dropout_offset, state_info)
     scale = checks.default_scale(shape.headdim) if softmax_scale is None else float(softmax_scale)
     framework = q_info.framework
-    device = q_info.device[1] if q_info.device[0] == "cuda" else cupy.cuda.runtime.getDevice()
+    device = _device_of(q_info)
     padded = -(-shape.headdim // 8) * 8
 
     with cupy.cuda.Device(device):
@@ -368,7 +373,7 @@ def _flash_attn_backward_checked(
     seed, offset = checks.check_dropout_rng(dropout_p, dropout_seed, dropout_offset, state_info)
     scale = checks.default_scale(shape.headdim) if softmax_scale is None else float(softmax_scale)
     framework = infos[1].framework
-    device = infos[1].device[1] if infos[1].device[0] == "cuda" else cupy.cuda.runtime.getDevice()
+    device = _device_of(infos[1])
     padded = -(-shape.headdim // 8) * 8
     deterministic = bool(deterministic)
 
@@ -488,7 +493,7 @@ def flash_attn_varlen_func(
     seed, offset = checks.check_dropout_rng(dropout_p, dropout_seed, dropout_offset, state_info)
     scale = checks.default_scale(shape.headdim) if softmax_scale is None else float(softmax_scale)
     framework = infos[0].framework
-    device = infos[0].device[1] if infos[0].device[0] == "cuda" else cupy.cuda.runtime.getDevice()
+    device = _device_of(infos[0])
     padded = -(-shape.headdim // 8) * 8
     with cupy.cuda.Device(device):
         stream = arrays.caller_stream(framework, device)
@@ -571,7 +576,7 @@ def flash_attn_varlen_backward(
     checks.check_varlen_backward_args(infos["dout"], infos["out"], infos["softmax_lse"], infos["q"], shape.nheads)
     scale = checks.default_scale(shape.headdim) if softmax_scale is None else float(softmax_scale)
     framework = infos["q"].framework
-    device = infos["q"].device[1] if infos["q"].device[0] == "cuda" else cupy.cuda.runtime.getDevice()
+    device = _device_of(infos["q"])
     padded = -(-shape.headdim // 8) * 8
     deterministic = bool(deterministic)
     with cupy.cuda.Device(device):
@@ -635,7 +640,7 @@ def _paged_varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seq
         block_table=infos["block_table"], alibi_slopes=infos.get("alibi_slopes"),
         **{n: options[n] for n in ("softmax_scale", "causal", "window_size", "softcap", "deterministic", "dropout_p")})
     framework = infos["q"].framework
-    device = infos["q"].device[1] if infos["q"].device[0] == "cuda" else cupy.cuda.runtime.getDevice()
+    device = _device_of(infos["q"])
     with cupy.cuda.Device(device):
         stream = arrays.caller_stream(framework, device)
         with stream:
@@ -679,7 +684,7 @@ def merge_attention_states(outs, lses):
     lse_infos = [arrays.describe(x, f"lses[{i}]") for i, x in enumerate(lses)]
     n, batch, seqlen_q, nheads, headdim, dtype = checks.check_merge_args(out_infos, lse_infos)
     framework = out_infos[0].framework
-    device = out_infos[0].device[1] if out_infos[0].device[0] == "cuda" else cupy.cuda.runtime.getDevice()
+    device = _device_of(out_infos[0])
     padded = -(-headdim // 8) * 8
     with cupy.cuda.Device(device):
         stream = arrays.caller_stream(framework, device)
@@ -1017,7 +1022,7 @@ def _flash_attn_with_kvcache_checked(
     batch, seqlen_q, nheads, headdim = call.batch, call.seqlen_q, call.nheads, call.headdim
     extras, scale = call.extras, call.scale
     q_info = infos["q"]
-    device = q_info.device[1] if q_info.device[0] == "cuda" else cupy.cuda.runtime.getDevice()
+    device = _device_of(q_info)
     with cupy.cuda.Device(device):
         stream = arrays.caller_stream(framework, device)
         with stream:
