@@ -231,26 +231,18 @@ def check_paged(i, lengths_q, lengths_k, h, hkv, d, page_size, window) -> bool:
     import cupy as cp
 
     import fa2cupy
+    from fa2cupy import paging
 
     rng = np.random.default_rng(500 + i)
     cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
     cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
     q, dout = (rng.standard_normal((int(cu_q[-1]), h, d), dtype=np.float32).astype(np.float16) for _ in range(2))
     k, v = (rng.standard_normal((int(cu_k[-1]), hkv, d), dtype=np.float32).astype(np.float16) for _ in range(2))
-    need = [-(-n // page_size) for n in lengths_k]
-    num_pages, max_pages = sum(need) + 2, max(need)
-    order = rng.permutation(num_pages)
+    table, num_pages = paging.shuffled_block_table(rng, lengths_k, page_size, spare_pages=2, unused=0)
     k_pages, v_pages = (rng.standard_normal((num_pages, page_size, hkv, d), dtype=np.float32).astype(np.float16)
                         for _ in range(2))
-    table = np.zeros((len(lengths_k), max_pages), np.int32)
-    used = 0
-    for b, n in enumerate(lengths_k):
-        for j in range(n):
-            if j % page_size == 0:
-                table[b, j // page_size] = order[used]
-                used += 1
-            k_pages[table[b, j // page_size], j % page_size] = k[cu_k[b] + j]
-            v_pages[table[b, j // page_size], j % page_size] = v[cu_k[b] + j]
+    for pages, packed in ((k_pages, k), (v_pages, v)):
+        paging.write_pages(np, pages, packed, cu_k, table)
     q, dout, k, v, k_pages, v_pages, table, cu_qd, cu_kd = (
         cp.asarray(x) for x in (q, dout, k, v, k_pages, v_pages, table, cu_q, cu_k))
     mq, mk = max(lengths_q), max(lengths_k)

@@ -22,6 +22,7 @@ import numpy as np
 sys.path.insert(0, ".")
 import fa2cupy  # noqa: E402
 from fa2cupy import benchmark as B  # noqa: E402
+from fa2cupy import paging  # noqa: E402
 
 
 def flops(lengths, heads, d, causal, bwd):
@@ -92,20 +93,11 @@ def main():
 
     for page_size in (int(p) for p in args.paged.split(",") if p):
         # The mixed lengths again, each sequence's keys on pages of page_size rows in a shuffled pool.
-        need = [-(-n // page_size) for n in lengths]
-        pool = gen.permutation(sum(need)).astype(np.int32)
-        table = np.zeros((len(lengths), max(need)), np.int32)
-        table_rows = [pool[sum(need[:b]):sum(need[:b + 1])] for b in range(len(lengths))]
-        for b, pages in enumerate(table_rows):
-            table[b, :len(pages)] = pages
-        k_pages = cupy.zeros((len(pool), page_size, h, d), cupy.float16)
+        table, num_pages = paging.shuffled_block_table(gen, lengths, page_size, unused=0)
+        k_pages = cupy.zeros((num_pages, page_size, h, d), cupy.float16)
         v_pages = cupy.zeros_like(k_pages)
-        cu_h = np.concatenate([[0], np.cumsum(lengths)])
-        for b, n in enumerate(lengths):
-            rows = cupy.arange(n)
-            pages = cupy.asarray(table[b])[rows // page_size]
-            k_pages[pages, rows % page_size] = kv[cu_h[b]:cu_h[b] + n]
-            v_pages[pages, rows % page_size] = vv[cu_h[b]:cu_h[b] + n]
+        for pages, packed in ((k_pages, kv), (v_pages, vv)):
+            paging.write_pages(cupy, pages, packed, np.concatenate([[0], np.cumsum(lengths)]), table)
         table_d = cupy.asarray(table)
         paged = fa2cupy.flash_attn_varlen_func(qv, k_pages, v_pages, cu, cu, longest, longest, causal=causal,
                                                block_table=table_d)

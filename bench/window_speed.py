@@ -20,6 +20,21 @@ from fa2cupy import benchmark as B  # noqa: E402
 from fa2cupy import backward, configs, forward  # noqa: E402
 
 
+def time_candidate(name, launch, results, shipped, tol, full_causal_ms, events):
+    """Checks a candidate launch's (NaN-poisoned) results against the shipped kernels' within ``tol``, then times
+    it and prints its speed-up over the full causal run."""
+    for x in results:
+        x.fill(float("nan"))
+    launch()
+    diff = max(float(cupy.abs(x.astype(cupy.float32) - y.astype(cupy.float32)).max()) for x, y in zip(results, shipped))
+    if not diff <= tol:
+        print(f"candidate {name}: WRONG (max |result - shipped| = {diff})", flush=True)
+        return
+    ms = B.time_gpu(launch, events, warmup=3, repeats=10).median_ms
+    print(f"candidate {name}: window {ms:.2f} ms, speed-up over full causal {full_causal_ms / ms:.2f}x "
+          f"(max |result - shipped| = {diff:.1e})", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--seqlen", type=int, default=65536)
@@ -58,16 +73,8 @@ def main():
                                     config=config, window_size=window)
         launch = lambda: forward.run_forward(plan, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr,  # noqa: E731
                                              lse.data.ptr, stream.ptr)
-        out.fill(float("nan"))
-        launch()
-        diff = float(cupy.abs(out.astype(cupy.float32) - shipped.astype(cupy.float32)).max())
-        name = f"{config.block_m}x{config.block_n} {config.warps} warps {config.min_blocks} blocks/SM"
-        if not diff <= 1e-2:
-            print(f"candidate {name}: WRONG (max |out - shipped| = {diff})", flush=True)
-            continue
-        ms = B.time_gpu(launch, events, warmup=3, repeats=10).median_ms
-        print(f"candidate {name}: window forward {ms:.2f} ms, speed-up over full causal {cf / ms:.2f}x "
-              f"(max |out - shipped| = {diff:.1e})", flush=True)
+        time_candidate(f"forward {config.block_m}x{config.block_n} {config.warps} warps {config.min_blocks} "
+                       f"blocks/SM", launch, (out,), (shipped,), 1e-2, cf, events)
     out, lse, _ = fa2cupy.flash_attn_func(q, k, v, causal=True, window_size=window, return_attn_probs=True)
     shipped = fa2cupy.flash_attn_backward(dout, q, k, v, out, lse, causal=True, window_size=window)
     grads = [cupy.empty_like(x) for x in (q, k, v)]
@@ -81,19 +88,9 @@ def main():
         pointers = dict(q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, dout=dout.data.ptr, out=out.data.ptr,
                         lse=lse.data.ptr, dq=grads[0].data.ptr, dk=grads[1].data.ptr, dv=grads[2].data.ptr,
                         dsum=dsum.data.ptr, dq_accum=dq_accum.data.ptr)
-        launch = lambda: backward.run_backward(plan, pointers, stream.ptr)  # noqa: E731
-        for g in grads:
-            g.fill(float("nan"))
-        launch()
-        diff = max(float(cupy.abs(g.astype(cupy.float32) - s.astype(cupy.float32)).max())
-                   for g, s in zip(grads, shipped))
-        name = (f"{config.block_m}x{config.block_n} {config.warps} warps ({config.warps_keys} along keys)")
-        if not diff <= 5e-2:
-            print(f"backward candidate {name}: WRONG (max |grad - shipped| = {diff})", flush=True)
-            continue
-        ms = B.time_gpu(launch, events, warmup=3, repeats=10).median_ms
-        print(f"backward candidate {name}: window backward {ms:.2f} ms, speed-up over full causal {cb / ms:.2f}x "
-              f"(max |grad - shipped| = {diff:.1e})", flush=True)
+        time_candidate(f"backward {config.block_m}x{config.block_n} {config.warps} warps ({config.warps_keys} "
+                       f"along keys)", lambda: backward.run_backward(plan, pointers, stream.ptr), grads, shipped,
+                       5e-2, cb, events)
 
 
 if __name__ == "__main__":

@@ -50,3 +50,23 @@ def debug_poison(module: str, value: bool = True):
         yield
     finally:
         patch.undo()
+
+
+def fa2cupy_module():
+    """fa2cupy, imported on first use (it imports CuPy)."""
+    import fa2cupy
+
+    return fa2cupy
+
+
+def cu_seqlens(lengths) -> np.ndarray:
+    """int32 cumulative sequence lengths (batch + 1,) of the varlen functions."""
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def poison_forward_and_backward():
+    """Import it into a test module to poison every forward and backward output with NaN for the whole module
+    (module scope: Hypothesis rejects function-scoped fixtures around @given)."""
+    with debug_poison("forward"), debug_poison("backward"):
+        yield

@@ -17,8 +17,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fa2cupy import benchmark as B
+from fa2cupy import paging
 from fa2cupy.reference import attention_ref_varlen
-from gpu_helpers import UNIT_ROUNDOFF, cupy_module as _cupy, debug_poison, np_dtype as _np_dtype, torch_cuda as _torch
+from gpu_helpers import (  # noqa: F401 -- poison_forward_and_backward is an autouse fixture
+    UNIT_ROUNDOFF, cu_seqlens, cupy_module as _cupy, fa2cupy_module, np_dtype as _np_dtype,
+    poison_forward_and_backward, torch_cuda as _torch)
 
 pytestmark = pytest.mark.gpu
 
@@ -28,53 +31,34 @@ HEAD_GROUPS = [(1, 1), (4, 1), (6, 3), (8, 2)]
 EXAMPLES = max(10, settings().max_examples // 4)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def poison_outputs():
-    with debug_poison("forward"), debug_poison("backward"):
-        yield
-
-
-def _fa():
-    import fa2cupy
-
-    return fa2cupy
-
-
-def _cu(lengths):
-    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-
-
 def _randn(rng, shape, dtype):
     return rng.standard_normal(shape, dtype=np.float32).astype(_np_dtype(dtype))
 
 
 def paged_layout(rng, lengths_k, page_size, k_packed, v_packed, share_first_page=False):
     """Page pools and a shuffled block_table holding packed K/V's sequences: (k_pages, v_pages, table) as NumPy.
-    With share_first_page, every sequence's first page is sequence 0's (prefix sharing); the packed arrays must then
-    hold the same first page_size keys in every sequence (the caller arranges that)."""
-    batch = len(lengths_k)
-    cu = _cu(lengths_k)
-    need = [-(-n // page_size) for n in lengths_k]
-    max_pages = max(max(need), 1) + int(rng.integers(0, 2))
-    num_pages = sum(need) + int(rng.integers(1, 4))
-    order = rng.permutation(num_pages)
+    Unused pool rows hold other random values and unused block_table entries an invalid page (a read would be
+    reported). With share_first_page, every sequence's first page is sequence 0's (prefix sharing); the packed
+    arrays must then hold the same first page_size keys in every sequence (the caller arranges that)."""
+    table, num_pages = paging.shuffled_block_table(
+        rng, lengths_k, page_size, spare_pages=int(rng.integers(1, 4)), spare_columns=int(rng.integers(0, 2)),
+        share_first_page=share_first_page, unused=1 << 30)
     pool = (num_pages, page_size) + k_packed.shape[1:]
-    k_pages, v_pages = (rng.standard_normal(pool, dtype=np.float32).astype(x.dtype) for x in (k_packed, v_packed))
-    table = np.full((batch, max_pages), num_pages + 5, np.int32)  # never read: a read would be reported
-    used = 0
-    for b in range(batch):
-        for p in range(need[b]):
-            if share_first_page and p == 0 and b > 0:
-                table[b, 0] = table[0, 0]
-                continue
-            page = order[used]
-            used += 1
-            table[b, p] = page
-            rows = slice(cu[b] + p * page_size, min(cu[b] + (p + 1) * page_size, cu[b + 1]))
-            n = rows.stop - rows.start
-            k_pages[page, :n] = k_packed[rows]
-            v_pages[page, :n] = v_packed[rows]
-    return k_pages, v_pages, table
+    pages = []
+    for packed in (k_packed, v_packed):
+        pool_array = rng.standard_normal(pool, dtype=np.float32).astype(packed.dtype)
+        paging.write_pages(np, pool_array, packed, cu_seqlens(lengths_k), table)
+        pages.append(pool_array)
+    return pages[0], pages[1], table
+
+
+def small_case(seed, lengths_q, lengths_k, page_size, nheads, nheads_kv, headdim, dtype):
+    """NumPy inputs of a small paged case: q, dout, k_pages, v_pages, block_table, cu_seqlens_q, cu_seqlens_k."""
+    rng = np.random.default_rng(seed)
+    k, v = (_randn(rng, (sum(lengths_k), nheads_kv, headdim), dtype) for _ in range(2))
+    k_pages, v_pages, table = paged_layout(rng, lengths_k, page_size, k, v)
+    q = _randn(rng, (sum(lengths_q), nheads, headdim), dtype)
+    return q, _randn(rng, q.shape, dtype), k_pages, v_pages, table, cu_seqlens(lengths_q), cu_seqlens(lengths_k)
 
 
 @st.composite
@@ -105,8 +89,8 @@ def _case_arrays(c):
     k_pages, v_pages, table = paged_layout(rng, c["lengths_k"], c["page_size"], k, v)
     slopes = rng.uniform(0.0, 0.5, (c["nheads"],)).astype(np.float32) if c["alibi"] else None
     put = lambda x: None if x is None else cp.asarray(x)  # noqa: E731
-    return (put(q), put(k), put(v), put(k_pages), put(v_pages), put(table), put(_cu(c["lengths_q"])),
-            put(_cu(c["lengths_k"])), put(slopes))
+    return (put(q), put(k), put(v), put(k_pages), put(v_pages), put(table), put(cu_seqlens(c["lengths_q"])),
+            put(cu_seqlens(c["lengths_k"])), put(slopes))
 
 
 def _options(c, slopes):
@@ -124,7 +108,7 @@ def _same_rows(a, b, rows):
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(paged_cases())
 def test_paged_forward_equals_packed(c):
-    fa = _fa()
+    fa = fa2cupy_module()
     q, k, v, k_pages, v_pages, table, cu_q, cu_k, slopes = _case_arrays(c)
     max_q, max_k = max(c["lengths_q"]), max(c["lengths_k"])
     options = _options(c, slopes)
@@ -138,15 +122,15 @@ def test_paged_forward_equals_packed(c):
 
 
 def test_paged_forward_matches_reference():
-    fa = _fa()
+    fa = fa2cupy_module()
     c = dict(lengths_q=[70, 1, 0, 130], lengths_k=[200, 17, 5, 129], page_size=48, nheads=4, nheads_kv=2,
              headdim=64, causal=True, window_size=(-1, -1), softcap=0.0, alibi=False, dropout_p=0.0,
              dtype="bfloat16", seed=11)
     q, k, v, k_pages, v_pages, table, cu_q, cu_k, _ = _case_arrays(c)
     out, lse, _ = fa.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 130, 200, causal=True,
                                             block_table=table, return_attn_probs=True)
-    ref_out, ref_lse = attention_ref_varlen(*(B.to_numpy64(x) for x in (q, k, v)), _cu(c["lengths_q"]),
-                                            _cu(c["lengths_k"]), causal=True)
+    ref_out, ref_lse = attention_ref_varlen(*(B.to_numpy64(x) for x in (q, k, v)), cu_seqlens(c["lengths_q"]),
+                                            cu_seqlens(c["lengths_k"]), causal=True)
     tol = 4 * UNIT_ROUNDOFF["bfloat16"] * float(np.abs(B.to_numpy64(v)).max()) + 1e-6
     assert np.abs(B.to_numpy64(out) - ref_out).max() <= tol
     live = ~np.isinf(ref_lse)
@@ -158,7 +142,7 @@ def _scatter_to_pages(grad_packed, table, lengths_k, page_size, shape):
     grad = B.to_numpy64(grad_packed)
     table = _cupy().asnumpy(table)
     pages = np.zeros(shape)
-    cu = _cu(lengths_k)
+    cu = cu_seqlens(lengths_k)
     for b, n in enumerate(lengths_k):
         for j in range(n):
             pages[table[b, j // page_size], j % page_size] += grad[cu[b] + j]
@@ -168,21 +152,21 @@ def _scatter_to_pages(grad_packed, table, lengths_k, page_size, shape):
 @pytest.mark.parametrize("share_first_page", [False, True])
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_paged_backward(share_first_page, deterministic):
-    fa = _fa()
+    fa = fa2cupy_module()
     cp = _cupy()
     rng = np.random.default_rng(21)
     page_size, hkv, d, dtype = 32, 2, 64, "float16"
     lengths_q, lengths_k = [50, 0, 77], [100, 40, 90]
     k, v = (_randn(rng, (sum(lengths_k), hkv, d), dtype) for _ in range(2))
     if share_first_page:  # the same first page_size keys in every sequence
-        cu = _cu(lengths_k)
+        cu = cu_seqlens(lengths_k)
         for b in range(1, len(lengths_k)):
             k[cu[b]:cu[b] + page_size], v[cu[b]:cu[b] + page_size] = k[:page_size], v[:page_size]
     k_pages, v_pages, table = paged_layout(rng, lengths_k, page_size, k, v, share_first_page)
     q = _randn(rng, (sum(lengths_q), 4, d), dtype)
     dout = _randn(rng, q.shape, dtype)
     q, k, v, k_pages, v_pages, table, dout = (cp.asarray(x) for x in (q, k, v, k_pages, v_pages, table, dout))
-    cu_q, cu_k = cp.asarray(_cu(lengths_q)), cp.asarray(_cu(lengths_k))
+    cu_q, cu_k = cp.asarray(cu_seqlens(lengths_q)), cp.asarray(cu_seqlens(lengths_k))
     opts = dict(causal=True, window_size=(60, 0), deterministic=deterministic)
     out, lse, _ = fa.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 77, 100, block_table=table,
                                             return_attn_probs=True, **opts)
@@ -211,12 +195,12 @@ def test_paged_backward(share_first_page, deterministic):
 
 
 def test_bad_page_is_reported():
-    fa = _fa()
+    fa = fa2cupy_module()
     cp = _cupy()
     rng = np.random.default_rng(2)
     q = cp.asarray(_randn(rng, (40, 2, 64), "float16"))
     k_pages, v_pages = (cp.asarray(_randn(rng, (6, 16, 2, 64), "float16")) for _ in range(2))
-    cu = cp.asarray(_cu([20, 20]))
+    cu = cp.asarray(cu_seqlens([20, 20]))
     table = cp.asarray(np.array([[0, 1], [2, 6]], np.int32))  # page 6 of 6 does not exist (sequence 1, keys 16..)
     fa.flash_attn_varlen_func(q, k_pages, v_pages, cu, cu, 20, 20, block_table=table)
     with pytest.raises(ValueError, match=r"block_table\[1, 1\] = 6 is not a page of k"):
@@ -231,17 +215,11 @@ def test_paged_torch_autograd():
     torch = _torch()
     import fa2cupy.torch as ft
 
-    fa = _fa()
-    rng = np.random.default_rng(8)
-    lengths_q, lengths_k, page_size = [33, 64], [80, 47], 16
-    k, v = (_randn(rng, (sum(lengths_k), 2, 128), "bfloat16") for _ in range(2))
-    k_pages, v_pages, table = paged_layout(rng, lengths_k, page_size, k, v)
-    q = _randn(rng, (sum(lengths_q), 4, 128), "bfloat16")
-    dout = _randn(rng, q.shape, "bfloat16")
+    fa = fa2cupy_module()
+    q, dout, k_pages, v_pages, table, cu_q, cu_k = small_case(8, [33, 64], [80, 47], 16, 4, 2, 128, "bfloat16")
     as_torch = lambda x: torch.from_dlpack(_cupy().asarray(x))  # noqa: E731
     qt, kt, vt = (as_torch(x).requires_grad_() for x in (q, k_pages, v_pages))
-    tt, dt = as_torch(table), as_torch(dout)
-    cu_q, cu_k = as_torch(_cu(lengths_q)), as_torch(_cu(lengths_k))
+    tt, dt, cu_q, cu_k = (as_torch(x) for x in (table, dout, cu_q, cu_k))
     out = ft.flash_attn_varlen_func(qt, kt, vt, cu_q, cu_k, 64, 80, causal=True, block_table=tt, deterministic=True)
     out.backward(dt)
     ref_out, lse, _ = fa.flash_attn_varlen_func(qt.detach(), kt.detach(), vt.detach(), cu_q, cu_k, 64, 80, causal=True,
@@ -261,15 +239,9 @@ def test_paged_jax_jit_grad():
 
     import fa2cupy.jax as fj
 
-    fa = _fa()
+    fa = fa2cupy_module()
     cp = _cupy()
-    rng = np.random.default_rng(9)
-    lengths_q, lengths_k, page_size = [20, 45], [64, 30], 32
-    k, v = (_randn(rng, (sum(lengths_k), 1, 64), "float16") for _ in range(2))
-    k_pages, v_pages, table = paged_layout(rng, lengths_k, page_size, k, v)
-    q = _randn(rng, (sum(lengths_q), 2, 64), "float16")
-    dout = _randn(rng, q.shape, "float16")
-    cu_q, cu_k = _cu(lengths_q), _cu(lengths_k)
+    q, dout, k_pages, v_pages, table, cu_q, cu_k = small_case(9, [20, 45], [64, 30], 32, 2, 1, 64, "float16")
     jq, jk, jv, jt, jd, jcq, jck = (jnp.asarray(x) for x in (q, k_pages, v_pages, table, dout, cu_q, cu_k))
 
     def loss(q_, k_, v_):

@@ -13,18 +13,6 @@ from fa2cupy import paging
 from fa2cupy.forward import fast_divisor
 
 
-def _layout(rng, lengths, page_size, share_first_page):
-    """A shuffled block_table for sequences of `lengths` keys; unused entries hold invalid pages."""
-    need = [-(-n // page_size) for n in lengths]
-    num_pages = sum(need) + 2
-    order = iter(rng.permutation(num_pages))
-    table = np.full((len(lengths), max(max(need), 1) + 1), -3, np.int32)
-    for b, n in enumerate(need):
-        for p in range(n):
-            table[b, p] = table[0, 0] if share_first_page and b > 0 and p == 0 else next(order)
-    return table, num_pages
-
-
 @settings(max_examples=60, deadline=None)
 @given(lengths=st.lists(st.integers(0, 70), min_size=1, max_size=5), page_size=st.sampled_from([1, 3, 16, 32]),
        start=st.integers(0, 9), share=st.booleans(), seed=st.integers(0, 2**32 - 1))
@@ -32,7 +20,8 @@ def test_key_pages_gather_and_sum(lengths, page_size, start, share, seed):
     rng = np.random.default_rng(seed)
     if share:
         lengths = [max(n, page_size) for n in lengths]  # every sequence has the shared first page
-    table, num_pages = _layout(rng, lengths, page_size, share)
+    table, num_pages = paging.shuffled_block_table(rng, lengths, page_size, spare_pages=2, spare_columns=1,
+                                                   share_first_page=share, unused=-3)
     cu = (start + np.concatenate([[0], np.cumsum(lengths)])).astype(np.int32)  # need not start at 0
     rows = len(lengths) * max(max(lengths), 1)
     pages = rng.standard_normal((num_pages, page_size, 2, 8)).astype(np.float32)
@@ -53,6 +42,12 @@ def test_key_pages_gather_and_sum(lengths, page_size, start, share, seed):
     assert not packed[~inside].any()
     summed = paging.sum_onto_pages(np, np.add.at, grad, pages.shape, page, slot, inside)
     assert np.allclose(summed, want, rtol=1e-6, atol=1e-6)
+    summed64 = paging.sum_onto_pages(np, np.add.at, grad.astype(np.float64), pages.shape, page, slot, inside)
+    assert summed64.dtype == np.float64 and np.allclose(summed64, want, rtol=1e-12, atol=1e-12)
+    if not share:  # write_pages puts packed rows where the block table says: gathering them back gives them again
+        source = rng.standard_normal((sum(lengths), 2, 8)).astype(np.float32)
+        paging.write_pages(np, pages, source, cu - cu[0], table)
+        assert np.array_equal(paging.gather(np, pages, page, slot, inside)[: sum(lengths)], source)
 
 
 def test_key_pages_bad_page_is_outside():

@@ -235,14 +235,8 @@ def _ref_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, soft
     if block_table is not None:  # summed back onto the pages (float64: this is the stand-in, not the GPU path)
         table = block_table.numpy()
         _, page, slot, inside = paging.key_pages(np, cu_k.numpy(), table, dk.shape[0], k.shape[1], k.shape[0])
-        dk, dv = (_sum_pages(g, page, slot, inside, k.shape) for g in (dk, dv))
+        dk, dv = (paging.sum_onto_pages(np, np.add.at, g, k.shape, page, slot, inside) for g in (dk, dv))
     return tuple(torch.from_numpy(g).to(x.dtype) for g, x in zip((dq, dk, dv), (q, k, v)))
-
-
-def _sum_pages(grad, page, slot, inside, shape):
-    summed = np.zeros(shape)
-    np.add.at(summed, (page, slot), np.where(inside[:, None, None], grad, 0.0))
-    return summed
 
 
 @pytest.fixture
@@ -265,18 +259,12 @@ def test_varlen_gradients_reach_packed_or_paged_keys(cpu_varlen_kernels, paged):
     k, v = (torch.randn(sum(lengths_k), 2, 16, generator=g, dtype=torch.float64) for _ in range(2))
     table = None
     if paged:  # sequence b's keys on pages table[b] of a shuffled pool (with two spare pages)
-        need = [-(-n // page_size) for n in lengths_k]
-        order = iter(np.random.default_rng(0).permutation(sum(need) + 2).tolist())
-        table = torch.full((3, max(need)), -1, dtype=torch.int32)
-        k_pages = torch.randn(sum(need) + 2, page_size, 2, 16, generator=g, dtype=torch.float64)
+        table_h, num_pages = paging.shuffled_block_table(np.random.default_rng(0), lengths_k, page_size, spare_pages=2)
+        table = torch.from_numpy(table_h)
+        k_pages = torch.randn(num_pages, page_size, 2, 16, generator=g, dtype=torch.float64)
         v_pages = torch.randn(k_pages.shape, generator=g, dtype=torch.float64)
-        for b, n in enumerate(lengths_k):
-            for j in range(n):
-                if j % page_size == 0:
-                    table[b, j // page_size] = next(order)
-                page = table[b, j // page_size]
-                k_pages[page, j % page_size] = k[cu_k[b] + j]
-                v_pages[page, j % page_size] = v[cu_k[b] + j]
+        for pages, packed in ((k_pages, k), (v_pages, v)):
+            paging.write_pages(torch, pages, packed, cu_k.numpy(), table_h)
         k_in, v_in = k_pages.requires_grad_(), v_pages.requires_grad_()
     else:
         k_in, v_in = k.requires_grad_(), v.requires_grad_()

@@ -30,7 +30,9 @@ from fa2cupy.reference import (
     attention_ref_varlen,
     attention_ref_varlen_backward,
 )
-from gpu_helpers import UNIT_ROUNDOFF, cupy_module as _cupy, debug_poison, np_dtype as _np_dtype, torch_cuda as _torch
+from gpu_helpers import (  # noqa: F401 -- poison_forward_and_backward is an autouse fixture
+    UNIT_ROUNDOFF, cu_seqlens, cupy_module as _cupy, fa2cupy_module, np_dtype as _np_dtype,
+    poison_forward_and_backward, torch_cuda as _torch)
 
 pytestmark = pytest.mark.gpu
 
@@ -39,18 +41,6 @@ HEADDIMS = [32, 64, 96, 128, 40, 160, 256]
 HEAD_GROUPS = [(1, 1), (2, 2), (4, 1), (6, 3), (8, 2)]
 SHORT = {"float16": "fp16", "bfloat16": "bf16"}
 EXAMPLES = max(10, settings().max_examples // 4)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def poison_outputs():
-    with debug_poison("forward"), debug_poison("backward"):
-        yield
-
-
-def _fa():
-    import fa2cupy
-
-    return fa2cupy
 
 
 def _randn(rng, shape, dtype):
@@ -126,7 +116,7 @@ def mod_cases(draw):
 def test_softcap_alibi_forward_backward(c):
     if c["softcap"] == 0.0 and c["alibi"] is None:
         c["softcap"] = 2.0  # this test is about the modifiers
-    fa = _fa()
+    fa = fa2cupy_module()
     rng = np.random.default_rng(c["seed"])
     b, sq, sk, h, hkv, d, dtype = (c[n] for n in ("batch", "seqlen_q", "seqlen_k", "nheads", "nheads_kv", "headdim",
                                                   "dtype"))
@@ -155,7 +145,7 @@ def _check_padded(out, lse, ref_out, ref_lse, v, dtype):
 
 def test_softcap_bounds_the_logits():
     """A large score with a small cap: the probabilities must follow the capped logits, not the raw ones."""
-    fa = _fa()
+    fa = fa2cupy_module()
     cp = _cupy()
     rng = np.random.default_rng(1)
     q = _randn(rng, (1, 64, 2, 64), "float16") * 4
@@ -169,10 +159,6 @@ def test_softcap_bounds_the_logits():
 
 
 # ------------------------------------------------------------------------------------------ varlen
-
-
-def _cu(lengths):
-    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
 
 
 @st.composite
@@ -200,7 +186,7 @@ def varlen_cases(draw):
 def _varlen_inputs(c):
     rng = np.random.default_rng(c["seed"])
     h, hkv, d, dtype = c["nheads"], c["nheads_kv"], c["headdim"], c["dtype"]
-    cu_q, cu_k = _cu(c["lengths_q"]), _cu(c["lengths_k"])
+    cu_q, cu_k = cu_seqlens(c["lengths_q"]), cu_seqlens(c["lengths_k"])
     tq, tk = int(cu_q[-1]) + c["extra_rows"], int(cu_k[-1]) + c["extra_rows"]
     tq, tk = max(tq, 1), max(tk, 1)
     arrays = dict(q=_randn(rng, (tq, h, d), dtype), k=_randn(rng, (tk, hkv, d), dtype),
@@ -212,7 +198,7 @@ def _varlen_inputs(c):
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(varlen_cases())
 def test_varlen_forward_backward(c):
-    fa = _fa()
+    fa = fa2cupy_module()
     cp = _cupy()
     x, cu_q, cu_k, slopes = _varlen_inputs(c)
     max_q, max_k = max(c["lengths_q"]) + c["slack"], max(c["lengths_k"]) + c["slack"]
@@ -238,11 +224,11 @@ def test_varlen_forward_backward(c):
 @pytest.mark.parametrize("causal", [False, True])
 def test_varlen_equals_padded_bitwise(causal):
     """Each sequence of a varlen call gives bitwise what a batch-1 call on that sequence alone gives."""
-    fa = _fa()
+    fa = fa2cupy_module()
     cp = _cupy()
     rng = np.random.default_rng(7)
     lengths = [130, 0, 1, 257, 64]
-    cu = _cu(lengths)
+    cu = cu_seqlens(lengths)
     q, k, v = (_randn(rng, (int(cu[-1]), 4, 128), "bfloat16") for _ in range(3))
     out = fa.flash_attn_varlen_func(q, k, v, cp.asarray(cu), cp.asarray(cu), max(lengths), max(lengths),
                                     causal=causal)
@@ -256,7 +242,7 @@ def test_varlen_equals_padded_bitwise(causal):
 
 @pytest.mark.parametrize("bad", ["decreasing", "past_end", "over_max", "negative"])
 def test_bad_cu_seqlens_raise(bad):
-    fa = _fa()
+    fa = fa2cupy_module()
     cp = _cupy()
     rng = np.random.default_rng(3)
     q, k, v = (_randn(rng, (100, 2, 64), "float16") for _ in range(3))
@@ -273,10 +259,10 @@ def test_bad_cu_seqlens_raise(bad):
 
 
 def test_varlen_packed_forms_are_views():
-    fa = _fa()
+    fa = fa2cupy_module()
     cp = _cupy()
     rng = np.random.default_rng(5)
-    cu = cp.asarray(_cu([33, 70]))
+    cu = cp.asarray(cu_seqlens([33, 70]))
     qkv = _randn(rng, (103, 3, 4, 64), "float16")
     a = fa.flash_attn_varlen_qkvpacked_func(qkv, cu, 70, causal=True)
     b = fa.flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu, cu, 70, 70, causal=True)
@@ -345,7 +331,7 @@ def dropout_cases(draw):
 @given(dropout_cases())
 def test_dropout_matches_reference_with_the_reported_mask(c):
     """The kernels' output and gradients equal the reference that applies the mask fa2cupy.dropout_mask reports."""
-    fa = _fa()
+    fa = fa2cupy_module()
     cp = _cupy()
     rng = np.random.default_rng(c["seed"])
     b, sq, sk, h, hkv, d, dtype, p = (c[n] for n in ("batch", "seqlen_q", "seqlen_k", "nheads", "nheads_kv",
@@ -374,7 +360,7 @@ def test_dropout_matches_reference_with_the_reported_mask(c):
 
 
 def test_dropout_keep_rate_and_reproducibility():
-    fa = _fa()
+    fa = fa2cupy_module()
     cp = _cupy()
     for p in (0.1, 0.3, 0.75):
         mask = fa.dropout_mask(4, 8, 512, 512, p, 1234, 0)
@@ -400,11 +386,11 @@ def test_dropout_keep_rate_and_reproducibility():
 
 def test_varlen_dropout_mask_is_per_sequence():
     """Sequence b of a varlen call drops what batch entry b of a padded call with the same seed drops."""
-    fa = _fa()
+    fa = fa2cupy_module()
     cp = _cupy()
     rng = np.random.default_rng(4)
     lengths = [70, 0, 33]
-    cu = _cu(lengths)
+    cu = cu_seqlens(lengths)
     q, k, v = (_randn(rng, (int(cu[-1]), 2, 64), "float16") for _ in range(3))
     out = fa.flash_attn_varlen_func(q, k, v, cp.asarray(cu), cp.asarray(cu), 70, 70, dropout_p=0.4, causal=True,
                                     dropout_seed=99, dropout_offset=5)
