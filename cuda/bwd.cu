@@ -7,6 +7,7 @@
 //                   atomics (AtomicDq) or left to bwd_dq (deterministic mode).
 //   bwd_dq          deterministic dQ: one block per query tile, looping over key tiles in a fixed order
 //   bwd_convert_dq  fp32 accumulator -> dQ in the input dtype, times softmax_scale
+//   bwd_zero_tail   varlen: zeroes the gradient rows past the last sequence (no sequence's rows)
 //
 // The main kernel computes transposed scores, S^T = K Q^T and dP^T = V dO^T, so keys are the mma row index
 // throughout: P^T and dS^T are then A operands of dV += P^T dO and dK += dS^T Q, and every warp keeps the same
@@ -619,6 +620,27 @@ __global__ void __launch_bounds__(256)
         packed[2 + i] = Mma<Elem>::pack(__uint_as_float(hi[2 * i]) * scale, __uint_as_float(hi[2 * i + 1]) * scale);
     }
     st_global_v4(dq + batch * dq_batch_stride + row_g * dq_row_stride + head * dq_head_stride + c, packed);
+}
+
+// Varlen: dq rows past cu_seqlens_q[batch] and dk/dv rows past cu_seqlens_k[batch] belong to no sequence, so no
+// kernel above writes them; they are zeroed here so that the gradients are defined everywhere (autograd hands them
+// on as they are). The bound is read on the device: no host synchronisation. blockIdx.y picks dq, dk or dv, each a
+// contiguous (total, heads, d) array of row_elems[y] 16-bit elements per row (a multiple of 8); a grid-stride loop
+// of 16-byte stores covers the tail, which is empty in the common case (the arrays hold exactly the sequences).
+__global__ void __launch_bounds__(256)
+    bwd_zero_tail(u16* __restrict__ dq, u16* __restrict__ dk, u16* __restrict__ dv, const int* __restrict__ cu_seqlens_q,
+                  const int* __restrict__ cu_seqlens_k, int batch, int total_q, int total_k, int q_row_elems,
+                  int kv_row_elems) {
+    const int which = blockIdx.y;
+    u16* grad = which == 0 ? dq : which == 1 ? dk : dv;
+    const int total = which == 0 ? total_q : total_k, row_elems = which == 0 ? q_row_elems : kv_row_elems;
+    int end = (which == 0 ? cu_seqlens_q : cu_seqlens_k)[batch];  // a bad value is reported by the other kernels
+    end = end < 0 ? 0 : end > total ? total : end;
+    const i64 chunk_end = (i64)total * row_elems / 8;
+    const u32 zero[4] = {0u, 0u, 0u, 0u};
+    for (i64 chunk = (i64)end * row_elems / 8 + blockIdx.x * 256 + threadIdx.x; chunk < chunk_end;
+         chunk += (i64)gridDim.x * 256)
+        st_global_v4(grad + chunk * 8, zero);
 }
 
 }  // namespace fa2

@@ -23,6 +23,7 @@ class BackwardPlan:
     main: build.Launch
     dq: build.Launch | None  # deterministic=True: dQ by its own kernel
     convert: build.Launch | None  # deterministic=False: fp32 accumulator -> dq
+    zero_tail: build.Launch | None  # varlen: zeroes the gradient rows past the last sequence
     dsum_shape: tuple  # (batch, nheads, seqlen_q) float32 workspace ((nheads, total_q) for varlen)
     dq_accum_shape: tuple | None  # (batch, nheads, seqlen_q, d) float32 workspace, atomics only
     config: configs.BwdConfig
@@ -49,7 +50,8 @@ def plan_backward(
 
     ``strides`` maps "q", "k", "v", "dout", "out", "dq", "dk", "dv" to element strides (4-tuples, last 1);
     shapes, alignment, modifiers and varlen as in :func:`fa2cupy.forward.plan_forward` (varlen: lse, and the
-    dsum/dq_accum workspaces, are ``(nheads, total_q[, d])``). The scale may be negative here: the backward has no
+    dsum/dq_accum workspaces, are ``(nheads, total_q[, d])``, and dq/dk/dv must be contiguous: their rows past the
+    last sequence are zeroed). The scale may be negative here: the backward has no
     running maximum, P = exp(scale * s - lse) is exact for any sign.
     """
     mask, mods, left, right = kernel_variant(causal, window_size, softcap, alibi_batch_stride is not None, dropout_p)
@@ -101,8 +103,17 @@ def plan_backward(
                                                 np.int32(total_q)) + errors,
         )
         dq_accum_shape = (nheads, total_q, headdim) if varlen_totals else (batch, nheads, seqlen_q, headdim)
+    zero_tail = None
+    if varlen_totals:
+        q_row, kv_row = nheads * headdim, nheads_kv * headdim
+        if any(strides[n][1:] != (row, headdim, 1) for n, row in (("dq", q_row), ("dk", kv_row), ("dv", kv_row))):
+            raise ValueError("varlen gradients must be contiguous (total, heads, d) arrays")
+        chunks = max(total_q * q_row, total_k * kv_row) // 8
+        zero_tail = _launch(build.get_kernel("bwd", "fa2::bwd_zero_tail", 0), (min(64, -(-chunks // 256)), 3, 1),
+                            (256, 1, 1), 0, 5, (np.int32(batch), np.int32(total_q), np.int32(total_k),
+                                                np.int32(q_row), np.int32(kv_row)))
     dsum_shape = (nheads, total_q) if varlen_totals else (batch, nheads, seqlen_q)
-    return BackwardPlan(pre, main, dq, convert, dsum_shape, dq_accum_shape, config)
+    return BackwardPlan(pre, main, dq, convert, zero_tail, dsum_shape, dq_accum_shape, config)
 
 
 def run_backward(plan: BackwardPlan, ptr: dict, stream_ptr: int) -> None:
@@ -121,3 +132,5 @@ def run_backward(plan: BackwardPlan, ptr: dict, stream_ptr: int) -> None:
                              cu_k, alibi, rng_state) + rng)
     else:
         plan.convert(stream_ptr, (dq_accum, ptr["dq"], cu_q))
+    if plan.zero_tail is not None:
+        plan.zero_tail(stream_ptr, (ptr["dq"], ptr["dk"], ptr["dv"], cu_q, cu_k))

@@ -414,6 +414,7 @@ def backward_instantiations(family: str | None = None) -> list[str]:
     for dtype in DTYPE_TAGS:
         names.add(f"fa2::bwd_preprocess<{DTYPE_TAGS[dtype]}>")
         names.add(f"fa2::bwd_convert_dq<{DTYPE_TAGS[dtype]}>")
+    names.add("fa2::bwd_zero_tail")
     return sorted(names)
 
 

@@ -60,6 +60,14 @@ def _contiguous(x, info):
     return None if x is None else cupy.ascontiguousarray(arrays.to_cupy(x, info))
 
 
+def _used_in_place(used, given) -> bool:
+    """Whether the kernel-ready CuPy arrays ``used`` are the caller's ``given`` arrays themselves (same memory, no
+    copy made while adapting them), so that a later call with the same metadata may launch on the given pointers.
+    False for arrays without a fast path (NumPy, JAX)."""
+    metas = [arrays.fast_meta(g) for g in given]
+    return all(m is not None and u.data.ptr == m[1] for u, m in zip(used, metas))
+
+
 def _alibi_ready(alibi_slopes, info):
     """(CuPy slopes with a contiguous head axis or None, their batch stride in elements or None, whether the
     caller's array is used as is). (nheads,) slopes have batch stride 0."""
@@ -481,6 +489,33 @@ def flash_attn_varlen_func(
         is raised at the next call or at ``fa2cupy.check_device_errors()``.
     """
     device_errors.raise_pending()
+    key = None
+    if not forward._debug_poison and dropout_rng_state is None:
+        inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k) + tuple(x for x in (alibi_slopes, block_table) if x is not None)
+        options = (max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
+                   alibi_slopes is None, block_table is None, deterministic, return_attn_probs)
+        key, cached, ptrs = _cached_lookup("varlen_fwd", inputs, options)
+        if cached is not None:
+            seed, offset = checks.check_dropout_rng(dropout_p, dropout_seed, dropout_offset)
+            stream_ptr = arrays.caller_stream_ptr(cached.framework, cached.device)
+            (out, out_ptr), (lse, lse_ptr) = cached.allocate()
+            extra = iter(ptrs[5:])
+            alibi_ptr = next(extra) if alibi_slopes is not None else 0
+            table_ptr = next(extra) if block_table is not None else 0
+            forward.run_forward(cached.plan, ptrs[0], ptrs[1], ptrs[2], out_ptr, lse_ptr, stream_ptr, ptrs[3], ptrs[4],
+                                alibi_ptr, seed, offset, 0, table_ptr)
+            return (out, lse, None) if return_attn_probs else out
+    return _flash_attn_varlen_checked(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+        window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table, dropout_seed,
+        dropout_offset, dropout_rng_state, key)
+
+
+def _flash_attn_varlen_checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                               softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                               return_attn_probs, block_table, dropout_seed, dropout_offset, dropout_rng_state,
+                               cache_key):
+    """flash_attn_varlen_func's full path (as _flash_attn_checked is flash_attn_func's)."""
     names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")
     infos = [arrays.describe(x, n) for x, n in zip((q, k, v, cu_seqlens_q, cu_seqlens_k), names)]
     alibi_info = _describe_optional(alibi_slopes, "alibi_slopes")
@@ -515,7 +550,7 @@ def flash_attn_varlen_func(
             if forward._debug_poison:
                 out.fill(float("nan"))
                 lse.fill(float("nan"))
-            slopes, slopes_stride, _ = _alibi_ready(alibi_slopes, alibi_info)
+            slopes, slopes_stride, slopes_in_place = _alibi_ready(alibi_slopes, alibi_info)
             plan = forward.plan_forward(
                 (shape.batch, shape.seqlen_q, shape.nheads, padded), (shape.batch, shape.seqlen_k, shape.nheads_kv,
                                                                       padded),
@@ -529,6 +564,11 @@ def flash_attn_varlen_func(
                                 cu_q.data.ptr, cu_k.data.ptr, slopes.data.ptr if slopes is not None else 0, seed,
                                 offset, state.data.ptr if state is not None else 0,
                                 table.data.ptr if paged is not None else 0)
+            used = (qc, kc, vc, cu_q, cu_k) + ((table,) if paged is not None else ())
+            given = (q, k, v, cu_seqlens_q, cu_seqlens_k) + ((block_table,) if paged is not None else ())
+            if cache_key is not None and padded == shape.headdim and slopes_in_place and _used_in_place(used, given):
+                _remember(cache_key, _CachedCall(plan, device, framework, (
+                    ((total_q, shape.nheads, padded), shape.dtype), ((shape.nheads, total_q), "float32"))))
             result = arrays.make_result(out_native, out, framework)
             if padded != shape.headdim:
                 result = result[..., : shape.headdim]
@@ -563,8 +603,24 @@ def flash_attn_varlen_backward(
             dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, deterministic=deterministic,
                  softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=dropout_seed,
                  dropout_offset=dropout_offset, dropout_rng_state=dropout_rng_state))
-    names = ("dout", "q", "k", "v", "out", "softmax_lse", "cu_seqlens_q", "cu_seqlens_k")
+    key = None
     given_arrays = (dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k)
+    if not backward._debug_poison and dropout_rng_state is None:
+        inputs = given_arrays + (() if alibi_slopes is None else (alibi_slopes,))
+        options = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, deterministic, softcap,
+                   alibi_slopes is None, dropout_p)
+        key, cached, ptrs = _cached_lookup("varlen_bwd", inputs, options)
+        if cached is not None:
+            seed, offset = checks.check_dropout_rng(dropout_p, dropout_seed, dropout_offset)
+            stream_ptr = arrays.caller_stream_ptr(cached.framework, cached.device)
+            allocated = cached.allocate()
+            pointers = dict(zip(("dout", "q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes"),
+                                ptrs))
+            pointers.update(dropout_seed=seed, dropout_offset=offset)
+            pointers.update(zip(("dq", "dk", "dv", "dsum", "dq_accum"), (p for _, p in allocated)))
+            backward.run_backward(cached.plan, pointers, stream_ptr)
+            return allocated[0][0], allocated[1][0], allocated[2][0]
+    names = ("dout", "q", "k", "v", "out", "softmax_lse", "cu_seqlens_q", "cu_seqlens_k")
     infos = dict((n, arrays.describe(x, n)) for x, n in zip(given_arrays, names))
     alibi_info = _describe_optional(alibi_slopes, "alibi_slopes")
     shape, total_q, total_k = checks.check_varlen_args(
@@ -598,7 +654,7 @@ def flash_attn_varlen_backward(
                     view.fill(float("nan"))
             strides = {n: _varlen_strides(x) for n, x in ready.items()}
             strides.update({n: _varlen_strides(x[None]) for n, x in zip(("dq", "dk", "dv"), views)})
-            slopes, slopes_stride, _ = _alibi_ready(alibi_slopes, alibi_info)
+            slopes, slopes_stride, slopes_in_place = _alibi_ready(alibi_slopes, alibi_info)
             plan = backward.plan_backward(
                 (shape.batch, shape.seqlen_q, shape.nheads, padded),
                 (shape.batch, shape.seqlen_k, shape.nheads_kv, padded), strides, shape.dtype, scale, bool(causal),
@@ -614,11 +670,10 @@ def flash_attn_varlen_backward(
             if slopes is not None:
                 pointers["alibi_slopes"] = slopes.data.ptr
             pointers.update({n: x.data.ptr for n, x in zip(("dq", "dk", "dv", "dsum", "dq_accum"), views)})
-            backward.run_backward(plan, pointers, stream.ptr)
-            # The kernels write only the rows of sequences; gradients must be defined everywhere (no host sync).
-            for view, cu in zip(views[:3], (cu_q, cu_k, cu_k)):
-                rows = cupy.arange(view.shape[0], dtype=cupy.int32)[:, None, None]
-                view[...] = cupy.where(rows < cu[-1], view, cupy.zeros((), view.dtype))
+            backward.run_backward(plan, pointers, stream.ptr)  # (it zeroes the rows past the last sequence too)
+            used = tuple(ready[n] for n in names[:5]) + (lse, cu_q, cu_k)
+            if key is not None and padded == shape.headdim and slopes_in_place and _used_in_place(used, given_arrays):
+                _remember(key, _CachedCall(plan, device, framework, allocations))
             results = [arrays.make_result(native, view, framework) for native, view in made[:3]]
             if padded != shape.headdim:
                 results = [r[..., : shape.headdim] for r in results]

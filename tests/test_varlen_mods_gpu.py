@@ -31,7 +31,7 @@ from fa2cupy.reference import (
     attention_ref_varlen_backward,
 )
 from gpu_helpers import (  # noqa: F401 -- poison_forward_and_backward is an autouse fixture
-    UNIT_ROUNDOFF, cu_seqlens, cupy_module as _cupy, fa2cupy_module, np_dtype as _np_dtype,
+    UNIT_ROUNDOFF, cu_seqlens, cupy_module as _cupy, debug_poison, fa2cupy_module, np_dtype as _np_dtype,
     poison_forward_and_backward, torch_cuda as _torch)
 
 pytestmark = pytest.mark.gpu
@@ -219,6 +219,43 @@ def test_varlen_forward_backward(c):
                  kh[rows_k], vh[rows_k], selections=(rows_q, rows_k, rows_k))
     for g, end in zip(grads, (cu_q[-1], cu_k[-1], cu_k[-1])):  # rows past every sequence: exactly zero
         assert np.all(_host(g)[int(end):] == 0.0)
+
+
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+def test_varlen_cached_fast_path(framework):
+    """Repeated varlen calls with the same metadata take the cached fast path (plan reused, no checks): it must honour
+    new cu_seqlens values (they live on the GPU) and still zero the gradient rows past the last sequence, which here
+    land in fresh, unpoisoned memory. Each call has new data, so a stale output cannot match its reference."""
+    import fa2cupy.interface
+
+    fa = fa2cupy_module()
+    cp = _cupy()
+    rng = np.random.default_rng(11)
+    h, hkv, d, total = 4, 2, 64, 300
+    with debug_poison("forward", False), debug_poison("backward", False):
+        fa2cupy.interface._cached_calls.clear()
+        for lengths in ([100, 0, 150], [30, 200, 5], [1, 1, 250]):
+            cu = cu_seqlens(lengths)  # the same shape each time; the rows past cu[-1] change
+            q, k, v, dout = (_randn(rng, (total, n, d), "float16") for n in (h, hkv, hkv, h))
+            cu_d = cp.asarray(cu)
+            args = (q, k, v, dout, cu_d)
+            if framework == "torch":
+                torch = _torch()
+                args = tuple(torch.from_dlpack(x) for x in args)
+            tq, tk, tv, tdo, tcu = args
+            out, lse, _ = fa.flash_attn_varlen_func(tq, tk, tv, tcu, tcu, 250, 250, causal=True,
+                                                    return_attn_probs=True)
+            grads = fa.flash_attn_varlen_backward(tdo, tq, tk, tv, out, lse, tcu, tcu, 250, 250, causal=True)
+            rows = np.arange(int(cu[-1]))
+            qh, kh, vh, doh = (_host(x) for x in (q, k, v, dout))
+            ref_out, ref_lse = attention_ref_varlen(qh, kh, vh, cu, cu, causal=True)
+            _check_out(out, lse, ref_out, ref_lse, v, "float16", rows=rows)
+            refs = attention_ref_varlen_backward(doh, qh, kh, vh, cu, cu, causal=True, out=_host(out))
+            _check_grads(grads, refs, "float16", 1 / math.sqrt(d), d, doh[rows], qh[rows], kh[rows], vh[rows],
+                         selections=(rows, rows, rows))
+            for g in grads:
+                assert np.all(_host(g)[int(cu[-1]):] == 0.0), "rows past the last sequence must be zero"
+        assert len(fa2cupy.interface._cached_calls) == 2  # one forward and one backward plan, reused twice each
 
 
 @pytest.mark.parametrize("causal", [False, True])
