@@ -34,8 +34,11 @@ def key_pages(xp, cu_seqlens_k, block_table, rows: int, page_size: int, num_page
 
 
 def gather(xp, pages, page, slot, inside):
-    """Packed ``(rows, heads, d)`` copy of the keys (or values) at ``page``/``slot``; zero where not inside."""
-    return xp.where(inside[:, None, None], pages[page, slot], xp.zeros((), pages.dtype))
+    """Packed ``(rows, heads, d)`` copy of the keys (or values) at ``page``/``slot``; zero where not inside, in
+    pages' dtype (selected on the raw bits: ``where`` promotes a bfloat16 array from torch to float32 in CuPy)."""
+    picked = pages[page, slot]
+    bits = picked.view(f"uint{8 * picked.itemsize}")
+    return xp.where(inside[:, None, None], bits, bits.dtype.type(0)).view(pages.dtype)
 
 
 def sum_onto_pages(xp, scatter_add, grad, pages_shape, page, slot, inside):

@@ -50,6 +50,19 @@ def test_key_pages_gather_and_sum(lengths, page_size, start, share, seed):
         assert np.array_equal(paging.gather(np, pages, page, slot, inside)[: sum(lengths)], source)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_gather_keeps_the_dtype(dtype):
+    # The paged backward hands the gathered keys to the kernels, which take 16-bit floats only: gather must not
+    # promote (CuPy's where() turned torch's bfloat16 into float32).
+    np_dtype = np.dtype(pytest.importorskip("ml_dtypes").bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    pages = np.arange(2 * 3 * 2 * 8, dtype=np.float32).reshape(2, 3, 2, 8).astype(np_dtype)
+    page, slot, inside = np.array([1, 0, 0]), np.array([2, 1, 0]), np.array([True, True, False])
+    packed = paging.gather(np, pages, page, slot, inside)
+    assert packed.dtype == np_dtype
+    assert np.array_equal(packed[:2].astype(np.float32), pages[[1, 0], [2, 1]].astype(np.float32))
+    assert not packed[2].astype(np.float32).any()
+
+
 def test_key_pages_bad_page_is_outside():
     table = np.array([[0, 7]], np.int32)  # page 7 of 2 does not exist
     _, page, slot, inside = paging.key_pages(np, np.array([0, 5], np.int32), table, 5, 3, 2)
