@@ -35,6 +35,35 @@ def time_candidate(name, launch, results, shipped, tol, full_causal_ms, events):
           f"(max |result - shipped| = {diff:.1e})", flush=True)
 
 
+def breakdown(name, q, k, v, dout, window, events):
+    """Times the backward's launches one by one: the O(N) passes (preprocess, dQ conversion) do not shrink with the
+    window, the dK/dV kernel does."""
+    out, lse, _ = fa2cupy.flash_attn_func(q, k, v, causal=True, window_size=window, return_attn_probs=True)
+    grads = [cupy.empty_like(x) for x in (q, k, v)]
+    strides = {n: tuple(s // x.itemsize for s in x.strides)
+               for n, x in zip(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), (q, k, v, dout, out, *grads))}
+    arch = int(cupy.cuda.Device().compute_capability)
+    plan = backward.plan_backward(q.shape, k.shape, strides, "float16", q.shape[-1] ** -0.5, True, False, arch,
+                                  window_size=window)
+    dsum = cupy.empty(plan.dsum_shape, cupy.float32)
+    dq_accum = cupy.empty(plan.dq_accum_shape, cupy.float32)
+    ptr = dict(q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, dout=dout.data.ptr, out=out.data.ptr, lse=lse.data.ptr,
+               dq=grads[0].data.ptr, dk=grads[1].data.ptr, dv=grads[2].data.ptr, dsum=dsum.data.ptr,
+               dq_accum=dq_accum.data.ptr)
+    stream = cupy.cuda.get_current_stream().ptr
+    launches = (
+        ("preprocess", lambda: plan.preprocess(stream, (ptr["dout"], ptr["out"], ptr["dsum"], ptr["dq_accum"], 0))),
+        ("dK/dV + dQ atomics", lambda: plan.main(stream, (ptr["q"], ptr["k"], ptr["v"], ptr["dout"], ptr["lse"],
+                                                          ptr["dsum"], ptr["dq_accum"], ptr["dk"], ptr["dv"], 0, 0, 0,
+                                                          0, 0, 0, 0, 0))),
+        ("dQ conversion", lambda: plan.convert(stream, (ptr["dq_accum"], ptr["dq"], 0))),
+    )
+    times = {n: B.time_gpu(f, events, warmup=2, repeats=10).median_ms for n, f in launches}
+    total = sum(times.values())
+    print(f"{name} backward by launch: " + ", ".join(f"{n} {t:.3f} ms ({100 * t / total:.1f}%)"
+                                                      for n, t in times.items()), flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--seqlen", type=int, default=65536)
@@ -42,6 +71,8 @@ def main():
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--headdim", type=int, default=128)
     parser.add_argument("--candidates", action="store_true", help="also time configs.WINDOW_FORWARD_CANDIDATES")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time the backward's launches one by one (preprocess, dK/dV, dQ conversion)")
     args = parser.parse_args()
     rng = cupy.random.default_rng(0)
     shape = (1, args.seqlen, args.heads, args.headdim)
@@ -59,6 +90,9 @@ def main():
     (cf, cb), (wf, wb) = results.values()
     print(f"speed-up of the window over full causal, seqlen {args.seqlen}: forward {cf / wf:.2f}x, "
           f"backward {cb / wb:.2f}x (bar: >= 8x)", flush=True)
+    if args.breakdown:
+        for name, window in (("causal", (-1, -1)), (f"window ({args.window}, 0)", (args.window, 0))):
+            breakdown(name, q, k, v, dout, window, events)
     if not args.candidates:
         return
     window = (args.window, 0)

@@ -204,6 +204,7 @@ def test_fixed_cases(dtype, b, sq, sk, h, hkv, d, causal):
         (257, 1000, 96, (-1, 17)),  # left unlimited
         (129, 129, 256, (5, -1)),  # right unlimited
         (64, 64, 32, (200, 200)),  # window wider than the sequence
+        (1000, 1000, 128, (600, 0)),  # the windows of 5 of 8 query tiles are cut short at key 0
     ],
 )
 def test_sliding_window(dtype, causal, sq, sk, d, window):
