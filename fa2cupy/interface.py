@@ -352,18 +352,24 @@ def flash_attn_backward(
             "bwd", inputs, (softmax_scale, causal, window_size, deterministic, softcap, alibi_slopes is None, dropout_p)
         )
         if cached is not None:
-            seed, offset = checks.check_dropout_rng(dropout_p, dropout_seed, dropout_offset)
-            stream_ptr = arrays.caller_stream_ptr(cached.framework, cached.device)
-            allocated = cached.allocate()
-            pointers = dict(zip(("dout", "q", "k", "v", "out", "lse", "alibi_slopes"), ptrs))
-            pointers.update(dropout_seed=seed, dropout_offset=offset)
-            pointers.update(zip(("dq", "dk", "dv", "dsum", "dq_accum"), (p for _, p in allocated)))
-            backward.run_backward(cached.plan, pointers, stream_ptr)
-            return allocated[0][0], allocated[1][0], allocated[2][0]
+            return _cached_backward(cached, ("dout", "q", "k", "v", "out", "lse", "alibi_slopes"), ptrs, dropout_p,
+                                    dropout_seed, dropout_offset)
     return _flash_attn_backward_checked(
         dout, q, k, v, out, softmax_lse, softmax_scale, causal, window_size, deterministic, softcap, alibi_slopes, key,
         dropout_p, dropout_seed, dropout_offset, dropout_rng_state,
     )
+
+
+def _cached_backward(cached, names, ptrs, dropout_p, dropout_seed, dropout_offset):
+    """The backward's fast path (flash_attn_backward, flash_attn_varlen_backward): the input pointers ``ptrs``
+    under their run_backward ``names``, fresh gradients and workspaces, the cached plan launched. (dq, dk, dv)."""
+    seed, offset = checks.check_dropout_rng(dropout_p, dropout_seed, dropout_offset)
+    stream_ptr = arrays.caller_stream_ptr(cached.framework, cached.device)
+    allocated = cached.allocate()
+    pointers = dict(zip(names, ptrs), dropout_seed=seed, dropout_offset=offset)
+    pointers.update(zip(("dq", "dk", "dv", "dsum", "dq_accum"), (p for _, p in allocated)))
+    backward.run_backward(cached.plan, pointers, stream_ptr)
+    return allocated[0][0], allocated[1][0], allocated[2][0]
 
 
 def _flash_attn_backward_checked(
@@ -611,15 +617,8 @@ def flash_attn_varlen_backward(
                    alibi_slopes is None, dropout_p)
         key, cached, ptrs = _cached_lookup("varlen_bwd", inputs, options)
         if cached is not None:
-            seed, offset = checks.check_dropout_rng(dropout_p, dropout_seed, dropout_offset)
-            stream_ptr = arrays.caller_stream_ptr(cached.framework, cached.device)
-            allocated = cached.allocate()
-            pointers = dict(zip(("dout", "q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes"),
-                                ptrs))
-            pointers.update(dropout_seed=seed, dropout_offset=offset)
-            pointers.update(zip(("dq", "dk", "dv", "dsum", "dq_accum"), (p for _, p in allocated)))
-            backward.run_backward(cached.plan, pointers, stream_ptr)
-            return allocated[0][0], allocated[1][0], allocated[2][0]
+            return _cached_backward(cached, ("dout", "q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k",
+                                             "alibi_slopes"), ptrs, dropout_p, dropout_seed, dropout_offset)
     names = ("dout", "q", "k", "v", "out", "softmax_lse", "cu_seqlens_q", "cu_seqlens_k")
     infos = dict((n, arrays.describe(x, n)) for x, n in zip(given_arrays, names))
     alibi_info = _describe_optional(alibi_slopes, "alibi_slopes")
