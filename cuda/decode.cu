@@ -327,7 +327,7 @@ struct DecodeTraits {
     static constexpr bool kCausal = Causal, kPaged = Paged, kExtras = Extras;
     static_assert(!(Causal && Extras), "with Extras, causal is the window's right side 0");
     using QTile = SmemTile<16, HeadDim>;
-    using KVTile = SmemTile<BlockN, HeadDim>;
+    using KVTile = SmemTile<BlockN, HeadDim, HeadDim % 64 == 0>;  // swizzled rows where the head dim allows
     static constexpr int kRingBytes = 2 * Stages * KVTile::kBytes;         // K and V ring of one warp
     static constexpr int kMergeBytes = Warps * 16 * (HeadDim + 1) * 4;     // every warp's fp32 (out, lse) rows
     // The last split block's merge: a weight per (split, row), then per-thread float4 sums of (row, 4 columns)

@@ -190,12 +190,19 @@ FA2_DEVICE float pos_inf() { return __int_as_float(0x7f800000); }
 // odd number of 16-byte chunks the 8 row addresses of one ldmatrix land in 8 different bank groups, so the
 // tile is conflict-free for ldmatrix (plain and .trans) and for cp.async fills at any head dim, without the
 // head-dim-specific XOR swizzles (a swizzle needs >= 8 chunks per row; head dim 32 has 4).
-template <int Rows, int Cols>
+// Swizzle (Cols a multiple of 64): unpadded rows, 16-byte chunk c of row r stored at chunk c ^ (r % 8), just as
+// conflict-free for ldmatrix; a warp's cp.async fill of two 256-byte rows is then one contiguous 512-byte span,
+// which the padded pitch splits: streaming K/V from HBM into padded rows ran 4% slower (bench/read_ceiling.py).
+template <int Rows, int Cols, bool Swizzle = false>
 struct SmemTile {
     static_assert(Cols % 16 == 0, "tile columns must be a multiple of 16 elements");
-    static constexpr int kPitch = Cols + 8;  // elements
+    static_assert(!Swizzle || Cols % 64 == 0, "the XOR swizzle needs a multiple of 8 chunks per row");
+    static constexpr int kPitch = Swizzle ? Cols : Cols + 8;  // elements
     static constexpr int kBytes = Rows * kPitch * 2;
-    static FA2_DEVICE u32 at(u32 base, int row, int col) { return base + (row * kPitch + col) * 2; }
+    static FA2_DEVICE u32 at(u32 base, int row, int col) {
+        if constexpr (Swizzle) return base + (row * kPitch + (((col >> 3) ^ (row & 7)) << 3) + (col & 7)) * 2;
+        return base + (row * kPitch + col) * 2;
+    }
 
     // Global -> shared for the whole tile by `Threads` threads, 16 bytes each. Rows >= rows_valid and
     // columns >= cols_valid (a multiple of 8) are zero-filled rather than read.
