@@ -113,6 +113,8 @@ WINDOW_CASES = (
     (130, 200, 4, 2, 64, False, (20, 5)),
     (200, 90, 2, 1, 128, True, (16, 0)),  # sq > sk: rows and keys with nothing visible
     (70, 70, 2, 2, 40, False, (0, -1)),
+    (400, 400, 2, 1, 128, False, (150, 20)),  # bands of several tiles: the window forward's warps lead
+    (300, 350, 2, 2, 96, True, (70, 0)),
 )
 
 
