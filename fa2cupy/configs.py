@@ -337,7 +337,7 @@ DECODE_TABLE: dict[tuple[str, int], DecodeConfig] = {
 DECODE_CANDIDATES = tuple(
     DecodeConfig(128, bn, st, w, pf)
     for bn, st, w, pf in ((16, 3, 4, False), (16, 3, 4, True), (16, 4, 4, True), (32, 2, 4, False),
-                          (64, 2, 2, True), (16, 2, 8, True), (32, 3, 2, True))
+                          (64, 2, 2, True), (16, 2, 8, True), (32, 3, 2, True), (32, 2, 2, True), (16, 2, 4, True))
 )
 
 
