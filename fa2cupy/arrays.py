@@ -567,6 +567,7 @@ def caller_stream_ptr(framework: str, device: int) -> int:
 # --------------------------------------------------------------------------- cached-dispatch fast path
 
 _cupy_ndarray = None
+_torch_tensor = None
 
 
 def fast_meta(x):
@@ -576,15 +577,19 @@ def fast_meta(x):
     keys match an earlier validated call may skip straight to the launch; the pointer is all the launch needs.
     Costs about 1 us where ``describe`` + ``to_cupy`` cost ~10 us.
     """
-    global _cupy_ndarray
+    global _cupy_ndarray, _torch_tensor
     if _cupy_ndarray is None:
         _cupy_ndarray = _cupy().ndarray
     kind = type(x)
     if kind is _cupy_ndarray:
         data = x.data
         return (kind, x.shape, x.strides, x.dtype, data.device_id), data.ptr
-    torch = sys.modules.get("torch")
-    if torch is not None and kind is torch.Tensor and x.is_cuda and not x.requires_grad:
+    if _torch_tensor is None:
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return None
+        _torch_tensor = torch.Tensor
+    if kind is _torch_tensor and x.is_cuda and not x.requires_grad:
         return (kind, x.shape, x.stride(), x.dtype, x.get_device()), x.data_ptr()
     return None
 

@@ -118,7 +118,8 @@ class Launch:
     ``variable`` lists the slots a call passes values for, in order.
     """
 
-    __slots__ = ("function", "grid", "block", "smem_bytes", "variable", "_slots", "_params", "_params_ptr", "_lock")
+    __slots__ = ("function", "grid", "block", "smem_bytes", "variable", "_slots", "_words", "_params", "_params_ptr",
+                 "_lock")
 
     def __init__(self, function, grid, block, smem_bytes: int, args, variable):
         self.function, self.grid, self.block, self.smem_bytes = function, tuple(grid), tuple(block), smem_bytes
@@ -127,6 +128,7 @@ class Launch:
         for i, value in enumerate(args):
             value = np.asarray(value)
             self._slots[i] = int(np.frombuffer(value.tobytes().ljust(8, b"\0"), dtype=np.uint64)[0])
+        self._words = memoryview(self._slots).cast("B").cast("Q")  # stores ints faster than the ctypes array
         base = ctypes.addressof(self._slots)
         self._params = (ctypes.c_void_p * len(args))(*(base + 8 * i for i in range(len(args))))
         self._params_ptr = ctypes.addressof(self._params)
@@ -141,9 +143,9 @@ class Launch:
         if not (self.grid[0] and self.grid[1] and self.grid[2]):
             return  # an empty grid (say varlen with max_seqlen_k = 0) has nothing to do; CUDA rejects it
         with self._lock:
-            slots = self._slots
+            words = self._words
             for i, value in zip(self.variable, values):
-                slots[i] = value & 0xFFFFFFFFFFFFFFFF
+                words[i] = value  # pointers and counts: >= 0 (a negative one raises OverflowError)
             _launch_kernel(self.function.ptr, *self.grid, *self.block, self.smem_bytes, stream_ptr,
                            self._params_ptr, 0)
 

@@ -262,20 +262,22 @@ def run_decode(plan: DecodePlan, inputs, out: int, lse: int, fixed_seqlen: int, 
     (used when the cache_seqlens pointer is 0); ``workspace`` from :meth:`DecodePlan.workspace`; ``errors`` the
     (claim, report) pointers of fa2cupy.device_errors; ``q_rotated``: with rotary, a (batch, seqlen_q, nheads, d)
     contiguous buffer of q's dtype that receives the rotated q, which the attention then reads."""
-    q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table = inputs[:8]
-    cos, sin, leftpad, slopes = tuple(inputs[8:]) + (0,) * (12 - len(inputs))
-    index = (block_table, cache_seqlens, cache_batch_idx)
+    if len(inputs) < 12:
+        inputs = tuple(inputs) + (0,) * (12 - len(inputs))
+    q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, cos, sin, leftpad, slopes = inputs
+    claim, report = errors
     if plan.append is not None:
-        plan.append(stream_ptr, (k, v, k_cache, v_cache) + index + errors + (fixed_seqlen, cos, sin, leftpad))
+        plan.append(stream_ptr, (k, v, k_cache, v_cache, block_table, cache_seqlens, cache_batch_idx, claim, report,
+                                 fixed_seqlen, cos, sin, leftpad))
     if plan.rotary is not None:
-        plan.rotary(stream_ptr, (q, q_rotated, cos, sin, cache_seqlens) + errors + (fixed_seqlen,))
+        plan.rotary(stream_ptr, (q, q_rotated, cos, sin, cache_seqlens, claim, report, fixed_seqlen))
         q = q_rotated
     if workspace:
         partial_lse, partial_out = workspace + 4 * plan.partial_lse_offset, workspace + 4 * plan.partial_out_offset
     else:
         partial_lse = partial_out = 0
-    plan.attention(stream_ptr, (q, k_cache, v_cache) + index + (out, lse, partial_out, partial_lse, workspace)
-                   + errors + (fixed_seqlen, slopes, leftpad))
+    plan.attention(stream_ptr, (q, k_cache, v_cache, block_table, cache_seqlens, cache_batch_idx, out, lse,
+                                partial_out, partial_lse, workspace, claim, report, fixed_seqlen, slopes, leftpad))
 
 
 def _memset_async(ptr: int, value: int, nbytes: int, stream_ptr: int) -> None:

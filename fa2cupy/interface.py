@@ -102,21 +102,22 @@ def _cached_lookup(kind: str, inputs, options):
     """(key, cached call or None, input pointers) for the fast path; key None when the call cannot be cached
     (a framework without a fast path, an unhashable option). A cached call is returned only if every pointer
     is 16-byte aligned and its device is the current one."""
-    metas = [arrays.fast_meta(x) for x in inputs]
-    if any(m is None for m in metas):
-        return None, None, None
-    key = (kind, tuple(m[0] for m in metas), options)
+    metas, pointers, bits = [], [], 0
+    fast_meta = arrays.fast_meta
+    for x in inputs:
+        meta = fast_meta(x)
+        if meta is None:
+            return None, None, None
+        metas.append(meta[0])
+        pointers.append(meta[1])
+        bits |= meta[1]
+    key = (kind, tuple(metas), options)
     try:
         cached = _cached_calls.get(key)
     except TypeError:  # an unhashable option (say a list window_size): take the checked path
         return None, None, None
-    pointers = [m[1] for m in metas]
-    if cached is not None:
-        bits = 0
-        for p in pointers:
-            bits |= p
-        if bits & 15 or cupy.cuda.runtime.getDevice() != cached.device:
-            cached = None
+    if cached is not None and (bits & 15 or cupy.cuda.runtime.getDevice() != cached.device):
+        cached = None
     return key, cached, pointers
 
 
@@ -841,37 +842,46 @@ def flash_attn_with_kvcache(
     """
     device_errors.raise_pending()
     key = None
-    seqlens_array = None if cache_seqlens is None or isinstance(cache_seqlens, int) else cache_seqlens
     if not forward._debug_poison:
-        given = [q, k_cache, v_cache]
-        present = [0, 1, 2]
-        for i, x in enumerate((k, v, seqlens_array, cache_batch_idx, block_table, rotary_cos, rotary_sin,
-                               cache_leftpad, alibi_slopes), start=3):
+        # The fast path of a decode step, which is host-bound for caches of a few MB: one pass over the arrays
+        # (in decode.INPUTS order, None for absent ones) gives the key and the launch's pointers at once.
+        seqlens_array = None if cache_seqlens is None or isinstance(cache_seqlens, int) else cache_seqlens
+        metas, inputs = [None] * 12, [0] * 12
+        fast_meta = arrays.fast_meta
+        bits = 0  # every pointer's low bits: the kernels need 16-byte alignment
+        for i, x in enumerate((q, k_cache, v_cache, k, v, seqlens_array, cache_batch_idx, block_table, rotary_cos,
+                               rotary_sin, cache_leftpad, alibi_slopes)):
             if x is not None:
-                given.append(x)
-                present.append(i)
-        options = (tuple(present), type(cache_seqlens), softmax_scale, causal, window_size, softcap,
+                meta = fast_meta(x)
+                if meta is None:  # a framework without a fast path: the checked path, uncached
+                    break
+                metas[i], inputs[i] = meta
+                bits |= meta[1]
+        else:
+            key = ("kvcache", tuple(metas), type(cache_seqlens), softmax_scale, causal, window_size, softcap,
                    rotary_interleaved, num_splits, return_softmax_lse)
-        key, cached, ptrs = _cached_lookup("kvcache", given, options)
-        if cached is not None:
-            # A repeat of a validated call: launch with the cached plan (only an int cache_seqlens is checked).
-            plan = cached.plan
-            fixed = _fixed_seqlen(cache_seqlens, plan.capacity, plan.seqlen_new, plan.rotary_span, plan.seqlen_ro)
-            device, framework = cached.device, cached.framework
-            stream_ptr = arrays.caller_stream_ptr(framework, device)
-            inputs = [0] * len(decode.INPUTS)
-            for i, p in zip(present, ptrs):
-                inputs[i] = p
-            out, out_ptr = arrays.new_empty_raw(*cached.allocations[0], framework, device)
-            lse = lse_ptr = q_rotated = 0
-            if return_softmax_lse:
-                lse, lse_ptr = arrays.new_empty_raw(*cached.allocations[1], framework, device)
-            if plan.rotary is not None:
-                q_buffer, q_rotated = arrays.new_empty_raw(*cached.allocations[-1], framework, device)
-            decode.run_decode(plan, inputs, out_ptr, lse_ptr, fixed, stream_ptr,
-                              plan.workspace(stream_ptr, framework, device), device_errors.pointers(device),
-                              q_rotated)
-            return (out, lse) if return_softmax_lse else out
+            try:
+                cached = _cached_calls.get(key)
+            except TypeError:  # an unhashable option (say a list window_size): the checked path, uncached
+                cached = key = None
+            if cached is not None and not bits & 15 and cupy.cuda.runtime.getDevice() == cached.device:
+                # A repeat of a validated call: launch with the cached plan (only an int cache_seqlens is
+                # checked).
+                plan = cached.plan
+                fixed = _fixed_seqlen(cache_seqlens, plan.capacity, plan.seqlen_new, plan.rotary_span,
+                                      plan.seqlen_ro)
+                device, framework = cached.device, cached.framework
+                stream_ptr = arrays.caller_stream_ptr(framework, device)
+                out, out_ptr = arrays.new_empty_raw(*cached.allocations[0], framework, device)
+                lse = lse_ptr = q_rotated = 0
+                if return_softmax_lse:
+                    lse, lse_ptr = arrays.new_empty_raw(*cached.allocations[1], framework, device)
+                if plan.rotary is not None:
+                    q_buffer, q_rotated = arrays.new_empty_raw(*cached.allocations[-1], framework, device)
+                decode.run_decode(plan, inputs, out_ptr, lse_ptr, fixed, stream_ptr,
+                                  plan.workspace(stream_ptr, framework, device), device_errors.pointers(device),
+                                  q_rotated)
+                return (out, lse) if return_softmax_lse else out
     return _flash_attn_with_kvcache_checked(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
         softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
