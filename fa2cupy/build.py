@@ -115,7 +115,8 @@ class Launch:
 
     ``args`` are numpy scalars (np.uint64 for pointers, np.int32, np.int64, np.float32), each stored in its own
     8-byte slot (the driver copies the parameter's size from the slot's start: little-endian, so the low bytes).
-    ``variable`` lists the slots a call passes values for, in order.
+    ``variable`` lists the slots a call passes values for, in order: unsigned 64-bit values (pointers, counts,
+    seed words); a negative one raises ValueError rather than launching with a wrapped value.
     """
 
     __slots__ = ("function", "grid", "block", "smem_bytes", "variable", "_slots", "_words", "_params", "_params_ptr",
@@ -145,7 +146,7 @@ class Launch:
         with self._lock:
             words = self._words
             for i, value in zip(self.variable, values):
-                words[i] = value  # pointers and counts: >= 0 (a negative one raises OverflowError)
+                words[i] = value  # pointers and counts: >= 0 (a negative one raises ValueError)
             _launch_kernel(self.function.ptr, *self.grid, *self.block, self.smem_bytes, stream_ptr,
                            self._params_ptr, 0)
 

@@ -1,0 +1,121 @@
+"""The cached-dispatch fast path's host logic (CPU only, CUDA calls stubbed): what a repeated
+flash_attn_with_kvcache call hands to the launch, when it must fall back to the checked path, and how a Launch
+stores its per-call values. The GPU tests (tests/test_kvcache.py, test_decode.py) run the same path for real."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+import fa2cupy
+from fa2cupy import arrays, build, decode, interface
+
+
+class FakeArray:
+    """Stands for a device array: fast_meta is stubbed to read these two fields."""
+
+    def __init__(self, meta, ptr):
+        self.meta, self.ptr = meta, ptr
+
+
+class FakePlan:
+    capacity, seqlen_new, rotary_span, seqlen_ro, rotary = 100, 0, 0, 0, None
+
+    def workspace(self, stream_ptr, framework, device):
+        return 0
+
+
+@pytest.fixture
+def stubbed(monkeypatch):
+    """fast_meta, the stream, allocation and the launch stubbed; returns the list of run_decode calls and of
+    checked-path calls (each with the cache key it was given)."""
+    launches, checked = [], []
+    monkeypatch.setattr(arrays, "fast_meta", lambda x: (x.meta, x.ptr) if isinstance(x, FakeArray) else None)
+    monkeypatch.setattr(arrays, "caller_stream_ptr", lambda framework, device: 7)
+    monkeypatch.setattr(arrays, "new_empty_raw", lambda shape, dtype, framework, device: (("out", shape), 4096))
+    monkeypatch.setattr(decode, "run_decode", lambda *args: launches.append(args))
+    monkeypatch.setattr(interface, "_flash_attn_with_kvcache_checked", lambda *args: checked.append(args[-1]))
+    monkeypatch.setattr(interface.cupy.cuda.runtime, "getDevice", lambda: 0)
+    monkeypatch.setattr(interface.device_errors, "pointers", lambda device: (11, 12))
+    monkeypatch.setattr(interface.device_errors, "raise_pending", lambda: None)
+    monkeypatch.setattr(interface, "_cached_calls", {})
+    return launches, checked
+
+
+def test_repeated_call_launches_with_pointers_in_input_order(stubbed):
+    launches, checked = stubbed
+    q, kc, vc = FakeArray("q", 256), FakeArray("kc", 512), FakeArray("vc", 768)
+    lens, table = FakeArray("lens", 1024), FakeArray("table", 2048)
+    fa2cupy.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table)
+    assert len(checked) == 1 and not launches  # first call: the checked path, given the key to remember
+    interface._cached_calls[checked[0]] = interface._CachedCall(FakePlan(), 0, "torch", (((1, 1, 4, 64), "bf16"),))
+    out = fa2cupy.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table)
+    assert out == ("out", (1, 1, 4, 64)) and len(checked) == 1
+    (plan, inputs, out_ptr, lse_ptr, fixed, stream, workspace, errors, q_rotated), = launches
+    # decode.INPUTS order: q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, cos, sin,
+    # leftpad, alibi_slopes; absent ones are 0.
+    assert list(inputs) == [256, 512, 768, 0, 0, 1024, 0, 2048, 0, 0, 0, 0]
+    assert len(inputs) == len(decode.INPUTS)
+    assert (out_ptr, lse_ptr, fixed, stream, workspace, errors, q_rotated) == (4096, 0, 0, 7, 0, (11, 12), 0)
+
+
+def test_different_metadata_or_options_miss_the_cache(stubbed):
+    launches, checked = stubbed
+    q, kc, vc = FakeArray("q", 256), FakeArray("kc", 512), FakeArray("vc", 768)
+    fa2cupy.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=5)
+    interface._cached_calls[checked[0]] = interface._CachedCall(FakePlan(), 0, "cupy", (((1,), "bf16"),))
+    fa2cupy.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=5, causal=True)  # another option
+    fa2cupy.flash_attn_with_kvcache(FakeArray("q2", 256), kc, vc, cache_seqlens=5)  # another shape
+    fa2cupy.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=5, k=FakeArray("k", 64), v=FakeArray("v", 64))
+    assert not launches and len(checked) == 4
+    assert len(set(checked)) == 4  # four different keys
+    fa2cupy.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=6)  # an int cache_seqlens is checked, not keyed
+    assert len(launches) == 1 and launches[0][4] == 6
+
+
+def test_misaligned_pointer_or_other_device_takes_the_checked_path(stubbed, monkeypatch):
+    launches, checked = stubbed
+    kc, vc = FakeArray("kc", 512), FakeArray("vc", 768)
+    fa2cupy.flash_attn_with_kvcache(FakeArray("q", 256), kc, vc)
+    interface._cached_calls[checked[0]] = interface._CachedCall(FakePlan(), 0, "cupy", (((1,), "bf16"),))
+    fa2cupy.flash_attn_with_kvcache(FakeArray("q", 256 + 8), kc, vc)  # same metadata, pointer not 16-aligned
+    assert not launches and len(checked) == 2 and checked[1] == checked[0]
+    monkeypatch.setattr(interface.cupy.cuda.runtime, "getDevice", lambda: 1)
+    fa2cupy.flash_attn_with_kvcache(FakeArray("q", 256), kc, vc)
+    assert not launches and len(checked) == 3
+    monkeypatch.setattr(interface.cupy.cuda.runtime, "getDevice", lambda: 0)
+    fa2cupy.flash_attn_with_kvcache(FakeArray("q", 256), kc, vc)
+    assert len(launches) == 1
+
+
+def test_unknown_array_type_or_unhashable_option_is_not_cached(stubbed):
+    launches, checked = stubbed
+    kc, vc = FakeArray("kc", 512), FakeArray("vc", 768)
+    fa2cupy.flash_attn_with_kvcache(np.zeros((1, 1, 4, 64)), kc, vc)
+    fa2cupy.flash_attn_with_kvcache(FakeArray("q", 256), kc, vc, window_size=[3, 0])
+    assert checked == [None, None] and not launches
+
+
+def test_launch_writes_per_call_values_into_their_slots(monkeypatch):
+    calls = []
+    monkeypatch.setattr(build, "_launch_kernel", lambda *args: calls.append(args))
+
+    class Function:
+        ptr = 99
+
+    fixed = (np.uint64(0), np.int32(-3), np.float32(0.5), np.int64(1 << 40), np.uint64(0))
+    launch = build.Launch(Function(), (2, 3, 1), (128, 1, 1), 4096, fixed, [0, 4])
+    launch(5, (0xDEADBEEF000, 123))
+    (fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra), = calls
+    assert (fn, gx, gy, gz, bx, by, bz, smem, stream, extra) == (99, 2, 3, 1, 128, 1, 1, 4096, 5, 0)
+    slots = (ctypes.c_uint64 * 5).from_address(ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))[0])
+    assert slots[0] == 0xDEADBEEF000 and slots[4] == 123  # the per-call values
+    assert slots[1] & 0xFFFFFFFF == np.int32(-3).view(np.uint32)  # fixed values keep their own bytes
+    assert slots[2] & 0xFFFFFFFF == np.float32(0.5).view(np.uint32)
+    assert slots[3] == 1 << 40
+    with pytest.raises(ValueError):  # per-call values are pointers and counts: never negative
+        launch(5, (-1, 0))
+    build.Launch(Function(), (0, 3, 1), (128, 1, 1), 0, fixed, [0])(5, (1,))  # empty grid: nothing launched
+    assert len(calls) == 1
