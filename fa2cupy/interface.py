@@ -100,11 +100,16 @@ _MAX_CACHED_CALLS = 1024
 
 def _cached_lookup(kind: str, inputs, options):
     """(key, cached call or None, input pointers) for the fast path; key None when the call cannot be cached
-    (a framework without a fast path, an unhashable option). A cached call is returned only if every pointer
+    (a framework without a fast path, an unhashable option). ``inputs`` may hold None for an absent optional
+    array: the key records the absence and its pointer is 0. A cached call is returned only if every pointer
     is 16-byte aligned and its device is the current one."""
     metas, pointers, bits = [], [], 0
     fast_meta = arrays.fast_meta
     for x in inputs:
+        if x is None:
+            metas.append(None)
+            pointers.append(0)
+            continue
         meta = fast_meta(x)
         if meta is None:
             return None, None, None
@@ -186,16 +191,14 @@ def flash_attn_func(
     """
     key = None
     if not forward._debug_poison and dropout_rng_state is None:
-        options = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes is None, deterministic,
-                   return_attn_probs)
-        inputs = (q, k, v) if alibi_slopes is None else (q, k, v, alibi_slopes)
-        key, cached, ptrs = _cached_lookup("fwd", inputs, options)
+        options = (dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs)
+        key, cached, ptrs = _cached_lookup("fwd", (q, k, v, alibi_slopes), options)
         if cached is not None and (not dropout_p or not return_attn_probs):
             seed, offset = checks.check_dropout_rng(dropout_p, dropout_seed, dropout_offset)
             stream_ptr = arrays.caller_stream_ptr(cached.framework, cached.device)
             (out, out_ptr), (lse, lse_ptr) = cached.allocate()
             forward.run_forward(cached.plan, ptrs[0], ptrs[1], ptrs[2], out_ptr, lse_ptr, stream_ptr,
-                                alibi_slopes=ptrs[3] if alibi_slopes is not None else 0, dropout_seed=seed,
+                                alibi_slopes=ptrs[3], dropout_seed=seed,
                                 dropout_offset=offset)
             return (out, lse, None) if return_attn_probs else out
     return _flash_attn_checked(
@@ -348,9 +351,9 @@ def flash_attn_backward(
     """
     key = None
     if not backward._debug_poison and dropout_rng_state is None:
-        inputs = (dout, q, k, v, out, softmax_lse) + (() if alibi_slopes is None else (alibi_slopes,))
+        inputs = (dout, q, k, v, out, softmax_lse, alibi_slopes)
         key, cached, ptrs = _cached_lookup(
-            "bwd", inputs, (softmax_scale, causal, window_size, deterministic, softcap, alibi_slopes is None, dropout_p)
+            "bwd", inputs, (softmax_scale, causal, window_size, deterministic, softcap, dropout_p)
         )
         if cached is not None:
             return _cached_backward(cached, ("dout", "q", "k", "v", "out", "lse", "alibi_slopes"), ptrs, dropout_p,
@@ -498,19 +501,16 @@ def flash_attn_varlen_func(
     device_errors.raise_pending()
     key = None
     if not forward._debug_poison and dropout_rng_state is None:
-        inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k) + tuple(x for x in (alibi_slopes, block_table) if x is not None)
-        options = (max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
-                   alibi_slopes is None, block_table is None, deterministic, return_attn_probs)
+        inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, block_table)
+        options = (max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
+                   return_attn_probs)
         key, cached, ptrs = _cached_lookup("varlen_fwd", inputs, options)
         if cached is not None:
             seed, offset = checks.check_dropout_rng(dropout_p, dropout_seed, dropout_offset)
             stream_ptr = arrays.caller_stream_ptr(cached.framework, cached.device)
             (out, out_ptr), (lse, lse_ptr) = cached.allocate()
-            extra = iter(ptrs[5:])
-            alibi_ptr = next(extra) if alibi_slopes is not None else 0
-            table_ptr = next(extra) if block_table is not None else 0
             forward.run_forward(cached.plan, ptrs[0], ptrs[1], ptrs[2], out_ptr, lse_ptr, stream_ptr, ptrs[3], ptrs[4],
-                                alibi_ptr, seed, offset, 0, table_ptr)
+                                ptrs[5], seed, offset, 0, ptrs[6])
             return (out, lse, None) if return_attn_probs else out
     return _flash_attn_varlen_checked(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
@@ -613,9 +613,8 @@ def flash_attn_varlen_backward(
     key = None
     given_arrays = (dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k)
     if not backward._debug_poison and dropout_rng_state is None:
-        inputs = given_arrays + (() if alibi_slopes is None else (alibi_slopes,))
-        options = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, deterministic, softcap,
-                   alibi_slopes is None, dropout_p)
+        inputs = given_arrays + (alibi_slopes,)
+        options = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, deterministic, softcap, dropout_p)
         key, cached, ptrs = _cached_lookup("varlen_bwd", inputs, options)
         if cached is not None:
             return _cached_backward(cached, ("dout", "q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k",
@@ -843,45 +842,29 @@ def flash_attn_with_kvcache(
     device_errors.raise_pending()
     key = None
     if not forward._debug_poison:
-        # The fast path of a decode step, which is host-bound for caches of a few MB: one pass over the arrays
-        # (in decode.INPUTS order, None for absent ones) gives the key and the launch's pointers at once.
+        # Arrays in decode.INPUTS order (None where absent), so the pointers come back ready for the launch.
         seqlens_array = None if cache_seqlens is None or isinstance(cache_seqlens, int) else cache_seqlens
-        metas, inputs = [None] * 12, [0] * 12
-        fast_meta = arrays.fast_meta
-        bits = 0  # every pointer's low bits: the kernels need 16-byte alignment
-        for i, x in enumerate((q, k_cache, v_cache, k, v, seqlens_array, cache_batch_idx, block_table, rotary_cos,
-                               rotary_sin, cache_leftpad, alibi_slopes)):
-            if x is not None:
-                meta = fast_meta(x)
-                if meta is None:  # a framework without a fast path: the checked path, uncached
-                    break
-                metas[i], inputs[i] = meta
-                bits |= meta[1]
-        else:
-            key = ("kvcache", tuple(metas), type(cache_seqlens), softmax_scale, causal, window_size, softcap,
-                   rotary_interleaved, num_splits, return_softmax_lse)
-            try:
-                cached = _cached_calls.get(key)
-            except TypeError:  # an unhashable option (say a list window_size): the checked path, uncached
-                cached = key = None
-            if cached is not None and not bits & 15 and cupy.cuda.runtime.getDevice() == cached.device:
-                # A repeat of a validated call: launch with the cached plan (only an int cache_seqlens is
-                # checked).
-                plan = cached.plan
-                fixed = _fixed_seqlen(cache_seqlens, plan.capacity, plan.seqlen_new, plan.rotary_span,
-                                      plan.seqlen_ro)
-                device, framework = cached.device, cached.framework
-                stream_ptr = arrays.caller_stream_ptr(framework, device)
-                out, out_ptr = arrays.new_empty_raw(*cached.allocations[0], framework, device)
-                lse = lse_ptr = q_rotated = 0
-                if return_softmax_lse:
-                    lse, lse_ptr = arrays.new_empty_raw(*cached.allocations[1], framework, device)
-                if plan.rotary is not None:
-                    q_buffer, q_rotated = arrays.new_empty_raw(*cached.allocations[-1], framework, device)
-                decode.run_decode(plan, inputs, out_ptr, lse_ptr, fixed, stream_ptr,
-                                  plan.workspace(stream_ptr, framework, device), device_errors.pointers(device),
-                                  q_rotated)
-                return (out, lse) if return_softmax_lse else out
+        options = (type(cache_seqlens), softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits,
+                   return_softmax_lse)
+        key, cached, inputs = _cached_lookup(
+            "kvcache", (q, k_cache, v_cache, k, v, seqlens_array, cache_batch_idx, block_table, rotary_cos,
+                        rotary_sin, cache_leftpad, alibi_slopes), options)
+        if cached is not None:
+            # A repeat of a validated call: launch with the cached plan (only an int cache_seqlens is checked).
+            plan = cached.plan
+            fixed = _fixed_seqlen(cache_seqlens, plan.capacity, plan.seqlen_new, plan.rotary_span, plan.seqlen_ro)
+            device, framework = cached.device, cached.framework
+            stream_ptr = arrays.caller_stream_ptr(framework, device)
+            out, out_ptr = arrays.new_empty_raw(*cached.allocations[0], framework, device)
+            lse = lse_ptr = q_rotated = 0
+            if return_softmax_lse:
+                lse, lse_ptr = arrays.new_empty_raw(*cached.allocations[1], framework, device)
+            if plan.rotary is not None:
+                q_buffer, q_rotated = arrays.new_empty_raw(*cached.allocations[-1], framework, device)
+            decode.run_decode(plan, inputs, out_ptr, lse_ptr, fixed, stream_ptr,
+                              plan.workspace(stream_ptr, framework, device), device_errors.pointers(device),
+                              q_rotated)
+            return (out, lse) if return_softmax_lse else out
     return _flash_attn_with_kvcache_checked(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
         softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,

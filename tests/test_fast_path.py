@@ -5,12 +5,13 @@ stores its per-call values. The GPU tests (tests/test_kvcache.py, test_decode.py
 from __future__ import annotations
 
 import ctypes
+import inspect
 
 import numpy as np
 import pytest
 
 import fa2cupy
-from fa2cupy import arrays, build, decode, interface
+from fa2cupy import arrays, build, decode, forward, interface
 
 
 class FakeArray:
@@ -96,6 +97,42 @@ def test_unknown_array_type_or_unhashable_option_is_not_cached(stubbed):
     fa2cupy.flash_attn_with_kvcache(np.zeros((1, 1, 4, 64)), kc, vc)
     fa2cupy.flash_attn_with_kvcache(FakeArray("q", 256), kc, vc, window_size=[3, 0])
     assert checked == [None, None] and not launches
+
+
+@pytest.fixture
+def stubbed_forward(monkeypatch, stubbed):
+    """As ``stubbed``, for flash_attn_func / flash_attn_varlen_func: their launches and checked paths recorded."""
+    launches, checked = [], []
+    signature = inspect.signature(forward.run_forward)  # launches recorded by parameter name
+    monkeypatch.setattr(forward, "run_forward", lambda *a, **kw: launches.append(signature.bind(*a, **kw).arguments))
+    monkeypatch.setattr(interface, "_flash_attn_checked", lambda *args: checked.append(args[11]))
+    monkeypatch.setattr(interface, "_flash_attn_varlen_checked", lambda *args: checked.append(args[-1]))
+    return launches, checked
+
+
+def _remember_last(checked):
+    interface._cached_calls[checked[-1]] = interface._CachedCall(None, 0, "cupy", (((1,), "bf16"), ((1,), "f32")))
+
+
+def test_optional_arrays_are_part_of_the_key_and_pass_pointer_0_when_absent(stubbed_forward):
+    launches, checked = stubbed_forward
+    q, k, v, slopes = (FakeArray(n, p) for n, p in (("q", 256), ("k", 512), ("v", 768), ("slopes", 1024)))
+    fa2cupy.flash_attn_func(q, k, v)
+    _remember_last(checked)
+    fa2cupy.flash_attn_func(q, k, v, alibi_slopes=slopes)  # another key: slopes present
+    assert len(checked) == 2 and checked[0] != checked[1] and not launches
+    _remember_last(checked)
+    fa2cupy.flash_attn_func(q, k, v)
+    fa2cupy.flash_attn_func(q, k, v, alibi_slopes=slopes)
+    pointers = ("q_ptr", "k_ptr", "v_ptr", "alibi_slopes")
+    assert [tuple(call.get(n, 0) for n in pointers) for call in launches] == [(256, 512, 768, 0), (256, 512, 768, 1024)]
+
+    cu_q, cu_k, table = FakeArray("cu_q", 1280), FakeArray("cu_k", 1536), FakeArray("table", 1792)
+    fa2cupy.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 8, 8, block_table=table)
+    _remember_last(checked)
+    fa2cupy.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 8, 8, block_table=table)
+    pointers += ("cu_seqlens_q", "cu_seqlens_k", "block_table")
+    assert tuple(launches[-1].get(n, 0) for n in pointers) == (256, 512, 768, 0, 1280, 1536, 1792)
 
 
 def test_launch_writes_per_call_values_into_their_slots(monkeypatch):
