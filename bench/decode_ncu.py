@@ -7,6 +7,7 @@ backends launch (grid, block, shared memory) and how many DRAM bytes each one re
         python bench/decode_ncu.py 8x65536 64x16384
 """
 
+import contextlib
 import sys
 
 import torch
@@ -31,22 +32,18 @@ def main(cases):
         for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
             steps.append((f"{case} sdpa {name}", lambda qt=qt, kt=kt, vt=vt: torch.nn.functional.
                           scaled_dot_product_attention(qt, kt, vt, enable_gqa=True), backend))
+    def run(fn, backend):
+        with sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
+            fn()
+
     for _ in range(3):
         for _, fn, backend in steps:
-            if backend is None:
-                fn()
-            else:
-                with sdpa_kernel([backend]):
-                    fn()
+            run(fn, backend)
     torch.cuda.synchronize()
     torch.cuda.profiler.start()
     for name, fn, backend in steps:
         torch.cuda.nvtx.range_push(name)
-        if backend is None:
-            fn()
-        else:
-            with sdpa_kernel([backend]):
-                fn()
+        run(fn, backend)
         torch.cuda.synchronize()
         torch.cuda.nvtx.range_pop()
     torch.cuda.profiler.stop()

@@ -79,27 +79,12 @@ __device__ void read_ldg(const char* base, u64 total, u32* sink) {
     if (acc == 0x9e3779b9u) sink[0] = acc;
 }
 
-// cp.async ring: each warp copies 32 x Per chunks per stage into its own slots, Stages deep.
-template <bool Rows, int Stages, int Per>
-__device__ void read_cpasync(const char* base, u64 total, u32* sink) {
-    extern __shared__ __align__(128) unsigned char smem[];
-    u64 lo, chunks; int head;
-    share<Rows>(total, lo, chunks, head);
+// The warp's cp.async ring over its share of `tiles` (tiles warp, warp + warps, ...): issue(t, slot) fills slot
+// `slot` with tile t; each landed slot is touched once (one word per lane) so the copy cannot be skipped.
+template <int Stages, class Issue>
+__device__ void stream_ring(u64 tiles, int stage_bytes, u32 ring, Issue issue, u32* sink) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-    const u32 ring = (u32)__cvta_generic_to_shared(smem) + warp * Stages * Per * 512;
-    const u64 per_stage = 32 * Per;
-    const u64 tiles = (chunks + per_stage - 1) / per_stage;
-    auto issue = [&](u64 t, int slot) {
-#pragma unroll
-        for (int u = 0; u < Per; ++u) {
-            const u64 i = t * per_stage + u * 32 + lane;
-            const bool ok = i < chunks;
-            const char* p = base + chunk_offset<Rows>(lo, ok ? i : 0, head);
-            asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(ring + (slot * Per + u) * 512 + lane * 16),
-                         "l"(p), "r"(ok ? 16 : 0));
-        }
-    };
-    u64 mine = tiles > (u64)warp ? (tiles - warp + warps - 1) / warps : 0;
+    const u64 mine = tiles > (u64)warp ? (tiles - warp + warps - 1) / warps : 0;
 #pragma unroll
     for (int s = 0; s < Stages - 1; ++s) {
         if ((u64)s < mine) issue(warp + (u64)s * warps, s);
@@ -113,11 +98,34 @@ __device__ void read_cpasync(const char* base, u64 total, u32* sink) {
         if (ahead < mine) issue(warp + ahead * warps, (int)(ahead % Stages));
         asm volatile("cp.async.commit_group;");
         u32 x;
-        asm volatile("ld.shared.b32 %0, [%1];" : "=r"(x) : "r"(ring + (u32)(j % Stages) * Per * 512 + lane * 4));
+        asm volatile("ld.shared.b32 %0, [%1];" : "=r"(x) : "r"(ring + (u32)(j % Stages) * stage_bytes + lane * 4));
         acc ^= x;
     }
     asm volatile("cp.async.wait_group 0;");
     if (acc == 0x9e3779b9u) sink[0] = acc;
+}
+
+// cp.async ring: each warp copies 32 x Per chunks per stage into its own slots, Stages deep.
+template <bool Rows, int Stages, int Per>
+__device__ void read_cpasync(const char* base, u64 total, u32* sink) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    u64 lo, chunks; int head;
+    share<Rows>(total, lo, chunks, head);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const u32 ring = (u32)__cvta_generic_to_shared(smem) + warp * Stages * Per * 512;
+    const u64 per_stage = 32 * Per;
+    const u64 tiles = (chunks + per_stage - 1) / per_stage;
+    auto issue = [&](u64 t, int slot) {
+#pragma unroll
+        for (int u = 0; u < Per; ++u) {
+            const u64 i = t * per_stage + u * 32 + lane;
+            const bool ok = i < chunks;
+            const char* p = base + chunk_offset<Rows>(lo, ok ? i : 0, head);
+            asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(ring + (slot * Per + u) * 512 + lane * 16),
+                         "l"(p), "r"(ok ? 16 : 0));
+        }
+    };
+    stream_ring<Stages>(tiles, Per * 512, ring, issue, sink);
 }
 
 // Bulk copies (TMA engine): one thread per block issues Bytes-long contiguous copies into a Stages-deep ring,
@@ -184,7 +192,7 @@ __device__ void read_kv(const char* kbase, const char* vbase, u64 total, u32* si
     const u64 region = DecodeOrder ? blockIdx.x % 2 + 2 * (blockIdx.x / 16) : blockIdx.x / 8;
     const int head = DecodeOrder ? (blockIdx.x / 2) % 8 : blockIdx.x % 8;
     const u64 r0 = rows * region / regions, r1 = rows * (region + 1) / regions;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     constexpr int kStageBytes = Keys * 2 * Pitch;  // K and V rows of Keys keys (Pitch bytes apart in smem)
     const u32 ring = (u32)__cvta_generic_to_shared(smem) + warp * Stages * kStageBytes;
     const u64 tiles = (r1 - r0) / Keys;
@@ -204,25 +212,7 @@ __device__ void read_kv(const char* kbase, const char* vbase, u64 total, u32* si
             }
         }
     };
-    const u64 mine = tiles > (u64)warp ? (tiles - warp + warps - 1) / warps : 0;
-#pragma unroll
-    for (int s = 0; s < Stages - 1; ++s) {
-        if ((u64)s < mine) issue(warp + (u64)s * warps, s);
-        asm volatile("cp.async.commit_group;");
-    }
-    u32 acc = 0;
-    for (u64 j = 0; j < mine; ++j) {
-        asm volatile("cp.async.wait_group %0;" ::"n"(Stages - 2));
-        __syncwarp();
-        const u64 ahead = j + Stages - 1;
-        if (ahead < mine) issue(warp + ahead * warps, (int)(ahead % Stages));
-        asm volatile("cp.async.commit_group;");
-        u32 x;
-        asm volatile("ld.shared.b32 %0, [%1];" : "=r"(x) : "r"(ring + (u32)(j % Stages) * kStageBytes + lane * 4));
-        acc ^= x;
-    }
-    asm volatile("cp.async.wait_group 0;");
-    if (acc == 0x9e3779b9u) sink[0] = acc;
+    stream_ring<Stages>(tiles, kStageBytes, ring, issue, sink);
 }
 extern "C" __global__ void __launch_bounds__(128) kv_2x32(const char* k, const char* v, u64 n, u32* s) { read_kv<2, 32>(k, v, n, s); }
 extern "C" __global__ void __launch_bounds__(128) kv_4x16(const char* k, const char* v, u64 n, u32* s) { read_kv<4, 16>(k, v, n, s); }
