@@ -4,10 +4,12 @@
 //                     value the host cannot see (cache_seqlens, cache_batch_idx, block_table, cache_leftpad): one
 //                     bad value and nothing is written. With rotary embeddings it stores the keys rotated.
 //   rotary_q          rotates q (rotary embeddings) into a temporary that the attention reads.
-//   decode_attention  one block per (split of the keys, 16 packed query rows, kv head, batch row). The rows are the
-//                     (new token, query head) pairs that share one KV head (GQA packing), so each K/V byte is read
-//                     once per KV head, on tensor cores. The warps of a block stream interleaved key tiles of the
-//                     block's split through their own cp.async rings (more bytes in flight per SM) and merge in
+//   decode_attention  work items of (split of the keys, 16 packed query rows, kv head, batch row): one block per
+//                     item, or, when there are more items than the GPU holds blocks, fewer blocks that walk them
+//                     (each warp's ring runs on into the next item while the block merges the last). The rows are
+//                     the (new token, query head) pairs that share one KV head (GQA packing), so each K/V byte is
+//                     read once per KV head, on tensor cores. The warps of a block stream interleaved key tiles of
+//                     the item's split through their own cp.async rings (more bytes in flight per SM) and merge in
 //                     shared memory; the splits of a row (split-KV, so that small batches fill the GPU) write fp32
 //                     partials, and the last split block to finish merges them: one launch per call. Its Extras
 //                     variant adds the sliding window, softcap, ALiBi and left-padded caches.
@@ -315,6 +317,29 @@ __global__ void __launch_bounds__(256)
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// Diagnostics for bench/decode_trace.py: built with FA2_DECODE_TRACE, thread 0 of each block records %globaltimer
+// and clock64 at numbered points of its life (and its SM in the last slot); otherwise the marks compile away.
+constexpr int kTracePoints = 24;
+#ifdef FA2_DECODE_TRACE
+extern "C" {
+__device__ unsigned long long fa2_decode_trace[8192 * kTracePoints * 2];
+}
+FA2_DEVICE void decode_mark(int point) {
+    const unsigned id = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    if (threadIdx.x != 0 || id >= 8192) return;
+    unsigned long long now;
+    unsigned sm;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    unsigned long long* slot = fa2_decode_trace + (unsigned long long)id * kTracePoints * 2;
+    slot[2 * point] = now;
+    slot[2 * point + 1] = clock64();
+    slot[2 * (kTracePoints - 1)] = sm;
+}
+#else
+FA2_DEVICE void decode_mark(int) {}
+#endif
+
 // Extras: the sliding window (causal folded in as its right side 0; instantiated with Causal = false), softcap,
 // ALiBi and cache_leftpad, all switched by run-time values; without it the kernel compiles to the plain decode.
 template <int HeadDim, int BlockN, int Stages, int Warps, bool L2Prefetch, class Elem_, bool Causal, bool Paged,
@@ -328,25 +353,44 @@ struct DecodeTraits {
     static_assert(!(Causal && Extras), "with Extras, causal is the window's right side 0");
     using QTile = SmemTile<16, HeadDim>;
     using KVTile = SmemTile<BlockN, HeadDim, HeadDim % 64 == 0>;  // swizzled rows where the head dim allows
-    static constexpr int kRingBytes = 2 * Stages * KVTile::kBytes;         // K and V ring of one warp
-    static constexpr int kMergeBytes = Warps * 16 * (HeadDim + 1) * 4;     // every warp's fp32 (out, lse) rows
+    static constexpr int kQBytes = 2 * QTile::kBytes;              // the item's Q tile and the next item's
+    static constexpr int kRingBytes = 2 * Stages * KVTile::kBytes;  // K and V ring of one warp
+    // Every warp's fp32 output rows (a pitch of HeadDim + 8 floats: conflict-free float2 stores) and lse.
+    static constexpr int kMergePitch = HeadDim + 8;
+    static constexpr int kWarpMergeBytes = Warps * 16 * (kMergePitch + 1) * 4;
     // The last split block's merge: a weight per (split, row), then per-thread float4 sums of (row, 4 columns)
     // items, at most max(threads, 16 rows x HeadDim / 4) of them.
     static constexpr int kSplitMergeBytes = kMaxSplits * 16 * 4 + cmax(kThreads, 4 * HeadDim) * 16;
-    static constexpr int kSmemBytes = QTile::kBytes + cmax(Warps * kRingBytes, cmax(kMergeBytes, kSplitMergeBytes));
+    static constexpr int kMergeBytes = cmax(kWarpMergeBytes, kSplitMergeBytes);
+    // A block with one item merges in its rings' memory; a block walking several items keeps the next item's
+    // first tiles in flight in its rings while it merges, so its merge area comes after them.
+    static constexpr int kSmemBytes = kQBytes + cmax(Warps * kRingBytes, kMergeBytes);
+    static constexpr int kPersistentSmemBytes = kQBytes + Warps * kRingBytes + kMergeBytes;
     static_assert(Stages >= 2, "the K/V ring needs at least two stages");
     static_assert(BlockN % 16 == 0 && BlockN <= 64, "key tiles of 16..64 keys (a tile spans BlockN / 16 pages)");
+};
+
+// One work item of decode_attention: a split of the keys of (batch row b, kv head, block of 16 packed rows).
+struct DecodeItem {
+    int split, group, b;  // group: kv head + nheads_kv * row block
+    int kv_head, row0;
+    int cached, cache_row, pad;  // the index values read for row b
+    int seqlen_k, key_begin, key_end, my_tiles;
+    bool poisoned;
 };
 
 // q: (batch, seqlen_q, nheads, d); k/v cache: (batch_cache, capacity, nheads_kv, d) or paged (pages, page_size,
 // nheads_kv, d) with block_table (batch, max_pages); row b attends to its first cache_seqlens[b] + seqlen_new keys
 // (the append kernel has written the new ones). out: (batch, seqlen_q, nheads, d) contiguous; lse_out: (batch,
 // nheads, seqlen_q) or null. With more than one split: partial_out (splits, batch * seqlen_q * nheads, d) fp32,
-// partial_lse (splits, batch * seqlen_q * nheads), arrivals (batch * gridDim.y) int32 zeroed before the launch.
+// partial_lse (splits, batch * seqlen_q * nheads), arrivals (batch * groups) int32 zeroed before the launch.
 // Tr::kExtras: alibi_slopes float32 (batch, nheads) with batch stride alibi_batch_stride (0 for (nheads,)) or null;
 // cache_leftpad (batch,) or null (contiguous caches only): row b's keys are slots [cache_leftpad[b], cache_seqlens[b]
 // + seqlen_new); window_left / window_right (kUnlimitedWindow for no limit); softcap (0 for none). The scores become
 // final logits (ScoreMods) and the softmax runs with scale 1.
+// Work items: num_splits x groups (nheads_kv x blocks of 16 packed rows) x batch, the split fastest. A 1-D grid of
+// one block per item, or fewer blocks (with kPersistentSmemBytes of shared memory) that walk the items in grid
+// strides: each warp's ring then runs on into the next item, whose first tiles load while the block merges.
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     decode_attention(const u16* __restrict__ q, const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
@@ -359,87 +403,93 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                      int headdim, int fixed_seqlen, int seqlen_new, int capacity, int cache_rows, int page_size,
                      int max_pages, float scale, float scale_log2, const float* __restrict__ alibi_slopes,
                      i64 alibi_batch_stride, const int* __restrict__ cache_leftpad, int window_left,
-                     int window_right, float softcap) {
+                     int window_right, float softcap, int num_splits) {
     using QTile = typename Tr::QTile;
     using KVTile = typename Tr::KVTile;
     using Mma = fa2::Mma<typename Tr::Elem>;
     constexpr int kNT = Tr::kBlockN / 8, kDT = Tr::kHeadDim / 8, kKSteps = Tr::kHeadDim / 16, kW = Tr::kWarps;
+    constexpr int kS = Tr::kStages;
 
+    decode_mark(0);
     extern __shared__ __align__(128) unsigned char smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const u32 smem_q = smem_u32(smem);
-    const u32 smem_k = smem_q + QTile::kBytes + warp * Tr::kRingBytes;
-    const u32 smem_v = smem_k + Tr::kStages * KVTile::kBytes;
+    const u32 smem_q = smem_u32(smem);  // Q tiles of items 0, 2, 4, ... of this block, then 1, 3, 5, ...
+    const u32 smem_k = smem_q + Tr::kQBytes + warp * Tr::kRingBytes;
+    const u32 smem_v = smem_k + kS * KVTile::kBytes;
 
-    const int split = blockIdx.x, num_splits = gridDim.x;
     const int nheads_kv = nheads / heads_per_kv;
-    const int kv_head = blockIdx.y % nheads_kv, row_block = blockIdx.y / nheads_kv;
-    const int b = blockIdx.z;
     const int rows = seqlen_q * heads_per_kv;  // packed rows r = query * heads_per_kv + head-in-group
-    const int row0 = row_block * 16;
+    const int groups = nheads_kv * ((rows + 15) / 16);
+    const int items = num_splits * groups * batch;
+    const bool persistent = (int)gridDim.x < items;
+    unsigned char* merge_area = smem + Tr::kQBytes + (persistent ? kW * Tr::kRingBytes : 0);
     const CacheIndex index{block_table, cache_seqlens, cache_batch_idx, fixed_seqlen, seqlen_new,
                            capacity,    cache_rows,    page_size,       max_pages};
+    // A report still pending (this call's append found a bad value) poisons every item: it writes NaN.
+    // Warp-uniform (lane 0's read), so the warps' loops never diverge.
+    const bool pending_report = __shfl_sync(0xffffffffu, *static_cast<volatile int*>(error_claim), 0) != 0;
 
-    // Values the host could not check. A bad one, or a report still pending (this call's append found one),
-    // poisons the block: it writes NaN. Warp-uniform (lane 0's read), so the warps' loops never diverge.
-    const bool reporter = threadIdx.x == 0 && split == 0 && blockIdx.y == 0;  // one report per bad row
-    const int cached = index.cached(b);
-    const int cache_row = index.cache_row(b);
-    bool poisoned = __shfl_sync(0xffffffffu, *static_cast<volatile int*>(error_claim), 0) != 0;
-    if (!index.seqlen_ok(cached)) {
-        poisoned = true;
-        if (reporter) report_bad_value(error_claim, error_host, kBadCacheSeqlen, b, 0, cached);
-    }
-    if (!Tr::kPaged && !index.row_ok(cache_row)) {
-        poisoned = true;
-        if (reporter) report_bad_value(error_claim, error_host, kBadCacheBatchIdx, b, 0, cache_row);
-    }
-    int pad = 0;  // left pad: key j of the row is cache slot pad + j (Extras only; 0 folds away otherwise)
-    if constexpr (Tr::kExtras) {
-        if (cache_leftpad != nullptr && !poisoned) {
-            pad = cache_leftpad[b];
-            if (pad < 0 || pad > cached) {
-                poisoned = true;
-                if (reporter) report_bad_value(error_claim, error_host, kBadCacheLeftpad, b, 0, pad);
-            }
+    // An item's index values are loaded first (their latency hides behind other work) and checked later.
+    auto item_values = [&](int item, DecodeItem& it) {
+        it.split = item % num_splits;
+        it.group = item / num_splits % groups;
+        it.b = item / num_splits / groups;
+        it.kv_head = it.group % nheads_kv;
+        it.row0 = it.group / nheads_kv * 16;
+        it.cached = index.cached(it.b);
+        it.cache_row = index.cache_row(it.b);
+        it.pad = Tr::kExtras && cache_leftpad != nullptr ? cache_leftpad[it.b] : 0;
+    };
+    // Values the host could not check. A bad one poisons the item: it writes NaN. This split's keys are whole
+    // BlockN tiles except at the end; under the causal mask no row of the block sees keys past the last row's
+    // limit. The block's warps take the item's tiles in turn.
+    auto item_check = [&](DecodeItem& it) {
+        const bool reporter = threadIdx.x == 0 && it.split == 0 && it.group == 0;  // one report per bad row
+        it.poisoned = pending_report;
+        if (!index.seqlen_ok(it.cached)) {
+            it.poisoned = true;
+            if (reporter) report_bad_value(error_claim, error_host, kBadCacheSeqlen, it.b, 0, it.cached);
         }
-    }
-    const int seqlen_k = poisoned ? 0 : cached + seqlen_new - pad;
-
-    // This split's keys, whole BlockN tiles except at the end; under the causal mask no row of the block sees
-    // keys past the last row's limit. The block's warps take its tiles in turn.
-    int key_begin, key_end;
-    const WindowMask<kMaskWindow> window{seqlen_q, seqlen_k, window_left, window_right};
-    if constexpr (Tr::kExtras) {
-        // Only the keys some row of the block sees, from a tile boundary (paged tiles must start on a multiple of
-        // 16 keys), are split: a small window over a long cache costs a few tiles, not the cache.
-        const int first_query = row0 / heads_per_kv;
-        const int last_query = min(seqlen_q - 1, (min(rows, row0 + 16) - 1) / heads_per_kv);
-        const int lo = window.key_begin(first_query) / Tr::kBlockN * Tr::kBlockN;
-        const int hi = window.key_end(first_query, last_query - first_query + 1);
-        const int span = max(hi - lo, 0);
-        const int per_split = ((span + num_splits - 1) / num_splits + Tr::kBlockN - 1) / Tr::kBlockN * Tr::kBlockN;
-        key_begin = lo + split * per_split;
-        key_end = min(hi, key_begin + per_split);
-    } else {
-        const int per_split =
-            ((seqlen_k + num_splits - 1) / num_splits + Tr::kBlockN - 1) / Tr::kBlockN * Tr::kBlockN;
-        key_begin = split * per_split;
-        key_end = min(seqlen_k, key_begin + per_split);
-        if (Tr::kCausal) {
-            const int last_query = min(seqlen_q - 1, (min(rows, row0 + 16) - 1) / heads_per_kv);
-            key_end = min(key_end, seqlen_k - seqlen_q + last_query + 1);
+        if (!Tr::kPaged && !index.row_ok(it.cache_row)) {
+            it.poisoned = true;
+            if (reporter) report_bad_value(error_claim, error_host, kBadCacheBatchIdx, it.b, 0, it.cache_row);
         }
-    }
-    const int n_tiles = key_end > key_begin ? (key_end - key_begin + Tr::kBlockN - 1) / Tr::kBlockN : 0;
-    const int my_tiles = n_tiles > warp ? (n_tiles - warp + kW - 1) / kW : 0;
+        // left pad: key j of the row is cache slot pad + j (Extras only; 0 folds away otherwise)
+        if (Tr::kExtras && !it.poisoned && (it.pad < 0 || it.pad > it.cached)) {
+            it.poisoned = true;
+            if (reporter) report_bad_value(error_claim, error_host, kBadCacheLeftpad, it.b, 0, it.pad);
+        }
+        it.seqlen_k = it.poisoned ? 0 : it.cached + seqlen_new - it.pad;
+        const int last_query = min(seqlen_q - 1, (min(rows, it.row0 + 16) - 1) / heads_per_kv);
+        if constexpr (Tr::kExtras) {
+            // Only the keys some row of the block sees, from a tile boundary (paged tiles must start on a multiple
+            // of 16 keys), are split: a small window over a long cache costs a few tiles, not the cache.
+            const WindowMask<kMaskWindow> window{seqlen_q, it.seqlen_k, window_left, window_right};
+            const int first_query = it.row0 / heads_per_kv;
+            const int lo = window.key_begin(first_query) / Tr::kBlockN * Tr::kBlockN;
+            const int hi = window.key_end(first_query, last_query - first_query + 1);
+            const int span = max(hi - lo, 0);
+            const int per_split =
+                ((span + num_splits - 1) / num_splits + Tr::kBlockN - 1) / Tr::kBlockN * Tr::kBlockN;
+            it.key_begin = lo + it.split * per_split;
+            it.key_end = min(hi, it.key_begin + per_split);
+        } else {
+            const int per_split =
+                ((it.seqlen_k + num_splits - 1) / num_splits + Tr::kBlockN - 1) / Tr::kBlockN * Tr::kBlockN;
+            it.key_begin = it.split * per_split;
+            it.key_end = min(it.seqlen_k, it.key_begin + per_split);
+            if (Tr::kCausal) it.key_end = min(it.key_end, it.seqlen_k - seqlen_q + last_query + 1);
+        }
+        const int n_tiles =
+            it.key_end > it.key_begin ? (it.key_end - it.key_begin + Tr::kBlockN - 1) / Tr::kBlockN : 0;
+        it.my_tiles = n_tiles > warp ? (n_tiles - warp + kW - 1) / kW : 0;
+    };
 
-    // K/V of the warp's j-th tile into ring slot `slot`; true if a block_table entry was out of range (reported,
-    // and read as zeros). Paged: one division per tile, then each row steps from the tile's first page (a tile
-    // spans at most BlockN / 16 + 1 pages).
-    auto load_kv = [&](int j, int slot) -> bool {
+    // K/V of the warp's j-th tile of an item into ring slot `slot`; true if a block_table entry was out of range
+    // (reported, and read as zeros).
+    auto load_kv = [&](const DecodeItem& it, int j, int slot) -> bool {
         bool bad_page = false;
-        const int first = key_begin + (warp + j * kW) * Tr::kBlockN;
+        const int first = it.key_begin + (warp + j * kW) * Tr::kBlockN;
         // Paged: the tile starts on a multiple of 16 keys and pages hold multiples of 16, so it spans at most
         // BlockN / 16 pages: their indices are read (and checked) once per tile, not once per row.
         constexpr int kTilePages = Tr::kPaged ? Tr::kBlockN / 16 : 1;
@@ -451,10 +501,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 #pragma unroll
             for (int p = 0; p < kTilePages; ++p) {
                 const int page_idx = first_page + p;
-                const bool used = p == 0 || (page_idx * page_size < key_end && page_idx < max_pages);
-                int page = first < key_end && used ? block_table[(i64)b * max_pages + page_idx] : 0;
+                const bool used = p == 0 || (page_idx * page_size < it.key_end && page_idx < max_pages);
+                int page = first < it.key_end && used ? block_table[(i64)it.b * max_pages + page_idx] : 0;
                 if (!index.row_ok(page)) {
-                    if (!bad_page) report_bad_value(error_claim, error_host, kBadBlockTable, b, page_idx, page);
+                    if (!bad_page) report_bad_value(error_claim, error_host, kBadBlockTable, it.b, page_idx, page);
                     bad_page = true;
                     page = 0;
                 }
@@ -465,7 +515,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 #pragma unroll 4
         for (int i = 0; i < kChunks / 32; ++i) {
             const int idx = lane + i * 32, r = idx / kDT, c = (idx % kDT) * 8;
-            const bool ok = first + r < key_end && c < headdim && !bad_page;
+            const bool ok = first + r < it.key_end && c < headdim && !bad_page;
             i64 k_off, v_off;
             if (Tr::kPaged) {
                 int page = pages[0], offset = first_offset + r;
@@ -479,12 +529,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 k_off = page * k_batch_stride + (i64)offset * k_row_stride;
                 v_off = page * v_batch_stride + (i64)offset * v_row_stride;
             } else {
-                const int key = ok ? pad + first + r : 0;
-                k_off = cache_row * k_batch_stride + (i64)key * k_row_stride;
-                v_off = cache_row * v_batch_stride + (i64)key * v_row_stride;
+                const int key = ok ? it.pad + first + r : 0;
+                k_off = it.cache_row * k_batch_stride + (i64)key * k_row_stride;
+                v_off = it.cache_row * v_batch_stride + (i64)key * v_row_stride;
             }
-            const u16* k_src = k_cache + k_off + kv_head * k_head_stride + c;
-            const u16* v_src = v_cache + v_off + kv_head * v_head_stride + c;
+            const u16* k_src = k_cache + k_off + it.kv_head * k_head_stride + c;
+            const u16* v_src = v_cache + v_off + it.kv_head * v_head_stride + c;
             if constexpr (Tr::kL2Prefetch) {
                 cp_async_16_prefetch256(KVTile::at(smem_k + slot * KVTile::kBytes, r, c), k_src, ok);
                 cp_async_16_prefetch256(KVTile::at(smem_v + slot * KVTile::kBytes, r, c), v_src, ok);
@@ -495,218 +545,344 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         }
         return bad_page;
     };
-    bool bad_page = false;
+    // Q rows of an item by (query, head), all threads together, into Q buffer `buffer`.
+    auto load_q = [&](const DecodeItem& it, int buffer) {
+        for (int idx = threadIdx.x; idx < 16 * kDT; idx += Tr::kThreads) {
+            const int r = idx / kDT, c = (idx % kDT) * 8, packed = it.row0 + r;
+            const bool ok = packed < rows && c < headdim;
+            const int query = packed / heads_per_kv, head = it.kv_head * heads_per_kv + packed % heads_per_kv;
+            cp_async_16(QTile::at(smem_q + buffer * QTile::kBytes, r, c),
+                        ok ? q + it.b * q_batch_stride + (i64)query * q_row_stride + head * q_head_stride + c : q,
+                        ok);
+        }
+    };
 
-    // Q rows by (query, head), all warps together; then each warp's ring prologue.
-    for (int idx = threadIdx.x; idx < 16 * kDT; idx += Tr::kThreads) {
-        const int r = idx / kDT, c = (idx % kDT) * 8, packed = row0 + r;
-        const bool ok = packed < rows && c < headdim;
-        const int query = packed / heads_per_kv, head = kv_head * heads_per_kv + packed % heads_per_kv;
-        cp_async_16(QTile::at(smem_q, r, c),
-                    ok ? q + b * q_batch_stride + (i64)query * q_row_stride + head * q_head_stride + c : q, ok);
-    }
+    int item = blockIdx.x;
+    DecodeItem cur;
+    item_values(item, cur);
+    item_check(cur);
+    // The first item: Q, then each warp's ring prologue, one group per tile (empty past the warp's tiles).
+    load_q(cur, 0);
     cp_async_commit();
+    bool bad_page = false;  // a bad block_table entry in cur's tiles (this thread's loads)
 #pragma unroll
-    for (int s = 0; s < Tr::kStages - 1; ++s) {
-        if (s < my_tiles) bad_page |= load_kv(s, s);
+    for (int t = 0; t < kS - 1; ++t) {
+        if (t < cur.my_tiles) bad_page |= load_kv(cur, t, t);
         cp_async_commit();
     }
-    cp_async_wait<Tr::kStages - 1>();  // the Q group (the oldest) has landed, for this thread
-    __syncthreads();                   // ... and for every thread
-
-    float acc_o[1][kDT][4];
-    zero_fragments(acc_o);
-    OnlineSoftmax<1, kNT> softmax;
-    softmax.init();
-    // Extras: each thread's two rows (packed row g and g + 8) belong to their own query heads, so each has its
-    // own ALiBi slope and score modifiers.
-    ScoreMods mods[2];
-    if constexpr (Tr::kExtras) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int packed = row0 + (lane >> 2) + half * 8;
-            const int head = kv_head * heads_per_kv + packed % heads_per_kv;
-            const float slope =
-                alibi_slopes != nullptr && packed < rows ? alibi_slopes[b * alibi_batch_stride + head] : 0.f;
-            mods[half] = make_score_mods(scale, softcap, slope, seqlen_q, seqlen_k);
+    int buffer = 0;                          // cur's Q buffer
+    int slot_base = 0;                       // ring slot of cur's first tile (of this warp), modulo kS
+    int issued = min(kS - 1, cur.my_tiles);  // tiles of cur this warp has issued ahead
+    for (bool first_item = true;; first_item = false) {
+        if (first_item) {
+            cp_async_wait<kS - 1>();  // the Q group (the oldest) has landed, for this thread
+        } else {
+            // The first kS - 1 tiles of cur in flight (issued during the previous item, unless it had fewer
+            // tiles), then Q and those tiles landed.
+            for (; issued < min(kS - 1, cur.my_tiles); ++issued) {
+                bad_page |= load_kv(cur, issued, (slot_base + issued) % kS);
+                cp_async_commit();
+            }
+            cp_async_wait<0>();
         }
-    }
-
-    for (int j = 0; j < my_tiles; ++j) {
-        cp_async_wait<Tr::kStages - 2>();
-        __syncwarp();
-        {
-            const int ahead = j + Tr::kStages - 1;
-            if (ahead < my_tiles) bad_page |= load_kv(ahead, ahead % Tr::kStages);
+        __syncthreads();  // ... for every thread, and every warp is past the previous item's merge
+        decode_mark(1);
+        const int next_item = item + gridDim.x;
+        const bool has_next = next_item < items;
+        DecodeItem next;
+        next.my_tiles = 0;
+        if (has_next) item_values(next_item, next);  // loads only: checked after the first tile's math
+        int next_issued = 0;
+        bool next_bad_page = false, next_checked = false;
+        auto start_next = [&] {  // check next (once) and load its Q into the other buffer
+            if (!has_next) return;
+            if (!next_checked) {
+                item_check(next);
+                next_checked = true;
+            }
+            load_q(next, buffer ^ 1);
             cp_async_commit();
-        }
-        const u32 k_slot = smem_k + (j % Tr::kStages) * KVTile::kBytes;
-        const u32 v_slot = smem_v + (j % Tr::kStages) * KVTile::kBytes;
-        float s[1][kNT][4];
-        zero_fragments(s);
-        mma_tiles<typename Tr::Elem, kKSteps>(
-            s, [&](u32(&a)[4], int, int kk) { QTile::load_a(a, smem_q, 0, kk * 16, lane); },
-            [&](u32(&b)[4], int np, int kk) { KVTile::load_b_nk(b, k_slot, np * 16, kk * 16, lane); });
-        // Mask keys past this split's end and, under the causal mask, past each row's own query.
-        const int first = key_begin + (warp + j * kW) * Tr::kBlockN;
+        };
+
+        const u32 q_tile = smem_q + buffer * QTile::kBytes;
+        float acc_o[1][kDT][4];
+        zero_fragments(acc_o);
+        OnlineSoftmax<1, kNT> softmax;
+        softmax.init();
+        const WindowMask<kMaskWindow> window{seqlen_q, cur.seqlen_k, window_left, window_right};
+        // Extras: each thread's two rows (packed row g and g + 8) belong to their own query heads, so each has its
+        // own ALiBi slope and score modifiers.
+        ScoreMods mods[2];
         if constexpr (Tr::kExtras) {
-            // Final logits (softcap, ALiBi), then the window: a key's distance from the row's diagonal decides.
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                const int query = (row0 + (lane >> 2) + half * 8) / heads_per_kv;
+                const int packed = cur.row0 + (lane >> 2) + half * 8;
+                const int head = cur.kv_head * heads_per_kv + packed % heads_per_kv;
+                const float slope = alibi_slopes != nullptr && packed < rows
+                                        ? alibi_slopes[cur.b * alibi_batch_stride + head]
+                                        : 0.f;
+                mods[half] = make_score_mods(scale, softcap, slope, seqlen_q, cur.seqlen_k);
+            }
+        }
+
+        for (int j = 0; j < cur.my_tiles; ++j) {
+            // The first item: tile j's group has kS - 2 groups after it (next's Q group, committed in iteration
+            // 0, may be waited for early). Later items: tiles below kS - 1 landed before the item started; tile
+            // j >= kS - 1 is the group of iteration j - kS + 1, with kS - 2 groups after it.
+            if (first_item || j >= kS - 1) cp_async_wait<kS - 2>();
+            __syncwarp();
+            if (j < 10) decode_mark(2 + j);
+            {
+                const int ahead = j + kS - 1;
+                if (ahead < cur.my_tiles) {
+                    bad_page |= load_kv(cur, ahead, (slot_base + ahead) % kS);
+                } else if (has_next) {
+                    // The ring runs on into the next item (its slot held cur's tile ahead - kS, consumed).
+                    if (!next_checked) {
+                        item_check(next);
+                        next_checked = true;
+                    }
+                    if (next_issued < min(kS - 1, next.my_tiles)) {
+                        next_bad_page |= load_kv(next, next_issued, (slot_base + cur.my_tiles + next_issued) % kS);
+                        ++next_issued;
+                    }
+                }
+                cp_async_commit();
+            }
+            const int slot = (slot_base + j) % kS;
+            const u32 k_slot = smem_k + slot * KVTile::kBytes;
+            const u32 v_slot = smem_v + slot * KVTile::kBytes;
+            float s[1][kNT][4];
+            zero_fragments(s);
+            mma_tiles<typename Tr::Elem, kKSteps>(
+                s, [&](u32(&a)[4], int, int kk) { QTile::load_a(a, q_tile, 0, kk * 16, lane); },
+                [&](u32(&b)[4], int np, int kk) { KVTile::load_b_nk(b, k_slot, np * 16, kk * 16, lane); });
+            // Mask keys past this split's end and, under the causal mask, past each row's own query.
+            const int first = cur.key_begin + (warp + j * kW) * Tr::kBlockN;
+            if constexpr (Tr::kExtras) {
+                // Final logits (softcap, ALiBi), then the window: a key's distance from the row's diagonal decides.
 #pragma unroll
-                for (int nt = 0; nt < kNT; ++nt) {
+                for (int half = 0; half < 2; ++half) {
+                    const int query = (cur.row0 + (lane >> 2) + half * 8) / heads_per_kv;
 #pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int key = first + nt * 8 + (lane & 3) * 2 + e;
-                        const int dist = key - query - window.diag();
-                        float unused;
-                        const float x = mods[half].logit(s[0][nt][2 * half + e], query, key, unused);
-                        s[0][nt][2 * half + e] =
-                            key >= key_end || dist > window_right || dist < -window_left ? -pos_inf() : x;
+                    for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int key = first + nt * 8 + (lane & 3) * 2 + e;
+                            const int dist = key - query - window.diag();
+                            float unused;
+                            const float x = mods[half].logit(s[0][nt][2 * half + e], query, key, unused);
+                            s[0][nt][2 * half + e] =
+                                key >= cur.key_end || dist > window_right || dist < -window_left ? -pos_inf() : x;
+                        }
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int query = (cur.row0 + (lane >> 2) + half * 8) / heads_per_kv;
+                    const int limit =
+                        Tr::kCausal ? min(cur.key_end, cur.seqlen_k - seqlen_q + query + 1) : cur.key_end;
+#pragma unroll
+                    for (int nt = 0; nt < kNT; ++nt) {
+                        const int key = first + nt * 8 + (lane & 3) * 2;
+                        if (key >= limit) s[0][nt][2 * half] = -pos_inf();
+                        if (key + 1 >= limit) s[0][nt][2 * half + 1] = -pos_inf();
                     }
                 }
             }
-        } else {
+            softmax.update(s, acc_o, Tr::kExtras ? kLog2e : scale_log2);
+            mma_c_b<typename Tr::Elem, KVTile>(acc_o, s, v_slot, lane);
+            if (j == 0) start_next();  // next's index values have arrived by now
+        }
+        if (cur.my_tiles == 0) start_next();
+        if (!has_next) cp_async_wait<0>();  // (empty groups only; the merge may reuse the rings)
+        decode_mark(12);
+        float row_lse[2];
+        softmax.finalize(acc_o, row_lse, Tr::kExtras ? 1.f : scale);
+        // Every warp is done with the item's tiles and Q (the barrier).
+        const bool poisoned = __syncthreads_or(cur.poisoned || bad_page);
+        decode_mark(13);
+
+        float* merge_out = reinterpret_cast<float*>(merge_area);          // [warp][16][kMergePitch]
+        float* merge_lse = merge_out + kW * 16 * Tr::kMergePitch;            // [warp][16]
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int query = (row0 + (lane >> 2) + half * 8) / heads_per_kv;
-                const int limit = Tr::kCausal ? min(key_end, seqlen_k - seqlen_q + query + 1) : key_end;
+        for (int half = 0; half < 2; ++half) {
+            const int r = (lane >> 2) + half * 8;
+            float* dst = merge_out + (warp * 16 + r) * Tr::kMergePitch;
 #pragma unroll
-                for (int nt = 0; nt < kNT; ++nt) {
-                    const int key = first + nt * 8 + (lane & 3) * 2;
-                    if (key >= limit) s[0][nt][2 * half] = -pos_inf();
-                    if (key + 1 >= limit) s[0][nt][2 * half + 1] = -pos_inf();
-                }
+            for (int dt = 0; dt < kDT; ++dt)
+                *reinterpret_cast<float2*>(dst + dt * 8 + (lane & 3) * 2) =
+                    make_float2(acc_o[0][dt][2 * half], acc_o[0][dt][2 * half + 1]);
+            if ((lane & 3) == 0) merge_lse[warp * 16 + r] = row_lse[half];
+        }
+        __syncthreads();
+        decode_mark(20);
+        __shared__ float block_lse[16];
+        if (threadIdx.x < 16) {  // per row: the block's lse, and each warp's lse replaced by its weight
+            const int r = threadIdx.x;
+            const float lse = merged_lse(kW, [&](int w) { return merge_lse[w * 16 + r]; });
+            for (int w = 0; w < kW; ++w) merge_lse[w * 16 + r] = part_weight(merge_lse[w * 16 + r], lse);
+            block_lse[r] = lse;
+        }
+        __syncthreads();
+        decode_mark(21);
+
+        // The block's rows: merged over its warps, then final (one split) or an fp32 partial for the last block.
+        const i64 total_rows = (i64)batch * seqlen_q * nheads;
+        auto out_row = [&](int packed) {  // index of packed row `packed` in (batch, seqlen_q, nheads) order
+            const int query = packed / heads_per_kv, head = cur.kv_head * heads_per_kv + packed % heads_per_kv;
+            return ((i64)cur.b * seqlen_q + query) * nheads + head;
+        };
+        auto lse_index = [&](int packed) {  // ... and in lse_out's (batch, nheads, seqlen_q) order
+            const int query = packed / heads_per_kv, head = cur.kv_head * heads_per_kv + packed % heads_per_kv;
+            return ((i64)cur.b * nheads + head) * seqlen_q + query;
+        };
+        const int half_dim = headdim / 2;
+        for (int idx = threadIdx.x; idx < 16 * half_dim; idx += Tr::kThreads) {
+            const int r = idx / half_dim, c = (idx % half_dim) * 2;
+            if (cur.row0 + r >= rows) break;
+            float lse = block_lse[r];
+            float2 o = make_float2(0.f, 0.f);
+#pragma unroll
+            for (int w = 0; w < kW; ++w) {
+                const float weight = merge_lse[w * 16 + r];
+                const float2 part =
+                    *reinterpret_cast<const float2*>(merge_out + (w * 16 + r) * Tr::kMergePitch + c);
+                o.x += weight * part.x;
+                o.y += weight * part.y;
+            }
+            if (poisoned) o.x = o.y = lse = __int_as_float(0x7fc00000);
+            const i64 row = out_row(cur.row0 + r);
+            if (num_splits == 1) {
+                reinterpret_cast<u32*>(out + row * headdim)[c / 2] = Mma::pack(o.x, o.y);
+                if (c == 0 && lse_out != nullptr) lse_out[lse_index(cur.row0 + r)] = lse;
+            } else {
+                *reinterpret_cast<float2*>(partial_out + (cur.split * total_rows + row) * headdim + c) = o;
+                if (c == 0) partial_lse[cur.split * total_rows + row] = lse;
             }
         }
-        softmax.update(s, acc_o, Tr::kExtras ? kLog2e : scale_log2);
-        mma_c_b<typename Tr::Elem, KVTile>(acc_o, s, v_slot, lane);
-    }
-    cp_async_wait<0>();
-    float row_lse[2];
-    softmax.finalize(acc_o, row_lse, Tr::kExtras ? 1.f : scale);
-    // Every warp is done with its ring (the barrier), so the rings' memory now holds each warp's result rows.
-    poisoned = __syncthreads_or(poisoned || bad_page);
+        decode_mark(14);
 
-    float* merge_out = reinterpret_cast<float*>(smem + QTile::kBytes);  // [warp][16][HeadDim]
-    float* merge_lse = merge_out + kW * 16 * Tr::kHeadDim;              // [warp][16]
+        if (num_splits > 1) {
+            // Split-KV: the last of the item's split blocks to arrive merges every split's partial.
+            __shared__ int last_to_arrive;
+            __threadfence();  // this block's partials are visible device-wide before its arrival is counted
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                int* counter = arrivals + (i64)cur.b * groups + cur.group;
+                last_to_arrive = atomicAdd(counter, 1) == num_splits - 1;
+                if (last_to_arrive) *counter = 0;  // left zeroed, as it was found
+            }
+            __syncthreads();
+            decode_mark(15);
+            if (last_to_arrive) {
+                __threadfence();
+                const int real_rows = min(16, rows - cur.row0);
+                float* weights = reinterpret_cast<float*>(merge_area);                   // [split][16]
+                float4* sums = reinterpret_cast<float4*>(weights + kMaxSplits * 16);  // [group][item]
+                // The output: each item (row, 4 columns) summed by several threads over interleaved splits
+                // (independent loads, no L2 latency chain), and those sums added in shared memory. A thread's
+                // first item's partials of up to kEarly splits are loaded now: their latency overlaps the lse's.
+                const int quads = headdim / 4, work = real_rows * quads;
+                const int split_groups = max(1, min(Tr::kThreads / work, num_splits));
+                constexpr int kEarly = 16;
+                float4 early[kEarly];
+                {
+                    const int unit = threadIdx.x % work, sg = threadIdx.x / work;
+                    const float* part = partial_out + out_row(cur.row0 + unit / quads) * headdim + unit % quads * 4;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int r = (lane >> 2) + half * 8;
-        float* dst = merge_out + (warp * 16 + r) * Tr::kHeadDim;
+                    for (int e = 0; e < kEarly; ++e) {
+                        const int i = sg + e * split_groups;
+                        early[e] = sg < split_groups && i < num_splits
+                                       ? __ldcg(reinterpret_cast<const float4*>(part + i * total_rows * headdim))
+                                       : make_float4(0.f, 0.f, 0.f, 0.f);
+                    }
+                }
+                // Per row, one warp: the splits' lse (lanes over splits, all loads in flight at once), the row's
+                // lse and each split's weight by warp reductions.
+                for (int r = warp; r < real_rows; r += kW) {
+                    const float* lses = partial_lse + out_row(cur.row0 + r);
+                    constexpr int kPerLane = kMaxSplits / 32;
+                    float l[kPerLane];
 #pragma unroll
-        for (int dt = 0; dt < kDT; ++dt)
-            *reinterpret_cast<float2*>(dst + dt * 8 + (lane & 3) * 2) =
-                make_float2(acc_o[0][dt][2 * half], acc_o[0][dt][2 * half + 1]);
-        if ((lane & 3) == 0) merge_lse[warp * 16 + r] = row_lse[half];
-    }
-    __syncthreads();
-    __shared__ float block_lse[16];
-    if (threadIdx.x < 16) {  // per row: the block's lse, and each warp's lse replaced by its weight
-        const int r = threadIdx.x;
-        const float lse = merged_lse(kW, [&](int w) { return merge_lse[w * 16 + r]; });
-        for (int w = 0; w < kW; ++w) merge_lse[w * 16 + r] = part_weight(merge_lse[w * 16 + r], lse);
-        block_lse[r] = lse;
-    }
-    __syncthreads();
-
-    // The block's rows: merged over its warps, then final (one split) or an fp32 partial for the last block.
-    const i64 total_rows = (i64)batch * seqlen_q * nheads;
-    auto out_row = [&](int packed) {  // index of packed row `packed` in (batch, seqlen_q, nheads) order
-        const int query = packed / heads_per_kv, head = kv_head * heads_per_kv + packed % heads_per_kv;
-        return ((i64)b * seqlen_q + query) * nheads + head;
-    };
-    auto lse_index = [&](int packed) {  // ... and in lse_out's (batch, nheads, seqlen_q) order
-        const int query = packed / heads_per_kv, head = kv_head * heads_per_kv + packed % heads_per_kv;
-        return ((i64)b * nheads + head) * seqlen_q + query;
-    };
-    const int half_dim = headdim / 2;
-    for (int idx = threadIdx.x; idx < 16 * half_dim; idx += Tr::kThreads) {
-        const int r = idx / half_dim, c = (idx % half_dim) * 2;
-        if (row0 + r >= rows) break;
-        float lse = block_lse[r];
-        float2 o = make_float2(0.f, 0.f);
+                    for (int k = 0; k < kPerLane; ++k) {
+                        const int i = lane + 32 * k;
+                        l[k] = i < num_splits ? __ldcg(lses + i * total_rows) : pos_inf();
+                    }
+                    float m = -pos_inf();
 #pragma unroll
-        for (int w = 0; w < kW; ++w) {
-            const float weight = merge_lse[w * 16 + r];
-            const float2 part = *reinterpret_cast<const float2*>(merge_out + (w * 16 + r) * Tr::kHeadDim + c);
-            o.x += weight * part.x;
-            o.y += weight * part.y;
-        }
-        if (poisoned) o.x = o.y = lse = __int_as_float(0x7fc00000);
-        const i64 row = out_row(row0 + r);
-        if (num_splits == 1) {
-            reinterpret_cast<u32*>(out + row * headdim)[c / 2] = Mma::pack(o.x, o.y);
-            if (c == 0 && lse_out != nullptr) lse_out[lse_index(row0 + r)] = lse;
-        } else {
-            *reinterpret_cast<float2*>(partial_out + (split * total_rows + row) * headdim + c) = o;
-            if (c == 0) partial_lse[split * total_rows + row] = lse;
-        }
-    }
-    if (num_splits == 1) return;
-
-    // Split-KV: the last of the row's split blocks to arrive merges every split's partial.
-    __shared__ int last_to_arrive;
-    __threadfence();  // this block's partials are visible device-wide before its arrival is counted
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        int* counter = arrivals + (i64)b * gridDim.y + blockIdx.y;
-        last_to_arrive = atomicAdd(counter, 1) == num_splits - 1;
-        if (last_to_arrive) *counter = 0;  // left zeroed, as it was found
-    }
-    __syncthreads();
-    if (!last_to_arrive) return;
-    __threadfence();
-    // Every split's weight for each row first (all loads in flight at once), then the output: each item (row,
-    // 4 columns) summed by several threads over interleaved splits (independent loads, no L2 latency chain),
-    // and those sums added in shared memory.
-    const int real_rows = min(16, rows - row0);
-    float* weights = reinterpret_cast<float*>(smem + QTile::kBytes);  // [split][16]
-    float4* sums = reinterpret_cast<float4*>(weights + kMaxSplits * 16);  // [group][item]
-    for (int i = threadIdx.x; i < num_splits * 16; i += Tr::kThreads) {
-        const int r = i % 16;
-        weights[i] = r < real_rows ? __ldcg(partial_lse + (i / 16) * total_rows + out_row(row0 + r)) : 0.f;
-    }
-    __syncthreads();
-    if (threadIdx.x < real_rows) {
-        const int r = threadIdx.x;
-        const float lse = merged_lse(num_splits, [&](int i) { return weights[i * 16 + r]; });
-        for (int i = 0; i < num_splits; ++i) weights[i * 16 + r] = part_weight(weights[i * 16 + r], lse);
-        if (lse_out != nullptr) lse_out[lse_index(row0 + r)] = lse;
-    }
-    __syncthreads();
-    const int quads = headdim / 4, items = real_rows * quads;
-    const int groups = max(1, min(Tr::kThreads / items, num_splits));
-    for (int t = threadIdx.x; t < items * groups; t += Tr::kThreads) {
-        const int item = t % items, group = t / items, r = item / quads, c = (item % quads) * 4;
-        const float* part = partial_out + out_row(row0 + r) * headdim + c;
-        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+                    for (int k = 0; k < kPerLane; ++k)
+                        if (!is_inf(l[k])) m = fmaxf(m, l[k]);
+                    m = warp_max(m);
+                    float total = 0.f;
+#pragma unroll
+                    for (int k = 0; k < kPerLane; ++k)
+                        if (!is_inf(l[k])) total += __expf(l[k] - m);
+                    total = warp_sum(total);
+                    const float lse = total == 0.f ? pos_inf() : m + __logf(total);
+#pragma unroll
+                    for (int k = 0; k < kPerLane; ++k) {
+                        const int i = lane + 32 * k;
+                        if (i < num_splits) weights[i * 16 + r] = part_weight(l[k], lse);
+                    }
+                    if (lane == 0 && lse_out != nullptr) lse_out[lse_index(cur.row0 + r)] = lse;
+                }
+                __syncthreads();
+                decode_mark(17);
+                for (int t = threadIdx.x; t < work * split_groups; t += Tr::kThreads) {
+                    const int unit = t % work, sg = t / work, r = unit / quads, c = (unit % quads) * 4;
+                    const float* part = partial_out + out_row(cur.row0 + r) * headdim + c;
+                    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+                    int i = sg;
+                    if (t == threadIdx.x) {
+#pragma unroll
+                        for (int e = 0; e < kEarly; ++e, i += split_groups) {
+                            const float weight = i < num_splits ? weights[i * 16 + r] : 0.f;
+                            o.x += weight * early[e].x;
+                            o.y += weight * early[e].y;
+                            o.z += weight * early[e].z;
+                            o.w += weight * early[e].w;
+                        }
+                    }
 #pragma unroll 4
-        for (int i = group; i < num_splits; i += groups) {
-            const float weight = weights[i * 16 + r];
-            const float4 x = __ldcg(reinterpret_cast<const float4*>(part + i * total_rows * headdim));
-            o.x += weight * x.x;
-            o.y += weight * x.y;
-            o.z += weight * x.z;
-            o.w += weight * x.w;
+                    for (; i < num_splits; i += split_groups) {
+                        const float weight = weights[i * 16 + r];
+                        const float4 x = __ldcg(reinterpret_cast<const float4*>(part + i * total_rows * headdim));
+                        o.x += weight * x.x;
+                        o.y += weight * x.y;
+                        o.z += weight * x.z;
+                        o.w += weight * x.w;
+                    }
+                    sums[t] = o;
+                }
+                __syncthreads();
+                decode_mark(18);
+                for (int unit = threadIdx.x; unit < work; unit += Tr::kThreads) {
+                    float4 o = sums[unit];
+                    for (int sg = 1; sg < split_groups; ++sg) {
+                        const float4 x = sums[sg * work + unit];
+                        o.x += x.x;
+                        o.y += x.y;
+                        o.z += x.z;
+                        o.w += x.w;
+                    }
+                    const int r = unit / quads, c = (unit % quads) * 4;
+                    u32* dst = reinterpret_cast<u32*>(out + out_row(cur.row0 + r) * headdim + c);
+                    dst[0] = Mma::pack(o.x, o.y);
+                    dst[1] = Mma::pack(o.z, o.w);
+                }
+                decode_mark(16);
+            }
         }
-        sums[t] = o;
-    }
-    __syncthreads();
-    for (int item = threadIdx.x; item < items; item += Tr::kThreads) {
-        float4 o = sums[item];
-        for (int group = 1; group < groups; ++group) {
-            const float4 x = sums[group * items + item];
-            o.x += x.x;
-            o.y += x.y;
-            o.z += x.z;
-            o.w += x.w;
-        }
-        const int r = item / quads, c = (item % quads) * 4;
-        u32* dst = reinterpret_cast<u32*>(out + out_row(row0 + r) * headdim + c);
-        dst[0] = Mma::pack(o.x, o.y);
-        dst[1] = Mma::pack(o.z, o.w);
+        if (!has_next) return;
+        // On to the next item: its first tiles are in this warp's ring from cur's last slots on.
+        item = next_item;
+        slot_base = (slot_base + cur.my_tiles) % kS;
+        issued = next_issued;
+        bad_page = next_bad_page;
+        cur = next;
+        buffer ^= 1;
     }
 }
 

@@ -123,6 +123,16 @@ FA2_DEVICE float quad_sum(float x) {
     x += __shfl_xor_sync(0xffffffffu, x, 1);
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
+FA2_DEVICE float warp_max(float x) {  // over all 32 lanes
+#pragma unroll
+    for (int step = 16; step > 0; step /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, step));
+    return x;
+}
+FA2_DEVICE float warp_sum(float x) {
+#pragma unroll
+    for (int step = 16; step > 0; step /= 2) x += __shfl_xor_sync(0xffffffffu, x, step);
+    return x;
+}
 
 FA2_DEVICE void st_shared_u32(u32 addr, u32 v) { asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v)); }
 FA2_DEVICE void ld_shared_v4(u32 addr, u32 (&r)[4]) {

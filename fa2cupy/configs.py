@@ -307,13 +307,30 @@ class DecodeConfig:
     def threads(self) -> int:
         return 32 * self.warps
 
+    def _smem_parts(self) -> tuple[int, int, int]:
+        # Must match DecodeTraits (cuda/decode.cu): two Q tiles in rows padded by 16 bytes, the warps' K/V rings
+        # (swizzled unpadded rows where the head dim is a multiple of 64), and the merge area: every warp's fp32
+        # rows (pitch headdim + 8) and lse, or the last split block's weights and sums, whichever is larger.
+        pitch = self.headdim + 8
+        kv_pitch = self.headdim if self.headdim % 64 == 0 else pitch
+        q = 2 * 16 * pitch * 2
+        rings = self.warps * 2 * self.stages * self.block_n * kv_pitch * 2
+        merge = max(self.warps * 16 * (self.headdim + 8 + 1) * 4,
+                    MAX_DECODE_SPLITS * 16 * 4 + max(self.threads, 4 * self.headdim) * 16)
+        return q, rings, merge
+
     @property
     def smem_bytes(self) -> int:
-        pitch = self.headdim + 8  # SmemTile pads each row by 16 bytes
-        rings = self.warps * 2 * self.stages * self.block_n * pitch * 2
-        merge = self.warps * 16 * (self.headdim + 1) * 4  # the warps' fp32 rows, reusing the rings' memory
-        split_merge = MAX_DECODE_SPLITS * 16 * 4 + max(self.threads, 4 * self.headdim) * 16  # last block's merge
-        return 16 * pitch * 2 + max(rings, merge, split_merge)
+        """Shared memory of a block with one work item (it merges in its rings' memory): kSmemBytes."""
+        q, rings, merge = self._smem_parts()
+        return q + max(rings, merge)
+
+    @property
+    def persistent_smem_bytes(self) -> int:
+        """Shared memory of a block that walks several items (the merge area after the rings, which hold the next
+        item's first tiles while the block merges): kPersistentSmemBytes."""
+        q, rings, merge = self._smem_parts()
+        return q + rings + merge
 
     def name_expression(self, dtype: str, causal: bool, paged: bool) -> str:
         return (
@@ -326,6 +343,7 @@ class DecodeConfig:
 # Decode is memory-bound: what matters is bytes in flight per SM (warps x ring depth x tile) against the smem
 # that buys them. H100 (bench/tune_decode.py, bench/NOTES.md): 4 warps x 2 stages x 32-key tiles with the L2
 # 256-byte prefetch hint was the best or within 1% of it at every measured point; the hint alone is worth 2%.
+# (4 warps x 5 stages x 16-key tiles: 1% faster at 64x1k, 1.6-5% slower at 8x64k and 8x1k.)
 _DEC = {d: DecodeConfig(d, 32, 2, 4, True) if d <= 128 else DecodeConfig(d, 16, 2, 2, True) for d in HEADDIMS}
 _DEC_SM86 = {d: DecodeConfig(d, 16, 3, 2, True) if d <= 128 else DecodeConfig(d, 16, 2, 2, True) for d in HEADDIMS}
 DECODE_TABLE: dict[tuple[str, int], DecodeConfig] = {
@@ -337,7 +355,8 @@ DECODE_TABLE: dict[tuple[str, int], DecodeConfig] = {
 DECODE_CANDIDATES = tuple(
     DecodeConfig(128, bn, st, w, pf)
     for bn, st, w, pf in ((16, 3, 4, False), (16, 3, 4, True), (16, 4, 4, True), (32, 2, 4, False),
-                          (64, 2, 2, True), (16, 2, 8, True), (32, 3, 2, True), (32, 2, 2, True), (16, 2, 4, True))
+                          (64, 2, 2, True), (16, 2, 8, True), (32, 3, 2, True), (32, 2, 2, True), (16, 2, 4, True),
+                          (32, 3, 4, True), (16, 6, 4, True), (64, 3, 2, True), (16, 5, 4, True), (32, 2, 4, True))
 )
 
 

@@ -128,15 +128,7 @@ class DecodePlan:
 
 
 def _sm_count(device: int) -> int:
-    count = _sms.get(device)
-    if count is None:
-        import cupy
-
-        count = _sms[device] = cupy.cuda.Device(device).attributes["MultiProcessorCount"]
-    return count
-
-
-_sms: dict[int, int] = {}
+    return _device_attribute(device, "MultiProcessorCount")
 
 
 def choose_num_splits(blocks: int, sms: int, max_seqlen_k: int, tile_keys: int) -> int:
@@ -150,6 +142,43 @@ def choose_num_splits(blocks: int, sms: int, max_seqlen_k: int, tile_keys: int) 
         return 1
     most = max(1, max_seqlen_k // tile_keys)
     return max(1, min(sms // blocks, most, configs.MAX_DECODE_SPLITS))
+
+
+def _opt_in_smem(config: configs.DecodeConfig, device: int) -> int:
+    """The dynamic shared memory a decode kernel may be launched with: enough for blocks that walk several items
+    where the device has it (not the 99 KB parts at the largest head dims)."""
+    limit = _device_attribute(device, "MaxSharedMemoryPerBlockOptin")
+    return config.persistent_smem_bytes if config.persistent_smem_bytes <= limit else config.smem_bytes
+
+
+def _attention_grid(function, config: configs.DecodeConfig, device: int, items: int) -> tuple[int, int]:
+    """(blocks, shared memory) of a decode launch over ``items`` work items: one block per item while they all
+    fit on the GPU at once; beyond that, as many blocks as fit, each walking several items, so that an SM never
+    waits for one block to end before its next item's loads start (bench/NOTES.md, "decode: blocks that walk
+    items")."""
+    from cupy_backends.cuda.api import driver
+
+    sms = _sm_count(device)
+    resident = sms * driver.occupancyMaxActiveBlocksPerMultiprocessor(function.ptr, config.threads,
+                                                                      config.smem_bytes)
+    if items <= resident or _opt_in_smem(config, device) != config.persistent_smem_bytes:
+        return items, config.smem_bytes
+    per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(function.ptr, config.threads,
+                                                              config.persistent_smem_bytes)
+    return min(items, sms * max(1, per_sm)), config.persistent_smem_bytes
+
+
+def _device_attribute(device: int, name: str) -> int:
+    key = (device, name)
+    value = _attributes.get(key)
+    if value is None:
+        import cupy
+
+        value = _attributes[key] = cupy.cuda.Device(device).attributes[name]
+    return value
+
+
+_attributes: dict[tuple[int, str], int] = {}
 
 
 def _strides(array_strides, item):
@@ -175,7 +204,7 @@ def plan_decode(q_shape, strides, dtype: str, *, nheads_kv: int, cache_rows: int
     if use_extras:
         causal = False
     name = attention_name_expression(config, dtype, causal, paged, use_extras)
-    function = build.get_kernel("decode", name, config.smem_bytes)
+    function = build.get_kernel("decode", name, _opt_in_smem(config, device))
     if extras.window_left != UNLIMITED_WINDOW:  # a row sees at most left + 1 + right keys: split only those
         max_seqlen_k = min(max_seqlen_k, extras.window_left + seqlen_q + min(extras.window_right, max_seqlen_k))
     row_blocks = -(-seqlen_q * group // 16)
@@ -204,8 +233,10 @@ def plan_decode(q_shape, strides, dtype: str, *, nheads_kv: int, cache_rows: int
     extra_slot = len(args)  # alibi_slopes, then cache_leftpad two slots later (per-call pointers)
     args += (pointer, np.int64(extras.alibi_batch_stride), pointer, np.int32(extras.window_left),
              np.int32(extras.window_right), np.float32(extras.softcap))
-    attention = build.Launch(function, (splits, nheads_kv * row_blocks, batch), (config.threads, 1, 1),
-                             config.smem_bytes, args, tuple(range(13)) + (seqlen_slot, extra_slot, extra_slot + 2))
+    args += (np.int32(splits),)
+    grid, smem = _attention_grid(function, config, device, splits * nheads_kv * row_blocks * batch)
+    attention = build.Launch(function, (grid, 1, 1), (config.threads, 1, 1), smem, args,
+                             tuple(range(13)) + (seqlen_slot, extra_slot, extra_slot + 2))
     q_span = (seqlen_q if extras.rotary_advance else 1) if extras.rotary_dim else 0
     rotary_args = (np.int32(extras.rotary_dim), np.int32(extras.seqlen_ro), np.int32(extras.rotary_interleaved))
     append = None

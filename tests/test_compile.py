@@ -98,6 +98,33 @@ def test_every_table_entry_fits_its_family():
         assert (config.block_m // 16) <= config.warps and width % (16 * config.dslices) == 0
     for (family, width), config in configs.BACKWARD_DQ_TABLE.items():
         assert config.headdim == width and config.smem_bytes <= limits[family], (family, width, config)
+    for (family, width), config in configs.DECODE_TABLE.items():
+        assert config.headdim == width and config.smem_bytes <= limits[family], (family, width, config)
+    assert set(configs.DECODE_TABLE) == set(configs.FORWARD_TABLE)
+
+
+def test_decode_shared_memory_matches_the_kernel():
+    # DecodeConfig's byte counts (what a launch asks for) against DecodeTraits' own constants, read from the PTX of
+    # a probe variable compiled with the kernel source: shipped rows and tuning candidates.
+    rows = sorted(set(configs.DECODE_TABLE.values()) | set(configs.DECODE_CANDIDATES), key=repr)
+    probes = []
+    for i, config in enumerate(rows):
+        traits = config.name_expression("float16", False, False)[len("fa2::decode_attention<"):-1]
+        probes.append(f"__device__ int fa2_probe_{i}_one = {traits}::kSmemBytes;")
+        probes.append(f"__device__ int fa2_probe_{i}_walk = {traits}::kPersistentSmemBytes;")
+    code = build.source("decode") + "\n" + "\n".join(probes) + "\n"
+    prog = nvrtc.createProgram(code, "probe.cu", (), ())
+    try:
+        nvrtc.compileProgram(prog, build.NVRTC_OPTIONS + ("-arch=compute_80",))
+        ptx = nvrtc.getPTX(prog)
+        ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    finally:
+        nvrtc.destroyProgram(prog)
+    for i, config in enumerate(rows):
+        one = re.search(rf"fa2_probe_{i}_one = (\d+);", ptx)
+        walk = re.search(rf"fa2_probe_{i}_walk = (\d+);", ptx)
+        assert one and walk, f"probe {i} not in the PTX"
+        assert (int(one[1]), int(walk[1])) == (config.smem_bytes, config.persistent_smem_bytes), config
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -458,6 +458,44 @@ def test_num_splits_agree(dtype, paged):
         assert np.all(lerr <= 1e-3 * (1 + np.abs(l1))), f"num_splits={splits}: lse differs by {lerr.max():.3e}"
 
 
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("features", [False, True])
+def test_blocks_walking_several_items(paged, features, monkeypatch):
+    # More work items than the GPU holds blocks: the launch has fewer blocks, each walking items in grid strides
+    # with its K/V ring running on into the next item. A pretend 3-SM GPU makes each block walk 8 to 24 items,
+    # with rows of 0 to 10 key tiles (so some warps have none) and, with num_splits=3, a split merge per item.
+    from fa2cupy import decode, interface
+
+    launches = []
+    attention_grid = decode._attention_grid
+
+    def spy(function, config, device, items):
+        blocks, smem = attention_grid(function, config, device, items)
+        launches.append((blocks, items))
+        return blocks, smem
+
+    monkeypatch.setattr(decode, "_attention_grid", spy)
+    monkeypatch.setattr(decode, "_sm_count", lambda device: 3)
+    interface._cached_calls.clear()  # plans made for the real SM count
+    try:
+        rng = np.random.default_rng(11 + paged + 2 * features)
+        seqlens = rng.integers(0, 300, size=12)
+        seqlens[:3] = [0, 299, 1]
+        case = build_case(rng, batch=12, seqlen_q=2, nheads=8, nheads_kv=2, headdim=128, dtype="bfloat16",
+                          capacity=300, seqlens=seqlens, seqlen_new=1, page_size=16 if paged else None)
+        f = make_features(rng, case, window=(64, 3), softcap=5.0, alibi="batch",
+                          leftpad=None if paged else "random") if features else None
+        for causal in (False, True):
+            for splits in (0, 1, 3):
+                if features:
+                    run_features(case, f, causal=causal, num_splits=splits)
+                else:
+                    run_and_check(case, causal=causal, num_splits=splits)
+    finally:
+        interface._cached_calls.clear()  # plans made for the pretend SM count
+    assert launches and all(blocks == 3 < items for blocks, items in launches), launches
+
+
 def test_non_default_stream():
     cp = _cupy()
     rng = np.random.default_rng(5)
