@@ -109,3 +109,39 @@ def test_split_count_fills_the_gpu_once():
     # Short caches: at least one tile per warp per split (1024 keys / 128 = 8 splits at most).
     assert choose_num_splits(8, 132, 1024, 128) == 8
     assert choose_num_splits(8, 132, 16, 128) == 1
+
+
+def test_blocks_walk_items_only_when_the_grid_is_over_full(monkeypatch):
+    # _attention_grid with the device queries stubbed: an H100-like part (132 SMs, 227 KB per block) holding one
+    # block per SM of either layout.
+    from cupy_backends.cuda.api import driver
+
+    from fa2cupy import configs, decode
+
+    config = configs.decode_config(90, 128)
+    attributes = {"MultiProcessorCount": 132, "MaxSharedMemoryPerBlockOptin": 232448}
+    monkeypatch.setattr(decode, "_device_attribute", lambda device, name: attributes[name])
+    asked = []
+
+    def occupancy(function, threads, smem):
+        asked.append(smem)
+        return 1
+
+    monkeypatch.setattr(driver, "occupancyMaxActiveBlocksPerMultiprocessor", occupancy)
+
+    class Function:
+        ptr = 0
+
+    # Every item resident at once: one block per item, the compact layout.
+    assert decode._attention_grid(Function, config, 0, 128) == (128, config.smem_bytes)
+    assert decode._attention_grid(Function, config, 0, 132) == (132, config.smem_bytes)
+    # 64 x 1k (512 items): one block per SM walking 3-4 items each, with the merge area after the rings.
+    assert decode._attention_grid(Function, config, 0, 512) == (132, config.persistent_smem_bytes)
+    assert config.persistent_smem_bytes in asked
+    assert decode._opt_in_smem(config, 0) == config.persistent_smem_bytes
+    # A part whose blocks cannot have the walking layout (99 KB, d=256): one block per item, however many.
+    attributes["MaxSharedMemoryPerBlockOptin"] = 101376
+    wide = configs.decode_config(86, 256)
+    assert wide.smem_bytes <= 101376 < wide.persistent_smem_bytes
+    assert decode._opt_in_smem(wide, 0) == wide.smem_bytes
+    assert decode._attention_grid(Function, wide, 0, 10_000) == (10_000, wide.smem_bytes)
