@@ -15,6 +15,7 @@ import numpy as np
 sys.path.insert(0, ".")
 from fa2cupy import benchmark as B  # noqa: E402
 from fa2cupy import build, configs, decode, device_errors  # noqa: E402
+from tune_decode import D, HKV, decode_caches, decode_step  # noqa: E402
 
 POINTS = 24  # kTracePoints
 PHASES = (  # (label, from point, to point)
@@ -47,75 +48,57 @@ def main():
     parser.add_argument("--config", default=None, help="block_n,stages,warps,l2_prefetch (default: shipped)")
     parser.add_argument("--splits", default="0", help="comma-separated num_splits (0 = heuristic)")
     args = parser.parse_args()
-    h, hkv, d = 32, 8, 128
     device = cupy.cuda.runtime.getDevice()
-    arch = int(cupy.cuda.Device().compute_capability)
-    config = configs.decode_config(arch, d)
+    config = configs.decode_config(int(cupy.cuda.Device().compute_capability), D)
     if args.config:
         bn, st, w, pf = (int(x) for x in args.config.split(","))
-        config = configs.DecodeConfig(d, bn, st, w, bool(pf))
+        config = configs.DecodeConfig(D, bn, st, w, bool(pf))
     name = decode.attention_name_expression(config, "float16", False, False, False)
     module, kernel = traced_kernel(name, decode._opt_in_smem(config, device))
     build._kernels[("decode", name, device)] = kernel  # plan_decode picks the traced build
     trace = module.get_global("fa2_decode_trace")
     trace_host = np.zeros(8192 * POINTS * 2, dtype=np.uint64)  # fa2_decode_trace's size
-    claim, report = device_errors.pointers(device)
+    errors = device_errors.pointers(device)
     events = B.CupyEvents()
     rng = cupy.random.default_rng(0)
     print(f"config bn{config.block_n} st{config.stages} w{config.warps} pf{int(config.l2_prefetch)}")
     for case in args.cases.split(","):
         b, sk = map(int, case.split("x"))
-        q = rng.standard_normal((b, 1, h, d), dtype=cupy.float32).astype(cupy.float16)
-        kc = rng.standard_normal((b, sk, hkv, d), dtype=cupy.float32).astype(cupy.float16)
-        vc = rng.standard_normal((b, sk, hkv, d), dtype=cupy.float32).astype(cupy.float16)
-        nbytes = B.kv_cache_bytes(b, sk, hkv, d)
+        q, kc, vc = decode_caches(rng, b, sk)
+        nbytes = B.kv_cache_bytes(b, sk, HKV, D)
         for splits in map(int, args.splits.split(",")):
-            plan = decode.plan_decode(q.shape, {"q": q.strides, "k_cache": kc.strides, "v_cache": kc.strides},
-                                      "float16", nheads_kv=hkv, cache_rows=b, capacity=sk, page_size=0, max_pages=0,
-                                      seqlen_new=0, max_seqlen_k=sk, softmax_scale=d ** -0.5, causal=False,
-                                      arch=arch, device=device, num_splits=splits, item=2, config=config)
-            out = cupy.empty(q.shape, dtype=q.dtype)
-            stream = cupy.cuda.get_current_stream().ptr
-            inputs = [q.data.ptr, kc.data.ptr, vc.data.ptr, 0, 0, 0, 0, 0]
-            workspace = plan.workspace(stream, "cupy", device)
-
-            def run():
-                decode.run_decode(plan, inputs, out.data.ptr, 0, sk, stream, workspace, (claim, report))
-
+            plan, run, _ = decode_step(q, kc, vc, config, splits, errors)
             t = B.time_gpu(run, events, warmup=10, repeats=50)
-            rows = []
-            for _ in range(5):  # five single launches, each read back
-                trace.memset_async(0, trace_host.nbytes)
-                run()
-                cupy.cuda.runtime.deviceSynchronize()
-                trace.copy_to_host(trace_host.ctypes.data, trace_host.nbytes)
-                rows.append(trace_host.reshape(-1, POINTS, 2)[:, :, 0].astype(np.int64).copy())
+            trace.memset_async(0, trace_host.nbytes)  # then one launch, warm, read back
+            run()
+            cupy.cuda.runtime.deviceSynchronize()
+            trace.copy_to_host(trace_host.ctypes.data, trace_host.nbytes)
+            stamps = trace_host.reshape(-1, POINTS, 2)[:, :, 0].astype(np.int64)
             print(f"\n{case} splits={plan.splits}: {nbytes / (t.median_ms * 1e-3) / 1e12:.2f} TB/s, "
                   f"{t.median_ms * 1e3:.1f} us per call (events, back to back)")
-            for stamps in rows[3:4]:
-                blocks = stamps[stamps[:, 0] > 0]
-                start = blocks[:, 0].min()
-                rel = np.where(blocks > 0, blocks - start, -1) / 1e3
-                ends = np.maximum(rel[:, 14], rel[:, 16])
-                print(f"  {len(blocks)} blocks on {len(np.unique(blocks[:, POINTS - 1]))} SMs; entry spread "
-                      f"median {np.median(rel[:, 0]):.2f} max {rel[:, 0].max():.2f} us; last block done at "
-                      f"{ends.max():.2f} us (median block {np.median(ends):.2f})")
-                sms = blocks[:, POINTS - 1]
-                gaps = []  # an SM's idle time between one block's end and its next block's start
-                for sm in np.unique(sms):
-                    mine = np.argsort(rel[sms == sm, 0])
-                    entry, done = rel[sms == sm, 0][mine], ends[sms == sm][mine]
-                    gaps += list(entry[1:] - done[:-1])
-                if gaps:
-                    print(f"  SM idle between blocks: median {np.median(gaps):.2f} max {max(gaps):.2f} us "
-                          f"({len(gaps)} gaps)")
-                for label, a, z in PHASES:
-                    ok = (rel[:, a] >= 0) & (rel[:, z] >= 0)
-                    if not ok.any():
-                        continue
-                    span = (rel[ok, z] - rel[ok, a]) / (z - a if label.endswith("(per tile)") else 1)
-                    print(f"    {label:36s} median {np.median(span):6.2f}  max {span.max():6.2f} us"
-                          f"  ({ok.sum()} blocks)")
+            blocks = stamps[stamps[:, 0] > 0]
+            start = blocks[:, 0].min()
+            rel = np.where(blocks > 0, blocks - start, -1) / 1e3
+            ends = np.maximum(rel[:, 14], rel[:, 16])
+            print(f"  {len(blocks)} blocks on {len(np.unique(blocks[:, POINTS - 1]))} SMs; entry spread "
+                  f"median {np.median(rel[:, 0]):.2f} max {rel[:, 0].max():.2f} us; last block done at "
+                  f"{ends.max():.2f} us (median block {np.median(ends):.2f})")
+            sms = blocks[:, POINTS - 1]
+            gaps = []  # an SM's idle time between one block's end and its next block's start
+            for sm in np.unique(sms):
+                mine = np.argsort(rel[sms == sm, 0])
+                entry, done = rel[sms == sm, 0][mine], ends[sms == sm][mine]
+                gaps += list(entry[1:] - done[:-1])
+            if gaps:
+                print(f"  SM idle between blocks: median {np.median(gaps):.2f} max {max(gaps):.2f} us "
+                      f"({len(gaps)} gaps)")
+            for label, a, z in PHASES:
+                ok = (rel[:, a] >= 0) & (rel[:, z] >= 0)
+                if not ok.any():
+                    continue
+                span = (rel[ok, z] - rel[ok, a]) / (z - a if label.endswith("(per tile)") else 1)
+                print(f"    {label:36s} median {np.median(span):6.2f}  max {span.max():6.2f} us"
+                      f"  ({ok.sum()} blocks)")
 
 
 if __name__ == "__main__":

@@ -53,6 +53,23 @@ FA2_DEVICE float merged_lse(int n, LseAt lse_at) {
     return total == 0.f ? pos_inf() : m + __logf(total);
 }
 
+// merged_lse over the parts a warp holds, K per lane (absent parts as +inf), the same conventions; every lane
+// gets the result.
+template <int K>
+FA2_DEVICE float warp_merged_lse(const float (&l)[K]) {
+    float m = -pos_inf();
+#pragma unroll
+    for (int k = 0; k < K; ++k)
+        if (!is_inf(l[k])) m = fmaxf(m, l[k]);
+    m = warp_max(m);
+    float total = 0.f;
+#pragma unroll
+    for (int k = 0; k < K; ++k)
+        if (!is_inf(l[k])) total += __expf(l[k] - m);
+    total = warp_sum(total);
+    return total == 0.f ? pos_inf() : m + __logf(total);
+}
+
 // Weight of a part with lse `part` in a union with lse `whole` (0 for parts without keys, NaN stays NaN).
 FA2_DEVICE float part_weight(float part, float whole) {
     return is_inf(part) || whole == pos_inf() ? 0.f : __expf(part - whole);
@@ -781,24 +798,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 const int real_rows = min(16, rows - cur.row0);
                 float* weights = reinterpret_cast<float*>(merge_area);                   // [split][16]
                 float4* sums = reinterpret_cast<float4*>(weights + kMaxSplits * 16);  // [group][item]
-                // The output: each item (row, 4 columns) summed by several threads over interleaved splits
-                // (independent loads, no L2 latency chain), and those sums added in shared memory. A thread's
-                // first item's partials of up to kEarly splits are loaded now: their latency overlaps the lse's.
-                const int quads = headdim / 4, work = real_rows * quads;
-                const int split_groups = max(1, min(Tr::kThreads / work, num_splits));
-                constexpr int kEarly = 16;
-                float4 early[kEarly];
-                {
-                    const int unit = threadIdx.x % work, sg = threadIdx.x / work;
-                    const float* part = partial_out + out_row(cur.row0 + unit / quads) * headdim + unit % quads * 4;
-#pragma unroll
-                    for (int e = 0; e < kEarly; ++e) {
-                        const int i = sg + e * split_groups;
-                        early[e] = sg < split_groups && i < num_splits
-                                       ? __ldcg(reinterpret_cast<const float4*>(part + i * total_rows * headdim))
-                                       : make_float4(0.f, 0.f, 0.f, 0.f);
-                    }
-                }
                 // Per row, one warp: the splits' lse (lanes over splits, all loads in flight at once), the row's
                 // lse and each split's weight by warp reductions.
                 for (int r = warp; r < real_rows; r += kW) {
@@ -810,17 +809,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                         const int i = lane + 32 * k;
                         l[k] = i < num_splits ? __ldcg(lses + i * total_rows) : pos_inf();
                     }
-                    float m = -pos_inf();
-#pragma unroll
-                    for (int k = 0; k < kPerLane; ++k)
-                        if (!is_inf(l[k])) m = fmaxf(m, l[k]);
-                    m = warp_max(m);
-                    float total = 0.f;
-#pragma unroll
-                    for (int k = 0; k < kPerLane; ++k)
-                        if (!is_inf(l[k])) total += __expf(l[k] - m);
-                    total = warp_sum(total);
-                    const float lse = total == 0.f ? pos_inf() : m + __logf(total);
+                    const float lse = warp_merged_lse(l);
 #pragma unroll
                     for (int k = 0; k < kPerLane; ++k) {
                         const int i = lane + 32 * k;
@@ -830,23 +819,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 }
                 __syncthreads();
                 decode_mark(17);
+                // The output: each item (row, 4 columns) summed by several threads over interleaved splits
+                // (independent loads, no L2 latency chain), and those sums added in shared memory.
+                const int quads = headdim / 4, work = real_rows * quads;
+                const int split_groups = max(1, min(Tr::kThreads / work, num_splits));
                 for (int t = threadIdx.x; t < work * split_groups; t += Tr::kThreads) {
                     const int unit = t % work, sg = t / work, r = unit / quads, c = (unit % quads) * 4;
                     const float* part = partial_out + out_row(cur.row0 + r) * headdim + c;
                     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-                    int i = sg;
-                    if (t == threadIdx.x) {
-#pragma unroll
-                        for (int e = 0; e < kEarly; ++e, i += split_groups) {
-                            const float weight = i < num_splits ? weights[i * 16 + r] : 0.f;
-                            o.x += weight * early[e].x;
-                            o.y += weight * early[e].y;
-                            o.z += weight * early[e].z;
-                            o.w += weight * early[e].w;
-                        }
-                    }
 #pragma unroll 4
-                    for (; i < num_splits; i += split_groups) {
+                    for (int i = sg; i < num_splits; i += split_groups) {
                         const float weight = weights[i * 16 + r];
                         const float4 x = __ldcg(reinterpret_cast<const float4*>(part + i * total_rows * headdim));
                         o.x += weight * x.x;
