@@ -61,6 +61,8 @@ DECODE_CASES = (
     (2, 4, 8, 2, 64, 96, 2, True, 16, 0),        # paged (16-key pages), speculative 4 queries, causal
     (2, 3, 6, 3, 256, 64, 0, True, None, 1),     # headdim 256, one split, no append
     (1, 1, 4, 1, 40, 48, 3, False, 16, 2),       # headdim 40, MQA
+    (1, 1, 32, 8, 128, 2048, 1, False, None, 0),  # the bar's heads: 16 splits
+    (1, 1, 8, 1, 128, 4096, 1, False, 16, 40),    # 40 splits: the last block merges them in three chunks
 )
 
 

@@ -29,9 +29,6 @@
 
 namespace fa2 {
 
-// Most key splits of one row (the host clamps num_splits): the merging block keeps a weight per split and row.
-constexpr int kMaxSplits = 256;
-
 constexpr int cmax(int a, int b) { return a > b ? a : b; }
 
 FA2_DEVICE bool is_inf(float x) { return x == pos_inf() || x == -pos_inf(); }
@@ -50,23 +47,6 @@ FA2_DEVICE float merged_lse(int n, LseAt lse_at) {
         const float l = lse_at(i);
         if (!is_inf(l)) total += __expf(l - m);
     }
-    return total == 0.f ? pos_inf() : m + __logf(total);
-}
-
-// merged_lse over the parts a warp holds, K per lane (absent parts as +inf), the same conventions; every lane
-// gets the result.
-template <int K>
-FA2_DEVICE float warp_merged_lse(const float (&l)[K]) {
-    float m = -pos_inf();
-#pragma unroll
-    for (int k = 0; k < K; ++k)
-        if (!is_inf(l[k])) m = fmaxf(m, l[k]);
-    m = warp_max(m);
-    float total = 0.f;
-#pragma unroll
-    for (int k = 0; k < K; ++k)
-        if (!is_inf(l[k])) total += __expf(l[k] - m);
-    total = warp_sum(total);
     return total == 0.f ? pos_inf() : m + __logf(total);
 }
 
@@ -335,14 +315,18 @@ __global__ void __launch_bounds__(256)
 
 // ---------------------------------------------------------------------------------------------------------------
 // Diagnostics for bench/decode_trace.py: built with FA2_DECODE_TRACE, thread 0 of each block records %globaltimer
-// and clock64 at numbered points of its life (and its SM in the last slot); otherwise the marks compile away.
+// and clock64 at numbered points of each work item's life (and the block and its SM in the last slots); otherwise
+// the marks compile away.
 constexpr int kTracePoints = 24;
+#ifndef FA2_DECODE_TRACE_STRIDE  // key tiles 0, S, 2S, ... 9S get marks 2..11
+#define FA2_DECODE_TRACE_STRIDE 1
+#endif
 #ifdef FA2_DECODE_TRACE
 extern "C" {
 __device__ unsigned long long fa2_decode_trace[8192 * kTracePoints * 2];
 }
-FA2_DEVICE void decode_mark(int point) {
-    const unsigned id = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+FA2_DEVICE void decode_mark(int point, int item) {
+    const unsigned id = item;
     if (threadIdx.x != 0 || id >= 8192) return;
     unsigned long long now;
     unsigned sm;
@@ -352,9 +336,10 @@ FA2_DEVICE void decode_mark(int point) {
     slot[2 * point] = now;
     slot[2 * point + 1] = clock64();
     slot[2 * (kTracePoints - 1)] = sm;
+    slot[2 * (kTracePoints - 1) + 1] = blockIdx.x;
 }
 #else
-FA2_DEVICE void decode_mark(int) {}
+FA2_DEVICE void decode_mark(int, int) {}
 #endif
 
 // Extras: the sliding window (causal folded in as its right side 0; instantiated with Causal = false), softcap,
@@ -372,13 +357,10 @@ struct DecodeTraits {
     using KVTile = SmemTile<BlockN, HeadDim, HeadDim % 64 == 0>;  // swizzled rows where the head dim allows
     static constexpr int kQBytes = 2 * QTile::kBytes;              // the item's Q tile and the next item's
     static constexpr int kRingBytes = 2 * Stages * KVTile::kBytes;  // K and V ring of one warp
-    // Every warp's fp32 output rows (a pitch of HeadDim + 8 floats: conflict-free float2 stores) and lse.
+    // The block's merge: every warp's fp32 output rows (a pitch of HeadDim + 8 floats: conflict-free float2
+    // stores) and lse. (The splits' merges need no dynamic shared memory.)
     static constexpr int kMergePitch = HeadDim + 8;
-    static constexpr int kWarpMergeBytes = Warps * 16 * (kMergePitch + 1) * 4;
-    // The last split block's merge: a weight per (split, row), then per-thread float4 sums of (row, 4 columns)
-    // items, at most max(threads, 16 rows x HeadDim / 4) of them.
-    static constexpr int kSplitMergeBytes = kMaxSplits * 16 * 4 + cmax(kThreads, 4 * HeadDim) * 16;
-    static constexpr int kMergeBytes = cmax(kWarpMergeBytes, kSplitMergeBytes);
+    static constexpr int kMergeBytes = Warps * 16 * (kMergePitch + 1) * 4;
     // A block with one item merges in its rings' memory; a block walking several items keeps the next item's
     // first tiles in flight in its rings while it merges, so its merge area comes after them.
     static constexpr int kSmemBytes = kQBytes + cmax(Warps * kRingBytes, kMergeBytes);
@@ -427,7 +409,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     constexpr int kNT = Tr::kBlockN / 8, kDT = Tr::kHeadDim / 8, kKSteps = Tr::kHeadDim / 16, kW = Tr::kWarps;
     constexpr int kS = Tr::kStages;
 
-    decode_mark(0);
+    decode_mark(0, blockIdx.x);
     extern __shared__ __align__(128) unsigned char smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const u32 smem_q = smem_u32(smem);  // Q tiles of items 0, 2, 4, ... of this block, then 1, 3, 5, ...
@@ -501,12 +483,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             it.key_end > it.key_begin ? (it.key_end - it.key_begin + Tr::kBlockN - 1) / Tr::kBlockN : 0;
         it.my_tiles = n_tiles > warp ? (n_tiles - warp + kW - 1) / kW : 0;
     };
+    // First key of the warp's j-th tile of an item.
+    auto tile_first = [&](const DecodeItem& it, int j) { return it.key_begin + (warp + j * kW) * Tr::kBlockN; };
 
     // K/V of the warp's j-th tile of an item into ring slot `slot`; true if a block_table entry was out of range
     // (reported, and read as zeros).
     auto load_kv = [&](const DecodeItem& it, int j, int slot) -> bool {
         bool bad_page = false;
-        const int first = it.key_begin + (warp + j * kW) * Tr::kBlockN;
+        const int first = tile_first(it, j);
         // Paged: the tile starts on a multiple of 16 keys and pages hold multiples of 16, so it spans at most
         // BlockN / 16 pages: their indices are read (and checked) once per tile, not once per row.
         constexpr int kTilePages = Tr::kPaged ? Tr::kBlockN / 16 : 1;
@@ -603,7 +587,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             cp_async_wait<0>();
         }
         __syncthreads();  // ... for every thread, and every warp is past the previous item's merge
-        decode_mark(1);
+        decode_mark(1, item);
         const int next_item = item + gridDim.x;
         const bool has_next = next_item < items;
         DecodeItem next;
@@ -648,7 +632,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             // j >= kS - 1 is the group of iteration j - kS + 1, with kS - 2 groups after it.
             if (first_item || j >= kS - 1) cp_async_wait<kS - 2>();
             __syncwarp();
-            if (j < 10) decode_mark(2 + j);
+            if (j % FA2_DECODE_TRACE_STRIDE == 0 && j / FA2_DECODE_TRACE_STRIDE < 10)
+                decode_mark(2 + j / FA2_DECODE_TRACE_STRIDE, item);
             {
                 const int ahead = j + kS - 1;
                 if (ahead < cur.my_tiles) {
@@ -675,7 +660,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 s, [&](u32(&a)[4], int, int kk) { QTile::load_a(a, q_tile, 0, kk * 16, lane); },
                 [&](u32(&b)[4], int np, int kk) { KVTile::load_b_nk(b, k_slot, np * 16, kk * 16, lane); });
             // Mask keys past this split's end and, under the causal mask, past each row's own query.
-            const int first = cur.key_begin + (warp + j * kW) * Tr::kBlockN;
+            const int first = tile_first(cur, j);
             if constexpr (Tr::kExtras) {
                 // Final logits (softcap, ALiBi), then the window: a key's distance from the row's diagonal decides.
 #pragma unroll
@@ -714,12 +699,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         }
         if (cur.my_tiles == 0) start_next();
         if (!has_next) cp_async_wait<0>();  // (empty groups only; the merge may reuse the rings)
-        decode_mark(12);
+        decode_mark(12, item);
         float row_lse[2];
         softmax.finalize(acc_o, row_lse, Tr::kExtras ? 1.f : scale);
         // Every warp is done with the item's tiles and Q (the barrier).
         const bool poisoned = __syncthreads_or(cur.poisoned || bad_page);
-        decode_mark(13);
+        decode_mark(13, item);
 
         float* merge_out = reinterpret_cast<float*>(merge_area);          // [warp][16][kMergePitch]
         float* merge_lse = merge_out + kW * 16 * Tr::kMergePitch;            // [warp][16]
@@ -734,7 +719,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             if ((lane & 3) == 0) merge_lse[warp * 16 + r] = row_lse[half];
         }
         __syncthreads();
-        decode_mark(20);
+        decode_mark(20, item);
         __shared__ float block_lse[16];
         if (threadIdx.x < 16) {  // per row: the block's lse, and each warp's lse replaced by its weight
             const int r = threadIdx.x;
@@ -743,7 +728,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             block_lse[r] = lse;
         }
         __syncthreads();
-        decode_mark(21);
+        decode_mark(21, item);
 
         // The block's rows: merged over its warps, then final (one split) or an fp32 partial for the last block.
         const i64 total_rows = (i64)batch * seqlen_q * nheads;
@@ -779,82 +764,73 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 if (c == 0) partial_lse[cur.split * total_rows + row] = lse;
             }
         }
-        decode_mark(14);
+        decode_mark(14, item);
 
         if (num_splits > 1) {
-            // Split-KV: the last of the item's split blocks to arrive merges every split's partial.
+            // Split-KV through global memory: the last of the item's split blocks to arrive merges every split's
+            // partial. Release: the barrier puts the block's partial writes before thread 0's fence, which
+            // publishes them with its arrival; acquire: the last arriver's fence after the atomic, then the
+            // barrier, put every thread's reads of the other splits' partials after their writes.
             __shared__ int last_to_arrive;
-            __threadfence();  // this block's partials are visible device-wide before its arrival is counted
             __syncthreads();
             if (threadIdx.x == 0) {
                 int* counter = arrivals + (i64)cur.b * groups + cur.group;
+                fence_acq_rel_gpu();
                 last_to_arrive = atomicAdd(counter, 1) == num_splits - 1;
-                if (last_to_arrive) *counter = 0;  // left zeroed, as it was found
+                if (last_to_arrive) {
+                    *counter = 0;  // left zeroed, as it was found
+                    fence_acq_rel_gpu();
+                }
             }
             __syncthreads();
-            decode_mark(15);
+            decode_mark(15, item);
             if (last_to_arrive) {
-                __threadfence();
+                // One (row, 4 columns) unit per thread, merged online over chunks of 16 splits whose lse and
+                // partial loads are all in flight at once: one L2 round trip per chunk, no shared memory, no
+                // barrier. Every thread of a row computes the row's lse (the same loads, from L1).
+                constexpr int kChunk = 16;
                 const int real_rows = min(16, rows - cur.row0);
-                float* weights = reinterpret_cast<float*>(merge_area);                   // [split][16]
-                float4* sums = reinterpret_cast<float4*>(weights + kMaxSplits * 16);  // [group][item]
-                // Per row, one warp: the splits' lse (lanes over splits, all loads in flight at once), the row's
-                // lse and each split's weight by warp reductions.
-                for (int r = warp; r < real_rows; r += kW) {
-                    const float* lses = partial_lse + out_row(cur.row0 + r);
-                    constexpr int kPerLane = kMaxSplits / 32;
-                    float l[kPerLane];
-#pragma unroll
-                    for (int k = 0; k < kPerLane; ++k) {
-                        const int i = lane + 32 * k;
-                        l[k] = i < num_splits ? __ldcg(lses + i * total_rows) : pos_inf();
-                    }
-                    const float lse = warp_merged_lse(l);
-#pragma unroll
-                    for (int k = 0; k < kPerLane; ++k) {
-                        const int i = lane + 32 * k;
-                        if (i < num_splits) weights[i * 16 + r] = part_weight(l[k], lse);
-                    }
-                    if (lane == 0 && lse_out != nullptr) lse_out[lse_index(cur.row0 + r)] = lse;
-                }
-                __syncthreads();
-                decode_mark(17);
-                // The output: each item (row, 4 columns) summed by several threads over interleaved splits
-                // (independent loads, no L2 latency chain), and those sums added in shared memory.
                 const int quads = headdim / 4, work = real_rows * quads;
-                const int split_groups = max(1, min(Tr::kThreads / work, num_splits));
-                for (int t = threadIdx.x; t < work * split_groups; t += Tr::kThreads) {
-                    const int unit = t % work, sg = t / work, r = unit / quads, c = (unit % quads) * 4;
-                    const float* part = partial_out + out_row(cur.row0 + r) * headdim + c;
+                for (int t = threadIdx.x; t < work; t += Tr::kThreads) {
+                    const int r = t / quads, c = (t % quads) * 4;
+                    const i64 row = out_row(cur.row0 + r);
+                    float max_lse = -pos_inf(), sum = 0.f;
                     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-                    for (int i = sg; i < num_splits; i += split_groups) {
-                        const float weight = weights[i * 16 + r];
-                        const float4 x = __ldcg(reinterpret_cast<const float4*>(part + i * total_rows * headdim));
-                        o.x += weight * x.x;
-                        o.y += weight * x.y;
-                        o.z += weight * x.z;
-                        o.w += weight * x.w;
+                    for (int first = 0; first < num_splits; first += kChunk) {
+                        float l[kChunk];
+                        float4 x[kChunk];
+#pragma unroll
+                        for (int k = 0; k < kChunk; ++k) {
+                            const i64 part = (i64)(first + k) * total_rows + row;
+                            const bool here = first + k < num_splits;
+                            l[k] = here ? __ldcg(partial_lse + part) : pos_inf();
+                            x[k] = here ? __ldcg(reinterpret_cast<const float4*>(partial_out + part * headdim + c))
+                                        : make_float4(0.f, 0.f, 0.f, 0.f);
+                        }
+                        // A part with lse +-inf saw no key and weighs 0; a NaN lse (a poisoned split) makes NaN.
+                        float chunk_max = max_lse;
+#pragma unroll
+                        for (int k = 0; k < kChunk; ++k)
+                            if (!is_inf(l[k])) chunk_max = fmaxf(chunk_max, l[k]);
+                        const float rescale = chunk_max == max_lse ? 1.f : __expf(max_lse - chunk_max);
+                        sum *= rescale;
+                        o = make_float4(o.x * rescale, o.y * rescale, o.z * rescale, o.w * rescale);
+#pragma unroll
+                        for (int k = 0; k < kChunk; ++k) {
+                            const float w = is_inf(l[k]) ? 0.f : __expf(l[k] - chunk_max);
+                            sum += w;
+                            o = make_float4(o.x + w * x[k].x, o.y + w * x[k].y, o.z + w * x[k].z, o.w + w * x[k].w);
+                        }
+                        max_lse = chunk_max;
                     }
-                    sums[t] = o;
+                    const float inv = sum == 0.f ? 0.f : 1.f / sum;
+                    u32* dst = reinterpret_cast<u32*>(out + row * headdim + c);
+                    dst[0] = Mma::pack(o.x * inv, o.y * inv);
+                    dst[1] = Mma::pack(o.z * inv, o.w * inv);
+                    if (c == 0 && lse_out != nullptr)
+                        lse_out[lse_index(cur.row0 + r)] = sum == 0.f ? pos_inf() : max_lse + __logf(sum);
                 }
-                __syncthreads();
-                decode_mark(18);
-                for (int unit = threadIdx.x; unit < work; unit += Tr::kThreads) {
-                    float4 o = sums[unit];
-                    for (int sg = 1; sg < split_groups; ++sg) {
-                        const float4 x = sums[sg * work + unit];
-                        o.x += x.x;
-                        o.y += x.y;
-                        o.z += x.z;
-                        o.w += x.w;
-                    }
-                    const int r = unit / quads, c = (unit % quads) * 4;
-                    u32* dst = reinterpret_cast<u32*>(out + out_row(cur.row0 + r) * headdim + c);
-                    dst[0] = Mma::pack(o.x, o.y);
-                    dst[1] = Mma::pack(o.z, o.w);
-                }
-                decode_mark(16);
+                decode_mark(16, item);
             }
         }
         if (!has_next) return;

@@ -184,6 +184,10 @@ FA2_DEVICE void st_global_v4(void* ptr, const u32 (&r)[4]) {
                  "r"(r[3]));
 }
 
+// Release and acquire at GPU scope in one fence: with a block barrier before it (release) or after it (acquire),
+// one thread's fence orders the whole block's memory accesses around an atomic flag (fences are cumulative).
+FA2_DEVICE void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+
 // n / d for a divisor fixed per launch, by a multiply-high and a shift (Granlund & Montgomery 1994) instead of a
 // ~20-instruction integer division: the host computes magic and shift (fa2cupy/forward.py fast_divisor). Exact for
 // 0 <= n < 2^31.

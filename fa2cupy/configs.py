@@ -288,7 +288,7 @@ BACKWARD_DQ_TABLE: dict[tuple[str, int], BwdDqConfig] = {
 }
 
 
-#: Most key splits per row in decode (kMaxSplits in cuda/decode.cu); a larger num_splits is clamped.
+#: Most key splits per row in decode (the fp32 partials' workspace grows with it); a larger num_splits is clamped.
 MAX_DECODE_SPLITS = 256
 
 
@@ -309,14 +309,13 @@ class DecodeConfig:
 
     def _smem_parts(self) -> tuple[int, int, int]:
         # Must match DecodeTraits (cuda/decode.cu): two Q tiles in rows padded by 16 bytes, the warps' K/V rings
-        # (swizzled unpadded rows where the head dim is a multiple of 64), and the merge area: every warp's fp32
-        # rows (pitch headdim + 8) and lse, or the last split block's weights and sums, whichever is larger.
+        # (swizzled unpadded rows where the head dim is a multiple of 64), and the block's merge area: every
+        # warp's fp32 rows (pitch headdim + 8) and lse.
         pitch = self.headdim + 8
         kv_pitch = self.headdim if self.headdim % 64 == 0 else pitch
         q = 2 * 16 * pitch * 2
         rings = self.warps * 2 * self.stages * self.block_n * kv_pitch * 2
-        merge = max(self.warps * 16 * (self.headdim + 8 + 1) * 4,
-                    MAX_DECODE_SPLITS * 16 * 4 + max(self.threads, 4 * self.headdim) * 16)
+        merge = self.warps * 16 * (self.headdim + 8 + 1) * 4
         return q, rings, merge
 
     @property
