@@ -135,9 +135,15 @@ def test_blocks_walk_items_only_when_the_grid_is_over_full(monkeypatch):
     # Every item resident at once: one block per item, the compact layout.
     assert decode._attention_grid(Function, config, 0, 128) == (128, config.smem_bytes)
     assert decode._attention_grid(Function, config, 0, 132) == (132, config.smem_bytes)
-    # 64 x 1k (512 items): one block per SM walking 3-4 items each, with the merge area after the rings.
-    assert decode._attention_grid(Function, config, 0, 512) == (132, config.persistent_smem_bytes)
+    # 64 x 1k (512 items): blocks walking items, with the merge area after the rings: 128 blocks of 4 items (the
+    # same 4 rounds as 132 blocks of 3 or 4, with a full last round).
+    assert decode._attention_grid(Function, config, 0, 512) == (128, config.persistent_smem_bytes)
     assert config.persistent_smem_bytes in asked
+    # Fewer blocks only while at most 1/32 of the SMs would idle: 133 items keep 132 walkers (67 blocks of 2 would
+    # leave half the GPU idle), 1000 items keep 132 (125 blocks of 8 would idle 7 SMs).
+    assert decode._attention_grid(Function, config, 0, 133) == (132, config.persistent_smem_bytes)
+    assert decode._attention_grid(Function, config, 0, 1000) == (132, config.persistent_smem_bytes)
+    assert decode._attention_grid(Function, config, 0, 1024) == (128, config.persistent_smem_bytes)
     assert decode._opt_in_smem(config, 0) == config.persistent_smem_bytes
     # A part whose blocks cannot have the walking layout (99 KB, d=256): one block per item, however many.
     attributes["MaxSharedMemoryPerBlockOptin"] = 101376
@@ -145,3 +151,4 @@ def test_blocks_walk_items_only_when_the_grid_is_over_full(monkeypatch):
     assert wide.smem_bytes <= 101376 < wide.persistent_smem_bytes
     assert decode._opt_in_smem(wide, 0) == wide.smem_bytes
     assert decode._attention_grid(Function, wide, 0, 10_000) == (10_000, wide.smem_bytes)
+
