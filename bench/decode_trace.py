@@ -1,9 +1,10 @@
-"""Where a decode launch spends its time, block by block: builds decode_attention with FA2_DECODE_TRACE (thread 0
-of each block records %globaltimer at numbered points, cuda/decode.cu's decode_mark) and prints, per case, when
-the blocks start and how long each phase takes (median and max over blocks, microseconds from the first block's
-start). Same shape as the decode bar (hq=32 hkv=8 d=128, seqlen_q=1, full caches).
+"""Where a decode launch spends its time, item by item: builds decode_attention with FA2_DECODE_TRACE (thread 0
+of each block records %globaltimer at numbered points of each work item, cuda/decode.cu's decode_mark) and prints,
+per case, how long each phase takes (median and max over items, microseconds) and, where blocks walk several
+items, each item's span by its place in its block and the gap between items. Same shape as the decode bar
+(hq=32 hkv=8 d=128, seqlen_q=1, full caches).
 
-    python bench/decode_trace.py [--cases 1x16384,64x1024] [--config 32,2,4,1] [--splits 0]
+    python bench/decode_trace.py [--cases 1x16384,64x1024] [--config 32,2,4,1] [--splits 0] [--defines ...]
 """
 
 import argparse
@@ -22,20 +23,22 @@ PHASES = (  # (label, from point, to point)
     ("prologue (Q + first tiles landed)", 0, 1),
     ("tile 0 wait", 1, 2),
     ("tiles 1-7 (per tile)", 3, 10),
+    ("tiles 1-3 (per tile)", 3, 6),
+    ("tiles 4-7 (per tile)", 6, 10),
+    ("tiles 7-9 (per tile)", 9, 11),
     ("loop end (warp 0)", 1, 12),
     ("other warps' loops", 12, 13),
     ("warp rows to shared memory", 13, 20),
     ("block lse and weights", 20, 21),
     ("block rows written", 21, 14),
     ("fence + arrival", 14, 15),
-    ("split lse and weights (last block)", 15, 17),
-    ("split sums", 17, 18),
-    ("split rows written", 18, 16),
+    ("split merge (merging blocks)", 15, 16),
 )
 
 
-def traced_kernel(name, smem_bytes):
-    module = cupy.RawModule(code=build.source("decode"), options=build.NVRTC_OPTIONS + ("-DFA2_DECODE_TRACE",),
+def traced_kernel(name, smem_bytes, defines=()):
+    module = cupy.RawModule(code=build.source("decode"),
+                            options=build.NVRTC_OPTIONS + ("-DFA2_DECODE_TRACE",) + tuple(defines),
                             name_expressions=(name,))
     raw = module.get_function(name)
     raw.max_dynamic_shared_size_bytes = smem_bytes
@@ -47,6 +50,8 @@ def main():
     parser.add_argument("--cases", default="1x4096,1x16384,8x1024,64x1024,8x65536")
     parser.add_argument("--config", default=None, help="block_n,stages,warps,l2_prefetch (default: shipped)")
     parser.add_argument("--splits", default="0", help="comma-separated num_splits (0 = heuristic)")
+    parser.add_argument("--defines", default="", help="extra NVRTC defines, e.g. FA2_DECODE_TRACE_STRIDE=25 "
+                        "(tile marks every 25th tile)")
     args = parser.parse_args()
     device = cupy.cuda.runtime.getDevice()
     config = configs.decode_config(int(cupy.cuda.Device().compute_capability), D)
@@ -54,7 +59,10 @@ def main():
         bn, st, w, pf = (int(x) for x in args.config.split(","))
         config = configs.DecodeConfig(D, bn, st, w, bool(pf))
     name = decode.attention_name_expression(config, "float16", False, False, False)
-    module, kernel = traced_kernel(name, decode._opt_in_smem(config, device))
+    defines = [f"-D{d}" for d in args.defines.split(",") if d]
+    module, kernel = traced_kernel(name, decode._opt_in_smem(config, device), defines)
+    stride = next((int(d.split("=")[1]) for d in args.defines.split(",") if d.startswith("FA2_DECODE_TRACE_STRIDE=")),
+                  1)
     build._kernels[("decode", name, device)] = kernel  # plan_decode picks the traced build
     trace = module.get_global("fa2_decode_trace")
     trace_host = np.zeros(8192 * POINTS * 2, dtype=np.uint64)  # fa2_decode_trace's size
@@ -73,33 +81,53 @@ def main():
             run()
             cupy.cuda.runtime.deviceSynchronize()
             trace.copy_to_host(trace_host.ctypes.data, trace_host.nbytes)
-            stamps = trace_host.reshape(-1, POINTS, 2)[:, :, 0].astype(np.int64)
-            print(f"\n{case} splits={plan.splits}: {nbytes / (t.median_ms * 1e-3) / 1e12:.2f} TB/s, "
-                  f"{t.median_ms * 1e3:.1f} us per call (events, back to back)")
-            blocks = stamps[stamps[:, 0] > 0]
-            start = blocks[:, 0].min()
-            rel = np.where(blocks > 0, blocks - start, -1) / 1e3
-            ends = np.maximum(rel[:, 14], rel[:, 16])
-            print(f"  {len(blocks)} blocks on {len(np.unique(blocks[:, POINTS - 1]))} SMs; entry spread "
-                  f"median {np.median(rel[:, 0]):.2f} max {rel[:, 0].max():.2f} us; last block done at "
-                  f"{ends.max():.2f} us (median block {np.median(ends):.2f})")
-            sms = blocks[:, POINTS - 1]
-            gaps = []  # an SM's idle time between one block's end and its next block's start
-            for sm in np.unique(sms):
-                mine = np.argsort(rel[sms == sm, 0])
-                entry, done = rel[sms == sm, 0][mine], ends[sms == sm][mine]
-                gaps += list(entry[1:] - done[:-1])
-            if gaps:
-                print(f"  SM idle between blocks: median {np.median(gaps):.2f} max {max(gaps):.2f} us "
-                      f"({len(gaps)} gaps)")
-            for label, a, z in PHASES:
-                ok = (rel[:, a] >= 0) & (rel[:, z] >= 0)
-                if not ok.any():
-                    continue
-                span = (rel[ok, z] - rel[ok, a]) / (z - a if label.endswith("(per tile)") else 1)
-                print(f"    {label:36s} median {np.median(span):6.2f}  max {span.max():6.2f} us"
-                      f"  ({ok.sum()} blocks)")
+            raw = trace_host.reshape(-1, POINTS, 2)
+            print(f"\n{case} splits={plan.splits} grid={plan.attention.grid[0]}: "
+                  f"{nbytes / (t.median_ms * 1e-3) / 1e12:.2f} TB/s, {t.median_ms * 1e3:.1f} us per call (events, "
+                  f"back to back)")
+            report(raw, stride)
 
+
+def report(raw, stride):
+    """Per-phase medians and maxima over work items, and, for blocks that walk several items, where a block's
+    time goes between its items."""
+    raw = raw.astype(np.int64)
+    stamps, sms, owners = raw[:, :POINTS - 1, 0], raw[:, POINTS - 1, 0], raw[:, POINTS - 1, 1]
+    seen = stamps[:, 1] > 0  # every item records its start (point 1); point 0 is its block's start
+    stamps, sms, owners = stamps[seen], sms[seen], owners[seen]
+    start = stamps[stamps > 0].min()
+    rel = np.where(stamps > 0, stamps - start, -1) / 1e3
+    ends = np.maximum(rel[:, 14], rel[:, 16])
+    blocks = np.unique(owners)
+    block_ends = np.array([ends[owners == blk].max() for blk in blocks])
+    print(f"  {len(stamps)} items, {len(blocks)} blocks on {len(np.unique(sms))} SMs; last block done at "
+          f"{block_ends.max():.2f} us (median block {np.median(block_ends):.2f}, earliest {block_ends.min():.2f})")
+    for label, a, z in PHASES:
+        ok = (rel[:, a] >= 0) & (rel[:, z] >= 0)
+        if not ok.any():
+            continue
+        span = (rel[ok, z] - rel[ok, a]) / ((z - a) * stride if label.endswith("(per tile)") else 1)
+        print(f"    {label:40s} median {np.median(span):6.2f}  max {span.max():6.2f} us  ({ok.sum()} items)")
+    if len(stamps) == len(blocks):
+        return
+    # Blocks that walk items: each item's span (its start to its rows written), the gap from one item's end to
+    # the next item's first tile landing, by the item's place in its block.
+    spans, gaps, counts = {}, [], []
+    for blk in blocks:
+        mine = np.flatnonzero(owners == blk)
+        mine = mine[np.argsort(rel[mine, 1])]
+        counts.append(len(mine))
+        for k, i in enumerate(mine):
+            place = "first" if k == 0 else "last" if k == len(mine) - 1 else "middle"
+            spans.setdefault(place, []).append(ends[i] - rel[i, 1])
+            if k and rel[i, 2] >= 0:
+                gaps.append(rel[i, 2] - ends[mine[k - 1]])
+    print(f"  items per block: {sorted(set(counts))} ({np.bincount(counts)[min(counts):].tolist()} blocks)")
+    for place, values in spans.items():
+        print(f"    item span, {place:6s} items                   median {np.median(values):6.2f}  max "
+              f"{max(values):6.2f} us  ({len(values)} items)")
+    if gaps:
+        print(f"    previous item's end to first tile landed      median {np.median(gaps):6.2f}  max {max(gaps):6.2f} us")
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,143 @@
+"""A/B timing of decode variants in one process, through the call the decode bar times (``fa2cupy bench --mode
+decode``: torch bf16 tensors, hq=32 hkv=8 d=128, seqlen_q=1, full caches, ``cache_seqlens`` a tensor). Each case
+runs every variant in turn for several rounds (the order alternating), so clock drift and the machine-to-machine
+spread fall on all variants alike; each variant keeps its best round. Eager: CUDA-event time per call, calls back
+to back; graph: 16 calls captured in a CUDA graph, GPU time per call. Outputs are compared with the first
+variant's before timing.
+
+    python bench/decode_ab.py [--cases 1x16384,64x1024] [--variants base,walk132] [--rounds 4]
+
+Variants: ``base`` (the shipped plan), ``walkN`` (N blocks wherever blocks walk items), ``wN`` (N warps per
+block). A variant may also name NVRTC defines, for an experiment written under ``#ifdef`` in cuda/decode.cu: the
+kernel is then built with them and put where plan_decode looks it up.
+"""
+
+import argparse
+import statistics
+import sys
+
+sys.path.insert(0, ".")
+import fa2cupy  # noqa: E402
+from fa2cupy import benchmark as B  # noqa: E402
+from fa2cupy import build, configs, decode, interface  # noqa: E402
+
+H, HKV, D = 32, 8, 128  # the decode bar's query heads, KV heads and head dim
+_originals = {"_attention_grid": decode._attention_grid, "decode_config": configs.decode_config}
+
+
+def _walk_blocks(blocks):
+    """_attention_grid with ``blocks`` blocks wherever blocks walk items (the shipped rule picks 128 of 132 for
+    64 x 1k; 132 is the rule before it)."""
+    def grid(function, config, device, items):
+        count, smem = _originals["_attention_grid"](function, config, device, items)
+        return (min(blocks, items), smem) if count < items else (count, smem)
+    return grid
+
+
+def _warps(warps):
+    """The d=128 decode row with ``warps`` warps per block."""
+    def config(arch, headdim):
+        base = _originals["decode_config"](arch, headdim)
+        return configs.DecodeConfig(base.headdim, base.block_n, base.stages, warps, base.l2_prefetch)
+    return config
+
+
+VARIANTS = {"base": ({}, ())}  # variant -> (module attributes of decode / configs, NVRTC defines of the kernel)
+for _n in (132, 128, 120):
+    VARIANTS[f"walk{_n}"] = ({"_attention_grid": _walk_blocks(_n)}, ())
+for _w in (2, 3):
+    VARIANTS[f"w{_w}"] = ({"decode_config": _warps(_w)}, ())
+_builds: dict = {}  # (kernel key, defines) -> compiled kernel
+
+
+def use(variant: str) -> None:
+    """Sets the variant's module attributes and puts its build of the bar's attention kernel (bf16, plain) where
+    plan_decode looks it up."""
+    import cupy
+
+    flags, defines = VARIANTS[variant]
+    for name, value in {**_originals, **flags}.items():
+        setattr(configs if name == "decode_config" else decode, name, value)
+    device = cupy.cuda.runtime.getDevice()
+    config = configs.decode_config(int(cupy.cuda.Device().compute_capability), D)
+    name = decode.attention_name_expression(config, "bfloat16", False, False)
+    key = ("decode", name, device)
+    if ((key, ()) not in _builds):
+        _builds[key, ()] = build.get_kernel("decode", name, decode._opt_in_smem(config, device))
+    if (key, defines) not in _builds:
+        module = cupy.RawModule(code=build.source("decode"), options=build.NVRTC_OPTIONS + defines,
+                                name_expressions=(name,))
+        raw = module.get_function(name)
+        raw.max_dynamic_shared_size_bytes = decode._opt_in_smem(config, device)
+        _builds[key, defines] = (module, raw.kernel)
+    built = _builds[key, defines]
+    build._kernels[key] = built[1] if defines else built
+    interface._cached_calls.clear()  # plans are built for the flags and kernel in force
+
+
+def graph_us(torch, fn, events, calls=16) -> float:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    side.synchronize()
+    with torch.cuda.graph(graph, stream=side):
+        for _ in range(calls):
+            fn()
+    torch.cuda.synchronize()
+    return B.time_gpu(graph.replay, events, warmup=3, repeats=15).median_ms * 1e3 / calls
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", default="1x1024,1x4096,1x16384,1x65536,8x1024,8x4096")
+    parser.add_argument("--variants", default="base,walk132")
+    parser.add_argument("--rounds", type=int, default=4)
+    args = parser.parse_args()
+    torch = B._torch()
+    events = B.TorchEvents()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    names = args.variants.split(",")
+    for case in args.cases.split(","):
+        b, sk = map(int, case.split("x"))
+        q = torch.randn(b, 1, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        kc = torch.randn(b, sk, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        vc = torch.randn(b, sk, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        lens = torch.full((b,), sk, device="cuda", dtype=torch.int32)
+        nbytes = B.kv_cache_bytes(b, sk, HKV, D)
+
+        def call():
+            return fa2cupy.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)
+
+        reference, eager, graph, label = None, {}, {}, {}
+        for name in names:
+            use(name)
+            out = call().float()
+            if reference is None:
+                reference = out
+            err = float((out - reference).abs().max())
+            if not err < 2e-2:
+                print(f"{case} {name}: WRONG (max|diff| {err:.2e} vs {names[0]})", flush=True)
+                continue
+            plan = next(iter(interface._cached_calls.values())).plan
+            label[name] = f"splits={plan.splits} grid={plan.attention.grid[0]}"
+            eager[name], graph[name] = [], []
+        for r in range(args.rounds):
+            for name in (list(label) if r % 2 == 0 else list(label)[::-1]):
+                use(name)
+                eager[name].append(B.time_gpu(call, events, warmup=10, repeats=60).median_ms * 1e3)
+                graph[name].append(graph_us(torch, call, events))
+        first = names[0] if names[0] in label else None
+        for name in label:
+            e, g = min(eager[name]), min(graph[name])
+            rel = (f"  vs {first}: eager {e / min(eager[first]):.3f}x graph {g / min(graph[first]):.3f}x"
+                   if first else "")
+            print(f"{case:>9} {name:>8} {label[name]:<20} eager {e:7.1f} us (median {statistics.median(eager[name]):6.1f})"
+                  f"  graph {g:7.1f} us = {nbytes / (g * 1e-6) / 1e12:.2f} TB/s{rel}", flush=True)
+    use(names[0])
+
+
+if __name__ == "__main__":
+    main()
