@@ -13,10 +13,11 @@ The forward cases run the forward only; BWD_CASES run forward + backward
 (``flash_attn_backward``, dq/dk/dv against the reference with
 ``fa2cupy.benchmark.gradient_bound``), in both deterministic modes; DECODE_CASES run
 ``flash_attn_with_kvcache`` (append, split-KV with the last-block merge, paged and
-contiguous, causal) against ``flash_attn_func`` over each row's keys; decode_walk runs them again on a pretend
-2-SM GPU, where each decode block walks several work items.
+contiguous, causal) against ``flash_attn_func`` over each row's keys; decode_deep runs them again with the deep
+ring (d=128 on sm_90), decode_walk with both rings on a pretend 2-SM GPU, where each decode block walks several
+work items.
 
-    python3 bench/sanitize_case.py [fwd|bwd|window|varlen|paged|dropout|decode|decode_walk ...]  # default: all
+    python3 bench/sanitize_case.py [fwd|bwd|window|varlen|paged|dropout|decode|decode_deep|decode_walk ...]
 """
 
 from __future__ import annotations
@@ -308,18 +309,32 @@ def main(groups) -> int:
         for i, case in enumerate(DECODE_CASES):
             bad += not check_decode(i, *case)
             total += 1
-    if "decode_walk" in groups:  # the decode cases on a pretend 2-SM GPU: blocks walk several items
+    if "decode_deep" in groups:  # the decode cases with the deep ring wherever a row has one (d=128, sm_90)
         from fa2cupy import decode, interface
 
-        decode._sm_count = lambda device: 2
+        decode.DEEP_RING = True
         interface._cached_calls.clear()
         for i, case in enumerate(DECODE_CASES):
             bad += not check_decode(i, *case)
             total += 1
+        decode.DEEP_RING = None
+        interface._cached_calls.clear()
+    if "decode_walk" in groups:  # the decode cases on a pretend 2-SM GPU: blocks walk several items, both rings
+        from fa2cupy import decode, interface
+
+        decode._sm_count = lambda device: 2
+        for deep in (False, True):
+            decode.DEEP_RING = deep
+            interface._cached_calls.clear()
+            for i, case in enumerate(DECODE_CASES):
+                bad += not check_decode(i, *case)
+                total += 1
+        decode.DEEP_RING = None
     print(f"{total - bad}/{total} passed")
     return 1 if bad else 0
 
 
 if __name__ == "__main__":
     np.seterr(all="ignore")
-    sys.exit(main(sys.argv[1:] or ("fwd", "bwd", "window", "varlen", "paged", "dropout", "decode", "decode_walk")))
+    sys.exit(main(sys.argv[1:] or ("fwd", "bwd", "window", "varlen", "paged", "dropout", "decode", "decode_deep",
+                                   "decode_walk")))

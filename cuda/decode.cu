@@ -344,14 +344,17 @@ FA2_DEVICE void decode_mark(int, int) {}
 
 // Extras: the sliding window (causal folded in as its right side 0; instantiated with Causal = false), softcap,
 // ALiBi and cache_leftpad, all switched by run-time values; without it the kernel compiles to the plain decode.
+// DeepRing: each warp keeps Stages key tiles in flight while it waits for the next (every slot refilled right
+// after its tile's math) instead of Stages - 1 (refilled before the next tile's math): for streams of a few tiles
+// per warp, where the rounds that every block starts together dominate (bench/NOTES.md).
 template <int HeadDim, int BlockN, int Stages, int Warps, bool L2Prefetch, class Elem_, bool Causal, bool Paged,
-          bool Extras = false>
+          bool Extras = false, bool DeepRing = false>
 struct DecodeTraits {
     using Elem = Elem_;
     static constexpr bool kL2Prefetch = L2Prefetch;  // cp.async with the L2::256B hint for K/V
     static constexpr int kHeadDim = HeadDim, kBlockN = BlockN, kStages = Stages, kWarps = Warps;
     static constexpr int kThreads = 32 * Warps;
-    static constexpr bool kCausal = Causal, kPaged = Paged, kExtras = Extras;
+    static constexpr bool kCausal = Causal, kPaged = Paged, kExtras = Extras, kDeepRing = DeepRing;
     static_assert(!(Causal && Extras), "with Extras, causal is the window's right side 0");
     using QTile = SmemTile<16, HeadDim>;
     using KVTile = SmemTile<BlockN, HeadDim, HeadDim % 64 == 0>;  // swizzled rows where the head dim allows
@@ -566,17 +569,27 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     load_q(cur, 0);
     cp_async_commit();
     bool bad_page = false;  // a bad block_table entry in cur's tiles (this thread's loads)
+    // The ring: each warp keeps kS - 1 tiles in flight while it waits for the next one, refilling a slot before
+    // the math on the next tile; deep (Tr::kDeepRing), kS tiles, refilling each slot right after its tile's math.
+    // Each position issued is one commit group, empty past the item's tiles.
+    constexpr bool deep = Tr::kDeepRing;
 #pragma unroll
-    for (int t = 0; t < kS - 1; ++t) {
+    for (int t = 0; t < kS - 1 + deep; ++t) {
         if (t < cur.my_tiles) bad_page |= load_kv(cur, t, t);
         cp_async_commit();
     }
-    int buffer = 0;                          // cur's Q buffer
-    int slot_base = 0;                       // ring slot of cur's first tile (of this warp), modulo kS
-    int issued = min(kS - 1, cur.my_tiles);  // tiles of cur this warp has issued ahead
+    int buffer = 0;                                      // cur's Q buffer
+    int slot_base = 0;                                   // ring slot of cur's first tile (of this warp), modulo kS
+    int issued = deep ? kS : min(kS - 1, cur.my_tiles);  // cur's tiles (deep: ring positions) issued ahead
     for (bool first_item = true;; first_item = false) {
         if (first_item) {
-            cp_async_wait<kS - 1>();  // the Q group (the oldest) has landed, for this thread
+            cp_async_wait<kS - 1 + deep>();  // the Q group (the oldest) has landed, for this thread
+        } else if constexpr (deep) {
+            for (; issued < kS; ++issued) {
+                if (issued < cur.my_tiles) bad_page |= load_kv(cur, issued, (slot_base + issued) % kS);
+                cp_async_commit();
+            }
+            cp_async_wait<kS - 1>();  // Q (committed before these) and tile 0
         } else {
             // The first kS - 1 tiles of cur in flight (issued during the previous item, unless it had fewer
             // tiles), then Q and those tiles landed.
@@ -593,7 +606,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         DecodeItem next;
         next.my_tiles = 0;
         if (has_next) item_values(next_item, next);  // loads only: checked after the first tile's math
-        int next_issued = 0;
+        int next_issued = 0;  // the next item's tiles (deep: ring positions) issued during this item
         bool next_bad_page = false, next_checked = false;
         auto start_next = [&] {  // check next (once) and load its Q into the other buffer
             if (!has_next) return;
@@ -602,6 +615,27 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 next_checked = true;
             }
             load_q(next, buffer ^ 1);
+            if constexpr (!deep) cp_async_commit();  // deep: it joins the iteration's group
+        };
+
+        // One commit group for this warp's ring position `ahead` of cur: its tile, or past cur's tiles the next
+        // item's next position (the ring runs on into it; the slot's tile of cur has been consumed). The table's
+        // ring issues the next item's first kS - 1 tiles here; the deep ring one position (a group, empty past the
+        // next item's tiles) per call, the rest at the next item's start.
+        auto issue_ahead = [&](int ahead) {
+            if (ahead < cur.my_tiles) {
+                bad_page |= load_kv(cur, ahead, (slot_base + ahead) % kS);
+            } else if (has_next) {
+                if (!next_checked) {
+                    item_check(next);
+                    next_checked = true;
+                }
+                if (next_issued < (deep ? next.my_tiles : min(kS - 1, next.my_tiles))) {
+                    next_bad_page |= load_kv(next, next_issued, (slot_base + cur.my_tiles + next_issued) % kS);
+                    if constexpr (!deep) ++next_issued;
+                }
+                if constexpr (deep) ++next_issued;
+            }
             cp_async_commit();
         };
 
@@ -629,28 +663,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         for (int j = 0; j < cur.my_tiles; ++j) {
             // The first item: tile j's group has kS - 2 groups after it (next's Q group, committed in iteration
             // 0, may be waited for early). Later items: tiles below kS - 1 landed before the item started; tile
-            // j >= kS - 1 is the group of iteration j - kS + 1, with kS - 2 groups after it.
-            if (first_item || j >= kS - 1) cp_async_wait<kS - 2>();
+            // j >= kS - 1 is the group of iteration j - kS + 1, with kS - 2 groups after it. Deep: kS - 1 groups
+            // after it, the positions up to j + kS - 1 (next's Q joins iteration 0's).
+            if constexpr (deep)
+                cp_async_wait<kS - 1>();
+            else if (first_item || j >= kS - 1)
+                cp_async_wait<kS - 2>();
             __syncwarp();
             if (j % FA2_DECODE_TRACE_STRIDE == 0 && j / FA2_DECODE_TRACE_STRIDE < 10)
                 decode_mark(2 + j / FA2_DECODE_TRACE_STRIDE, item);
-            {
-                const int ahead = j + kS - 1;
-                if (ahead < cur.my_tiles) {
-                    bad_page |= load_kv(cur, ahead, (slot_base + ahead) % kS);
-                } else if (has_next) {
-                    // The ring runs on into the next item (its slot held cur's tile ahead - kS, consumed).
-                    if (!next_checked) {
-                        item_check(next);
-                        next_checked = true;
-                    }
-                    if (next_issued < min(kS - 1, next.my_tiles)) {
-                        next_bad_page |= load_kv(next, next_issued, (slot_base + cur.my_tiles + next_issued) % kS);
-                        ++next_issued;
-                    }
-                }
-                cp_async_commit();
-            }
+            if constexpr (!deep) issue_ahead(j + kS - 1);  // into the slot of tile j - 1, consumed
             const int slot = (slot_base + j) % kS;
             const u32 k_slot = smem_k + slot * KVTile::kBytes;
             const u32 v_slot = smem_v + slot * KVTile::kBytes;
@@ -696,8 +718,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             softmax.update(s, acc_o, Tr::kExtras ? kLog2e : scale_log2);
             mma_c_b<typename Tr::Elem, KVTile>(acc_o, s, v_slot, lane);
             if (j == 0) start_next();  // next's index values have arrived by now
+            if constexpr (deep) {
+                __syncwarp();  // every lane is done with tile j's slot before it is refilled
+                issue_ahead(j + kS);
+            }
         }
-        if (cur.my_tiles == 0) start_next();
+        if (cur.my_tiles == 0) {
+            start_next();
+            if constexpr (deep) cp_async_commit();
+        }
         if (!has_next) cp_async_wait<0>();  // (empty groups only; the merge may reuse the rings)
         decode_mark(12, item);
         float row_lse[2];

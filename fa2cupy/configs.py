@@ -6,6 +6,7 @@ Each entry becomes C++ template arguments of a traits type in ``cuda/``; every e
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 #: Tile widths (template head dims). A head dim d (padded to a multiple of 8) runs on the smallest width >= d;
@@ -302,6 +303,7 @@ class DecodeConfig:
     stages: int  # K/V ring depth per warp
     warps: int = 4
     l2_prefetch: bool = False  # cp.async with the L2::256B prefetch hint for K/V
+    deep_ring: bool = False  # `stages` tiles in flight while a warp waits (refilled after the math), not stages - 1
 
     @property
     def threads(self) -> int:
@@ -331,11 +333,16 @@ class DecodeConfig:
         q, rings, merge = self._smem_parts()
         return q + rings + merge
 
-    def name_expression(self, dtype: str, causal: bool, paged: bool) -> str:
+    def name_expression(self, dtype: str, causal: bool, paged: bool, extras: bool = False) -> str:
+        """decode_attention's instantiation; ``extras`` (window, softcap, ALiBi, cache_leftpad) and ``deep_ring``
+        are DecodeTraits' defaulted last arguments, written only when needed (causal is folded into the extras'
+        window)."""
+        tail = f", {str(bool(extras)).lower()}" if extras or self.deep_ring else ""
+        tail += ", true" if self.deep_ring else ""
         return (
             f"fa2::decode_attention<fa2::DecodeTraits<{self.headdim}, {self.block_n}, {self.stages}, {self.warps}, "
-            f"{str(self.l2_prefetch).lower()}, {DTYPE_TAGS[dtype]}, {str(bool(causal)).lower()}, "
-            f"{str(bool(paged)).lower()}>>"
+            f"{str(self.l2_prefetch).lower()}, {DTYPE_TAGS[dtype]}, {str(bool(causal) and not extras).lower()}, "
+            f"{str(bool(paged)).lower()}{tail}>>"
         )
 
 
@@ -350,6 +357,14 @@ DECODE_TABLE: dict[tuple[str, int], DecodeConfig] = {
     **{("sm86", d): c for d, c in _DEC_SM86.items()},
     **{("sm90", d): c for d, c in _DEC.items()},
 }
+#: The same rows with the deep ring, for short streams: work items of DEEP_RING_TILES key tiles per warp. H100
+#: (bench/decode_ab.py, bench/NOTES.md): 2-8% faster at 1x4k, 8x1k, 1x16k, 8x4k, 64x1k, where the rounds that every
+#: block starts together are most of the stream; 0.2-1.7% slower on long streams (1x64k, 8x64k, 64x16k) and on
+#: single-tile ones (1x1k). Measured at d=128 only, so only that row has one.
+DECODE_DEEP_TABLE: dict[tuple[str, int], DecodeConfig] = {
+    ("sm90", 128): dataclasses.replace(_DEC[128], deep_ring=True),
+}
+DEEP_RING_TILES = range(2, 17)
 #: Tuning candidates at d=128 (bench/tune_decode.py), compiled on demand, not shipped.
 DECODE_CANDIDATES = tuple(
     DecodeConfig(128, bn, st, w, pf)
@@ -436,15 +451,27 @@ def backward_instantiations(family: str | None = None) -> list[str]:
     return sorted(names)
 
 
-def decode_config(arch: int, headdim: int) -> DecodeConfig:
-    return DECODE_TABLE[(arch_family(arch), tile_headdim(headdim))]
+def decode_config(arch: int, headdim: int, keys_per_item: int | None = None, deep: bool | None = None
+                  ) -> DecodeConfig:
+    """The decode row for a GPU arch and head dim; given the keys of a work item (a split of a row), its deep-ring
+    twin where one exists and the item is DEEP_RING_TILES tiles per warp (``deep`` forces the choice)."""
+    key = (arch_family(arch), tile_headdim(headdim))
+    base, twin = DECODE_TABLE[key], DECODE_DEEP_TABLE.get(key)
+    if twin is None or (deep is None and keys_per_item is None):
+        return base
+    if deep is None:
+        deep = -(-keys_per_item // (twin.warps * twin.block_n)) in DEEP_RING_TILES
+    return twin if deep else base
 
 
-def decode_instantiations(family: str | None = None) -> list[str]:
-    """Name expressions of every shipped decode_attention instantiation (of one arch family, or all)."""
+def decode_instantiations(family: str | None = None, extras: bool = False) -> list[str]:
+    """Name expressions of every shipped decode_attention instantiation (of one arch family, or all): the plain
+    kernels (causal x paged x dtype), or with ``extras`` the Extras ones (paged x dtype), of every row and twin."""
+    rows = [(fam, config) for (fam, _), config in DECODE_TABLE.items()]
+    rows += [(fam, config) for (fam, _), config in DECODE_DEEP_TABLE.items()]
     return sorted({
-        config.name_expression(dtype, causal, paged)
-        for (fam, _), config in DECODE_TABLE.items()
+        config.name_expression(dtype, causal and not extras, paged, extras)
+        for fam, config in rows
         if family is None or fam == family
         for dtype in DTYPE_TAGS
         for causal in (False, True)

@@ -25,31 +25,21 @@ def merge_name_expression(parts_dtype: str, out_dtype: str) -> str:
 
 def attention_name_expression(config: configs.DecodeConfig, dtype: str, causal: bool, paged: bool,
                               extras: bool = False) -> str:
-    """decode_attention's instantiation. ``extras`` (window, softcap, ALiBi, cache_leftpad; causal folded into the
-    window) is DecodeTraits' last template argument, defaulted to false, so the plain names are the table's own."""
-    if not extras:
-        return config.name_expression(dtype, causal, paged)
-    plain = config.name_expression(dtype, False, paged)
-    assert plain.endswith(">>"), plain
-    return plain[:-2] + ", true>>"
+    """decode_attention's instantiation (``extras``: window, softcap, ALiBi, cache_leftpad; causal folded into the
+    window)."""
+    return config.name_expression(dtype, causal, paged, extras)
 
 
 def instantiations(family: str | None = None) -> list[str]:
     """Name expressions of every shipped decode-family instantiation (of one arch family, or all; merge, append and
-    rotary kernels are not per arch family): per table row the plain kernels (causal x paged x dtype) and the Extras
-    ones (paged x dtype)."""
-    extras = {
-        attention_name_expression(config, dtype, False, paged, extras=True)
-        for (fam, _), config in configs.DECODE_TABLE.items()
-        if family is None or fam == family
-        for dtype in configs.DTYPE_TAGS
-        for paged in (False, True)
-    }
+    rotary kernels are not per arch family): per table row and deep-ring twin the plain kernels (causal x paged x
+    dtype) and the Extras ones (paged x dtype)."""
     return sorted({merge_name_expression(p, o) for p, o in MERGE_DTYPES}
                   | {append_name_expression(paged) for paged in (False, True)}
                   | {append_name_expression(paged, dtype) for paged in (False, True) for dtype in configs.DTYPE_TAGS}
                   | {rotary_name_expression(dtype) for dtype in configs.DTYPE_TAGS}
-                  | set(configs.decode_instantiations(family)) | extras)
+                  | set(configs.decode_instantiations(family))
+                  | set(configs.decode_instantiations(family, extras=True)))
 
 
 #: A window side without a limit, as the kernels take it (kUnlimitedWindow in cuda/masks.cuh).
@@ -144,6 +134,11 @@ def choose_num_splits(blocks: int, sms: int, max_seqlen_k: int, tile_keys: int) 
     return max(1, min(sms // blocks, most, configs.MAX_DECODE_SPLITS))
 
 
+#: Force the deep-ring row (True) or the table's row (False) where a row has a deep-ring twin, instead of the
+#: rule in configs.decode_config (A/B timings and tests flip it).
+DEEP_RING: bool | None = None
+
+
 def _opt_in_smem(config: configs.DecodeConfig, device: int) -> int:
     """The dynamic shared memory a decode kernel may be launched with: enough for blocks that walk several items
     where the device has it (not the 99 KB parts at the largest head dims)."""
@@ -200,21 +195,22 @@ def plan_decode(q_shape, strides, dtype: str, *, nheads_kv: int, cache_rows: int
     batch, seqlen_q, nheads, headdim = q_shape
     group = nheads // nheads_kv
     paged = page_size > 0
-    if config is None:
-        config = configs.decode_config(arch, headdim)
     use_extras = extras.attention
     if extras.masked and not use_extras:  # the window is the causal mask: the plain causal kernel
         causal = True
     if use_extras:
         causal = False
-    name = attention_name_expression(config, dtype, causal, paged, use_extras)
-    function = build.get_kernel("decode", name, _opt_in_smem(config, device))
     if extras.window_left != UNLIMITED_WINDOW:  # a row sees at most left + 1 + right keys: split only those
         max_seqlen_k = min(max_seqlen_k, extras.window_left + seqlen_q + min(extras.window_right, max_seqlen_k))
     row_blocks = -(-seqlen_q * group // 16)
     blocks = batch * nheads_kv * row_blocks
+    tile = config or configs.decode_config(arch, headdim)  # a row and its deep-ring twin share the tile shape
     splits = min(num_splits, configs.MAX_DECODE_SPLITS) or choose_num_splits(
-        blocks, _sm_count(device), max_seqlen_k, config.warps * config.block_n)
+        blocks, _sm_count(device), max_seqlen_k, tile.warps * tile.block_n)
+    if config is None:
+        config = configs.decode_config(arch, headdim, keys_per_item=-(-max_seqlen_k // splits), deep=DEEP_RING)
+    name = attention_name_expression(config, dtype, causal, paged, use_extras)
+    function = build.get_kernel("decode", name, _opt_in_smem(config, device))
     rows = batch * seqlen_q * nheads
     if splits > 1:
         arrivals = batch * nheads_kv * row_blocks

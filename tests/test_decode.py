@@ -152,3 +152,28 @@ def test_blocks_walk_items_only_when_the_grid_is_over_full(monkeypatch):
     assert decode._opt_in_smem(wide, 0) == wide.smem_bytes
     assert decode._attention_grid(Function, wide, 0, 10_000) == (10_000, wide.smem_bytes)
 
+
+
+def test_deep_ring_twin_for_short_streams(monkeypatch):
+    # configs.decode_config picks the deep-ring twin (sm_90, d=128) for work items of 2..16 key tiles per warp
+    # (4 warps x 32 keys: 256..2048 keys); decode.DEEP_RING forces it either way.
+    from fa2cupy import configs, decode
+
+    base, twin = configs.decode_config(90, 128), configs.DECODE_DEEP_TABLE[("sm90", 128)]
+    assert not base.deep_ring and twin.deep_ring
+    assert configs.decode_config(90, 128, keys_per_item=1024) == twin       # 1 x 16k: 16 splits of 1024 keys
+    assert configs.decode_config(90, 128, keys_per_item=256) == twin        # 2 tiles per warp
+    assert configs.decode_config(90, 128, keys_per_item=2048) == twin       # 16 tiles per warp
+    assert configs.decode_config(90, 128, keys_per_item=128) == base        # 1 x 1k: one tile per warp
+    assert configs.decode_config(90, 128, keys_per_item=2049) == base       # 8 x 64k: long streams
+    assert configs.decode_config(90, 128, keys_per_item=128, deep=True) == twin
+    assert configs.decode_config(90, 128, keys_per_item=1024, deep=False) == base
+    assert configs.decode_config(80, 128, keys_per_item=1024) == configs.decode_config(80, 128)  # no twin there
+    assert configs.decode_config(90, 64, keys_per_item=1024, deep=True) == configs.decode_config(90, 64)
+    # The twin's names add DecodeTraits' last two arguments (Extras, DeepRing); the row's stay as they were.
+    assert base.name_expression("bfloat16", True, False).endswith("fa2::bf16, true, false>>")
+    assert twin.name_expression("bfloat16", True, False).endswith("fa2::bf16, true, false, false, true>>")
+    assert twin.name_expression("float16", True, True, extras=True).endswith("fa2::f16, false, true, true, true>>")
+    names = decode.instantiations("sm90")
+    assert twin.name_expression("bfloat16", False, True, extras=True) in names
+    assert twin.name_expression("float16", True, False) in names

@@ -439,9 +439,21 @@ def test_decode_loop_appends_one_token_per_step(paged, form, cached_dispatch, mo
             assert np.array_equal(_bits(stored_k[where]), _bits(logical_k[b, p])), (b, p)
 
 
+@pytest.fixture(params=[False, True], ids=["table_ring", "deep_ring"])
+def ring(request, monkeypatch):
+    # Both ring depths of the d=128 row wherever the test's calls use it (decode.DEEP_RING forces the choice that
+    # configs.decode_config otherwise makes from the work items' lengths); plans are rebuilt for it.
+    from fa2cupy import decode, interface
+
+    monkeypatch.setattr(decode, "DEEP_RING", request.param)
+    interface._cached_calls.clear()
+    yield request.param
+    interface._cached_calls.clear()
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("paged", [False, True])
-def test_num_splits_agree(dtype, paged):
+def test_num_splits_agree(dtype, paged, ring):
     cp = _cupy()
     rng = np.random.default_rng(4)
     case = build_case(rng, batch=3, seqlen_q=2, nheads=16, nheads_kv=4, headdim=128, dtype=dtype,
@@ -460,7 +472,7 @@ def test_num_splits_agree(dtype, paged):
 
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("features", [False, True])
-def test_blocks_walking_several_items(paged, features, monkeypatch):
+def test_blocks_walking_several_items(paged, features, monkeypatch, ring):
     # More work items than the GPU holds blocks: the launch has fewer blocks, each walking items in grid strides
     # with its K/V ring running on into the next item. A pretend 3-SM GPU makes each block walk 8 to 24 items,
     # with rows of 0 to 10 key tiles (so some warps have none) and, with num_splits=3, a split merge per item.
