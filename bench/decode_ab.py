@@ -7,12 +7,13 @@ variant's before timing.
 
     python bench/decode_ab.py [--cases 1x16384,64x1024] [--variants base,walk132] [--rounds 4]
 
-Variants: ``base`` (the shipped plan), ``walkN`` (N blocks wherever blocks walk items), ``wN`` (N warps per
-block). A variant may also name NVRTC defines, for an experiment written under ``#ifdef`` in cuda/decode.cu: the
+Variants: ``base`` (the shipped plan), ``deep``/``shallow`` (the deep-ring twin of the d=128 row forced on or
+off), ``walkN`` (N blocks wherever blocks walk items), ``wN`` (N warps per block), ``st3`` (3 ring stages). A variant may also name NVRTC defines, for an experiment written under ``#ifdef`` in cuda/decode.cu: the
 kernel is then built with them and put where plan_decode looks it up.
 """
 
 import argparse
+import dataclasses
 import statistics
 import sys
 
@@ -22,7 +23,8 @@ from fa2cupy import benchmark as B  # noqa: E402
 from fa2cupy import build, configs, decode, interface  # noqa: E402
 
 H, HKV, D = 32, 8, 128  # the decode bar's query heads, KV heads and head dim
-_originals = {"_attention_grid": decode._attention_grid, "decode_config": configs.decode_config}
+_originals = {"_attention_grid": decode._attention_grid, "decode_config": configs.decode_config,
+              "DEEP_RING": decode.DEEP_RING}
 
 
 def _walk_blocks(blocks):
@@ -34,19 +36,22 @@ def _walk_blocks(blocks):
     return grid
 
 
-def _warps(warps):
-    """The d=128 decode row with ``warps`` warps per block."""
-    def config(arch, headdim):
-        base = _originals["decode_config"](arch, headdim)
-        return configs.DecodeConfig(base.headdim, base.block_n, base.stages, warps, base.l2_prefetch)
+def _row(warps=None, stages=None):
+    """The d=128 decode rows with ``warps`` warps per block and/or ``stages`` ring stages."""
+    def config(arch, headdim, *args, **kwargs):
+        base = _originals["decode_config"](arch, headdim, *args, **kwargs)
+        return dataclasses.replace(base, stages=stages or base.stages, warps=warps or base.warps)
     return config
 
 
 VARIANTS = {"base": ({}, ())}  # variant -> (module attributes of decode / configs, NVRTC defines of the kernel)
 for _n in (132, 128, 120):
     VARIANTS[f"walk{_n}"] = ({"_attention_grid": _walk_blocks(_n)}, ())
-for _w in (2, 3):
-    VARIANTS[f"w{_w}"] = ({"decode_config": _warps(_w)}, ())
+VARIANTS["deep"] = ({"DEEP_RING": True}, ())  # the deep-ring twin wherever a row has one
+VARIANTS["shallow"] = ({"DEEP_RING": False}, ())  # the table's rows only
+for _w in (2, 3, 5, 6):
+    VARIANTS[f"w{_w}"] = ({"decode_config": _row(warps=_w)}, ())
+VARIANTS["st3"] = ({"decode_config": _row(stages=3)}, ())
 _builds: dict = {}  # (kernel key, defines) -> compiled kernel
 
 

@@ -48,7 +48,8 @@ def traced_kernel(name, smem_bytes, defines=()):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default="1x4096,1x16384,8x1024,64x1024,8x65536")
-    parser.add_argument("--config", default=None, help="block_n,stages,warps,l2_prefetch (default: shipped)")
+    parser.add_argument("--config", default=None, help="block_n,stages,warps,l2_prefetch[,deep_ring] (default: "
+                        "the table's row)")
     parser.add_argument("--splits", default="0", help="comma-separated num_splits (0 = heuristic)")
     parser.add_argument("--defines", default="", help="extra NVRTC defines, e.g. FA2_DECODE_TRACE_STRIDE=25 "
                         "(tile marks every 25th tile)")
@@ -56,8 +57,8 @@ def main():
     device = cupy.cuda.runtime.getDevice()
     config = configs.decode_config(int(cupy.cuda.Device().compute_capability), D)
     if args.config:
-        bn, st, w, pf = (int(x) for x in args.config.split(","))
-        config = configs.DecodeConfig(D, bn, st, w, bool(pf))
+        bn, st, w, pf, *deep = (int(x) for x in args.config.split(","))
+        config = configs.DecodeConfig(D, bn, st, w, bool(pf), bool(deep and deep[0]))
     name = decode.attention_name_expression(config, "float16", False, False, False)
     defines = [f"-D{d}" for d in args.defines.split(",") if d]
     module, kernel = traced_kernel(name, decode._opt_in_smem(config, device), defines)
@@ -69,7 +70,8 @@ def main():
     errors = device_errors.pointers(device)
     events = B.CupyEvents()
     rng = cupy.random.default_rng(0)
-    print(f"config bn{config.block_n} st{config.stages} w{config.warps} pf{int(config.l2_prefetch)}")
+    print(f"config bn{config.block_n} st{config.stages} w{config.warps} pf{int(config.l2_prefetch)} "
+          f"deep{int(config.deep_ring)}")
     for case in args.cases.split(","):
         b, sk = map(int, case.split("x"))
         q, kc, vc = decode_caches(rng, b, sk)
