@@ -8,7 +8,7 @@ variant's before timing.
     python bench/decode_ab.py [--cases 1x16384,64x1024] [--variants base,walk132] [--rounds 4]
 
 Variants: ``base`` (the shipped plan), ``deep``/``shallow`` (the deep-ring twin of the d=128 row forced on or
-off), ``walkN`` (N blocks wherever blocks walk items), ``wN`` (N warps per block), ``st3`` (3 ring stages). A variant may also name NVRTC defines, for an experiment written under ``#ifdef`` in cuda/decode.cu: the
+off), ``walkN`` (N blocks wherever blocks walk items), ``wN`` (N warps per block), ``st3`` (3 ring stages), ``bn16`` (16-key tiles). A variant may also name NVRTC defines, for an experiment written under ``#ifdef`` in cuda/decode.cu: the
 kernel is then built with them and put where plan_decode looks it up.
 """
 
@@ -36,11 +36,10 @@ def _walk_blocks(blocks):
     return grid
 
 
-def _row(warps=None, stages=None):
-    """The d=128 decode rows with ``warps`` warps per block and/or ``stages`` ring stages."""
+def _row(**fields):
+    """The d=128 decode rows (and their deep-ring twins) with other DecodeConfig fields."""
     def config(arch, headdim, *args, **kwargs):
-        base = _originals["decode_config"](arch, headdim, *args, **kwargs)
-        return dataclasses.replace(base, stages=stages or base.stages, warps=warps or base.warps)
+        return dataclasses.replace(_originals["decode_config"](arch, headdim, *args, **kwargs), **fields)
     return config
 
 
@@ -52,6 +51,8 @@ VARIANTS["shallow"] = ({"DEEP_RING": False}, ())  # the table's rows only
 for _w in (2, 3, 5, 6):
     VARIANTS[f"w{_w}"] = ({"decode_config": _row(warps=_w)}, ())
 VARIANTS["st3"] = ({"decode_config": _row(stages=3)}, ())
+VARIANTS["bn16"] = ({"decode_config": _row(block_n=16)}, ())  # 16-key tiles: two walking blocks per SM fit
+VARIANTS["bn16st3"] = ({"decode_config": _row(block_n=16, stages=3)}, ())
 _builds: dict = {}  # (kernel key, defines) -> compiled kernel
 
 
@@ -78,21 +79,6 @@ def use(variant: str) -> None:
     built = _builds[key, defines]
     build._kernels[key] = built[1] if defines else built
     interface._cached_calls.clear()  # plans are built for the flags and kernel in force
-
-
-def graph_us(torch, fn, events, calls=16) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    side.synchronize()
-    with torch.cuda.graph(graph, stream=side):
-        for _ in range(calls):
-            fn()
-    torch.cuda.synchronize()
-    return B.time_gpu(graph.replay, events, warmup=3, repeats=15).median_ms * 1e3 / calls
 
 
 def main():
@@ -133,7 +119,7 @@ def main():
             for name in (list(label) if r % 2 == 0 else list(label)[::-1]):
                 use(name)
                 eager[name].append(B.time_gpu(call, events, warmup=10, repeats=60).median_ms * 1e3)
-                graph[name].append(graph_us(torch, call, events))
+                graph[name].append(B.graph_ms_per_call(call, events) * 1e3)
         first = names[0] if names[0] in label else None
         for name in label:
             e, g = min(eager[name]), min(graph[name])

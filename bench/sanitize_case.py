@@ -67,6 +67,19 @@ DECODE_CASES = (
 )
 
 
+def run_decode_cases(deep=None) -> int:
+    """DECODE_CASES with decode.DEEP_RING set to ``deep`` (plans rebuilt for it); how many failed."""
+    from fa2cupy import decode, interface
+
+    decode.DEEP_RING = deep
+    interface._cached_calls.clear()
+    try:
+        return sum(not check_decode(i, *case) for i, case in enumerate(DECODE_CASES))
+    finally:
+        decode.DEEP_RING = None
+        interface._cached_calls.clear()
+
+
 def check_decode(i, batch, sq, h, hkv, d, cap, new, causal, page, splits) -> bool:
     """One flash_attn_with_kvcache call against flash_attn_func over each row's keys (after the append)."""
     import cupy as cp
@@ -306,30 +319,15 @@ def main(groups) -> int:
             bad += not check_dropout(i, *case)
             total += 1
     if "decode" in groups:
-        for i, case in enumerate(DECODE_CASES):
-            bad += not check_decode(i, *case)
-            total += 1
+        bad, total = bad + run_decode_cases(), total + len(DECODE_CASES)
     if "decode_deep" in groups:  # the decode cases with the deep ring wherever a row has one (d=128, sm_90)
-        from fa2cupy import decode, interface
-
-        decode.DEEP_RING = True
-        interface._cached_calls.clear()
-        for i, case in enumerate(DECODE_CASES):
-            bad += not check_decode(i, *case)
-            total += 1
-        decode.DEEP_RING = None
-        interface._cached_calls.clear()
+        bad, total = bad + run_decode_cases(deep=True), total + len(DECODE_CASES)
     if "decode_walk" in groups:  # the decode cases on a pretend 2-SM GPU: blocks walk several items, both rings
-        from fa2cupy import decode, interface
+        from fa2cupy import decode
 
         decode._sm_count = lambda device: 2
         for deep in (False, True):
-            decode.DEEP_RING = deep
-            interface._cached_calls.clear()
-            for i, case in enumerate(DECODE_CASES):
-                bad += not check_decode(i, *case)
-                total += 1
-        decode.DEEP_RING = None
+            bad, total = bad + run_decode_cases(deep=deep), total + len(DECODE_CASES)
     print(f"{total - bad}/{total} passed")
     return 1 if bad else 0
 

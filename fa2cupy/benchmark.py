@@ -976,6 +976,26 @@ def kv_cache_bytes(batch: int, seqlen_k: int, nheads_kv: int, headdim: int, item
     return 2 * batch * seqlen_k * nheads_kv * headdim * itemsize
 
 
+def graph_ms_per_call(fn: Callable[[], Any], events, *, calls: int = 16, context=None, repeats: int = 15) -> float:
+    """GPU time per call of ``fn`` (torch work) replayed from a CUDA graph of ``calls`` calls (median of
+    ``repeats`` replays): no host dispatch in it. ``context``: a context factory in force while capturing (an SDPA
+    backend choice)."""
+    torch = _torch()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with context() if context is not None else contextlib.nullcontext():
+        with torch.cuda.stream(side):
+            for _ in range(3):  # warm-up (and any compilation) outside the capture
+                fn()
+        side.synchronize()
+        with torch.cuda.graph(graph, stream=side):
+            for _ in range(calls):
+                fn()
+    torch.cuda.synchronize()
+    return time_gpu(graph.replay, events, warmup=3, repeats=repeats).median_ms / calls
+
+
 def bench_decode_case(batch: int, seqlen_k: int, *, nheads: int = 32, nheads_kv: int = 8, headdim: int = 128,
                       dtype: str = "bf16", page_size: int | None = 256, warmup: int = 10, repeats: int = 50,
                       rounds: int = 3, seed: int = 0) -> dict[str, Any]:
@@ -1059,22 +1079,9 @@ def bench_decode_case(batch: int, seqlen_k: int, *, nheads: int = 32, nheads_kv:
         rec[name + "_tbps"] = nbytes / (ms * 1e-3) / 1e12
     # The same calls replayed from a CUDA graph (how serving stacks run decode steps): GPU time per call without
     # the host's dispatch cost, which dominates caches of a few MB in the eager timing above.
-    calls = 16
     for name, fn, context in runners:
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            graph = torch.cuda.CUDAGraph()
-            with context() if context is not None else contextlib.nullcontext():
-                with torch.cuda.stream(side):
-                    for _ in range(3):
-                        fn()
-                side.synchronize()
-                with torch.cuda.graph(graph, stream=side):
-                    for _ in range(calls):
-                        fn()
-            torch.cuda.synchronize()
-            ms = time_gpu(graph.replay, events, warmup=3, repeats=max(5, repeats // 4)).median_ms / calls
+            ms = graph_ms_per_call(fn, events, context=context, repeats=max(5, repeats // 4))
             rec[name + "_graph_us"] = ms * 1e3
             rec[name + "_graph_tbps"] = nbytes / (ms * 1e-3) / 1e12
         except Exception as exc:

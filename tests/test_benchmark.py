@@ -455,3 +455,18 @@ def test_bench_forward_case_tiny_gpu():
     if rec["max_abs_diff"] is not None:
         assert rec["max_abs_diff"] < 0.05
     json.dumps(rec)
+
+
+@pytest.mark.gpu
+def test_decode_bench_case_times_every_implementation():
+    # One point of `fa2cupy bench --mode decode`, small: fa2cupy contiguous and paged against SDPA, eager and from a
+    # CUDA graph; fa2cupy's output close to SDPA flash's, the paged one bitwise equal to the contiguous one.
+    if not B.torch_available():
+        pytest.skip("needs torch with CUDA")
+    rec = B.bench_decode_case(2, 1024, warmup=2, repeats=5, rounds=1)
+    assert rec["kv_bytes"] == B.kv_cache_bytes(2, 1024, 8, 128) and rec["paged_equals_contiguous"] is True
+    assert rec["max_abs_diff"] < 1e-2
+    for name in ("fa2cupy", "fa2cupy_paged"):
+        for suffix in ("", "_graph"):
+            assert math.isfinite(rec[name + suffix + "_tbps"]) and rec[name + suffix + "_tbps"] > 0, (name, suffix)
+    assert rec["fa2cupy_graph_us"] * 1e-6 * rec["fa2cupy_graph_tbps"] * 1e12 == pytest.approx(rec["kv_bytes"])
