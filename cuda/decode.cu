@@ -816,7 +816,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             if (last_to_arrive) {
                 // One (row, 4 columns) unit per thread, merged online over chunks of 16 splits whose lse and
                 // partial loads are all in flight at once: one L2 round trip per chunk, no shared memory, no
-                // barrier. Every thread of a row computes the row's lse (the same loads, from L1).
+                // barrier. Every thread of a row computes the row's lse itself (the same few lse loads, L2 hits).
                 constexpr int kChunk = 16;
                 const int real_rows = min(16, rows - cur.row0);
                 const int quads = headdim / 4, work = real_rows * quads;

@@ -6,8 +6,7 @@ Each entry becomes C++ template arguments of a traits type in ``cuda/``; every e
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 #: Tile widths (template head dims). A head dim d (padded to a multiple of 8) runs on the smallest width >= d;
 #: the kernel zero-fills the columns between d and the width.
@@ -362,7 +361,7 @@ DECODE_TABLE: dict[tuple[str, int], DecodeConfig] = {
 #: block starts together are most of the stream; 0.2-1.7% slower on long streams (1x64k, 8x64k, 64x16k) and on
 #: single-tile ones (1x1k). Measured at d=128 only, so only that row has one.
 DECODE_DEEP_TABLE: dict[tuple[str, int], DecodeConfig] = {
-    ("sm90", 128): dataclasses.replace(_DEC[128], deep_ring=True),
+    ("sm90", 128): replace(_DEC[128], deep_ring=True),
 }
 DEEP_RING_TILES = range(2, 17)
 #: Tuning candidates at d=128 (bench/tune_decode.py), compiled on demand, not shipped.
