@@ -8,8 +8,7 @@ variant's before timing.
     python bench/decode_ab.py [--cases 1x16384,64x1024] [--variants base,walk132] [--rounds 4]
 
 Variants: ``base`` (the shipped plan), ``deep``/``shallow`` (the deep-ring twin of the d=128 row forced on or
-off), ``walkN`` (N blocks wherever blocks walk items), ``wN`` (N warps per block), ``st3`` (3 ring stages), ``bn16`` (16-key tiles). A variant may also name NVRTC defines, for an experiment written under ``#ifdef`` in cuda/decode.cu: the
-kernel is then built with them and put where plan_decode looks it up.
+off), ``walkN`` (N blocks wherever blocks walk items), ``wN`` (N warps per block), ``st3`` (3 ring stages), ``bn16`` (16-key tiles).
 """
 
 import argparse
@@ -20,7 +19,7 @@ import sys
 sys.path.insert(0, ".")
 import fa2cupy  # noqa: E402
 from fa2cupy import benchmark as B  # noqa: E402
-from fa2cupy import build, configs, decode, interface  # noqa: E402
+from fa2cupy import configs, decode, interface  # noqa: E402
 
 H, HKV, D = 32, 8, 128  # the decode bar's query heads, KV heads and head dim
 _originals = {"_attention_grid": decode._attention_grid, "decode_config": configs.decode_config,
@@ -43,42 +42,23 @@ def _row(**fields):
     return config
 
 
-VARIANTS = {"base": ({}, ())}  # variant -> (module attributes of decode / configs, NVRTC defines of the kernel)
+VARIANTS = {"base": {}}  # variant -> module attributes of decode (or configs.decode_config) to set
 for _n in (132, 128, 120):
-    VARIANTS[f"walk{_n}"] = ({"_attention_grid": _walk_blocks(_n)}, ())
-VARIANTS["deep"] = ({"DEEP_RING": True}, ())  # the deep-ring twin wherever a row has one
-VARIANTS["shallow"] = ({"DEEP_RING": False}, ())  # the table's rows only
+    VARIANTS[f"walk{_n}"] = {"_attention_grid": _walk_blocks(_n)}
+VARIANTS["deep"] = {"DEEP_RING": True}  # the deep-ring twin wherever a row has one
+VARIANTS["shallow"] = {"DEEP_RING": False}  # the table's rows only
 for _w in (2, 3, 5, 6):
-    VARIANTS[f"w{_w}"] = ({"decode_config": _row(warps=_w)}, ())
-VARIANTS["st3"] = ({"decode_config": _row(stages=3)}, ())
-VARIANTS["bn16"] = ({"decode_config": _row(block_n=16)}, ())  # 16-key tiles: two walking blocks per SM fit
-VARIANTS["bn16st3"] = ({"decode_config": _row(block_n=16, stages=3)}, ())
-_builds: dict = {}  # (kernel key, defines) -> compiled kernel
+    VARIANTS[f"w{_w}"] = {"decode_config": _row(warps=_w)}
+VARIANTS["st3"] = {"decode_config": _row(stages=3)}
+VARIANTS["bn16"] = {"decode_config": _row(block_n=16)}  # 16-key tiles: two walking blocks per SM fit
+VARIANTS["bn16st3"] = {"decode_config": _row(block_n=16, stages=3)}
 
 
 def use(variant: str) -> None:
-    """Sets the variant's module attributes and puts its build of the bar's attention kernel (bf16, plain) where
-    plan_decode looks it up."""
-    import cupy
-
-    flags, defines = VARIANTS[variant]
-    for name, value in {**_originals, **flags}.items():
+    """Sets the variant's module attributes (of decode, or configs.decode_config) and drops the cached plans."""
+    for name, value in {**_originals, **VARIANTS[variant]}.items():
         setattr(configs if name == "decode_config" else decode, name, value)
-    device = cupy.cuda.runtime.getDevice()
-    config = configs.decode_config(int(cupy.cuda.Device().compute_capability), D)
-    name = decode.attention_name_expression(config, "bfloat16", False, False)
-    key = ("decode", name, device)
-    if ((key, ()) not in _builds):
-        _builds[key, ()] = build.get_kernel("decode", name, decode._opt_in_smem(config, device))
-    if (key, defines) not in _builds:
-        module = cupy.RawModule(code=build.source("decode"), options=build.NVRTC_OPTIONS + defines,
-                                name_expressions=(name,))
-        raw = module.get_function(name)
-        raw.max_dynamic_shared_size_bytes = decode._opt_in_smem(config, device)
-        _builds[key, defines] = (module, raw.kernel)
-    built = _builds[key, defines]
-    build._kernels[key] = built[1] if defines else built
-    interface._cached_calls.clear()  # plans are built for the flags and kernel in force
+    interface._cached_calls.clear()  # plans are built for the attributes in force
 
 
 def main():

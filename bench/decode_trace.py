@@ -59,7 +59,7 @@ def main():
     if args.config:
         bn, st, w, pf, *deep = (int(x) for x in args.config.split(","))
         config = configs.DecodeConfig(D, bn, st, w, bool(pf), bool(deep and deep[0]))
-    name = decode.attention_name_expression(config, "float16", False, False, False)
+    name = config.name_expression("float16", False, False)
     defines = [f"-D{d}" for d in args.defines.split(",") if d]
     module, kernel = traced_kernel(name, decode._opt_in_smem(config, device), defines)
     stride = next((int(d.split("=")[1]) for d in args.defines.split(",") if d.startswith("FA2_DECODE_TRACE_STRIDE=")),

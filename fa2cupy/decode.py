@@ -23,13 +23,6 @@ def merge_name_expression(parts_dtype: str, out_dtype: str) -> str:
     return f"fa2::merge_states<{_TAGS[parts_dtype]}, {_TAGS[out_dtype]}>"
 
 
-def attention_name_expression(config: configs.DecodeConfig, dtype: str, causal: bool, paged: bool,
-                              extras: bool = False) -> str:
-    """decode_attention's instantiation (``extras``: window, softcap, ALiBi, cache_leftpad; causal folded into the
-    window)."""
-    return config.name_expression(dtype, causal, paged, extras)
-
-
 def instantiations(family: str | None = None) -> list[str]:
     """Name expressions of every shipped decode-family instantiation (of one arch family, or all; merge, append and
     rotary kernels are not per arch family): per table row and deep-ring twin the plain kernels (causal x paged x
@@ -209,7 +202,7 @@ def plan_decode(q_shape, strides, dtype: str, *, nheads_kv: int, cache_rows: int
         blocks, _sm_count(device), max_seqlen_k, tile.warps * tile.block_n)
     if config is None:
         config = configs.decode_config(arch, headdim, keys_per_item=-(-max_seqlen_k // splits), deep=DEEP_RING)
-    name = attention_name_expression(config, dtype, causal, paged, use_extras)
+    name = config.name_expression(dtype, causal, paged, use_extras)
     function = build.get_kernel("decode", name, _opt_in_smem(config, device))
     rows = batch * seqlen_q * nheads
     if splits > 1:

@@ -7,8 +7,8 @@ check); on the other arch, where it never runs, to PTX (NVRTC's front end and op
 Runs on a CPU-only machine: NVRTC (pip's nvidia-cuda-nvrtc-cu12) is all it needs.
 """
 
-import os
 import dataclasses
+import os
 import re
 from concurrent.futures import ThreadPoolExecutor
 

@@ -153,10 +153,9 @@ def test_blocks_walk_items_only_when_the_grid_is_over_full(monkeypatch):
     assert decode._attention_grid(Function, wide, 0, 10_000) == (10_000, wide.smem_bytes)
 
 
-
-def test_deep_ring_twin_for_short_streams(monkeypatch):
+def test_deep_ring_twin_for_short_streams():
     # configs.decode_config picks the deep-ring twin (sm_90, d=128) for work items of 2..16 key tiles per warp
-    # (4 warps x 32 keys: 256..2048 keys); decode.DEEP_RING forces it either way.
+    # (4 warps x 32 keys: 256..2048 keys); `deep` (decode.DEEP_RING in plan_decode) forces it either way.
     from fa2cupy import configs, decode
 
     base, twin = configs.decode_config(90, 128), configs.DECODE_DEEP_TABLE[("sm90", 128)]
