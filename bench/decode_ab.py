@@ -8,7 +8,9 @@ variant's before timing.
     python bench/decode_ab.py [--cases 1x16384,64x1024] [--variants base,walk132] [--rounds 4]
 
 Variants: ``base`` (the shipped plan), ``deep``/``shallow`` (the deep-ring twin of the d=128 row forced on or
-off), ``walkN`` (N blocks wherever blocks walk items), ``wN`` (N warps per block), ``st3`` (3 ring stages), ``bn16`` (16-key tiles).
+off), ``block``/``solo``/``solodeep``/``soloshallow`` (warp items forced off, or on with either ring), ``solost3``
+(warp items with 3 ring stages), ``walkN`` (N blocks wherever blocks walk items), ``wN`` (N warps per block),
+``st3`` (3 ring stages), ``bn16`` (16-key tiles).
 """
 
 import argparse
@@ -23,7 +25,7 @@ from fa2cupy import configs, decode, interface  # noqa: E402
 
 H, HKV, D = 32, 8, 128  # the decode bar's query heads, KV heads and head dim
 _originals = {"_attention_grid": decode._attention_grid, "decode_config": configs.decode_config,
-              "DEEP_RING": decode.DEEP_RING}
+              "DEEP_RING": decode.DEEP_RING, "WARP_ITEMS": decode.WARP_ITEMS}
 
 
 def _walk_blocks(blocks):
@@ -47,6 +49,11 @@ for _n in (132, 128, 120):
     VARIANTS[f"walk{_n}"] = {"_attention_grid": _walk_blocks(_n)}
 VARIANTS["deep"] = {"DEEP_RING": True}  # the deep-ring twin wherever a row has one
 VARIANTS["shallow"] = {"DEEP_RING": False}  # the table's rows only
+VARIANTS["block"] = {"WARP_ITEMS": False}  # no warp items: blocks split every item across their warps
+VARIANTS["solo"] = {"WARP_ITEMS": True}  # warp items wherever there is one split
+VARIANTS["solodeep"] = {"WARP_ITEMS": True, "DEEP_RING": True}
+VARIANTS["soloshallow"] = {"WARP_ITEMS": True, "DEEP_RING": False}
+VARIANTS["solost3"] = {"WARP_ITEMS": True, "DEEP_RING": False, "decode_config": _row(stages=3)}
 for _w in (2, 3, 5, 6):
     VARIANTS[f"w{_w}"] = {"decode_config": _row(warps=_w)}
 VARIANTS["st3"] = {"decode_config": _row(stages=3)}
@@ -93,7 +100,8 @@ def main():
                 print(f"{case} {name}: WRONG (max|diff| {err:.2e} vs {names[0]})", flush=True)
                 continue
             plan = next(iter(interface._cached_calls.values())).plan
-            label[name] = f"splits={plan.splits} grid={plan.attention.grid[0]}"
+            label[name] = (f"splits={plan.splits} grid={plan.attention.grid[0]}"
+                           f"{' warp' if plan.config.warp_items else ''}{' deep' if plan.config.deep_ring else ''}")
             eager[name], graph[name] = [], []
         for r in range(args.rounds):
             for name in (list(label) if r % 2 == 0 else list(label)[::-1]):
@@ -105,7 +113,7 @@ def main():
             e, g = min(eager[name]), min(graph[name])
             rel = (f"  vs {first}: eager {e / min(eager[first]):.3f}x graph {g / min(graph[first]):.3f}x"
                    if first else "")
-            print(f"{case:>9} {name:>8} {label[name]:<20} eager {e:7.1f} us (median {statistics.median(eager[name]):6.1f})"
+            print(f"{case:>9} {name:>11} {label[name]:<28} eager {e:7.1f} us (median {statistics.median(eager[name]):6.1f})"
                   f"  graph {g:7.1f} us = {nbytes / (g * 1e-6) / 1e12:.2f} TB/s{rel}", flush=True)
     use(names[0])
 

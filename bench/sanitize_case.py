@@ -15,9 +15,9 @@ The forward cases run the forward only; BWD_CASES run forward + backward
 ``flash_attn_with_kvcache`` (append, split-KV with the last-block merge, paged and
 contiguous, causal) against ``flash_attn_func`` over each row's keys; decode_deep runs them again with the deep
 ring (d=128 on sm_90), decode_walk with both rings on a pretend 2-SM GPU, where each decode block walks several
-work items.
+work items, decode_warp with one split and warps that stream whole items (both rings, 1 and 2 pretend SMs).
 
-    python3 bench/sanitize_case.py [fwd|bwd|window|varlen|paged|dropout|decode|decode_deep|decode_walk ...]
+    python3 bench/sanitize_case.py [fwd|bwd|...|decode|decode_deep|decode_walk|decode_warp ...]
 """
 
 from __future__ import annotations
@@ -67,16 +67,18 @@ DECODE_CASES = (
 )
 
 
-def run_decode_cases(deep=None) -> int:
-    """DECODE_CASES with decode.DEEP_RING set to ``deep`` (plans rebuilt for it); how many failed."""
+def run_decode_cases(deep=None, warp_items=None) -> int:
+    """DECODE_CASES with decode.DEEP_RING set to ``deep`` and decode.WARP_ITEMS to ``warp_items`` (plans rebuilt
+    for them; with warp items, every case takes one split); how many failed."""
     from fa2cupy import decode, interface
 
-    decode.DEEP_RING = deep
+    decode.DEEP_RING, decode.WARP_ITEMS = deep, warp_items
     interface._cached_calls.clear()
     try:
-        return sum(not check_decode(i, *case) for i, case in enumerate(DECODE_CASES))
+        return sum(not check_decode(i, *case[:-1], 1 if warp_items else case[-1])
+                   for i, case in enumerate(DECODE_CASES))
     finally:
-        decode.DEEP_RING = None
+        decode.DEEP_RING = decode.WARP_ITEMS = None
         interface._cached_calls.clear()
 
 
@@ -328,6 +330,13 @@ def main(groups) -> int:
         decode._sm_count = lambda device: 2
         for deep in (False, True):
             bad, total = bad + run_decode_cases(deep=deep), total + len(DECODE_CASES)
+    if "decode_warp" in groups:  # one split, warps streaming whole items (d=128, sm_90), on 1 and 2 pretend SMs
+        from fa2cupy import decode
+
+        for sms in (1, 2):
+            decode._sm_count = lambda device, sms=sms: sms
+            for deep in (False, True):
+                bad, total = bad + run_decode_cases(deep=deep, warp_items=True), total + len(DECODE_CASES)
     print(f"{total - bad}/{total} passed")
     return 1 if bad else 0
 
@@ -335,4 +344,4 @@ def main(groups) -> int:
 if __name__ == "__main__":
     np.seterr(all="ignore")
     sys.exit(main(sys.argv[1:] or ("fwd", "bwd", "window", "varlen", "paged", "dropout", "decode", "decode_deep",
-                                   "decode_walk")))
+                                   "decode_walk", "decode_warp")))

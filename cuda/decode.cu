@@ -347,27 +347,32 @@ FA2_DEVICE void decode_mark(int, int) {}
 // DeepRing: each warp keeps Stages key tiles in flight while it waits for the next (every slot refilled right
 // after its tile's math) instead of Stages - 1 (refilled before the next tile's math): for streams of a few tiles
 // per warp, where the rounds that every block starts together dominate (bench/NOTES.md).
+// WarpItems: each warp streams whole work items of its own (no split across warps, so no block merge and no block
+// barrier: a warp writes its rows itself), for grids with a work item per warp and more, where a block's per-item
+// merge and barrier were the SM's time without loads in flight. One split only.
 template <int HeadDim, int BlockN, int Stages, int Warps, bool L2Prefetch, class Elem_, bool Causal, bool Paged,
-          bool Extras = false, bool DeepRing = false>
+          bool Extras = false, bool DeepRing = false, bool WarpItems = false>
 struct DecodeTraits {
     using Elem = Elem_;
     static constexpr bool kL2Prefetch = L2Prefetch;  // cp.async with the L2::256B hint for K/V
     static constexpr int kHeadDim = HeadDim, kBlockN = BlockN, kStages = Stages, kWarps = Warps;
     static constexpr int kThreads = 32 * Warps;
     static constexpr bool kCausal = Causal, kPaged = Paged, kExtras = Extras, kDeepRing = DeepRing;
+    static constexpr bool kWarpItems = WarpItems;
     static_assert(!(Causal && Extras), "with Extras, causal is the window's right side 0");
     using QTile = SmemTile<16, HeadDim>;
     using KVTile = SmemTile<BlockN, HeadDim, HeadDim % 64 == 0>;  // swizzled rows where the head dim allows
-    static constexpr int kQBytes = 2 * QTile::kBytes;              // the item's Q tile and the next item's
+    static constexpr int kQBytes = 2 * QTile::kBytes;  // the item's Q tile and the next item's (per warp: WarpItems)
+    static constexpr int kQAreaBytes = (WarpItems ? Warps : 1) * kQBytes;
     static constexpr int kRingBytes = 2 * Stages * KVTile::kBytes;  // K and V ring of one warp
     // The block's merge: every warp's fp32 output rows (a pitch of HeadDim + 8 floats: conflict-free float2
     // stores) and lse. (The splits' merges need no dynamic shared memory.)
     static constexpr int kMergePitch = HeadDim + 8;
-    static constexpr int kMergeBytes = Warps * 16 * (kMergePitch + 1) * 4;
+    static constexpr int kMergeBytes = WarpItems ? 0 : Warps * 16 * (kMergePitch + 1) * 4;
     // A block with one item merges in its rings' memory; a block walking several items keeps the next item's
     // first tiles in flight in its rings while it merges, so its merge area comes after them.
-    static constexpr int kSmemBytes = kQBytes + cmax(Warps * kRingBytes, kMergeBytes);
-    static constexpr int kPersistentSmemBytes = kQBytes + Warps * kRingBytes + kMergeBytes;
+    static constexpr int kSmemBytes = kQAreaBytes + cmax(Warps * kRingBytes, kMergeBytes);
+    static constexpr int kPersistentSmemBytes = kQAreaBytes + Warps * kRingBytes + kMergeBytes;
     static_assert(Stages >= 2, "the K/V ring needs at least two stages");
     static_assert(BlockN % 16 == 0 && BlockN <= 64, "key tiles of 16..64 keys (a tile spans BlockN / 16 pages)");
 };
@@ -393,6 +398,8 @@ struct DecodeItem {
 // Work items: num_splits x groups (nheads_kv x blocks of 16 packed rows) x batch, the split fastest. A 1-D grid of
 // one block per item, or fewer blocks (with kPersistentSmemBytes of shared memory) that walk the items in grid
 // strides: each warp's ring then runs on into the next item, whose first tiles load while the block merges.
+// Tr::kWarpItems (one split): warp w of block x takes items x * warps + w, + gridDim.x * warps, ... alone (the warps
+// of a block read neighbouring kv heads of the same tokens).
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     decode_attention(const u16* __restrict__ q, const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
@@ -411,20 +418,28 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     using Mma = fa2::Mma<typename Tr::Elem>;
     constexpr int kNT = Tr::kBlockN / 8, kDT = Tr::kHeadDim / 8, kKSteps = Tr::kHeadDim / 16, kW = Tr::kWarps;
     constexpr int kS = Tr::kStages;
+    // Warp items: a warp's tiles are all of its item's; otherwise the block's warps take the item's tiles in turn.
+    constexpr bool solo = Tr::kWarpItems;
+    constexpr int kTileStride = solo ? 1 : kW;
 
     decode_mark(0, blockIdx.x);
     extern __shared__ __align__(128) unsigned char smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const u32 smem_q = smem_u32(smem);  // Q tiles of items 0, 2, 4, ... of this block, then 1, 3, 5, ...
-    const u32 smem_k = smem_q + Tr::kQBytes + warp * Tr::kRingBytes;
+    const int tile_warp = solo ? 0 : warp;  // the warp's first tile of an item
+    // Q tiles of items 0, 2, 4, ... of this block (warp items: of this warp), then 1, 3, 5, ...; then each warp's
+    // ring (warp items: each warp's Q tiles and ring together).
+    constexpr int kWarpBytes = solo ? Tr::kQBytes + Tr::kRingBytes : Tr::kRingBytes;
+    const u32 smem_q = smem_u32(smem) + (solo ? warp * kWarpBytes : 0);
+    const u32 smem_k = smem_q + Tr::kQBytes + (solo ? 0 : warp * kWarpBytes);
     const u32 smem_v = smem_k + kS * KVTile::kBytes;
 
     const int nheads_kv = nheads / heads_per_kv;
     const int rows = seqlen_q * heads_per_kv;  // packed rows r = query * heads_per_kv + head-in-group
     const int groups = nheads_kv * ((rows + 15) / 16);
     const int items = num_splits * groups * batch;
-    const bool persistent = (int)gridDim.x < items;
-    unsigned char* merge_area = smem + Tr::kQBytes + (persistent ? kW * Tr::kRingBytes : 0);
+    const unsigned walkers = solo ? gridDim.x * kW : gridDim.x;  // blocks, or warps, that take items
+    const bool persistent = (int)walkers < items;
+    unsigned char* merge_area = smem + Tr::kQAreaBytes + (persistent ? kW * Tr::kRingBytes : 0);
     const CacheIndex index{block_table, cache_seqlens, cache_batch_idx, fixed_seqlen, seqlen_new,
                            capacity,    cache_rows,    page_size,       max_pages};
     // A report still pending (this call's append found a bad value) poisons every item: it writes NaN.
@@ -446,7 +461,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // BlockN tiles except at the end; under the causal mask no row of the block sees keys past the last row's
     // limit. The block's warps take the item's tiles in turn.
     auto item_check = [&](DecodeItem& it) {
-        const bool reporter = threadIdx.x == 0 && it.split == 0 && it.group == 0;  // one report per bad row
+        const bool reporter = (solo ? lane : threadIdx.x) == 0 && it.split == 0 && it.group == 0;  // one per row
         it.poisoned = pending_report;
         if (!index.seqlen_ok(it.cached)) {
             it.poisoned = true;
@@ -484,10 +499,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         }
         const int n_tiles =
             it.key_end > it.key_begin ? (it.key_end - it.key_begin + Tr::kBlockN - 1) / Tr::kBlockN : 0;
-        it.my_tiles = n_tiles > warp ? (n_tiles - warp + kW - 1) / kW : 0;
+        it.my_tiles = n_tiles > tile_warp ? (n_tiles - tile_warp + kTileStride - 1) / kTileStride : 0;
     };
     // First key of the warp's j-th tile of an item.
-    auto tile_first = [&](const DecodeItem& it, int j) { return it.key_begin + (warp + j * kW) * Tr::kBlockN; };
+    auto tile_first = [&](const DecodeItem& it, int j) {
+        return it.key_begin + (tile_warp + j * kTileStride) * Tr::kBlockN;
+    };
 
     // K/V of the warp's j-th tile of an item into ring slot `slot`; true if a block_table entry was out of range
     // (reported, and read as zeros).
@@ -549,9 +566,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         }
         return bad_page;
     };
-    // Q rows of an item by (query, head), all threads together, into Q buffer `buffer`.
+    // Q rows of an item by (query, head), all threads together (warp items: the warp), into Q buffer `buffer`.
     auto load_q = [&](const DecodeItem& it, int buffer) {
-        for (int idx = threadIdx.x; idx < 16 * kDT; idx += Tr::kThreads) {
+        for (int idx = solo ? lane : threadIdx.x; idx < 16 * kDT; idx += solo ? 32 : Tr::kThreads) {
             const int r = idx / kDT, c = (idx % kDT) * 8, packed = it.row0 + r;
             const bool ok = packed < rows && c < headdim;
             const int query = packed / heads_per_kv, head = it.kv_head * heads_per_kv + packed % heads_per_kv;
@@ -561,7 +578,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         }
     };
 
-    int item = blockIdx.x;
+    int item = solo ? blockIdx.x * kW + warp : blockIdx.x;
+    if (solo && item >= items) return;  // (warp items have no block barrier)
     DecodeItem cur;
     item_values(item, cur);
     item_check(cur);
@@ -599,9 +617,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             }
             cp_async_wait<0>();
         }
-        __syncthreads();  // ... for every thread, and every warp is past the previous item's merge
+        if constexpr (solo)
+            __syncwarp();  // ... for every lane
+        else
+            __syncthreads();  // ... for every thread, and every warp is past the previous item's merge
         decode_mark(1, item);
-        const int next_item = item + gridDim.x;
+        const int next_item = item + walkers;
         const bool has_next = next_item < items;
         DecodeItem next;
         next.my_tiles = 0;
@@ -731,35 +752,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         decode_mark(12, item);
         float row_lse[2];
         softmax.finalize(acc_o, row_lse, Tr::kExtras ? 1.f : scale);
-        // Every warp is done with the item's tiles and Q (the barrier).
-        const bool poisoned = __syncthreads_or(cur.poisoned || bad_page);
-        decode_mark(13, item);
-
-        float* merge_out = reinterpret_cast<float*>(merge_area);          // [warp][16][kMergePitch]
-        float* merge_lse = merge_out + kW * 16 * Tr::kMergePitch;            // [warp][16]
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int r = (lane >> 2) + half * 8;
-            float* dst = merge_out + (warp * 16 + r) * Tr::kMergePitch;
-#pragma unroll
-            for (int dt = 0; dt < kDT; ++dt)
-                *reinterpret_cast<float2*>(dst + dt * 8 + (lane & 3) * 2) =
-                    make_float2(acc_o[0][dt][2 * half], acc_o[0][dt][2 * half + 1]);
-            if ((lane & 3) == 0) merge_lse[warp * 16 + r] = row_lse[half];
-        }
-        __syncthreads();
-        decode_mark(20, item);
-        __shared__ float block_lse[16];
-        if (threadIdx.x < 16) {  // per row: the block's lse, and each warp's lse replaced by its weight
-            const int r = threadIdx.x;
-            const float lse = merged_lse(kW, [&](int w) { return merge_lse[w * 16 + r]; });
-            for (int w = 0; w < kW; ++w) merge_lse[w * 16 + r] = part_weight(merge_lse[w * 16 + r], lse);
-            block_lse[r] = lse;
-        }
-        __syncthreads();
-        decode_mark(21, item);
-
-        // The block's rows: merged over its warps, then final (one split) or an fp32 partial for the last block.
         const i64 total_rows = (i64)batch * seqlen_q * nheads;
         auto out_row = [&](int packed) {  // index of packed row `packed` in (batch, seqlen_q, nheads) order
             const int query = packed / heads_per_kv, head = cur.kv_head * heads_per_kv + packed % heads_per_kv;
@@ -769,97 +761,149 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             const int query = packed / heads_per_kv, head = cur.kv_head * heads_per_kv + packed % heads_per_kv;
             return ((i64)cur.b * nheads + head) * seqlen_q + query;
         };
-        const int half_dim = headdim / 2;
-        for (int idx = threadIdx.x; idx < 16 * half_dim; idx += Tr::kThreads) {
-            const int r = idx / half_dim, c = (idx % half_dim) * 2;
-            if (cur.row0 + r >= rows) break;
-            float lse = block_lse[r];
-            float2 o = make_float2(0.f, 0.f);
+        if constexpr (solo) {
+            // The warp's rows are final (one split): each lane holds rows lane / 4 and lane / 4 + 8, two columns
+            // of every 8-column tile.
+            const bool poisoned = __any_sync(0xffffffffu, cur.poisoned || bad_page);
+            const float nan = __int_as_float(0x7fc00000);
 #pragma unroll
-            for (int w = 0; w < kW; ++w) {
-                const float weight = merge_lse[w * 16 + r];
-                const float2 part =
-                    *reinterpret_cast<const float2*>(merge_out + (w * 16 + r) * Tr::kMergePitch + c);
-                o.x += weight * part.x;
-                o.y += weight * part.y;
+            for (int half = 0; half < 2; ++half) {
+                const int packed = cur.row0 + (lane >> 2) + half * 8;
+                if (packed >= rows) continue;
+                u32* dst = reinterpret_cast<u32*>(out + out_row(packed) * headdim);
+#pragma unroll
+                for (int dt = 0; dt < kDT; ++dt) {
+                    const int c = dt * 8 + (lane & 3) * 2;
+                    if (c < headdim)
+                        dst[c / 2] = poisoned ? Mma::pack(nan, nan)
+                                              : Mma::pack(acc_o[0][dt][2 * half], acc_o[0][dt][2 * half + 1]);
+                }
+                if ((lane & 3) == 0 && lse_out != nullptr)
+                    lse_out[lse_index(packed)] = poisoned ? nan : row_lse[half];
             }
-            if (poisoned) o.x = o.y = lse = __int_as_float(0x7fc00000);
-            const i64 row = out_row(cur.row0 + r);
-            if (num_splits == 1) {
-                reinterpret_cast<u32*>(out + row * headdim)[c / 2] = Mma::pack(o.x, o.y);
-                if (c == 0 && lse_out != nullptr) lse_out[lse_index(cur.row0 + r)] = lse;
-            } else {
-                *reinterpret_cast<float2*>(partial_out + (cur.split * total_rows + row) * headdim + c) = o;
-                if (c == 0) partial_lse[cur.split * total_rows + row] = lse;
-            }
-        }
-        decode_mark(14, item);
+            decode_mark(14, item);
+        } else {
+            // Every warp is done with the item's tiles and Q (the barrier).
+            const bool poisoned = __syncthreads_or(cur.poisoned || bad_page);
+            decode_mark(13, item);
 
-        if (num_splits > 1) {
-            // Split-KV through global memory: the last of the item's split blocks to arrive merges every split's
-            // partial. Release: the barrier puts the block's partial writes before thread 0's fence, which
-            // publishes them with its arrival; acquire: the last arriver's fence after the atomic, then the
-            // barrier, put every thread's reads of the other splits' partials after their writes.
-            __shared__ int last_to_arrive;
-            __syncthreads();
-            if (threadIdx.x == 0) {
-                int* counter = arrivals + (i64)cur.b * groups + cur.group;
-                fence_acq_rel_gpu();
-                last_to_arrive = atomicAdd(counter, 1) == num_splits - 1;
-                if (last_to_arrive) {
-                    *counter = 0;  // left zeroed, as it was found
-                    fence_acq_rel_gpu();
-                }
+            float* merge_out = reinterpret_cast<float*>(merge_area);          // [warp][16][kMergePitch]
+            float* merge_lse = merge_out + kW * 16 * Tr::kMergePitch;            // [warp][16]
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int r = (lane >> 2) + half * 8;
+                float* dst = merge_out + (warp * 16 + r) * Tr::kMergePitch;
+#pragma unroll
+                for (int dt = 0; dt < kDT; ++dt)
+                    *reinterpret_cast<float2*>(dst + dt * 8 + (lane & 3) * 2) =
+                        make_float2(acc_o[0][dt][2 * half], acc_o[0][dt][2 * half + 1]);
+                if ((lane & 3) == 0) merge_lse[warp * 16 + r] = row_lse[half];
             }
             __syncthreads();
-            decode_mark(15, item);
-            if (last_to_arrive) {
-                // One (row, 4 columns) unit per thread, merged online over chunks of 16 splits whose lse and
-                // partial loads are all in flight at once: one L2 round trip per chunk, no shared memory, no
-                // barrier. Every thread of a row computes the row's lse itself (the same few lse loads, L2 hits).
-                constexpr int kChunk = 16;
-                const int real_rows = min(16, rows - cur.row0);
-                const int quads = headdim / 4, work = real_rows * quads;
-                for (int t = threadIdx.x; t < work; t += Tr::kThreads) {
-                    const int r = t / quads, c = (t % quads) * 4;
-                    const i64 row = out_row(cur.row0 + r);
-                    float max_lse = -pos_inf(), sum = 0.f;
-                    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-                    for (int first = 0; first < num_splits; first += kChunk) {
-                        float l[kChunk];
-                        float4 x[kChunk];
+            decode_mark(20, item);
+            __shared__ float block_lse[16];
+            if (threadIdx.x < 16) {  // per row: the block's lse, and each warp's lse replaced by its weight
+                const int r = threadIdx.x;
+                const float lse = merged_lse(kW, [&](int w) { return merge_lse[w * 16 + r]; });
+                for (int w = 0; w < kW; ++w) merge_lse[w * 16 + r] = part_weight(merge_lse[w * 16 + r], lse);
+                block_lse[r] = lse;
+            }
+            __syncthreads();
+            decode_mark(21, item);
+
+            // The block's rows: merged over its warps, then final (one split) or an fp32 partial for the last block.
+            const int half_dim = headdim / 2;
+            for (int idx = threadIdx.x; idx < 16 * half_dim; idx += Tr::kThreads) {
+                const int r = idx / half_dim, c = (idx % half_dim) * 2;
+                if (cur.row0 + r >= rows) break;
+                float lse = block_lse[r];
+                float2 o = make_float2(0.f, 0.f);
 #pragma unroll
-                        for (int k = 0; k < kChunk; ++k) {
-                            const i64 part = (i64)(first + k) * total_rows + row;
-                            const bool here = first + k < num_splits;
-                            l[k] = here ? __ldcg(partial_lse + part) : pos_inf();
-                            x[k] = here ? __ldcg(reinterpret_cast<const float4*>(partial_out + part * headdim + c))
-                                        : make_float4(0.f, 0.f, 0.f, 0.f);
-                        }
-                        // A part with lse +-inf saw no key and weighs 0; a NaN lse (a poisoned split) makes NaN.
-                        float chunk_max = max_lse;
-#pragma unroll
-                        for (int k = 0; k < kChunk; ++k)
-                            if (!is_inf(l[k])) chunk_max = fmaxf(chunk_max, l[k]);
-                        const float rescale = chunk_max == max_lse ? 1.f : __expf(max_lse - chunk_max);
-                        sum *= rescale;
-                        o = make_float4(o.x * rescale, o.y * rescale, o.z * rescale, o.w * rescale);
-#pragma unroll
-                        for (int k = 0; k < kChunk; ++k) {
-                            const float w = is_inf(l[k]) ? 0.f : __expf(l[k] - chunk_max);
-                            sum += w;
-                            o = make_float4(o.x + w * x[k].x, o.y + w * x[k].y, o.z + w * x[k].z, o.w + w * x[k].w);
-                        }
-                        max_lse = chunk_max;
-                    }
-                    const float inv = sum == 0.f ? 0.f : 1.f / sum;
-                    u32* dst = reinterpret_cast<u32*>(out + row * headdim + c);
-                    dst[0] = Mma::pack(o.x * inv, o.y * inv);
-                    dst[1] = Mma::pack(o.z * inv, o.w * inv);
-                    if (c == 0 && lse_out != nullptr)
-                        lse_out[lse_index(cur.row0 + r)] = sum == 0.f ? pos_inf() : max_lse + __logf(sum);
+                for (int w = 0; w < kW; ++w) {
+                    const float weight = merge_lse[w * 16 + r];
+                    const float2 part =
+                        *reinterpret_cast<const float2*>(merge_out + (w * 16 + r) * Tr::kMergePitch + c);
+                    o.x += weight * part.x;
+                    o.y += weight * part.y;
                 }
-                decode_mark(16, item);
+                if (poisoned) o.x = o.y = lse = __int_as_float(0x7fc00000);
+                const i64 row = out_row(cur.row0 + r);
+                if (num_splits == 1) {
+                    reinterpret_cast<u32*>(out + row * headdim)[c / 2] = Mma::pack(o.x, o.y);
+                    if (c == 0 && lse_out != nullptr) lse_out[lse_index(cur.row0 + r)] = lse;
+                } else {
+                    *reinterpret_cast<float2*>(partial_out + (cur.split * total_rows + row) * headdim + c) = o;
+                    if (c == 0) partial_lse[cur.split * total_rows + row] = lse;
+                }
+            }
+            decode_mark(14, item);
+
+            if (num_splits > 1) {
+                // Split-KV through global memory: the last of the item's split blocks to arrive merges every split's
+                // partial. Release: the barrier puts the block's partial writes before thread 0's fence, which
+                // publishes them with its arrival; acquire: the last arriver's fence after the atomic, then the
+                // barrier, put every thread's reads of the other splits' partials after their writes.
+                __shared__ int last_to_arrive;
+                __syncthreads();
+                if (threadIdx.x == 0) {
+                    int* counter = arrivals + (i64)cur.b * groups + cur.group;
+                    fence_acq_rel_gpu();
+                    last_to_arrive = atomicAdd(counter, 1) == num_splits - 1;
+                    if (last_to_arrive) {
+                        *counter = 0;  // left zeroed, as it was found
+                        fence_acq_rel_gpu();
+                    }
+                }
+                __syncthreads();
+                decode_mark(15, item);
+                if (last_to_arrive) {
+                    // One (row, 4 columns) unit per thread, merged online over chunks of 16 splits whose lse and
+                    // partial loads are all in flight at once: one L2 round trip per chunk, no shared memory, no
+                    // barrier. Every thread of a row computes the row's lse itself (the same few lse loads, L2 hits).
+                    constexpr int kChunk = 16;
+                    const int real_rows = min(16, rows - cur.row0);
+                    const int quads = headdim / 4, work = real_rows * quads;
+                    for (int t = threadIdx.x; t < work; t += Tr::kThreads) {
+                        const int r = t / quads, c = (t % quads) * 4;
+                        const i64 row = out_row(cur.row0 + r);
+                        float max_lse = -pos_inf(), sum = 0.f;
+                        float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+                        for (int first = 0; first < num_splits; first += kChunk) {
+                            float l[kChunk];
+                            float4 x[kChunk];
+#pragma unroll
+                            for (int k = 0; k < kChunk; ++k) {
+                                const i64 part = (i64)(first + k) * total_rows + row;
+                                const bool here = first + k < num_splits;
+                                l[k] = here ? __ldcg(partial_lse + part) : pos_inf();
+                                x[k] = here ? __ldcg(reinterpret_cast<const float4*>(partial_out + part * headdim + c))
+                                            : make_float4(0.f, 0.f, 0.f, 0.f);
+                            }
+                            // A part with lse +-inf saw no key and weighs 0; a NaN lse (a poisoned split) makes NaN.
+                            float chunk_max = max_lse;
+#pragma unroll
+                            for (int k = 0; k < kChunk; ++k)
+                                if (!is_inf(l[k])) chunk_max = fmaxf(chunk_max, l[k]);
+                            const float rescale = chunk_max == max_lse ? 1.f : __expf(max_lse - chunk_max);
+                            sum *= rescale;
+                            o = make_float4(o.x * rescale, o.y * rescale, o.z * rescale, o.w * rescale);
+#pragma unroll
+                            for (int k = 0; k < kChunk; ++k) {
+                                const float w = is_inf(l[k]) ? 0.f : __expf(l[k] - chunk_max);
+                                sum += w;
+                                o = make_float4(o.x + w * x[k].x, o.y + w * x[k].y, o.z + w * x[k].z, o.w + w * x[k].w);
+                            }
+                            max_lse = chunk_max;
+                        }
+                        const float inv = sum == 0.f ? 0.f : 1.f / sum;
+                        u32* dst = reinterpret_cast<u32*>(out + row * headdim + c);
+                        dst[0] = Mma::pack(o.x * inv, o.y * inv);
+                        dst[1] = Mma::pack(o.z * inv, o.w * inv);
+                        if (c == 0 && lse_out != nullptr)
+                            lse_out[lse_index(cur.row0 + r)] = sum == 0.f ? pos_inf() : max_lse + __logf(sum);
+                    }
+                    decode_mark(16, item);
+                }
             }
         }
         if (!has_next) return;

@@ -303,20 +303,21 @@ class DecodeConfig:
     warps: int = 4
     l2_prefetch: bool = False  # cp.async with the L2::256B prefetch hint for K/V
     deep_ring: bool = False  # `stages` tiles in flight while a warp waits (refilled after the math), not stages - 1
+    warp_items: bool = False  # each warp streams whole work items alone (one split; no block merge)
 
     @property
     def threads(self) -> int:
         return 32 * self.warps
 
     def _smem_parts(self) -> tuple[int, int, int]:
-        # Must match DecodeTraits (cuda/decode.cu): two Q tiles in rows padded by 16 bytes, the warps' K/V rings
-        # (swizzled unpadded rows where the head dim is a multiple of 64), and the block's merge area: every
-        # warp's fp32 rows (pitch headdim + 8) and lse.
+        # Must match DecodeTraits (cuda/decode.cu): two Q tiles in rows padded by 16 bytes (per warp with warp
+        # items), the warps' K/V rings (swizzled unpadded rows where the head dim is a multiple of 64), and the
+        # block's merge area (none with warp items): every warp's fp32 rows (pitch headdim + 8) and lse.
         pitch = self.headdim + 8
         kv_pitch = self.headdim if self.headdim % 64 == 0 else pitch
-        q = 2 * 16 * pitch * 2
+        q = (self.warps if self.warp_items else 1) * 2 * 16 * pitch * 2
         rings = self.warps * 2 * self.stages * self.block_n * kv_pitch * 2
-        merge = self.warps * 16 * (self.headdim + 8 + 1) * 4
+        merge = 0 if self.warp_items else self.warps * 16 * (self.headdim + 8 + 1) * 4
         return q, rings, merge
 
     @property
@@ -333,11 +334,12 @@ class DecodeConfig:
         return q + rings + merge
 
     def name_expression(self, dtype: str, causal: bool, paged: bool, extras: bool = False) -> str:
-        """decode_attention's instantiation; ``extras`` (window, softcap, ALiBi, cache_leftpad) and ``deep_ring``
-        are DecodeTraits' defaulted last arguments, written only when needed (causal is folded into the extras'
-        window)."""
-        tail = f", {str(bool(extras)).lower()}" if extras or self.deep_ring else ""
-        tail += ", true" if self.deep_ring else ""
+        """decode_attention's instantiation; ``extras`` (window, softcap, ALiBi, cache_leftpad), ``deep_ring`` and
+        ``warp_items`` are DecodeTraits' defaulted last arguments, written only when needed (causal is folded into
+        the extras' window)."""
+        flags = (bool(extras), self.deep_ring, self.warp_items)
+        last = max((i for i, flag in enumerate(flags) if flag), default=-1)
+        tail = "".join(f", {str(flag).lower()}" for flag in flags[:last + 1])
         return (
             f"fa2::decode_attention<fa2::DecodeTraits<{self.headdim}, {self.block_n}, {self.stages}, {self.warps}, "
             f"{str(self.l2_prefetch).lower()}, {DTYPE_TAGS[dtype]}, {str(bool(causal) and not extras).lower()}, "
@@ -364,6 +366,11 @@ DECODE_DEEP_TABLE: dict[tuple[str, int], DecodeConfig] = {
     ("sm90", 128): replace(_DEC[128], deep_ring=True),
 }
 DEEP_RING_TILES = range(2, 17)
+#: The same rows with warp items (each warp streams whole work items alone, writing its rows itself: no block
+#: merge, no block barrier), for one split over at least a work item per warp of the GPU (decode.plan_decode).
+DECODE_WARP_TABLE: dict[tuple[str, int], DecodeConfig] = {
+    ("sm90", 128): replace(_DEC[128], warp_items=True),
+}
 #: Tuning candidates at d=128 (bench/tune_decode.py), compiled on demand, not shipped.
 DECODE_CANDIDATES = tuple(
     DecodeConfig(128, bn, st, w, pf)
@@ -450,11 +457,15 @@ def backward_instantiations(family: str | None = None) -> list[str]:
     return sorted(names)
 
 
-def decode_config(arch: int, headdim: int, keys_per_item: int | None = None, deep: bool | None = None
-                  ) -> DecodeConfig:
+def decode_config(arch: int, headdim: int, keys_per_item: int | None = None, deep: bool | None = None,
+                  warp_items: bool = False) -> DecodeConfig:
     """The decode row for a GPU arch and head dim; given the keys of a work item (a split of a row), its deep-ring
-    twin where one exists and the item is DEEP_RING_TILES tiles per warp (``deep`` forces the choice)."""
+    twin where one exists and the item is DEEP_RING_TILES tiles per warp (``deep`` forces the choice). With
+    ``warp_items``, the warp-items twin where one exists (``deep`` forcing its ring)."""
     key = (arch_family(arch), tile_headdim(headdim))
+    if warp_items and key in DECODE_WARP_TABLE:
+        solo = DECODE_WARP_TABLE[key]
+        return solo if deep is None else replace(solo, deep_ring=deep)
     base, twin = DECODE_TABLE[key], DECODE_DEEP_TABLE.get(key)
     if twin is None or (deep is None and keys_per_item is None):
         return base
@@ -468,6 +479,7 @@ def decode_instantiations(family: str | None = None, extras: bool = False) -> li
     kernels (causal x paged x dtype), or with ``extras`` the Extras ones (paged x dtype), of every row and twin."""
     rows = [(fam, config) for (fam, _), config in DECODE_TABLE.items()]
     rows += [(fam, config) for (fam, _), config in DECODE_DEEP_TABLE.items()]
+    rows += [(fam, config) for (fam, _), config in DECODE_WARP_TABLE.items()]
     return sorted({
         config.name_expression(dtype, causal and not extras, paged, extras)
         for fam, config in rows

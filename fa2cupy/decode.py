@@ -94,6 +94,7 @@ class DecodePlan:
     seqlen_new: int
     rotary_span: int = 0  # with rotary: positions rotated from cache_seqlens on (an int one is checked on the host)
     seqlen_ro: int = 0  # rows of rotary_cos / rotary_sin
+    config: configs.DecodeConfig | None = None  # the attention kernel's row
     workspaces: dict = field(default_factory=dict, compare=False)  # stream handle -> (array, pointer)
 
     def workspace(self, stream_ptr: int, framework: str, device: int) -> int:
@@ -130,6 +131,22 @@ def choose_num_splits(blocks: int, sms: int, max_seqlen_k: int, tile_keys: int) 
 #: Force the deep-ring row (True) or the table's row (False) where a row has a deep-ring twin, instead of the
 #: rule in configs.decode_config (A/B timings and tests flip it).
 DEEP_RING: bool | None = None
+#: Force warp items on (True, wherever there is one split and a warp-items twin) or off (False), instead of
+#: :func:`uses_warp_items`.
+WARP_ITEMS: bool | None = None
+
+
+#: Longest work item (in key tiles) that warps stream alone: on longer ones the warps of a block drifting apart
+#: cost more than the per-item merge they save (H100, bench/NOTES.md: 64 x 1k -1.4%, 64 x 4k level, 64 x 16k +0.7%).
+WARP_ITEMS_MAX_TILES = 128
+
+
+def uses_warp_items(splits: int, items: int, sms: int, config: configs.DecodeConfig, keys_per_item: int) -> bool:
+    """Whether a launch's warps take whole work items alone: with one split, when there is about a work item per
+    warp of the GPU or more (a block per item would walk several, merging and meeting at a barrier per item), and
+    items of at most WARP_ITEMS_MAX_TILES key tiles."""
+    return (splits == 1 and 32 * items >= 31 * sms * config.warps
+            and -(-keys_per_item // config.block_n) <= WARP_ITEMS_MAX_TILES)
 
 
 def _opt_in_smem(config: configs.DecodeConfig, device: int) -> int:
@@ -149,6 +166,12 @@ def _attention_grid(function, config: configs.DecodeConfig, device: int, items: 
     from cupy_backends.cuda.api import driver
 
     sms = _sm_count(device)
+    if config.warp_items:  # the warps take the items: as below, with warps for blocks
+        per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(function.ptr, config.threads, config.smem_bytes)
+        resident = sms * max(1, per_sm)
+        rounds = -(-items // (resident * config.warps))
+        balanced = -(-items // (rounds * config.warps))
+        return (balanced if 32 * balanced >= 31 * resident else resident), config.smem_bytes
     resident = sms * driver.occupancyMaxActiveBlocksPerMultiprocessor(function.ptr, config.threads,
                                                                       config.smem_bytes)
     if items <= resident or _opt_in_smem(config, device) != config.persistent_smem_bytes:
@@ -200,8 +223,14 @@ def plan_decode(q_shape, strides, dtype: str, *, nheads_kv: int, cache_rows: int
     tile = config or configs.decode_config(arch, headdim)  # a row and its deep-ring twin share the tile shape
     splits = min(num_splits, configs.MAX_DECODE_SPLITS) or choose_num_splits(
         blocks, _sm_count(device), max_seqlen_k, tile.warps * tile.block_n)
+    items = splits * blocks
     if config is None:
-        config = configs.decode_config(arch, headdim, keys_per_item=-(-max_seqlen_k // splits), deep=DEEP_RING)
+        solo = (uses_warp_items(splits, items, _sm_count(device), tile, max_seqlen_k) if WARP_ITEMS is None
+                else WARP_ITEMS)
+        config = configs.decode_config(arch, headdim, keys_per_item=-(-max_seqlen_k // splits), deep=DEEP_RING,
+                                       warp_items=solo and splits == 1)
+    if config.warp_items and splits != 1:
+        raise ValueError(f"a warp-items decode config takes one split, not {splits}")
     name = config.name_expression(dtype, causal, paged, use_extras)
     function = build.get_kernel("decode", name, _opt_in_smem(config, device))
     rows = batch * seqlen_q * nheads
@@ -227,7 +256,7 @@ def plan_decode(q_shape, strides, dtype: str, *, nheads_kv: int, cache_rows: int
     args += (pointer, np.int64(extras.alibi_batch_stride), pointer, np.int32(extras.window_left),
              np.int32(extras.window_right), np.float32(extras.softcap))
     args += (np.int32(splits),)
-    grid, smem = _attention_grid(function, config, device, splits * nheads_kv * row_blocks * batch)
+    grid, smem = _attention_grid(function, config, device, items)
     attention = build.Launch(function, (grid, 1, 1), (config.threads, 1, 1), smem, args,
                              tuple(range(13)) + (seqlen_slot, extra_slot, extra_slot + 2))
     q_span = (seqlen_q if extras.rotary_advance else 1) if extras.rotary_dim else 0
@@ -260,7 +289,7 @@ def plan_decode(q_shape, strides, dtype: str, *, nheads_kv: int, cache_rows: int
                               tuple(range(7)) + (seqlen_slot,))
     rotary_span = max(seqlen_new, q_span) if extras.rotary_dim else 0
     return DecodePlan(attention, append, rotary, splits, workspace, arrivals, lse_offset, out_offset, capacity,
-                      seqlen_new, rotary_span, extras.seqlen_ro)
+                      seqlen_new, rotary_span, extras.seqlen_ro, config)
 
 
 def append_name_expression(paged: bool, extras_dtype: str | None = None) -> str:

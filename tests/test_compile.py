@@ -99,18 +99,24 @@ def test_every_table_entry_fits_its_family():
         assert (config.block_m // 16) <= config.warps and width % (16 * config.dslices) == 0
     for (family, width), config in configs.BACKWARD_DQ_TABLE.items():
         assert config.headdim == width and config.smem_bytes <= limits[family], (family, width, config)
-    for (family, width), config in (*configs.DECODE_TABLE.items(), *configs.DECODE_DEEP_TABLE.items()):
+    for (family, width), config in (*configs.DECODE_TABLE.items(), *configs.DECODE_DEEP_TABLE.items(),
+                                    *configs.DECODE_WARP_TABLE.items()):
         assert config.headdim == width and config.smem_bytes <= limits[family], (family, width, config)
     for key, twin in configs.DECODE_DEEP_TABLE.items():  # the twin shares its row's tile shape (the split count)
         assert twin.deep_ring and dataclasses.replace(twin, deep_ring=False) == configs.DECODE_TABLE[key]
+    for key, twin in configs.DECODE_WARP_TABLE.items():  # likewise (its ring depth is its own)
+        assert twin.warp_items and dataclasses.replace(twin, warp_items=False, deep_ring=False) \
+            == configs.DECODE_TABLE[key]
     assert set(configs.DECODE_TABLE) == set(configs.FORWARD_TABLE)
 
 
 def test_decode_shared_memory_matches_the_kernel():
     # DecodeConfig's byte counts (what a launch asks for) against DecodeTraits' own constants, read from the PTX of
     # a probe variable compiled with the kernel source: shipped rows and tuning candidates.
+    warp_items_rings = {dataclasses.replace(c, deep_ring=not c.deep_ring) for c in configs.DECODE_WARP_TABLE.values()}
     rows = sorted(set(configs.DECODE_TABLE.values()) | set(configs.DECODE_DEEP_TABLE.values())
-                  | set(configs.DECODE_CANDIDATES), key=repr)
+                  | set(configs.DECODE_WARP_TABLE.values()) | warp_items_rings | set(configs.DECODE_CANDIDATES),
+                  key=repr)
     probes = []
     for i, config in enumerate(rows):
         traits = config.name_expression("float16", False, False)[len("fa2::decode_attention<"):-1]

@@ -176,3 +176,50 @@ def test_deep_ring_twin_for_short_streams():
     names = decode.instantiations("sm90")
     assert twin.name_expression("bfloat16", False, True, extras=True) in names
     assert twin.name_expression("float16", True, False) in names
+
+
+def test_warp_items_twin_for_grids_of_a_work_item_per_warp():
+    # decode.uses_warp_items: one split, at least 31/32 of a work item per warp of the GPU (64 x 1k on an H100:
+    # 512 items, 132 SMs x 4 warps) and items of at most WARP_ITEMS_MAX_TILES tiles; configs.decode_config then
+    # gives the warp-items twin where one exists.
+    from fa2cupy import configs, decode
+
+    solo = configs.DECODE_WARP_TABLE[("sm90", 128)]
+    longest = decode.WARP_ITEMS_MAX_TILES * solo.block_n
+    assert decode.uses_warp_items(1, 512, 132, solo, 1024)          # 64 x 1k
+    assert decode.uses_warp_items(1, 4096, 132, solo, longest)
+    assert not decode.uses_warp_items(1, 512, 132, solo, longest + 1)  # long streams: blocks split items
+    assert not decode.uses_warp_items(1, 511, 132, solo, 1024)      # some SMs would stream fewer items than warps
+    assert not decode.uses_warp_items(1, 128, 132, solo, 1024)      # 16 x 1k: a block per item
+    assert not decode.uses_warp_items(2, 1024, 132, solo, 1024)     # splits merge across warps and blocks
+    assert solo.warp_items and configs.decode_config(90, 128, keys_per_item=1024, warp_items=True) == solo
+    assert configs.decode_config(90, 128, warp_items=True, deep=not solo.deep_ring).deep_ring != solo.deep_ring
+    assert configs.decode_config(80, 128, warp_items=True) == configs.decode_config(80, 128)  # no twin there
+    # Per-warp Q tiles and no merge area: the same bytes whether or not the warps walk items.
+    assert solo.smem_bytes == solo.persistent_smem_bytes
+    assert solo.name_expression("bfloat16", False, False).endswith(
+        "fa2::bf16, false, false, false, " + str(solo.deep_ring).lower() + ", true>>")
+    assert solo.name_expression("float16", True, True) in decode.instantiations("sm90")
+    assert solo.name_expression("bfloat16", False, True, extras=True) in decode.instantiations("sm90")
+
+
+def test_warp_items_grid(monkeypatch):
+    # A block per 4 items (its warps take one each) up to the GPU's resident blocks, beyond which warps walk items:
+    # the fewest blocks that take the same rounds, while at most 1/32 of the SMs idle.
+    from cupy_backends.cuda.api import driver
+
+    from fa2cupy import configs, decode
+
+    solo = configs.DECODE_WARP_TABLE[("sm90", 128)]
+    monkeypatch.setattr(decode, "_device_attribute", lambda device, name: {"MultiProcessorCount": 132}[name])
+    monkeypatch.setattr(driver, "occupancyMaxActiveBlocksPerMultiprocessor", lambda function, threads, smem: 1)
+
+    class Function:
+        ptr = 0
+
+    assert decode._attention_grid(Function, solo, 0, 512) == (128, solo.smem_bytes)   # 64 x 1k: one round
+    assert decode._attention_grid(Function, solo, 0, 510) == (128, solo.smem_bytes)
+    assert decode._attention_grid(Function, solo, 0, 528) == (132, solo.smem_bytes)
+    assert decode._attention_grid(Function, solo, 0, 1024) == (128, solo.smem_bytes)  # 128 x 1k: 2 items per warp
+    assert decode._attention_grid(Function, solo, 0, 600) == (132, solo.smem_bytes)   # 75 blocks would idle 57 SMs
+    assert decode._attention_grid(Function, solo, 0, 4096) == (128, solo.smem_bytes)

@@ -439,13 +439,18 @@ def test_decode_loop_appends_one_token_per_step(paged, form, cached_dispatch, mo
             assert np.array_equal(_bits(stored_k[where]), _bits(logical_k[b, p])), (b, p)
 
 
-@pytest.fixture(params=[False, True], ids=["table_ring", "deep_ring"])
+@pytest.fixture(params=[(False, False), (True, False), (None, True), (True, True)],
+                ids=["table_ring", "deep_ring", "warp_items", "warp_items_deep_ring"])
 def ring(request, monkeypatch):
     # Both ring depths of the d=128 row wherever the test's calls use it (decode.DEEP_RING forces the choice that
-    # configs.decode_config otherwise makes from the work items' lengths); plans are rebuilt for it.
+    # configs.decode_config otherwise makes from the work items' lengths), and its warp-items twin wherever a call
+    # has one split (decode.WARP_ITEMS forces what decode.uses_warp_items decides from the grid); plans are
+    # rebuilt for them.
     from fa2cupy import decode, interface
 
-    monkeypatch.setattr(decode, "DEEP_RING", request.param)
+    deep, warp_items = request.param
+    monkeypatch.setattr(decode, "DEEP_RING", deep)
+    monkeypatch.setattr(decode, "WARP_ITEMS", warp_items)
     interface._cached_calls.clear()
     yield request.param
     interface._cached_calls.clear()
@@ -508,6 +513,39 @@ def test_blocks_walking_several_items(paged, features, monkeypatch, ring):
     assert launches and all(blocks == 3 < items for blocks, items in launches), launches
 
 
+@settings(max_examples=20)
+@given(kv_cases(), st.integers(1, 4))
+def test_warp_items_match_reference(c, pretend_sms):
+    # Warps that stream whole work items alone (the d=128 row's warp-items twin, one split) against the float64
+    # reference, on a pretend GPU of 1 to 4 SMs so that warps walk several items, rows of every length included.
+    from fa2cupy import decode, interface
+
+    note(repr(c))
+    rng = np.random.default_rng(c["seed"])
+    case = build_case(
+        rng, batch=c["batch"], seqlen_q=c["seqlen_q"], nheads=c["nheads"], nheads_kv=c["nheads_kv"],
+        headdim=128, dtype=c["dtype"], capacity=c["capacity"], seqlens=c["seqlens"],
+        seqlen_new=c["seqlen_new"], page_size=c["page_size"], use_batch_idx=c["use_batch_idx"],
+        extra_pages=c["extra_pages"],
+    )
+    saved = decode.WARP_ITEMS, decode._sm_count, decode.plan_decode
+    plans = []
+
+    def spy(*args, **kwargs):
+        plans.append(saved[2](*args, **kwargs))
+        return plans[-1]
+
+    decode.WARP_ITEMS, decode._sm_count, decode.plan_decode = True, (lambda device: pretend_sms), spy
+    interface._cached_calls.clear()
+    try:
+        run_and_check(case, causal=c["causal"], num_splits=1, softmax_scale=c["softmax_scale"],
+                      return_lse=c["return_lse"])
+    finally:
+        decode.WARP_ITEMS, decode._sm_count, decode.plan_decode = saved
+        interface._cached_calls.clear()
+    assert plans and all(plan.splits == 1 and plan.config.warp_items for plan in plans), plans
+
+
 def test_non_default_stream():
     cp = _cupy()
     rng = np.random.default_rng(5)
@@ -524,11 +562,11 @@ def test_non_default_stream():
 # ------------------------------------------------------------------ errors (cheap, but they need CuPy arrays)
 
 
-def _valid_args(paged=False):
+def _valid_args(paged=False, headdim=64):
     """Keyword arguments of a small valid call: batch 2, seqlen_q 1, 4/2 heads, d 64, capacity 64, append 2."""
     cp = _cupy()
     rng = np.random.default_rng(6)
-    case = build_case(rng, batch=2, seqlen_q=1, nheads=4, nheads_kv=2, headdim=64, dtype="float16",
+    case = build_case(rng, batch=2, seqlen_q=1, nheads=4, nheads_kv=2, headdim=headdim, dtype="float16",
                       capacity=64, seqlens=[3, 40], seqlen_new=2, page_size=16 if paged else None)
     args = dict(q=cp.asarray(case["q"]), k_cache=cp.asarray(case["phys_k"]), v_cache=cp.asarray(case["phys_v"]),
                 k=cp.asarray(case["k_new"]), v=cp.asarray(case["v_new"]), cache_seqlens=cp.asarray(case["seqlens"]))
@@ -625,6 +663,38 @@ def test_block_table_entry_out_of_range(bad, append):
     if not append:
         del args["k"], args["v"]
     _assert_rejected_on_device(rf"block_table\[1, 0\] = {value}", args, bad_rows=[0, 1] if append else [1])
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_bad_values_found_by_warp_items(paged, monkeypatch):
+    # The warp-items kernel (d=128, one split; forced) checks the index values as the block kernels do: the bad
+    # rows are NaN, the caches untouched, the value reported once.
+    from fa2cupy import decode, interface
+
+    cp = _cupy()
+    plans, plan_decode = [], decode.plan_decode
+    monkeypatch.setattr(decode, "plan_decode", lambda *a, **k: plans.append(plan_decode(*a, **k)) or plans[-1])
+    monkeypatch.setattr(decode, "WARP_ITEMS", True)
+    interface._cached_calls.clear()
+    try:
+        args = _valid_args(paged, headdim=128)
+        del args["k"], args["v"]
+        args["num_splits"] = 1
+        args["cache_seqlens"] = cp.asarray([3, 65], dtype=cp.int32)  # past capacity
+        _assert_rejected_on_device(r"cache_seqlens\[1\] = 65", args, bad_rows=[1])
+        args = dict(_valid_args(paged, headdim=128), num_splits=1)
+        if paged:
+            table = args["block_table"].copy()
+            table[1, 0] = -1
+            args["block_table"] = table
+            _assert_rejected_on_device(r"block_table\[1, 0\] = -1", args, bad_rows=[0, 1])
+        else:
+            args["cache_batch_idx"] = cp.asarray([0, 2], dtype=cp.int32)  # k_cache has 2 rows
+            _assert_rejected_on_device(r"cache_batch_idx\[1\] = 2", args, bad_rows=[0, 1])
+    finally:
+        interface._cached_calls.clear()
+    solo = [plan.config.warp_items for plan in plans if plan.config.headdim == 128]
+    assert solo and all(solo), plans
 
 
 def test_cache_batch_idx_out_of_range():
