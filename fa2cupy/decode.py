@@ -142,10 +142,13 @@ WARP_ITEMS_MAX_TILES = 128
 
 
 def uses_warp_items(splits: int, items: int, sms: int, config: configs.DecodeConfig, keys_per_item: int) -> bool:
-    """Whether a launch's warps take whole work items alone: with one split, when there is about a work item per
-    warp of the GPU or more (a block per item would walk several, merging and meeting at a barrier per item), and
+    """Whether a launch's warps take whole work items alone: with one split, when the items fill the warps of
+    one block per SM in equal rounds with at most 1/32 of them idle (a block per item would walk several,
+    merging and meeting at a barrier per item; a half-empty last round of warps would cost more than that), and
     items of at most WARP_ITEMS_MAX_TILES key tiles."""
-    return (splits == 1 and 32 * items >= 31 * sms * config.warps
+    slots = sms * config.warps
+    rounds = -(-items // slots)
+    return (splits == 1 and 32 * -(-items // rounds) >= 31 * slots
             and -(-keys_per_item // config.block_n) <= WARP_ITEMS_MAX_TILES)
 
 

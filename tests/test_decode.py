@@ -179,9 +179,9 @@ def test_deep_ring_twin_for_short_streams():
 
 
 def test_warp_items_twin_for_grids_of_a_work_item_per_warp():
-    # decode.uses_warp_items: one split, at least 31/32 of a work item per warp of the GPU (64 x 1k on an H100:
-    # 512 items, 132 SMs x 4 warps) and items of at most WARP_ITEMS_MAX_TILES tiles; configs.decode_config then
-    # gives the warp-items twin where one exists.
+    # decode.uses_warp_items: one split, items that fill the GPU's warps (132 SMs x 4 on an H100) in equal rounds
+    # with at most 1/32 of them idle (64 x 1k: 512 items), and items of at most WARP_ITEMS_MAX_TILES tiles;
+    # configs.decode_config then gives the warp-items twin where one exists.
     from fa2cupy import configs, decode
 
     solo = configs.DECODE_WARP_TABLE[("sm90", 128)]
@@ -190,6 +190,8 @@ def test_warp_items_twin_for_grids_of_a_work_item_per_warp():
     assert decode.uses_warp_items(1, 4096, 132, solo, longest)
     assert not decode.uses_warp_items(1, 512, 132, solo, longest + 1)  # long streams: blocks split items
     assert not decode.uses_warp_items(1, 511, 132, solo, 1024)      # some SMs would stream fewer items than warps
+    assert decode.uses_warp_items(1, 1024, 132, solo, 1024)         # 128 x 1k: two equal rounds of 512 warps
+    assert not decode.uses_warp_items(1, 768, 132, solo, 1024)      # 96 x 1k: a second round of 240 items
     assert not decode.uses_warp_items(1, 128, 132, solo, 1024)      # 16 x 1k: a block per item
     assert not decode.uses_warp_items(2, 1024, 132, solo, 1024)     # splits merge across warps and blocks
     assert solo.warp_items and configs.decode_config(90, 128, keys_per_item=1024, warp_items=True) == solo
