@@ -459,7 +459,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     };
     // Values the host could not check. A bad one poisons the item: it writes NaN. This split's keys are whole
     // BlockN tiles except at the end; under the causal mask no row of the block sees keys past the last row's
-    // limit. The block's warps take the item's tiles in turn.
+    // limit. The block's warps take the item's tiles in turn (warp items: the warp takes them all).
     auto item_check = [&](DecodeItem& it) {
         const bool reporter = (solo ? lane : threadIdx.x) == 0 && it.split == 0 && it.group == 0;  // one per row
         it.poisoned = pending_report;

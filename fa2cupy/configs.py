@@ -367,7 +367,8 @@ DECODE_DEEP_TABLE: dict[tuple[str, int], DecodeConfig] = {
 }
 DEEP_RING_TILES = range(2, 17)
 #: The same rows with warp items (each warp streams whole work items alone, writing its rows itself: no block
-#: merge, no block barrier), for one split over at least a work item per warp of the GPU (decode.plan_decode).
+#: merge, no block barrier), for one split over items that fill the GPU's warps (decode.uses_warp_items). H100
+#: (bench/NOTES.md): 64x1k -1.1..-1.8%, 128x2k and 256x1k -1.2%, 64x4k level, 64x16k +0.7% (so not used there).
 DECODE_WARP_TABLE: dict[tuple[str, int], DecodeConfig] = {
     ("sm90", 128): replace(_DEC[128], warp_items=True),
 }
