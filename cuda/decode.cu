@@ -765,7 +765,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             // The warp's rows are final (one split): each lane holds rows lane / 4 and lane / 4 + 8, two columns
             // of every 8-column tile.
             const bool poisoned = __any_sync(0xffffffffu, cur.poisoned || bad_page);
-            const float nan = __int_as_float(0x7fc00000);
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int packed = cur.row0 + (lane >> 2) + half * 8;
@@ -775,11 +774,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 for (int dt = 0; dt < kDT; ++dt) {
                     const int c = dt * 8 + (lane & 3) * 2;
                     if (c < headdim)
-                        dst[c / 2] = poisoned ? Mma::pack(nan, nan)
+                        dst[c / 2] = poisoned ? Mma::pack(quiet_nan(), quiet_nan())
                                               : Mma::pack(acc_o[0][dt][2 * half], acc_o[0][dt][2 * half + 1]);
                 }
                 if ((lane & 3) == 0 && lse_out != nullptr)
-                    lse_out[lse_index(packed)] = poisoned ? nan : row_lse[half];
+                    lse_out[lse_index(packed)] = poisoned ? quiet_nan() : row_lse[half];
             }
             decode_mark(14, item);
         } else {
@@ -826,7 +825,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                     o.x += weight * part.x;
                     o.y += weight * part.y;
                 }
-                if (poisoned) o.x = o.y = lse = __int_as_float(0x7fc00000);
+                if (poisoned) o.x = o.y = lse = quiet_nan();
                 const i64 row = out_row(cur.row0 + r);
                 if (num_splits == 1) {
                     reinterpret_cast<u32*>(out + row * headdim)[c / 2] = Mma::pack(o.x, o.y);

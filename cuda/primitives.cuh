@@ -198,6 +198,7 @@ struct FastDiv {
 };
 
 FA2_DEVICE float pos_inf() { return __int_as_float(0x7f800000); }
+FA2_DEVICE float quiet_nan() { return __int_as_float(0x7fc00000); }
 
 // ---- shared-memory tiles ----------------------------------------------------------------------------------
 // A tile of Rows x Cols 16-bit elements, row-major, each row padded by 16 bytes. With a row pitch that is an

@@ -147,9 +147,18 @@ def uses_warp_items(splits: int, items: int, sms: int, config: configs.DecodeCon
     merging and meeting at a barrier per item; a half-empty last round of warps would cost more than that), and
     items of at most WARP_ITEMS_MAX_TILES key tiles."""
     slots = sms * config.warps
-    rounds = -(-items // slots)
-    return (splits == 1 and 32 * -(-items // rounds) >= 31 * slots
+    return (splits == 1 and _fills(_fewest_for_rounds(items, slots), slots)
             and -(-keys_per_item // config.block_n) <= WARP_ITEMS_MAX_TILES)
+
+
+def _fewest_for_rounds(items: int, walkers: int) -> int:
+    """The fewest walkers (blocks or warps) that take ``items`` in as few rounds as ``walkers`` of them do."""
+    return -(-items // -(-items // walkers))
+
+
+def _fills(used: int, walkers: int) -> bool:
+    """Whether ``used`` of ``walkers`` leaves at most 1/32 of them idle."""
+    return 32 * used >= 31 * walkers
 
 
 def _opt_in_smem(config: configs.DecodeConfig, device: int) -> int:
@@ -169,12 +178,11 @@ def _attention_grid(function, config: configs.DecodeConfig, device: int, items: 
     from cupy_backends.cuda.api import driver
 
     sms = _sm_count(device)
-    if config.warp_items:  # the warps take the items: as below, with warps for blocks
+    if config.warp_items:  # a block takes `warps` items at a time (one per warp), walking as below
         per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(function.ptr, config.threads, config.smem_bytes)
         resident = sms * max(1, per_sm)
-        rounds = -(-items // (resident * config.warps))
-        balanced = -(-items // (rounds * config.warps))
-        return (balanced if 32 * balanced >= 31 * resident else resident), config.smem_bytes
+        fewest = _fewest_for_rounds(-(-items // config.warps), resident)
+        return (fewest if _fills(fewest, resident) else resident), config.smem_bytes
     resident = sms * driver.occupancyMaxActiveBlocksPerMultiprocessor(function.ptr, config.threads,
                                                                       config.smem_bytes)
     if items <= resident or _opt_in_smem(config, device) != config.persistent_smem_bytes:
@@ -182,8 +190,8 @@ def _attention_grid(function, config: configs.DecodeConfig, device: int, items: 
     per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(function.ptr, config.threads,
                                                               config.persistent_smem_bytes)
     walkers = min(items, sms * max(1, per_sm))
-    balanced = -(-items // -(-items // walkers))
-    return (balanced if 32 * balanced >= 31 * walkers else walkers), config.persistent_smem_bytes
+    fewest = _fewest_for_rounds(items, walkers)
+    return (fewest if _fills(fewest, walkers) else walkers), config.persistent_smem_bytes
 
 
 def _device_attribute(device: int, name: str) -> int:

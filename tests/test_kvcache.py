@@ -30,6 +30,8 @@ row selects) holds fresh random data rather than zeros, so reading past the vali
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 from hypothesis import given, note, settings
@@ -513,13 +515,35 @@ def test_blocks_walking_several_items(paged, features, monkeypatch, ring):
     assert launches and all(blocks == 3 < items for blocks, items in launches), launches
 
 
+@contextlib.contextmanager
+def _warp_items_forced(pretend_sms=None):
+    """decode.WARP_ITEMS forced on (and, given, a pretend SM count) with plans rebuilt for it; yields the list of
+    the decode plans made meanwhile. (A context manager, not monkeypatch: Hypothesis tests cannot take it.)"""
+    from fa2cupy import decode, interface
+
+    saved = decode.WARP_ITEMS, decode._sm_count, decode.plan_decode
+    plans = []
+
+    def recording(*args, **kwargs):
+        plans.append(saved[2](*args, **kwargs))
+        return plans[-1]
+
+    decode.WARP_ITEMS, decode.plan_decode = True, recording
+    if pretend_sms is not None:
+        decode._sm_count = lambda device: pretend_sms
+    interface._cached_calls.clear()
+    try:
+        yield plans
+    finally:
+        decode.WARP_ITEMS, decode._sm_count, decode.plan_decode = saved
+        interface._cached_calls.clear()
+
+
 @settings(max_examples=20)
 @given(kv_cases(), st.integers(1, 4))
 def test_warp_items_match_reference(c, pretend_sms):
     # Warps that stream whole work items alone (the d=128 row's warp-items twin, one split) against the float64
     # reference, on a pretend GPU of 1 to 4 SMs so that warps walk several items, rows of every length included.
-    from fa2cupy import decode, interface
-
     note(repr(c))
     rng = np.random.default_rng(c["seed"])
     case = build_case(
@@ -528,21 +552,9 @@ def test_warp_items_match_reference(c, pretend_sms):
         seqlen_new=c["seqlen_new"], page_size=c["page_size"], use_batch_idx=c["use_batch_idx"],
         extra_pages=c["extra_pages"],
     )
-    saved = decode.WARP_ITEMS, decode._sm_count, decode.plan_decode
-    plans = []
-
-    def spy(*args, **kwargs):
-        plans.append(saved[2](*args, **kwargs))
-        return plans[-1]
-
-    decode.WARP_ITEMS, decode._sm_count, decode.plan_decode = True, (lambda device: pretend_sms), spy
-    interface._cached_calls.clear()
-    try:
+    with _warp_items_forced(pretend_sms) as plans:
         run_and_check(case, causal=c["causal"], num_splits=1, softmax_scale=c["softmax_scale"],
                       return_lse=c["return_lse"])
-    finally:
-        decode.WARP_ITEMS, decode._sm_count, decode.plan_decode = saved
-        interface._cached_calls.clear()
     assert plans and all(plan.splits == 1 and plan.config.warp_items for plan in plans), plans
 
 
@@ -666,17 +678,11 @@ def test_block_table_entry_out_of_range(bad, append):
 
 
 @pytest.mark.parametrize("paged", [False, True])
-def test_bad_values_found_by_warp_items(paged, monkeypatch):
+def test_bad_values_found_by_warp_items(paged):
     # The warp-items kernel (d=128, one split; forced) checks the index values as the block kernels do: the bad
     # rows are NaN, the caches untouched, the value reported once.
-    from fa2cupy import decode, interface
-
     cp = _cupy()
-    plans, plan_decode = [], decode.plan_decode
-    monkeypatch.setattr(decode, "plan_decode", lambda *a, **k: plans.append(plan_decode(*a, **k)) or plans[-1])
-    monkeypatch.setattr(decode, "WARP_ITEMS", True)
-    interface._cached_calls.clear()
-    try:
+    with _warp_items_forced() as plans:
         args = _valid_args(paged, headdim=128)
         del args["k"], args["v"]
         args["num_splits"] = 1
@@ -691,8 +697,6 @@ def test_bad_values_found_by_warp_items(paged, monkeypatch):
         else:
             args["cache_batch_idx"] = cp.asarray([0, 2], dtype=cp.int32)  # k_cache has 2 rows
             _assert_rejected_on_device(r"cache_batch_idx\[1\] = 2", args, bad_rows=[0, 1])
-    finally:
-        interface._cached_calls.clear()
     solo = [plan.config.warp_items for plan in plans if plan.config.headdim == 128]
     assert solo and all(solo), plans
 
