@@ -9,6 +9,7 @@ namespace fa2 {
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef long long i64;
+typedef unsigned long long u64;
 
 // Element type tags. Tensor-core operands are 16 bits; the tag picks the PTX type names. f32 tags fp32 data
 // (decode partial results) for the kernels that read it.
@@ -412,5 +413,159 @@ FA2_DEVICE void mma_c_b(float (&acc)[MTiles][DTiles][4], const float (&p)[MTiles
         }
     }
 }
+
+// ---- Hopper (sm_90a): mbarriers, warpgroup MMA ------------------------------------------------------------
+// Used only by cuda/fwd_hopper.cu, which is compiled for sm_90a alone; nothing here is emitted elsewhere.
+//
+// mbarrier: a 64-bit shared-memory word counting arrivals per phase. A waiter names the parity of the phase it
+// waits for; a fresh barrier is in phase 0, so waiting on parity 1 returns at once (a producer's first wait for
+// an empty slot).
+FA2_DEVICE void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+FA2_DEVICE void mbar_arrive(u32 bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+FA2_DEVICE bool mbar_try_wait(u32 bar, u32 parity) {
+    u32 done;
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+    return done != 0;
+}
+FA2_DEVICE void mbar_wait(u32 bar, u32 parity) {
+    while (!mbar_try_wait(bar, parity)) {
+    }
+}
+// One arrival on `bar` once every cp.async this thread issued so far has landed (counted in the init count).
+FA2_DEVICE void cp_async_mbar_arrive(u32 bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+// Orders this thread's view of shared memory written through the generic proxy (cp.async, st.shared) before
+// the tensor cores read it through the async proxy (wgmma operands).
+FA2_DEVICE void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// wgmma: issued by the 4 warps of a warpgroup together, asynchronous until wait_group. fence before the first
+// wgmma that reads registers written by ordinary instructions (accumulators rescaled by the softmax, A fragments).
+FA2_DEVICE void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+FA2_DEVICE void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+FA2_DEVICE void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// The compiler sees a wgmma as finished when its asm statement ends; this pins registers an in-flight wgmma
+// reads or writes until after wgmma_wait (no move, no reuse across it).
+template <int A, int B, int C>
+FA2_DEVICE void pin_registers(float (&x)[A][B][C]) {
+#pragma unroll
+    for (int i = 0; i < A; ++i)
+#pragma unroll
+        for (int j = 0; j < B; ++j)
+#pragma unroll
+            for (int k = 0; k < C; ++k) asm volatile("" : "+f"(x[i][j][k])::"memory");
+}
+template <int A, int B>
+FA2_DEVICE void pin_registers(u32 (&x)[A][B]) {
+#pragma unroll
+    for (int i = 0; i < A; ++i)
+#pragma unroll
+        for (int j = 0; j < B; ++j) asm volatile("" : "+r"(x[i][j])::"memory");
+}
+
+// Shared-memory matrix descriptor for the 128-byte swizzle (PTX ISA, "Matrix Descriptor Format"): operands are
+// stored as slabs of 64 16-bit columns, each row of a slab 128 bytes with its 16-byte chunk c at c ^ (row % 8)
+// (SwizzledSlabs below), slabs 1024-byte aligned. K-major operands (Q, K): rows 8 apart at 1024 bytes (stride
+// byte offset), the leading offset unused; a k16 step inside a slab moves the start by 32 bytes. MN-major (V as
+// the B of P V, N = head dim): the next 64 columns at `leading` bytes (the next slab), 8 keys at 1024 bytes.
+FA2_DEVICE u64 smem_desc_sw128(u32 addr, u32 leading) {
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)((leading & 0x3FFFF) >> 4) << 16) | ((u64)(1024 >> 4) << 32) |
+           (1ull << 62);
+}
+
+// d (+)= A B on tensor cores, m64nNk16, fp32 accumulators in the mma C-fragment layout of each warp's 16 rows
+// (d[0][n8 tile][4], as OnlineSoftmax holds scores). ss: A and B from shared memory, both K-major; accumulate 0
+// overwrites d. rs_mn: A from registers (each warp's m16k16 A fragment, c_to_a), B MN-major in shared memory.
+template <class E, int N>
+struct Wgmma;
+#define FA2_WGMMA_M64N64(TY)                                                                          \
+    template <>                                                                                                \
+    struct Wgmma<TY, 64> {                                                                                      \
+        static FA2_DEVICE void ss(float (&d)[1][8][4], u64 desc_a, u64 desc_b, int accumulate) {               \
+            asm volatile(                                                                                      \
+                "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                       \
+                "wgmma.mma_async.sync.aligned.m64n64k16.f32." #TY "." #TY " "                                        \
+                "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"                                                  \
+                : "+f"(d[0][0][0]), "+f"(d[0][0][1]), "+f"(d[0][0][2]), "+f"(d[0][0][3]), "+f"(d[0][1][0]), "+f"(d[0][1][1]), "+f"(d[0][1][2]), "+f"(d[0][1][3]), \
+              "+f"(d[0][2][0]), "+f"(d[0][2][1]), "+f"(d[0][2][2]), "+f"(d[0][2][3]), "+f"(d[0][3][0]), "+f"(d[0][3][1]), "+f"(d[0][3][2]), "+f"(d[0][3][3]), \
+              "+f"(d[0][4][0]), "+f"(d[0][4][1]), "+f"(d[0][4][2]), "+f"(d[0][4][3]), "+f"(d[0][5][0]), "+f"(d[0][5][1]), "+f"(d[0][5][2]), "+f"(d[0][5][3]), \
+              "+f"(d[0][6][0]), "+f"(d[0][6][1]), "+f"(d[0][6][2]), "+f"(d[0][6][3]), "+f"(d[0][7][0]), "+f"(d[0][7][1]), "+f"(d[0][7][2]), "+f"(d[0][7][3]) \
+                : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                                  \
+        }                                                                                                      \
+        static FA2_DEVICE void rs_mn(float (&d)[1][8][4], const u32 (&a)[4], u64 desc_b, int accumulate) {     \
+            asm volatile(                                                                                      \
+                "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                       \
+                "wgmma.mma_async.sync.aligned.m64n64k16.f32." #TY "." #TY " "                                        \
+                "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"                                            \
+                : "+f"(d[0][0][0]), "+f"(d[0][0][1]), "+f"(d[0][0][2]), "+f"(d[0][0][3]), "+f"(d[0][1][0]), "+f"(d[0][1][1]), "+f"(d[0][1][2]), "+f"(d[0][1][3]), \
+              "+f"(d[0][2][0]), "+f"(d[0][2][1]), "+f"(d[0][2][2]), "+f"(d[0][2][3]), "+f"(d[0][3][0]), "+f"(d[0][3][1]), "+f"(d[0][3][2]), "+f"(d[0][3][3]), \
+              "+f"(d[0][4][0]), "+f"(d[0][4][1]), "+f"(d[0][4][2]), "+f"(d[0][4][3]), "+f"(d[0][5][0]), "+f"(d[0][5][1]), "+f"(d[0][5][2]), "+f"(d[0][5][3]), \
+              "+f"(d[0][6][0]), "+f"(d[0][6][1]), "+f"(d[0][6][2]), "+f"(d[0][6][3]), "+f"(d[0][7][0]), "+f"(d[0][7][1]), "+f"(d[0][7][2]), "+f"(d[0][7][3]) \
+                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));                   \
+        }                                                                                                      \
+    };
+FA2_WGMMA_M64N64(bf16)
+FA2_WGMMA_M64N64(f16)
+#undef FA2_WGMMA_M64N64
+
+#define FA2_WGMMA_M64N128(TY)                                                                          \
+    template <>                                                                                                \
+    struct Wgmma<TY, 128> {                                                                                      \
+        static FA2_DEVICE void ss(float (&d)[1][16][4], u64 desc_a, u64 desc_b, int accumulate) {               \
+            asm volatile(                                                                                      \
+                "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                       \
+                "wgmma.mma_async.sync.aligned.m64n128k16.f32." #TY "." #TY " "                                        \
+                "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"                                                  \
+                : "+f"(d[0][0][0]), "+f"(d[0][0][1]), "+f"(d[0][0][2]), "+f"(d[0][0][3]), "+f"(d[0][1][0]), "+f"(d[0][1][1]), "+f"(d[0][1][2]), "+f"(d[0][1][3]), \
+              "+f"(d[0][2][0]), "+f"(d[0][2][1]), "+f"(d[0][2][2]), "+f"(d[0][2][3]), "+f"(d[0][3][0]), "+f"(d[0][3][1]), "+f"(d[0][3][2]), "+f"(d[0][3][3]), \
+              "+f"(d[0][4][0]), "+f"(d[0][4][1]), "+f"(d[0][4][2]), "+f"(d[0][4][3]), "+f"(d[0][5][0]), "+f"(d[0][5][1]), "+f"(d[0][5][2]), "+f"(d[0][5][3]), \
+              "+f"(d[0][6][0]), "+f"(d[0][6][1]), "+f"(d[0][6][2]), "+f"(d[0][6][3]), "+f"(d[0][7][0]), "+f"(d[0][7][1]), "+f"(d[0][7][2]), "+f"(d[0][7][3]), \
+              "+f"(d[0][8][0]), "+f"(d[0][8][1]), "+f"(d[0][8][2]), "+f"(d[0][8][3]), "+f"(d[0][9][0]), "+f"(d[0][9][1]), "+f"(d[0][9][2]), "+f"(d[0][9][3]), \
+              "+f"(d[0][10][0]), "+f"(d[0][10][1]), "+f"(d[0][10][2]), "+f"(d[0][10][3]), "+f"(d[0][11][0]), "+f"(d[0][11][1]), "+f"(d[0][11][2]), "+f"(d[0][11][3]), \
+              "+f"(d[0][12][0]), "+f"(d[0][12][1]), "+f"(d[0][12][2]), "+f"(d[0][12][3]), "+f"(d[0][13][0]), "+f"(d[0][13][1]), "+f"(d[0][13][2]), "+f"(d[0][13][3]), \
+              "+f"(d[0][14][0]), "+f"(d[0][14][1]), "+f"(d[0][14][2]), "+f"(d[0][14][3]), "+f"(d[0][15][0]), "+f"(d[0][15][1]), "+f"(d[0][15][2]), "+f"(d[0][15][3]) \
+                : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                                  \
+        }                                                                                                      \
+        static FA2_DEVICE void rs_mn(float (&d)[1][16][4], const u32 (&a)[4], u64 desc_b, int accumulate) {     \
+            asm volatile(                                                                                      \
+                "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                                       \
+                "wgmma.mma_async.sync.aligned.m64n128k16.f32." #TY "." #TY " "                                        \
+                "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"                                            \
+                : "+f"(d[0][0][0]), "+f"(d[0][0][1]), "+f"(d[0][0][2]), "+f"(d[0][0][3]), "+f"(d[0][1][0]), "+f"(d[0][1][1]), "+f"(d[0][1][2]), "+f"(d[0][1][3]), \
+              "+f"(d[0][2][0]), "+f"(d[0][2][1]), "+f"(d[0][2][2]), "+f"(d[0][2][3]), "+f"(d[0][3][0]), "+f"(d[0][3][1]), "+f"(d[0][3][2]), "+f"(d[0][3][3]), \
+              "+f"(d[0][4][0]), "+f"(d[0][4][1]), "+f"(d[0][4][2]), "+f"(d[0][4][3]), "+f"(d[0][5][0]), "+f"(d[0][5][1]), "+f"(d[0][5][2]), "+f"(d[0][5][3]), \
+              "+f"(d[0][6][0]), "+f"(d[0][6][1]), "+f"(d[0][6][2]), "+f"(d[0][6][3]), "+f"(d[0][7][0]), "+f"(d[0][7][1]), "+f"(d[0][7][2]), "+f"(d[0][7][3]), \
+              "+f"(d[0][8][0]), "+f"(d[0][8][1]), "+f"(d[0][8][2]), "+f"(d[0][8][3]), "+f"(d[0][9][0]), "+f"(d[0][9][1]), "+f"(d[0][9][2]), "+f"(d[0][9][3]), \
+              "+f"(d[0][10][0]), "+f"(d[0][10][1]), "+f"(d[0][10][2]), "+f"(d[0][10][3]), "+f"(d[0][11][0]), "+f"(d[0][11][1]), "+f"(d[0][11][2]), "+f"(d[0][11][3]), \
+              "+f"(d[0][12][0]), "+f"(d[0][12][1]), "+f"(d[0][12][2]), "+f"(d[0][12][3]), "+f"(d[0][13][0]), "+f"(d[0][13][1]), "+f"(d[0][13][2]), "+f"(d[0][13][3]), \
+              "+f"(d[0][14][0]), "+f"(d[0][14][1]), "+f"(d[0][14][2]), "+f"(d[0][14][3]), "+f"(d[0][15][0]), "+f"(d[0][15][1]), "+f"(d[0][15][2]), "+f"(d[0][15][3]) \
+                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));                   \
+        }                                                                                                      \
+    };
+FA2_WGMMA_M64N128(bf16)
+FA2_WGMMA_M64N128(f16)
+#undef FA2_WGMMA_M64N128
+
+// A tile of Rows x Cols 16-bit elements as the 128-byte-swizzle slabs wgmma reads (Cols a multiple of 64):
+// slab s holds columns 64s..64s+63 of every row, row r at r * 128 bytes, its chunk c (8 columns) at c ^ (r % 8).
+template <int Rows, int Cols>
+struct SwizzledSlabs {
+    static_assert(Cols % 64 == 0 && Rows % 8 == 0, "whole 64-column slabs of 8-row atoms");
+    static constexpr int kSlabBytes = Rows * 128, kBytes = Cols / 64 * kSlabBytes;
+    static FA2_DEVICE u32 at(u32 base, int r, int c) {
+        return base + (c >> 6) * kSlabBytes + r * 128 + ((((c >> 3) & 7) ^ (r & 7)) << 4);
+    }
+};
 
 }  // namespace fa2

@@ -31,6 +31,14 @@ struct OnlineSoftmax {
     // deferred to finalize(): one divide per row instead of one per tile.
     template <int DTiles>
     FA2_DEVICE void update(float (&s)[MTiles][NTiles][4], float (&acc_o)[MTiles][DTiles][4], float scale_log2) {
+        float correction[kRows];
+        probabilities(s, scale_log2, correction);
+        rescale(acc_o, correction);
+    }
+
+    // update() in two halves, for kernels whose previous O += P V is still in flight while the next scores turn
+    // into probabilities: the factor each row's running output must take, then its rescale once that has landed.
+    FA2_DEVICE void probabilities(float (&s)[MTiles][NTiles][4], float scale_log2, float (&correction)[kRows]) {
 #pragma unroll
         for (int mt = 0; mt < MTiles; ++mt) {
 #pragma unroll
@@ -43,7 +51,7 @@ struct OnlineSoftmax {
                 const float new_max = quad_max(tile_max);
                 // A row that has seen only masked keys keeps max -inf; shift by 0 so exp2 gives 0, not NaN.
                 const float shift = new_max == -pos_inf() ? 0.f : new_max * scale_log2;
-                const float correction = fast_exp2(row_max[r] * scale_log2 - shift);
+                correction[r] = fast_exp2(row_max[r] * scale_log2 - shift);
                 row_max[r] = new_max;
                 float sum = 0.f;
 #pragma unroll
@@ -54,12 +62,18 @@ struct OnlineSoftmax {
                         sum += s[mt][nt][e];
                     }
                 }
-                row_sum[r] = row_sum[r] * correction + sum;
+                row_sum[r] = row_sum[r] * correction[r] + sum;
+            }
+        }
+    }
+    template <int DTiles>
+    FA2_DEVICE void rescale(float (&acc_o)[MTiles][DTiles][4], const float (&correction)[kRows]) {
 #pragma unroll
-                for (int dt = 0; dt < DTiles; ++dt) {
-                    acc_o[mt][dt][2 * half] *= correction;
-                    acc_o[mt][dt][2 * half + 1] *= correction;
-                }
+        for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+            for (int dt = 0; dt < DTiles; ++dt) {
+                acc_o[r / 2][dt][2 * (r % 2)] *= correction[r];
+                acc_o[r / 2][dt][2 * (r % 2) + 1] *= correction[r];
             }
         }
     }

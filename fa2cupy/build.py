@@ -20,6 +20,9 @@ import numpy as np
 #: NVRTC options shared by the runtime build and the CPU compile test (which adds the -arch option itself).
 NVRTC_OPTIONS = ("-std=c++17", "-default-device")
 
+#: Kernel families built for one architecture's own instruction set (wgmma needs sm_90a, which no other GPU runs).
+ARCH_SPECIFIC = {"fwd_hopper": "90a"}
+
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 
 
@@ -67,12 +70,27 @@ def get_kernel(family: str, name_expression: str, smem_bytes: int):
     key = (family, name_expression, device)
     kernel = _kernels.get(key)
     if kernel is None:
-        module = cupy.RawModule(code=source(family), options=NVRTC_OPTIONS, name_expressions=(name_expression,))
+        options = NVRTC_OPTIONS + ((f"-arch=sm_{ARCH_SPECIFIC[family]}",) if family in ARCH_SPECIFIC else ())
+        module = cupy.RawModule(code=source(family), options=options, name_expressions=(name_expression,))
         raw = module.get_function(name_expression)
         if smem_bytes > 48 * 1024:  # beyond the default dynamic shared-memory limit: opt in per kernel
             raw.max_dynamic_shared_size_bytes = smem_bytes
         kernel = _kernels[key] = raw.kernel
     return kernel
+
+
+def device_attribute(device: int, name: str) -> int:
+    """A CUDA device attribute by CuPy's name (``MultiProcessorCount``, ...), looked up once per device."""
+    key = (device, name)
+    value = _attributes.get(key)
+    if value is None:
+        import cupy
+
+        value = _attributes[key] = cupy.cuda.Device(device).attributes[name]
+    return value
+
+
+_attributes: dict[tuple[int, str], int] = {}
 
 
 def clear_memory_cache() -> None:

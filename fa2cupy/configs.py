@@ -64,6 +64,38 @@ class FwdConfig:
         )
 
 
+@dataclass(frozen=True)
+class HopperFwdConfig:
+    """Template arguments of ``fa2::HopperFwdTraits`` (cuda/fwd_hopper.cu, sm_90a only): wgmma, a producer
+    warpgroup and two consumer warpgroups of 64 rows, persistent blocks. 128 query rows per work item."""
+
+    headdim: int  # exactly the head dim (64 or 128): the kernel has no zero-filled columns
+    block_n: int  # keys per K/V tile
+    stages: int  # K/V shared-memory ring depth
+    q_buffers: int  # 2: the next work item's Q loads during this one
+
+    block_m = 128
+    threads = 3 * 128  # two consumer warpgroups and a producer warpgroup
+
+    @property
+    def smem_bytes(self) -> int:
+        # Must match HopperFwdTraits::kSmemBytes: alignment slack, two Q buffers, the K/V ring, the mbarriers.
+        return 1024 + self.q_buffers * 128 * self.headdim * 2 + 2 * self.stages * self.block_n * self.headdim * 2 + (
+            8 * (2 * self.stages + 2 * self.q_buffers))
+
+    def name_expression(self, dtype: str, mask: str) -> str:
+        return (f"fa2::flash_fwd_hopper<fa2::HopperFwdTraits<{self.headdim}, {self.block_n}, {self.stages}, "
+                f"{self.q_buffers}, {DTYPE_TAGS[dtype]}, {MASK_TAGS[mask]}>>")
+
+
+#: The Hopper forward, by head dim: used on compute capability 9.0 for the padded call without score modifiers
+#: (every other case runs FORWARD_TABLE's mma.sync kernels).
+FORWARD_HOPPER_TABLE: dict[int, HopperFwdConfig] = {
+    64: HopperFwdConfig(64, 128, 4, 2),
+    128: HopperFwdConfig(128, 128, 3, 1),
+}
+
+
 def _fwd(headdim, block_m, block_n, warps, stages=2, min_blocks=1, q_in_regs=False) -> FwdConfig:
     return FwdConfig(headdim, block_m, block_n, warps, stages, min_blocks, q_in_regs)
 
@@ -415,6 +447,23 @@ def forward_config(arch: int, headdim: int, dtype: str, mask: str, varlen: bool 
     if _uses_masked_row(mask, varlen) and key in FORWARD_MASKED_TABLE:
         return FORWARD_MASKED_TABLE[key]
     return FORWARD_TABLE[key]
+
+
+def hopper_forward_config(arch: int, headdim: int, dtype: str, mods: bool = False, varlen: bool = False,
+                          paged: bool = False) -> HopperFwdConfig | None:
+    """The Hopper forward's row for this call, or None where the mma.sync forward runs it (another GPU, a head
+    dim other than 64 or 128, varlen, paged K/V or score modifiers)."""
+    if dtype not in DTYPE_TAGS:
+        raise ValueError(f"dtype must be one of {tuple(DTYPE_TAGS)}, got {dtype}")
+    if arch != 90 or mods or varlen or paged:
+        return None
+    return FORWARD_HOPPER_TABLE.get(headdim)
+
+
+def hopper_forward_instantiations() -> list[str]:
+    """Name expressions of every shipped Hopper forward instantiation (compiled for sm_90a)."""
+    return sorted(config.name_expression(dtype, mask) for config in FORWARD_HOPPER_TABLE.values()
+                  for dtype in DTYPE_TAGS for mask in MASKS)
 
 
 def backward_config(arch: int, headdim: int, dtype: str, mask: str, mods: bool = False) -> BwdConfig:

@@ -112,7 +112,7 @@ class DecodePlan:
 
 
 def _sm_count(device: int) -> int:
-    return _device_attribute(device, "MultiProcessorCount")
+    return build.device_attribute(device, "MultiProcessorCount")
 
 
 def choose_num_splits(blocks: int, sms: int, max_seqlen_k: int, tile_keys: int) -> int:
@@ -164,7 +164,7 @@ def _fills(used: int, walkers: int) -> bool:
 def _opt_in_smem(config: configs.DecodeConfig, device: int) -> int:
     """The dynamic shared memory a decode kernel may be launched with: enough for blocks that walk several items
     where the device has it (not the 99 KB parts at the largest head dims)."""
-    limit = _device_attribute(device, "MaxSharedMemoryPerBlockOptin")
+    limit = build.device_attribute(device, "MaxSharedMemoryPerBlockOptin")
     return config.persistent_smem_bytes if config.persistent_smem_bytes <= limit else config.smem_bytes
 
 
@@ -192,19 +192,6 @@ def _attention_grid(function, config: configs.DecodeConfig, device: int, items: 
     walkers = min(items, sms * max(1, per_sm))
     fewest = _fewest_for_rounds(items, walkers)
     return (fewest if _fills(fewest, walkers) else walkers), config.persistent_smem_bytes
-
-
-def _device_attribute(device: int, name: str) -> int:
-    key = (device, name)
-    value = _attributes.get(key)
-    if value is None:
-        import cupy
-
-        value = _attributes[key] = cupy.cuda.Device(device).attributes[name]
-    return value
-
-
-_attributes: dict[tuple[int, str], int] = {}
 
 
 def _strides(array_strides, item):

@@ -16,6 +16,11 @@ from . import build, checks, configs, device_errors
 #: shows up as NaN instead of as whatever the allocator happened to hand back.
 _debug_poison = False
 
+#: Run the padded forward without modifiers on the Hopper kernel (cuda/fwd_hopper.cu) on compute capability 9.0
+#: where configs.FORWARD_HOPPER_TABLE has a row for the head dim. Tests and A/B timings set it False to run the
+#: mma.sync kernel there instead.
+HOPPER = True
+
 _LOG2E = 1.4426950408889634
 #: Row strides travel as 32-bit ints (the kernel steps K/V rows with them); the interface copies anything wider.
 MAX_ROW_STRIDE = 1 << 24
@@ -26,7 +31,7 @@ class ForwardPlan:
     # variable slots: the ten pointers q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi, rng_state,
     # block_table, then the dropout seed and offset words (see dropout_words)
     launch: build.Launch
-    config: configs.FwdConfig
+    config: configs.FwdConfig | configs.HopperFwdConfig
 
 
 def kernel_variant(causal: bool, window_size, softcap: float, alibi: bool,
@@ -93,10 +98,17 @@ def plan_forward(
     batch, seqlen_q, nheads, headdim = q_shape
     seqlen_k, nheads_kv = k_shape[1], k_shape[2]
     mask, mods, left, right = kernel_variant(causal, window_size, softcap, alibi_batch_stride is not None, dropout_p)
+    if config is None and HOPPER:
+        config = configs.hopper_forward_config(arch, headdim, dtype, mods, varlen_totals is not None,
+                                               paged is not None)
     if config is None:
         config = configs.forward_config(arch, headdim, dtype, mask, varlen_totals is not None)
-    function = build.get_kernel("fwd", config.name_expression(dtype, mask, mods, varlen_totals is not None,
-                                                              paged is not None), config.smem_bytes)
+    hopper = isinstance(config, configs.HopperFwdConfig)
+    if hopper:
+        function = build.get_kernel("fwd_hopper", config.name_expression(dtype, mask), config.smem_bytes)
+    else:
+        function = build.get_kernel("fwd", config.name_expression(dtype, mask, mods, varlen_totals is not None,
+                                                                  paged is not None), config.smem_bytes)
     scalars = ()
     for batch_stride, row_stride, head_stride, _ in strides:
         scalars += (np.int64(batch_stride), np.int32(row_stride), np.int64(head_stride))
@@ -127,6 +139,12 @@ def plan_forward(
                 np.int32(total_q), np.int32(total_k), np.int32(page_size), np.uint32(magic), np.int32(shift),
                 np.int32(max_pages), np.int32(num_pages)) + error_pointers()
     grid = ((seqlen_q + config.block_m - 1) // config.block_m, nheads, batch)
+    if hopper:  # persistent blocks, one per SM at most, walking the work items
+        import cupy
+
+        scalars += (np.int32(batch),)
+        sms = build.device_attribute(cupy.cuda.runtime.getDevice(), "MultiProcessorCount")
+        grid = (min(grid[0] * nheads * batch, sms), 1, 1)
     launch = build.Launch(function, grid, (config.threads, 1, 1), config.smem_bytes, (np.uint64(0),) * 10 + scalars,
                           list(range(10)) + list(range(rng_slot, rng_slot + 4)))
     return ForwardPlan(launch, config)

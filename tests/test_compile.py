@@ -1,5 +1,5 @@
-"""Every shipped kernel instantiation compiles with NVRTC for sm_80 and sm_90, and none spills registers on the
-arch family it is shipped for.
+"""Every shipped kernel instantiation compiles with NVRTC for sm_80 and sm_90 (the Hopper forward, which uses
+wgmma, for sm_90a), and none spills registers on the arch family it is shipped for.
 
 On an arch its table rows are shipped for, an instantiation is compiled to machine code (ptxas, with the spill
 check); on the other arch, where it never runs, to PTX (NVRTC's front end and optimiser, no ptxas: half the time).
@@ -83,6 +83,53 @@ def test_instantiations_compile_without_spills(family, arch):
     assert checked > 0
 
 
+def test_hopper_forward_compiles_without_spills():
+    names = configs.hopper_forward_instantiations()
+    assert len(names) == len(configs.FORWARD_HOPPER_TABLE) * len(configs.DTYPE_TAGS) * len(configs.MASKS)
+    with ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as pool:
+        results = list(pool.map(lambda chunk: build.compile_for_arch("fwd_hopper", chunk, "90a", log=True),
+                                [names[i : i + 4] for i in range(0, len(names), 4)]))
+    reports, lowered = {}, {}
+    for binary, log, names_lowered in results:
+        assert len(binary) > 0
+        reports.update(_ptxas_reports(log))
+        lowered.update(names_lowered)
+    for name in names:
+        assert reports[lowered[name]] == (0, 0), f"{name} spills on sm_90a"
+
+
+def test_hopper_forward_shared_memory_matches_the_kernel():
+    # HopperFwdConfig.smem_bytes (what a launch asks for) against HopperFwdTraits::kSmemBytes, read from the PTX.
+    rows = list(configs.FORWARD_HOPPER_TABLE.values())
+    probes = [f"__device__ int fa2_probe_{i} = "
+              f"{c.name_expression('float16', 'none')[len('fa2::flash_fwd_hopper<'):-1]}::kSmemBytes;"
+              for i, c in enumerate(rows)]
+    prog = nvrtc.createProgram(build.source("fwd_hopper") + "\n" + "\n".join(probes) + "\n", "probe.cu", (), ())
+    try:
+        nvrtc.compileProgram(prog, build.NVRTC_OPTIONS + ("-arch=compute_90a",))
+        ptx = nvrtc.getPTX(prog)
+        ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    finally:
+        nvrtc.destroyProgram(prog)
+    for i, config in enumerate(rows):
+        found = re.search(rf"fa2_probe_{i} = (\d+);", ptx)
+        assert found and int(found[1]) == config.smem_bytes <= 227 * 1024, config
+
+
+def test_hopper_forward_is_chosen_only_where_it_runs():
+    for d in (64, 128):
+        assert configs.hopper_forward_config(90, d, "bfloat16") is configs.FORWARD_HOPPER_TABLE[d]
+        assert configs.hopper_forward_config(90, d, "float16") is configs.FORWARD_HOPPER_TABLE[d]
+        for arch in (80, 86, 89, 100, 120):  # wgmma is sm_90a's own: not even later GPUs run it
+            assert configs.hopper_forward_config(arch, d, "bfloat16") is None
+        for flag in ("mods", "varlen", "paged"):
+            assert configs.hopper_forward_config(90, d, "bfloat16", **{flag: True}) is None
+    for d in (32, 40, 96, 120, 160, 256):
+        assert configs.hopper_forward_config(90, d, "bfloat16") is None
+    with pytest.raises(ValueError, match="dtype"):
+        configs.hopper_forward_config(90, 64, "float32")
+
+
 def test_every_table_entry_fits_its_family():
     limits = {"sm80": 163 * 1024, "sm86": 99 * 1024, "sm90": 227 * 1024}
     for (family, width), config in [*configs.FORWARD_TABLE.items(), *configs.FORWARD_MASKED_TABLE.items()]:
@@ -137,7 +184,7 @@ def test_decode_shared_memory_matches_the_kernel():
         assert (int(one[1]), int(walk[1])) == (config.smem_bytes, config.persistent_smem_bytes), config
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(FAMILIES) + ["fwd_hopper"])
 def test_source_inlines_headers_once(family):
     text = build.source(family)
     assert '#include "' not in text

@@ -1,0 +1,298 @@
+// FlashAttention forward for Hopper (sm_90a): wgmma tensor cores, warp-specialised, persistent.
+//
+// A block is a producer warpgroup and two consumer warpgroups. The producer streams each work item's Q tile (128
+// rows) and its K/V tiles into shared memory with cp.async and announces each on an mbarrier; each consumer
+// warpgroup owns 64 of the rows and runs FA2's loop on them (S = Q K^T and O += P V on wgmma, the online softmax
+// in registers, only the log-sum-exp kept). The warpgroups never meet at a block barrier, only at the slots they
+// hand back (an mbarrier per slot), so a warpgroup passes over the key tiles its own rows cannot see (the causal
+// diagonal, the edges of a sliding window) while the other computes. Blocks are persistent: one per SM walks the
+// work items (query tile, head, batch) longest first, and the producer loads the next item's Q and first tiles
+// while the consumers finish the last one.
+//
+// Same arguments as flash_fwd (cuda/fwd.cu) plus the batch size, so one launch plan serves both; the padded
+// call without modifiers only (no varlen, paged K/V, softcap, ALiBi or dropout: those stay on flash_fwd).
+#include "primitives.cuh"
+#include "softmax.cuh"
+#include "masks.cuh"
+
+namespace fa2 {
+
+template <int HeadDim, int BlockN, int Stages, int QBuffers, class Elem_, int Mask>
+struct HopperFwdTraits {
+    using Elem = Elem_;
+    static constexpr int kHeadDim = HeadDim, kBlockM = 128, kBlockN = BlockN, kStages = Stages, kMask = Mask;
+    // Two consumer warpgroups and a producer warpgroup, whose registers go to the consumers (setmaxnreg).
+    static constexpr int kConsumerWarps = 8, kThreads = 384, kProducerThreads = 128;
+    static constexpr int kProducerRegisters = 56, kConsumerRegisters = 224;
+    using QTile = SwizzledSlabs<kBlockM, HeadDim>;
+    using KVTile = SwizzledSlabs<BlockN, HeadDim>;
+    // With two, the next item's Q loads while the consumers finish this one; with one (d = 128, for a third K/V
+    // stage) it loads while they finish the last product and write the output.
+    static constexpr int kQBuffers = QBuffers;
+    static constexpr int kBarriers = 2 * Stages + 2 * kQBuffers;
+    // 1 KB of slack: the swizzled slabs must start on 1024-byte boundaries.
+    static constexpr int kSmemBytes = 1024 + kQBuffers * QTile::kBytes + 2 * Stages * KVTile::kBytes + 8 * kBarriers;
+    static_assert(HeadDim == 64 || HeadDim == 128, "wgmma tiles of N = 64 or 128");
+    static_assert(BlockN == 64 || BlockN == 128, "wgmma tiles of N = 64 or 128");
+    static_assert(Stages >= 2, "the K/V ring needs at least two stages");
+};
+
+template <class Tr>
+__global__ void __launch_bounds__(Tr::kThreads, 1)
+    flash_fwd_hopper(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                     u16* __restrict__ o, float* __restrict__ lse, const int* __restrict__, const int* __restrict__,
+                     const float* __restrict__, const u32* __restrict__, const int* __restrict__, i64 q_batch_stride,
+                     int q_row_stride, i64 q_head_stride, i64 k_batch_stride, int k_row_stride, i64 k_head_stride,
+                     i64 v_batch_stride, int v_row_stride, i64 v_head_stride, i64 o_batch_stride, int o_row_stride,
+                     i64 o_head_stride, i64 lse_batch_stride, i64 lse_head_stride, int seqlen_q, int seqlen_k,
+                     int nheads, int heads_per_kv, int, int window_left, int window_right, float scale,
+                     float scale_log2, float, int, u32, u32, u32, u32, u32, float, int, int, int, u32, int, int, int,
+                     int*, long long*, int batch) {
+    using QTile = typename Tr::QTile;
+    using KVTile = typename Tr::KVTile;
+    using Elem = typename Tr::Elem;
+    constexpr int kNT = Tr::kBlockN / 8, kDT = Tr::kHeadDim / 8, kKSteps = Tr::kHeadDim / 16, kS = Tr::kStages;
+
+    extern __shared__ unsigned char smem_raw[];
+    const u32 smem_q = (smem_u32(smem_raw) + 1023) & ~1023u;
+    const u32 smem_k = smem_q + Tr::kQBuffers * QTile::kBytes;
+    const u32 smem_v = smem_k + kS * KVTile::kBytes;
+    // Barriers: full[s] (the producer's 128 threads land slot s), empty[s] (the 8 consumer warps are done with it),
+    // q_full[b] and q_empty[b] likewise for the Q buffers.
+    const u32 bars = smem_v + kS * KVTile::kBytes;
+    const auto full = [&](int s) { return bars + 8 * s; };
+    const auto empty = [&](int s) { return bars + 8 * (kS + s); };
+    const auto q_full = [&](int b) { return bars + 8 * (2 * kS + b); };
+    const auto q_empty = [&](int b) { return bars + 8 * (2 * kS + Tr::kQBuffers + b); };
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < kS; ++s) {
+            mbar_init(full(s), Tr::kProducerThreads);
+            mbar_init(empty(s), Tr::kConsumerWarps);
+        }
+        for (int b = 0; b < Tr::kQBuffers; ++b) {
+            mbar_init(q_full(b), Tr::kProducerThreads);
+            mbar_init(q_empty(b), Tr::kConsumerWarps);
+        }
+    }
+    __syncthreads();
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int m_blocks = (seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
+    const int items = m_blocks * nheads * batch;
+    // Work item -> (query tile, head, batch row): the query tiles of one head together, so that the blocks at work
+    // at any time share a few heads' K/V in L2 (all heads at once overflowed it: 60% hits at 32 x 4 MB); within a
+    // head the last query tiles first, as under a causal mask they see the most keys.
+    const auto coords = [&](int item, int& m_block, int& head, int& b) {
+        m_block = m_blocks - 1 - item % m_blocks;
+        head = item / m_blocks % nheads;
+        b = item / m_blocks / nheads;
+    };
+    const WindowMask<Tr::kMask> mask{seqlen_q, seqlen_k, window_left, window_right};
+
+    if (warp >= Tr::kConsumerWarps) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Tr::kProducerRegisters));
+        // Producer: a tile (zeros from row `valid` on) into swizzled slabs. After a slot's copies, one arrival per
+        // thread on its barrier, made when they have landed.
+        const int ptid = threadIdx.x - 32 * Tr::kConsumerWarps;
+        // A thread copies one 16-byte column chunk of every kRowStep-th row: a multiple of 8 rows apart, so its
+        // swizzled position within a row is the same for all of them.
+        constexpr int kChunksPerRow = Tr::kHeadDim / 8, kRowStep = Tr::kProducerThreads / kChunksPerRow;
+        static_assert(kRowStep % 8 == 0, "a thread's rows share one swizzle phase");
+        const int first_row = ptid / kChunksPerRow, column = ptid % kChunksPerRow * 8;
+        const auto load_tile = [&](auto tile, u32 dst, const u16* src, int row_stride, int valid) {
+            constexpr int kRows = decltype(tile)::kBytes / (Tr::kHeadDim * 2);
+            u32 to = decltype(tile)::at(dst, first_row, column);
+            const u16* from = src + (i64)first_row * row_stride + column;
+            const i64 step = (i64)kRowStep * row_stride;
+#pragma unroll 4
+            for (int row = first_row; row < kRows; row += kRowStep, to += kRowStep * 128, from += step)
+                cp_async_16(to, row < valid ? from : src, row < valid);
+        };
+        int stage = 0, q_buffer = 0;
+        u32 phase = 0, q_phase = 0;
+        for (int item = blockIdx.x; item < items; item += gridDim.x) {
+            int m_block, head, b;
+            coords(item, m_block, head, b);
+            const int row0 = m_block * Tr::kBlockM, kv_head = head / heads_per_kv;
+            int n_first, n_blocks;
+            mask.template key_tiles<Tr::kBlockN>(row0, Tr::kBlockM, n_first, n_blocks);
+            mbar_wait(q_empty(q_buffer), q_phase ^ 1);
+            load_tile(QTile{}, smem_q + q_buffer * QTile::kBytes,
+                      q + b * q_batch_stride + (i64)row0 * q_row_stride + head * q_head_stride, q_row_stride,
+                      seqlen_q - row0);
+            cp_async_mbar_arrive(q_full(q_buffer));
+            const u16* k_head = k + b * k_batch_stride + kv_head * k_head_stride;
+            const u16* v_head = v + b * v_batch_stride + kv_head * v_head_stride;
+            for (int t = 0; t < n_blocks; ++t) {
+                const int first = (n_first + t) * Tr::kBlockN;
+                mbar_wait(empty(stage), phase ^ 1);
+                load_tile(KVTile{}, smem_k + stage * KVTile::kBytes, k_head + (i64)first * k_row_stride,
+                          k_row_stride, seqlen_k - first);
+                load_tile(KVTile{}, smem_v + stage * KVTile::kBytes, v_head + (i64)first * v_row_stride,
+                          v_row_stride, seqlen_k - first);
+                cp_async_mbar_arrive(full(stage));
+                if (++stage == kS) stage = 0, phase ^= 1;
+            }
+            if (++q_buffer == Tr::kQBuffers) q_buffer = 0, q_phase ^= 1;
+        }
+        asm volatile("cp.async.wait_all;\n" ::: "memory");  // leave nothing in flight into shared memory
+        return;
+    }
+
+    // Consumers: warpgroup wg owns rows 64 wg .. 64 wg + 63 of each item's tile, warp w of it 16 of those.
+    // Per key tile j a warpgroup issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} together, then turns S_j into
+    // P_j while the product with V_{j-1} runs (FA3's overlap within a warpgroup), and the two warpgroups take
+    // turns to issue (named barriers 1 and 2), so that one's softmax runs under the other's products.
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Tr::kConsumerRegisters));
+    const int wg = warp >> 2;
+    const auto turn_wait = [&] {
+        if (wg == 0)
+            asm volatile("bar.sync 1, 256;\n" ::: "memory");
+        else
+            asm volatile("bar.sync 2, 256;\n" ::: "memory");
+    };
+    const auto turn_pass = [&] {
+        if (wg == 0)
+            asm volatile("bar.arrive 2, 256;\n" ::: "memory");
+        else
+            asm volatile("bar.arrive 1, 256;\n" ::: "memory");
+    };
+    if (wg == 1) turn_pass();  // warpgroup 0 issues first
+    int stage = 0, q_buffer = 0;
+    u32 phase = 0, q_phase = 0;
+    for (int item = blockIdx.x; item < items; item += gridDim.x) {
+        int m_block, head, b;
+        coords(item, m_block, head, b);
+        const int row0 = m_block * Tr::kBlockM, wg_row0 = row0 + 64 * wg, warp_row0 = wg_row0 + 16 * (warp & 3);
+        int n_first, n_blocks, my_first, my_count;
+        mask.template key_tiles<Tr::kBlockN>(row0, Tr::kBlockM, n_first, n_blocks);
+        mask.template key_tiles<Tr::kBlockN>(wg_row0, 64, my_first, my_count);
+        if (wg_row0 >= seqlen_q) my_count = 0;  // a ragged last tile: this warpgroup has no rows
+        // This warpgroup's tiles among the block's: [mine_begin, mine_end); it passes over the others.
+        const int mine_begin = my_first - n_first, mine_end = mine_begin + my_count;
+
+        float acc_o[1][kDT][4];
+        zero_fragments(acc_o);
+        OnlineSoftmax<1, kNT> softmax;
+        softmax.init();
+        float s[1][kNT][4];
+        u32 p[kNT / 2][4];  // P_{j-1}, the A operand of the product with V_{j-1}
+        float correction[2];
+        const u32 q_rows = smem_q + q_buffer * QTile::kBytes + 64 * wg * 128;  // this warpgroup's 64 rows
+        const auto next_slot = [&] {
+            if (++stage == kS) stage = 0, phase ^= 1;
+        };
+        const auto release = [&](u32 bar) {
+            __syncwarp();
+            if (lane == 0) mbar_arrive(bar);
+        };
+        // A tile of the block that this warpgroup's rows cannot see: its turn passes, its slot goes back.
+        const auto pass_over = [&] {
+            mbar_wait(full(stage), phase);
+            turn_wait();
+            turn_pass();
+            release(empty(stage));
+            next_slot();
+        };
+        // S = Q K^T over the head dim: k16 steps 32 bytes apart in a slab, then the next slab.
+        const auto issue_s = [&] {
+            const u32 k_slot = smem_k + stage * KVTile::kBytes;
+#pragma unroll
+            for (int kk = 0; kk < kKSteps; ++kk) {
+                const u32 step = (kk & 3) * 32;
+                Wgmma<Elem, Tr::kBlockN>::ss(s, smem_desc_sw128(q_rows + (kk >> 2) * QTile::kSlabBytes + step, 16),
+                                             smem_desc_sw128(k_slot + (kk >> 2) * KVTile::kSlabBytes + step, 16),
+                                             kk > 0);
+            }
+            wgmma_commit();
+        };
+        // O += P V with V in slot `slot`: k16 steps 16 key rows (2 KB) apart.
+        const auto issue_pv = [&](int slot) {
+            const u32 v_slot = smem_v + slot * KVTile::kBytes;
+#pragma unroll
+            for (int kk = 0; kk < kNT / 2; ++kk)
+                Wgmma<Elem, Tr::kHeadDim>::rs_mn(acc_o, p[kk],
+                                                  smem_desc_sw128(v_slot + kk * 16 * 128, KVTile::kSlabBytes), 1);
+            wgmma_commit();
+        };
+        // The landed scores of tile j: masked where some row of the warpgroup cannot see some key, then P.
+        const auto softmax_s = [&](int j) {
+            pin_registers(s);
+            const int col0 = (n_first + j) * Tr::kBlockN;
+            if (mask.tile_needs_mask(wg_row0, 64, col0, Tr::kBlockN)) mask.apply(s, warp_row0, col0, lane);
+            softmax.probabilities(s, scale_log2, correction);
+        };
+        const auto to_p = [&] {
+#pragma unroll
+            for (int kk = 0; kk < kNT / 2; ++kk) c_to_a<Elem>(p[kk], s[0][2 * kk], s[0][2 * kk + 1]);
+        };
+
+        mbar_wait(q_full(q_buffer), q_phase);
+        for (int j = 0; j < mine_begin; ++j) pass_over();
+        if (my_count > 0) {
+            mbar_wait(full(stage), phase);
+            fence_proxy_async_smem();  // the producer's cp.async writes, now read by the tensor cores
+            turn_wait();
+            wgmma_fence();
+            issue_s();
+            turn_pass();
+            wgmma_wait<0>();
+            softmax_s(mine_begin);
+            to_p();
+            int prev_stage = stage;
+            next_slot();
+            for (int j = mine_begin + 1; j < mine_end; ++j) {
+                // S_j and O += P_{j-1} V_{j-1} issued together; P_j computed while the second runs.
+                mbar_wait(full(stage), phase);
+                fence_proxy_async_smem();
+                turn_wait();
+                wgmma_fence();
+                issue_s();
+                issue_pv(prev_stage);
+                turn_pass();
+                wgmma_wait<1>();
+                softmax_s(j);
+                wgmma_wait<0>();
+                pin_registers(acc_o);
+                pin_registers(p);
+                release(empty(prev_stage));
+                softmax.rescale(acc_o, correction);
+                to_p();
+                prev_stage = stage;
+                next_slot();
+            }
+            release(q_empty(q_buffer));  // no S left: Q's buffer goes back to the producer
+            turn_wait();
+            wgmma_fence();
+            issue_pv(prev_stage);
+            turn_pass();
+            wgmma_wait<0>();
+            pin_registers(acc_o);
+            pin_registers(p);
+            release(empty(prev_stage));
+        } else {
+            release(q_empty(q_buffer));
+            turn_wait();  // every warpgroup takes n_blocks + 1 turns per item
+            turn_pass();
+        }
+        for (int j = mine_end; j < n_blocks; ++j) pass_over();
+        if (++q_buffer == Tr::kQBuffers) q_buffer = 0, q_phase ^= 1;
+
+        // O = diag(l)^-1 O and L = m + log(l), written once from the accumulators.
+        float row_lse[2];
+        softmax.finalize(acc_o, row_lse, scale);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = warp_row0 + (lane >> 2) + half * 8;
+            if (row >= seqlen_q) continue;
+            u32* dst = reinterpret_cast<u32*>(o + b * o_batch_stride + (i64)row * o_row_stride + head * o_head_stride);
+#pragma unroll
+            for (int dt = 0; dt < kDT; ++dt)
+                dst[dt * 4 + (lane & 3)] = Mma<Elem>::pack(acc_o[0][dt][2 * half], acc_o[0][dt][2 * half + 1]);
+            if ((lane & 3) == 0) lse[b * lse_batch_stride + head * lse_head_stride + row] = row_lse[half];
+        }
+    }
+    if (wg == 0) turn_wait();  // take warpgroup 1's last pass, so no arrival is left pending
+}
+
+}  // namespace fa2

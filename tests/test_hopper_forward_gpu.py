@@ -1,0 +1,115 @@
+"""The Hopper forward (cuda/fwd_hopper.cu) on a GPU of compute capability 9.0: it is the kernel the library picks
+there, it matches the float64 reference on every mask, grouping, length and stride pattern it takes, and the
+mma.sync forward it replaces for those calls still matches the reference on the same GPU.
+
+Bounds and the NaN poisoning of outputs are those of test_forward_gpu (check_against_reference).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+from hypothesis import given, note
+from hypothesis import strategies as st
+
+from gpu_helpers import cupy_module as _cupy, debug_poison
+from test_forward_gpu import run_case
+
+pytestmark = pytest.mark.gpu
+
+
+def _hopper_gpu():
+    cp = _cupy()
+    if int(cp.cuda.Device().compute_capability) != 90:
+        pytest.skip("the Hopper forward runs on compute capability 9.0 only")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def poison_outputs():
+    with debug_poison("forward"):
+        yield
+
+
+@contextlib.contextmanager
+def _kernel(hopper: bool):
+    """Runs the calls inside on the Hopper kernel (True) or on the mma.sync forward (False); plans cached under
+    the other choice are dropped on both sides of the switch."""
+    from fa2cupy import forward, interface
+
+    saved = forward.HOPPER
+    forward.HOPPER = hopper
+    interface._cached_calls.clear()
+    try:
+        yield
+    finally:
+        forward.HOPPER = saved
+        interface._cached_calls.clear()
+
+
+def test_hopper_kernel_is_the_one_planned():
+    _hopper_gpu()
+    from fa2cupy import configs, forward
+
+    strides = ((64 * 8 * 128, 8 * 128, 128, 1),) * 4
+    plan = forward.plan_forward((1, 64, 8, 128), (1, 64, 8, 128), strides, "bfloat16", 0.1, True, 90)
+    assert isinstance(plan.config, configs.HopperFwdConfig)
+    assert plan.launch.block == (384, 1, 1) and plan.launch.grid[1:] == (1, 1)
+    plan = forward.plan_forward((1, 64, 8, 96), (1, 64, 8, 96), strides, "bfloat16", 0.1, True, 90)
+    assert isinstance(plan.config, configs.FwdConfig)  # no Hopper row for d = 96
+    plan = forward.plan_forward((1, 64, 8, 128), (1, 64, 8, 128), strides, "bfloat16", 0.1, True, 90, softcap=5.0)
+    assert isinstance(plan.config, configs.FwdConfig)  # modifiers stay on the mma.sync kernel
+
+
+LENGTHS = [1, 2, 17, 63, 64, 65, 127, 128, 129, 191, 255, 256, 257, 500, 1000, 1025]
+GROUPS = [(1, 1), (2, 2), (4, 1), (6, 3), (8, 2), (16, 4)]
+
+
+@st.composite
+def hopper_cases(draw):
+    nheads, nheads_kv = draw(st.sampled_from(GROUPS))
+    return dict(
+        batch=draw(st.integers(1, 3)),
+        seqlen_q=draw(st.sampled_from(LENGTHS)),
+        seqlen_k=draw(st.sampled_from(LENGTHS)),
+        nheads=nheads,
+        nheads_kv=nheads_kv,
+        headdim=draw(st.sampled_from([64, 128])),
+        causal=draw(st.booleans()),
+        window_size=draw(st.one_of(st.just((-1, -1)),
+                                   st.tuples(*[st.one_of(st.just(-1), st.integers(0, 8), st.integers(0, 600))] * 2))),
+        dtype=draw(st.sampled_from(["float16", "bfloat16"])),
+        softmax_scale=draw(st.one_of(st.none(), st.floats(0.01, 1.5))),
+        transposed=draw(st.booleans()),
+        return_lse=True,
+        seed=draw(st.integers(0, 2**32 - 1)),
+    )
+
+
+@given(hopper_cases(), st.booleans())
+def test_both_forward_kernels_match_reference_on_hopper(case, hopper):
+    _hopper_gpu()
+    note(repr(case))
+    with _kernel(hopper):
+        run_case(case)
+
+
+@pytest.mark.parametrize("hopper", [True, False])
+@pytest.mark.parametrize(
+    "b,sq,sk,h,hkv,d,causal,window",
+    [
+        (4, 2000, 2000, 8, 2, 128, True, (-1, -1)),  # 512 work items: every block walks several, longest first
+        (4, 2000, 2000, 8, 8, 64, False, (-1, -1)),
+        (1, 3000, 3000, 4, 4, 128, True, (1000, 0)),  # a band: warpgroups pass over tiles the other computes
+        (2, 700, 300, 4, 1, 64, True, (-1, -1)),  # sq > sk: rows and whole query tiles with no key
+        (1, 129, 4000, 2, 2, 128, False, (50, 50)),  # a narrow band over long keys
+        (1, 1, 1, 1, 1, 64, False, (-1, -1)),  # one item, one row
+    ],
+)
+def test_fixed_hopper_cases(hopper, b, sq, sk, h, hkv, d, causal, window):
+    _hopper_gpu()
+    with _kernel(hopper):
+        for dtype in ("float16", "bfloat16"):
+            run_case(dict(batch=b, seqlen_q=sq, seqlen_k=sk, nheads=h, nheads_kv=hkv, headdim=d, causal=causal,
+                          window_size=window, dtype=dtype, softmax_scale=None, transposed=False, return_lse=True,
+                          seed=sq + sk + d))
