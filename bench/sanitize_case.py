@@ -15,9 +15,11 @@ The forward cases run the forward only; BWD_CASES run forward + backward
 ``flash_attn_with_kvcache`` (append, split-KV with the last-block merge, paged and
 contiguous, causal) against ``flash_attn_func`` over each row's keys; decode_deep runs them again with the deep
 ring (d=128 on sm_90), decode_walk with both rings on a pretend 2-SM GPU, where each decode block walks several
-work items, decode_warp with one split and warps that stream whole items (both rings, 1 and 2 pretend SMs).
+work items, decode_warp with one split and warps that stream whole items (both rings, 1 and 2 pretend SMs);
+fwd_hopper runs the forward, window and varlen cases of head dim 64 and 128 without modifiers (the Hopper kernel's,
+on sm_90) with 1 and 2 pretend SMs, so that each persistent block walks many work items.
 
-    python3 bench/sanitize_case.py [fwd|bwd|...|decode|decode_deep|decode_walk|decode_warp ...]
+    python3 bench/sanitize_case.py [fwd|bwd|...|decode|decode_deep|decode_walk|decode_warp|fwd_hopper ...]
 """
 
 from __future__ import annotations
@@ -337,6 +339,29 @@ def main(groups) -> int:
             decode._sm_count = lambda device, sms=sms: sms
             for deep in (False, True):
                 bad, total = bad + run_decode_cases(deep=deep, warp_items=True), total + len(DECODE_CASES)
+    if "fwd_hopper" in groups:
+        import cupy
+
+        from fa2cupy import build, interface
+
+        device = cupy.cuda.runtime.getDevice()
+        for sms in (1, 2):
+            build.device_attribute(device, "MultiProcessorCount")
+            build._attributes[(device, "MultiProcessorCount")] = sms
+            interface._cached_calls.clear()
+            for i, case in enumerate(c for c in CASES if c.headdim in (64, 128)):
+                r = cli.run_check_case(case, seed=i, backward=False)
+                print(f"{sms} SMs:", cli.check_row(i, r), flush=True)
+                bad += not r.passed
+                total += 1
+            for i, case in enumerate(c for c in WINDOW_CASES if c[4] in (64, 128)):
+                bad += not check_window(i, *case)
+                total += 1
+            for i, case in enumerate(c for c in VARLEN_CASES if c[3] in (64, 128) and not c[6] and not c[7]):
+                bad += not check_varlen(i, *case)
+                total += 1
+        build._attributes.pop((device, "MultiProcessorCount"))
+        interface._cached_calls.clear()
     print(f"{total - bad}/{total} passed")
     return 1 if bad else 0
 

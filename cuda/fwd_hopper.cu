@@ -9,18 +9,21 @@
 // work items (query tile, head, batch) longest first, and the producer loads the next item's Q and first tiles
 // while the consumers finish the last one.
 //
-// Same arguments as flash_fwd (cuda/fwd.cu) plus the batch size, so one launch plan serves both; the padded
-// call without modifiers only (no varlen, paged K/V, softcap, ALiBi or dropout: those stay on flash_fwd).
+// Same arguments as flash_fwd (cuda/fwd.cu) plus the batch size, so one launch plan serves both; padded and varlen
+// calls without modifiers (paged K/V, softcap, ALiBi and dropout stay on flash_fwd).
 #include "primitives.cuh"
 #include "softmax.cuh"
 #include "masks.cuh"
 
 namespace fa2 {
 
-template <int HeadDim, int BlockN, int Stages, int QBuffers, class Elem_, int Mask>
+template <int HeadDim, int BlockN, int Stages, int QBuffers, class Elem_, int Mask, bool Varlen = false>
 struct HopperFwdTraits {
     using Elem = Elem_;
     static constexpr int kHeadDim = HeadDim, kBlockM = 128, kBlockN = BlockN, kStages = Stages, kMask = Mask;
+    // Varlen: sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q/o/lse and cu_seqlens_k[b] .. of k/v;
+    // seqlen_q/seqlen_k are the maxima, and work items past a sequence's end are passed over.
+    static constexpr bool kVarlen = Varlen;
     // Two consumer warpgroups and a producer warpgroup, whose registers go to the consumers (setmaxnreg).
     static constexpr int kConsumerWarps = 8, kThreads = 384, kProducerThreads = 128;
     static constexpr int kProducerRegisters = 56, kConsumerRegisters = 224;
@@ -40,14 +43,15 @@ struct HopperFwdTraits {
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     flash_fwd_hopper(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
-                     u16* __restrict__ o, float* __restrict__ lse, const int* __restrict__, const int* __restrict__,
-                     const float* __restrict__, const u32* __restrict__, const int* __restrict__, i64 q_batch_stride,
+                     u16* __restrict__ o, float* __restrict__ lse, const int* __restrict__ cu_seqlens_q,
+                     const int* __restrict__ cu_seqlens_k, const float* __restrict__, const u32* __restrict__,
+                     const int* __restrict__, i64 q_batch_stride,
                      int q_row_stride, i64 q_head_stride, i64 k_batch_stride, int k_row_stride, i64 k_head_stride,
                      i64 v_batch_stride, int v_row_stride, i64 v_head_stride, i64 o_batch_stride, int o_row_stride,
                      i64 o_head_stride, i64 lse_batch_stride, i64 lse_head_stride, int seqlen_q, int seqlen_k,
                      int nheads, int heads_per_kv, int, int window_left, int window_right, float scale,
-                     float scale_log2, float, int, u32, u32, u32, u32, u32, float, int, int, int, u32, int, int, int,
-                     int*, long long*, int batch) {
+                     float scale_log2, float, int, u32, u32, u32, u32, u32, float, int total_q, int total_k, int, u32,
+                     int, int, int, int* error_claim, long long* error_host, int batch) {
     using QTile = typename Tr::QTile;
     using KVTile = typename Tr::KVTile;
     using Elem = typename Tr::Elem;
@@ -87,7 +91,19 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         head = item / m_blocks % nheads;
         b = item / m_blocks / nheads;
     };
-    const WindowMask<Tr::kMask> mask{seqlen_q, seqlen_k, window_left, window_right};
+    // A sequence's lengths and first rows (varlen: from cu_seqlens, checked; `reporter` reports a bad one).
+    struct Bounds {
+        int seqlen_q, seqlen_k, q_start, k_start;
+    };
+    const auto bounds = [&](int b, bool reporter) {
+        Bounds r{seqlen_q, seqlen_k, 0, 0};
+        if constexpr (Tr::kVarlen) {
+            const SeqBounds seq(cu_seqlens_q, cu_seqlens_k, b, total_q, total_k, error_claim, error_host, r.seqlen_q,
+                                r.seqlen_k, reporter ? 1 : 0);
+            r.q_start = seq.q_start, r.k_start = seq.k_start;
+        }
+        return r;
+    };
 
     if (warp >= Tr::kConsumerWarps) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Tr::kProducerRegisters));
@@ -104,7 +120,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             u32 to = decltype(tile)::at(dst, first_row, column);
             const u16* from = src + (i64)first_row * row_stride + column;
             const i64 step = (i64)kRowStep * row_stride;
-#pragma unroll 4
+#pragma unroll(Tr::kVarlen ? 2 : 4)  // (the varlen producer's registers allow 2)
             for (int row = first_row; row < kRows; row += kRowStep, to += kRowStep * 128, from += step)
                 cp_async_16(to, row < valid ? from : src, row < valid);
         };
@@ -114,22 +130,26 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             int m_block, head, b;
             coords(item, m_block, head, b);
             const int row0 = m_block * Tr::kBlockM, kv_head = head / heads_per_kv;
+            // (a sequence's first item: its last query tile of head 0)
+            const Bounds seq = bounds(b, ptid == 0 && m_block == m_blocks - 1 && head == 0);
+            if (Tr::kVarlen && row0 >= seq.seqlen_q) continue;  // past this sequence's queries
+            const WindowMask<Tr::kMask> mask{seq.seqlen_q, seq.seqlen_k, window_left, window_right};
             int n_first, n_blocks;
             mask.template key_tiles<Tr::kBlockN>(row0, Tr::kBlockM, n_first, n_blocks);
             mbar_wait(q_empty(q_buffer), q_phase ^ 1);
             load_tile(QTile{}, smem_q + q_buffer * QTile::kBytes,
-                      q + b * q_batch_stride + (i64)row0 * q_row_stride + head * q_head_stride, q_row_stride,
-                      seqlen_q - row0);
+                      q + b * q_batch_stride + (i64)(seq.q_start + row0) * q_row_stride + head * q_head_stride,
+                      q_row_stride, seq.seqlen_q - row0);
             cp_async_mbar_arrive(q_full(q_buffer));
-            const u16* k_head = k + b * k_batch_stride + kv_head * k_head_stride;
-            const u16* v_head = v + b * v_batch_stride + kv_head * v_head_stride;
+            const u16* k_head = k + b * k_batch_stride + (i64)seq.k_start * k_row_stride + kv_head * k_head_stride;
+            const u16* v_head = v + b * v_batch_stride + (i64)seq.k_start * v_row_stride + kv_head * v_head_stride;
             for (int t = 0; t < n_blocks; ++t) {
                 const int first = (n_first + t) * Tr::kBlockN;
                 mbar_wait(empty(stage), phase ^ 1);
                 load_tile(KVTile{}, smem_k + stage * KVTile::kBytes, k_head + (i64)first * k_row_stride,
-                          k_row_stride, seqlen_k - first);
+                          k_row_stride, seq.seqlen_k - first);
                 load_tile(KVTile{}, smem_v + stage * KVTile::kBytes, v_head + (i64)first * v_row_stride,
-                          v_row_stride, seqlen_k - first);
+                          v_row_stride, seq.seqlen_k - first);
                 cp_async_mbar_arrive(full(stage));
                 if (++stage == kS) stage = 0, phase ^= 1;
             }
@@ -164,6 +184,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         int m_block, head, b;
         coords(item, m_block, head, b);
         const int row0 = m_block * Tr::kBlockM, wg_row0 = row0 + 64 * wg, warp_row0 = wg_row0 + 16 * (warp & 3);
+        const Bounds seq = bounds(b, false);
+        if (Tr::kVarlen && row0 >= seq.seqlen_q) continue;  // past this sequence's queries (as the producer)
+        const int seqlen_q = seq.seqlen_q;
+        const WindowMask<Tr::kMask> mask{seqlen_q, seq.seqlen_k, window_left, window_right};
         int n_first, n_blocks, my_first, my_count;
         mask.template key_tiles<Tr::kBlockN>(row0, Tr::kBlockM, n_first, n_blocks);
         mask.template key_tiles<Tr::kBlockN>(wg_row0, 64, my_first, my_count);
@@ -278,18 +302,22 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         for (int j = mine_end; j < n_blocks; ++j) pass_over();
         if (++q_buffer == Tr::kQBuffers) q_buffer = 0, q_phase ^= 1;
 
-        // O = diag(l)^-1 O and L = m + log(l), written once from the accumulators.
+        // O = diag(l)^-1 O and L = m + log(l), written once from the accumulators. (The sequence's first row is
+        // read again rather than kept in a register through the loop.)
         float row_lse[2];
         softmax.finalize(acc_o, row_lse, scale);
+        const int q_start = Tr::kVarlen ? cu_seqlens_q[b] : 0;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int row = warp_row0 + (lane >> 2) + half * 8;
             if (row >= seqlen_q) continue;
-            u32* dst = reinterpret_cast<u32*>(o + b * o_batch_stride + (i64)row * o_row_stride + head * o_head_stride);
+            u32* dst = reinterpret_cast<u32*>(o + b * o_batch_stride + (i64)(q_start + row) * o_row_stride +
+                                              head * o_head_stride);
 #pragma unroll
             for (int dt = 0; dt < kDT; ++dt)
                 dst[dt * 4 + (lane & 3)] = Mma<Elem>::pack(acc_o[0][dt][2 * half], acc_o[0][dt][2 * half + 1]);
-            if ((lane & 3) == 0) lse[b * lse_batch_stride + head * lse_head_stride + row] = row_lse[half];
+            if ((lane & 3) == 0)
+                lse[b * lse_batch_stride + head * lse_head_stride + q_start + row] = row_lse[half];
         }
     }
     if (wg == 0) turn_wait();  // take warpgroup 1's last pass, so no arrival is left pending

@@ -109,8 +109,10 @@ struct WindowMask {
 // (null) nothing changes. cu_seqlens_k may be null for the kernels that only walk queries.
 struct SeqBounds {
     int q_start = 0, k_start = 0;
+    // reporter: 1 if this thread reports bad bounds, 0 if not (one thread per sequence); by default (-1) thread 0 of
+    // the first block of the grid's (x, y) plane, which the kernels with a grid z per sequence have once per sequence.
     FA2_DEVICE SeqBounds(const int* cu_seqlens_q, const int* cu_seqlens_k, int batch, int total_q, int total_k,
-                         int* error_claim, long long* error_host, int& seqlen_q, int& seqlen_k) {
+                         int* error_claim, long long* error_host, int& seqlen_q, int& seqlen_k, int reporter = -1) {
         if (cu_seqlens_q == nullptr) return;
         const int q0 = cu_seqlens_q[batch], q1 = cu_seqlens_q[batch + 1];
         const int k0 = cu_seqlens_k != nullptr ? cu_seqlens_k[batch] : 0;
@@ -122,7 +124,7 @@ struct SeqBounds {
             seqlen_q = q1 - q0, seqlen_k = k1 - k0;
             return;
         }
-        if (threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0)
+        if (reporter < 0 ? threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0 : reporter != 0)
             report_bad_value(error_claim, error_host, q_ok ? kBadCuSeqlensK : kBadCuSeqlensQ, batch,
                              q_ok ? k0 : q0, q_ok ? k1 : q1);
         seqlen_q = seqlen_k = 0;

@@ -83,13 +83,13 @@ class HopperFwdConfig:
         return 1024 + self.q_buffers * 128 * self.headdim * 2 + 2 * self.stages * self.block_n * self.headdim * 2 + (
             8 * (2 * self.stages + 2 * self.q_buffers))
 
-    def name_expression(self, dtype: str, mask: str) -> str:
+    def name_expression(self, dtype: str, mask: str, varlen: bool = False) -> str:
         return (f"fa2::flash_fwd_hopper<fa2::HopperFwdTraits<{self.headdim}, {self.block_n}, {self.stages}, "
-                f"{self.q_buffers}, {DTYPE_TAGS[dtype]}, {MASK_TAGS[mask]}>>")
+                f"{self.q_buffers}, {DTYPE_TAGS[dtype]}, {MASK_TAGS[mask]}{', true' if varlen else ''}>>")
 
 
-#: The Hopper forward, by head dim: used on compute capability 9.0 for the padded call without score modifiers
-#: (every other case runs FORWARD_TABLE's mma.sync kernels).
+#: The Hopper forward, by head dim: used on compute capability 9.0 for padded and varlen calls without score
+#: modifiers or paged K/V (every other case runs FORWARD_TABLE's mma.sync kernels).
 FORWARD_HOPPER_TABLE: dict[int, HopperFwdConfig] = {
     64: HopperFwdConfig(64, 128, 4, 2),
     128: HopperFwdConfig(128, 128, 3, 1),
@@ -452,18 +452,18 @@ def forward_config(arch: int, headdim: int, dtype: str, mask: str, varlen: bool 
 def hopper_forward_config(arch: int, headdim: int, dtype: str, mods: bool = False, varlen: bool = False,
                           paged: bool = False) -> HopperFwdConfig | None:
     """The Hopper forward's row for this call, or None where the mma.sync forward runs it (another GPU, a head
-    dim other than 64 or 128, varlen, paged K/V or score modifiers)."""
+    dim other than 64 or 128, paged K/V or score modifiers)."""
     if dtype not in DTYPE_TAGS:
         raise ValueError(f"dtype must be one of {tuple(DTYPE_TAGS)}, got {dtype}")
-    if arch != 90 or mods or varlen or paged:
+    if arch != 90 or mods or paged:
         return None
     return FORWARD_HOPPER_TABLE.get(headdim)
 
 
 def hopper_forward_instantiations() -> list[str]:
     """Name expressions of every shipped Hopper forward instantiation (compiled for sm_90a)."""
-    return sorted(config.name_expression(dtype, mask) for config in FORWARD_HOPPER_TABLE.values()
-                  for dtype in DTYPE_TAGS for mask in MASKS)
+    return sorted(config.name_expression(dtype, mask, varlen) for config in FORWARD_HOPPER_TABLE.values()
+                  for dtype in DTYPE_TAGS for mask in MASKS for varlen in (False, True))
 
 
 def backward_config(arch: int, headdim: int, dtype: str, mask: str, mods: bool = False) -> BwdConfig:

@@ -105,7 +105,8 @@ def plan_forward(
         config = configs.forward_config(arch, headdim, dtype, mask, varlen_totals is not None)
     hopper = isinstance(config, configs.HopperFwdConfig)
     if hopper:
-        function = build.get_kernel("fwd_hopper", config.name_expression(dtype, mask), config.smem_bytes)
+        function = build.get_kernel("fwd_hopper", config.name_expression(dtype, mask, varlen_totals is not None),
+                                    config.smem_bytes)
     else:
         function = build.get_kernel("fwd", config.name_expression(dtype, mask, mods, varlen_totals is not None,
                                                                   paged is not None), config.smem_bytes)

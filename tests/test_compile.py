@@ -85,7 +85,7 @@ def test_instantiations_compile_without_spills(family, arch):
 
 def test_hopper_forward_compiles_without_spills():
     names = configs.hopper_forward_instantiations()
-    assert len(names) == len(configs.FORWARD_HOPPER_TABLE) * len(configs.DTYPE_TAGS) * len(configs.MASKS)
+    assert len(names) == len(configs.FORWARD_HOPPER_TABLE) * len(configs.DTYPE_TAGS) * len(configs.MASKS) * 2
     with ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as pool:
         results = list(pool.map(lambda chunk: build.compile_for_arch("fwd_hopper", chunk, "90a", log=True),
                                 [names[i : i + 4] for i in range(0, len(names), 4)]))
@@ -122,8 +122,9 @@ def test_hopper_forward_is_chosen_only_where_it_runs():
         assert configs.hopper_forward_config(90, d, "float16") is configs.FORWARD_HOPPER_TABLE[d]
         for arch in (80, 86, 89, 100, 120):  # wgmma is sm_90a's own: not even later GPUs run it
             assert configs.hopper_forward_config(arch, d, "bfloat16") is None
-        for flag in ("mods", "varlen", "paged"):
+        for flag in ("mods", "paged"):
             assert configs.hopper_forward_config(90, d, "bfloat16", **{flag: True}) is None
+        assert configs.hopper_forward_config(90, d, "bfloat16", varlen=True) is configs.FORWARD_HOPPER_TABLE[d]
     for d in (32, 40, 96, 120, 160, 256):
         assert configs.hopper_forward_config(90, d, "bfloat16") is None
     with pytest.raises(ValueError, match="dtype"):

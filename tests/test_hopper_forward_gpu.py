@@ -1,6 +1,6 @@
 """The Hopper forward (cuda/fwd_hopper.cu) on a GPU of compute capability 9.0: it is the kernel the library picks
-there, it matches the float64 reference on every mask, grouping, length and stride pattern it takes, and the
-mma.sync forward it replaces for those calls still matches the reference on the same GPU.
+there, it matches the float64 reference on every mask, grouping, length and stride pattern it takes, padded and
+varlen, and the mma.sync forward it replaces for those calls still matches the reference on the same GPU.
 
 Bounds and the NaN poisoning of outputs are those of test_forward_gpu (check_against_reference).
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import pytest
 from hypothesis import given, note
 from hypothesis import strategies as st
@@ -113,3 +114,42 @@ def test_fixed_hopper_cases(hopper, b, sq, sk, h, hkv, d, causal, window):
             run_case(dict(batch=b, seqlen_q=sq, seqlen_k=sk, nheads=h, nheads_kv=hkv, headdim=d, causal=causal,
                           window_size=window, dtype=dtype, softmax_scale=None, transposed=False, return_lse=True,
                           seed=sq + sk + d))
+
+
+@st.composite
+def varlen_hopper_cases(draw):
+    batch = draw(st.integers(1, 5))
+    lengths = st.sampled_from([0, 1, 17, 64, 127, 128, 129, 300, 700])
+    lq = draw(st.lists(lengths, min_size=batch, max_size=batch))
+    lk = lq if draw(st.booleans()) else draw(st.lists(lengths, min_size=batch, max_size=batch))
+    h, hkv = draw(st.sampled_from(GROUPS))
+    return dict(lengths_q=lq, lengths_k=lk, nheads=h, nheads_kv=hkv, headdim=draw(st.sampled_from([64, 128])),
+                causal=draw(st.booleans()),
+                window_size=draw(st.one_of(st.just((-1, -1)), st.tuples(st.integers(-1, 200), st.integers(-1, 200)))),
+                slack=draw(st.sampled_from([0, 9])),  # max_seqlen above the longest sequence
+                dtype=draw(st.sampled_from(["float16", "bfloat16"])), seed=draw(st.integers(0, 2**32 - 1)))
+
+
+@given(varlen_hopper_cases(), st.booleans())
+def test_varlen_matches_reference_on_both_kernels(c, hopper):
+    _hopper_gpu()
+    note(repr(c))
+    from test_varlen_mods_gpu import _check_out, _host, _randn
+
+    import fa2cupy
+    from fa2cupy.reference import attention_ref_varlen
+    from gpu_helpers import cu_seqlens
+
+    cp = _cupy()
+    rng = np.random.default_rng(c["seed"])
+    cu_q, cu_k = cu_seqlens(c["lengths_q"]), cu_seqlens(c["lengths_k"])
+    tq, tk = max(int(cu_q[-1]), 1), max(int(cu_k[-1]), 1)
+    h, hkv, d, dtype = c["nheads"], c["nheads_kv"], c["headdim"], c["dtype"]
+    q, k, v = (_randn(rng, shape, dtype) for shape in ((tq, h, d), (tk, hkv, d), (tk, hkv, d)))
+    kw = dict(causal=c["causal"], window_size=c["window_size"])
+    with _kernel(hopper):
+        out, lse, _ = fa2cupy.flash_attn_varlen_func(q, k, v, cp.asarray(cu_q), cp.asarray(cu_k),
+                                                     max(c["lengths_q"]) + c["slack"],
+                                                     max(c["lengths_k"]) + c["slack"], return_attn_probs=True, **kw)
+    ref_out, ref_lse = attention_ref_varlen(_host(q), _host(k), _host(v), cu_q, cu_k, **kw)
+    _check_out(out, lse, ref_out, ref_lse, v, dtype, rows=np.arange(int(cu_q[-1])))
