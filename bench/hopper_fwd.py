@@ -23,7 +23,7 @@ from fa2cupy import configs, forward, interface  # noqa: E402
 
 
 def use_hopper(on: bool) -> None:
-    forward.HOPPER = on
+    forward.HOPPER = "always" if on else False  # the Hopper kernel whatever the length of a masked call
     interface._cached_calls.clear()
 
 

@@ -11,7 +11,7 @@ sys.path.insert(0, ".")
 import fa2cupy  # noqa: E402
 from fa2cupy import forward  # noqa: E402
 
-forward.HOPPER = "--mma" not in sys.argv
+forward.HOPPER = False if "--mma" in sys.argv else "always"
 causal = "--causal" in sys.argv
 q, k, v = (torch.randn(2, 8192, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 for _ in range(2):

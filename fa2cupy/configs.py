@@ -449,15 +449,26 @@ def forward_config(arch: int, headdim: int, dtype: str, mask: str, varlen: bool 
     return FORWARD_TABLE[key]
 
 
+#: Causal and windowed calls run on the Hopper forward from this many query rows on (seqlen_q, or max_seqlen_q with
+#: varlen). Below it, items of a few key tiles each leave its pipeline mostly filling and draining: H100 bf16, hidden
+#: 2048, the mma.sync kernel was faster at d=64 causal 512-2048 (184/248/283 against 134/214/273 TFLOPs/s) and
+#: d=128 causal 512 (165 against 154); from d=64 4096 and d=128 1024 on the Hopper kernel is (bench/NOTES.md).
+HOPPER_MASKED_MIN_SEQLEN = {64: 4096, 128: 1024}
+
+
 def hopper_forward_config(arch: int, headdim: int, dtype: str, mods: bool = False, varlen: bool = False,
-                          paged: bool = False) -> HopperFwdConfig | None:
+                          paged: bool = False, mask: str = "none", seqlen_q: int | None = None
+                          ) -> HopperFwdConfig | None:
     """The Hopper forward's row for this call, or None where the mma.sync forward runs it (another GPU, a head
-    dim other than 64 or 128, paged K/V or score modifiers)."""
+    dim other than 64 or 128, paged K/V, score modifiers, or a masked call shorter than HOPPER_MASKED_MIN_SEQLEN;
+    ``seqlen_q`` None skips that last rule)."""
     if dtype not in DTYPE_TAGS:
         raise ValueError(f"dtype must be one of {tuple(DTYPE_TAGS)}, got {dtype}")
-    if arch != 90 or mods or paged:
+    if arch != 90 or mods or paged or headdim not in FORWARD_HOPPER_TABLE:
         return None
-    return FORWARD_HOPPER_TABLE.get(headdim)
+    if mask != "none" and seqlen_q is not None and seqlen_q < HOPPER_MASKED_MIN_SEQLEN[headdim]:
+        return None
+    return FORWARD_HOPPER_TABLE[headdim]
 
 
 def hopper_forward_instantiations() -> list[str]:

@@ -16,10 +16,10 @@ from . import build, checks, configs, device_errors
 #: shows up as NaN instead of as whatever the allocator happened to hand back.
 _debug_poison = False
 
-#: Run the padded forward without modifiers on the Hopper kernel (cuda/fwd_hopper.cu) on compute capability 9.0
-#: where configs.FORWARD_HOPPER_TABLE has a row for the head dim. Tests and A/B timings set it False to run the
-#: mma.sync kernel there instead.
-HOPPER = True
+#: Run calls without modifiers or paged K/V on the Hopper kernel (cuda/fwd_hopper.cu) on compute capability 9.0
+#: where configs.hopper_forward_config picks it. Tests and A/B timings set it False to run the mma.sync kernel
+#: there instead, or "always" to take the Hopper kernel whatever the length of a masked call.
+HOPPER: bool | str = True
 
 _LOG2E = 1.4426950408889634
 #: Row strides travel as 32-bit ints (the kernel steps K/V rows with them); the interface copies anything wider.
@@ -100,7 +100,7 @@ def plan_forward(
     mask, mods, left, right = kernel_variant(causal, window_size, softcap, alibi_batch_stride is not None, dropout_p)
     if config is None and HOPPER:
         config = configs.hopper_forward_config(arch, headdim, dtype, mods, varlen_totals is not None,
-                                               paged is not None)
+                                               paged is not None, mask, None if HOPPER == "always" else seqlen_q)
     if config is None:
         config = configs.forward_config(arch, headdim, dtype, mask, varlen_totals is not None)
     hopper = isinstance(config, configs.HopperFwdConfig)

@@ -34,12 +34,12 @@ def poison_outputs():
 
 @contextlib.contextmanager
 def _kernel(hopper: bool):
-    """Runs the calls inside on the Hopper kernel (True) or on the mma.sync forward (False); plans cached under
-    the other choice are dropped on both sides of the switch."""
+    """Runs the calls inside on the Hopper kernel (True: whatever the length of a masked call) or on the mma.sync
+    forward (False); plans cached under the other choice are dropped on both sides of the switch."""
     from fa2cupy import forward, interface
 
     saved = forward.HOPPER
-    forward.HOPPER = hopper
+    forward.HOPPER = "always" if hopper else False
     interface._cached_calls.clear()
     try:
         yield
@@ -53,9 +53,14 @@ def test_hopper_kernel_is_the_one_planned():
     from fa2cupy import configs, forward
 
     strides = ((64 * 8 * 128, 8 * 128, 128, 1),) * 4
-    plan = forward.plan_forward((1, 64, 8, 128), (1, 64, 8, 128), strides, "bfloat16", 0.1, True, 90)
+    plan = forward.plan_forward((1, 64, 8, 128), (1, 64, 8, 128), strides, "bfloat16", 0.1, False, 90)
     assert isinstance(plan.config, configs.HopperFwdConfig)
     assert plan.launch.block == (384, 1, 1) and plan.launch.grid[1:] == (1, 1)
+    plan = forward.plan_forward((1, 64, 8, 128), (1, 64, 8, 128), strides, "bfloat16", 0.1, True, 90)
+    assert isinstance(plan.config, configs.FwdConfig)  # a short causal call: the mma.sync kernel is faster there
+    strides = ((2048 * 8 * 128, 8 * 128, 128, 1),) * 4
+    plan = forward.plan_forward((1, 2048, 8, 128), (1, 2048, 8, 128), strides, "bfloat16", 0.1, True, 90)
+    assert isinstance(plan.config, configs.HopperFwdConfig)
     plan = forward.plan_forward((1, 64, 8, 96), (1, 64, 8, 96), strides, "bfloat16", 0.1, True, 90)
     assert isinstance(plan.config, configs.FwdConfig)  # no Hopper row for d = 96
     plan = forward.plan_forward((1, 64, 8, 128), (1, 64, 8, 128), strides, "bfloat16", 0.1, True, 90, softcap=5.0)
