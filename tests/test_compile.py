@@ -83,6 +83,18 @@ def test_instantiations_compile_without_spills(family, arch):
     assert checked > 0
 
 
+def _probe_ptx(family: str, probes: list[str], arch: str) -> str:
+    """The PTX of a kernel family's source with `probes` (device variables set from its traits' constants)
+    appended, compiled for compute_<arch>: how a test reads the kernels' own byte counts."""
+    prog = nvrtc.createProgram(build.source(family) + "\n" + "\n".join(probes) + "\n", "probe.cu", (), ())
+    try:
+        nvrtc.compileProgram(prog, build.NVRTC_OPTIONS + (f"-arch=compute_{arch}",))
+        ptx = nvrtc.getPTX(prog)
+        return ptx.decode() if isinstance(ptx, bytes) else ptx
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
 def test_hopper_forward_compiles_without_spills():
     names = configs.hopper_forward_instantiations()
     assert len(names) == len(configs.FORWARD_HOPPER_TABLE) * len(configs.DTYPE_TAGS) * len(configs.MASKS) * 2
@@ -104,13 +116,7 @@ def test_hopper_forward_shared_memory_matches_the_kernel():
     probes = [f"__device__ int fa2_probe_{i} = "
               f"{c.name_expression('float16', 'none')[len('fa2::flash_fwd_hopper<'):-1]}::kSmemBytes;"
               for i, c in enumerate(rows)]
-    prog = nvrtc.createProgram(build.source("fwd_hopper") + "\n" + "\n".join(probes) + "\n", "probe.cu", (), ())
-    try:
-        nvrtc.compileProgram(prog, build.NVRTC_OPTIONS + ("-arch=compute_90a",))
-        ptx = nvrtc.getPTX(prog)
-        ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
-    finally:
-        nvrtc.destroyProgram(prog)
+    ptx = _probe_ptx("fwd_hopper", probes, "90a")
     for i, config in enumerate(rows):
         found = re.search(rf"fa2_probe_{i} = (\d+);", ptx)
         assert found and int(found[1]) == config.smem_bytes <= 227 * 1024, config
@@ -175,14 +181,7 @@ def test_decode_shared_memory_matches_the_kernel():
         traits = config.name_expression("float16", False, False)[len("fa2::decode_attention<"):-1]
         probes.append(f"__device__ int fa2_probe_{i}_one = {traits}::kSmemBytes;")
         probes.append(f"__device__ int fa2_probe_{i}_walk = {traits}::kPersistentSmemBytes;")
-    code = build.source("decode") + "\n" + "\n".join(probes) + "\n"
-    prog = nvrtc.createProgram(code, "probe.cu", (), ())
-    try:
-        nvrtc.compileProgram(prog, build.NVRTC_OPTIONS + ("-arch=compute_80",))
-        ptx = nvrtc.getPTX(prog)
-        ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
-    finally:
-        nvrtc.destroyProgram(prog)
+    ptx = _probe_ptx("decode", probes, "80")
     for i, config in enumerate(rows):
         one = re.search(rf"fa2_probe_{i}_one = (\d+);", ptx)
         walk = re.search(rf"fa2_probe_{i}_walk = (\d+);", ptx)
