@@ -116,11 +116,11 @@ def test_blocks_walk_items_only_when_the_grid_is_over_full(monkeypatch):
     # block per SM of either layout.
     from cupy_backends.cuda.api import driver
 
-    from fa2cupy import configs, decode
+    from fa2cupy import build, configs, decode
 
     config = configs.decode_config(90, 128)
     attributes = {"MultiProcessorCount": 132, "MaxSharedMemoryPerBlockOptin": 232448}
-    monkeypatch.setattr(decode, "_device_attribute", lambda device, name: attributes[name])
+    monkeypatch.setattr(build, "device_attribute", lambda device, name: attributes[name])
     asked = []
 
     def occupancy(function, threads, smem):
@@ -210,10 +210,10 @@ def test_warp_items_grid(monkeypatch):
     # the fewest blocks that take the same rounds, while at most 1/32 of the SMs idle.
     from cupy_backends.cuda.api import driver
 
-    from fa2cupy import configs, decode
+    from fa2cupy import build, configs, decode
 
     solo = configs.DECODE_WARP_TABLE[("sm90", 128)]
-    monkeypatch.setattr(decode, "_device_attribute", lambda device, name: {"MultiProcessorCount": 132}[name])
+    monkeypatch.setattr(build, "device_attribute", lambda device, name: {"MultiProcessorCount": 132}[name])
     monkeypatch.setattr(driver, "occupancyMaxActiveBlocksPerMultiprocessor", lambda function, threads, smem: 1)
 
     class Function:
