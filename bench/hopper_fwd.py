@@ -23,7 +23,9 @@ from fa2cupy import configs, forward, interface  # noqa: E402
 
 
 def use_hopper(on: bool) -> None:
-    forward.HOPPER = "always" if on else False  # the Hopper kernel whatever the length of a masked call
+    forward.HOPPER = on
+    if on:  # the Hopper kernel whatever the length of a masked call
+        configs.HOPPER_MASKED_MIN_SEQLEN.update(dict.fromkeys(configs.HOPPER_MASKED_MIN_SEQLEN, 0))
     interface._cached_calls.clear()
 
 

@@ -9,9 +9,10 @@ import torch
 
 sys.path.insert(0, ".")
 import fa2cupy  # noqa: E402
-from fa2cupy import forward  # noqa: E402
+from fa2cupy import configs, forward  # noqa: E402
 
-forward.HOPPER = False if "--mma" in sys.argv else "always"
+forward.HOPPER = "--mma" not in sys.argv
+configs.HOPPER_MASKED_MIN_SEQLEN.update(dict.fromkeys(configs.HOPPER_MASKED_MIN_SEQLEN, 0))
 causal = "--causal" in sys.argv
 q, k, v = (torch.randn(2, 8192, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 for _ in range(2):

@@ -121,7 +121,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             const u16* from = src + (i64)first_row * row_stride + column;
             const i64 step = (i64)kRowStep * row_stride;
 #pragma unroll(Tr::kVarlen ? 2 : 4)  // (the varlen producer's registers allow 2)
-            for (int row = first_row; row < kRows; row += kRowStep, to += kRowStep * 128, from += step)
+            for (int row = first_row; row < kRows; row += kRowStep, to += kRowStep * decltype(tile)::kRowBytes,
+                                                                  from += step)
                 cp_async_16(to, row < valid ? from : src, row < valid);
         };
         int stage = 0, q_buffer = 0;
@@ -202,7 +203,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         float s[1][kNT][4];
         u32 p[kNT / 2][4];  // P_{j-1}, the A operand of the product with V_{j-1}
         float correction[2];
-        const u32 q_rows = smem_q + q_buffer * QTile::kBytes + 64 * wg * 128;  // this warpgroup's 64 rows
+        const u32 q_rows = QTile::at(smem_q + q_buffer * QTile::kBytes, 64 * wg, 0);  // this warpgroup's 64 rows
         const auto next_slot = [&] {
             if (++stage == kS) stage = 0, phase ^= 1;
         };
@@ -230,13 +231,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             }
             wgmma_commit();
         };
-        // O += P V with V in slot `slot`: k16 steps 16 key rows (2 KB) apart.
+        // O += P V with V in slot `slot`: k16 steps 16 key rows apart.
         const auto issue_pv = [&](int slot) {
             const u32 v_slot = smem_v + slot * KVTile::kBytes;
 #pragma unroll
             for (int kk = 0; kk < kNT / 2; ++kk)
                 Wgmma<Elem, Tr::kHeadDim>::rs_mn(acc_o, p[kk],
-                                                  smem_desc_sw128(v_slot + kk * 16 * 128, KVTile::kSlabBytes), 1);
+                                                  smem_desc_sw128(KVTile::at(v_slot, kk * 16, 0), KVTile::kSlabBytes), 1);
             wgmma_commit();
         };
         // The landed scores of tile j: masked where some row of the warpgroup cannot see some key, then P.

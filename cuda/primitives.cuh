@@ -530,9 +530,9 @@ FA2_WGMMA_M64(f16, 128, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12,
 template <int Rows, int Cols>
 struct SwizzledSlabs {
     static_assert(Cols % 64 == 0 && Rows % 8 == 0, "whole 64-column slabs of 8-row atoms");
-    static constexpr int kSlabBytes = Rows * 128, kBytes = Cols / 64 * kSlabBytes;
+    static constexpr int kRowBytes = 128, kSlabBytes = Rows * kRowBytes, kBytes = Cols / 64 * kSlabBytes;
     static FA2_DEVICE u32 at(u32 base, int r, int c) {
-        return base + (c >> 6) * kSlabBytes + r * 128 + ((((c >> 3) & 7) ^ (r & 7)) << 4);
+        return base + (c >> 6) * kSlabBytes + r * kRowBytes + ((((c >> 3) & 7) ^ (r & 7)) << 4);
     }
 };
 

@@ -42,6 +42,8 @@ class FwdConfig:
     min_blocks: int  # __launch_bounds__ minimum resident blocks per SM (caps registers)
     q_in_regs: bool  # keep Q's mma fragments in registers instead of re-reading shared memory
 
+    family = "fwd"  # cuda/fwd.cu
+
     @property
     def threads(self) -> int:
         return self.warps * 32
@@ -76,6 +78,7 @@ class HopperFwdConfig:
 
     block_m = 128
     threads = 3 * 128  # two consumer warpgroups and a producer warpgroup
+    family = "fwd_hopper"  # cuda/fwd_hopper.cu
 
     @property
     def smem_bytes(self) -> int:
@@ -83,7 +86,10 @@ class HopperFwdConfig:
         return 1024 + self.q_buffers * 128 * self.headdim * 2 + 2 * self.stages * self.block_n * self.headdim * 2 + (
             8 * (2 * self.stages + 2 * self.q_buffers))
 
-    def name_expression(self, dtype: str, mask: str, varlen: bool = False) -> str:
+    def name_expression(self, dtype: str, mask: str, mods: bool = False, varlen: bool = False,
+                        paged: bool = False) -> str:
+        if mods or paged:
+            raise ValueError("the Hopper forward has no score modifiers and no paged K/V")
         return (f"fa2::flash_fwd_hopper<fa2::HopperFwdTraits<{self.headdim}, {self.block_n}, {self.stages}, "
                 f"{self.q_buffers}, {DTYPE_TAGS[dtype]}, {MASK_TAGS[mask]}{', true' if varlen else ''}>>")
 
@@ -450,7 +456,7 @@ def forward_config(arch: int, headdim: int, dtype: str, mask: str, varlen: bool 
 
 
 #: Causal and windowed calls run on the Hopper forward from this many query rows on (seqlen_q, or max_seqlen_q with
-#: varlen). Below it, items of a few key tiles each leave its pipeline mostly filling and draining: H100 bf16, hidden
+#: varlen; tests set them to 0 to run the Hopper kernel at every length). Below it, items of a few key tiles each leave its pipeline mostly filling and draining: H100 bf16, hidden
 #: 2048, the mma.sync kernel was faster at d=64 causal 512-2048 (184/248/283 against 134/214/273 TFLOPs/s) and
 #: d=128 causal 512 (165 against 154); from d=64 4096 and d=128 1024 on the Hopper kernel is (bench/NOTES.md).
 HOPPER_MASKED_MIN_SEQLEN = {64: 4096, 128: 1024}
@@ -473,7 +479,7 @@ def hopper_forward_config(arch: int, headdim: int, dtype: str, mods: bool = Fals
 
 def hopper_forward_instantiations() -> list[str]:
     """Name expressions of every shipped Hopper forward instantiation (compiled for sm_90a)."""
-    return sorted(config.name_expression(dtype, mask, varlen) for config in FORWARD_HOPPER_TABLE.values()
+    return sorted(config.name_expression(dtype, mask, varlen=varlen) for config in FORWARD_HOPPER_TABLE.values()
                   for dtype in DTYPE_TAGS for mask in MASKS for varlen in (False, True))
 
 

@@ -18,8 +18,8 @@ _debug_poison = False
 
 #: Run calls without modifiers or paged K/V on the Hopper kernel (cuda/fwd_hopper.cu) on compute capability 9.0
 #: where configs.hopper_forward_config picks it. Tests and A/B timings set it False to run the mma.sync kernel
-#: there instead, or "always" to take the Hopper kernel whatever the length of a masked call.
-HOPPER: bool | str = True
+#: there instead (and empty configs.HOPPER_MASKED_MIN_SEQLEN's lengths to take the Hopper kernel for every length).
+HOPPER = True
 
 _LOG2E = 1.4426950408889634
 #: Row strides travel as 32-bit ints (the kernel steps K/V rows with them); the interface copies anything wider.
@@ -100,16 +100,12 @@ def plan_forward(
     mask, mods, left, right = kernel_variant(causal, window_size, softcap, alibi_batch_stride is not None, dropout_p)
     if config is None and HOPPER:
         config = configs.hopper_forward_config(arch, headdim, dtype, mods, varlen_totals is not None,
-                                               paged is not None, mask, None if HOPPER == "always" else seqlen_q)
+                                               paged is not None, mask, seqlen_q)
     if config is None:
         config = configs.forward_config(arch, headdim, dtype, mask, varlen_totals is not None)
+    function = build.get_kernel(config.family, config.name_expression(dtype, mask, mods, varlen_totals is not None,
+                                                                      paged is not None), config.smem_bytes)
     hopper = isinstance(config, configs.HopperFwdConfig)
-    if hopper:
-        function = build.get_kernel("fwd_hopper", config.name_expression(dtype, mask, varlen_totals is not None),
-                                    config.smem_bytes)
-    else:
-        function = build.get_kernel("fwd", config.name_expression(dtype, mask, mods, varlen_totals is not None,
-                                                                  paged is not None), config.smem_bytes)
     scalars = ()
     for batch_stride, row_stride, head_stride, _ in strides:
         scalars += (np.int64(batch_stride), np.int32(row_stride), np.int64(head_stride))

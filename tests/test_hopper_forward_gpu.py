@@ -36,15 +36,16 @@ def poison_outputs():
 def _kernel(hopper: bool):
     """Runs the calls inside on the Hopper kernel (True: whatever the length of a masked call) or on the mma.sync
     forward (False); plans cached under the other choice are dropped on both sides of the switch."""
-    from fa2cupy import forward, interface
+    from fa2cupy import configs, forward, interface
 
-    saved = forward.HOPPER
-    forward.HOPPER = "always" if hopper else False
+    patch = pytest.MonkeyPatch()
+    patch.setattr(forward, "HOPPER", hopper)
+    patch.setattr(configs, "HOPPER_MASKED_MIN_SEQLEN", dict.fromkeys(configs.HOPPER_MASKED_MIN_SEQLEN, 0))
     interface._cached_calls.clear()
     try:
         yield
     finally:
-        forward.HOPPER = saved
+        patch.undo()
         interface._cached_calls.clear()
 
 
