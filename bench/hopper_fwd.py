@@ -1,6 +1,6 @@
 """The Hopper forward (cuda/fwd_hopper.cu) against the mma.sync forward and torch SDPA, in one process.
 
-    python bench/hopper_fwd.py [--check-only] [--window-rounds 3]
+    python bench/hopper_fwd.py [--check-only] [--window-rounds 3] [--counter-ab '1024 16384']
 
 1. Correctness: ragged, GQA, causal, windowed and both dtypes, each against a float32 torch reference (outputs
    poisoned with NaN before every launch), the mma.sync kernel's error beside it.
@@ -127,14 +127,79 @@ def window_bar(rounds, seqlen=65536, window=(4096, 0)):
               f"{', '.join(f'{a / b:.2f}' for a, b in zip(causal_ms, window_ms))})", flush=True)
 
 
+def counter_ab(lengths, repeats, rounds=2):
+    """Masked calls on the Hopper kernel with the grid stride against the tile counter at several L2 group sizes
+    (and the mma.sync kernel, SDPA flash), variants taking turns, best round each: TFLOPs/s."""
+    events = B.TorchEvents()
+    shipped = configs.HOPPER_L2_GROUP_BYTES
+    variants = [("stride", True, False, shipped)] + [(f"ctr{mb}M", True, True, mb << 20) for mb in (8, 16, 32)] + [
+        ("mma", False, False, shipped)]
+    print(f"{'case':30s} " + " ".join(f"{n:>8s}" for n, *_ in variants) + f" {'flash':>8s}")
+    for d in (64, 128):
+        for s in lengths:
+            h, b = 2048 // d, max(1, 16384 // s)
+            q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            flops = 4 * b * s * s * h * d / 2
+            best = {}
+            for _ in range(rounds):
+                for name, hopper, counter, group in variants:
+                    use_hopper(hopper)
+                    forward.TILE_COUNTER, configs.HOPPER_L2_GROUP_BYTES = counter, group
+                    ms = B.time_gpu(lambda: fa2cupy.flash_attn_func(q, k, v, causal=True), events,
+                                    repeats=repeats).median_ms
+                    best[name] = min(best.get(name, ms), ms)
+            forward.TILE_COUNTER, configs.HOPPER_L2_GROUP_BYTES = True, shipped
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                best["flash"] = B.time_gpu(lambda: torch.nn.functional.scaled_dot_product_attention(
+                    qt, kt, vt, is_causal=True), events, repeats=repeats).median_ms
+            print(f"d={d} s={s} b={b} h={h} causal    " +
+                  " ".join(f"{flops / best[n] / 1e9:8.1f}" for n in [v[0] for v in variants] + ["flash"]), flush=True)
+
+
+def window_sweep(repeats, seqlen=65536, lefts=(1024, 2048, 4096, 8192, 16384)):
+    """Forward time of (left, 0) windows over 64k tokens (h16 d128) against the key tiles they visit: the fit's
+    slope is the time per 128 x 128 tile, its intercept per work item the cost an item pays whatever its length."""
+    import numpy as np
+
+    events = B.TorchEvents()
+    use_hopper(True)
+    q, k, v = (torch.randn(1, seqlen, 16, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    m_blocks, items = seqlen // 128, seqlen // 128 * 16
+    rows = []
+    for left in lefts + (None,):
+        window = (left, 0) if left else (-1, -1)
+        tiles = 16 * sum(min(m + 1, (left + 127) // 128 + 1) if left else m + 1 for m in range(m_blocks))
+        ms = B.time_gpu(lambda: fa2cupy.flash_attn_func(q, k, v, causal=True, window_size=window), events,
+                        warmup=2, repeats=repeats).median_ms
+        rows.append((left, tiles, ms))
+        print(f"window {window}: {tiles} tiles, {ms:.3f} ms, {ms * 1e3 * 132 / tiles:.3f} us per tile per SM",
+              flush=True)
+    t = np.array([r[1] for r in rows[:-1]], float)
+    y = np.array([r[2] for r in rows[:-1]], float) * 1e3 * 132  # SM-microseconds
+    slope, intercept = np.polyfit(t, y, 1)
+    print(f"fit over the windows: {slope:.3f} us per tile per SM, {intercept / items:.3f} us per item "
+          f"(= {intercept / items / slope:.2f} tiles); causal {rows[-1][2] * 1e3 * 132 / rows[-1][1]:.3f} us per tile")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--window-rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--window-sweep", action="store_true", help="window sizes against tiles visited (then exit)")
+    ap.add_argument("--counter-ab", default="", help="lengths, e.g. '1024 4096 16384': causal TFLOPs/s with the "
+                                                     "grid stride and the tile counter (then exit)")
     ap.add_argument("--rows", default="", help="rows to compare, e.g. '128:128,2,2 128:128,3,1' (d:block_n,stages,"
                                                "q_buffers): speed and window bar on each, no check")
     args = ap.parse_args()
+    if args.window_sweep:
+        window_sweep(args.repeats)
+        return
+    if args.counter_ab:
+        counter_ab([int(x) for x in args.counter_ab.split()], args.repeats)
+        return
     if args.rows:
         shipped = dict(configs.FORWARD_HOPPER_TABLE)
         for spec in args.rows.split():

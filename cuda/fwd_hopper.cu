@@ -6,11 +6,14 @@
 // in registers, only the log-sum-exp kept). The warpgroups never meet at a block barrier, only at the slots they
 // hand back (an mbarrier per slot), so a warpgroup passes over the key tiles its own rows cannot see (the causal
 // diagonal, the edges of a sliding window) while the other computes. Blocks are persistent: one per SM walks the
-// work items (query tile, head, batch) longest first, and the producer loads the next item's Q and first tiles
-// while the consumers finish the last one.
+// work items (query tile, head, batch), longest first within groups of heads that share L2, and the producer
+// loads the next item's Q and first tiles while the consumers finish the last one. Items go in a grid stride or,
+// where their lengths differ (masks), to whichever block asks next (an atomic tile counter, zeroed per launch):
+// a fixed stride handed some SMs twice the keys of others under a causal mask.
 //
-// Same arguments as flash_fwd (cuda/fwd.cu) plus the batch size, so one launch plan serves both; padded and varlen
-// calls without modifiers (paged K/V, softcap, ALiBi and dropout stay on flash_fwd).
+// Same arguments as flash_fwd (cuda/fwd.cu) plus the batch size, the heads per L2 group and the tile counter (null
+// for the grid stride), so one launch plan serves both; padded and varlen calls without modifiers (paged K/V,
+// softcap, ALiBi and dropout stay on flash_fwd).
 #include "primitives.cuh"
 #include "softmax.cuh"
 #include "masks.cuh"
@@ -33,8 +36,12 @@ struct HopperFwdTraits {
     // stage) it loads while they finish the last product and write the output.
     static constexpr int kQBuffers = QBuffers;
     static constexpr int kBarriers = 2 * Stages + 2 * kQBuffers;
+    // After the barriers: the work item of each Q buffer (producer -> consumers) and two words in which the
+    // producer's first thread hands the next item to the others.
+    static constexpr int kItemSlots = kQBuffers + 2;
     // 1 KB of slack: the swizzled slabs must start on 1024-byte boundaries.
-    static constexpr int kSmemBytes = 1024 + kQBuffers * QTile::kBytes + 2 * Stages * KVTile::kBytes + 8 * kBarriers;
+    static constexpr int kSmemBytes =
+        1024 + kQBuffers * QTile::kBytes + 2 * Stages * KVTile::kBytes + 8 * kBarriers + 4 * kItemSlots;
     static_assert(HeadDim == 64 || HeadDim == 128, "wgmma tiles of N = 64 or 128");
     static_assert(BlockN == 64 || BlockN == 128, "wgmma tiles of N = 64 or 128");
     static_assert(Stages >= 2, "the K/V ring needs at least two stages");
@@ -51,7 +58,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                      i64 o_head_stride, i64 lse_batch_stride, i64 lse_head_stride, int seqlen_q, int seqlen_k,
                      int nheads, int heads_per_kv, int, int window_left, int window_right, float scale,
                      float scale_log2, float, int, u32, u32, u32, u32, u32, float, int total_q, int total_k, int, u32,
-                     int, int, int, int* error_claim, long long* error_host, int batch) {
+                     int, int, int, int* error_claim, long long* error_host, int batch, int heads_per_group,
+                     int* __restrict__ tile_counter) {
     using QTile = typename Tr::QTile;
     using KVTile = typename Tr::KVTile;
     using Elem = typename Tr::Elem;
@@ -68,13 +76,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const auto empty = [&](int s) { return bars + 8 * (kS + s); };
     const auto q_full = [&](int b) { return bars + 8 * (2 * kS + b); };
     const auto q_empty = [&](int b) { return bars + 8 * (2 * kS + Tr::kQBuffers + b); };
+    int* const item_slots = reinterpret_cast<int*>(smem_raw + (bars + 8 * Tr::kBarriers - smem_u32(smem_raw)));
     if (threadIdx.x == 0) {
         for (int s = 0; s < kS; ++s) {
             mbar_init(full(s), Tr::kProducerThreads);
             mbar_init(empty(s), Tr::kConsumerWarps);
         }
         for (int b = 0; b < Tr::kQBuffers; ++b) {
-            mbar_init(q_full(b), Tr::kProducerThreads);
+            // every producer thread's copies, and the first thread's item in item_slots[b]
+            mbar_init(q_full(b), Tr::kProducerThreads + 1);
             mbar_init(q_empty(b), Tr::kConsumerWarps);
         }
     }
@@ -82,14 +92,18 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int m_blocks = (seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
-    const int items = m_blocks * nheads * batch;
-    // Work item -> (query tile, head, batch row): the query tiles of one head together, so that the blocks at work
-    // at any time share a few heads' K/V in L2 (all heads at once overflowed it: 60% hits at 32 x 4 MB); within a
-    // head the last query tiles first, as under a causal mask they see the most keys.
+    const int heads = nheads * batch, items = m_blocks * heads;
+    // Work item -> (query tile, head, batch row). The (batch row, head) pairs go in groups of heads_per_group
+    // whose K/V fit in L2 together, so that the blocks at work at any time share them (all heads at once
+    // overflowed it: 60% hits at 32 x 4 MB); within a group the last query tiles of every head first, as under
+    // a causal mask they see the most keys (with the tile counter, blocks then take items longest first).
     const auto coords = [&](int item, int& m_block, int& head, int& b) {
-        m_block = m_blocks - 1 - item % m_blocks;
-        head = item / m_blocks % nheads;
-        b = item / m_blocks / nheads;
+        const int group_items = m_blocks * heads_per_group, group = item / group_items;
+        const int members = min(heads_per_group, heads - group * heads_per_group), rank = item - group * group_items;
+        const int tile = rank / members, pair = group * heads_per_group + rank - tile * members;
+        m_block = m_blocks - 1 - tile;
+        head = pair % nheads;
+        b = pair / nheads;
     };
     // A sequence's lengths and first rows (varlen: from cu_seqlens, checked; `reporter` reports a bad one).
     struct Bounds {
@@ -125,23 +139,56 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                                                                   from += step)
                 cp_async_16(to, row < valid ? from : src, row < valid);
         };
-        int stage = 0, q_buffer = 0;
+        int stage = 0, q_buffer = 0, exchange = 0;
         u32 phase = 0, q_phase = 0;
-        for (int item = blockIdx.x; item < items; item += gridDim.x) {
+        // (varlen keeps the grid stride: each item past a sequence's end would cost a counter round trip)
+        const bool use_counter = !Tr::kVarlen && tile_counter != nullptr;
+        // Hands `item` (or, past the last, the end) to the consumers with the next Q buffer.
+        const auto publish = [&](int item) {
+            mbar_wait(q_empty(q_buffer), q_phase ^ 1);
+            if (ptid == 0) item_slots[q_buffer] = item;
+        };
+        const auto announce = [&] {
+            cp_async_mbar_arrive(q_full(q_buffer));
+            if (ptid == 0) mbar_arrive(q_full(q_buffer));  // (release: the item slot's store)
+        };
+        // The item after `item`: with a tile counter the one the first thread took (`ticket`), handed to the others
+        // through two exchange words in turn (a word is rewritten only after every thread has read it); without,
+        // a grid stride on.
+        const auto next_item = [&](int item, int ticket) {
+            if (!use_counter) return item + (int)gridDim.x;
+            if (ptid == 0) item_slots[Tr::kQBuffers + exchange] = ticket;
+            asm volatile("bar.sync 3, %0;\n" ::"n"(Tr::kProducerThreads) : "memory");
+            const int next = item_slots[Tr::kQBuffers + exchange];
+            exchange ^= 1;
+            return next;
+        };
+        for (int item = blockIdx.x;;) {
+            // The first thread takes the next item now, so that the atomic's round trip overlaps this one's loads.
+            int ticket = 0;
+            if (use_counter && ptid == 0 && item < items) ticket = atomicAdd(tile_counter, 1) + gridDim.x;
+            if (item >= items) {
+                publish(items);
+                announce();
+                break;
+            }
             int m_block, head, b;
             coords(item, m_block, head, b);
             const int row0 = m_block * Tr::kBlockM, kv_head = head / heads_per_kv;
             // (a sequence's first item: its last query tile of head 0)
             const Bounds seq = bounds(b, ptid == 0 && m_block == m_blocks - 1 && head == 0);
-            if (Tr::kVarlen && row0 >= seq.seqlen_q) continue;  // past this sequence's queries
+            if (Tr::kVarlen && row0 >= seq.seqlen_q) {  // past this sequence's queries: the consumers never see it
+                item = next_item(item, ticket);
+                continue;
+            }
             const WindowMask<Tr::kMask> mask{seq.seqlen_q, seq.seqlen_k, window_left, window_right};
             int n_first, n_blocks;
             mask.template key_tiles<Tr::kBlockN>(row0, Tr::kBlockM, n_first, n_blocks);
-            mbar_wait(q_empty(q_buffer), q_phase ^ 1);
+            publish(item);
             load_tile(QTile{}, smem_q + q_buffer * QTile::kBytes,
                       q + b * q_batch_stride + (i64)(seq.q_start + row0) * q_row_stride + head * q_head_stride,
                       q_row_stride, seq.seqlen_q - row0);
-            cp_async_mbar_arrive(q_full(q_buffer));
+            announce();
             const u16* k_head = k + b * k_batch_stride + (i64)seq.k_start * k_row_stride + kv_head * k_head_stride;
             const u16* v_head = v + b * v_batch_stride + (i64)seq.k_start * v_row_stride + kv_head * v_head_stride;
             for (int t = 0; t < n_blocks; ++t) {
@@ -155,6 +202,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 if (++stage == kS) stage = 0, phase ^= 1;
             }
             if (++q_buffer == Tr::kQBuffers) q_buffer = 0, q_phase ^= 1;
+            item = next_item(item, ticket);
         }
         asm volatile("cp.async.wait_all;\n" ::: "memory");  // leave nothing in flight into shared memory
         return;
@@ -181,12 +229,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     if (wg == 1) turn_pass();  // warpgroup 0 issues first
     int stage = 0, q_buffer = 0;
     u32 phase = 0, q_phase = 0;
-    for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    for (;;) {
+        mbar_wait(q_full(q_buffer), q_phase);  // the item, and its Q
+        // (read by lane 0, the lane that later hands the buffer back, so the read is ordered before the reuse)
+        const int item = __shfl_sync(~0u, lane == 0 ? item_slots[q_buffer] : 0, 0);
+        if (item >= items) break;
         int m_block, head, b;
         coords(item, m_block, head, b);
         const int row0 = m_block * Tr::kBlockM, wg_row0 = row0 + 64 * wg, warp_row0 = wg_row0 + 16 * (warp & 3);
         const Bounds seq = bounds(b, false);
-        if (Tr::kVarlen && row0 >= seq.seqlen_q) continue;  // past this sequence's queries (as the producer)
         const int seqlen_q = seq.seqlen_q;
         const WindowMask<Tr::kMask> mask{seqlen_q, seq.seqlen_k, window_left, window_right};
         int n_first, n_blocks, my_first, my_count;
@@ -252,7 +303,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             for (int kk = 0; kk < kNT / 2; ++kk) c_to_a<Elem>(p[kk], s[0][2 * kk], s[0][2 * kk + 1]);
         };
 
-        mbar_wait(q_full(q_buffer), q_phase);
         for (int j = 0; j < mine_begin; ++j) pass_over();
         if (my_count > 0) {
             mbar_wait(full(stage), phase);

@@ -170,3 +170,10 @@ class Launch:
 
 
 _launch_kernel = None
+
+
+def memset_async(ptr: int, value: int, nbytes: int, stream_ptr: int) -> None:
+    """cudaMemsetAsync of ``nbytes`` at ``ptr`` on the stream with handle ``stream_ptr``."""
+    from cupy_backends.cuda.api import runtime
+
+    runtime.memsetAsync(ptr, value, nbytes, stream_ptr)

@@ -82,9 +82,10 @@ class HopperFwdConfig:
 
     @property
     def smem_bytes(self) -> int:
-        # Must match HopperFwdTraits::kSmemBytes: alignment slack, two Q buffers, the K/V ring, the mbarriers.
+        # Must match HopperFwdTraits::kSmemBytes: alignment slack, the Q buffers, the K/V ring, the mbarriers,
+        # the work-item words.
         return 1024 + self.q_buffers * 128 * self.headdim * 2 + 2 * self.stages * self.block_n * self.headdim * 2 + (
-            8 * (2 * self.stages + 2 * self.q_buffers))
+            8 * (2 * self.stages + 2 * self.q_buffers) + 4 * (self.q_buffers + 2))
 
     def name_expression(self, dtype: str, mask: str, mods: bool = False, varlen: bool = False,
                         paged: bool = False) -> str:
@@ -455,11 +456,24 @@ def forward_config(arch: int, headdim: int, dtype: str, mask: str, varlen: bool 
     return FORWARD_TABLE[key]
 
 
-#: Causal and windowed calls run on the Hopper forward from this many query rows on (seqlen_q, or max_seqlen_q with
-#: varlen; tests set them to 0 to run the Hopper kernel at every length). Below it, items of a few key tiles each leave its pipeline mostly filling and draining: H100 bf16, hidden
-#: 2048, the mma.sync kernel was faster at d=64 causal 512-2048 (184/248/283 against 134/214/273 TFLOPs/s) and
-#: d=128 causal 512 (165 against 154); from d=64 4096 and d=128 1024 on the Hopper kernel is (bench/NOTES.md).
-HOPPER_MASKED_MIN_SEQLEN = {64: 4096, 128: 1024}
+#: Causal and windowed calls run on the Hopper forward from this many query rows on, by (head dim, varlen) (seqlen_q,
+#: or max_seqlen_q with varlen; tests set them to 0 to run the Hopper kernel at every length). Below it, items of a
+#: few key tiles each leave its pipeline mostly filling and draining. H100 bf16 causal, hidden 2048, TFLOPs/s of the
+#: Hopper kernel with the tile counter (padded) / the grid stride (varlen's) / the mma.sync kernel: d=64 256 128 /
+#: 111 / 133, 512 201 / 154 / 196, 1024 286 / 227 / 248, 4096 375 / 338 / 295; d=128 256 137 / 124 / 140, 512 232 /
+#: 177 / 196, 1024 363 / 285 / 242 (bench/NOTES.md).
+HOPPER_MASKED_MIN_SEQLEN = {(64, False): 512, (128, False): 512, (64, True): 4096, (128, True): 1024}
+
+#: The Hopper forward's persistent blocks take the work items of heads in groups whose K/V take at most this many
+#: bytes, longest first within a group, so that the heads in flight at any time share L2 (50 MB on the H100).
+HOPPER_L2_GROUP_BYTES = 16 << 20
+
+
+def hopper_heads_per_group(seqlen_k: int, headdim: int, heads_per_kv: int, heads: int) -> int:
+    """(batch row, head) pairs per group of the Hopper forward's work items (see HOPPER_L2_GROUP_BYTES): whole
+    kv heads' worth of query heads, at least one kv head, at most ``heads`` (batch x nheads)."""
+    kv_bytes = 2 * seqlen_k * headdim * 2  # K and V of one kv head, 16-bit
+    return min(heads, max(1, HOPPER_L2_GROUP_BYTES // max(kv_bytes, 1)) * heads_per_kv)
 
 
 def hopper_forward_config(arch: int, headdim: int, dtype: str, mods: bool = False, varlen: bool = False,
@@ -472,7 +486,7 @@ def hopper_forward_config(arch: int, headdim: int, dtype: str, mods: bool = Fals
         raise ValueError(f"dtype must be one of {tuple(DTYPE_TAGS)}, got {dtype}")
     if arch != 90 or mods or paged or headdim not in FORWARD_HOPPER_TABLE:
         return None
-    if mask != "none" and seqlen_q is not None and seqlen_q < HOPPER_MASKED_MIN_SEQLEN[headdim]:
+    if mask != "none" and seqlen_q is not None and seqlen_q < HOPPER_MASKED_MIN_SEQLEN[headdim, varlen]:
         return None
     return FORWARD_HOPPER_TABLE[headdim]
 

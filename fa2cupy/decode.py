@@ -106,7 +106,7 @@ class DecodePlan:
         found = self.workspaces.get(stream_ptr)
         if found is None:
             array, pointer = arrays.new_empty_raw((self.workspace_floats,), "float32", framework, device)
-            _memset_async(pointer, 0, self.arrivals * 4, stream_ptr)
+            build.memset_async(pointer, 0, self.arrivals * 4, stream_ptr)
             found = self.workspaces[stream_ptr] = (array, pointer)
         return found[1]
 
@@ -329,12 +329,6 @@ def run_decode(plan: DecodePlan, inputs, out: int, lse: int, fixed_seqlen: int, 
         partial_lse = partial_out = 0
     plan.attention(stream_ptr, (q, k_cache, v_cache, block_table, cache_seqlens, cache_batch_idx, out, lse,
                                 partial_out, partial_lse, workspace, claim, report, fixed_seqlen, slopes, leftpad))
-
-
-def _memset_async(ptr: int, value: int, nbytes: int, stream_ptr: int) -> None:
-    from cupy_backends.cuda.api import runtime
-
-    runtime.memsetAsync(ptr, value, nbytes, stream_ptr)
 
 
 def launch_merge(parts, lses, out, lse_out, stream) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import build, checks, configs, device_errors
+from . import arrays, build, checks, configs, device_errors
 
 #: Tests set this to fill out and lse with NaN before every launch, so an element the kernel fails to write
 #: shows up as NaN instead of as whatever the allocator happened to hand back.
@@ -20,6 +20,8 @@ _debug_poison = False
 #: where configs.hopper_forward_config picks it. Tests and A/B timings set it False to run the mma.sync kernel
 #: there instead (and empty configs.HOPPER_MASKED_MIN_SEQLEN's lengths to take the Hopper kernel for every length).
 HOPPER = True
+#: Let the Hopper forward's blocks take masked work items from a tile counter (False: the grid stride, for A/B).
+TILE_COUNTER = True
 
 _LOG2E = 1.4426950408889634
 #: Row strides travel as 32-bit ints (the kernel steps K/V rows with them); the interface copies anything wider.
@@ -32,6 +34,10 @@ class ForwardPlan:
     # block_table, then the dropout seed and offset words (see dropout_words)
     launch: build.Launch
     config: configs.FwdConfig | configs.HopperFwdConfig
+    # The Hopper forward's blocks take work items from a counter (zeroed per launch, see run_forward) instead of
+    # a grid stride: where items differ in length (masks), a fixed stride left SMs idle (0.64 of the ideal
+    # balance at causal 16k, d=128).
+    tile_counter: bool = False
 
 
 def kernel_variant(causal: bool, window_size, softcap: float, alibi: bool,
@@ -136,26 +142,47 @@ def plan_forward(
                 np.int32(total_q), np.int32(total_k), np.int32(page_size), np.uint32(magic), np.int32(shift),
                 np.int32(max_pages), np.int32(num_pages)) + error_pointers()
     grid = ((seqlen_q + config.block_m - 1) // config.block_m, nheads, batch)
+    variable = list(range(10)) + list(range(rng_slot, rng_slot + 4))
+    tile_counter = False
     if hopper:  # persistent blocks, one per SM at most, walking the work items
         import cupy
 
-        scalars += (np.int32(batch),)
+        items = grid[0] * nheads * batch
         sms = build.device_attribute(cupy.cuda.runtime.getDevice(), "MultiProcessorCount")
-        grid = (min(grid[0] * nheads * batch, sms), 1, 1)
+        grid = (min(items, sms), 1, 1)
+        # Items of different lengths (a mask; varlen stays on the stride: its items past a sequence's end would
+        # each cost a counter round trip) go to whichever block asks next, longest first within L2 groups.
+        tile_counter = TILE_COUNTER and mask != "none" and varlen_totals is None and items > grid[0]
+        heads_per_group = configs.hopper_heads_per_group(seqlen_k, headdim, nheads // nheads_kv,
+                                                         nheads * batch) if tile_counter else 1
+        scalars += (np.int32(batch), np.int32(heads_per_group), np.uint64(0))
+        variable.append(10 + len(scalars) - 1)  # the tile counter (0: the grid stride)
     launch = build.Launch(function, grid, (config.threads, 1, 1), config.smem_bytes, (np.uint64(0),) * 10 + scalars,
-                          list(range(10)) + list(range(rng_slot, rng_slot + 4)))
-    return ForwardPlan(launch, config)
+                          variable)
+    return ForwardPlan(launch, config, tile_counter)
 
 
 def run_forward(plan: ForwardPlan, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int,
                 stream_ptr: int, cu_seqlens_q: int = 0, cu_seqlens_k: int = 0, alibi_slopes: int = 0,
-                dropout_seed: int = 0, dropout_offset: int = 0, rng_state: int = 0, block_table: int = 0) -> None:
+                dropout_seed: int = 0, dropout_offset: int = 0, rng_state: int = 0, block_table: int = 0,
+                framework: str = "cupy", device: int = 0) -> None:
     """Launches a plan on the stream with handle ``stream_ptr`` with raw device pointers (0 for an absent
     cu_seqlens, alibi_slopes, rng_state or block_table) and the dropout seed and offset (ignored without dropout; a
     non-zero ``rng_state`` points to uint32 {seed lo, seed hi, offset lo, offset hi} in device memory instead).
-    ``block_table`` is required by a plan made with ``paged`` and must be 0 otherwise."""
-    plan.launch(stream_ptr, (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
-                             rng_state, block_table) + dropout_words(dropout_seed, dropout_offset))
+    ``block_table`` is required by a plan made with ``paged`` and must be 0 otherwise.
+
+    A plan with a tile counter gets a fresh one, zeroed on the stream, from ``framework``'s allocator ("torch" or
+    "cupy", on the current ``device``): per launch, so that launches on different streams or replayed from CUDA
+    graphs never share one (a graph captures the zeroing with the launch)."""
+    values = (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state,
+              block_table) + dropout_words(dropout_seed, dropout_offset)
+    if plan.tile_counter:
+        counter, pointer = arrays.new_empty_raw((1,), "int32", framework if framework == "torch" else "cupy", device)
+        build.memset_async(pointer, 0, 4, stream_ptr)
+        plan.launch(stream_ptr, values + (pointer,))
+        del counter  # (stream-ordered allocators: reused only by work queued after this launch)
+    else:
+        plan.launch(stream_ptr, values + (0,))
 
 
 def dropout_mask(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, dropout_p: float, seed: int, offset: int,

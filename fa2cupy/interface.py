@@ -198,8 +198,8 @@ def flash_attn_func(
             stream_ptr = arrays.caller_stream_ptr(cached.framework, cached.device)
             (out, out_ptr), (lse, lse_ptr) = cached.allocate()
             forward.run_forward(cached.plan, ptrs[0], ptrs[1], ptrs[2], out_ptr, lse_ptr, stream_ptr,
-                                alibi_slopes=ptrs[3], dropout_seed=seed,
-                                dropout_offset=offset)
+                                alibi_slopes=ptrs[3], dropout_seed=seed, dropout_offset=offset,
+                                framework=cached.framework, device=cached.device)
             return (out, lse, None) if return_attn_probs else out
     return _flash_attn_checked(
         q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
@@ -263,7 +263,8 @@ def _flash_attn_checked(
             state = _contiguous(dropout_rng_state, state_info) if dropout_p else None
             forward.run_forward(plan, qc.data.ptr, kc.data.ptr, vc.data.ptr, out.data.ptr, lse.data.ptr, stream.ptr,
                                 alibi_slopes=slopes.data.ptr if slopes is not None else 0, dropout_seed=seed,
-                                dropout_offset=offset, rng_state=state.data.ptr if state is not None else 0)
+                                dropout_offset=offset, rng_state=state.data.ptr if state is not None else 0,
+                                framework=framework, device=device)
             if qc is q_in and kc is k_in and vc is v_in and slopes_in_place:  # later calls may skip to launch
                 _remember(cache_key, _CachedCall(plan, device, framework,
                                                  ((out_shape, shape.dtype), (lse_shape, "float32"))))
@@ -510,7 +511,7 @@ def flash_attn_varlen_func(
             stream_ptr = arrays.caller_stream_ptr(cached.framework, cached.device)
             (out, out_ptr), (lse, lse_ptr) = cached.allocate()
             forward.run_forward(cached.plan, ptrs[0], ptrs[1], ptrs[2], out_ptr, lse_ptr, stream_ptr, ptrs[3], ptrs[4],
-                                ptrs[5], seed, offset, 0, ptrs[6])
+                                ptrs[5], seed, offset, 0, ptrs[6], cached.framework, cached.device)
             return (out, lse, None) if return_attn_probs else out
     return _flash_attn_varlen_checked(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
@@ -570,7 +571,7 @@ def _flash_attn_varlen_checked(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
             forward.run_forward(plan, qc.data.ptr, kc.data.ptr, vc.data.ptr, out.data.ptr, lse.data.ptr, stream.ptr,
                                 cu_q.data.ptr, cu_k.data.ptr, slopes.data.ptr if slopes is not None else 0, seed,
                                 offset, state.data.ptr if state is not None else 0,
-                                table.data.ptr if paged is not None else 0)
+                                table.data.ptr if paged is not None else 0, framework, device)
             used = (qc, kc, vc, cu_q, cu_k) + ((table,) if paged is not None else ())
             given = (q, k, v, cu_seqlens_q, cu_seqlens_k) + ((block_table,) if paged is not None else ())
             if cache_key is not None and padded == shape.headdim and slopes_in_place and _used_in_place(used, given):

@@ -16,6 +16,9 @@ from hypothesis import strategies as st
 
 from gpu_helpers import cupy_module as _cupy, debug_poison
 from test_forward_gpu import run_case
+# (imported here, not inside a Hypothesis test: importing it applies @given, which Hypothesis refuses while a test
+# runs, as a nested @given)
+from test_varlen_mods_gpu import _check_out, _host, _randn
 
 pytestmark = pytest.mark.gpu
 
@@ -140,8 +143,6 @@ def varlen_hopper_cases(draw):
 def test_varlen_matches_reference_on_both_kernels(c, hopper):
     _hopper_gpu()
     note(repr(c))
-    from test_varlen_mods_gpu import _check_out, _host, _randn
-
     import fa2cupy
     from fa2cupy.reference import attention_ref_varlen
     from gpu_helpers import cu_seqlens
@@ -159,3 +160,98 @@ def test_varlen_matches_reference_on_both_kernels(c, hopper):
                                                      max(c["lengths_k"]) + c["slack"], return_attn_probs=True, **kw)
     ref_out, ref_lse = attention_ref_varlen(_host(q), _host(k), _host(v), cu_q, cu_k, **kw)
     _check_out(out, lse, ref_out, ref_lse, v, dtype, rows=np.arange(int(cu_q[-1])))
+
+
+@contextlib.contextmanager
+def _planned():
+    """The forward plans made inside, in a list."""
+    from fa2cupy import forward
+
+    plans, real = [], forward.plan_forward
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(forward, "plan_forward", lambda *a, **kw: plans.append(real(*a, **kw)) or plans[-1])
+        yield plans
+
+
+@contextlib.contextmanager
+def _pretend_sms(sms):
+    """Plans made inside see a GPU of ``sms`` SMs (None: the real one), so few persistent blocks walk many items."""
+    from fa2cupy import build
+
+    patch = pytest.MonkeyPatch()
+    if sms is not None:
+        real = build.device_attribute
+        patch.setattr(build, "device_attribute",
+                      lambda device, name: sms if name == "MultiProcessorCount" else real(device, name))
+    try:
+        yield
+    finally:
+        patch.undo()
+
+
+@pytest.mark.parametrize("sms", [3, None])
+@pytest.mark.parametrize(
+    "b,s,h,hkv,d,causal,window,group_bytes",
+    [
+        # (more work items than the H100's 132 SMs in each, so that the real GPU takes the counter too)
+        (3, 1000, 6, 3, 128, True, (-1, -1), 1),  # groups of one kv head's 2 query heads (9 groups of 2)
+        (3, 1500, 5, 5, 64, True, (-1, -1), 3 * 1500 * 64 * 4),  # groups of 3 heads, the last one 2 (15 = 3 * 5)
+        (2, 1500, 8, 2, 128, False, (300, 0), 16 << 20),  # a band, all 16 heads in one group
+        (2, 2200, 4, 4, 64, True, (40, 7), 1),
+    ],
+)
+def test_tile_counter_matches_grid_stride_bitwise(sms, b, s, h, hkv, d, causal, window, group_bytes):
+    """Blocks that take masked work items from the tile counter (longest first within L2 groups) compute each item
+    exactly as blocks walking the grid stride do: the same bits, and the float64 reference's answer."""
+    _hopper_gpu()
+    import fa2cupy
+    from fa2cupy import configs, forward
+    from test_forward_gpu import check_against_reference, make_input
+
+    cp = _cupy()
+    rng = np.random.default_rng(s + h + d)
+    q, k, v = (make_input(rng, (b, s, n, d), "bfloat16") for n in (h, hkv, hkv))
+    results = {}
+    for counter in (False, True):
+        with _kernel(True), _pretend_sms(sms), _planned() as plans, pytest.MonkeyPatch.context() as patch:
+            patch.setattr(forward, "TILE_COUNTER", counter)
+            patch.setattr(configs, "HOPPER_L2_GROUP_BYTES", group_bytes)
+            results[counter] = fa2cupy.flash_attn_func(q, k, v, causal=causal, window_size=window,
+                                                       return_attn_probs=True)[:2]
+        assert [p.tile_counter for p in plans] == [counter]
+    for stride_part, counter_part in zip(*results.values()):
+        assert cp.array_equal(stride_part, counter_part)
+    out, lse = results[True]
+    check_against_reference(q, k, v, out, lse, None, causal, "bfloat16", window_size=window)
+
+
+def test_tile_counter_under_torch_cuda_graph():
+    """A CUDA graph captures the counter's zeroing with the launch: every replay hands out all work items."""
+    _hopper_gpu()
+    torch = pytest.importorskip("torch")
+    import fa2cupy
+    from test_forward_gpu import check_against_reference
+
+    cp = _cupy()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    shape = (2, 2048, 8, 128)  # 256 causal work items: more than the SMs, so the plan takes the counter
+    static = [torch.randn(shape, device=dev, dtype=torch.bfloat16) for _ in range(3)]
+    side = torch.cuda.Stream(device=dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with _kernel(True), debug_poison("forward", False), _planned() as plans:  # (the fast path, as users run it)
+        with torch.cuda.stream(side):  # warm-up outside capture: compile and plan
+            fa2cupy.flash_attn_func(*static, causal=True)
+        assert [p.tile_counter for p in plans] == [True]
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fa2cupy.flash_attn_func(*static, causal=True)
+        for _ in range(2):
+            fresh = [torch.randn(shape, device=dev, dtype=torch.bfloat16) for _ in range(3)]
+            for dst, src in zip(static, fresh):
+                dst.copy_(src)
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            check_against_reference(*(cp.from_dlpack(t) for t in fresh), cp.from_dlpack(out), None, None, True,
+                                    "bfloat16")
