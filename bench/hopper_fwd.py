@@ -134,19 +134,26 @@ def counter_ab(lengths, repeats, rounds=2):
     shipped = configs.HOPPER_L2_GROUP_BYTES
     variants = [("stride", True, False, shipped)] + [(f"ctr{mb}M", True, True, mb << 20) for mb in (8, 16, 32)] + [
         ("mma", False, False, shipped)]
+    # (the same batch as equal-length varlen sequences, on the Hopper kernel with the counter and on mma.sync)
+    variants += [("hop-vl", True, True, shipped), ("mma-vl", False, False, shipped)]
     print(f"{'case':30s} " + " ".join(f"{n:>8s}" for n, *_ in variants) + f" {'flash':>8s}")
     for d in (64, 128):
         for s in lengths:
             h, b = 2048 // d, max(1, 16384 // s)
             q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            cu = torch.arange(0, b * s + 1, s, device="cuda", dtype=torch.int32)
+            qv, kv, vv = (x.reshape(b * s, h, d) for x in (q, k, v))
             flops = 4 * b * s * s * h * d / 2
             best = {}
             for _ in range(rounds):
                 for name, hopper, counter, group in variants:
                     use_hopper(hopper)
                     forward.TILE_COUNTER, configs.HOPPER_L2_GROUP_BYTES = counter, group
-                    ms = B.time_gpu(lambda: fa2cupy.flash_attn_func(q, k, v, causal=True), events,
-                                    repeats=repeats).median_ms
+                    if name.endswith("-vl"):
+                        step = lambda: fa2cupy.flash_attn_varlen_func(qv, kv, vv, cu, cu, s, s, causal=True)
+                    else:
+                        step = lambda: fa2cupy.flash_attn_func(q, k, v, causal=True)
+                    ms = B.time_gpu(step, events, repeats=repeats).median_ms
                     best[name] = min(best.get(name, ms), ms)
             forward.TILE_COUNTER, configs.HOPPER_L2_GROUP_BYTES = True, shipped
             from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -36,9 +36,10 @@ struct HopperFwdTraits {
     // stage) it loads while they finish the last product and write the output.
     static constexpr int kQBuffers = QBuffers;
     static constexpr int kBarriers = 2 * Stages + 2 * kQBuffers;
-    // After the barriers: the work item of each Q buffer (producer -> consumers) and two words in which the
-    // producer's first thread hands the next item to the others.
-    static constexpr int kItemSlots = kQBuffers + 2;
+    // After the barriers: the work item of each Q buffer with its sequence's bounds (producer -> consumers: item,
+    // seqlen_q, seqlen_k, first query row) and two words in which the producer's first thread hands the next item
+    // to the others.
+    static constexpr int kItemSlots = 4 * kQBuffers + 2;
     // 1 KB of slack: the swizzled slabs must start on 1024-byte boundaries.
     static constexpr int kSmemBytes =
         1024 + kQBuffers * QTile::kBytes + 2 * Stages * KVTile::kBytes + 8 * kBarriers + 4 * kItemSlots;
@@ -83,7 +84,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             mbar_init(empty(s), Tr::kConsumerWarps);
         }
         for (int b = 0; b < Tr::kQBuffers; ++b) {
-            // every producer thread's copies, and the first thread's item in item_slots[b]
+            // every producer thread's copies, and the first thread's item in item_slots[4 b ..]
             mbar_init(q_full(b), Tr::kProducerThreads + 1);
             mbar_init(q_empty(b), Tr::kConsumerWarps);
         }
@@ -141,12 +142,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         };
         int stage = 0, q_buffer = 0, exchange = 0;
         u32 phase = 0, q_phase = 0;
-        // (varlen keeps the grid stride: each item past a sequence's end would cost a counter round trip)
-        const bool use_counter = !Tr::kVarlen && tile_counter != nullptr;
-        // Hands `item` (or, past the last, the end) to the consumers with the next Q buffer.
-        const auto publish = [&](int item) {
+        const bool use_counter = tile_counter != nullptr;
+        // Hands `item` (or, past the last, the end) and its sequence's bounds to the consumers with the next Q
+        // buffer (varlen: so that they do not wait for cu_seqlens at every item's start).
+        const auto publish = [&](int item, const Bounds& seq) {
             mbar_wait(q_empty(q_buffer), q_phase ^ 1);
-            if (ptid == 0) item_slots[q_buffer] = item;
+            if (ptid == 0) {
+                int* slot = item_slots + 4 * q_buffer;
+                slot[0] = item, slot[1] = seq.seqlen_q, slot[2] = seq.seqlen_k, slot[3] = seq.q_start;
+            }
         };
         const auto announce = [&] {
             cp_async_mbar_arrive(q_full(q_buffer));
@@ -157,9 +161,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // a grid stride on.
         const auto next_item = [&](int item, int ticket) {
             if (!use_counter) return item + (int)gridDim.x;
-            if (ptid == 0) item_slots[Tr::kQBuffers + exchange] = ticket;
+            if (ptid == 0) item_slots[4 * Tr::kQBuffers + exchange] = ticket;
             asm volatile("bar.sync 3, %0;\n" ::"n"(Tr::kProducerThreads) : "memory");
-            const int next = item_slots[Tr::kQBuffers + exchange];
+            const int next = item_slots[4 * Tr::kQBuffers + exchange];
             exchange ^= 1;
             return next;
         };
@@ -168,7 +172,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             int ticket = 0;
             if (use_counter && ptid == 0 && item < items) ticket = atomicAdd(tile_counter, 1) + gridDim.x;
             if (item >= items) {
-                publish(items);
+                publish(items, Bounds{});
                 announce();
                 break;
             }
@@ -184,7 +188,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             const WindowMask<Tr::kMask> mask{seq.seqlen_q, seq.seqlen_k, window_left, window_right};
             int n_first, n_blocks;
             mask.template key_tiles<Tr::kBlockN>(row0, Tr::kBlockM, n_first, n_blocks);
-            publish(item);
+            publish(item, seq);
             load_tile(QTile{}, smem_q + q_buffer * QTile::kBytes,
                       q + b * q_batch_stride + (i64)(seq.q_start + row0) * q_row_stride + head * q_head_stride,
                       q_row_stride, seq.seqlen_q - row0);
@@ -231,13 +235,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     u32 phase = 0, q_phase = 0;
     for (;;) {
         mbar_wait(q_full(q_buffer), q_phase);  // the item, and its Q
-        // (read by lane 0, the lane that later hands the buffer back, so the read is ordered before the reuse)
-        const int item = __shfl_sync(~0u, lane == 0 ? item_slots[q_buffer] : 0, 0);
+        // (read by lane 0, the lane that later hands the buffer back, so the reads are ordered before its reuse)
+        int slot[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) slot[i] = __shfl_sync(~0u, lane == 0 ? item_slots[4 * q_buffer + i] : 0, 0);
+        const int item = slot[0];
         if (item >= items) break;
         int m_block, head, b;
         coords(item, m_block, head, b);
         const int row0 = m_block * Tr::kBlockM, wg_row0 = row0 + 64 * wg, warp_row0 = wg_row0 + 16 * (warp & 3);
-        const Bounds seq = bounds(b, false);
+        const Bounds seq{slot[1], slot[2], slot[3], 0};
         const int seqlen_q = seq.seqlen_q;
         const WindowMask<Tr::kMask> mask{seqlen_q, seq.seqlen_k, window_left, window_right};
         int n_first, n_blocks, my_first, my_count;
@@ -353,11 +360,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         for (int j = mine_end; j < n_blocks; ++j) pass_over();
         if (++q_buffer == Tr::kQBuffers) q_buffer = 0, q_phase ^= 1;
 
-        // O = diag(l)^-1 O and L = m + log(l), written once from the accumulators. (The sequence's first row is
-        // read again rather than kept in a register through the loop.)
+        // O = diag(l)^-1 O and L = m + log(l), written once from the accumulators.
         float row_lse[2];
         softmax.finalize(acc_o, row_lse, scale);
-        const int q_start = Tr::kVarlen ? cu_seqlens_q[b] : 0;
+        const int q_start = seq.q_start;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int row = warp_row0 + (lane >> 2) + half * 8;

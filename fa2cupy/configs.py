@@ -85,7 +85,7 @@ class HopperFwdConfig:
         # Must match HopperFwdTraits::kSmemBytes: alignment slack, the Q buffers, the K/V ring, the mbarriers,
         # the work-item words.
         return 1024 + self.q_buffers * 128 * self.headdim * 2 + 2 * self.stages * self.block_n * self.headdim * 2 + (
-            8 * (2 * self.stages + 2 * self.q_buffers) + 4 * (self.q_buffers + 2))
+            8 * (2 * self.stages + 2 * self.q_buffers) + 4 * (4 * self.q_buffers + 2))
 
     def name_expression(self, dtype: str, mask: str, mods: bool = False, varlen: bool = False,
                         paged: bool = False) -> str:
@@ -456,13 +456,12 @@ def forward_config(arch: int, headdim: int, dtype: str, mask: str, varlen: bool 
     return FORWARD_TABLE[key]
 
 
-#: Causal and windowed calls run on the Hopper forward from this many query rows on, by (head dim, varlen) (seqlen_q,
-#: or max_seqlen_q with varlen; tests set them to 0 to run the Hopper kernel at every length). Below it, items of a
-#: few key tiles each leave its pipeline mostly filling and draining. H100 bf16 causal, hidden 2048, TFLOPs/s of the
-#: Hopper kernel with the tile counter (padded) / the grid stride (varlen's) / the mma.sync kernel: d=64 256 128 /
-#: 111 / 133, 512 201 / 154 / 196, 1024 286 / 227 / 248, 4096 375 / 338 / 295; d=128 256 137 / 124 / 140, 512 232 /
-#: 177 / 196, 1024 363 / 285 / 242 (bench/NOTES.md).
-HOPPER_MASKED_MIN_SEQLEN = {(64, False): 512, (128, False): 512, (64, True): 4096, (128, True): 1024}
+#: Causal and windowed calls run on the Hopper forward from this many query rows on (seqlen_q, or max_seqlen_q with
+#: varlen; tests set them to 0 to run the Hopper kernel at every length). Below it, items of a few key tiles each
+#: leave its pipeline mostly filling and draining. H100 bf16 causal, hidden 2048, TFLOPs/s of the Hopper / mma.sync
+#: kernels, padded and (equal-length) varlen: d=64 256 128 / 133, 512 191-201 / 195, varlen 201 / 171; d=128 256
+#: 137 / 140, 512 232 / 196, varlen 229 / 196 (bench/NOTES.md).
+HOPPER_MASKED_MIN_SEQLEN = {64: 512, 128: 512}
 
 #: The Hopper forward's persistent blocks take the work items of heads in groups whose K/V take at most this many
 #: bytes, longest first within a group, so that the heads in flight at any time share L2 (50 MB on the H100).
@@ -486,7 +485,7 @@ def hopper_forward_config(arch: int, headdim: int, dtype: str, mods: bool = Fals
         raise ValueError(f"dtype must be one of {tuple(DTYPE_TAGS)}, got {dtype}")
     if arch != 90 or mods or paged or headdim not in FORWARD_HOPPER_TABLE:
         return None
-    if mask != "none" and seqlen_q is not None and seqlen_q < HOPPER_MASKED_MIN_SEQLEN[headdim, varlen]:
+    if mask != "none" and seqlen_q is not None and seqlen_q < HOPPER_MASKED_MIN_SEQLEN[headdim]:
         return None
     return FORWARD_HOPPER_TABLE[headdim]
 

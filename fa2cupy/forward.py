@@ -150,9 +150,8 @@ def plan_forward(
         items = grid[0] * nheads * batch
         sms = build.device_attribute(cupy.cuda.runtime.getDevice(), "MultiProcessorCount")
         grid = (min(items, sms), 1, 1)
-        # Items of different lengths (a mask; varlen stays on the stride: its items past a sequence's end would
-        # each cost a counter round trip) go to whichever block asks next, longest first within L2 groups.
-        tile_counter = TILE_COUNTER and mask != "none" and varlen_totals is None and items > grid[0]
+        # Items of different lengths (a mask) go to whichever block asks next, longest first within L2 groups.
+        tile_counter = TILE_COUNTER and mask != "none" and items > grid[0]
         heads_per_group = configs.hopper_heads_per_group(seqlen_k, headdim, nheads // nheads_kv,
                                                          nheads * batch) if tile_counter else 1
         scalars += (np.int32(batch), np.int32(heads_per_group), np.uint64(0))

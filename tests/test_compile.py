@@ -8,6 +8,7 @@ Runs on a CPU-only machine: NVRTC (pip's nvidia-cuda-nvrtc-cu12) is all it needs
 """
 
 import dataclasses
+import itertools
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -133,12 +134,12 @@ def test_hopper_forward_is_chosen_only_where_it_runs():
         assert configs.hopper_forward_config(90, d, "bfloat16", varlen=True) is configs.FORWARD_HOPPER_TABLE[d]
     for d in (32, 40, 96, 120, 160, 256):
         assert configs.hopper_forward_config(90, d, "bfloat16") is None
-    for (d, varlen), shortest in configs.HOPPER_MASKED_MIN_SEQLEN.items():  # masked calls: from a length on
-        for mask in ("causal", "window"):
+    for d, shortest in configs.HOPPER_MASKED_MIN_SEQLEN.items():  # masked calls: from a length on
+        for mask, varlen in itertools.product(("causal", "window"), (False, True)):
             kw = dict(mask=mask, varlen=varlen)
             assert configs.hopper_forward_config(90, d, "float16", seqlen_q=shortest - 1, **kw) is None
             assert configs.hopper_forward_config(90, d, "float16", seqlen_q=shortest, **kw) is not None
-        assert configs.hopper_forward_config(90, d, "float16", mask="none", seqlen_q=1, varlen=varlen) is not None
+        assert configs.hopper_forward_config(90, d, "float16", mask="none", seqlen_q=1) is not None
     with pytest.raises(ValueError, match="dtype"):
         configs.hopper_forward_config(90, 64, "float32")
 

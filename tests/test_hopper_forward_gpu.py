@@ -255,3 +255,35 @@ def test_tile_counter_under_torch_cuda_graph():
             torch.cuda.synchronize()
             check_against_reference(*(cp.from_dlpack(t) for t in fresh), cp.from_dlpack(out), None, None, True,
                                     "bfloat16")
+
+
+@pytest.mark.parametrize("sms", [3, None])
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (200, 0))])
+def test_tile_counter_matches_grid_stride_varlen(sms, causal, window):
+    """Varlen with the tile counter: items past a sequence's end (here most of the short sequences') are passed
+    over by the producer alone, and every real item is computed as under the grid stride."""
+    _hopper_gpu()
+    import fa2cupy
+    from fa2cupy import forward
+    from fa2cupy.reference import attention_ref_varlen
+    from gpu_helpers import cu_seqlens
+
+    cp = _cupy()
+    rng = np.random.default_rng(7)
+    lengths = [1500, 0, 1, 130, 700, 2100, 64, 900]
+    cu = cp.asarray(cu_seqlens(lengths))
+    total = sum(lengths)
+    q, k, v = (_randn(rng, (total, n, 64), "bfloat16") for n in (8, 2, 2))
+    results = {}
+    for counter in (False, True):
+        with _kernel(True), _pretend_sms(sms), _planned() as plans, pytest.MonkeyPatch.context() as patch:
+            patch.setattr(forward, "TILE_COUNTER", counter)
+            results[counter] = fa2cupy.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths),
+                                                              causal=causal, window_size=window,
+                                                              return_attn_probs=True)[:2]
+        assert [p.tile_counter for p in plans] == [counter]
+    for stride_part, counter_part in zip(*results.values()):  # (every row belongs to a sequence)
+        assert cp.array_equal(stride_part, counter_part)
+    ref_out, ref_lse = attention_ref_varlen(_host(q), _host(k), _host(v), cu_seqlens(lengths), cu_seqlens(lengths),
+                                            causal=causal, window_size=window)
+    _check_out(*results[True], ref_out, ref_lse, v, "bfloat16")
