@@ -47,6 +47,21 @@ def main():
     qc = cupy.from_dlpack(q)
     for name, args in (("torch", (q, q, q)), ("cupy", (qc, qc, qc))):
         profile(name, lambda: fa2cupy.flash_attn_func(*args))
+    if int(cupy.cuda.Device().compute_capability) == 90:
+        # A causal call on the Hopper forward that zeroes a tile counter per launch (its two work items on a
+        # pretend one-SM GPU, so the call stays tiny): the host time the counter adds to a cached call.
+        from fa2cupy import build, configs, interface
+
+        real = build.device_attribute
+        build.device_attribute = lambda device, name: 1 if name == "MultiProcessorCount" else real(device, name)
+        configs.HOPPER_MASKED_MIN_SEQLEN.update(dict.fromkeys(configs.HOPPER_MASKED_MIN_SEQLEN, 0))
+        qh = torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16)
+        qhc = cupy.from_dlpack(qh)
+        for name, args in (("torch causal, tile counter", (qh, qh, qh)), ("cupy causal, tile counter",
+                                                                         (qhc, qhc, qhc))):
+            profile(name, lambda: fa2cupy.flash_attn_func(*args, causal=True))
+        assert sum(getattr(c.plan, "tile_counter", False) for c in interface._cached_calls.values()) == 2
+        build.device_attribute = real
     # Decode step: b1, one query, 32/8 heads, d128, a 1k cache (the GPU work is ~3 us: this is host time).
     qd = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
     kc = torch.randn(1, 1024, 8, 128, device="cuda", dtype=torch.bfloat16)

@@ -5,7 +5,9 @@ between and within runs (bench/NOTES.md), so a cycle ratio is a steadier reading
 
     ncu --clock-control none --profile-from-start off \\
         --metrics gpu__time_duration.sum,sm__cycles_elapsed.max,launch__registers_per_thread \\
-        python bench/window_ncu.py [--forward-only]
+        python bench/window_ncu.py [--forward-only] [--window-rows 64,5,2 ...]
+
+--window-rows: the window's forward also on other Hopper rows of d=128 (block_n,stages,q_buffers), launched first.
 """
 
 import sys
@@ -15,14 +17,28 @@ import cupy.cuda.profiler
 
 sys.path.insert(0, ".")
 import fa2cupy  # noqa: E402
+from fa2cupy import configs, forward  # noqa: E402
 
 
 def main(argv):
     forward_only = "--forward-only" in argv
+    # --window-rows 64,5,2 64,6,1: the window's forward also on these Hopper rows (block_n,stages,q_buffers at d=128)
+    rows = argv[argv.index("--window-rows") + 1:] if "--window-rows" in argv else []
     rng = cupy.random.default_rng(0)
     shape = (1, 65536, 16, 128)
     q, k, v, dout = (rng.standard_normal(shape, dtype=cupy.float32).astype(cupy.float16) for _ in range(4))
-    steps = []
+    steps, candidates = [], []
+    shipped = configs.FORWARD_HOPPER_TABLE[128]
+    for row in rows:  # each planned now (the plan is cached with its config), so the table goes back at once
+        configs.FORWARD_HOPPER_TABLE[128] = configs.HopperFwdConfig(128, *map(int, row.split(",")))
+        plan = forward.plan_forward(shape, shape, (tuple(q.strides[i] // 2 for i in range(4)),) * 4, "float16",
+                                    128 ** -0.5, True, 90, window_size=(4096, 0))
+        configs.FORWARD_HOPPER_TABLE[128] = shipped
+        out = cupy.full_like(q, float("nan"))
+        lse = cupy.empty((1, 16, 65536), cupy.float32)
+        candidates.append((row, out))
+        steps.append(lambda p=plan, o=out, l=lse: forward.run_forward(
+            p, q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l.data.ptr, cupy.cuda.get_current_stream().ptr))
     for window in ((-1, -1), (4096, 0)):
         out, lse, _ = fa2cupy.flash_attn_func(q, k, v, causal=True, window_size=window, return_attn_probs=True)
         steps.append(lambda w=window: fa2cupy.flash_attn_func(q, k, v, causal=True, window_size=w))
@@ -37,6 +53,8 @@ def main(argv):
         step()
         cupy.cuda.runtime.deviceSynchronize()
     cupy.cuda.profiler.stop()
+    for row, candidate in candidates:  # the window's output on each row against the shipped row's
+        print(f"row {row}: max |out - shipped| = {float(cupy.abs(candidate.astype(cupy.float32) - out).max()):.3e}")
 
 
 if __name__ == "__main__":
