@@ -595,9 +595,9 @@ def fast_meta(x):
 
 
 def new_empty_raw(shape, dtype: str, framework: str, device: int):
-    """Like :func:`new_empty` for the fast path: ``(array in the caller's framework, device pointer)``.
-
-    Only for "torch" and "cupy" callers, with ``device`` already current."""
+    """Like :func:`new_empty` for the fast path and for scratch memory: ``(array, device pointer)``, a torch tensor
+    for "torch" callers and a CuPy array for every other framework (CuPy's current allocator: JAX's callbacks set
+    theirs), with ``device`` already current."""
     if framework == "torch":
         tdtype, tdevice = _torch_args(dtype, device)
         t = sys.modules["torch"].empty(shape, dtype=tdtype, device=tdevice)

@@ -154,8 +154,9 @@ def plan_forward(
         tile_counter = TILE_COUNTER and mask != "none" and items > grid[0]
         heads_per_group = configs.hopper_heads_per_group(seqlen_k, headdim, nheads // nheads_kv,
                                                          nheads * batch) if tile_counter else 1
-        scalars += (np.int32(batch), np.int32(heads_per_group), np.uint64(0))
-        variable.append(10 + len(scalars) - 1)  # the tile counter (0: the grid stride)
+        scalars += (np.int32(batch), np.int32(heads_per_group), np.uint64(0))  # the tile counter: 0, the stride
+        if tile_counter:
+            variable.append(10 + len(scalars) - 1)  # a fresh counter per launch (run_forward)
     launch = build.Launch(function, grid, (config.threads, 1, 1), config.smem_bytes, (np.uint64(0),) * 10 + scalars,
                           variable)
     return ForwardPlan(launch, config, tile_counter)
@@ -170,18 +171,18 @@ def run_forward(plan: ForwardPlan, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: 
     non-zero ``rng_state`` points to uint32 {seed lo, seed hi, offset lo, offset hi} in device memory instead).
     ``block_table`` is required by a plan made with ``paged`` and must be 0 otherwise.
 
-    A plan with a tile counter gets a fresh one, zeroed on the stream, from ``framework``'s allocator ("torch" or
-    "cupy", on the current ``device``): per launch, so that launches on different streams or replayed from CUDA
+    A plan with a tile counter gets a fresh one, zeroed on the stream, from the caller's allocator (see
+    :func:`arrays.new_empty_raw`, on the current ``device``): per launch, so that launches on different streams or replayed from CUDA
     graphs never share one (a graph captures the zeroing with the launch)."""
     values = (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state,
               block_table) + dropout_words(dropout_seed, dropout_offset)
     if plan.tile_counter:
-        counter, pointer = arrays.new_empty_raw((1,), "int32", framework if framework == "torch" else "cupy", device)
+        counter, pointer = arrays.new_empty_raw((1,), "int32", framework, device)
         build.memset_async(pointer, 0, 4, stream_ptr)
         plan.launch(stream_ptr, values + (pointer,))
         del counter  # (stream-ordered allocators: reused only by work queued after this launch)
     else:
-        plan.launch(stream_ptr, values + (0,))
+        plan.launch(stream_ptr, values)
 
 
 def dropout_mask(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, dropout_p: float, seed: int, offset: int,

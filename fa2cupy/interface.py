@@ -1117,9 +1117,8 @@ def _flash_attn_with_kvcache_checked(
             inputs = [given[n].data.ptr if n in given else 0 for n in decode.INPUTS]
             lse_ptr = results[1][1].data.ptr if return_softmax_lse else 0
             q_rotated = results[-1][1].data.ptr if plan.rotary is not None else 0
-            workspace_framework = framework if framework in ("cupy", "torch") else "cupy"
             decode.run_decode(plan, inputs, results[0][1].data.ptr, lse_ptr, call.fixed_seqlen, stream.ptr,
-                              plan.workspace(stream.ptr, workspace_framework, device), device_errors.pointers(device),
+                              plan.workspace(stream.ptr, framework, device), device_errors.pointers(device),
                               q_rotated)
             if in_place and framework in ("cupy", "torch"):
                 _remember(cache_key, _CachedCall(plan, device, framework, tuple(allocations)))
