@@ -198,8 +198,8 @@ def main():
     ap.add_argument("--window-sweep", action="store_true", help="window sizes against tiles visited (then exit)")
     ap.add_argument("--counter-ab", default="", help="lengths, e.g. '1024 4096 16384': causal TFLOPs/s with the "
                                                      "grid stride and the tile counter (then exit)")
-    ap.add_argument("--rows", default="", help="rows to compare, e.g. '128:128,2,2 128:128,3,1' (d:block_n,stages,"
-                                               "q_buffers): speed and window bar on each, no check")
+    ap.add_argument("--rows", default="", help="rows to compare, e.g. '128:128,2,3,2 128:128,3,3,1' (d:block_n,"
+                                               "k_stages,v_stages,q_buffers): speed and window bar on each, no check")
     args = ap.parse_args()
     if args.window_sweep:
         window_sweep(args.repeats)

@@ -5,9 +5,9 @@ between and within runs (bench/NOTES.md), so a cycle ratio is a steadier reading
 
     ncu --clock-control none --profile-from-start off \\
         --metrics gpu__time_duration.sum,sm__cycles_elapsed.max,launch__registers_per_thread \\
-        python bench/window_ncu.py [--forward-only] [--window-rows 64,5,2 ...]
+        python bench/window_ncu.py [--forward-only] [--window-rows 128,3,3,1 ...]
 
---window-rows: the window's forward also on other Hopper rows of d=128 (block_n,stages,q_buffers), launched first.
+--window-rows: the window's forward also on other Hopper rows of d=128 (block_n,k_stages,v_stages,q_buffers), launched first.
 """
 
 import sys
@@ -22,7 +22,7 @@ from fa2cupy import configs, forward  # noqa: E402
 
 def main(argv):
     forward_only = "--forward-only" in argv
-    # --window-rows 64,5,2 64,6,1: the window's forward also on these Hopper rows (block_n,stages,q_buffers at d=128)
+    # --window-rows 128,3,3,1: the window's forward also on these Hopper rows (HopperFwdConfig's fields after d=128)
     rows = argv[argv.index("--window-rows") + 1:] if "--window-rows" in argv else []
     rng = cupy.random.default_rng(0)
     shape = (1, 65536, 16, 128)

@@ -7,9 +7,10 @@
 // hand back (an mbarrier per slot), so a warpgroup passes over the key tiles its own rows cannot see (the causal
 // diagonal, the edges of a sliding window) while the other computes. Blocks are persistent: one per SM walks the
 // work items (query tile, head, batch), longest first within groups of heads that share L2, and the producer
-// loads the next item's Q and first tiles while the consumers finish the last one. Items go in a grid stride or,
-// where their lengths differ (masks), to whichever block asks next (an atomic tile counter, zeroed per launch):
-// a fixed stride handed some SMs twice the keys of others under a causal mask.
+// loads the next item's Q (a second Q buffer) and first tiles while the consumers work on this one. K and V have
+// rings of their own, V's deeper: a K slot goes back once S has landed, a V slot a step later. Items go in a grid
+// stride or, where their lengths differ (masks), to whichever block asks next (an atomic tile counter, zeroed per
+// launch): a fixed stride handed some SMs twice the keys of others under a causal mask.
 //
 // Same arguments as flash_fwd (cuda/fwd.cu) plus the batch size, the heads per L2 group and the tile counter (null
 // for the grid stride), so one launch plan serves both; padded and varlen calls without modifiers (paged K/V,
@@ -20,33 +21,66 @@
 
 namespace fa2 {
 
-template <int HeadDim, int BlockN, int Stages, int QBuffers, class Elem_, int Mask, bool Varlen = false>
+template <int HeadDim, int BlockN, int KStages, int VStages, int QBuffers, class Elem_, int Mask, bool Varlen = false>
 struct HopperFwdTraits {
     using Elem = Elem_;
-    static constexpr int kHeadDim = HeadDim, kBlockM = 128, kBlockN = BlockN, kStages = Stages, kMask = Mask;
+    // K and V have rings of their own: a K slot goes back once S = Q K^T has landed, a V slot only after P V, a
+    // step later, so V needs the deeper ring for the same lead.
+    static constexpr int kHeadDim = HeadDim, kBlockM = 128, kBlockN = BlockN, kKStages = KStages,
+                         kVStages = VStages, kMask = Mask;
     // Varlen: sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q/o/lse and cu_seqlens_k[b] .. of k/v;
     // seqlen_q/seqlen_k are the maxima, and work items past a sequence's end are passed over.
     static constexpr bool kVarlen = Varlen;
     // Two consumer warpgroups and a producer warpgroup, whose registers go to the consumers (setmaxnreg).
     static constexpr int kConsumerWarps = 8, kThreads = 384, kProducerThreads = 128;
     static constexpr int kProducerRegisters = 56, kConsumerRegisters = 224;
+    static_assert(kProducerRegisters + 2 * kConsumerRegisters <= 3 * 168, "the register file of one block");
     using QTile = SwizzledSlabs<kBlockM, HeadDim>;
     using KVTile = SwizzledSlabs<BlockN, HeadDim>;
-    // With two, the next item's Q loads while the consumers finish this one; with one (d = 128, for a third K/V
-    // stage) it loads while they finish the last product and write the output.
+    // With two, the next item's Q loads while the consumers work on this one; with one, only once they have
+    // issued this one's last S (its first K/V tiles then go ahead of it).
     static constexpr int kQBuffers = QBuffers;
-    static constexpr int kBarriers = 2 * Stages + 2 * kQBuffers;
+    // full[] per K slot (a tile's K and V land together), k_empty[], v_empty[], q_full[], q_empty[].
+    static constexpr int kBarriers = 2 * KStages + VStages + 2 * kQBuffers;
     // After the barriers: the work item of each Q buffer with its sequence's bounds (producer -> consumers: item,
     // seqlen_q, seqlen_k, first query row) and two words in which the producer's first thread hands the next item
     // to the others.
     static constexpr int kItemSlots = 4 * kQBuffers + 2;
     // 1 KB of slack: the swizzled slabs must start on 1024-byte boundaries.
     static constexpr int kSmemBytes =
-        1024 + kQBuffers * QTile::kBytes + 2 * Stages * KVTile::kBytes + 8 * kBarriers + 4 * kItemSlots;
+        1024 + kQBuffers * QTile::kBytes + (KStages + VStages) * KVTile::kBytes + 8 * kBarriers + 4 * kItemSlots;
     static_assert(HeadDim == 64 || HeadDim == 128, "wgmma tiles of N = 64 or 128");
     static_assert(BlockN == 64 || BlockN == 128, "wgmma tiles of N = 64 or 128");
-    static_assert(Stages >= 2, "the K/V ring needs at least two stages");
+    static_assert(KStages >= 2 && VStages >= KStages, "V's ring at least as deep as K's, K's at least two");
 };
+
+// The t-th K/V tile a block handles (counted over all its items) sits in slot t % Slots of a ring, in the slot's
+// (t / Slots)-th fill, whose parity is the mbarrier phase to wait for. (One count serves both rings.)
+template <int Slots>
+FA2_DEVICE int ring_slot(u32 t) {
+    return t % Slots;
+}
+template <int Slots>
+FA2_DEVICE u32 ring_phase(u32 t) {
+    return (t / Slots) & 1;
+}
+
+// Diagnostics for bench/hopper_trace.py: built with FA2_FWD_TRACE, lane 0 of warpgroup 0's and warpgroup 1's first
+// warps and the producer's first thread record clock64 at numbered points of each of their block's first
+// kTraceItems work items (the consumers count items they see, the producer items it loads); otherwise the marks
+// compile away.
+#ifdef FA2_FWD_TRACE
+constexpr int kTracePoints = 16, kTraceItems = 64, kTraceBlocks = 160;
+extern "C" {
+__device__ long long fa2_fwd_trace[kTraceBlocks * kTraceItems * kTracePoints];
+}
+FA2_DEVICE void fwd_mark(int point, int seq) {
+    if (seq < kTraceItems && blockIdx.x < kTraceBlocks)
+        fa2_fwd_trace[(blockIdx.x * kTraceItems + seq) * kTracePoints + point] = clock64();
+}
+#else
+FA2_DEVICE void fwd_mark(int, int) {}
+#endif
 
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
@@ -64,25 +98,29 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     using QTile = typename Tr::QTile;
     using KVTile = typename Tr::KVTile;
     using Elem = typename Tr::Elem;
-    constexpr int kNT = Tr::kBlockN / 8, kDT = Tr::kHeadDim / 8, kKSteps = Tr::kHeadDim / 16, kS = Tr::kStages;
+    constexpr int kNT = Tr::kBlockN / 8, kDT = Tr::kHeadDim / 8, kKSteps = Tr::kHeadDim / 16;
+    constexpr int kKS = Tr::kKStages, kVS = Tr::kVStages;
 
     extern __shared__ unsigned char smem_raw[];
     const u32 smem_q = (smem_u32(smem_raw) + 1023) & ~1023u;
     const u32 smem_k = smem_q + Tr::kQBuffers * QTile::kBytes;
-    const u32 smem_v = smem_k + kS * KVTile::kBytes;
-    // Barriers: full[s] (the producer's 128 threads land slot s), empty[s] (the 8 consumer warps are done with it),
-    // q_full[b] and q_empty[b] likewise for the Q buffers.
-    const u32 bars = smem_v + kS * KVTile::kBytes;
+    const u32 smem_v = smem_k + kKS * KVTile::kBytes;
+    // Barriers: full[s] (the producer's 128 threads land the K and V of the tile in K slot s: one wait per tile),
+    // k_empty[s] and v_empty[s] (the 8 consumer warps are done with K slot s, V slot s), q_full[b] and q_empty[b]
+    // likewise for the Q buffers.
+    const u32 bars = smem_v + kVS * KVTile::kBytes;
     const auto full = [&](int s) { return bars + 8 * s; };
-    const auto empty = [&](int s) { return bars + 8 * (kS + s); };
-    const auto q_full = [&](int b) { return bars + 8 * (2 * kS + b); };
-    const auto q_empty = [&](int b) { return bars + 8 * (2 * kS + Tr::kQBuffers + b); };
+    const auto k_empty = [&](int s) { return bars + 8 * (kKS + s); };
+    const auto v_empty = [&](int s) { return bars + 8 * (2 * kKS + s); };
+    const auto q_full = [&](int b) { return bars + 8 * (2 * kKS + kVS + b); };
+    const auto q_empty = [&](int b) { return bars + 8 * (2 * kKS + kVS + Tr::kQBuffers + b); };
     int* const item_slots = reinterpret_cast<int*>(smem_raw + (bars + 8 * Tr::kBarriers - smem_u32(smem_raw)));
     if (threadIdx.x == 0) {
-        for (int s = 0; s < kS; ++s) {
+        for (int s = 0; s < kKS; ++s) {
             mbar_init(full(s), Tr::kProducerThreads);
-            mbar_init(empty(s), Tr::kConsumerWarps);
+            mbar_init(k_empty(s), Tr::kConsumerWarps);
         }
+        for (int s = 0; s < kVS; ++s) mbar_init(v_empty(s), Tr::kConsumerWarps);
         for (int b = 0; b < Tr::kQBuffers; ++b) {
             // every producer thread's copies, and the first thread's item in item_slots[4 b ..]
             mbar_init(q_full(b), Tr::kProducerThreads + 1);
@@ -140,37 +178,41 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                                                                   from += step)
                 cp_async_16(to, row < valid ? from : src, row < valid);
         };
-        int stage = 0, q_buffer = 0, exchange = 0;
-        u32 phase = 0, q_phase = 0;
-        const bool use_counter = tile_counter != nullptr;
+        u32 tiles = 0;  // K/V tiles loaded
+        u32 items_loaded = 0;  // (Q buffer items_loaded % kQBuffers next)
+        int exchange = 0;
+        const auto q_buffer = [&] { return ring_slot<Tr::kQBuffers>(items_loaded); };
         // Hands `item` (or, past the last, the end) and its sequence's bounds to the consumers with the next Q
         // buffer (varlen: so that they do not wait for cu_seqlens at every item's start).
         const auto publish = [&](int item, const Bounds& seq) {
-            mbar_wait(q_empty(q_buffer), q_phase ^ 1);
+            mbar_wait(q_empty(q_buffer()), ring_phase<Tr::kQBuffers>(items_loaded) ^ 1);
             if (ptid == 0) {
-                int* slot = item_slots + 4 * q_buffer;
+                int* slot = item_slots + 4 * q_buffer();
                 slot[0] = item, slot[1] = seq.seqlen_q, slot[2] = seq.seqlen_k, slot[3] = seq.q_start;
             }
         };
         const auto announce = [&] {
-            cp_async_mbar_arrive(q_full(q_buffer));
-            if (ptid == 0) mbar_arrive(q_full(q_buffer));  // (release: the item slot's store)
+            cp_async_mbar_arrive(q_full(q_buffer()));
+            if (ptid == 0) mbar_arrive(q_full(q_buffer()));  // (release: the item slot's store)
         };
         // The item after `item`: with a tile counter the one the first thread took (`ticket`), handed to the others
         // through two exchange words in turn (a word is rewritten only after every thread has read it); without,
         // a grid stride on.
         const auto next_item = [&](int item, int ticket) {
-            if (!use_counter) return item + (int)gridDim.x;
+            if (tile_counter == nullptr) return item + (int)gridDim.x;
             if (ptid == 0) item_slots[4 * Tr::kQBuffers + exchange] = ticket;
             asm volatile("bar.sync 3, %0;\n" ::"n"(Tr::kProducerThreads) : "memory");
             const int next = item_slots[4 * Tr::kQBuffers + exchange];
             exchange ^= 1;
             return next;
         };
+        const auto mark = [&](int point) {
+            if (ptid == 0) fwd_mark(point, items_loaded);
+        };
         for (int item = blockIdx.x;;) {
             // The first thread takes the next item now, so that the atomic's round trip overlaps this one's loads.
             int ticket = 0;
-            if (use_counter && ptid == 0 && item < items) ticket = atomicAdd(tile_counter, 1) + gridDim.x;
+            if (tile_counter != nullptr && ptid == 0 && item < items) ticket = atomicAdd(tile_counter, 1) + gridDim.x;
             if (item >= items) {
                 publish(items, Bounds{});
                 announce();
@@ -188,24 +230,40 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             const WindowMask<Tr::kMask> mask{seq.seqlen_q, seq.seqlen_k, window_left, window_right};
             int n_first, n_blocks;
             mask.template key_tiles<Tr::kBlockN>(row0, Tr::kBlockM, n_first, n_blocks);
+            // The next tile's K and V rows, and the keys left from its first on (running: fewer live registers)
+            const int first_key = n_first * Tr::kBlockN;
+            int keys_left = seq.seqlen_k - first_key;
+            const u16* k_tile = k + b * k_batch_stride + (i64)(seq.k_start + first_key) * k_row_stride +
+                                kv_head * k_head_stride;
+            const u16* v_tile = v + b * v_batch_stride + (i64)(seq.k_start + first_key) * v_row_stride +
+                                v_head_stride * kv_head;
+            const auto load_kv = [&] {
+                const int k_slot = ring_slot<kKS>(tiles), v_slot = ring_slot<kVS>(tiles);
+                mbar_wait(k_empty(k_slot), ring_phase<kKS>(tiles) ^ 1);
+                load_tile(KVTile{}, smem_k + k_slot * KVTile::kBytes, k_tile, k_row_stride, keys_left);
+                mbar_wait(v_empty(v_slot), ring_phase<kVS>(tiles) ^ 1);
+                load_tile(KVTile{}, smem_v + v_slot * KVTile::kBytes, v_tile, v_row_stride, keys_left);
+                cp_async_mbar_arrive(full(k_slot));
+                ++tiles;
+                k_tile += (i64)Tr::kBlockN * k_row_stride;
+                v_tile += (i64)Tr::kBlockN * v_row_stride;
+                keys_left -= Tr::kBlockN;
+            };
+            // With one Q buffer, this item's Q can load only once the consumers have issued the last item's last
+            // S; its first K/V tiles go ahead of it, into the slots that free before that.
+            const int early = Tr::kQBuffers == 1 ? min(min(kKS, kVS) - 1, n_blocks) : 0;
+            mark(12);
+            for (int t = 0; t < early; ++t) load_kv();
+            mark(13);
             publish(item, seq);
-            load_tile(QTile{}, smem_q + q_buffer * QTile::kBytes,
+            mark(14);
+            load_tile(QTile{}, smem_q + q_buffer() * QTile::kBytes,
                       q + b * q_batch_stride + (i64)(seq.q_start + row0) * q_row_stride + head * q_head_stride,
                       q_row_stride, seq.seqlen_q - row0);
             announce();
-            const u16* k_head = k + b * k_batch_stride + (i64)seq.k_start * k_row_stride + kv_head * k_head_stride;
-            const u16* v_head = v + b * v_batch_stride + (i64)seq.k_start * v_row_stride + kv_head * v_head_stride;
-            for (int t = 0; t < n_blocks; ++t) {
-                const int first = (n_first + t) * Tr::kBlockN;
-                mbar_wait(empty(stage), phase ^ 1);
-                load_tile(KVTile{}, smem_k + stage * KVTile::kBytes, k_head + (i64)first * k_row_stride,
-                          k_row_stride, seq.seqlen_k - first);
-                load_tile(KVTile{}, smem_v + stage * KVTile::kBytes, v_head + (i64)first * v_row_stride,
-                          v_row_stride, seq.seqlen_k - first);
-                cp_async_mbar_arrive(full(stage));
-                if (++stage == kS) stage = 0, phase ^= 1;
-            }
-            if (++q_buffer == Tr::kQBuffers) q_buffer = 0, q_phase ^= 1;
+            for (int t = early; t < n_blocks; ++t) load_kv();
+            mark(15);
+            ++items_loaded;
             item = next_item(item, ticket);
         }
         asm volatile("cp.async.wait_all;\n" ::: "memory");  // leave nothing in flight into shared memory
@@ -231,10 +289,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             asm volatile("bar.arrive 1, 256;\n" ::: "memory");
     };
     if (wg == 1) turn_pass();  // warpgroup 0 issues first
-    int stage = 0, q_buffer = 0;
-    u32 phase = 0, q_phase = 0;
+    u32 tiles = 0;  // K/V tiles taken (K's next is tile `tiles`)
+    int q_buffer = 0, traced = 0;
+    u32 q_phase = 0;
+    const auto mark = [&](int point) {
+        if ((warp & 3) == 0 && lane == 0) fwd_mark(6 * wg + point, traced);
+    };
     for (;;) {
         mbar_wait(q_full(q_buffer), q_phase);  // the item, and its Q
+        mark(0);
         // (read by lane 0, the lane that later hands the buffer back, so the reads are ordered before its reuse)
         int slot[4];
 #pragma unroll
@@ -262,24 +325,25 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         u32 p[kNT / 2][4];  // P_{j-1}, the A operand of the product with V_{j-1}
         float correction[2];
         const u32 q_rows = QTile::at(smem_q + q_buffer * QTile::kBytes, 64 * wg, 0);  // this warpgroup's 64 rows
-        const auto next_slot = [&] {
-            if (++stage == kS) stage = 0, phase ^= 1;
-        };
-        const auto release = [&](u32 bar) {
+        const auto release = [&](u32 bar, u32 also = 0) {
             __syncwarp();
-            if (lane == 0) mbar_arrive(bar);
+            if (lane == 0) {
+                mbar_arrive(bar);
+                if (also) mbar_arrive(also);
+            }
         };
-        // A tile of the block that this warpgroup's rows cannot see: its turn passes, its slot goes back.
+        // A tile of the block that this warpgroup's rows cannot see: its turn passes, its slots go back (once
+        // landed, so that every arrival on a slot's barrier counts towards the same fill).
         const auto pass_over = [&] {
-            mbar_wait(full(stage), phase);
+            mbar_wait(full(ring_slot<kKS>(tiles)), ring_phase<kKS>(tiles));
             turn_wait();
             turn_pass();
-            release(empty(stage));
-            next_slot();
+            release(k_empty(ring_slot<kKS>(tiles)), v_empty(ring_slot<kVS>(tiles)));
+            ++tiles;
         };
         // S = Q K^T over the head dim: k16 steps 32 bytes apart in a slab, then the next slab.
         const auto issue_s = [&] {
-            const u32 k_slot = smem_k + stage * KVTile::kBytes;
+            const u32 k_slot = smem_k + ring_slot<kKS>(tiles) * KVTile::kBytes;
 #pragma unroll
             for (int kk = 0; kk < kKSteps; ++kk) {
                 const u32 step = (kk & 3) * 32;
@@ -294,8 +358,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             const u32 v_slot = smem_v + slot * KVTile::kBytes;
 #pragma unroll
             for (int kk = 0; kk < kNT / 2; ++kk)
-                Wgmma<Elem, Tr::kHeadDim>::rs_mn(acc_o, p[kk],
-                                                  smem_desc_sw128(KVTile::at(v_slot, kk * 16, 0), KVTile::kSlabBytes), 1);
+                Wgmma<Elem, Tr::kHeadDim>::rs_mn(
+                    acc_o, p[kk], smem_desc_sw128(KVTile::at(v_slot, kk * 16, 0), KVTile::kSlabBytes), 1);
             wgmma_commit();
         };
         // The landed scores of tile j: masked where some row of the warpgroup cannot see some key, then P.
@@ -312,46 +376,49 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
         for (int j = 0; j < mine_begin; ++j) pass_over();
         if (my_count > 0) {
-            mbar_wait(full(stage), phase);
+            mbar_wait(full(ring_slot<kKS>(tiles)), ring_phase<kKS>(tiles));
             fence_proxy_async_smem();  // the producer's cp.async writes, now read by the tensor cores
             turn_wait();
             wgmma_fence();
             issue_s();
             turn_pass();
             wgmma_wait<0>();
+            release(k_empty(ring_slot<kKS>(tiles)));
+            mark(1);
             softmax_s(mine_begin);
             to_p();
-            int prev_stage = stage;
-            next_slot();
+            mark(2);
+            u32 prev = tiles++;  // tile j - 1, whose V goes into the product with P_{j-1}
             for (int j = mine_begin + 1; j < mine_end; ++j) {
                 // S_j and O += P_{j-1} V_{j-1} issued together; P_j computed while the second runs.
-                mbar_wait(full(stage), phase);
+                mbar_wait(full(ring_slot<kKS>(tiles)), ring_phase<kKS>(tiles));  // (V_{j-1} landed with K_{j-1})
                 fence_proxy_async_smem();
                 turn_wait();
                 wgmma_fence();
                 issue_s();
-                issue_pv(prev_stage);
+                issue_pv(ring_slot<kVS>(prev));
                 turn_pass();
                 wgmma_wait<1>();
                 softmax_s(j);
                 wgmma_wait<0>();
                 pin_registers(acc_o);
                 pin_registers(p);
-                release(empty(prev_stage));
+                release(k_empty(ring_slot<kKS>(tiles)), v_empty(ring_slot<kVS>(prev)));
                 softmax.rescale(acc_o, correction);
                 to_p();
-                prev_stage = stage;
-                next_slot();
+                prev = tiles++;
             }
             release(q_empty(q_buffer));  // no S left: Q's buffer goes back to the producer
+            mark(3);
             turn_wait();
             wgmma_fence();
-            issue_pv(prev_stage);
+            issue_pv(ring_slot<kVS>(prev));
             turn_pass();
             wgmma_wait<0>();
+            mark(4);
             pin_registers(acc_o);
             pin_registers(p);
-            release(empty(prev_stage));
+            release(v_empty(ring_slot<kVS>(prev)));
         } else {
             release(q_empty(q_buffer));
             turn_wait();  // every warpgroup takes n_blocks + 1 turns per item
@@ -364,18 +431,26 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         float row_lse[2];
         softmax.finalize(acc_o, row_lse, scale);
         const int q_start = seq.q_start;
+        static_assert(kDT % 4 == 0, "the output goes out in groups of four n8 tiles");
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int row = warp_row0 + (lane >> 2) + half * 8;
-            if (row >= seqlen_q) continue;
-            u32* dst = reinterpret_cast<u32*>(o + b * o_batch_stride + (i64)(q_start + row) * o_row_stride +
-                                              head * o_head_stride);
+            u16* dst = o + b * o_batch_stride + (i64)(q_start + row) * o_row_stride + head * o_head_stride;
 #pragma unroll
-            for (int dt = 0; dt < kDT; ++dt)
-                dst[dt * 4 + (lane & 3)] = Mma<Elem>::pack(acc_o[0][dt][2 * half], acc_o[0][dt][2 * half + 1]);
-            if ((lane & 3) == 0)
+            for (int group = 0; group < kDT / 4; ++group) {
+                u32 x[4];
+#pragma unroll
+                for (int p = 0; p < 4; ++p)
+                    x[p] = Mma<Elem>::pack(acc_o[0][4 * group + p][2 * half], acc_o[0][4 * group + p][2 * half + 1]);
+                quad_transpose(x, lane);  // (every lane: shuffles)
+                if (row < seqlen_q)
+                    *reinterpret_cast<uint4*>(dst + (4 * group + (lane & 3)) * 8) = make_uint4(x[0], x[1], x[2], x[3]);
+            }
+            if (row < seqlen_q && (lane & 3) == 0)
                 lse[b * lse_batch_stride + head * lse_head_stride + q_start + row] = row_lse[half];
         }
+        mark(5);
+        ++traced;
     }
     if (wg == 0) turn_wait();  // take warpgroup 1's last pass, so no arrival is left pending
 }

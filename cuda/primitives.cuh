@@ -110,6 +110,26 @@ FA2_DEVICE void c_to_a(u32 (&a)[4], const float (&c0)[4], const float (&c1)[4]) 
     a[3] = Mma<E>::pack(c1[2], c1[3]);
 }
 
+// In a C fragment the four lanes of a quad hold 4 bytes each of a row's 16 bytes per n8 tile. A 4x4 transpose of
+// 32-bit words across the quad (two butterfly rounds) gives lane c all 16 bytes of the c-th of four tiles:
+// before, x[p] is this lane's word of tile p; after, x[p] is lane p's word of tile c. Output rows then go out in
+// 16-byte stores, a quarter of the instructions and whole sectors.
+FA2_DEVICE void quad_transpose(u32 (&x)[4], int lane) {
+#pragma unroll
+    for (int m = 1; m <= 2; m <<= 1) {
+        const bool upper = lane & m;
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+            if (p & m) continue;
+            const u32 got = __shfl_xor_sync(~0u, upper ? x[p] : x[p + m], m);
+            if (upper)
+                x[p] = got;
+            else
+                x[p + m] = got;
+        }
+    }
+}
+
 // ---- scalar helpers ----------------------------------------------------------------------------------------
 FA2_DEVICE float fast_exp2(float x) {
     float y;

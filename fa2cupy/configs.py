@@ -73,7 +73,8 @@ class HopperFwdConfig:
 
     headdim: int  # exactly the head dim (64 or 128): the kernel has no zero-filled columns
     block_n: int  # keys per K/V tile
-    stages: int  # K/V shared-memory ring depth
+    k_stages: int  # K ring depth (a slot goes back once S has landed)
+    v_stages: int  # V ring depth (a slot goes back after P V, a step later than K's)
     q_buffers: int  # 2: the next work item's Q loads during this one
 
     block_m = 128
@@ -84,22 +85,24 @@ class HopperFwdConfig:
     def smem_bytes(self) -> int:
         # Must match HopperFwdTraits::kSmemBytes: alignment slack, the Q buffers, the K/V ring, the mbarriers,
         # the work-item words.
-        return 1024 + self.q_buffers * 128 * self.headdim * 2 + 2 * self.stages * self.block_n * self.headdim * 2 + (
-            8 * (2 * self.stages + 2 * self.q_buffers) + 4 * (4 * self.q_buffers + 2))
+        stages = self.k_stages + self.v_stages
+        return 1024 + self.q_buffers * 128 * self.headdim * 2 + stages * self.block_n * self.headdim * 2 + (
+            8 * (2 * self.k_stages + self.v_stages + 2 * self.q_buffers) + 4 * (4 * self.q_buffers + 2))
 
     def name_expression(self, dtype: str, mask: str, mods: bool = False, varlen: bool = False,
                         paged: bool = False) -> str:
         if mods or paged:
             raise ValueError("the Hopper forward has no score modifiers and no paged K/V")
-        return (f"fa2::flash_fwd_hopper<fa2::HopperFwdTraits<{self.headdim}, {self.block_n}, {self.stages}, "
-                f"{self.q_buffers}, {DTYPE_TAGS[dtype]}, {MASK_TAGS[mask]}{', true' if varlen else ''}>>")
+        flags = f"{DTYPE_TAGS[dtype]}, {MASK_TAGS[mask]}{', true' if varlen else ''}"
+        return (f"fa2::flash_fwd_hopper<fa2::HopperFwdTraits<{self.headdim}, {self.block_n}, {self.k_stages}, "
+                f"{self.v_stages}, {self.q_buffers}, {flags}>>")
 
 
 #: The Hopper forward, by head dim: used on compute capability 9.0 for padded and varlen calls without score
 #: modifiers or paged K/V (every other case runs FORWARD_TABLE's mma.sync kernels).
 FORWARD_HOPPER_TABLE: dict[int, HopperFwdConfig] = {
-    64: HopperFwdConfig(64, 128, 4, 2),
-    128: HopperFwdConfig(128, 128, 3, 1),
+    64: HopperFwdConfig(64, 128, 4, 4, 2),
+    128: HopperFwdConfig(128, 128, 2, 3, 2),
 }
 
 

@@ -1,0 +1,88 @@
+"""Where the Hopper forward's work items spend their SM cycles: builds flash_fwd_hopper with FA2_FWD_TRACE (lane 0
+of each consumer warpgroup's first warp and the producer's first thread record clock64 at numbered points of
+each of their block's first 64 items, cuda/fwd_hopper.cu's fwd_mark) and prints, per case, the median cycles of
+each phase over items (the first item of each block left out), per consumer warpgroup.
+
+    python bench/hopper_trace.py [--cases causal:65536,window4096:65536] [--heads 16] [--headdim 128]
+"""
+
+import argparse
+import sys
+
+import cupy
+import numpy as np
+
+sys.path.insert(0, ".")
+from fa2cupy import build, configs, forward  # noqa: E402
+
+POINTS, ITEMS, BLOCKS = 16, 64, 160  # kTracePoints, kTraceItems, kTraceBlocks
+CONSUMER = (  # (label, from point, to point) within one item; point + 6 for warpgroup 1
+    ("Q wait (previous rows written -> Q in)", -1, 0),
+    ("first S (issue -> landed)", 0, 1),
+    ("first softmax", 1, 2),
+    ("loop", 2, 3),
+    ("last P V", 3, 4),
+    ("rows written", 4, 5),
+    ("item (rows written -> rows written)", -1, 5),
+)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", default="causal:65536,window4096:65536")
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--headdim", type=int, default=128)
+    args = parser.parse_args()
+    d, heads = args.headdim, args.heads
+    config = configs.FORWARD_HOPPER_TABLE[d]
+    device = cupy.cuda.runtime.getDevice()
+    rng = cupy.random.default_rng(0)
+    for case in args.cases.split(","):
+        mask_name, seqlen = case.split(":")
+        seqlen = int(seqlen)
+        window = (int(mask_name[6:]), 0) if mask_name.startswith("window") else (-1, -1)
+        mask = "window" if window[0] >= 0 else "causal"
+        name = config.name_expression("float16", mask)
+        module = cupy.RawModule(code="#define FA2_FWD_TRACE\n" + build.source("fwd_hopper"),
+                                options=build.NVRTC_OPTIONS + ("-arch=sm_90a",), name_expressions=(name,))
+        raw = module.get_function(name)
+        raw.max_dynamic_shared_size_bytes = config.smem_bytes
+        build._kernels[("fwd_hopper", name, device)] = raw.kernel  # plan_forward picks the traced build
+        shape = (1, seqlen, heads, d)
+        strides = (seqlen * heads * d, heads * d, d, 1)
+        plan = forward.plan_forward(shape, shape, (strides,) * 4, "float16", d ** -0.5, True, 90, window_size=window)
+        q, k, v = (rng.standard_normal(shape, dtype=cupy.float32).astype(cupy.float16) for _ in range(3))
+        out = cupy.empty_like(q)
+        lse = cupy.empty((1, heads, seqlen), cupy.float32)
+        trace = module.get_global("fa2_fwd_trace")
+        stream = cupy.cuda.get_current_stream()
+        for _ in range(3):
+            trace.memset_async(0, BLOCKS * ITEMS * POINTS * 8, stream)
+            forward.run_forward(plan, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr, stream.ptr)
+        stream.synchronize()
+        host = np.zeros(BLOCKS * ITEMS * POINTS, np.int64)
+        trace.copy_to_host(host.ctypes.data, host.nbytes)
+        marks = host.reshape(BLOCKS, ITEMS, POINTS).astype(np.float64)
+        marks[marks == 0] = np.nan
+        del build._kernels[("fwd_hopper", name, device)]
+        print(f"== {case} h{heads} d{d} fp16, grid {plan.launch.grid[0]}, counter {plan.tile_counter}: median cycles "
+              f"over items 1..63 of every block")
+        for wg in range(2):
+            cells = []
+            for label, a, b in CONSUMER:
+                to = marks[:, 1:, 6 * wg + b]
+                start = marks[:, :-1, 6 * wg + 5] if a < 0 else marks[:, 1:, 6 * wg + a]
+                cells.append(f"{label}: {np.nanmedian(to - start):.0f}")
+            print(f"  warpgroup {wg}: " + "; ".join(cells))
+        producer = (("early K/V issued", 12, 13), ("Q buffer free", 13, 14), ("the rest of K/V issued", 14, 15))
+        print("  producer: " + "; ".join(f"{label}: {np.nanmedian(marks[:, 1:, b] - marks[:, 1:, a]):.0f}"
+                                          for label, a, b in producer)
+              + f"; Q issued -> Q in (wg 0): {np.nanmedian(marks[:, 1:, 0] - marks[:, 1:, 14]):.0f}"
+              + f"; Q buffer free -> wg 1's loop done: {np.nanmedian(marks[:, 1:, 14] - marks[:, :-1, 9]):.0f}")
+        total = np.nanmax(marks[:, :, 11], axis=1) - np.nanmin(marks[:, :, 12], axis=1)
+        print(f"  block span (first item known -> last rows written): median {np.nanmedian(total):.0f}, "
+              f"max {np.nanmax(total):.0f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""A/B timing of kernel sources: the same forward calls built from several copies of cuda/ (say, HEAD's sources
+unpacked by `git archive` beside the edited ones), timed in turns within one process so that clock drift and the
+machine's spread fall on every variant alike. Each variant keeps its best round's median; outputs are compared
+with the first variant's.
+
+    python bench/tree_ab.py --trees base=/tmp/base/cuda@old new=cuda new1q=cuda@3,3,1 [--cases fwd128:causal:2048 ...]
+
+A tree may name the d=128 Hopper row after an @ (HopperFwdConfig's fields after block_n 128); otherwise each tree
+plans with this package's table. ``@old`` marks sources from before K and V had rings of their own
+(HopperFwdTraits<d, block_n, stages, q_buffers, ...>), planned with that time's rows.
+
+A case is ``fwd<d>:<mask>:<seqlen>`` with mask none, causal or window<left> (left, 0); bf16, 16k tokens per
+batch (at least one sequence), hidden 2048.
+"""
+
+import argparse
+import dataclasses
+import statistics
+import sys
+from pathlib import Path
+
+import cupy
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from fa2cupy import build, configs, forward  # noqa: E402
+
+DEFAULT_CASES = ("fwd128:none:2048", "fwd128:causal:1024", "fwd128:causal:2048", "fwd128:none:16384",
+                 "fwd128:causal:16384", "fwd64:none:8192", "fwd64:causal:8192", "fwd128:causal:65536",
+                 "fwd128:window4096:65536")
+
+
+@dataclasses.dataclass(frozen=True)
+class OldRow(configs.HopperFwdConfig):
+    """A Hopper row of the sources before the K/V ring split: k_stages holds the joint ring's depth."""
+
+    @property
+    def smem_bytes(self) -> int:
+        q, kv = 128 * self.headdim * 2, self.block_n * self.headdim * 2
+        return 1024 + self.q_buffers * q + 2 * self.k_stages * kv + 8 * (2 * self.k_stages + 2 * self.q_buffers) + (
+            4 * (4 * self.q_buffers + 2))
+
+    def name_expression(self, dtype, mask, mods=False, varlen=False, paged=False) -> str:
+        flags = f"{configs.DTYPE_TAGS[dtype]}, {configs.MASK_TAGS[mask]}{', true' if varlen else ''}"
+        return (f"fa2::flash_fwd_hopper<fa2::HopperFwdTraits<{self.headdim}, {self.block_n}, {self.k_stages}, "
+                f"{self.q_buffers}, {flags}>>")
+
+
+OLD_TABLE = {64: OldRow(64, 128, 4, 0, 2), 128: OldRow(128, 128, 3, 0, 1)}
+
+
+def plans_for(tree: str, cases):
+    """Each case planned against the kernels of the sources in ``tree`` (compiled now, kept by the plans)."""
+    tree, _, row = tree.partition("@")
+    shipped = dict(configs.FORWARD_HOPPER_TABLE)
+    if row == "old":
+        configs.FORWARD_HOPPER_TABLE.update(OLD_TABLE)
+    elif row:
+        configs.FORWARD_HOPPER_TABLE[128] = configs.HopperFwdConfig(128, 128, *map(int, row.split(",")))
+    build.kernel_dir = lambda: Path(tree)
+    build.clear_memory_cache()
+    plans = {}
+    for case in cases:
+        _, mask, seqlen = case.split(":")
+        d = int(case.split(":")[0][3:])
+        seqlen, heads = int(seqlen), 2048 // d
+        shape = (max(1, 16384 // seqlen), seqlen, heads, d)
+        window = (int(mask[6:]), 0) if mask.startswith("window") else (-1, -1)
+        strides = (shape[1] * heads * d, heads * d, d, 1)
+        plans[case] = forward.plan_forward(shape, shape, (strides,) * 4, "bfloat16", d ** -0.5, mask != "none", 90,
+                                           window_size=window)
+    configs.FORWARD_HOPPER_TABLE.update(shipped)
+    return plans
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--trees", nargs="+", required=True, help="name=path/to/cuda[@row] ...")
+    parser.add_argument("--cases", nargs="*", default=DEFAULT_CASES)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    trees = dict(item.split("=") for item in args.trees)
+    variants = {name: plans_for(path, args.cases) for name, path in trees.items()}
+    rng = cupy.random.default_rng(1)
+    stream = cupy.cuda.get_current_stream()
+    for case in args.cases:
+        _, mask, seqlen = case.split(":")
+        d = int(case.split(":")[0][3:])
+        seqlen, heads = int(seqlen), 2048 // d
+        batch = max(1, 16384 // seqlen)
+        shape = (batch, seqlen, heads, d)
+        # bf16 bit patterns (CuPy has no bfloat16 type): the top halves of float32 normals
+        q, k, v = ((rng.standard_normal(shape, dtype=cupy.float32).view(cupy.uint32) >> 16).astype(cupy.uint16)
+                   for _ in range(3))
+        lse = cupy.empty((batch, heads, seqlen), cupy.float32)
+        outs = {}
+        for name, plans in variants.items():
+            out = cupy.full(shape, 0x7FC0, cupy.uint16)  # NaN
+            forward.run_forward(plans[case], q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr,
+                                stream.ptr)
+            outs[name] = out
+        widen = lambda bits: (bits.astype(cupy.uint32) << 16).view(cupy.float32)  # noqa: E731
+        first = widen(next(iter(outs.values())))
+        diffs = {name: float(cupy.abs(widen(o) - first).max()) for name, o in outs.items()}
+        out = cupy.empty(shape, cupy.uint16)
+        best = {name: float("inf") for name in variants}
+        names = list(variants)
+        for r in range(args.rounds):
+            for name in (names if r % 2 == 0 else names[::-1]):
+                plan = variants[name][case]
+                launch = lambda: forward.run_forward(plan, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr,  # noqa
+                                                     lse.data.ptr, stream.ptr)
+                for _ in range(3):
+                    launch()
+                times = []
+                for _ in range(args.repeats):
+                    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+                    start.record(stream)
+                    launch()
+                    end.record(stream)
+                    end.synchronize()
+                    times.append(cupy.cuda.get_elapsed_time(start, end))
+                best[name] = min(best[name], statistics.median(times))
+        if mask == "none":
+            flops = 4 * batch * heads * seqlen * seqlen * d
+        elif mask == "causal":
+            flops = 2 * batch * heads * seqlen * (seqlen + 1) * d
+        else:
+            left = int(mask[6:])
+            keys = sum(min(i, left) + 1 for i in range(seqlen))
+            flops = 4 * batch * heads * keys * d
+        base = best[names[0]]
+        cells = "  ".join(f"{n} {best[n]:.3f} ms {flops / best[n] / 1e9:.0f} TF/s ({best[n] / base:.3f}, "
+                          f"diff {diffs[n]:.1e})" for n in names)
+        print(f"{case:<26} {cells}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
