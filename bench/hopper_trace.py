@@ -74,7 +74,7 @@ def main():
                 start = marks[:, :-1, 6 * wg + 5] if a < 0 else marks[:, 1:, 6 * wg + a]
                 cells.append(f"{label}: {np.nanmedian(to - start):.0f}")
             print(f"  warpgroup {wg}: " + "; ".join(cells))
-        producer = (("early K/V issued", 12, 13), ("Q buffer free", 13, 14), ("the rest of K/V issued", 14, 15))
+        producer = (("Q buffer free", 12, 14), ("K/V issued", 14, 15))
         print("  producer: " + "; ".join(f"{label}: {np.nanmedian(marks[:, 1:, b] - marks[:, 1:, a]):.0f}"
                                           for label, a, b in producer)
               + f"; Q issued -> Q in (wg 0): {np.nanmedian(marks[:, 1:, 0] - marks[:, 1:, 14]):.0f}"

@@ -7,7 +7,8 @@ between and within runs (bench/NOTES.md), so a cycle ratio is a steadier reading
         --metrics gpu__time_duration.sum,sm__cycles_elapsed.max,launch__registers_per_thread \\
         python bench/window_ncu.py [--forward-only] [--window-rows 128,3,3,1 ...]
 
---window-rows: the window's forward also on other Hopper rows of d=128 (block_n,k_stages,v_stages,q_buffers), launched first.
+--window-rows: the window's forward also on other Hopper rows of d=128 (block_n,k_stages,v_stages,q_buffers),
+launched first.
 """
 
 import sys

@@ -38,7 +38,7 @@ struct HopperFwdTraits {
     using QTile = SwizzledSlabs<kBlockM, HeadDim>;
     using KVTile = SwizzledSlabs<BlockN, HeadDim>;
     // With two, the next item's Q loads while the consumers work on this one; with one, only once they have
-    // issued this one's last S (its first K/V tiles then go ahead of it).
+    // issued this one's last S.
     static constexpr int kQBuffers = QBuffers;
     // full[] per K slot (a tile's K and V land together), k_empty[], v_empty[], q_full[], q_empty[].
     static constexpr int kBarriers = 2 * KStages + VStages + 2 * kQBuffers;
@@ -55,7 +55,8 @@ struct HopperFwdTraits {
 };
 
 // The t-th K/V tile a block handles (counted over all its items) sits in slot t % Slots of a ring, in the slot's
-// (t / Slots)-th fill, whose parity is the mbarrier phase to wait for. (One count serves both rings.)
+// (t / Slots)-th fill, whose parity is the mbarrier phase to wait for. (One count of tiles serves both rings, one
+// of items the Q buffers.)
 template <int Slots>
 FA2_DEVICE int ring_slot(u32 t) {
     return t % Slots;
@@ -236,8 +237,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             const u16* k_tile = k + b * k_batch_stride + (i64)(seq.k_start + first_key) * k_row_stride +
                                 kv_head * k_head_stride;
             const u16* v_tile = v + b * v_batch_stride + (i64)(seq.k_start + first_key) * v_row_stride +
-                                v_head_stride * kv_head;
-            const auto load_kv = [&] {
+                                kv_head * v_head_stride;
+            const auto load_kv = [&] {  // the next tile's K and V, then its one arrival
                 const int k_slot = ring_slot<kKS>(tiles), v_slot = ring_slot<kVS>(tiles);
                 mbar_wait(k_empty(k_slot), ring_phase<kKS>(tiles) ^ 1);
                 load_tile(KVTile{}, smem_k + k_slot * KVTile::kBytes, k_tile, k_row_stride, keys_left);
@@ -249,19 +250,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 v_tile += (i64)Tr::kBlockN * v_row_stride;
                 keys_left -= Tr::kBlockN;
             };
-            // With one Q buffer, this item's Q can load only once the consumers have issued the last item's last
-            // S; its first K/V tiles go ahead of it, into the slots that free before that.
-            const int early = Tr::kQBuffers == 1 ? min(min(kKS, kVS) - 1, n_blocks) : 0;
             mark(12);
-            for (int t = 0; t < early; ++t) load_kv();
-            mark(13);
             publish(item, seq);
             mark(14);
             load_tile(QTile{}, smem_q + q_buffer() * QTile::kBytes,
                       q + b * q_batch_stride + (i64)(seq.q_start + row0) * q_row_stride + head * q_head_stride,
                       q_row_stride, seq.seqlen_q - row0);
             announce();
-            for (int t = early; t < n_blocks; ++t) load_kv();
+            for (int t = 0; t < n_blocks; ++t) load_kv();
             mark(15);
             ++items_loaded;
             item = next_item(item, ticket);
@@ -290,13 +286,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     };
     if (wg == 1) turn_pass();  // warpgroup 0 issues first
     u32 tiles = 0;  // K/V tiles taken (K's next is tile `tiles`)
-    int q_buffer = 0, traced = 0;
-    u32 q_phase = 0;
+    u32 items_taken = 0;  // (Q buffer items_taken % kQBuffers next)
     const auto mark = [&](int point) {
-        if ((warp & 3) == 0 && lane == 0) fwd_mark(6 * wg + point, traced);
+        if ((warp & 3) == 0 && lane == 0) fwd_mark(6 * wg + point, items_taken);
     };
     for (;;) {
-        mbar_wait(q_full(q_buffer), q_phase);  // the item, and its Q
+        const int q_buffer = ring_slot<Tr::kQBuffers>(items_taken);
+        mbar_wait(q_full(q_buffer), ring_phase<Tr::kQBuffers>(items_taken));  // the item, and its Q
         mark(0);
         // (read by lane 0, the lane that later hands the buffer back, so the reads are ordered before its reuse)
         int slot[4];
@@ -425,7 +421,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             turn_pass();
         }
         for (int j = mine_end; j < n_blocks; ++j) pass_over();
-        if (++q_buffer == Tr::kQBuffers) q_buffer = 0, q_phase ^= 1;
 
         // O = diag(l)^-1 O and L = m + log(l), written once from the accumulators.
         float row_lse[2];
@@ -450,7 +445,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 lse[b * lse_batch_stride + head * lse_head_stride + q_start + row] = row_lse[half];
         }
         mark(5);
-        ++traced;
+        ++items_taken;
     }
     if (wg == 0) turn_wait();  // take warpgroup 1's last pass, so no arrival is left pending
 }

@@ -172,8 +172,8 @@ def run_forward(plan: ForwardPlan, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: 
     ``block_table`` is required by a plan made with ``paged`` and must be 0 otherwise.
 
     A plan with a tile counter gets a fresh one, zeroed on the stream, from the caller's allocator (see
-    :func:`arrays.new_empty_raw`, on the current ``device``): per launch, so that launches on different streams or replayed from CUDA
-    graphs never share one (a graph captures the zeroing with the launch)."""
+    :func:`arrays.new_empty_raw`, on the current ``device``): per launch, so that launches on different streams
+    or replayed from CUDA graphs never share one (a graph captures the zeroing with the launch)."""
     values = (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state,
               block_table) + dropout_words(dropout_seed, dropout_offset)
     if plan.tile_counter:
