@@ -8,23 +8,28 @@ between and within runs (bench/NOTES.md), so a cycle ratio is a steadier reading
         python bench/window_ncu.py [--forward-only] [--window-rows 128,3,3,1 ...]
 
 --window-rows: the window's forward also on other Hopper rows of d=128 (block_n,k_stages,v_stages,q_buffers),
-launched first.
+launched first. --tree DIR: kernels built from the sources in DIR (a copy of cuda/, say HEAD's from `git
+archive`) instead of this package's.
 """
 
 import sys
+from pathlib import Path
 
 import cupy
 import cupy.cuda.profiler
 
 sys.path.insert(0, ".")
 import fa2cupy  # noqa: E402
-from fa2cupy import configs, forward  # noqa: E402
+from fa2cupy import build, configs, forward  # noqa: E402
 
 
 def main(argv):
     forward_only = "--forward-only" in argv
     # --window-rows 128,3,3,1: the window's forward also on these Hopper rows (HopperFwdConfig's fields after d=128)
     rows = argv[argv.index("--window-rows") + 1:] if "--window-rows" in argv else []
+    if "--tree" in argv:
+        tree = Path(argv[argv.index("--tree") + 1]).resolve()
+        build.kernel_dir = lambda: tree
     rng = cupy.random.default_rng(0)
     shape = (1, 65536, 16, 128)
     q, k, v, dout = (rng.standard_normal(shape, dtype=cupy.float32).astype(cupy.float16) for _ in range(4))

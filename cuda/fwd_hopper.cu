@@ -66,6 +66,12 @@ FA2_DEVICE u32 ring_phase(u32 t) {
     return (t / Slots) & 1;
 }
 
+// A compile-time number passed as an argument (lambdas take no template arguments).
+template <int N>
+struct Const {
+    static constexpr int value = N;
+};
+
 // Diagnostics for bench/hopper_trace.py: built with FA2_FWD_TRACE, lane 0 of warpgroup 0's and warpgroup 1's first
 // warps and the producer's first thread record clock64 at numbered points of each of their block's first
 // kTraceItems work items (the consumers count items they see, the producer items it loads); otherwise the marks
@@ -271,7 +277,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // P_j while the product with V_{j-1} runs (FA3's overlap within a warpgroup), and the two warpgroups take
     // turns to issue (named barriers 1 and 2), so that one's softmax runs under the other's products.
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Tr::kConsumerRegisters));
-    const int wg = warp >> 2;
+    // The warpgroup through a warp reduction, whose result ptxas knows to be warp-uniform: from `warp >> 2` it
+    // kept every branch on the warpgroup divergent (a WARPSYNC or BSSY/BSYNC pair around each; 464 more
+    // instructions, 3-7% slower) and serialised any wgmma in such a branch.
+    const int wg = __reduce_or_sync(~0u, warp >> 2);
+    // P V over 128-key tiles covers only the 64-key halves a warpgroup's rows can see (kLow | kHigh). (S stays
+    // whole: with S's accumulators written by different wgmma in a branch, ptxas serialises every wgmma.)
+    constexpr bool kHalves = Tr::kBlockN == 128;
+    constexpr int kHalfKeys = Tr::kBlockN / 2, kLow = 1, kHigh = 2, kBoth = kLow | kHigh;
     const auto turn_wait = [&] {
         if (wg == 0)
             asm volatile("bar.sync 1, 256;\n" ::: "memory");
@@ -312,6 +325,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         if (wg_row0 >= seqlen_q) my_count = 0;  // a ragged last tile: this warpgroup has no rows
         // This warpgroup's tiles among the block's: [mine_begin, mine_end); it passes over the others.
         const int mine_begin = my_first - n_first, mine_end = mine_begin + my_count;
+        // Of its first and last tiles, the 64-key half its rows see if they see only one (the band's first tile
+        // under a sliding window, the causal diagonal, a ragged end): P V leaves the other out, where P is 0.
+        int first_half = kBoth, last_half = kBoth;
+        if constexpr (kHalves) {
+            int half_first, half_count;  // the 64-key tiles its rows see
+            mask.template key_tiles<kHalfKeys>(wg_row0, 64, half_first, half_count);
+            if (half_first % 2) first_half = kHigh;
+            if ((half_first + half_count) % 2) last_half = kLow;
+        }
 
         float acc_o[1][kDT][4];
         zero_fragments(acc_o);
@@ -349,14 +371,23 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             }
             wgmma_commit();
         };
-        // O += P V with V in slot `slot`: k16 steps 16 key rows apart.
-        const auto issue_pv = [&](int slot) {
+        // O += P V with V in slot `slot`, over the keys of `halves`: k16 steps 16 key rows apart.
+        const auto issue_pv = [&](int slot, int halves) {
             const u32 v_slot = smem_v + slot * KVTile::kBytes;
+            const auto steps = [&](auto begin, auto end) {  // k16 steps [begin, end)
+                wgmma_fence();  // (each branch its own fence and commit: ptxas would inject them)
 #pragma unroll
-            for (int kk = 0; kk < kNT / 2; ++kk)
-                Wgmma<Elem, Tr::kHeadDim>::rs_mn(
-                    acc_o, p[kk], smem_desc_sw128(KVTile::at(v_slot, kk * 16, 0), KVTile::kSlabBytes), 1);
-            wgmma_commit();
+                for (int kk = decltype(begin)::value; kk < decltype(end)::value; ++kk)
+                    Wgmma<Elem, Tr::kHeadDim>::rs_mn(
+                        acc_o, p[kk], smem_desc_sw128(KVTile::at(v_slot, kk * 16, 0), KVTile::kSlabBytes), 1);
+                wgmma_commit();
+            };
+            if (!kHalves || halves == kBoth)
+                steps(Const<0>{}, Const<kNT / 2>{});
+            else if (halves == kLow)
+                steps(Const<0>{}, Const<kNT / 4>{});
+            else
+                steps(Const<kNT / 4>{}, Const<kNT / 2>{});
         };
         // The landed scores of tile j: masked where some row of the warpgroup cannot see some key, then P.
         const auto softmax_s = [&](int j) {
@@ -385,6 +416,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             to_p();
             mark(2);
             u32 prev = tiles++;  // tile j - 1, whose V goes into the product with P_{j-1}
+            int prev_halves = my_count > 1 ? first_half : first_half & last_half;
             for (int j = mine_begin + 1; j < mine_end; ++j) {
                 // S_j and O += P_{j-1} V_{j-1} issued together; P_j computed while the second runs.
                 mbar_wait(full(ring_slot<kKS>(tiles)), ring_phase<kKS>(tiles));  // (V_{j-1} landed with K_{j-1})
@@ -392,7 +424,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 turn_wait();
                 wgmma_fence();
                 issue_s();
-                issue_pv(ring_slot<kVS>(prev));
+                issue_pv(ring_slot<kVS>(prev), prev_halves);
                 turn_pass();
                 wgmma_wait<1>();
                 softmax_s(j);
@@ -403,12 +435,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 softmax.rescale(acc_o, correction);
                 to_p();
                 prev = tiles++;
+                prev_halves = j == mine_end - 1 ? last_half : kBoth;
             }
             release(q_empty(q_buffer));  // no S left: Q's buffer goes back to the producer
             mark(3);
             turn_wait();
             wgmma_fence();
-            issue_pv(ring_slot<kVS>(prev));
+            issue_pv(ring_slot<kVS>(prev), prev_halves);
             turn_pass();
             wgmma_wait<0>();
             mark(4);
