@@ -5,8 +5,8 @@ with the first variant's.
 
     python bench/tree_ab.py --trees base=/tmp/base/cuda@old new=cuda new1q=cuda@3,3,1 [--cases fwd128:causal:2048 ...]
 
-A tree may name the d=128 Hopper row after an @ (HopperFwdConfig's fields after block_n 128); otherwise each tree
-plans with this package's table. ``@old`` marks sources from before K and V had rings of their own
+A tree may name a Hopper row after an @ (HopperFwdConfig's fields after block_n 128, for d=128 or, as
+``@64:4,4,2``, another head dim); otherwise each tree plans with this package's table. ``@old`` marks sources from before K and V had rings of their own
 (HopperFwdTraits<d, block_n, stages, q_buffers, ...>), planned with that time's rows.
 
 A case is ``fwd<d>:<mask>:<seqlen>`` with mask none, causal or window<left> (left, 0); bf16, 16k tokens per
@@ -54,8 +54,10 @@ def plans_for(tree: str, cases):
     shipped = dict(configs.FORWARD_HOPPER_TABLE)
     if row == "old":
         configs.FORWARD_HOPPER_TABLE.update(OLD_TABLE)
-    elif row:
-        configs.FORWARD_HOPPER_TABLE[128] = configs.HopperFwdConfig(128, 128, *map(int, row.split(",")))
+    elif row:  # [d:]k_stages,v_stages,q_buffers (d=128 when no head dim is named)
+        d, _, fields = row.rpartition(":")
+        d = int(d or 128)
+        configs.FORWARD_HOPPER_TABLE[d] = configs.HopperFwdConfig(d, 128, *map(int, fields.split(",")))
     build.kernel_dir = lambda: Path(tree)
     build.clear_memory_cache()
     plans = {}
