@@ -59,13 +59,6 @@ FA2_DEVICE void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr));
 }
-// The converse (sm_90): register i of each lane holds two b16 of matrix i in the mma C-fragment layout (row
-// lane / 4, columns 2 (lane % 4) and the next), and lanes 8i..8i+7 give the addresses of matrix i's rows.
-FA2_DEVICE void stmatrix_x4(u32 addr, const u32 (&r)[4]) {
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]),
-                 "r"(r[1]), "r"(r[2]), "r"(r[3])
-                 : "memory");
-}
 
 // ---- mma.sync m16n8k16, fp32 accumulate ------------------------------------------------------------------
 // Fragment layouts (PTX ISA, "mma.m16n8k16"), with g = lane / 4 and t = lane % 4:
