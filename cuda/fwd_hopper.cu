@@ -180,7 +180,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             u32 to = decltype(tile)::at(dst, first_row, column);
             const u16* from = src + (i64)first_row * row_stride + column;
             const i64 step = (i64)kRowStep * row_stride;
-#pragma unroll(Tr::kVarlen ? 2 : 4)  // (the varlen producer's registers allow 2)
+#pragma unroll 4  // (4 copies in flight per thread; the varlen producer fits them too since session 18)
             for (int row = first_row; row < kRows; row += kRowStep, to += kRowStep * decltype(tile)::kRowBytes,
                                                                   from += step)
                 cp_async_16(to, row < valid ? from : src, row < valid);
