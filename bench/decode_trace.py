@@ -36,15 +36,6 @@ PHASES = (  # (label, from point, to point)
 )
 
 
-def traced_kernel(name, smem_bytes, defines=()):
-    module = cupy.RawModule(code=build.source("decode"),
-                            options=build.NVRTC_OPTIONS + ("-DFA2_DECODE_TRACE",) + tuple(defines),
-                            name_expressions=(name,))
-    raw = module.get_function(name)
-    raw.max_dynamic_shared_size_bytes = smem_bytes
-    return module, raw.kernel
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default="1x4096,1x16384,8x1024,64x1024,8x65536")
@@ -61,10 +52,10 @@ def main():
         config = configs.DecodeConfig(D, bn, st, w, bool(pf), bool(deep and deep[0]))
     name = config.name_expression("float16", False, False)
     defines = [f"-D{d}" for d in args.defines.split(",") if d]
-    module, kernel = traced_kernel(name, decode._opt_in_smem(config, device), defines)
+    module = build.install_traced("decode", name, decode._opt_in_smem(config, device),  # what plan_decode gets
+                                  ["-DFA2_DECODE_TRACE", *defines])
     stride = next((int(d.split("=")[1]) for d in args.defines.split(",") if d.startswith("FA2_DECODE_TRACE_STRIDE=")),
                   1)
-    build._kernels[("decode", name, device)] = kernel  # plan_decode picks the traced build
     trace = module.get_global("fa2_decode_trace")
     trace_host = np.zeros(8192 * POINTS * 2, dtype=np.uint64)  # fa2_decode_trace's size
     errors = device_errors.pointers(device)

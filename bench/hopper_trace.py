@@ -35,7 +35,6 @@ def main():
     args = parser.parse_args()
     d, heads = args.headdim, args.heads
     config = configs.FORWARD_HOPPER_TABLE[d]
-    device = cupy.cuda.runtime.getDevice()
     rng = cupy.random.default_rng(0)
     for case in args.cases.split(","):
         mask_name, seqlen = case.split(":")
@@ -43,11 +42,7 @@ def main():
         window = (int(mask_name[6:]), 0) if mask_name.startswith("window") else (-1, -1)
         mask = "window" if window[0] >= 0 else "causal"
         name = config.name_expression("float16", mask)
-        module = cupy.RawModule(code="#define FA2_FWD_TRACE\n" + build.source("fwd_hopper"),
-                                options=build.NVRTC_OPTIONS + ("-arch=sm_90a",), name_expressions=(name,))
-        raw = module.get_function(name)
-        raw.max_dynamic_shared_size_bytes = config.smem_bytes
-        build._kernels[("fwd_hopper", name, device)] = raw.kernel  # plan_forward picks the traced build
+        module = build.install_traced("fwd_hopper", name, config.smem_bytes, ("-DFA2_FWD_TRACE",))  # what plans get
         shape = (1, seqlen, heads, d)
         strides = (seqlen * heads * d, heads * d, d, 1)
         plan = forward.plan_forward(shape, shape, (strides,) * 4, "float16", d ** -0.5, True, 90, window_size=window)
@@ -64,7 +59,6 @@ def main():
         trace.copy_to_host(host.ctypes.data, host.nbytes)
         marks = host.reshape(BLOCKS, ITEMS, POINTS).astype(np.float64)
         marks[marks == 0] = np.nan
-        del build._kernels[("fwd_hopper", name, device)]
         print(f"== {case} h{heads} d{d} fp16, grid {plan.launch.grid[0]}, counter {plan.tile_counter}: median cycles "
               f"over items 1..63 of every block")
         for wg in range(2):

@@ -70,13 +70,31 @@ def get_kernel(family: str, name_expression: str, smem_bytes: int):
     key = (family, name_expression, device)
     kernel = _kernels.get(key)
     if kernel is None:
-        options = NVRTC_OPTIONS + ((f"-arch=sm_{ARCH_SPECIFIC[family]}",) if family in ARCH_SPECIFIC else ())
-        module = cupy.RawModule(code=source(family), options=options, name_expressions=(name_expression,))
-        raw = module.get_function(name_expression)
-        if smem_bytes > 48 * 1024:  # beyond the default dynamic shared-memory limit: opt in per kernel
-            raw.max_dynamic_shared_size_bytes = smem_bytes
-        kernel = _kernels[key] = raw.kernel
+        kernel = _kernels[key] = _compile(family, name_expression, smem_bytes)[1]
     return kernel
+
+
+def install_traced(family: str, name_expression: str, smem_bytes: int, defines=()):
+    """Diagnostics (bench/*_trace.py): compile one instantiation with extra NVRTC options (``-DFA2_FWD_TRACE``,
+    ...) and make it the kernel that this process's plans get on the current device; returns its
+    ``cupy.RawModule``, whose globals hold what the traced build records."""
+    import cupy
+
+    module, kernel = _compile(family, name_expression, smem_bytes, tuple(defines))
+    _kernels[(family, name_expression, cupy.cuda.runtime.getDevice())] = kernel
+    return module
+
+
+def _compile(family: str, name_expression: str, smem_bytes: int, extra_options: tuple = ()):
+    """(RawModule, cupy.cuda.Function) of one instantiation for the current device."""
+    import cupy
+
+    options = NVRTC_OPTIONS + ((f"-arch=sm_{ARCH_SPECIFIC[family]}",) if family in ARCH_SPECIFIC else ())
+    module = cupy.RawModule(code=source(family), options=options + extra_options, name_expressions=(name_expression,))
+    raw = module.get_function(name_expression)
+    if smem_bytes > 48 * 1024:  # beyond the default dynamic shared-memory limit: opt in per kernel
+        raw.max_dynamic_shared_size_bytes = smem_bytes
+    return module, raw.kernel
 
 
 def device_attribute(device: int, name: str) -> int:
