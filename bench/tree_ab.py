@@ -3,18 +3,17 @@ unpacked by `git archive` beside the edited ones), timed in turns within one pro
 machine's spread fall on every variant alike. Each variant keeps its best round's median; outputs are compared
 with the first variant's.
 
-    python bench/tree_ab.py --trees base=/tmp/base/cuda@old new=cuda new1q=cuda@3,3,1 [--cases fwd128:causal:2048 ...]
+    python bench/tree_ab.py --trees base=ab_trees/base/cuda new=cuda new1q=cuda@3,3,1 [--cases fwd128:causal:2048 ...]
 
 A tree may name a Hopper row after an @ (HopperFwdConfig's fields after block_n 128, for d=128 or, as
-``@64:4,4,2``, another head dim); otherwise each tree plans with this package's table. ``@old`` marks sources from before K and V had rings of their own
-(HopperFwdTraits<d, block_n, stages, q_buffers, ...>), planned with that time's rows.
+``@64:4,4,2``, another head dim); otherwise each tree plans with this package's table. Make the trees on the
+machine that sends the command: the device's repository copy has the session's first commit as git HEAD.
 
 A case is ``fwd<d>:<mask>:<seqlen>`` with mask none, causal or window<left> (left, 0); bf16, 16k tokens per
 batch (at least one sequence), hidden 2048.
 """
 
 import argparse
-import dataclasses
 import statistics
 import sys
 from pathlib import Path
@@ -29,32 +28,11 @@ DEFAULT_CASES = ("fwd128:none:2048", "fwd128:causal:1024", "fwd128:causal:2048",
                  "fwd128:window4096:65536")
 
 
-@dataclasses.dataclass(frozen=True)
-class OldRow(configs.HopperFwdConfig):
-    """A Hopper row of the sources before the K/V ring split: k_stages holds the joint ring's depth."""
-
-    @property
-    def smem_bytes(self) -> int:
-        q, kv = 128 * self.headdim * 2, self.block_n * self.headdim * 2
-        return 1024 + self.q_buffers * q + 2 * self.k_stages * kv + 8 * (2 * self.k_stages + 2 * self.q_buffers) + (
-            4 * (4 * self.q_buffers + 2))
-
-    def name_expression(self, dtype, mask, mods=False, varlen=False, paged=False) -> str:
-        flags = f"{configs.DTYPE_TAGS[dtype]}, {configs.MASK_TAGS[mask]}{', true' if varlen else ''}"
-        return (f"fa2::flash_fwd_hopper<fa2::HopperFwdTraits<{self.headdim}, {self.block_n}, {self.k_stages}, "
-                f"{self.q_buffers}, {flags}>>")
-
-
-OLD_TABLE = {64: OldRow(64, 128, 4, 0, 2), 128: OldRow(128, 128, 3, 0, 1)}
-
-
 def plans_for(tree: str, cases):
     """Each case planned against the kernels of the sources in ``tree`` (compiled now, kept by the plans)."""
     tree, _, row = tree.partition("@")
     shipped = dict(configs.FORWARD_HOPPER_TABLE)
-    if row == "old":
-        configs.FORWARD_HOPPER_TABLE.update(OLD_TABLE)
-    elif row:  # [d:]k_stages,v_stages,q_buffers (d=128 when no head dim is named)
+    if row:  # [d:]k_stages,v_stages,q_buffers (d=128 when no head dim is named)
         d, _, fields = row.rpartition(":")
         d = int(d or 128)
         configs.FORWARD_HOPPER_TABLE[d] = configs.HopperFwdConfig(d, 128, *map(int, fields.split(",")))

@@ -12,6 +12,7 @@ launched first. --tree DIR: kernels built from the sources in DIR (a copy of cud
 archive`) instead of this package's.
 """
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -24,11 +25,16 @@ from fa2cupy import build, configs, forward  # noqa: E402
 
 
 def main(argv):
-    forward_only = "--forward-only" in argv
-    # --window-rows 128,3,3,1: the window's forward also on these Hopper rows (HopperFwdConfig's fields after d=128)
-    rows = argv[argv.index("--window-rows") + 1:] if "--window-rows" in argv else []
-    if "--tree" in argv:
-        tree = Path(argv[argv.index("--tree") + 1]).resolve()
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--forward-only", action="store_true")
+    parser.add_argument("--window-rows", nargs="*", default=[],
+                        help="the window's forward also on these Hopper rows of d=128 (block_n,k_stages,v_stages,"
+                             "q_buffers), e.g. 128,3,3,1")
+    parser.add_argument("--tree", type=Path, help="a copy of cuda/ to build the kernels from")
+    args = parser.parse_args(argv)
+    forward_only, rows = args.forward_only, args.window_rows
+    if args.tree:
+        tree = args.tree.resolve()
         build.kernel_dir = lambda: tree
     rng = cupy.random.default_rng(0)
     shape = (1, 65536, 16, 128)
