@@ -4,10 +4,15 @@ each of their block's first 64 items, cuda/fwd_hopper.cu's fwd_mark) and prints,
 each phase over items (the first item of each block left out), per consumer warpgroup.
 
     python bench/hopper_trace.py [--cases causal:65536,window4096:65536] [--heads 16] [--headdim 128]
+    python bench/hopper_trace.py --cases causal:1024,varlen-causal:1024 --tokens 16384 [--tree ab_trees/x/cuda]
+
+A case is [varlen-]<none|causal|window<left>>:<seqlen>; with --tokens, a batch of tokens / seqlen sequences of
+that length (varlen: packed, with cu_seqlens), else one.
 """
 
 import argparse
 import sys
+from pathlib import Path
 
 import cupy
 import numpy as np
@@ -32,34 +37,46 @@ def main():
     parser.add_argument("--cases", default="causal:65536,window4096:65536")
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--headdim", type=int, default=128)
+    parser.add_argument("--tokens", type=int, default=0, help="tokens per call (default: one sequence)")
+    parser.add_argument("--tree", help="build from this copy of cuda/ instead")
     args = parser.parse_args()
+    if args.tree:
+        build.kernel_dir = lambda: Path(args.tree)
     d, heads = args.headdim, args.heads
     config = configs.FORWARD_HOPPER_TABLE[d]
     rng = cupy.random.default_rng(0)
     for case in args.cases.split(","):
         mask_name, seqlen = case.split(":")
+        varlen = mask_name.startswith("varlen-")
+        mask_name = mask_name.removeprefix("varlen-")
         seqlen = int(seqlen)
+        batch = max(1, args.tokens // seqlen)
         window = (int(mask_name[6:]), 0) if mask_name.startswith("window") else (-1, -1)
-        mask = "window" if window[0] >= 0 else "causal"
-        name = config.name_expression("float16", mask)
+        mask = "window" if window[0] >= 0 else mask_name
+        name = config.name_expression("float16", mask, varlen=varlen)
         module = build.install_traced("fwd_hopper", name, config.smem_bytes, ("-DFA2_FWD_TRACE",))  # what plans get
-        shape = (1, seqlen, heads, d)
-        strides = (seqlen * heads * d, heads * d, d, 1)
-        plan = forward.plan_forward(shape, shape, (strides,) * 4, "float16", d ** -0.5, True, 90, window_size=window)
+        shape = (batch, seqlen, heads, d)
+        strides = ((0 if varlen else seqlen * heads * d), heads * d, d, 1)
+        totals = (batch * seqlen,) * 2 if varlen else None
+        plan = forward.plan_forward(shape, shape, (strides,) * 4, "float16", d ** -0.5, mask != "none", 90,
+                                    window_size=window, varlen_totals=totals)
         q, k, v = (rng.standard_normal(shape, dtype=cupy.float32).astype(cupy.float16) for _ in range(3))
         out = cupy.empty_like(q)
-        lse = cupy.empty((1, heads, seqlen), cupy.float32)
+        lse = cupy.empty((batch, heads, seqlen), cupy.float32)
+        cu = cupy.arange(0, batch * seqlen + 1, seqlen, dtype=cupy.int32) if varlen else None
+        cu_ptr = cu.data.ptr if varlen else 0
         trace = module.get_global("fa2_fwd_trace")
         stream = cupy.cuda.get_current_stream()
         for _ in range(3):
             trace.memset_async(0, BLOCKS * ITEMS * POINTS * 8, stream)
-            forward.run_forward(plan, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr, stream.ptr)
+            forward.run_forward(plan, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr, stream.ptr,
+                                cu_ptr, cu_ptr)
         stream.synchronize()
         host = np.zeros(BLOCKS * ITEMS * POINTS, np.int64)
         trace.copy_to_host(host.ctypes.data, host.nbytes)
         marks = host.reshape(BLOCKS, ITEMS, POINTS).astype(np.float64)
         marks[marks == 0] = np.nan
-        print(f"== {case} h{heads} d{d} fp16, grid {plan.launch.grid[0]}, counter {plan.tile_counter}: median cycles "
+        print(f"== {case} b{batch} h{heads} d{d} fp16, grid {plan.launch.grid[0]}, counter {plan.tile_counter}: median cycles "
               f"over items 1..63 of every block")
         for wg in range(2):
             cells = []
@@ -68,7 +85,7 @@ def main():
                 start = marks[:, :-1, 6 * wg + 5] if a < 0 else marks[:, 1:, 6 * wg + a]
                 cells.append(f"{label}: {np.nanmedian(to - start):.0f}")
             print(f"  warpgroup {wg}: " + "; ".join(cells))
-        producer = (("Q buffer free", 12, 14), ("K/V issued", 14, 15))
+        producer = (("Q buffer free, previous rows out", 12, 14), ("K/V issued", 14, 15))
         print("  producer: " + "; ".join(f"{label}: {np.nanmedian(marks[:, 1:, b] - marks[:, 1:, a]):.0f}"
                                           for label, a, b in producer)
               + f"; Q issued -> Q in (wg 0): {np.nanmedian(marks[:, 1:, 0] - marks[:, 1:, 14]):.0f}"

@@ -2,6 +2,7 @@
 fp16, 16 heads of 128, 16k tokens in all.
 
     python bench/varlen_speed.py [--tokens 16384] [--causal] [--paged 16,256]
+    python bench/varlen_speed.py --trees base=ab_trees/base/cuda new=cuda [--rounds 4] [--causal]
 
 Two comparisons, each timed back to back with the same timer as ``fa2cupy bench`` (CUDA events, median):
 * equal lengths: varlen over b sequences of s tokens against flash_attn_func on (b, s): the same work, so the
@@ -9,12 +10,15 @@ Two comparisons, each timed back to back with the same timer as ``fa2cupy bench`
 * mixed lengths (random, 256..4096, fixed seed): varlen TFLOPs/s against the padded batch's at the same total
   real tokens, padded to the longest sequence; the padded batch does the extra work of its padding, so this is
   the speed a user gains by not padding;
+* with --trees: only the equal-length forwards, with kernels built from each copy of cuda/ in turn within one
+  process (rounds of every tree, each keeping its best round), so that kernel versions compare on one clock;
 * with --paged: the varlen forward reading K/V through a shuffled block_table of pages of each given size against
   the packed varlen forward on the same keys (the page look-ups' cost).
 """
 
 import argparse
 import sys
+from pathlib import Path
 
 import cupy
 import numpy as np
@@ -22,7 +26,7 @@ import numpy as np
 sys.path.insert(0, ".")
 import fa2cupy  # noqa: E402
 from fa2cupy import benchmark as B  # noqa: E402
-from fa2cupy import paging  # noqa: E402
+from fa2cupy import build, interface, paging  # noqa: E402
 
 
 def flops(lengths, heads, d, causal, bwd):
@@ -43,6 +47,8 @@ def main():
     parser.add_argument("--headdim", type=int, default=128)
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--paged", default="", help="comma-separated page sizes: paged forward vs packed")
+    parser.add_argument("--trees", nargs="*", default=(), help="name=path/to/cuda ...: forward A/B of sources")
+    parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
     h, d, causal = args.heads, args.headdim, args.causal
     rng = cupy.random.default_rng(0)
@@ -50,6 +56,9 @@ def main():
 
     def rand(*shape):
         return rng.standard_normal(shape, dtype=cupy.float32).astype(cupy.float16)
+
+    if args.trees:
+        return compare_trees(args, rand, events)
 
     for seqlen in (1024, 4096):
         b = args.tokens // seqlen
@@ -110,6 +119,38 @@ def main():
                         events, warmup=3, repeats=15).median_ms
         print(f"paged K/V, pages of {page_size}, mixed lengths causal={causal}: paged fwd {pf:.3f} ms, packed fwd "
               f"{vf:.3f} ms: paged speed / packed {vf / pf:.3f}x (bitwise equal: {same})", flush=True)
+
+
+def compare_trees(args, rand, events):
+    """Equal-length varlen and padded forwards on kernels built from each tree, in rounds taking turns."""
+    h, d, causal = args.heads, args.headdim, args.causal
+    trees = [t.split("=", 1) for t in args.trees]
+    calls = {}
+    for seqlen in (1024, 4096):
+        b = args.tokens // seqlen
+        q, k, v = (rand(b, seqlen, h, d) for _ in range(3))
+        cu = cupy.arange(0, b * seqlen + 1, seqlen, dtype=cupy.int32)
+        qv, kv, vv = (x.reshape(b * seqlen, h, d) for x in (q, k, v))
+        calls[f"{b}x{seqlen}"] = (
+            lambda q=q, k=k, v=v: fa2cupy.flash_attn_func(q, k, v, causal=causal),
+            lambda qv=qv, kv=kv, vv=vv, cu=cu, s=seqlen: fa2cupy.flash_attn_varlen_func(qv, kv, vv, cu, cu, s, s,
+                                                                                         causal=causal))
+    best = {}
+    for _ in range(args.rounds):
+        for name, path in trees:
+            build.kernel_dir = lambda path=path: Path(path)
+            build.clear_memory_cache()
+            interface._cached_calls.clear()  # (its plans hold the previous tree's kernels)
+            for case, (padded, varlen) in calls.items():
+                pf = B.time_gpu(padded, events, warmup=3, repeats=15).median_ms
+                vf = B.time_gpu(varlen, events, warmup=3, repeats=15).median_ms
+                old = best.get((name, case), (float("inf"), float("inf")))
+                best[(name, case)] = (min(old[0], pf), min(old[1], vf))
+    for case in calls:
+        for name, _ in trees:
+            pf, vf = best[(name, case)]
+            print(f"{name:>10} {case} causal={causal}: padded fwd {pf:.4f} ms, varlen fwd {vf:.4f} ms: varlen speed "
+                  f"/ padded {pf / vf:.3f}x (best of {args.rounds} rounds)", flush=True)
 
 
 if __name__ == "__main__":

@@ -59,6 +59,13 @@ FA2_DEVICE void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(addr));
 }
+// The converse (sm_90): register i of each lane holds two b16 of matrix i in the mma C-fragment layout (row
+// lane / 4, columns 2 (lane % 4) and the next), and lanes 8i..8i+7 give the addresses of matrix i's rows.
+FA2_DEVICE void stmatrix_x4(u32 addr, const u32 (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]),
+                 "r"(r[1]), "r"(r[2]), "r"(r[3])
+                 : "memory");
+}
 
 // ---- mma.sync m16n8k16, fp32 accumulate ------------------------------------------------------------------
 // Fragment layouts (PTX ISA, "mma.m16n8k16"), with g = lane / 4 and t = lane % 4:
@@ -110,31 +117,18 @@ FA2_DEVICE void c_to_a(u32 (&a)[4], const float (&c0)[4], const float (&c1)[4]) 
     a[3] = Mma<E>::pack(c1[2], c1[3]);
 }
 
-// In a C fragment the four lanes of a quad hold 4 bytes each of a row's 16 bytes per n8 tile. A 4x4 transpose of
-// 32-bit words across the quad (two butterfly rounds) gives lane c all 16 bytes of the c-th of four tiles:
-// before, x[p] is this lane's word of tile p; after, x[p] is lane p's word of tile c. Output rows then go out in
-// 16-byte stores, a quarter of the instructions and whole sectors.
-FA2_DEVICE void quad_transpose(u32 (&x)[4], int lane) {
-#pragma unroll
-    for (int m = 1; m <= 2; m <<= 1) {
-        const bool upper = lane & m;
-#pragma unroll
-        for (int p = 0; p < 4; ++p) {
-            if (p & m) continue;
-            const u32 got = __shfl_xor_sync(~0u, upper ? x[p] : x[p + m], m);
-            if (upper)
-                x[p] = got;
-            else
-                x[p + m] = got;
-        }
-    }
-}
-
 // ---- scalar helpers ----------------------------------------------------------------------------------------
 FA2_DEVICE float fast_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
+}
+// A value every lane of the warp holds alike, passed through a broadcast from lane 0 so that ptxas knows it is
+// warp-uniform: a value loaded from memory it takes for divergent, and then keeps what derives from it (loop
+// counts, ring slots, addresses) in vector registers and wraps instructions that need uniform operands (an
+// mbarrier arrival's address) in loops over the lanes.
+FA2_DEVICE int warp_uniform(int x) {
+    return __shfl_sync(0xffffffffu, x, 0);
 }
 FA2_DEVICE float quad_max(float x) {  // max over the 4 lanes that share an mma row
     x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
