@@ -45,10 +45,9 @@ struct HopperFwdTraits {
     // full[] per K slot (a tile's K and V land together), k_empty[], v_empty[], q_full[], q_empty[].
     static constexpr int kBarriers = 2 * KStages + VStages + 2 * kQBuffers;
     // After the barriers: the work item of each Q buffer with its sequence's bounds (producer -> consumers: item,
-    // seqlen_q, seqlen_k, first query row), two words in which the producer's first thread hands the next item
-    // to the others, and where each Q buffer's item has its output rows (producer -> producer: the first row's
-    // address in two words, the rows that exist).
-    static constexpr int kItemSlots = 4 * kQBuffers + 2 + 3 * kQBuffers;
+    // seqlen_q, seqlen_k, first query row; the producer reads them again to write the item's output rows out)
+    // and two words in which the producer's first thread hands the next item to the others.
+    static constexpr int kItemSlots = 4 * kQBuffers + 2;
     // 1 KB of slack: the swizzled slabs must start on 1024-byte boundaries.
     static constexpr int kSmemBytes =
         1024 + kQBuffers * QTile::kBytes + (KStages + VStages) * KVTile::kBytes + 8 * kBarriers + 4 * kItemSlots;
@@ -154,16 +153,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         head = pair % nheads;
         b = pair / nheads;
     };
-    // A sequence's lengths and first rows (varlen: from its cu_seqlens entries, checked; `reporter` reports a bad
-    // one).
+    // A sequence's lengths and first rows (varlen: from cu_seqlens, checked; `reporter` reports a bad one).
     struct Bounds {
         int seqlen_q, seqlen_k, q_start, k_start;
     };
-    const auto bounds = [&](const SeqBounds::Ends& ends, int b, bool reporter) {
+    const auto bounds = [&](int b, bool reporter) {
         Bounds r{seqlen_q, seqlen_k, 0, 0};
         if constexpr (Tr::kVarlen) {
-            const SeqBounds seq(ends, b, total_q, total_k, error_claim, error_host, r.seqlen_q, r.seqlen_k,
-                                reporter ? 1 : 0);
+            const SeqBounds seq(cu_seqlens_q, cu_seqlens_k, b, total_q, total_k, error_claim, error_host, r.seqlen_q,
+                                r.seqlen_k, reporter ? 1 : 0);
             // (the same on every lane: uniform, the loops over the sequence's tiles and what they count stay off
             // vector registers and lane loops, as with the padded kernel's bounds from kernel arguments)
             r = {warp_uniform(r.seqlen_q), warp_uniform(r.seqlen_k), warp_uniform(seq.q_start),
@@ -196,44 +194,39 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         u32 items_loaded = 0;  // (Q buffer items_loaded % kQBuffers next)
         int exchange = 0;
         const auto q_buffer = [&] { return ring_slot<Tr::kQBuffers>(items_loaded); };
-        // The output rows the consumers staged in Q buffer `buffer` for the item its slot names, out to o (each
-        // thread the chunks it loads Q into, so its own copies cannot overtake these reads). Waited for on
+        // The output rows the consumers staged in Q buffer `buffer` for the item its slot still names, out to o
+        // (each thread the chunks it loads Q into, so its own copies cannot overtake these reads). Waited for on
         // q_empty: the consumers hand a Q buffer back once their rows are in it.
-        int* const out_slots = item_slots + 4 * Tr::kQBuffers + 2;
         const auto store_rows = [&](int buffer) {
-            const int* out = out_slots + 3 * buffer;
-            const int valid = out[2];
-            u16* to = reinterpret_cast<u16*>((u64)(u32)out[1] << 32 | (u32)out[0]) + (i64)first_row * o_row_stride +
-                      column;
+            const int* slot = item_slots + 4 * buffer;
+            const int item = slot[0], seqlen = slot[1], q_start = slot[3];
             asm volatile("bar.sync 3, %0;\n" ::"n"(Tr::kProducerThreads) : "memory");  // (read before rewritten)
+            int m_block, head, b;
+            coords(item, m_block, head, b);
+            const int row0 = m_block * Tr::kBlockM;
+            u16* to = o + b * o_batch_stride + (i64)(q_start + row0 + first_row) * o_row_stride +
+                      head * o_head_stride + column;
             u32 from = QTile::at(smem_q + buffer * QTile::kBytes, first_row, column);
 #pragma unroll 1
-            for (int row = first_row; row < Tr::kBlockM && row < valid;
+            for (int row = first_row; row < Tr::kBlockM && row < seqlen - row0;
                  row += kRowStep, from += kRowStep * QTile::kRowBytes, to += (i64)kRowStep * o_row_stride) {
                 u32 x[4];
                 ld_shared_v4(from, x);
                 *reinterpret_cast<uint4*>(to) = make_uint4(x[0], x[1], x[2], x[3]);
             }
         };
-        // The next Q buffer once the consumers hand it back, and the rows of the item it held written out (at
-        // the top of an item, where the fewest registers are live).
-        bool buffer_free = false;
+        // The next Q buffer once the consumers hand it back, with the rows of the item it held written out.
         const auto free_buffer = [&] {
-            if (buffer_free) return;  // (a varlen item passed over keeps it)
             mbar_wait(q_empty(q_buffer()), ring_phase<Tr::kQBuffers>(items_loaded) ^ 1);
             if (items_loaded >= Tr::kQBuffers) store_rows(q_buffer());
-            buffer_free = true;
         };
         // Hands `item` (or, past the last, the end) and its sequence's bounds to the consumers with the next Q
-        // buffer (varlen: so that they do not wait for cu_seqlens at every item's start), and notes where its
-        // output rows go.
-        const auto publish = [&](int item, const Bounds& seq, const u16* rows_out, int rows) {
-            buffer_free = false;
+        // buffer, once free_buffer has it back (varlen: so that they do not wait for cu_seqlens at every item's
+        // start).
+        const auto publish = [&](int item, const Bounds& seq) {
             if (ptid == 0) {
                 int* slot = item_slots + 4 * q_buffer();
                 slot[0] = item, slot[1] = seq.seqlen_q, slot[2] = seq.seqlen_k, slot[3] = seq.q_start;
-                int* out = out_slots + 3 * q_buffer();
-                out[0] = (int)(u32)(u64)rows_out, out[1] = (int)(u32)((u64)rows_out >> 32), out[2] = rows;
             }
         };
         const auto announce = [&] {
@@ -258,34 +251,29 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             // The first thread takes the next item now, so that the atomic's round trip overlaps this one's loads.
             int ticket = 0;
             if (tile_counter != nullptr && ptid == 0 && item < items) ticket = atomicAdd(tile_counter, 1) + gridDim.x;
-            int m_block = 0, head = 0, b = 0;
-            SeqBounds::Ends ends;  // (varlen: loaded here, checked after the wait for a free Q buffer)
-            if (item < items) {
-                coords(item, m_block, head, b);
-                if constexpr (Tr::kVarlen) ends = SeqBounds::load(cu_seqlens_q, cu_seqlens_k, b);
-            }
-            mark(12);
-            free_buffer();
             if (item >= items) {
-                publish(items, Bounds{}, nullptr, 0);
-                announce();
-                // and the rows of the items in the other buffers (the last kQBuffers - 1), as the consumers stage them
-                for (u32 last = items_loaded > Tr::kQBuffers - 1 ? items_loaded - (Tr::kQBuffers - 1) : 0;
-                     last < items_loaded; ++last) {
+                // The rows of the last items out, as the consumers stage them, then the end in a free buffer.
+                for (u32 last = items_loaded > Tr::kQBuffers ? items_loaded - Tr::kQBuffers : 0; last < items_loaded;
+                     ++last) {
                     mbar_wait(q_empty(ring_slot<Tr::kQBuffers>(last)), ring_phase<Tr::kQBuffers>(last));
                     store_rows(ring_slot<Tr::kQBuffers>(last));
                 }
+                publish(items, Bounds{});
+                announce();
                 break;
             }
+            int m_block, head, b;
+            coords(item, m_block, head, b);
             const int row0 = m_block * Tr::kBlockM, kv_head = head / heads_per_kv;
             // (a sequence's first item: its last query tile of head 0)
-            const Bounds seq = bounds(ends, b, ptid == 0 && m_block == m_blocks - 1 && head == 0);
+            const Bounds seq = bounds(b, ptid == 0 && m_block == m_blocks - 1 && head == 0);
             if (Tr::kVarlen && row0 >= seq.seqlen_q) {  // past this sequence's queries: the consumers never see it
                 item = next_item(item, ticket);
                 continue;
             }
-            publish(item, seq, o + b * o_batch_stride + (i64)(seq.q_start + row0) * o_row_stride + head * o_head_stride,
-                    seq.seqlen_q - row0);
+            mark(12);
+            free_buffer();
+            publish(item, seq);
             mark(14);
             const WindowMask<Tr::kMask> mask{seq.seqlen_q, seq.seqlen_k, window_left, window_right};
             int n_first, n_blocks;

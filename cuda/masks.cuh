@@ -109,45 +109,24 @@ struct WindowMask {
 // (null) nothing changes. cu_seqlens_k may be null for the kernels that only walk queries.
 struct SeqBounds {
     int q_start = 0, k_start = 0;
-    // The sequence's cu_seqlens entries, loaded apart from their check: a kernel can issue the loads early and
-    // check them where it needs the bounds (the Hopper forward's producer, over its wait for a free Q buffer).
-    struct Ends {
-        int q0 = 0, q1 = 0, k0 = 0, k1 = 0;
-    };
-    FA2_DEVICE static Ends load(const int* cu_seqlens_q, const int* cu_seqlens_k, int batch) {
-        Ends e;
-        if (cu_seqlens_q == nullptr) return e;
-        e.q0 = cu_seqlens_q[batch], e.q1 = cu_seqlens_q[batch + 1];
-        if (cu_seqlens_k != nullptr) e.k0 = cu_seqlens_k[batch], e.k1 = cu_seqlens_k[batch + 1];
-        return e;
-    }
     // reporter: 1 if this thread reports bad bounds, 0 if not (one thread per sequence); by default (-1) thread 0 of
     // the first block of the grid's (x, y) plane, which the kernels with a grid z per sequence have once per sequence.
     FA2_DEVICE SeqBounds(const int* cu_seqlens_q, const int* cu_seqlens_k, int batch, int total_q, int total_k,
                          int* error_claim, long long* error_host, int& seqlen_q, int& seqlen_k, int reporter = -1) {
         if (cu_seqlens_q == nullptr) return;
-        check(load(cu_seqlens_q, cu_seqlens_k, batch), batch, total_q, total_k, error_claim, error_host, seqlen_q,
-              seqlen_k, reporter);
-    }
-    // The same from entries already loaded (of a varlen call: cu_seqlens_q is not null).
-    FA2_DEVICE SeqBounds(const Ends& ends, int batch, int total_q, int total_k, int* error_claim,
-                         long long* error_host, int& seqlen_q, int& seqlen_k, int reporter = -1) {
-        check(ends, batch, total_q, total_k, error_claim, error_host, seqlen_q, seqlen_k, reporter);
-    }
-
-  private:
-    FA2_DEVICE void check(const Ends& e, int batch, int total_q, int total_k, int* error_claim,
-                          long long* error_host, int& seqlen_q, int& seqlen_k, int reporter) {
-        const bool q_ok = 0 <= e.q0 && e.q0 <= e.q1 && e.q1 <= total_q && e.q1 - e.q0 <= seqlen_q;
-        const bool k_ok = 0 <= e.k0 && e.k0 <= e.k1 && e.k1 <= total_k && e.k1 - e.k0 <= seqlen_k;
+        const int q0 = cu_seqlens_q[batch], q1 = cu_seqlens_q[batch + 1];
+        const int k0 = cu_seqlens_k != nullptr ? cu_seqlens_k[batch] : 0;
+        const int k1 = cu_seqlens_k != nullptr ? cu_seqlens_k[batch + 1] : 0;
+        const bool q_ok = 0 <= q0 && q0 <= q1 && q1 <= total_q && q1 - q0 <= seqlen_q;
+        const bool k_ok = 0 <= k0 && k0 <= k1 && k1 <= total_k && k1 - k0 <= seqlen_k;
         if (q_ok && k_ok) {
-            q_start = e.q0, k_start = e.k0;
-            seqlen_q = e.q1 - e.q0, seqlen_k = e.k1 - e.k0;
+            q_start = q0, k_start = k0;
+            seqlen_q = q1 - q0, seqlen_k = k1 - k0;
             return;
         }
         if (reporter < 0 ? threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0 : reporter != 0)
             report_bad_value(error_claim, error_host, q_ok ? kBadCuSeqlensK : kBadCuSeqlensQ, batch,
-                             q_ok ? e.k0 : e.q0, q_ok ? e.k1 : e.q1);
+                             q_ok ? k0 : q0, q_ok ? k1 : q1);
         seqlen_q = seqlen_k = 0;
     }
 };
