@@ -315,10 +315,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // P_j while the product with V_{j-1} runs (FA3's overlap within a warpgroup), and the two warpgroups take
     // turns to issue (named barriers 1 and 2), so that one's softmax runs under the other's products.
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Tr::kConsumerRegisters));
-    // The warpgroup through a warp reduction, whose result ptxas knows to be warp-uniform: from `warp >> 2` it
-    // kept every branch on the warpgroup divergent (a WARPSYNC or BSSY/BSYNC pair around each; 464 more
-    // instructions, 3-7% slower) and serialised any wgmma in such a branch.
-    const int wg = __reduce_or_sync(~0u, warp >> 2);
+    // The warpgroup as warp_uniform(): from `warp >> 2` ptxas kept every branch on the warpgroup divergent (a
+    // WARPSYNC or BSSY/BSYNC pair around each; 464 more instructions, 3-7% slower) and serialised any wgmma in
+    // such a branch.
+    const int wg = warp_uniform(warp >> 2);
     // P V over 128-key tiles covers only the 64-key halves a warpgroup's rows can see (kLow | kHigh). (S stays
     // whole: with S's accumulators written by different wgmma in a branch, ptxas serialises every wgmma.)
     constexpr bool kHalves = Tr::kBlockN == 128;
