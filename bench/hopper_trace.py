@@ -12,7 +12,6 @@ that length (varlen: packed, with cu_seqlens), else one.
 
 import argparse
 import sys
-from pathlib import Path
 
 import cupy
 import numpy as np
@@ -41,7 +40,7 @@ def main():
     parser.add_argument("--tree", help="build from this copy of cuda/ instead")
     args = parser.parse_args()
     if args.tree:
-        build.kernel_dir = lambda: Path(args.tree)
+        build.use_sources(args.tree)
     d, heads = args.headdim, args.heads
     config = configs.FORWARD_HOPPER_TABLE[d]
     rng = cupy.random.default_rng(0)

@@ -36,8 +36,7 @@ def plans_for(tree: str, cases):
         d, _, fields = row.rpartition(":")
         d = int(d or 128)
         configs.FORWARD_HOPPER_TABLE[d] = configs.HopperFwdConfig(d, 128, *map(int, fields.split(",")))
-    build.kernel_dir = lambda: Path(tree)
-    build.clear_memory_cache()
+    build.use_sources(tree)
     plans = {}
     for case in cases:
         _, mask, seqlen = case.split(":")

@@ -18,7 +18,6 @@ Two comparisons, each timed back to back with the same timer as ``fa2cupy bench`
 
 import argparse
 import sys
-from pathlib import Path
 
 import cupy
 import numpy as np
@@ -138,8 +137,7 @@ def compare_trees(args, rand, events):
     best = {}
     for _ in range(args.rounds):
         for name, path in trees:
-            build.kernel_dir = lambda path=path: Path(path)
-            build.clear_memory_cache()
+            build.use_sources(path)
             interface._cached_calls.clear()  # (its plans hold the previous tree's kernels)
             for case, (padded, varlen) in calls.items():
                 pf = B.time_gpu(padded, events, warmup=3, repeats=15).median_ms

@@ -34,8 +34,7 @@ def main(argv):
     args = parser.parse_args(argv)
     forward_only, rows = args.forward_only, args.window_rows
     if args.tree:
-        tree = args.tree.resolve()
-        build.kernel_dir = lambda: tree
+        build.use_sources(args.tree)
     rng = cupy.random.default_rng(0)
     shape = (1, 65536, 16, 128)
     q, k, v, dout = (rng.standard_normal(shape, dtype=cupy.float32).astype(cupy.float16) for _ in range(4))

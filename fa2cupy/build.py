@@ -26,8 +26,14 @@ ARCH_SPECIFIC = {"fwd_hopper": "90a"}
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 
 
+_source_dir: Path | None = None  # see use_sources
+
+
 def kernel_dir() -> Path:
-    """Where the .cu/.cuh sources are: installed beside the package, or in the source tree."""
+    """Where the .cu/.cuh sources are: installed beside the package, or in the source tree (or as use_sources
+    says)."""
+    if _source_dir is not None:
+        return _source_dir
     here = Path(__file__).resolve().parent
     for candidate in (here / "cuda", here.parent / "cuda"):
         if (candidate / "primitives.cuh").is_file():
@@ -115,6 +121,14 @@ def clear_memory_cache() -> None:
     """Forget compiled kernels in this process (the on-disk cache stays); used to time cold compiles."""
     _kernels.clear()
     source.cache_clear()
+
+
+def use_sources(directory) -> None:
+    """Build this process's kernels from another copy of cuda/ (``None``: the package's own), for A/B timings of
+    kernel versions (bench/); the kernels compiled so far are forgotten, and so must be plans that hold them."""
+    global _source_dir
+    _source_dir = None if directory is None else Path(directory).resolve()
+    clear_memory_cache()
 
 
 def compile_for_arch(family: str, name_expressions, arch: str, log: bool = False, ptx_only: bool = False):

@@ -196,3 +196,21 @@ def test_source_inlines_headers_once(family):
     text = build.source(family)
     assert '#include "' not in text
     assert text.count("struct SmemTile") == 1
+
+
+def test_use_sources_builds_from_another_copy(tmp_path):
+    """bench/'s A/B timings build kernels from a copy of cuda/: build.use_sources switches every family's
+    source to it and forgets what was built, and None switches back."""
+    own = build.source("fwd")
+    copy = tmp_path / "cuda"
+    copy.mkdir()
+    for f in build.kernel_dir().iterdir():
+        copy.joinpath(f.name).write_text(f.read_text())
+    copy.joinpath("primitives.cuh").write_text("// another copy\n" + copy.joinpath("primitives.cuh").read_text())
+    try:
+        build.use_sources(copy)
+        assert build.kernel_dir() == copy.resolve()
+        assert "// another copy" in build.source("fwd") and "// another copy" not in own
+    finally:
+        build.use_sources(None)
+    assert build.source("fwd") == own
