@@ -6,6 +6,7 @@ to back; graph: 16 calls captured in a CUDA graph, GPU time per call. Outputs ar
 variant's before timing.
 
     python bench/decode_ab.py [--cases 1x16384,64x1024] [--variants base,walk132] [--rounds 4]
+    python bench/decode_ab.py --trees base=ab_trees/base/cuda,new=cuda   (kernels built from each copy of cuda/)
 
 Variants: ``base`` (the shipped plan), ``deep``/``shallow`` (the deep-ring twin of the d=128 row forced on or
 off), ``block``/``solo``/``solodeep``/``soloshallow`` (warp items forced off, or on with either ring), ``solost3``
@@ -21,7 +22,7 @@ import sys
 sys.path.insert(0, ".")
 import fa2cupy  # noqa: E402
 from fa2cupy import benchmark as B  # noqa: E402
-from fa2cupy import configs, decode, interface  # noqa: E402
+from fa2cupy import build, configs, decode, interface  # noqa: E402
 
 H, HKV, D = 32, 8, 128  # the decode bar's query heads, KV heads and head dim
 _originals = {"_attention_grid": decode._attention_grid, "decode_config": configs.decode_config,
@@ -61,10 +62,16 @@ VARIANTS["bn16"] = {"decode_config": _row(block_n=16)}  # 16-key tiles: two walk
 VARIANTS["bn16st3"] = {"decode_config": _row(block_n=16, stages=3)}
 
 
+TREES = {}  # tree variant -> its copy of cuda/ (--trees)
+
+
 def use(variant: str) -> None:
-    """Sets the variant's module attributes (of decode, or configs.decode_config) and drops the cached plans."""
-    for name, value in {**_originals, **VARIANTS[variant]}.items():
+    """Sets the variant's module attributes (of decode, or configs.decode_config), or its source tree, and drops
+    the cached plans."""
+    for name, value in {**_originals, **VARIANTS.get(variant, {})}.items():
         setattr(configs if name == "decode_config" else decode, name, value)
+    if TREES:
+        build.use_sources(TREES[variant])
     interface._cached_calls.clear()  # plans are built for the attributes in force
 
 
@@ -73,7 +80,11 @@ def main():
     parser.add_argument("--cases", default="1x1024,1x4096,1x16384,1x65536,8x1024,8x4096")
     parser.add_argument("--variants", default="base,walk132")
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--trees", default="", help="name=DIR,... : the shipped plans on kernels from each tree")
     args = parser.parse_args()
+    if args.trees:
+        TREES.update(pair.split("=", 1) for pair in args.trees.split(","))
+        args.variants = ",".join(TREES)
     torch = B._torch()
     events = B.TorchEvents()
     gen = torch.Generator(device="cuda").manual_seed(0)

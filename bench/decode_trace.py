@@ -5,6 +5,7 @@ items, each item's span by its place in its block and the gap between items. Sam
 (hq=32 hkv=8 d=128, seqlen_q=1, full caches).
 
     python bench/decode_trace.py [--cases 1x16384,64x1024] [--config 32,2,4,1] [--splits 0] [--defines ...]
+                                 [--tree ab_trees/x/cuda]
 """
 
 import argparse
@@ -44,7 +45,10 @@ def main():
     parser.add_argument("--splits", default="0", help="comma-separated num_splits (0 = heuristic)")
     parser.add_argument("--defines", default="", help="extra NVRTC defines, e.g. FA2_DECODE_TRACE_STRIDE=25 "
                         "(tile marks every 25th tile)")
+    parser.add_argument("--tree", help="build from this copy of cuda/ instead")
     args = parser.parse_args()
+    if args.tree:
+        build.use_sources(args.tree)
     device = cupy.cuda.runtime.getDevice()
     config = configs.decode_config(int(cupy.cuda.Device().compute_capability), D)
     if args.config:

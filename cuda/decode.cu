@@ -382,7 +382,8 @@ struct DecodeItem {
     int split, group, b;  // group: kv head + nheads_kv * row block
     int kv_head, row0;
     int cached, cache_row, pad;  // the index values read for row b
-    int seqlen_k, key_begin, key_end, my_tiles;
+    int seqlen_k, key_begin, key_end;
+    int first_tile, my_tiles;  // the warp's first key tile of the item's keys, and how many it takes
     bool poisoned;
 };
 
@@ -412,7 +413,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                      int headdim, int fixed_seqlen, int seqlen_new, int capacity, int cache_rows, int page_size,
                      int max_pages, float scale, float scale_log2, const float* __restrict__ alibi_slopes,
                      i64 alibi_batch_stride, const int* __restrict__ cache_leftpad, int window_left,
-                     int window_right, float softcap, int num_splits) {
+                     int window_right, float softcap, int num_splits, u32 splits_magic, int splits_shift,
+                     u32 groups_magic, int groups_shift, u32 heads_kv_magic, int heads_kv_shift,
+                     u32 heads_per_kv_magic, int heads_per_kv_shift) {
     using QTile = typename Tr::QTile;
     using KVTile = typename Tr::KVTile;
     using Mma = fa2::Mma<typename Tr::Elem>;
@@ -421,6 +424,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // Warp items: a warp's tiles are all of its item's; otherwise the block's warps take the item's tiles in turn.
     constexpr bool solo = Tr::kWarpItems;
     constexpr int kTileStride = solo ? 1 : kW;
+    const int tile_stride = num_splits * kTileStride;  // between a warp's tiles of an item
 
     decode_mark(0, blockIdx.x);
     extern __shared__ __align__(128) unsigned char smem[];
@@ -433,9 +437,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const u32 smem_k = smem_q + Tr::kQBytes + (solo ? 0 : warp * kWarpBytes);
     const u32 smem_v = smem_k + kS * KVTile::kBytes;
 
-    const int nheads_kv = nheads / heads_per_kv;
+    // Run-time divisors of the index arithmetic, as multiplications (the launch's start waits on them).
+    const FastDiv by_heads_per_kv{heads_per_kv_magic, heads_per_kv_shift};
+    const int nheads_kv = by_heads_per_kv.div(nheads);
     const int rows = seqlen_q * heads_per_kv;  // packed rows r = query * heads_per_kv + head-in-group
     const int groups = nheads_kv * ((rows + 15) / 16);
+    const FastDiv by_splits{splits_magic, splits_shift}, by_groups{groups_magic, groups_shift};
+    const FastDiv by_heads_kv{heads_kv_magic, heads_kv_shift};
     const int items = num_splits * groups * batch;
     const unsigned walkers = solo ? gridDim.x * kW : gridDim.x;  // blocks, or warps, that take items
     const bool persistent = (int)walkers < items;
@@ -448,18 +456,20 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
     // An item's index values are loaded first (their latency hides behind other work) and checked later.
     auto item_values = [&](int item, DecodeItem& it) {
-        it.split = item % num_splits;
-        it.group = item / num_splits % groups;
-        it.b = item / num_splits / groups;
-        it.kv_head = it.group % nheads_kv;
-        it.row0 = it.group / nheads_kv * 16;
+        const int split_major = by_splits.div(item);
+        it.split = item - split_major * num_splits;
+        it.b = by_groups.div(split_major);
+        it.group = split_major - it.b * groups;
+        const int row_block = by_heads_kv.div(it.group);
+        it.kv_head = it.group - row_block * nheads_kv;
+        it.row0 = row_block * 16;
         it.cached = index.cached(it.b);
         it.cache_row = index.cache_row(it.b);
         it.pad = Tr::kExtras && cache_leftpad != nullptr ? cache_leftpad[it.b] : 0;
     };
-    // Values the host could not check. A bad one poisons the item: it writes NaN. This split's keys are whole
-    // BlockN tiles except at the end; under the causal mask no row of the block sees keys past the last row's
-    // limit. The block's warps take the item's tiles in turn (warp items: the warp takes them all).
+    // Values the host could not check. A bad one poisons the item: it writes NaN. Then the row's keys that some row
+    // of the block sees (under the causal mask, none past the last row's limit), in BlockN tiles, and this warp's
+    // share of them (warp items: the warp takes them all).
     auto item_check = [&](DecodeItem& it) {
         const bool reporter = (solo ? lane : threadIdx.x) == 0 && it.split == 0 && it.group == 0;  // one per row
         it.poisoned = pending_report;
@@ -477,33 +487,32 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             if (reporter) report_bad_value(error_claim, error_host, kBadCacheLeftpad, it.b, 0, it.pad);
         }
         it.seqlen_k = it.poisoned ? 0 : it.cached + seqlen_new - it.pad;
-        const int last_query = min(seqlen_q - 1, (min(rows, it.row0 + 16) - 1) / heads_per_kv);
+        const int last_query = min(seqlen_q - 1, by_heads_per_kv.div(min(rows, it.row0 + 16) - 1));
         if constexpr (Tr::kExtras) {
             // Only the keys some row of the block sees, from a tile boundary (paged tiles must start on a multiple
-            // of 16 keys), are split: a small window over a long cache costs a few tiles, not the cache.
+            // of 16 keys), are streamed: a small window over a long cache costs a few tiles, not the cache.
             const WindowMask<kMaskWindow> window{seqlen_q, it.seqlen_k, window_left, window_right};
-            const int first_query = it.row0 / heads_per_kv;
-            const int lo = window.key_begin(first_query) / Tr::kBlockN * Tr::kBlockN;
-            const int hi = window.key_end(first_query, last_query - first_query + 1);
-            const int span = max(hi - lo, 0);
-            const int per_split =
-                ((span + num_splits - 1) / num_splits + Tr::kBlockN - 1) / Tr::kBlockN * Tr::kBlockN;
-            it.key_begin = lo + it.split * per_split;
-            it.key_end = min(hi, it.key_begin + per_split);
+            const int first_query = by_heads_per_kv.div(it.row0);
+            it.key_begin = window.key_begin(first_query) / Tr::kBlockN * Tr::kBlockN;
+            it.key_end = window.key_end(first_query, last_query - first_query + 1);
         } else {
-            const int per_split =
-                ((it.seqlen_k + num_splits - 1) / num_splits + Tr::kBlockN - 1) / Tr::kBlockN * Tr::kBlockN;
-            it.key_begin = it.split * per_split;
-            it.key_end = min(it.seqlen_k, it.key_begin + per_split);
+            it.key_begin = 0;
+            it.key_end = it.seqlen_k;
             if (Tr::kCausal) it.key_end = min(it.key_end, it.seqlen_k - seqlen_q + last_query + 1);
         }
+        // The splits' warps take the key tiles in turn (split s, warp w: tiles s * W + w, + num_splits * W, ...),
+        // so that every block of the call streams from one front moving through the cache (a memcpy's pattern),
+        // not from num_splits separate ranges (bench/NOTES.md: DRAM rounds were slower the closer those ranges).
         const int n_tiles =
             it.key_end > it.key_begin ? (it.key_end - it.key_begin + Tr::kBlockN - 1) / Tr::kBlockN : 0;
-        it.my_tiles = n_tiles > tile_warp ? (n_tiles - tile_warp + kTileStride - 1) / kTileStride : 0;
+        it.first_tile = it.split * kTileStride + tile_warp;
+        it.my_tiles = n_tiles > it.first_tile  // (x / kTileStride) / num_splits = x / tile_stride
+                          ? by_splits.div((n_tiles - it.first_tile + tile_stride - 1) / kTileStride)
+                          : 0;
     };
     // First key of the warp's j-th tile of an item.
     auto tile_first = [&](const DecodeItem& it, int j) {
-        return it.key_begin + (tile_warp + j * kTileStride) * Tr::kBlockN;
+        return it.key_begin + (it.first_tile + j * tile_stride) * Tr::kBlockN;
     };
 
     // K/V of the warp's j-th tile of an item into ring slot `slot`; true if a block_table entry was out of range
@@ -571,7 +580,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         for (int idx = solo ? lane : threadIdx.x; idx < 16 * kDT; idx += solo ? 32 : Tr::kThreads) {
             const int r = idx / kDT, c = (idx % kDT) * 8, packed = it.row0 + r;
             const bool ok = packed < rows && c < headdim;
-            const int query = packed / heads_per_kv, head = it.kv_head * heads_per_kv + packed % heads_per_kv;
+            const int query = by_heads_per_kv.div(packed);
+            const int head = it.kv_head * heads_per_kv + packed - query * heads_per_kv;
             cp_async_16(QTile::at(smem_q + buffer * QTile::kBytes, r, c),
                         ok ? q + it.b * q_batch_stride + (i64)query * q_row_stride + head * q_head_stride + c : q,
                         ok);
@@ -582,10 +592,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     if (solo && item >= items) return;  // (warp items have no block barrier)
     DecodeItem cur;
     item_values(item, cur);
-    item_check(cur);
-    // The first item: Q, then each warp's ring prologue, one group per tile (empty past the warp's tiles).
+    // The first item: Q (its addresses need no index value, so it loads while they arrive), then each warp's ring
+    // prologue, one group per tile (empty past the warp's tiles).
     load_q(cur, 0);
     cp_async_commit();
+    item_check(cur);
     bool bad_page = false;  // a bad block_table entry in cur's tiles (this thread's loads)
     // The ring: each warp keeps kS - 1 tiles in flight while it waits for the next one, refilling a slot before
     // the math on the next tile; deep (Tr::kDeepRing), kS tiles, refilling each slot right after its tile's math.
@@ -673,7 +684,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int packed = cur.row0 + (lane >> 2) + half * 8;
-                const int head = cur.kv_head * heads_per_kv + packed % heads_per_kv;
+                const int head = cur.kv_head * heads_per_kv + packed - by_heads_per_kv.div(packed) * heads_per_kv;
                 const float slope = alibi_slopes != nullptr && packed < rows
                                         ? alibi_slopes[cur.b * alibi_batch_stride + head]
                                         : 0.f;
@@ -708,7 +719,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 // Final logits (softcap, ALiBi), then the window: a key's distance from the row's diagonal decides.
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
-                    const int query = (cur.row0 + (lane >> 2) + half * 8) / heads_per_kv;
+                    const int query = by_heads_per_kv.div(cur.row0 + (lane >> 2) + half * 8);
 #pragma unroll
                     for (int nt = 0; nt < kNT; ++nt) {
 #pragma unroll
@@ -725,7 +736,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             } else {
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
-                    const int query = (cur.row0 + (lane >> 2) + half * 8) / heads_per_kv;
+                    const int query = by_heads_per_kv.div(cur.row0 + (lane >> 2) + half * 8);
                     const int limit =
                         Tr::kCausal ? min(cur.key_end, cur.seqlen_k - seqlen_q + query + 1) : cur.key_end;
 #pragma unroll
@@ -754,11 +765,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         softmax.finalize(acc_o, row_lse, Tr::kExtras ? 1.f : scale);
         const i64 total_rows = (i64)batch * seqlen_q * nheads;
         auto out_row = [&](int packed) {  // index of packed row `packed` in (batch, seqlen_q, nheads) order
-            const int query = packed / heads_per_kv, head = cur.kv_head * heads_per_kv + packed % heads_per_kv;
+            const int query = by_heads_per_kv.div(packed);
+            const int head = cur.kv_head * heads_per_kv + packed - query * heads_per_kv;
             return ((i64)cur.b * seqlen_q + query) * nheads + head;
         };
         auto lse_index = [&](int packed) {  // ... and in lse_out's (batch, nheads, seqlen_q) order
-            const int query = packed / heads_per_kv, head = cur.kv_head * heads_per_kv + packed % heads_per_kv;
+            const int query = by_heads_per_kv.div(packed);
+            const int head = cur.kv_head * heads_per_kv + packed - query * heads_per_kv;
             return ((i64)cur.b * nheads + head) * seqlen_q + query;
         };
         if constexpr (solo) {
@@ -788,9 +801,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
             float* merge_out = reinterpret_cast<float*>(merge_area);          // [warp][16][kMergePitch]
             float* merge_lse = merge_out + kW * 16 * Tr::kMergePitch;            // [warp][16]
+            const int real_rows = min(16, rows - cur.row0);  // packed rows past the group's are padding
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int r = (lane >> 2) + half * 8;
+                if (r >= real_rows) continue;
                 float* dst = merge_out + (warp * 16 + r) * Tr::kMergePitch;
 #pragma unroll
                 for (int dt = 0; dt < kDT; ++dt)
@@ -800,21 +815,28 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             }
             __syncthreads();
             decode_mark(20, item);
+            // Per row, once: the block's lse, each warp's lse replaced by its weight, and where the row goes in out
+            // and lse_out (the index arithmetic, with its run-time divisions, kept off the loops below).
             __shared__ float block_lse[16];
-            if (threadIdx.x < 16) {  // per row: the block's lse, and each warp's lse replaced by its weight
+            __shared__ i64 block_row[16], block_lse_row[16];
+            if (threadIdx.x < real_rows) {
                 const int r = threadIdx.x;
                 const float lse = merged_lse(kW, [&](int w) { return merge_lse[w * 16 + r]; });
                 for (int w = 0; w < kW; ++w) merge_lse[w * 16 + r] = part_weight(merge_lse[w * 16 + r], lse);
                 block_lse[r] = lse;
+                block_row[r] = out_row(cur.row0 + r);
+                block_lse_row[r] = lse_index(cur.row0 + r);
             }
             __syncthreads();
             decode_mark(21, item);
 
             // The block's rows: merged over its warps, then final (one split) or an fp32 partial for the last block.
-            const int half_dim = headdim / 2;
-            for (int idx = threadIdx.x; idx < 16 * half_dim; idx += Tr::kThreads) {
-                const int r = idx / half_dim, c = (idx % half_dim) * 2;
-                if (cur.row0 + r >= rows) break;
+            // Units of (row, 2 columns) by the instantiation's head dim, so the unit -> (row, column) split is a
+            // shift; a smaller run-time head dim leaves the columns past it out.
+            constexpr int kPairs = Tr::kHeadDim / 2;
+            for (int idx = threadIdx.x; idx < real_rows * kPairs; idx += Tr::kThreads) {
+                const int r = idx / kPairs, c = (idx % kPairs) * 2;
+                if (c >= headdim) continue;
                 float lse = block_lse[r];
                 float2 o = make_float2(0.f, 0.f);
 #pragma unroll
@@ -826,10 +848,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                     o.y += weight * part.y;
                 }
                 if (poisoned) o.x = o.y = lse = quiet_nan();
-                const i64 row = out_row(cur.row0 + r);
+                const i64 row = block_row[r];
                 if (num_splits == 1) {
                     reinterpret_cast<u32*>(out + row * headdim)[c / 2] = Mma::pack(o.x, o.y);
-                    if (c == 0 && lse_out != nullptr) lse_out[lse_index(cur.row0 + r)] = lse;
+                    if (c == 0 && lse_out != nullptr) lse_out[block_lse_row[r]] = lse;
                 } else {
                     *reinterpret_cast<float2*>(partial_out + (cur.split * total_rows + row) * headdim + c) = o;
                     if (c == 0) partial_lse[cur.split * total_rows + row] = lse;
@@ -859,12 +881,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                     // One (row, 4 columns) unit per thread, merged online over chunks of 16 splits whose lse and
                     // partial loads are all in flight at once: one L2 round trip per chunk, no shared memory, no
                     // barrier. Every thread of a row computes the row's lse itself (the same few lse loads, L2 hits).
-                    constexpr int kChunk = 16;
-                    const int real_rows = min(16, rows - cur.row0);
-                    const int quads = headdim / 4, work = real_rows * quads;
-                    for (int t = threadIdx.x; t < work; t += Tr::kThreads) {
-                        const int r = t / quads, c = (t % quads) * 4;
-                        const i64 row = out_row(cur.row0 + r);
+                    constexpr int kChunk = 16, kQuads = Tr::kHeadDim / 4;
+                    for (int t = threadIdx.x; t < real_rows * kQuads; t += Tr::kThreads) {
+                        const int r = t / kQuads, c = (t % kQuads) * 4;
+                        if (c >= headdim) continue;
+                        const i64 row = block_row[r];
                         float max_lse = -pos_inf(), sum = 0.f;
                         float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
                         for (int first = 0; first < num_splits; first += kChunk) {
@@ -899,7 +920,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                         dst[0] = Mma::pack(o.x * inv, o.y * inv);
                         dst[1] = Mma::pack(o.z * inv, o.w * inv);
                         if (c == 0 && lse_out != nullptr)
-                            lse_out[lse_index(cur.row0 + r)] = sum == 0.f ? pos_inf() : max_lse + __logf(sum);
+                            lse_out[block_lse_row[r]] = sum == 0.f ? pos_inf() : max_lse + __logf(sum);
                     }
                     decode_mark(16, item);
                 }

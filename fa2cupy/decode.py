@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import arrays, build, configs
+from .forward import fast_divisor
 
 _LOG2E = 1.4426950408889634
 
@@ -254,6 +255,9 @@ def plan_decode(q_shape, strides, dtype: str, *, nheads_kv: int, cache_rows: int
     args += (pointer, np.int64(extras.alibi_batch_stride), pointer, np.int32(extras.window_left),
              np.int32(extras.window_right), np.float32(extras.softcap))
     args += (np.int32(splits),)
+    for divisor in (splits, nheads_kv * row_blocks, nheads_kv, group):  # the kernel's FastDiv divisors
+        magic, shift = fast_divisor(divisor)
+        args += (np.uint32(magic), np.int32(shift))
     grid, smem = _attention_grid(function, config, device, items)
     attention = build.Launch(function, (grid, 1, 1), (config.threads, 1, 1), smem, args,
                              tuple(range(13)) + (seqlen_slot, extra_slot, extra_slot + 2))
