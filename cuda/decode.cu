@@ -472,7 +472,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // share of them (warp items: the warp takes them all).
     auto item_check = [&](DecodeItem& it) {
         const bool reporter = (solo ? lane : threadIdx.x) == 0 && it.split == 0 && it.group == 0;  // one per row
-        it.poisoned = pending_report;
+        it.poisoned = false;  // a bad value of this item's (a report pending from elsewhere: below)
         if (!index.seqlen_ok(it.cached)) {
             it.poisoned = true;
             if (reporter) report_bad_value(error_claim, error_host, kBadCacheSeqlen, it.b, 0, it.cached);
@@ -487,6 +487,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             if (reporter) report_bad_value(error_claim, error_host, kBadCacheLeftpad, it.b, 0, it.pad);
         }
         it.seqlen_k = it.poisoned ? 0 : it.cached + seqlen_new - it.pad;
+        // A report pending from elsewhere (the append's) poisons the rows too, but not the loads: every index value
+        // they use is checked here or per tile, so the tile count need not wait for the error word's load.
+        it.poisoned |= pending_report;
         const int last_query = min(seqlen_q - 1, by_heads_per_kv.div(min(rows, it.row0 + 16) - 1));
         if constexpr (Tr::kExtras) {
             // Only the keys some row of the block sees, from a tile boundary (paged tiles must start on a multiple
@@ -867,13 +870,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 __shared__ int last_to_arrive;
                 __syncthreads();
                 if (threadIdx.x == 0) {
-                    int* counter = arrivals + (i64)cur.b * groups + cur.group;
+                    unsigned* counter = reinterpret_cast<unsigned*>(arrivals + (i64)cur.b * groups + cur.group);
                     fence_acq_rel_gpu();
-                    last_to_arrive = atomicAdd(counter, 1) == num_splits - 1;
-                    if (last_to_arrive) {
-                        *counter = 0;  // left zeroed, as it was found
-                        fence_acq_rel_gpu();
-                    }
+                    // The last arrival wraps the counter back to 0 (left as it was found) in the same atomic: no
+                    // store for the acquire fence below to wait for.
+                    last_to_arrive = atomicInc(counter, num_splits - 1) == (unsigned)num_splits - 1;
+                    if (last_to_arrive) fence_acq_rel_gpu();
                 }
                 __syncthreads();
                 decode_mark(15, item);
@@ -891,13 +893,20 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                         for (int first = 0; first < num_splits; first += kChunk) {
                             float l[kChunk];
                             float4 x[kChunk];
+                            // Every split's lse and partial in flight at once (in program order: see
+                            // ld_relaxed_gpu), before any of the math on them.
+                            const float* lse_at = partial_lse + (i64)first * total_rows + row;
+                            const float* out_at = partial_out + ((i64)first * total_rows + row) * headdim + c;
 #pragma unroll
                             for (int k = 0; k < kChunk; ++k) {
-                                const i64 part = (i64)(first + k) * total_rows + row;
-                                const bool here = first + k < num_splits;
-                                l[k] = here ? __ldcg(partial_lse + part) : pos_inf();
-                                x[k] = here ? __ldcg(reinterpret_cast<const float4*>(partial_out + part * headdim + c))
-                                            : make_float4(0.f, 0.f, 0.f, 0.f);
+                                x[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+                                l[k] = pos_inf();
+                                if (first + k < num_splits) {
+                                    x[k] = ld_relaxed_gpu_v4(out_at);
+                                    l[k] = ld_relaxed_gpu(lse_at);
+                                }
+                                lse_at += total_rows;
+                                out_at += total_rows * headdim;
                             }
                             // A part with lse +-inf saw no key and weighs 0; a NaN lse (a poisoned split) makes NaN.
                             float chunk_max = max_lse;

@@ -160,6 +160,20 @@ FA2_DEVICE void ld_global_v4(const void* ptr, u32 (&r)[4]) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "l"(ptr));
 }
+// Loads of data other blocks wrote (relaxed, GPU scope: from L2), issued in program order: ptxas keeps volatile asm
+// in order, where it moved plain loads behind the math on loads issued before them (a second L2 round trip).
+FA2_DEVICE float ld_relaxed_gpu(const float* ptr) {
+    float x;
+    asm volatile("ld.relaxed.gpu.global.f32 %0, [%1];\n" : "=f"(x) : "l"(ptr));
+    return x;
+}
+FA2_DEVICE float4 ld_relaxed_gpu_v4(const float* ptr) {
+    float4 x;
+    asm volatile("ld.relaxed.gpu.global.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w)
+                 : "l"(ptr));
+    return x;
+}
 // Adds two consecutive floats to global memory without reading back (fp32 dQ accumulation in the backward).
 FA2_DEVICE void red_add_f32x2(float* ptr, float a, float b) {
 #if __CUDA_ARCH__ >= 900
