@@ -8,8 +8,8 @@
 //                     item, or, when there are more items than the GPU holds blocks, fewer blocks that walk them
 //                     (each warp's ring runs on into the next item while the block merges the last). The rows are
 //                     the (new token, query head) pairs that share one KV head (GQA packing), so each K/V byte is
-//                     read once per KV head, on tensor cores. The warps of a block stream interleaved key tiles of
-//                     the item's split through their own cp.async rings (more bytes in flight per SM) and merge in
+//                     read once per KV head, on tensor cores. The warps of all the row's split blocks take its key
+//                     tiles in turn, each through its own cp.async ring (more bytes in flight per SM), and merge in
 //                     shared memory; the splits of a row (split-KV, so that small batches fill the GPU) write fp32
 //                     partials, and the last split block to finish merges them: one launch per call. Its Extras
 //                     variant adds the sliding window, softcap, ALiBi and left-padded caches.
@@ -503,9 +503,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             it.key_end = it.seqlen_k;
             if (Tr::kCausal) it.key_end = min(it.key_end, it.seqlen_k - seqlen_q + last_query + 1);
         }
-        // The splits' warps take the key tiles in turn (split s, warp w: tiles s * W + w, + num_splits * W, ...),
-        // so that every block of the call streams from one front moving through the cache (a memcpy's pattern),
-        // not from num_splits separate ranges (bench/NOTES.md: DRAM rounds were slower the closer those ranges).
+        // The splits' warps take the key tiles in turn (split s, warp w: tiles s * W + w, + num_splits * W, ...):
+        // one tile order for every item, with no per-split key ranges to work out (as fast as contiguous ranges
+        // per split, bench/NOTES.md).
         const int n_tiles =
             it.key_end > it.key_begin ? (it.key_end - it.key_begin + Tr::kBlockN - 1) / Tr::kBlockN : 0;
         it.first_tile = it.split * kTileStride + tile_warp;
@@ -516,6 +516,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // First key of the warp's j-th tile of an item.
     auto tile_first = [&](const DecodeItem& it, int j) {
         return it.key_begin + (it.first_tile + j * tile_stride) * Tr::kBlockN;
+    };
+
+    // Packed row `packed` of an item of kv head `kv_head`: its query (new token) and its query head.
+    auto query_head = [&](int kv_head, int packed, int& query, int& head) {
+        query = by_heads_per_kv.div(packed);
+        head = kv_head * heads_per_kv + packed - query * heads_per_kv;
     };
 
     // K/V of the warp's j-th tile of an item into ring slot `slot`; true if a block_table entry was out of range
@@ -583,8 +589,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         for (int idx = solo ? lane : threadIdx.x; idx < 16 * kDT; idx += solo ? 32 : Tr::kThreads) {
             const int r = idx / kDT, c = (idx % kDT) * 8, packed = it.row0 + r;
             const bool ok = packed < rows && c < headdim;
-            const int query = by_heads_per_kv.div(packed);
-            const int head = it.kv_head * heads_per_kv + packed - query * heads_per_kv;
+            int query, head;
+            query_head(it.kv_head, packed, query, head);
             cp_async_16(QTile::at(smem_q + buffer * QTile::kBytes, r, c),
                         ok ? q + it.b * q_batch_stride + (i64)query * q_row_stride + head * q_head_stride + c : q,
                         ok);
@@ -687,7 +693,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int packed = cur.row0 + (lane >> 2) + half * 8;
-                const int head = cur.kv_head * heads_per_kv + packed - by_heads_per_kv.div(packed) * heads_per_kv;
+                int query, head;
+                query_head(cur.kv_head, packed, query, head);
                 const float slope = alibi_slopes != nullptr && packed < rows
                                         ? alibi_slopes[cur.b * alibi_batch_stride + head]
                                         : 0.f;
@@ -768,13 +775,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         softmax.finalize(acc_o, row_lse, Tr::kExtras ? 1.f : scale);
         const i64 total_rows = (i64)batch * seqlen_q * nheads;
         auto out_row = [&](int packed) {  // index of packed row `packed` in (batch, seqlen_q, nheads) order
-            const int query = by_heads_per_kv.div(packed);
-            const int head = cur.kv_head * heads_per_kv + packed - query * heads_per_kv;
+            int query, head;
+            query_head(cur.kv_head, packed, query, head);
             return ((i64)cur.b * seqlen_q + query) * nheads + head;
         };
         auto lse_index = [&](int packed) {  // ... and in lse_out's (batch, nheads, seqlen_q) order
-            const int query = by_heads_per_kv.div(packed);
-            const int head = cur.kv_head * heads_per_kv + packed - query * heads_per_kv;
+            int query, head;
+            query_head(cur.kv_head, packed, query, head);
             return ((i64)cur.b * nheads + head) * seqlen_q + query;
         };
         if constexpr (solo) {
