@@ -17,9 +17,10 @@ contiguous, causal) against ``flash_attn_func`` over each row's keys; decode_dee
 ring (d=128 on sm_90), decode_walk with both rings on a pretend 2-SM GPU, where each decode block walks several
 work items, decode_warp with one split and warps that stream whole items (both rings, 1 and 2 pretend SMs);
 fwd_hopper runs the forward, window and varlen cases of head dim 64 and 128 without modifiers (the Hopper kernel's,
-on sm_90) with 1 and 2 pretend SMs, so that each persistent block walks many work items.
+on sm_90) with 1 and 2 pretend SMs, so that each persistent block walks many work items; bwd_hopper runs the
+d=128 backward and window cases in the default mode (the Hopper dK/dV kernel's, on sm_90).
 
-    python3 bench/sanitize_case.py [fwd|bwd|...|decode|decode_deep|decode_walk|decode_warp|fwd_hopper ...]
+    python3 bench/sanitize_case.py [fwd|bwd|...|decode|decode_deep|decode_walk|decode_warp|fwd_hopper|bwd_hopper ...]
 """
 
 from __future__ import annotations
@@ -162,6 +163,12 @@ def check_window(i, sq, sk, h, hkv, d, causal, window) -> bool:
           flush=True)
     return bool(ok)
 
+# More d=128 backward cases for the Hopper dK/dV kernel: several key blocks and query tiles, both ring slots and dS
+# buffers reused, GQA sums, ragged ends on both sides.
+HOPPER_BWD_CASES = (
+    B.Case(1, 200, 300, 4, 2, 128, False, "bf16"),
+    B.Case(2, 190, 130, 2, 1, 128, True, "fp16"),
+)
 
 # (lengths, h, hkv, d, causal, window_size, softcap, alibi, deterministic): varlen forward + backward.
 VARLEN_CASES = (
@@ -339,6 +346,21 @@ def main(groups) -> int:
             decode._sm_count = lambda device, sms=sms: sms
             for deep in (False, True):
                 bad, total = bad + run_decode_cases(deep=deep, warp_items=True), total + len(DECODE_CASES)
+    if "bwd_hopper" in groups:  # the d=128 backward and window cases (the Hopper dK/dV kernel's, on sm_90)
+        for j, (case, det) in enumerate(BWD_CASES, start=len(CASES)):
+            if case.headdim == 128 and not det:
+                r = cli.run_check_case(case, seed=j, backward=True, deterministic=False)
+                print(cli.check_row(j, r), flush=True)
+                bad += not r.passed
+                total += 1
+        for j, case in enumerate(HOPPER_BWD_CASES, start=len(CASES) + len(BWD_CASES)):
+            r = cli.run_check_case(case, seed=j, backward=True, deterministic=False)
+            print(cli.check_row(j, r), flush=True)
+            bad += not r.passed
+            total += 1
+        for i, case in enumerate(c for c in WINDOW_CASES if c[4] == 128):
+            bad += not check_window(i, *case)
+            total += 1
     if "fwd_hopper" in groups:
         from fa2cupy import build, configs, interface
 

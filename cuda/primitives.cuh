@@ -150,6 +150,9 @@ FA2_DEVICE float warp_sum(float x) {
 }
 
 FA2_DEVICE void st_shared_u32(u32 addr, u32 v) { asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v)); }
+FA2_DEVICE void st_shared_v2_f32(u32 addr, float a, float b) {
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b) : "memory");
+}
 FA2_DEVICE void ld_shared_v4(u32 addr, u32 (&r)[4]) {
     asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -443,7 +446,8 @@ FA2_DEVICE void mma_c_b(float (&acc)[MTiles][DTiles][4], const float (&p)[MTiles
 }
 
 // ---- Hopper (sm_90a): mbarriers, warpgroup MMA ------------------------------------------------------------
-// Used only by cuda/fwd_hopper.cu, which is compiled for sm_90a alone; nothing here is emitted elsewhere.
+// Used only by cuda/fwd_hopper.cu and cuda/bwd_hopper.cu, compiled for sm_90a alone; nothing here is emitted
+// elsewhere.
 //
 // mbarrier: a 64-bit shared-memory word counting arrivals per phase. A waiter names the parity of the phase it
 // waits for; a fresh barrier is in phase 0, so waiting on parity 1 returns at once (a producer's first wait for
@@ -474,6 +478,24 @@ FA2_DEVICE void cp_async_mbar_arrive(u32 bar) {
 // Orders this thread's view of shared memory written through the generic proxy (cp.async, st.shared) before
 // the tensor cores read it through the async proxy (wgmma operands).
 FA2_DEVICE void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Bulk reduction from shared to global memory (no tensor map): `bytes` (a multiple of 16, both addresses 16-byte
+// aligned) of fp32 added element-wise at `dst`, asynchronously. The shared memory must be written and made visible
+// to the async proxy (fence_proxy_async_smem, then a barrier) before; wait_read before it is rewritten.
+FA2_DEVICE void bulk_reduce_add_f32(float* dst, u32 src, u32 bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
+                 "r"(bytes)
+                 : "memory");
+}
+FA2_DEVICE void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+template <int N>
+FA2_DEVICE void bulk_wait_read() {  // this thread's bulk groups but the last N have read their shared memory
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+template <int N>
+FA2_DEVICE void bulk_wait() {  // ... and completed
+    asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
 
 // wgmma: issued by the 4 warps of a warpgroup together, asynchronous until wait_group. fence before the first
 // wgmma that reads registers written by ordinary instructions (accumulators rescaled by the softmax, A fragments).
@@ -514,7 +536,8 @@ FA2_DEVICE u64 smem_desc_sw128(u32 addr, u32 leading) {
 
 // d (+)= A B on tensor cores, m64nNk16, fp32 accumulators in the mma C-fragment layout of each warp's 16 rows
 // (d[0][n8 tile][4], as OnlineSoftmax holds scores). ss: A and B from shared memory, both K-major; accumulate 0
-// overwrites d. rs_mn: A from registers (each warp's m16k16 A fragment, c_to_a), B MN-major in shared memory.
+// overwrites d. ss_mn: both MN-major in shared memory (the backward's dQ = dS K from dS^T and K as stored).
+// rs_mn: A from registers (each warp's m16k16 A fragment, c_to_a), B MN-major in shared memory.
 template <class E, int N>
 struct Wgmma;
 #define FA2_WGMMA_ACC4(i) "+f"(d[0][i][0]), "+f"(d[0][i][1]), "+f"(d[0][i][2]), "+f"(d[0][i][3])
@@ -529,6 +552,13 @@ struct Wgmma;
             asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SS_PRED ", 0;\n"                                      \
                          "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." #TY "." #TY " " DREGS ", " SS_OPS       \
                          ", p, 1, 1, 0, 0;\n}\n"                                                                   \
+                         : ACC                                                                                     \
+                         : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                             \
+        }                                                                                                          \
+        static FA2_DEVICE void ss_mn(float (&d)[1][N / 8][4], u64 desc_a, u64 desc_b, int accumulate) {            \
+            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SS_PRED ", 0;\n"                                      \
+                         "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." #TY "." #TY " " DREGS ", " SS_OPS       \
+                         ", p, 1, 1, 1, 1;\n}\n"                                                                   \
                          : ACC                                                                                     \
                          : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                             \
         }                                                                                                          \

@@ -15,6 +15,10 @@ from .forward import _LOG2E, dropout_scalars, dropout_words, error_pointers, ker
 
 #: Tests set this to fill dq, dk and dv with NaN before the kernels run (see forward._debug_poison).
 _debug_poison = False
+#: Run the dK/dV step of padded calls without modifiers on the Hopper kernel (cuda/bwd_hopper.cu) on compute
+#: capability 9.0 where configs.hopper_backward_config picks it; tests and A/B timings set it False to run the
+#: mma.sync kernel there instead.
+HOPPER = True
 
 
 @dataclass(frozen=True)
@@ -26,7 +30,7 @@ class BackwardPlan:
     zero_tail: build.Launch | None  # varlen: zeroes the gradient rows past the last sequence
     dsum_shape: tuple  # (batch, nheads, seqlen_q) float32 workspace ((nheads, total_q) for varlen)
     dq_accum_shape: tuple | None  # (batch, nheads, seqlen_q, d) float32 workspace, atomics only
-    config: configs.BwdConfig
+    config: configs.BwdConfig | configs.HopperBwdConfig
 
 
 def _launch(function, grid, block, smem_bytes: int, pointers: int, scalars: tuple, rng_at=None) -> build.Launch:
@@ -59,6 +63,8 @@ def plan_backward(
     seqlen_k, nheads_kv = k_shape[1], k_shape[2]
     tag = configs.DTYPE_TAGS[dtype]
     atomic = not deterministic
+    if config is None and HOPPER:
+        config = configs.hopper_backward_config(arch, headdim, mods, varlen_totals is not None, deterministic)
     if config is None:
         config = configs.backward_config(arch, headdim, dtype, mask, mods)
     total_q, total_k = varlen_totals or (0, 0)
@@ -80,7 +86,7 @@ def plan_backward(
     )
     smem = config.smem_bytes(atomic)
     main = _launch(
-        build.get_kernel("bwd", config.name_expression(dtype, mask, atomic, mods, varlen_totals is not None), smem),
+        build.get_kernel(config.family, config.name_expression(dtype, mask, atomic, mods, varlen_totals is not None), smem),
         (((seqlen_k + config.block_n - 1) // config.block_n) * config.dslices, nheads_kv, batch),
         (config.threads, 1, 1), smem, 13,
         sum((_strides3(strides[n]) for n in ("q", "k", "v", "dout", "dk", "dv")), ()) + sizes, rng_at=13 + 18 + rng_at,

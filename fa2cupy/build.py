@@ -21,7 +21,7 @@ import numpy as np
 NVRTC_OPTIONS = ("-std=c++17", "-default-device")
 
 #: Kernel families built for one architecture's own instruction set (wgmma needs sm_90a, which no other GPU runs).
-ARCH_SPECIFIC = {"fwd_hopper": "90a"}
+ARCH_SPECIFIC = {"fwd_hopper": "90a", "bwd_hopper": "90a"}
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 

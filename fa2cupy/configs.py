@@ -195,6 +195,8 @@ class BwdConfig:
     dslices: int  # head-dim slices of dK/dV/dQ per key tile (each slice is its own block)
     warps_keys2: int  # phase 2 (dK, dV): warps along the keys; the others split the head dim
 
+    family = "bwd"  # cuda/bwd.cu
+
     @property
     def threads(self) -> int:
         return self.warps * 32
@@ -227,6 +229,57 @@ class BwdConfig:
             f"{self.warps_keys}, {self.warps_keys2}, {self.stages}, {self.dslices}, {DTYPE_TAGS[dtype]}, "
             f"{MASK_TAGS[mask]}, {str(bool(atomic_dq)).lower()}{tail}>>"
         )
+
+
+@dataclass(frozen=True)
+class HopperBwdConfig:
+    """Template arguments of ``fa2::HopperBwdTraits`` (cuda/bwd_hopper.cu, sm_90a only): the dK/dV kernel on wgmma,
+    a producer warpgroup and two consumer warpgroups of 64 keys; 128 keys per block, 64 query rows per step, dQ
+    added to the fp32 accumulator (atomic mode only)."""
+
+    headdim: int  # exactly the head dim (128)
+    stages: int  # Q/dO ring depth
+
+    block_m = 64
+    block_n = 128
+    dslices = 1
+    threads = 3 * 128
+    family = "bwd_hopper"  # cuda/bwd_hopper.cu
+
+    def smem_bytes(self, atomic_dq: bool = True) -> int:
+        # Must match HopperBwdTraits::kSmemBytes: alignment slack, K and V, the Q/dO ring, two dS^T tiles, the
+        # fp32 dQ staging rows, the row statistics, the mbarriers.
+        d = self.headdim
+        return (1024 + 2 * 128 * d * 2 + 2 * self.stages * 64 * d * 2 + 2 * 128 * 64 * 2 + 64 * (d + 4) * 4
+                + 2 * self.stages * 64 * 4 + 8 * (1 + 2 * self.stages))
+
+    def name_expression(self, dtype: str, mask: str, atomic_dq: bool = True, mods: bool = False,
+                        varlen: bool = False) -> str:
+        if mods or varlen or not atomic_dq:
+            raise ValueError("the Hopper backward takes padded calls without score modifiers, atomic dQ only")
+        return f"fa2::bwd_dkdv_hopper<fa2::HopperBwdTraits<{self.headdim}, {self.stages}, {DTYPE_TAGS[dtype]}, " \
+               f"{MASK_TAGS[mask]}>>"
+
+
+#: The Hopper backward's dK/dV kernel, by head dim: used on compute capability 9.0 for padded calls without score
+#: modifiers in the default (atomic dQ) mode; every other case runs BACKWARD_TABLE's mma.sync kernels.
+BACKWARD_HOPPER_TABLE: dict[int, HopperBwdConfig] = {
+    128: HopperBwdConfig(128, 2),
+}
+
+
+def hopper_backward_config(arch: int, headdim: int, mods: bool, varlen: bool, deterministic: bool
+                           ) -> HopperBwdConfig | None:
+    """The Hopper backward's row for this call, or None where the mma.sync backward runs it."""
+    if arch != 90 or mods or varlen or deterministic:
+        return None
+    return BACKWARD_HOPPER_TABLE.get(headdim)
+
+
+def hopper_backward_instantiations() -> list[str]:
+    """Name expressions of every shipped Hopper backward instantiation (compiled for sm_90a)."""
+    return sorted(config.name_expression(dtype, mask) for config in BACKWARD_HOPPER_TABLE.values()
+                  for dtype in DTYPE_TAGS for mask in MASKS)
 
 
 @dataclass(frozen=True)

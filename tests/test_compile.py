@@ -144,6 +144,41 @@ def test_hopper_forward_is_chosen_only_where_it_runs():
         configs.hopper_forward_config(90, 64, "float32")
 
 
+def test_hopper_backward_compiles_without_spills():
+    names = configs.hopper_backward_instantiations()
+    assert len(names) == len(configs.BACKWARD_HOPPER_TABLE) * len(configs.DTYPE_TAGS) * len(configs.MASKS)
+    binary, log, lowered = build.compile_for_arch("bwd_hopper", names, "90a", log=True)
+    assert len(binary) > 0
+    reports = _ptxas_reports(log)
+    for name in names:
+        assert reports[lowered[name]] == (0, 0), f"{name} spills on sm_90a"
+
+
+def test_hopper_backward_shared_memory_matches_the_kernel():
+    rows = list(configs.BACKWARD_HOPPER_TABLE.values())
+    probes = [f"__device__ int fa2_probe_{i} = "
+              f"{c.name_expression('float16', 'none')[len('fa2::bwd_dkdv_hopper<'):-1]}::kSmemBytes;"
+              for i, c in enumerate(rows)]
+    ptx = _probe_ptx("bwd_hopper", probes, "90a")
+    for i, config in enumerate(rows):
+        found = re.search(rf"fa2_probe_{i} = (\d+);", ptx)
+        assert found and int(found[1]) == config.smem_bytes() <= 227 * 1024, config
+
+
+def test_hopper_backward_is_chosen_only_where_it_runs():
+    row = configs.BACKWARD_HOPPER_TABLE[128]
+    assert configs.hopper_backward_config(90, 128, mods=False, varlen=False, deterministic=False) is row
+    for arch in (80, 86, 89, 100, 120):
+        assert configs.hopper_backward_config(arch, 128, mods=False, varlen=False, deterministic=False) is None
+    for flag in ("mods", "varlen", "deterministic"):
+        kw = {"mods": False, "varlen": False, "deterministic": False, flag: True}
+        assert configs.hopper_backward_config(90, 128, **kw) is None
+    for d in (32, 64, 96, 160, 256):
+        assert configs.hopper_backward_config(90, d, mods=False, varlen=False, deterministic=False) is None
+    with pytest.raises(ValueError, match="atomic"):
+        row.name_expression("float16", "none", atomic_dq=False)
+
+
 def test_every_table_entry_fits_its_family():
     limits = {"sm80": 163 * 1024, "sm86": 99 * 1024, "sm90": 227 * 1024}
     for (family, width), config in [*configs.FORWARD_TABLE.items(), *configs.FORWARD_MASKED_TABLE.items()]:
@@ -191,7 +226,7 @@ def test_decode_shared_memory_matches_the_kernel():
         assert (int(one[1]), int(walk[1])) == (config.smem_bytes, config.persistent_smem_bytes), config
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES) + ["fwd_hopper"])
+@pytest.mark.parametrize("family", sorted(FAMILIES) + ["fwd_hopper", "bwd_hopper"])
 def test_source_inlines_headers_once(family):
     text = build.source(family)
     assert '#include "' not in text

@@ -1,0 +1,307 @@
+// FlashAttention backward for Hopper (sm_90a): the dK/dV kernel (with dQ added atomically) on wgmma tensor cores.
+//
+// Same work split and arguments as bwd_dkdv (cuda/bwd.cu), whose preprocess (D = rowsum(dO o O), the zeroed fp32
+// dQ accumulator) and dQ conversion kernels it shares: one block per (128-key tile, kv head, batch) keeps K_j and
+// V_j in shared memory and walks the 64-row query tiles of every query head of its group. A producer warpgroup
+// streams each tile's Q, dO and row statistics into a ring (cp.async, an mbarrier per slot); two consumer
+// warpgroups own 64 of the keys each and, per query tile, compute on wgmma
+//   S^T = K Q^T, dP^T = V dO^T                 (keys x queries, both operands from shared memory)
+//   P^T = exp(S^T scale - L), dS^T = P^T o (dP^T - D)   in registers
+//   dV += P^T dO, dK += dS^T Q                 (P^T and dS^T as register A operands)
+//   dQ_i += dS K                               (dS^T through shared memory, read transposed: each warpgroup 64 of
+//                                               the head dim over all 128 keys)
+// and add dQ_i to the fp32 accumulator with one bulk reduction per query row (cp.reduce.async.bulk: no tensor
+// map, no per-element atomics). Padded calls without score modifiers, head dim 128; the rest runs bwd_dkdv.
+#include "primitives.cuh"
+#include "masks.cuh"
+
+namespace fa2 {
+
+template <int HeadDim, int Stages, class Elem_, int Mask>
+struct HopperBwdTraits {
+    using Elem = Elem_;
+    static constexpr int kHeadDim = HeadDim, kBlockM = 64, kBlockN = 128, kStages = Stages, kMask = Mask;
+    // Two consumer warpgroups and a producer warpgroup, whose registers go to the consumers (setmaxnreg): a
+    // consumer holds dK and dV (64 keys x the head dim each) and S^T, dP^T (64 x 64) at once.
+    static constexpr int kConsumerWarps = 8, kConsumerThreads = 256, kProducerThreads = 128, kThreads = 384;
+    static constexpr int kProducerRegisters = 40, kConsumerRegisters = 232;
+    static_assert(kProducerRegisters + 2 * kConsumerRegisters <= 3 * 168, "the register file of one block");
+    using KVTile = SwizzledSlabs<kBlockN, HeadDim>;
+    using QTile = SwizzledSlabs<kBlockM, HeadDim>;   // Q and dO
+    using DsTile = SwizzledSlabs<kBlockN, kBlockM>;  // dS^T, keys x queries: dQ's A operand read MN-major
+    // Each warpgroup's dQ columns: with HeadDim 128, one 64-column slab of K each.
+    static constexpr int kDqCols = HeadDim / 2;
+    // The fp32 dQ tile staged for the bulk reductions, one row per query (padded against bank conflicts).
+    static constexpr int kDqPitch = HeadDim + 4, kDqBytes = kBlockM * kDqPitch * 4;
+    // kv_full, then full[] and empty[] per ring slot.
+    static constexpr int kBarriers = 1 + 2 * Stages;
+    // 1 KB of slack: the swizzled slabs start on 1024-byte boundaries. dS^T is double-buffered, so a warpgroup
+    // writes the next one while the other may still read this one.
+    static constexpr int kSmemBytes = 1024 + 2 * KVTile::kBytes + 2 * Stages * QTile::kBytes + 2 * DsTile::kBytes +
+                                      kDqBytes + 2 * Stages * kBlockM * 4 + 8 * kBarriers;
+    static_assert(HeadDim == 128, "each warpgroup's dQ columns are one 64-column slab");
+    static_assert(Stages >= 2, "a ring of at least two query tiles");
+};
+
+template <class Tr>
+__global__ void __launch_bounds__(Tr::kThreads, 1)
+    bwd_dkdv_hopper(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                    const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
+                    float* __restrict__ dq_accum, u16* __restrict__ dk, u16* __restrict__ dv,
+                    const int* __restrict__, const int* __restrict__, const float* __restrict__,
+                    const u32* __restrict__, i64 q_batch_stride, int q_row_stride, i64 q_head_stride,
+                    i64 k_batch_stride, int k_row_stride, i64 k_head_stride, i64 v_batch_stride, int v_row_stride,
+                    i64 v_head_stride, i64 do_batch_stride, int do_row_stride, i64 do_head_stride,
+                    i64 dk_batch_stride, int dk_row_stride, i64 dk_head_stride, i64 dv_batch_stride,
+                    int dv_row_stride, i64 dv_head_stride, i64 stat_batch_stride, i64 stat_head_stride,
+                    int seqlen_q, int seqlen_k, int, int heads_per_kv, int, int window_left, int window_right,
+                    float scale, float scale_log2, float, int, u32, u32, u32, u32, u32, float, int, int, int*,
+                    long long*) {
+    using KVTile = typename Tr::KVTile;
+    using QTile = typename Tr::QTile;
+    using DsTile = typename Tr::DsTile;
+    using Elem = typename Tr::Elem;
+    constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kS = Tr::kStages;
+    constexpr int kKSteps = Tr::kHeadDim / 16, kDT = Tr::kHeadDim / 8, kQT = kM / 8;
+
+    extern __shared__ unsigned char smem_raw[];
+    const u32 smem_k = (smem_u32(smem_raw) + 1023) & ~1023u;
+    const u32 smem_v = smem_k + KVTile::kBytes;
+    const u32 smem_q = smem_v + KVTile::kBytes;             // kS tiles
+    const u32 smem_do = smem_q + kS * QTile::kBytes;         // kS tiles
+    const u32 smem_ds = smem_do + kS * QTile::kBytes;        // 2 tiles
+    const u32 smem_dq = smem_ds + 2 * DsTile::kBytes;        // fp32 staging
+    const u32 smem_stats = smem_dq + Tr::kDqBytes;           // lse (log2 domain) [kS][kM], then D [kS][kM]
+    const u32 bars = smem_stats + 2 * kS * kM * 4;
+    float* const stats = reinterpret_cast<float*>(smem_raw + (smem_stats - smem_u32(smem_raw)));
+    // kv_full: the producer's 128 threads landed K and V; full[s]: Q and dO landed in slot s (128 cp.async
+    // arrivals) and its lse and D are stored (64 arrivals); empty[s]: the 8 consumer warps are done with slot s.
+    const u32 kv_full = bars;
+    const auto full = [&](int s) { return bars + 8 * (1 + s); };
+    const auto empty = [&](int s) { return bars + 8 * (1 + kS + s); };
+    if (threadIdx.x == 0) {
+        mbar_init(kv_full, Tr::kProducerThreads);
+        for (int s = 0; s < kS; ++s) {
+            mbar_init(full(s), Tr::kProducerThreads + kM);
+            mbar_init(empty(s), Tr::kConsumerWarps);
+        }
+    }
+    __syncthreads();
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int kv_head = blockIdx.y, batch = blockIdx.z, key0 = blockIdx.x * kN;
+    // The query tiles with a row that sees one of this block's keys, for every query head of the group.
+    const WindowMask<Tr::kMask> mask{seqlen_q, seqlen_k, window_left, window_right};
+    const int m_begin = mask.first_query(key0) / kM;
+    const int last_key = min(key0 + kN, seqlen_k) - 1;
+    const int m_count = max(0, (mask.query_end(last_key) + kM - 1) / kM - m_begin);
+    const int n_iters = heads_per_kv * m_count;
+
+    if (warp >= Tr::kConsumerWarps) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Tr::kProducerRegisters));
+        // Producer: a thread copies one 16-byte chunk of every kRowStep-th row of a tile (zeros from row `valid`
+        // on); its rows are a multiple of 8 apart, so they share one swizzle phase.
+        const int ptid = threadIdx.x - Tr::kConsumerThreads;
+        constexpr int kChunksPerRow = Tr::kHeadDim / 8, kRowStep = Tr::kProducerThreads / kChunksPerRow;
+        static_assert(kRowStep % 8 == 0, "a thread's rows share one swizzle phase");
+        const int first_row = ptid / kChunksPerRow, column = ptid % kChunksPerRow * 8;
+        const auto load_tile = [&](auto tile, u32 dst, const u16* src, int row_stride, int valid) {
+            constexpr int kRows = decltype(tile)::kBytes / (Tr::kHeadDim * 2);
+            u32 to = decltype(tile)::at(dst, first_row, column);
+            const u16* from = src + (i64)first_row * row_stride + column;
+            const i64 step = (i64)kRowStep * row_stride;
+#pragma unroll 4
+            for (int row = first_row; row < kRows; row += kRowStep, to += kRowStep * decltype(tile)::kRowBytes,
+                                                                  from += step)
+                cp_async_16(to, row < valid ? from : src, row < valid);
+        };
+        load_tile(KVTile{}, smem_k, k + batch * k_batch_stride + (i64)key0 * k_row_stride + kv_head * k_head_stride,
+                  k_row_stride, seqlen_k - key0);
+        load_tile(KVTile{}, smem_v, v + batch * v_batch_stride + (i64)key0 * v_row_stride + kv_head * v_head_stride,
+                  v_row_stride, seqlen_k - key0);
+        cp_async_mbar_arrive(kv_full);
+        for (int it = 0; it < n_iters; ++it) {
+            const int s = it % kS, head = kv_head * heads_per_kv + it / m_count;
+            const int m0 = (m_begin + it % m_count) * kM;
+            mbar_wait(empty(s), ((it / kS) & 1) ^ 1);
+            load_tile(QTile{}, smem_q + s * QTile::kBytes,
+                      q + batch * q_batch_stride + (i64)m0 * q_row_stride + head * q_head_stride, q_row_stride,
+                      seqlen_q - m0);
+            load_tile(QTile{}, smem_do + s * QTile::kBytes,
+                      dout + batch * do_batch_stride + (i64)m0 * do_row_stride + head * do_head_stride, do_row_stride,
+                      seqlen_q - m0);
+            cp_async_mbar_arrive(full(s));
+            if (ptid < kM) {
+                // Plain loads: rows past seqlen_q need lse = +inf (so P = 0), which a zero-filling copy cannot give.
+                const i64 stat = batch * stat_batch_stride + head * stat_head_stride + m0 + ptid;
+                const bool ok = m0 + ptid < seqlen_q;
+                stats[s * kM + ptid] = ok ? lse[stat] * kLog2e : pos_inf();
+                stats[(kS + s) * kM + ptid] = ok ? dsum[stat] : 0.f;
+                mbar_arrive(full(s));  // (release: the stores above)
+            }
+        }
+        asm volatile("cp.async.wait_all;\n" ::: "memory");  // leave nothing in flight into shared memory
+        return;
+    }
+
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Tr::kConsumerRegisters));
+    // Warpgroup wg owns keys 64 wg .. 64 wg + 63 of the tile (warp w of it 16 of them) for S^T, dP^T, dK and dV,
+    // and dQ columns 64 wg .. 64 wg + 63.
+    const int wg = warp_uniform(warp >> 2), w4 = warp & 3, ctid = threadIdx.x;
+    const u32 k_rows = KVTile::at(smem_k, 64 * wg, 0), v_rows = KVTile::at(smem_v, 64 * wg, 0);
+    float acc_dk[1][kDT][4], acc_dv[1][kDT][4];
+    zero_fragments(acc_dk);
+    zero_fragments(acc_dv);
+    const int key_lo = key0 + 64 * wg + 16 * w4 + (lane >> 2);  // this thread's keys: key_lo, key_lo + 8
+    mbar_wait(kv_full, 0);
+    for (int it = 0; it < n_iters; ++it) {
+        const int s = it % kS, head = kv_head * heads_per_kv + it / m_count;
+        const int m0 = (m_begin + it % m_count) * kM;
+        const u32 q_s = smem_q + s * QTile::kBytes, do_s = smem_do + s * QTile::kBytes;
+        mbar_wait(full(s), (it / kS) & 1);
+        fence_proxy_async_smem();  // the producer's cp.async writes, now read by the tensor cores
+
+        float st[1][kQT][4], dpt[1][kQT][4];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kKSteps; ++kk) {
+            const u32 step = (kk >> 2) * KVTile::kSlabBytes + (kk & 3) * 32;
+            const u32 q_step = (kk >> 2) * QTile::kSlabBytes + (kk & 3) * 32;
+            Wgmma<Elem, kM>::ss(st, smem_desc_sw128(k_rows + step, 16), smem_desc_sw128(q_s + q_step, 16), kk > 0);
+        }
+#pragma unroll
+        for (int kk = 0; kk < kKSteps; ++kk) {
+            const u32 step = (kk >> 2) * KVTile::kSlabBytes + (kk & 3) * 32;
+            const u32 q_step = (kk >> 2) * QTile::kSlabBytes + (kk & 3) * 32;
+            Wgmma<Elem, kM>::ss(dpt, smem_desc_sw128(v_rows + step, 16), smem_desc_sw128(do_s + q_step, 16),
+                                kk > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin_registers(st);
+        pin_registers(dpt);
+
+        // P^T = exp(S^T scale - L) and dS^T = P^T o (dP^T - D), in place.
+        const float* lse_s = stats + s * kM;
+        const float* dsum_s = stats + (kS + s) * kM;
+        const bool need_mask = mask.tile_needs_mask(m0, kM, key0, kN);
+#pragma unroll
+        for (int nt = 0; nt < kQT; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int qc = nt * 8 + (lane & 3) * 2 + (e & 1), key = key_lo + (e >> 1) * 8;
+                float p = fast_exp2(st[0][nt][e] * scale_log2 - lse_s[qc]);
+                if (need_mask && !mask.visible(m0 + qc, key)) p = 0.f;
+                dpt[0][nt][e] = p * (dpt[0][nt][e] - dsum_s[qc]);
+                st[0][nt][e] = p;
+            }
+        }
+        u32 pa[kQT / 2][4], dsa[kQT / 2][4];  // P^T and dS^T as A operands, k16 steps over the queries
+#pragma unroll
+        for (int kk = 0; kk < kQT / 2; ++kk) {
+            c_to_a<Elem>(pa[kk], st[0][2 * kk], st[0][2 * kk + 1]);
+            c_to_a<Elem>(dsa[kk], dpt[0][2 * kk], dpt[0][2 * kk + 1]);
+        }
+        // dS^T into this iteration's dQ operand buffer (stmatrix of the same packed registers).
+        const u32 ds_buf = smem_ds + (it & 1) * DsTile::kBytes;
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+            for (int group = 0; group < kQT / 4; ++group) {
+                u32 x[4];
+#pragma unroll
+                for (int p = 0; p < 4; ++p) x[p] = dsa[2 * group + p / 2][(p % 2) * 2 + half];
+                stmatrix_x4(DsTile::at(ds_buf, 64 * wg + 16 * w4 + 8 * half + (lane & 7), (4 * group + (lane >> 3)) * 8),
+                            x);
+            }
+
+        // dV += P^T dO, dK += dS^T Q (the scale of S applied to dK at the end).
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kQT / 2; ++kk)
+            Wgmma<Elem, Tr::kHeadDim>::rs_mn(acc_dv, pa[kk], smem_desc_sw128(QTile::at(do_s, kk * 16, 0),
+                                                                              QTile::kSlabBytes), 1);
+#pragma unroll
+        for (int kk = 0; kk < kQT / 2; ++kk)
+            Wgmma<Elem, Tr::kHeadDim>::rs_mn(acc_dk, dsa[kk], smem_desc_sw128(QTile::at(q_s, kk * 16, 0),
+                                                                               QTile::kSlabBytes), 1);
+        wgmma_commit();
+
+        // dQ_i = dS K over all 128 keys, so both warpgroups' dS^T must be in; the staging buffer must be read
+        // by the previous iteration's bulk reductions (their issuers wait, then meet the others here).
+        fence_proxy_async_smem();
+        bulk_wait_read<0>();
+        asm volatile("bar.sync 1, %0;\n" ::"n"(Tr::kConsumerThreads) : "memory");
+        float acc_dq[1][Tr::kDqCols / 8][4];
+#pragma unroll
+        for (int kk = 0; kk < kN / 16; ++kk)
+            Wgmma<Elem, Tr::kDqCols>::ss_mn(acc_dq, smem_desc_sw128(DsTile::at(ds_buf, kk * 16, 0), DsTile::kSlabBytes),
+                                            smem_desc_sw128(KVTile::at(smem_k, kk * 16, Tr::kDqCols * wg),
+                                                            KVTile::kSlabBytes),
+                                            kk > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        pin_registers(acc_dv);
+        pin_registers(acc_dk);
+        pin_registers(pa);
+        pin_registers(dsa);
+        pin_registers(acc_dq);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty(s));  // Q and dO of slot s are read
+
+        // dQ_i into the staging rows, then one bulk reduction per query row into the fp32 accumulator.
+#pragma unroll
+        for (int nt = 0; nt < Tr::kDqCols / 8; ++nt)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int row = 16 * w4 + (lane >> 2) + 8 * half, col = Tr::kDqCols * wg + nt * 8 + (lane & 3) * 2;
+                st_shared_v2_f32(smem_dq + (row * Tr::kDqPitch + col) * 4, acc_dq[0][nt][2 * half],
+                                 acc_dq[0][nt][2 * half + 1]);
+            }
+        fence_proxy_async_smem();
+        asm volatile("bar.sync 2, %0;\n" ::"n"(Tr::kConsumerThreads) : "memory");
+        if (ctid < kM && m0 + ctid < seqlen_q) {
+            const i64 stat = batch * stat_batch_stride + head * stat_head_stride + m0 + ctid;
+            bulk_reduce_add_f32(dq_accum + stat * Tr::kHeadDim, smem_dq + ctid * Tr::kDqPitch * 4,
+                                Tr::kHeadDim * 4);
+            bulk_commit();
+        }
+    }
+    bulk_wait<0>();
+
+    // dK = scale dS^T Q and dV, staged in the K and V tiles (once both warpgroups are done with K) so that the
+    // global stores are 16-byte and row-contiguous.
+    asm volatile("bar.sync 1, %0;\n" ::"n"(Tr::kConsumerThreads) : "memory");
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+#pragma unroll
+        for (int group = 0; group < kDT / 4; ++group) {
+            u32 xk[4], xv[4];
+#pragma unroll
+            for (int p = 0; p < 4; ++p) {
+                xk[p] = Mma<Elem>::pack(acc_dk[0][4 * group + p][2 * half] * scale,
+                                        acc_dk[0][4 * group + p][2 * half + 1] * scale);
+                xv[p] = Mma<Elem>::pack(acc_dv[0][4 * group + p][2 * half], acc_dv[0][4 * group + p][2 * half + 1]);
+            }
+            const int row = 64 * wg + 16 * w4 + 8 * half + (lane & 7), col = (4 * group + (lane >> 3)) * 8;
+            stmatrix_x4(KVTile::at(smem_k, row, col), xk);
+            stmatrix_x4(KVTile::at(smem_v, row, col), xv);
+        }
+    }
+    asm volatile("bar.sync 1, %0;\n" ::"n"(Tr::kConsumerThreads) : "memory");
+    u16* dk_rows = dk + batch * dk_batch_stride + kv_head * dk_head_stride;
+    u16* dv_rows = dv + batch * dv_batch_stride + kv_head * dv_head_stride;
+    constexpr int kChunksPerRow = Tr::kHeadDim / 8;
+    for (int idx = ctid; idx < kN * kChunksPerRow; idx += Tr::kConsumerThreads) {
+        const int r = idx / kChunksPerRow, c = (idx % kChunksPerRow) * 8;
+        if (key0 + r < seqlen_k) {
+            u32 chunk[4];
+            ld_shared_v4(KVTile::at(smem_k, r, c), chunk);
+            st_global_v4(dk_rows + (i64)(key0 + r) * dk_row_stride + c, chunk);
+            ld_shared_v4(KVTile::at(smem_v, r, c), chunk);
+            st_global_v4(dv_rows + (i64)(key0 + r) * dv_row_stride + c, chunk);
+        }
+    }
+}
+
+}  // namespace fa2

@@ -1,0 +1,121 @@
+"""The Hopper backward (cuda/bwd_hopper.cu's dK/dV kernel) on a GPU of compute capability 9.0: it is the kernel the
+library plans there for padded calls without modifiers at head dim 128 in the default (atomic dQ) mode, its
+gradients match the float64 reference on every mask, grouping, length and layout it takes, and the mma.sync
+backward it replaces for those calls still matches the reference on the same GPU.
+
+Bounds, references and the NaN poisoning of dq/dk/dv are test_backward_gpu's (check_gradients, run_case).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+from hypothesis import given, note
+from hypothesis import strategies as st
+
+from gpu_helpers import cupy_module as _cupy, debug_poison
+from test_backward_gpu import run_case
+
+pytestmark = pytest.mark.gpu
+
+
+def _hopper_gpu():
+    if int(_cupy().cuda.Device().compute_capability) != 90:
+        pytest.skip("the Hopper backward runs on compute capability 9.0 only")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def poison_outputs():
+    with debug_poison("backward"):
+        yield
+
+
+@contextlib.contextmanager
+def _kernel(hopper: bool):
+    """Runs the calls inside with the Hopper dK/dV kernel (True) or the mma.sync one (False) where the Hopper
+    kernel would be picked; cached plans are dropped on both sides of the switch."""
+    from fa2cupy import backward, interface
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(backward, "HOPPER", hopper)
+    interface._cached_calls.clear()
+    try:
+        yield
+    finally:
+        patch.undo()
+        interface._cached_calls.clear()
+
+
+def test_hopper_kernel_is_the_one_planned():
+    _hopper_gpu()
+    from fa2cupy import backward, configs
+
+    names = ("q", "k", "v", "dout", "out", "dq", "dk", "dv")
+    strides = dict.fromkeys(names, (256 * 8 * 128, 8 * 128, 128, 1))
+    plan = backward.plan_backward((1, 256, 8, 128), (1, 256, 8, 128), strides, "bfloat16", 0.1, True, False, 90)
+    assert isinstance(plan.config, configs.HopperBwdConfig)
+    assert plan.main.block == (384, 1, 1) and plan.main.grid == (2, 8, 1)
+    assert plan.convert is not None and plan.dq is None
+    for kw in ({"deterministic": True}, {"softcap": 5.0}):
+        det = kw.pop("deterministic", False)
+        plan = backward.plan_backward((1, 256, 8, 128), (1, 256, 8, 128), strides, "bfloat16", 0.1, True, det, 90,
+                                      **kw)
+        assert isinstance(plan.config, configs.BwdConfig)
+    strides = dict.fromkeys(names, (256 * 8 * 64, 8 * 64, 64, 1))
+    plan = backward.plan_backward((1, 256, 8, 64), (1, 256, 8, 64), strides, "bfloat16", 0.1, True, False, 90)
+    assert isinstance(plan.config, configs.BwdConfig)  # no Hopper row for d = 64 yet
+
+
+LENGTHS = [1, 2, 17, 63, 64, 65, 127, 128, 129, 191, 255, 256, 257, 500, 700]
+GROUPS = [(1, 1), (2, 2), (4, 1), (6, 3), (8, 2), (4, 4)]
+
+
+@st.composite
+def hopper_cases(draw):
+    nheads, nheads_kv = draw(st.sampled_from(GROUPS))
+    return dict(
+        batch=draw(st.integers(1, 2)),
+        seqlen_q=draw(st.sampled_from(LENGTHS)),
+        seqlen_k=draw(st.sampled_from(LENGTHS)),
+        nheads=nheads,
+        nheads_kv=nheads_kv,
+        headdim=128,
+        causal=draw(st.booleans()),
+        window_size=draw(st.one_of(st.just((-1, -1)),
+                                   st.tuples(*[st.one_of(st.just(-1), st.integers(0, 8), st.integers(0, 400))] * 2))),
+        dtype=draw(st.sampled_from(["float16", "bfloat16"])),
+        softmax_scale=draw(st.one_of(st.none(), st.floats(0.01, 1.5))),
+        deterministic=False,
+        transposed=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**32 - 1)),
+    )
+
+
+@given(hopper_cases(), st.booleans())
+def test_both_backward_kernels_match_reference_on_hopper(case, hopper):
+    _hopper_gpu()
+    note(repr(case))
+    with _kernel(hopper):
+        run_case(case)
+
+
+@pytest.mark.parametrize("hopper", [True, False])
+@pytest.mark.parametrize(
+    "b,sq,sk,h,hkv,causal,window",
+    [
+        (2, 1000, 1000, 4, 2, True, (-1, -1)),  # many query tiles per key block, GQA sums over two heads
+        (1, 1000, 1000, 4, 4, False, (-1, -1)),
+        (1, 700, 300, 4, 1, True, (-1, -1)),  # sq > sk: rows with no key, MQA
+        (1, 300, 700, 2, 2, True, (-1, -1)),  # sq < sk: key blocks that no query sees (dK = dV = 0)
+        (1, 129, 1500, 2, 1, False, (50, 50)),  # a narrow band over long keys
+        (1, 1, 1, 1, 1, False, (-1, -1)),  # one key: dq = dk = 0
+    ],
+)
+def test_fixed_hopper_cases(hopper, b, sq, sk, h, hkv, causal, window):
+    _hopper_gpu()
+    with _kernel(hopper):
+        for dtype in ("float16", "bfloat16"):
+            run_case(dict(batch=b, seqlen_q=sq, seqlen_k=sk, nheads=h, nheads_kv=hkv, headdim=128, causal=causal,
+                          window_size=window, dtype=dtype, softmax_scale=None, deterministic=False, transposed=False,
+                          seed=sq + sk + h))
