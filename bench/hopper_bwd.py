@@ -1,19 +1,21 @@
 """The Hopper backward (cuda/bwd_hopper.cu's dK/dV kernel) against the mma.sync backward and torch SDPA, one process.
 
     python bench/hopper_bwd.py [--seqlens 1024,2048,4096,8192,16384] [--rounds 2] [--window]
+    python bench/hopper_bwd.py --trees base=ab_trees/base,new=cuda [--seqlens ...]   # A/B of kernel sources
 
 bf16, d=128, 16k tokens per batch, hidden 2048 (16 heads): TFLOPs/s of fa2cupy's backward with the Hopper dK/dV
 kernel and with the mma.sync one (backward.HOPPER), and of SDPA's flash and cuDNN backends (torch.autograd.grad),
 CUDA events, median per round, implementations taking turns, best round each. The gradients of the two fa2cupy
 kernels are compared (max |difference| / max |SDPA flash's|). With --window: the window bar's backward, (4096, 0)
-over 64k tokens against full causal, h16 d128, both kernels.
+over 64k tokens against full causal, h16 d128, both kernels. With --trees: only the Hopper kernel, built from each
+copy of cuda/ in turn (build.use_sources), same process, best round each.
 """
 
 import argparse
 import sys
 
 sys.path.insert(0, ".")
-from fa2cupy import backward, interface  # noqa: E402
+from fa2cupy import backward, build, interface  # noqa: E402
 from fa2cupy import benchmark as B  # noqa: E402
 
 
@@ -50,6 +52,22 @@ def bench(seqlens, rounds):
     return rows
 
 
+def trees_ab(trees, seqlens, rounds):
+    use_hopper(True)
+    for case in B.paper_grid(headdims=(128,), seqlens=seqlens):
+        best = {}
+        for _ in range(rounds):
+            for name, directory in trees:
+                build.use_sources(directory)
+                interface._cached_calls.clear()
+                rec = B.bench_backward_case(case, impls=("fa2cupy",), memory=False)
+                best[name] = max(best.get(name, 0.0), rec["results"]["fa2cupy"]["tflops"] or 0.0)
+        first = best[trees[0][0]]
+        print(f"{case.label:36s} " + "  ".join(f"{n} {t:6.1f} ({t / first:5.3f})" for n, t in best.items()),
+              flush=True)
+    build.use_sources(None)
+
+
 def window_bar(rounds):
     import torch
 
@@ -81,7 +99,12 @@ def main():
     ap.add_argument("--seqlens", default="1024,2048,4096,8192,16384")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--window", action="store_true")
+    ap.add_argument("--trees", default="", help="name=DIR,...: A/B of the Hopper kernel built from each")
     args = ap.parse_args()
+    if args.trees:
+        trees = [tuple(item.split("=", 1)) for item in args.trees.split(",")]
+        trees_ab(trees, B.parse_int_list(args.seqlens), args.rounds)
+        return
     bench(B.parse_int_list(args.seqlens), args.rounds)
     if args.window:
         window_bar(args.rounds)

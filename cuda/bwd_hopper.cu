@@ -75,7 +75,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const u32 bars = smem_stats + 2 * kS * kM * 4;
     float* const stats = reinterpret_cast<float*>(smem_raw + (smem_stats - smem_u32(smem_raw)));
     // kv_full: the producer's 128 threads landed K and V; full[s]: Q and dO landed in slot s (128 cp.async
-    // arrivals) and its lse and D are stored (64 arrivals); empty[s]: the 8 consumer warps are done with slot s.
+    // arrivals) and its lse and D are stored (64 arrivals); empty[s]: the 256 consumer threads are done with slot
+    // s (each arrives for its own reads of lse and D: one arrival per warp after __syncwarp left racecheck a
+    // hazard between the other lanes' reads and the producer's next stores).
     const u32 kv_full = bars;
     const auto full = [&](int s) { return bars + 8 * (1 + s); };
     const auto empty = [&](int s) { return bars + 8 * (1 + kS + s); };
@@ -83,7 +85,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         mbar_init(kv_full, Tr::kProducerThreads);
         for (int s = 0; s < kS; ++s) {
             mbar_init(full(s), Tr::kProducerThreads + kM);
-            mbar_init(empty(s), Tr::kConsumerWarps);
+            mbar_init(empty(s), Tr::kConsumerThreads);
         }
     }
     __syncthreads();
@@ -246,8 +248,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         pin_registers(pa);
         pin_registers(dsa);
         pin_registers(acc_dq);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty(s));  // Q and dO of slot s are read
+        mbar_arrive(empty(s));  // Q, dO, lse and D of slot s are read
 
         // dQ_i into the staging rows, then one bulk reduction per query row into the fp32 accumulator.
 #pragma unroll
