@@ -177,6 +177,13 @@ VARLEN_CASES = (
     ((65,), 2, 2, 40, True, (-1, -1), 5.0, True, False),
 )
 
+# Varlen cases for the Hopper dK/dV kernel (d=128, no modifiers, atomic dQ): empty and one-row sequences, key blocks
+# past a sequence's end.
+HOPPER_BWD_VARLEN_CASES = (
+    ((70, 0, 1, 130), 4, 2, 128, True, (-1, -1), 0.0, False, False),
+    ((33, 190), 2, 1, 128, False, (16, 4), 0.0, False, False),
+)
+
 
 def check_varlen(i, lengths, h, hkv, d, causal, window, softcap, alibi, det) -> bool:
     """Varlen (with softcap / ALiBi) forward and backward against the float64 reference."""
@@ -360,6 +367,9 @@ def main(groups) -> int:
             total += 1
         for i, case in enumerate(c for c in WINDOW_CASES if c[4] == 128):
             bad += not check_window(i, *case)
+            total += 1
+        for i, case in enumerate(HOPPER_BWD_VARLEN_CASES):
+            bad += not check_varlen(i, *case)
             total += 1
     if "fwd_hopper" in groups:
         from fa2cupy import build, configs, interface

@@ -11,16 +11,20 @@
 //   dQ_i += dS K                               (dS^T through shared memory, read transposed: each warpgroup 64 of
 //                                               the head dim over all 128 keys)
 // and add dQ_i to the fp32 accumulator with one bulk reduction per query row (cp.reduce.async.bulk: no tensor
-// map, no per-element atomics). Padded calls without score modifiers, head dim 128; the rest runs bwd_dkdv.
+// map, no per-element atomics). Padded and varlen calls without score modifiers, head dim 128; the rest runs
+// bwd_dkdv.
 #include "primitives.cuh"
 #include "masks.cuh"
 
 namespace fa2 {
 
-template <int HeadDim, int Stages, class Elem_, int Mask>
+template <int HeadDim, int Stages, class Elem_, int Mask, bool Varlen = false>
 struct HopperBwdTraits {
     using Elem = Elem_;
     static constexpr int kHeadDim = HeadDim, kBlockM = 64, kBlockN = 128, kStages = Stages, kMask = Mask;
+    // Varlen: sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q/dO/lse/dQ and cu_seqlens_k[b] .. of
+    // k/v/dK/dV; seqlen_q/seqlen_k are the maxima, and key blocks past a sequence's end return at once.
+    static constexpr bool kVarlen = Varlen;
     // Two consumer warpgroups and a producer warpgroup, whose registers go to the consumers (setmaxnreg): a
     // consumer holds dK and dV (64 keys x the head dim each) and S^T, dP^T (64 x 64) at once.
     static constexpr int kConsumerWarps = 8, kConsumerThreads = 256, kProducerThreads = 128, kThreads = 384;
@@ -48,15 +52,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     bwd_dkdv_hopper(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                     const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
                     float* __restrict__ dq_accum, u16* __restrict__ dk, u16* __restrict__ dv,
-                    const int* __restrict__, const int* __restrict__, const float* __restrict__,
+                    const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
+                    const float* __restrict__,
                     const u32* __restrict__, i64 q_batch_stride, int q_row_stride, i64 q_head_stride,
                     i64 k_batch_stride, int k_row_stride, i64 k_head_stride, i64 v_batch_stride, int v_row_stride,
                     i64 v_head_stride, i64 do_batch_stride, int do_row_stride, i64 do_head_stride,
                     i64 dk_batch_stride, int dk_row_stride, i64 dk_head_stride, i64 dv_batch_stride,
                     int dv_row_stride, i64 dv_head_stride, i64 stat_batch_stride, i64 stat_head_stride,
                     int seqlen_q, int seqlen_k, int, int heads_per_kv, int, int window_left, int window_right,
-                    float scale, float scale_log2, float, int, u32, u32, u32, u32, u32, float, int, int, int*,
-                    long long*) {
+                    float scale, float scale_log2, float, int, u32, u32, u32, u32, u32, float, int total_q,
+                    int total_k, int* error_claim, long long* error_host) {
     using KVTile = typename Tr::KVTile;
     using QTile = typename Tr::QTile;
     using DsTile = typename Tr::DsTile;
@@ -92,6 +97,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int kv_head = blockIdx.y, batch = blockIdx.z, key0 = blockIdx.x * kN;
+    int q_start = 0, k_start = 0;  // the sequence's first rows (varlen)
+    if constexpr (Tr::kVarlen) {
+        const SeqBounds seq(cu_seqlens_q, cu_seqlens_k, batch, total_q, total_k, error_claim, error_host, seqlen_q,
+                            seqlen_k);
+        // (uniform: the loops over the sequence's tiles and what they count stay off vector registers)
+        seqlen_q = warp_uniform(seqlen_q), seqlen_k = warp_uniform(seqlen_k);
+        q_start = warp_uniform(seq.q_start), k_start = warp_uniform(seq.k_start);
+        if (key0 >= seqlen_k) return;  // past this sequence's keys (those rows belong to the next one)
+    }
     // The query tiles with a row that sees one of this block's keys, for every query head of the group.
     const WindowMask<Tr::kMask> mask{seqlen_q, seqlen_k, window_left, window_right};
     const int m_begin = mask.first_query(key0) / kM;
@@ -117,9 +131,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                                                                   from += step)
                 cp_async_16(to, row < valid ? from : src, row < valid);
         };
-        load_tile(KVTile{}, smem_k, k + batch * k_batch_stride + (i64)key0 * k_row_stride + kv_head * k_head_stride,
+        load_tile(KVTile{}, smem_k, k + batch * k_batch_stride + (i64)(k_start + key0) * k_row_stride + kv_head * k_head_stride,
                   k_row_stride, seqlen_k - key0);
-        load_tile(KVTile{}, smem_v, v + batch * v_batch_stride + (i64)key0 * v_row_stride + kv_head * v_head_stride,
+        load_tile(KVTile{}, smem_v, v + batch * v_batch_stride + (i64)(k_start + key0) * v_row_stride + kv_head * v_head_stride,
                   v_row_stride, seqlen_k - key0);
         cp_async_mbar_arrive(kv_full);
         for (int it = 0; it < n_iters; ++it) {
@@ -127,15 +141,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             const int m0 = (m_begin + it % m_count) * kM;
             mbar_wait(empty(s), ((it / kS) & 1) ^ 1);
             load_tile(QTile{}, smem_q + s * QTile::kBytes,
-                      q + batch * q_batch_stride + (i64)m0 * q_row_stride + head * q_head_stride, q_row_stride,
+                      q + batch * q_batch_stride + (i64)(q_start + m0) * q_row_stride + head * q_head_stride, q_row_stride,
                       seqlen_q - m0);
             load_tile(QTile{}, smem_do + s * QTile::kBytes,
-                      dout + batch * do_batch_stride + (i64)m0 * do_row_stride + head * do_head_stride, do_row_stride,
+                      dout + batch * do_batch_stride + (i64)(q_start + m0) * do_row_stride + head * do_head_stride, do_row_stride,
                       seqlen_q - m0);
             cp_async_mbar_arrive(full(s));
             if (ptid < kM) {
                 // Plain loads: rows past seqlen_q need lse = +inf (so P = 0), which a zero-filling copy cannot give.
-                const i64 stat = batch * stat_batch_stride + head * stat_head_stride + m0 + ptid;
+                const i64 stat = batch * stat_batch_stride + head * stat_head_stride + q_start + m0 + ptid;
                 const bool ok = m0 + ptid < seqlen_q;
                 stats[s * kM + ptid] = ok ? lse[stat] * kLog2e : pos_inf();
                 stats[(kS + s) * kM + ptid] = ok ? dsum[stat] : 0.f;
@@ -186,14 +200,22 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // P^T = exp(S^T scale - L) and dS^T = P^T o (dP^T - D), in place.
         const float* lse_s = stats + s * kM;
         const float* dsum_s = stats + (kS + s) * kM;
+        // Which scores are masked. Without a mask or with a causal one, the test itself on every score: with a
+        // per-tile branch around it (tile_needs_mask) ptxas kept more registers live and serialised the wgmma
+        // (C7512: NVRTC 13 in the unmasked kernel at 232 registers, NVRTC 12.9 in the causal varlen one).
         const bool need_mask = mask.tile_needs_mask(m0, kM, key0, kN);
+        const auto masked = [&](int qc, int key) {
+            if constexpr (Tr::kMask == kMaskNone) return key >= seqlen_k;
+            if constexpr (Tr::kMask == kMaskCausal) return key >= seqlen_k || key > m0 + qc + seqlen_k - seqlen_q;
+            return need_mask && !mask.visible(m0 + qc, key);
+        };
 #pragma unroll
         for (int nt = 0; nt < kQT; ++nt) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int qc = nt * 8 + (lane & 3) * 2 + (e & 1), key = key_lo + (e >> 1) * 8;
                 float p = fast_exp2(st[0][nt][e] * scale_log2 - lse_s[qc]);
-                if (need_mask && !mask.visible(m0 + qc, key)) p = 0.f;
+                if (masked(qc, key)) p = 0.f;
                 dpt[0][nt][e] = p * (dpt[0][nt][e] - dsum_s[qc]);
                 st[0][nt][e] = p;
             }
@@ -262,7 +284,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         fence_proxy_async_smem();
         asm volatile("bar.sync 2, %0;\n" ::"n"(Tr::kConsumerThreads) : "memory");
         if (ctid < kM && m0 + ctid < seqlen_q) {
-            const i64 stat = batch * stat_batch_stride + head * stat_head_stride + m0 + ctid;
+            const i64 stat = batch * stat_batch_stride + head * stat_head_stride + q_start + m0 + ctid;
             bulk_reduce_add_f32(dq_accum + stat * Tr::kHeadDim, smem_dq + ctid * Tr::kDqPitch * 4,
                                 Tr::kHeadDim * 4);
             bulk_commit();
@@ -298,9 +320,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         if (key0 + r < seqlen_k) {
             u32 chunk[4];
             ld_shared_v4(KVTile::at(smem_k, r, c), chunk);
-            st_global_v4(dk_rows + (i64)(key0 + r) * dk_row_stride + c, chunk);
+            st_global_v4(dk_rows + (i64)(k_start + key0 + r) * dk_row_stride + c, chunk);
             ld_shared_v4(KVTile::at(smem_v, r, c), chunk);
-            st_global_v4(dv_rows + (i64)(key0 + r) * dv_row_stride + c, chunk);
+            st_global_v4(dv_rows + (i64)(k_start + key0 + r) * dv_row_stride + c, chunk);
         }
     }
 }

@@ -235,7 +235,7 @@ class BwdConfig:
 class HopperBwdConfig:
     """Template arguments of ``fa2::HopperBwdTraits`` (cuda/bwd_hopper.cu, sm_90a only): the dK/dV kernel on wgmma,
     a producer warpgroup and two consumer warpgroups of 64 keys; 128 keys per block, 64 query rows per step, dQ
-    added to the fp32 accumulator (atomic mode only)."""
+    added to the fp32 accumulator (atomic mode only); padded and varlen."""
 
     headdim: int  # exactly the head dim (128)
     stages: int  # Q/dO ring depth
@@ -255,31 +255,30 @@ class HopperBwdConfig:
 
     def name_expression(self, dtype: str, mask: str, atomic_dq: bool = True, mods: bool = False,
                         varlen: bool = False) -> str:
-        if mods or varlen or not atomic_dq:
-            raise ValueError("the Hopper backward takes padded calls without score modifiers, atomic dQ only")
+        if mods or not atomic_dq:
+            raise ValueError("the Hopper backward takes calls without score modifiers, atomic dQ only")
         return f"fa2::bwd_dkdv_hopper<fa2::HopperBwdTraits<{self.headdim}, {self.stages}, {DTYPE_TAGS[dtype]}, " \
-               f"{MASK_TAGS[mask]}>>"
+               f"{MASK_TAGS[mask]}{', true' if varlen else ''}>>"
 
 
-#: The Hopper backward's dK/dV kernel, by head dim: used on compute capability 9.0 for padded calls without score
-#: modifiers in the default (atomic dQ) mode; every other case runs BACKWARD_TABLE's mma.sync kernels.
+#: The Hopper backward's dK/dV kernel, by head dim: used on compute capability 9.0 for padded and varlen calls
+#: without score modifiers in the default (atomic dQ) mode; every other case runs BACKWARD_TABLE's mma.sync kernels.
 BACKWARD_HOPPER_TABLE: dict[int, HopperBwdConfig] = {
     128: HopperBwdConfig(128, 2),
 }
 
 
-def hopper_backward_config(arch: int, headdim: int, mods: bool, varlen: bool, deterministic: bool
-                           ) -> HopperBwdConfig | None:
-    """The Hopper backward's row for this call, or None where the mma.sync backward runs it."""
-    if arch != 90 or mods or varlen or deterministic:
+def hopper_backward_config(arch: int, headdim: int, mods: bool, deterministic: bool) -> HopperBwdConfig | None:
+    """The Hopper backward's row for this call, or None where the mma.sync backward runs it (padded or varlen)."""
+    if arch != 90 or mods or deterministic:
         return None
     return BACKWARD_HOPPER_TABLE.get(headdim)
 
 
 def hopper_backward_instantiations() -> list[str]:
     """Name expressions of every shipped Hopper backward instantiation (compiled for sm_90a)."""
-    return sorted(config.name_expression(dtype, mask) for config in BACKWARD_HOPPER_TABLE.values()
-                  for dtype in DTYPE_TAGS for mask in MASKS)
+    return sorted(config.name_expression(dtype, mask, varlen=varlen) for config in BACKWARD_HOPPER_TABLE.values()
+                  for dtype in DTYPE_TAGS for mask in MASKS for varlen in (False, True))
 
 
 @dataclass(frozen=True)

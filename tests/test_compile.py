@@ -146,12 +146,16 @@ def test_hopper_forward_is_chosen_only_where_it_runs():
 
 def test_hopper_backward_compiles_without_spills():
     names = configs.hopper_backward_instantiations()
-    assert len(names) == len(configs.BACKWARD_HOPPER_TABLE) * len(configs.DTYPE_TAGS) * len(configs.MASKS)
+    assert len(names) == len(configs.BACKWARD_HOPPER_TABLE) * len(configs.DTYPE_TAGS) * len(configs.MASKS) * 2
     binary, log, lowered = build.compile_for_arch("bwd_hopper", names, "90a", log=True)
     assert len(binary) > 0
     reports = _ptxas_reports(log)
     for name in names:
         assert reports[lowered[name]] == (0, 0), f"{name} spills on sm_90a"
+    # ptxas's performance advisories (C75xx): C7512 is "wgmma serialized due to insufficient register resources",
+    # which the unmasked kernel had at 232 registers before its mask test was simplified (each HGMMA then waited
+    # for the last).
+    assert "C75" not in log, [line for line in log.splitlines() if "C75" in line]
 
 
 def test_hopper_backward_shared_memory_matches_the_kernel():
@@ -167,14 +171,15 @@ def test_hopper_backward_shared_memory_matches_the_kernel():
 
 def test_hopper_backward_is_chosen_only_where_it_runs():
     row = configs.BACKWARD_HOPPER_TABLE[128]
-    assert configs.hopper_backward_config(90, 128, mods=False, varlen=False, deterministic=False) is row
+    assert configs.hopper_backward_config(90, 128, mods=False, deterministic=False) is row
     for arch in (80, 86, 89, 100, 120):
-        assert configs.hopper_backward_config(arch, 128, mods=False, varlen=False, deterministic=False) is None
-    for flag in ("mods", "varlen", "deterministic"):
-        kw = {"mods": False, "varlen": False, "deterministic": False, flag: True}
+        assert configs.hopper_backward_config(arch, 128, mods=False, deterministic=False) is None
+    for flag in ("mods", "deterministic"):
+        kw = {"mods": False, "deterministic": False, flag: True}
         assert configs.hopper_backward_config(90, 128, **kw) is None
     for d in (32, 64, 96, 160, 256):
-        assert configs.hopper_backward_config(90, d, mods=False, varlen=False, deterministic=False) is None
+        assert configs.hopper_backward_config(90, d, mods=False, deterministic=False) is None
+    assert row.name_expression("bfloat16", "causal", varlen=True).endswith("fa2::kMaskCausal, true>>")
     with pytest.raises(ValueError, match="atomic"):
         row.name_expression("float16", "none", atomic_dq=False)
 

@@ -1,5 +1,5 @@
 """The Hopper backward (cuda/bwd_hopper.cu's dK/dV kernel) on a GPU of compute capability 9.0: it is the kernel the
-library plans there for padded calls without modifiers at head dim 128 in the default (atomic dQ) mode, its
+library plans there for padded and varlen calls without modifiers at head dim 128 in the default (atomic dQ) mode, its
 gradients match the float64 reference on every mask, grouping, length and layout it takes, and the mma.sync
 backward it replaces for those calls still matches the reference on the same GPU.
 
@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from gpu_helpers import cupy_module as _cupy, debug_poison
 from test_backward_gpu import run_case
+from test_varlen_mods_gpu import run_varlen_case
 
 pytestmark = pytest.mark.gpu
 
@@ -62,6 +63,9 @@ def test_hopper_kernel_is_the_one_planned():
         plan = backward.plan_backward((1, 256, 8, 128), (1, 256, 8, 128), strides, "bfloat16", 0.1, True, det, 90,
                                       **kw)
         assert isinstance(plan.config, configs.BwdConfig)
+    plan = backward.plan_backward((1, 256, 8, 128), (1, 256, 8, 128), strides, "bfloat16", 0.1, True, False, 90,
+                                  varlen_totals=(256, 256))
+    assert isinstance(plan.config, configs.HopperBwdConfig) and plan.zero_tail is not None
     strides = dict.fromkeys(names, (256 * 8 * 64, 8 * 64, 64, 1))
     plan = backward.plan_backward((1, 256, 8, 64), (1, 256, 8, 64), strides, "bfloat16", 0.1, True, False, 90)
     assert isinstance(plan.config, configs.BwdConfig)  # no Hopper row for d = 64 yet
@@ -119,3 +123,27 @@ def test_fixed_hopper_cases(hopper, b, sq, sk, h, hkv, causal, window):
             run_case(dict(batch=b, seqlen_q=sq, seqlen_k=sk, nheads=h, nheads_kv=hkv, headdim=128, causal=causal,
                           window_size=window, dtype=dtype, softmax_scale=None, deterministic=False, transposed=False,
                           seed=sq + sk + h))
+
+
+@st.composite
+def varlen_hopper_cases(draw):
+    batch = draw(st.integers(1, 4))
+    lengths = st.sampled_from([0, 1, 17, 64, 127, 128, 129, 300, 500])
+    lq = draw(st.lists(lengths, min_size=batch, max_size=batch))
+    lk = lq if draw(st.booleans()) else draw(st.lists(lengths, min_size=batch, max_size=batch))
+    h, hkv = draw(st.sampled_from(GROUPS))
+    return dict(lengths_q=lq, lengths_k=lk, nheads=h, nheads_kv=hkv, headdim=128, causal=draw(st.booleans()),
+                window_size=draw(st.one_of(st.just((-1, -1)), st.tuples(st.integers(-1, 200), st.integers(-1, 200)))),
+                softcap=0.0, alibi=None,
+                extra_rows=draw(st.sampled_from([0, 5])),  # rows past cu_seqlens[-1], which nothing may read
+                slack=draw(st.sampled_from([0, 9])),  # max_seqlen above the longest sequence
+                dtype=draw(st.sampled_from(["float16", "bfloat16"])), deterministic=False,
+                seed=draw(st.integers(0, 2**32 - 1)))
+
+
+@given(varlen_hopper_cases(), st.booleans())
+def test_both_backward_kernels_match_reference_on_hopper_varlen(case, hopper):
+    _hopper_gpu()
+    note(repr(case))
+    with _kernel(hopper):
+        run_varlen_case(case)

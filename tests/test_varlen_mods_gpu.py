@@ -198,6 +198,11 @@ def _varlen_inputs(c):
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(varlen_cases())
 def test_varlen_forward_backward(c):
+    run_varlen_case(c)
+
+
+def run_varlen_case(c):
+    """Varlen forward and backward of case dict ``c`` (varlen_cases' keys) against the float64 reference."""
     fa = fa2cupy_module()
     cp = _cupy()
     x, cu_q, cu_k, slopes = _varlen_inputs(c)
