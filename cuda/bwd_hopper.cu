@@ -115,21 +115,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
     if (warp >= Tr::kConsumerWarps) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Tr::kProducerRegisters));
-        // Producer: a thread copies one 16-byte chunk of every kRowStep-th row of a tile (zeros from row `valid`
-        // on); its rows are a multiple of 8 apart, so they share one swizzle phase.
+        // Producer: tiles into swizzled slabs (zeros from row `valid` on), each thread its chunks (SlabLoader).
         const int ptid = threadIdx.x - Tr::kConsumerThreads;
-        constexpr int kChunksPerRow = Tr::kHeadDim / 8, kRowStep = Tr::kProducerThreads / kChunksPerRow;
-        static_assert(kRowStep % 8 == 0, "a thread's rows share one swizzle phase");
-        const int first_row = ptid / kChunksPerRow, column = ptid % kChunksPerRow * 8;
+        const SlabLoader<Tr::kProducerThreads, Tr::kHeadDim> loader(ptid);
         const auto load_tile = [&](auto tile, u32 dst, const u16* src, int row_stride, int valid) {
-            constexpr int kRows = decltype(tile)::kBytes / (Tr::kHeadDim * 2);
-            u32 to = decltype(tile)::at(dst, first_row, column);
-            const u16* from = src + (i64)first_row * row_stride + column;
-            const i64 step = (i64)kRowStep * row_stride;
-#pragma unroll 4
-            for (int row = first_row; row < kRows; row += kRowStep, to += kRowStep * decltype(tile)::kRowBytes,
-                                                                  from += step)
-                cp_async_16(to, row < valid ? from : src, row < valid);
+            loader.template load<decltype(tile)>(dst, src, row_stride, valid);
         };
         load_tile(KVTile{}, smem_k, k + batch * k_batch_stride + (i64)(k_start + key0) * k_row_stride + kv_head * k_head_stride,
                   k_row_stride, seqlen_k - key0);

@@ -175,20 +175,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // Producer: a tile (zeros from row `valid` on) into swizzled slabs. After a slot's copies, one arrival per
         // thread on its barrier, made when they have landed.
         const int ptid = threadIdx.x - 32 * Tr::kConsumerWarps;
-        // A thread copies one 16-byte column chunk of every kRowStep-th row: a multiple of 8 rows apart, so its
-        // swizzled position within a row is the same for all of them.
-        constexpr int kChunksPerRow = Tr::kHeadDim / 8, kRowStep = Tr::kProducerThreads / kChunksPerRow;
-        static_assert(kRowStep % 8 == 0, "a thread's rows share one swizzle phase");
-        const int first_row = ptid / kChunksPerRow, column = ptid % kChunksPerRow * 8;
+        const SlabLoader<Tr::kProducerThreads, Tr::kHeadDim> loader(ptid);
+        const int first_row = loader.first_row, column = loader.column;
+        constexpr int kRowStep = decltype(loader)::kRowStep;
         const auto load_tile = [&](auto tile, u32 dst, const u16* src, int row_stride, int valid) {
-            constexpr int kRows = decltype(tile)::kBytes / (Tr::kHeadDim * 2);
-            u32 to = decltype(tile)::at(dst, first_row, column);
-            const u16* from = src + (i64)first_row * row_stride + column;
-            const i64 step = (i64)kRowStep * row_stride;
-#pragma unroll 4  // (4 copies in flight per thread; the varlen producer fits them too since session 18)
-            for (int row = first_row; row < kRows; row += kRowStep, to += kRowStep * decltype(tile)::kRowBytes,
-                                                                  from += step)
-                cp_async_16(to, row < valid ? from : src, row < valid);
+            loader.template load<decltype(tile)>(dst, src, row_stride, valid);
         };
         u32 tiles = 0;  // K/V tiles loaded
         u32 items_loaded = 0;  // (Q buffer items_loaded % kQBuffers next)

@@ -594,4 +594,26 @@ struct SwizzledSlabs {
     }
 };
 
+// A producer warpgroup's share of copying tiles of Cols-wide rows into SwizzledSlabs (cp.async): thread `ptid` of
+// Threads copies one 16-byte column chunk of every kRowStep-th row, a multiple of 8 rows apart, so its swizzled
+// position within a row is the same for all of them and its addresses advance by constants.
+template <int Threads, int Cols>
+struct SlabLoader {
+    static constexpr int kChunksPerRow = Cols / 8, kRowStep = Threads / kChunksPerRow;
+    static_assert(kRowStep % 8 == 0, "a thread's rows share one swizzle phase");
+    int first_row, column;
+    FA2_DEVICE explicit SlabLoader(int ptid) : first_row(ptid / kChunksPerRow), column(ptid % kChunksPerRow * 8) {}
+    // Tile's rows of `src` (row_stride elements apart) into the tile at `dst`, zeros from row `valid` on.
+    template <class Tile>
+    FA2_DEVICE void load(u32 dst, const u16* src, int row_stride, int valid) const {
+        constexpr int kRows = Tile::kBytes / (Cols * 2);
+        u32 to = Tile::at(dst, first_row, column);
+        const u16* from = src + (i64)first_row * row_stride + column;
+        const i64 step = (i64)kRowStep * row_stride;
+#pragma unroll 4  // (4 copies in flight per thread)
+        for (int row = first_row; row < kRows; row += kRowStep, to += kRowStep * Tile::kRowBytes, from += step)
+            cp_async_16(to, row < valid ? from : src, row < valid);
+    }
+};
+
 }  // namespace fa2
