@@ -182,10 +182,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         return make_score_mods(scale, softcap, alibi_slope(alibi_slopes, alibi_batch_stride, batch, head),
                                sq(), sk());
     };
-    const int m_begin = mask.first_query(key0) / kM;
-    const int last_key = min(key0 + Tr::kBlockN, seqlen_k) - 1;
-    const int m_count = (mask.query_end(last_key) + kM - 1) / kM - m_begin;
-    const int n_iters = heads_per_kv * (m_count > 0 ? m_count : 0);
+    int m_begin, m_count;
+    mask.template query_tiles<kM>(key0, Tr::kBlockN, m_begin, m_count);
+    const int n_iters = heads_per_kv * m_count;
 
     // K_j and V_j: loaded once (Algorithm 2 line 6).
     const i64 key0_g = k_start() + key0;

@@ -62,6 +62,15 @@ struct WindowMask {
         const int end = col - diag() + left() + 1;
         return end < seqlen_q ? end : seqlen_q;
     }
+    // The query tiles of BlockM rows with a row that sees one of keys [col0, col0 + cols) (col0 < seqlen_k; the
+    // backward walks them): from tile `first`, `count` of them (0: none).
+    template <int BlockM>
+    FA2_DEVICE void query_tiles(int col0, int cols, int& first, int& count) const {
+        first = first_query(col0) / BlockM;
+        const int last_key = (col0 + cols < seqlen_k ? col0 + cols : seqlen_k) - 1;
+        const int end = (query_end(last_key) + BlockM - 1) / BlockM;
+        count = end > first ? end - first : 0;
+    }
     // Whether the tile of rows [row0, row0 + rows) x keys [col0, col0 + cols) needs per-element masking.
     FA2_DEVICE bool tile_needs_mask(int row0, int rows, int col0, int cols) const {
         return col0 + cols > seqlen_k || (Masked && col0 + cols - 1 > row0 + seqlen_k - seqlen_q + right()) ||

@@ -545,23 +545,21 @@ struct Wgmma;
 #define FA2_WGMMA_ACC_N128 FA2_WGMMA_ACC_N64, FA2_WGMMA_ACC4(8), FA2_WGMMA_ACC4(9), FA2_WGMMA_ACC4(10), FA2_WGMMA_ACC4(11), FA2_WGMMA_ACC4(12), FA2_WGMMA_ACC4(13), FA2_WGMMA_ACC4(14), FA2_WGMMA_ACC4(15)
 // One specialisation per (type, N): the accumulator operands are N / 2 registers, listed by ACC; DREGS names them
 // in the instruction; SS_OPS / RS_OPS are the operands after them, SS_PRED / RS_PRED the accumulate flag's.
+// FA2_WGMMA_SS writes one shared-memory form, its operands' majors given by TRANS (imm-trans-a, imm-trans-b); the
+// accumulator operands come last, as they expand to a list.
+#define FA2_WGMMA_SS(NAME, TRANS, TY, N, DREGS, SS_OPS, SS_PRED, ...)                                              \
+    static FA2_DEVICE void NAME(float (&d)[1][N / 8][4], u64 desc_a, u64 desc_b, int accumulate) {                 \
+        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SS_PRED ", 0;\n"                                          \
+                     "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." #TY "." #TY " " DREGS ", " SS_OPS           \
+                     ", p, 1, 1, " TRANS ";\n}\n"                                                                  \
+                     : __VA_ARGS__                                                                                 \
+                     : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                                 \
+    }
 #define FA2_WGMMA_M64(TY, N, DREGS, ACC, SS_OPS, SS_PRED, RS_OPS, RS_PRED)                                          \
     template <>                                                                                                    \
     struct Wgmma<TY, N> {                                                                                          \
-        static FA2_DEVICE void ss(float (&d)[1][N / 8][4], u64 desc_a, u64 desc_b, int accumulate) {               \
-            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SS_PRED ", 0;\n"                                      \
-                         "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." #TY "." #TY " " DREGS ", " SS_OPS       \
-                         ", p, 1, 1, 0, 0;\n}\n"                                                                   \
-                         : ACC                                                                                     \
-                         : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                             \
-        }                                                                                                          \
-        static FA2_DEVICE void ss_mn(float (&d)[1][N / 8][4], u64 desc_a, u64 desc_b, int accumulate) {            \
-            asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SS_PRED ", 0;\n"                                      \
-                         "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." #TY "." #TY " " DREGS ", " SS_OPS       \
-                         ", p, 1, 1, 1, 1;\n}\n"                                                                   \
-                         : ACC                                                                                     \
-                         : "l"(desc_a), "l"(desc_b), "r"(accumulate));                                             \
-        }                                                                                                          \
+        FA2_WGMMA_SS(ss, "0, 0", TY, N, DREGS, SS_OPS, SS_PRED, ACC)                                               \
+        FA2_WGMMA_SS(ss_mn, "1, 1", TY, N, DREGS, SS_OPS, SS_PRED, ACC)                                            \
         static FA2_DEVICE void rs_mn(float (&d)[1][N / 8][4], const u32 (&a)[4], u64 desc_b, int accumulate) {     \
             asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " RS_PRED ", 0;\n"                                      \
                          "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." #TY "." #TY " " DREGS ", " RS_OPS       \
@@ -579,6 +577,7 @@ FA2_WGMMA_M64(bf16, 128, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12
 FA2_WGMMA_M64(f16, 128, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}", FA2_WGMMA_ACC_N128, "%64, %65", "%66",
               "{%64, %65, %66, %67}, %68", "%69")
 #undef FA2_WGMMA_M64
+#undef FA2_WGMMA_SS
 #undef FA2_WGMMA_ACC_N128
 #undef FA2_WGMMA_ACC_N64
 #undef FA2_WGMMA_ACC4
@@ -593,6 +592,24 @@ struct SwizzledSlabs {
         return base + (c >> 6) * kSlabBytes + r * kRowBytes + ((((c >> 3) & 7) ^ (r & 7)) << 4);
     }
 };
+
+// A warp's 16 rows of an m64 wgmma accumulator (d[0][n8 tile][4]), times `scale` and packed to 16 bits, into a
+// SwizzledSlabs tile from row `row0` on: stmatrix of whole 8x8 blocks, conflict-free in the swizzle.
+template <class E, class Tile, int NTiles>
+FA2_DEVICE void stmatrix_rows(u32 tile, int row0, const float (&d)[1][NTiles][4], float scale, int lane) {
+    static_assert(NTiles % 4 == 0, "the rows go out in groups of four n8 tiles");
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+#pragma unroll
+        for (int group = 0; group < NTiles / 4; ++group) {
+            u32 x[4];
+#pragma unroll
+            for (int p = 0; p < 4; ++p)
+                x[p] = Mma<E>::pack(d[0][4 * group + p][2 * half] * scale, d[0][4 * group + p][2 * half + 1] * scale);
+            stmatrix_x4(Tile::at(tile, row0 + 8 * half + (lane & 7), (4 * group + (lane >> 3)) * 8), x);
+        }
+    }
+}
 
 // A producer warpgroup's share of copying tiles of Cols-wide rows into SwizzledSlabs (cp.async): thread `ptid` of
 // Threads copies one 16-byte column chunk of every kRowStep-th row, a multiple of 8 rows apart, so its swizzled
