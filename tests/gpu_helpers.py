@@ -52,6 +52,29 @@ def debug_poison(module: str, value: bool = True):
         patch.undo()
 
 
+def skip_unless_hopper(kernel: str) -> None:
+    """Skips the test unless the GPU is compute capability 9.0, the only one the sm_90a kernels run on."""
+    if int(cupy_module().cuda.Device().compute_capability) != 90:
+        pytest.skip(f"the Hopper {kernel} runs on compute capability 9.0 only")
+
+
+@contextlib.contextmanager
+def planning_with(*patches):
+    """Sets each (object, attribute, value) for the duration, so that plans choose kernels differently (A/B of two
+    kernels for one call); the cached plans are dropped on both sides of the switch."""
+    from fa2cupy import interface
+
+    patch = pytest.MonkeyPatch()
+    for obj, name, value in patches:
+        patch.setattr(obj, name, value)
+    interface._cached_calls.clear()
+    try:
+        yield
+    finally:
+        patch.undo()
+        interface._cached_calls.clear()
+
+
 def fa2cupy_module():
     """fa2cupy, imported on first use (it imports CuPy)."""
     import fa2cupy

@@ -96,31 +96,51 @@ def _probe_ptx(family: str, probes: list[str], arch: str) -> str:
         nvrtc.destroyProgram(prog)
 
 
-def test_hopper_forward_compiles_without_spills():
-    names = configs.hopper_forward_instantiations()
-    assert len(names) == len(configs.FORWARD_HOPPER_TABLE) * len(configs.DTYPE_TAGS) * len(configs.MASKS) * 2
+# The sm_90a families: (family, their shipped instantiations, how many, their table rows with the byte count a
+# launch asks for, the kernel template's name).
+HOPPER_FAMILIES = {
+    "fwd_hopper": (configs.hopper_forward_instantiations,
+                   len(configs.FORWARD_HOPPER_TABLE) * len(configs.DTYPE_TAGS) * len(configs.MASKS) * 2,
+                   lambda: [(c, c.smem_bytes) for c in configs.FORWARD_HOPPER_TABLE.values()], "fa2::flash_fwd_hopper<"),
+    "bwd_hopper": (configs.hopper_backward_instantiations,
+                   len(configs.BACKWARD_HOPPER_TABLE) * len(configs.DTYPE_TAGS) * len(configs.MASKS) * 2,
+                   lambda: [(c, c.smem_bytes()) for c in configs.BACKWARD_HOPPER_TABLE.values()],
+                   "fa2::bwd_dkdv_hopper<"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(HOPPER_FAMILIES))
+def test_hopper_kernels_compile_without_spills(family):
+    instantiations, count, _, _ = HOPPER_FAMILIES[family]
+    names = instantiations()
+    assert len(names) == count
     with ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as pool:
-        results = list(pool.map(lambda chunk: build.compile_for_arch("fwd_hopper", chunk, "90a", log=True),
+        results = list(pool.map(lambda chunk: build.compile_for_arch(family, chunk, "90a", log=True),
                                 [names[i : i + 4] for i in range(0, len(names), 4)]))
     reports, lowered = {}, {}
     for binary, log, names_lowered in results:
         assert len(binary) > 0
         reports.update(_ptxas_reports(log))
         lowered.update(names_lowered)
+        # ptxas's performance advisories (C75xx): C7512 is "wgmma serialized due to insufficient register
+        # resources", which the unmasked backward had at 232 registers before its mask test was simplified (each
+        # HGMMA then waited for the last).
+        assert "C75" not in log, [line for line in log.splitlines() if "C75" in line]
     for name in names:
         assert reports[lowered[name]] == (0, 0), f"{name} spills on sm_90a"
 
 
-def test_hopper_forward_shared_memory_matches_the_kernel():
-    # HopperFwdConfig.smem_bytes (what a launch asks for) against HopperFwdTraits::kSmemBytes, read from the PTX.
-    rows = list(configs.FORWARD_HOPPER_TABLE.values())
-    probes = [f"__device__ int fa2_probe_{i} = "
-              f"{c.name_expression('float16', 'none')[len('fa2::flash_fwd_hopper<'):-1]}::kSmemBytes;"
-              for i, c in enumerate(rows)]
-    ptx = _probe_ptx("fwd_hopper", probes, "90a")
-    for i, config in enumerate(rows):
+@pytest.mark.parametrize("family", sorted(HOPPER_FAMILIES))
+def test_hopper_shared_memory_matches_the_kernel(family):
+    # The config's byte count (what a launch asks for) against the traits' kSmemBytes, read from the PTX.
+    _, _, rows, prefix = HOPPER_FAMILIES[family]
+    rows = rows()
+    probes = [f"__device__ int fa2_probe_{i} = {c.name_expression('float16', 'none')[len(prefix):-1]}::kSmemBytes;"
+              for i, (c, _) in enumerate(rows)]
+    ptx = _probe_ptx(family, probes, "90a")
+    for i, (config, smem_bytes) in enumerate(rows):
         found = re.search(rf"fa2_probe_{i} = (\d+);", ptx)
-        assert found and int(found[1]) == config.smem_bytes <= 227 * 1024, config
+        assert found and int(found[1]) == smem_bytes <= 227 * 1024, config
 
 
 def test_hopper_forward_is_chosen_only_where_it_runs():
@@ -142,31 +162,6 @@ def test_hopper_forward_is_chosen_only_where_it_runs():
         assert configs.hopper_forward_config(90, d, "float16", mask="none", seqlen_q=1) is not None
     with pytest.raises(ValueError, match="dtype"):
         configs.hopper_forward_config(90, 64, "float32")
-
-
-def test_hopper_backward_compiles_without_spills():
-    names = configs.hopper_backward_instantiations()
-    assert len(names) == len(configs.BACKWARD_HOPPER_TABLE) * len(configs.DTYPE_TAGS) * len(configs.MASKS) * 2
-    binary, log, lowered = build.compile_for_arch("bwd_hopper", names, "90a", log=True)
-    assert len(binary) > 0
-    reports = _ptxas_reports(log)
-    for name in names:
-        assert reports[lowered[name]] == (0, 0), f"{name} spills on sm_90a"
-    # ptxas's performance advisories (C75xx): C7512 is "wgmma serialized due to insufficient register resources",
-    # which the unmasked kernel had at 232 registers before its mask test was simplified (each HGMMA then waited
-    # for the last).
-    assert "C75" not in log, [line for line in log.splitlines() if "C75" in line]
-
-
-def test_hopper_backward_shared_memory_matches_the_kernel():
-    rows = list(configs.BACKWARD_HOPPER_TABLE.values())
-    probes = [f"__device__ int fa2_probe_{i} = "
-              f"{c.name_expression('float16', 'none')[len('fa2::bwd_dkdv_hopper<'):-1]}::kSmemBytes;"
-              for i, c in enumerate(rows)]
-    ptx = _probe_ptx("bwd_hopper", probes, "90a")
-    for i, config in enumerate(rows):
-        found = re.search(rf"fa2_probe_{i} = (\d+);", ptx)
-        assert found and int(found[1]) == config.smem_bytes() <= 227 * 1024, config
 
 
 def test_hopper_backward_is_chosen_only_where_it_runs():

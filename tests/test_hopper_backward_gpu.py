@@ -8,13 +8,11 @@ Bounds, references and the NaN poisoning of dq/dk/dv are test_backward_gpu's (ch
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 from hypothesis import given, note
 from hypothesis import strategies as st
 
-from gpu_helpers import cupy_module as _cupy, debug_poison
+from gpu_helpers import debug_poison, planning_with, skip_unless_hopper
 from test_backward_gpu import run_case
 from test_varlen_mods_gpu import run_varlen_case
 
@@ -22,8 +20,7 @@ pytestmark = pytest.mark.gpu
 
 
 def _hopper_gpu():
-    if int(_cupy().cuda.Device().compute_capability) != 90:
-        pytest.skip("the Hopper backward runs on compute capability 9.0 only")
+    skip_unless_hopper("backward")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -32,20 +29,12 @@ def poison_outputs():
         yield
 
 
-@contextlib.contextmanager
 def _kernel(hopper: bool):
     """Runs the calls inside with the Hopper dK/dV kernel (True) or the mma.sync one (False) where the Hopper
-    kernel would be picked; cached plans are dropped on both sides of the switch."""
-    from fa2cupy import backward, interface
+    kernel would be picked."""
+    from fa2cupy import backward
 
-    patch = pytest.MonkeyPatch()
-    patch.setattr(backward, "HOPPER", hopper)
-    interface._cached_calls.clear()
-    try:
-        yield
-    finally:
-        patch.undo()
-        interface._cached_calls.clear()
+    return planning_with((backward, "HOPPER", hopper))
 
 
 def test_hopper_kernel_is_the_one_planned():

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, note
 from hypothesis import strategies as st
 
-from gpu_helpers import cupy_module as _cupy, debug_poison
+from gpu_helpers import cupy_module as _cupy, debug_poison, planning_with, skip_unless_hopper
 from test_forward_gpu import run_case
 # (imported here, not inside a Hypothesis test: importing it applies @given, which Hypothesis refuses while a test
 # runs, as a nested @given)
@@ -24,9 +24,7 @@ pytestmark = pytest.mark.gpu
 
 
 def _hopper_gpu():
-    cp = _cupy()
-    if int(cp.cuda.Device().compute_capability) != 90:
-        pytest.skip("the Hopper forward runs on compute capability 9.0 only")
+    skip_unless_hopper("forward")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -35,21 +33,13 @@ def poison_outputs():
         yield
 
 
-@contextlib.contextmanager
 def _kernel(hopper: bool):
     """Runs the calls inside on the Hopper kernel (True: whatever the length of a masked call) or on the mma.sync
-    forward (False); plans cached under the other choice are dropped on both sides of the switch."""
-    from fa2cupy import configs, forward, interface
+    forward (False)."""
+    from fa2cupy import configs, forward
 
-    patch = pytest.MonkeyPatch()
-    patch.setattr(forward, "HOPPER", hopper)
-    patch.setattr(configs, "HOPPER_MASKED_MIN_SEQLEN", dict.fromkeys(configs.HOPPER_MASKED_MIN_SEQLEN, 0))
-    interface._cached_calls.clear()
-    try:
-        yield
-    finally:
-        patch.undo()
-        interface._cached_calls.clear()
+    return planning_with((forward, "HOPPER", hopper),
+                         (configs, "HOPPER_MASKED_MIN_SEQLEN", dict.fromkeys(configs.HOPPER_MASKED_MIN_SEQLEN, 0)))
 
 
 def test_hopper_kernel_is_the_one_planned():
