@@ -189,17 +189,23 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // P^T = exp(S^T scale - L) and dS^T = P^T o (dP^T - D), in place.
         const float* lse_s = stats + s * kM;
         const float* dsum_s = stats + (kS + s) * kM;
-        // Which scores are masked. Without a mask or with a causal one, visible() on every score: behind a
-        // per-tile branch (tile_needs_mask) ptxas kept more registers live and serialised the wgmma (C7512: NVRTC
-        // 13 in the unmasked kernel at 232 registers, NVRTC 12.9 in the causal varlen one).
-        const bool need_mask = Tr::kMask != kMaskWindow || mask.tile_needs_mask(m0, kM, key0, kN);
+        // Which scores are masked. Without a mask or with a causal one, the test itself on every score: with a
+        // per-tile branch around it (tile_needs_mask) ptxas kept more registers live and serialised the wgmma
+        // (C7512: NVRTC 13 in the unmasked kernel at 232 registers, NVRTC 12.9 in the causal varlen one). Spelled
+        // out, not through visible(): that form (the same test) measured 5% slower causal (bench/NOTES.md).
+        const bool need_mask = mask.tile_needs_mask(m0, kM, key0, kN);
+        const auto masked = [&](int qc, int key) {
+            if constexpr (Tr::kMask == kMaskNone) return key >= seqlen_k;
+            if constexpr (Tr::kMask == kMaskCausal) return key >= seqlen_k || key > m0 + qc + seqlen_k - seqlen_q;
+            return need_mask && !mask.visible(m0 + qc, key);
+        };
 #pragma unroll
         for (int nt = 0; nt < kQT; ++nt) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int qc = nt * 8 + (lane & 3) * 2 + (e & 1), key = key_lo + (e >> 1) * 8;
                 float p = fast_exp2(st[0][nt][e] * scale_log2 - lse_s[qc]);
-                if (need_mask && !mask.visible(m0 + qc, key)) p = 0.f;
+                if (masked(qc, key)) p = 0.f;
                 dpt[0][nt][e] = p * (dpt[0][nt][e] - dsum_s[qc]);
                 st[0][nt][e] = p;
             }
@@ -279,8 +285,22 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // dK = scale dS^T Q and dV, staged in the K and V tiles (once both warpgroups are done with K) so that the
     // global stores are 16-byte and row-contiguous.
     asm volatile("bar.sync 1, %0;\n" ::"n"(Tr::kConsumerThreads) : "memory");
-    stmatrix_rows<Elem, KVTile>(smem_k, 64 * wg + 16 * w4, acc_dk, scale, lane);
-    stmatrix_rows<Elem, KVTile>(smem_v, 64 * wg + 16 * w4, acc_dv, 1.f, lane);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+#pragma unroll
+        for (int group = 0; group < kDT / 4; ++group) {
+            u32 xk[4], xv[4];
+#pragma unroll
+            for (int p = 0; p < 4; ++p) {
+                xk[p] = Mma<Elem>::pack(acc_dk[0][4 * group + p][2 * half] * scale,
+                                        acc_dk[0][4 * group + p][2 * half + 1] * scale);
+                xv[p] = Mma<Elem>::pack(acc_dv[0][4 * group + p][2 * half], acc_dv[0][4 * group + p][2 * half + 1]);
+            }
+            const int row = 64 * wg + 16 * w4 + 8 * half + (lane & 7), col = (4 * group + (lane >> 3)) * 8;
+            stmatrix_x4(KVTile::at(smem_k, row, col), xk);
+            stmatrix_x4(KVTile::at(smem_v, row, col), xv);
+        }
+    }
     asm volatile("bar.sync 1, %0;\n" ::"n"(Tr::kConsumerThreads) : "memory");
     u16* dk_rows = dk + batch * dk_batch_stride + kv_head * dk_head_stride;
     u16* dv_rows = dv + batch * dv_batch_stride + kv_head * dv_head_stride;

@@ -487,9 +487,20 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // producer, which writes them out before it loads another Q there: the warpgroup goes on to its next item.
         float row_lse[2];
         softmax.finalize(acc_o, row_lse, scale);
-        stmatrix_rows<Elem, QTile>(smem_q + q_buffer * QTile::kBytes, 64 * wg + 16 * (warp & 3), acc_o, 1.f, lane);
+        const u32 q_tile = smem_q + q_buffer * QTile::kBytes;
+        static_assert(kDT % 4 == 0, "the output goes out in groups of four n8 tiles");
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
+#pragma unroll
+            for (int group = 0; group < kDT / 4; ++group) {
+                u32 x[4];
+#pragma unroll
+                for (int p = 0; p < 4; ++p)
+                    x[p] = Mma<Elem>::pack(acc_o[0][4 * group + p][2 * half], acc_o[0][4 * group + p][2 * half + 1]);
+                stmatrix_x4(QTile::at(q_tile, 64 * wg + 16 * (warp & 3) + 8 * half + (lane & 7),
+                                      (4 * group + (lane >> 3)) * 8),
+                            x);
+            }
             const int row = warp_row0 + (lane >> 2) + half * 8;
             if (row < seqlen_q && (lane & 3) == 0)
                 lse[b * lse_batch_stride + head * lse_head_stride + seq.q_start + row] = row_lse[half];

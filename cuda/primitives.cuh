@@ -593,24 +593,6 @@ struct SwizzledSlabs {
     }
 };
 
-// A warp's 16 rows of an m64 wgmma accumulator (d[0][n8 tile][4]), times `scale` and packed to 16 bits, into a
-// SwizzledSlabs tile from row `row0` on: stmatrix of whole 8x8 blocks, conflict-free in the swizzle.
-template <class E, class Tile, int NTiles>
-FA2_DEVICE void stmatrix_rows(u32 tile, int row0, const float (&d)[1][NTiles][4], float scale, int lane) {
-    static_assert(NTiles % 4 == 0, "the rows go out in groups of four n8 tiles");
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-#pragma unroll
-        for (int group = 0; group < NTiles / 4; ++group) {
-            u32 x[4];
-#pragma unroll
-            for (int p = 0; p < 4; ++p)
-                x[p] = Mma<E>::pack(d[0][4 * group + p][2 * half] * scale, d[0][4 * group + p][2 * half + 1] * scale);
-            stmatrix_x4(Tile::at(tile, row0 + 8 * half + (lane & 7), (4 * group + (lane >> 3)) * 8), x);
-        }
-    }
-}
-
 // A producer warpgroup's share of copying tiles of Cols-wide rows into SwizzledSlabs (cp.async): thread `ptid` of
 // Threads copies one 16-byte column chunk of every kRowStep-th row, a multiple of 8 rows apart, so its swizzled
 // position within a row is the same for all of them and its addresses advance by constants.
