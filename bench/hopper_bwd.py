@@ -1,21 +1,23 @@
 """The Hopper backward (cuda/bwd_hopper.cu's dK/dV kernel) against the mma.sync backward and torch SDPA, one process.
 
-    python bench/hopper_bwd.py [--seqlens 1024,2048,4096,8192,16384] [--rounds 2] [--window]
+    python bench/hopper_bwd.py [--seqlens 1024,2048,4096,8192,16384] [--headdims 64,128] [--rounds 2] [--window]
     python bench/hopper_bwd.py --trees base=ab_trees/base,new=cuda [--seqlens ...]   # A/B of kernel sources
+    python bench/hopper_bwd.py --rows 64:64:2:1,64:128:2:1 [--seqlens ...]   # A/B of table rows (d:m:stages:keys)
 
-bf16, d=128, 16k tokens per batch, hidden 2048 (16 heads): TFLOPs/s of fa2cupy's backward with the Hopper dK/dV
+bf16, 16k tokens per batch, hidden 2048 (2048 / d heads): TFLOPs/s of fa2cupy's backward with the Hopper dK/dV
 kernel and with the mma.sync one (backward.HOPPER), and of SDPA's flash and cuDNN backends (torch.autograd.grad),
 CUDA events, median per round, implementations taking turns, best round each. The gradients of the two fa2cupy
 kernels are compared (max |difference| / max |SDPA flash's|). With --window: the window bar's backward, (4096, 0)
 over 64k tokens against full causal, h16 d128, both kernels. With --trees: only the Hopper kernel, built from each
-copy of cuda/ in turn (build.use_sources), same process, best round each.
+copy of cuda/ in turn (build.use_sources), same process, best round each. With --rows: only the Hopper kernel, with
+each configs.HopperBwdConfig row in turn for its head dim.
 """
 
 import argparse
 import sys
 
 sys.path.insert(0, ".")
-from fa2cupy import backward, build, interface  # noqa: E402
+from fa2cupy import backward, build, configs, interface  # noqa: E402
 from fa2cupy import benchmark as B  # noqa: E402
 
 
@@ -24,8 +26,8 @@ def use_hopper(on: bool) -> None:
     interface._cached_calls.clear()
 
 
-def bench(seqlens, rounds):
-    cases = [c for c in B.paper_grid(headdims=(128,), seqlens=seqlens)]
+def bench(seqlens, rounds, headdims):
+    cases = [c for c in B.paper_grid(headdims=headdims, seqlens=seqlens)]
     rows = []
     for case in cases:
         best = {}
@@ -52,9 +54,30 @@ def bench(seqlens, rounds):
     return rows
 
 
-def trees_ab(trees, seqlens, rounds):
+def rows_ab(rows, seqlens, rounds):
+    """Each table row (headdim, block_m, stages, dq_by_keys) in turn on the cases of its head dim."""
     use_hopper(True)
-    for case in B.paper_grid(headdims=(128,), seqlens=seqlens):
+    shipped = dict(configs.BACKWARD_HOPPER_TABLE)
+    for d in sorted({r[0] for r in rows}):
+        mine = [r for r in rows if r[0] == d]
+        for case in B.paper_grid(headdims=(d,), seqlens=seqlens):
+            best = {}
+            for _ in range(rounds):
+                for row in mine:
+                    configs.BACKWARD_HOPPER_TABLE[d] = configs.HopperBwdConfig(*row)
+                    interface._cached_calls.clear()
+                    rec = B.bench_backward_case(case, impls=("fa2cupy",), memory=False)
+                    best[row] = max(best.get(row, 0.0), rec["results"]["fa2cupy"]["tflops"] or 0.0)
+            first = best[mine[0]]
+            print(f"{case.label:36s} " + "  ".join(f"{':'.join(str(int(x)) for x in r)} {t:6.1f} ({t / first:5.3f})"
+                                                   for r, t in best.items()), flush=True)
+    configs.BACKWARD_HOPPER_TABLE.update(shipped)
+    interface._cached_calls.clear()
+
+
+def trees_ab(trees, seqlens, rounds, headdims):
+    use_hopper(True)
+    for case in B.paper_grid(headdims=headdims, seqlens=seqlens):
         best = {}
         for _ in range(rounds):
             for name, directory in trees:
@@ -99,13 +122,20 @@ def main():
     ap.add_argument("--seqlens", default="1024,2048,4096,8192,16384")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--window", action="store_true")
+    ap.add_argument("--headdims", default="64,128")
     ap.add_argument("--trees", default="", help="name=DIR,...: A/B of the Hopper kernel built from each")
+    ap.add_argument("--rows", default="", help="d:block_m:stages:dq_by_keys,...: A/B of Hopper backward table rows")
     args = ap.parse_args()
+    headdims = B.parse_int_list(args.headdims)
     if args.trees:
         trees = [tuple(item.split("=", 1)) for item in args.trees.split(",")]
-        trees_ab(trees, B.parse_int_list(args.seqlens), args.rounds)
+        trees_ab(trees, B.parse_int_list(args.seqlens), args.rounds, headdims)
         return
-    bench(B.parse_int_list(args.seqlens), args.rounds)
+    if args.rows:
+        rows = [tuple(int(x) for x in item.split(":")) for item in args.rows.split(",")]
+        rows_ab([(d, m, s, bool(k)) for d, m, s, k in rows], B.parse_int_list(args.seqlens), args.rounds)
+        return
+    bench(B.parse_int_list(args.seqlens), args.rounds, headdims)
     if args.window:
         window_bar(args.rounds)
 

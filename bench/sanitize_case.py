@@ -18,7 +18,7 @@ ring (d=128 on sm_90), decode_walk with both rings on a pretend 2-SM GPU, where 
 work items, decode_warp with one split and warps that stream whole items (both rings, 1 and 2 pretend SMs);
 fwd_hopper runs the forward, window and varlen cases of head dim 64 and 128 without modifiers (the Hopper kernel's,
 on sm_90) with 1 and 2 pretend SMs, so that each persistent block walks many work items; bwd_hopper runs the
-d=128 backward and window cases in the default mode (the Hopper dK/dV kernel's, on sm_90).
+d=64 and d=128 backward and window cases in the default mode (the Hopper dK/dV kernel's, on sm_90).
 
     python3 bench/sanitize_case.py [fwd|bwd|...|decode|decode_deep|decode_walk|decode_warp|fwd_hopper|bwd_hopper ...]
 """
@@ -163,11 +163,13 @@ def check_window(i, sq, sk, h, hkv, d, causal, window) -> bool:
           flush=True)
     return bool(ok)
 
-# More d=128 backward cases for the Hopper dK/dV kernel: several key blocks and query tiles, both ring slots and dS
-# buffers reused, GQA sums, ragged ends on both sides.
+# More backward cases for the Hopper dK/dV kernel (d=128 and 64): several key blocks and query tiles, both ring slots
+# and dS buffers reused, GQA sums, ragged ends on both sides.
 HOPPER_BWD_CASES = (
     B.Case(1, 200, 300, 4, 2, 128, False, "bf16"),
     B.Case(2, 190, 130, 2, 1, 128, True, "fp16"),
+    B.Case(1, 200, 300, 4, 2, 64, False, "fp16"),
+    B.Case(2, 190, 130, 2, 1, 64, True, "bf16"),
 )
 
 # (lengths, h, hkv, d, causal, window_size, softcap, alibi, deterministic): varlen forward + backward.
@@ -177,11 +179,13 @@ VARLEN_CASES = (
     ((65,), 2, 2, 40, True, (-1, -1), 5.0, True, False),
 )
 
-# Varlen cases for the Hopper dK/dV kernel (d=128, no modifiers, atomic dQ): empty and one-row sequences, key blocks
-# past a sequence's end.
+# Varlen cases for the Hopper dK/dV kernel (d=128 and 64, no modifiers, atomic dQ): empty and one-row sequences, key
+# blocks past a sequence's end.
 HOPPER_BWD_VARLEN_CASES = (
     ((70, 0, 1, 130), 4, 2, 128, True, (-1, -1), 0.0, False, False),
     ((33, 190), 2, 1, 128, False, (16, 4), 0.0, False, False),
+    ((70, 0, 1, 130), 4, 2, 64, True, (-1, -1), 0.0, False, False),
+    ((33, 190), 2, 1, 64, False, (16, 4), 0.0, False, False),
 )
 
 
@@ -353,9 +357,9 @@ def main(groups) -> int:
             decode._sm_count = lambda device, sms=sms: sms
             for deep in (False, True):
                 bad, total = bad + run_decode_cases(deep=deep, warp_items=True), total + len(DECODE_CASES)
-    if "bwd_hopper" in groups:  # the d=128 backward and window cases (the Hopper dK/dV kernel's, on sm_90)
+    if "bwd_hopper" in groups:  # the d=64/128 backward and window cases (the Hopper dK/dV kernel's, on sm_90)
         for j, (case, det) in enumerate(BWD_CASES, start=len(CASES)):
-            if case.headdim == 128 and not det:
+            if case.headdim in (64, 128) and not det:
                 r = cli.run_check_case(case, seed=j, backward=True, deterministic=False)
                 print(cli.check_row(j, r), flush=True)
                 bad += not r.passed
@@ -365,7 +369,7 @@ def main(groups) -> int:
             print(cli.check_row(j, r), flush=True)
             bad += not r.passed
             total += 1
-        for i, case in enumerate(c for c in WINDOW_CASES if c[4] == 128):
+        for i, case in enumerate(c for c in WINDOW_CASES if c[4] in (64, 128)):
             bad += not check_window(i, *case)
             total += 1
         for i, case in enumerate(HOPPER_BWD_VARLEN_CASES):

@@ -2,48 +2,57 @@
 //
 // Same work split and arguments as bwd_dkdv (cuda/bwd.cu), whose preprocess (D = rowsum(dO o O), the zeroed fp32
 // dQ accumulator) and dQ conversion kernels it shares: one block per (128-key tile, kv head, batch) keeps K_j and
-// V_j in shared memory and walks the 64-row query tiles of every query head of its group. A producer warpgroup
+// V_j in shared memory and walks the query tiles (BlockM rows) of every query head of its group. A producer warpgroup
 // streams each tile's Q, dO and row statistics into a ring (cp.async, an mbarrier per slot); two consumer
 // warpgroups own 64 of the keys each and, per query tile, compute on wgmma
 //   S^T = K Q^T, dP^T = V dO^T                 (keys x queries, both operands from shared memory)
 //   P^T = exp(S^T scale - L), dS^T = P^T o (dP^T - D)   in registers
 //   dV += P^T dO, dK += dS^T Q                 (P^T and dS^T as register A operands)
-//   dQ_i += dS K                               (dS^T through shared memory, read transposed: each warpgroup 64 of
-//                                               the head dim over all 128 keys)
+//   dQ_i += dS K                               (dS^T through shared memory, read transposed)
 // and add dQ_i to the fp32 accumulator with one bulk reduction per query row (cp.reduce.async.bulk: no tensor
-// map, no per-element atomics). Padded and varlen calls without score modifiers, head dim 128; the rest runs
-// bwd_dkdv.
+// map, no per-element atomics). dQ_i is split between the warpgroups by head-dim columns (head dim 128: each 64
+// of them over all 128 keys, after the two exchange dS^T) or by keys (head dim 64, where 32 columns would be half
+// a swizzled slab: each its own 64 keys over all columns, no exchange, two reductions per row). Padded and varlen
+// calls without score modifiers, head dims 64 and 128; the rest runs bwd_dkdv.
 #include "primitives.cuh"
 #include "masks.cuh"
 
 namespace fa2 {
 
-template <int HeadDim, int Stages, class Elem_, int Mask, bool Varlen = false>
+template <int HeadDim, int BlockM, int Stages, bool DqByKeys, class Elem_, int Mask, bool Varlen = false>
 struct HopperBwdTraits {
     using Elem = Elem_;
-    static constexpr int kHeadDim = HeadDim, kBlockM = 64, kBlockN = 128, kStages = Stages, kMask = Mask;
+    static constexpr int kHeadDim = HeadDim, kBlockM = BlockM, kBlockN = 128, kStages = Stages, kMask = Mask;
+    // dQ_i split by keys (each warpgroup all columns over its 64 keys) or by columns (half of them over all keys).
+    static constexpr bool kDqByKeys = DqByKeys;
     // Varlen: sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q/dO/lse/dQ and cu_seqlens_k[b] .. of
     // k/v/dK/dV; seqlen_q/seqlen_k are the maxima, and key blocks past a sequence's end return at once.
     static constexpr bool kVarlen = Varlen;
     // Two consumer warpgroups and a producer warpgroup, whose registers go to the consumers (setmaxnreg): a
-    // consumer holds dK and dV (64 keys x the head dim each) and S^T, dP^T (64 x 64) at once.
+    // consumer holds dK and dV (64 keys x the head dim each) and S^T, dP^T (64 x BlockM) at once.
     static constexpr int kConsumerWarps = 8, kConsumerThreads = 256, kProducerThreads = 128, kThreads = 384;
     static constexpr int kProducerRegisters = 40, kConsumerRegisters = 232;
     static_assert(kProducerRegisters + 2 * kConsumerRegisters <= 3 * 168, "the register file of one block");
     using KVTile = SwizzledSlabs<kBlockN, HeadDim>;
     using QTile = SwizzledSlabs<kBlockM, HeadDim>;   // Q and dO
     using DsTile = SwizzledSlabs<kBlockN, kBlockM>;  // dS^T, keys x queries: dQ's A operand read MN-major
-    // Each warpgroup's dQ columns: with HeadDim 128, one 64-column slab of K each.
-    static constexpr int kDqCols = HeadDim / 2;
-    // The fp32 dQ tile staged for the bulk reductions, one row per query (padded against bank conflicts).
-    static constexpr int kDqPitch = HeadDim + 4, kDqBytes = kBlockM * kDqPitch * 4;
+    // Each warpgroup's share of dQ_i: its columns and keys. By columns, with HeadDim 128, one 64-column slab of K.
+    static constexpr int kDqCols = DqByKeys ? HeadDim : HeadDim / 2, kDqKeys = DqByKeys ? kBlockN / 2 : kBlockN;
+    // The fp32 dQ tile staged for the bulk reductions, one row per query (padded against bank conflicts): one per
+    // warpgroup when each reduces its own partial sums.
+    static constexpr int kDqPitch = HeadDim + 4, kDqBytes = kBlockM * kDqPitch * 4, kDqTiles = DqByKeys ? 2 : 1;
+    // dS^T: by columns double-buffered, so a warpgroup writes the next one while the other may still read this
+    // one; by keys each warpgroup reads only its own rows, after its own wait.
+    static constexpr int kDsTiles = DqByKeys ? 1 : 2;
     // kv_full, then full[] and empty[] per ring slot.
     static constexpr int kBarriers = 1 + 2 * Stages;
-    // 1 KB of slack: the swizzled slabs start on 1024-byte boundaries. dS^T is double-buffered, so a warpgroup
-    // writes the next one while the other may still read this one.
-    static constexpr int kSmemBytes = 1024 + 2 * KVTile::kBytes + 2 * Stages * QTile::kBytes + 2 * DsTile::kBytes +
-                                      kDqBytes + 2 * Stages * kBlockM * 4 + 8 * kBarriers;
-    static_assert(HeadDim == 128, "each warpgroup's dQ columns are one 64-column slab");
+    // 1 KB of slack: the swizzled slabs start on 1024-byte boundaries.
+    static constexpr int kSmemBytes = 1024 + 2 * KVTile::kBytes + 2 * Stages * QTile::kBytes +
+                                      kDsTiles * DsTile::kBytes + kDqTiles * kDqBytes + 2 * Stages * kBlockM * 4 +
+                                      8 * Stages + 8 * kBarriers;
+    static_assert(kDqCols % 64 == 0, "each warpgroup's dQ columns are whole 64-column slabs");
+    // 128 query rows per step (dQ_i in two wgmma row halves) only by keys: by columns the accumulators do not fit.
+    static_assert(BlockM == 64 || (BlockM == 128 && DqByKeys), "64 query rows per step, or 128 with dQ by keys");
     static_assert(Stages >= 2, "a ring of at least two query tiles");
 };
 
@@ -74,11 +83,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const u32 smem_v = smem_k + KVTile::kBytes;
     const u32 smem_q = smem_v + KVTile::kBytes;             // kS tiles
     const u32 smem_do = smem_q + kS * QTile::kBytes;         // kS tiles
-    const u32 smem_ds = smem_do + kS * QTile::kBytes;        // 2 tiles
-    const u32 smem_dq = smem_ds + 2 * DsTile::kBytes;        // fp32 staging
-    const u32 smem_stats = smem_dq + Tr::kDqBytes;           // lse (log2 domain) [kS][kM], then D [kS][kM]
-    const u32 bars = smem_stats + 2 * kS * kM * 4;
+    const u32 smem_ds = smem_do + kS * QTile::kBytes;        // kDsTiles tiles
+    const u32 smem_dq = smem_ds + Tr::kDsTiles * DsTile::kBytes;  // fp32 staging, kDqTiles tiles
+    const u32 smem_stats = smem_dq + Tr::kDqTiles * Tr::kDqBytes;  // lse (log2 domain) [kS][kM], then D [kS][kM]
+    const u32 smem_rows = smem_stats + 2 * kS * kM * 4;      // each slot's first row of lse / D / dQ [kS]
+    const u32 bars = smem_rows + 8 * kS;
     float* const stats = reinterpret_cast<float*>(smem_raw + (smem_stats - smem_u32(smem_raw)));
+    // (the consumers read the row from here rather than keep the batch and head strides in registers)
+    i64* const slot_rows = reinterpret_cast<i64*>(smem_raw + (smem_rows - smem_u32(smem_raw)));
     // kv_full: the producer's 128 threads landed K and V; full[s]: Q and dO landed in slot s (128 cp.async
     // arrivals) and its lse and D are stored (64 arrivals); empty[s]: the 256 consumer threads are done with slot
     // s (each arrives for its own reads of lse and D: one arrival per warp after __syncwarp left racecheck a
@@ -138,8 +150,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             cp_async_mbar_arrive(full(s));
             if (ptid < kM) {
                 // Plain loads: rows past seqlen_q need lse = +inf (so P = 0), which a zero-filling copy cannot give.
-                const i64 stat = batch * stat_batch_stride + head * stat_head_stride + q_start + m0 + ptid;
+                const i64 stat0 = batch * stat_batch_stride + head * stat_head_stride + q_start + m0;
+                const i64 stat = stat0 + ptid;
                 const bool ok = m0 + ptid < seqlen_q;
+                if (ptid == 0) slot_rows[s] = stat0;
                 stats[s * kM + ptid] = ok ? lse[stat] * kLog2e : pos_inf();
                 stats[(kS + s) * kM + ptid] = ok ? dsum[stat] : 0.f;
                 mbar_arrive(full(s));  // (release: the stores above)
@@ -151,13 +165,33 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Tr::kConsumerRegisters));
     // Warpgroup wg owns keys 64 wg .. 64 wg + 63 of the tile (warp w of it 16 of them) for S^T, dP^T, dK and dV,
-    // and dQ columns 64 wg .. 64 wg + 63.
+    // and dQ_i's columns dq_col0 .. + kDqCols over keys dq_key0 .. + kDqKeys.
     const int wg = warp_uniform(warp >> 2), w4 = warp & 3, ctid = threadIdx.x;
+    const int dq_key0 = Tr::kDqByKeys ? 64 * wg : 0, dq_col0 = Tr::kDqByKeys ? 0 : Tr::kDqCols * wg;
+    // The threads that meet around dS^T, dQ_i's staging and at the dK/dV write, and their index: both warpgroups
+    // (barriers 1 and 2), or with dQ_i split by keys each warpgroup alone (barrier 1 + wg), as each then reads
+    // only its own rows of dS^T, K and V. By keys the two partial dQ_i meet in one staging tile (a pair, by the
+    // step's parity): warpgroup 0 stores its part of each 64-row half, both meet (barrier kDqHandoff), then
+    // warpgroup 1 adds its own and issues the row reductions. Warpgroup 0 rewrites a tile two steps later, past
+    // a hand-off before which warpgroup 1 waited for the reductions to read it.
+    constexpr int kSyncThreads = Tr::kDqByKeys ? 128 : Tr::kConsumerThreads;
+    constexpr int kDqHandoff = 3;
+    const int sync_tid = Tr::kDqByKeys ? ctid - 128 * wg : ctid;
+    // id 1: dS^T in (and, by columns, the staging tile free); 2: dQ_i staged (by keys both are barrier 1 + wg).
+    const auto consumers_sync = [&](int id) {
+        if constexpr (Tr::kDqByKeys)
+            named_barrier_sync(1 + wg, 128);
+        else if (id == 1)
+            asm volatile("bar.sync 1, %0;\n" ::"n"(Tr::kConsumerThreads) : "memory");
+        else
+            asm volatile("bar.sync 2, %0;\n" ::"n"(Tr::kConsumerThreads) : "memory");
+    };
     const u32 k_rows = KVTile::at(smem_k, 64 * wg, 0), v_rows = KVTile::at(smem_v, 64 * wg, 0);
     float acc_dk[1][kDT][4], acc_dv[1][kDT][4];
     zero_fragments(acc_dk);
     zero_fragments(acc_dv);
     const int key_lo = key0 + 64 * wg + 16 * w4 + (lane >> 2);  // this thread's keys: key_lo, key_lo + 8
+    const int key_offset = key_lo - (lane & 3) * 2;  // its first score's key minus query offset (query m0 + 0)
     mbar_wait(kv_full, 0);
     for (int it = 0; it < n_iters; ++it) {
         const int s = it % kS, head = kv_head * heads_per_kv + it / m_count;
@@ -189,15 +223,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // P^T = exp(S^T scale - L) and dS^T = P^T o (dP^T - D), in place.
         const float* lse_s = stats + s * kM;
         const float* dsum_s = stats + (kS + s) * kM;
-        // Which scores are masked. Without a mask or with a causal one, the test itself on every score: with a
-        // per-tile branch around it (tile_needs_mask) ptxas kept more registers live and serialised the wgmma
-        // (C7512: NVRTC 13 in the unmasked kernel at 232 registers, NVRTC 12.9 in the causal varlen one). Spelled
-        // out, not through visible(): that form (the same test) measured 5% slower causal (bench/NOTES.md).
-        const bool need_mask = mask.tile_needs_mask(m0, kM, key0, kN);
-        const auto masked = [&](int qc, int key) {
+        // Which scores are masked: the test itself on every score, key < seqlen_k and, for a mask, the score's
+        // key - query offset against the step's band (uniform). With a per-tile branch around it
+        // (tile_needs_mask) or through visible(), ptxas kept more registers live and serialised the wgmma (C7512)
+        // or spilled at 128 query rows; at 64 the visible() form measured 5% slower causal (bench/NOTES.md).
+        const int band_hi = m0 + seqlen_k - seqlen_q + (Tr::kMask == kMaskWindow ? window_right : 0);
+        const int band_lo = m0 + seqlen_k - seqlen_q - window_left;
+        const auto masked = [&](int offset, int key) {  // offset: key - (query - m0)
             if constexpr (Tr::kMask == kMaskNone) return key >= seqlen_k;
-            if constexpr (Tr::kMask == kMaskCausal) return key >= seqlen_k || key > m0 + qc + seqlen_k - seqlen_q;
-            return need_mask && !mask.visible(m0 + qc, key);
+            if constexpr (Tr::kMask == kMaskCausal) return key >= seqlen_k || offset > band_hi;
+            return key >= seqlen_k || offset > band_hi || offset < band_lo;
         };
 #pragma unroll
         for (int nt = 0; nt < kQT; ++nt) {
@@ -205,7 +240,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             for (int e = 0; e < 4; ++e) {
                 const int qc = nt * 8 + (lane & 3) * 2 + (e & 1), key = key_lo + (e >> 1) * 8;
                 float p = fast_exp2(st[0][nt][e] * scale_log2 - lse_s[qc]);
-                if (masked(qc, key)) p = 0.f;
+                if (masked(key_offset + (e >> 1) * 8 - nt * 8 - (e & 1), key)) p = 0.f;
                 dpt[0][nt][e] = p * (dpt[0][nt][e] - dsum_s[qc]);
                 st[0][nt][e] = p;
             }
@@ -217,7 +252,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             c_to_a<Elem>(dsa[kk], dpt[0][2 * kk], dpt[0][2 * kk + 1]);
         }
         // dS^T into this iteration's dQ operand buffer (stmatrix of the same packed registers).
-        const u32 ds_buf = smem_ds + (it & 1) * DsTile::kBytes;
+        const u32 ds_buf = smem_ds + (it % Tr::kDsTiles) * DsTile::kBytes;
 #pragma unroll
         for (int half = 0; half < 2; ++half)
 #pragma unroll
@@ -241,50 +276,76 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                                                                                QTile::kSlabBytes), 1);
         wgmma_commit();
 
-        // dQ_i = dS K over all 128 keys, so both warpgroups' dS^T must be in; the staging buffer must be read
-        // by the previous iteration's bulk reductions (their issuers wait, then meet the others here).
+        // dQ_i = dS K over this warpgroup's keys, so their dS^T must be in (by columns: both warpgroups'); the
+        // staging tile must be read by the previous iteration's bulk reductions (their issuers wait, then meet
+        // the others here).
         fence_proxy_async_smem();
-        bulk_wait_read<0>();
-        asm volatile("bar.sync 1, %0;\n" ::"n"(Tr::kConsumerThreads) : "memory");
-        float acc_dq[1][Tr::kDqCols / 8][4];
+        if constexpr (!Tr::kDqByKeys) bulk_wait_read<0>();
+        consumers_sync(1);
+        // With 128 query rows, dQ_i in its two 64-row halves one after the other (wgmma's M is 64): the second
+        // half's accumulators take the registers P^T and dS^T leave once the first wait is over.
+        constexpr int kDqHalves = kM / 64;
+        const u32 dq_tile = smem_dq + (Tr::kDqByKeys ? (it & 1) * Tr::kDqBytes : 0);
+        const bool adds = Tr::kDqByKeys && wg == 1;  // (by keys: warpgroup 1 adds to warpgroup 0's part)
+        i64 dq_row0 = 0;  // the accumulator's row of query m0 (read before the slot goes back)
 #pragma unroll
-        for (int kk = 0; kk < kN / 16; ++kk)
-            Wgmma<Elem, Tr::kDqCols>::ss_mn(acc_dq, smem_desc_sw128(DsTile::at(ds_buf, kk * 16, 0), DsTile::kSlabBytes),
-                                            smem_desc_sw128(KVTile::at(smem_k, kk * 16, Tr::kDqCols * wg),
-                                                            KVTile::kSlabBytes),
-                                            kk > 0);
-        wgmma_commit();
-        wgmma_wait<0>();
-        pin_registers(acc_dv);
-        pin_registers(acc_dk);
-        pin_registers(pa);
-        pin_registers(dsa);
-        pin_registers(acc_dq);
-        mbar_arrive(empty(s));  // Q, dO, lse and D of slot s are read
-
-        // dQ_i into the staging rows, then one bulk reduction per query row into the fp32 accumulator.
+        for (int mh = 0; mh < kDqHalves; ++mh) {
+            float acc_dq[1][Tr::kDqCols / 8][4];
+            if (mh > 0) wgmma_fence();  // (the first half's registers were just read by the staging stores)
 #pragma unroll
-        for (int nt = 0; nt < Tr::kDqCols / 8; ++nt)
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int row = 16 * w4 + (lane >> 2) + 8 * half, col = Tr::kDqCols * wg + nt * 8 + (lane & 3) * 2;
-                st_shared_v2_f32(smem_dq + (row * Tr::kDqPitch + col) * 4, acc_dq[0][nt][2 * half],
-                                 acc_dq[0][nt][2 * half + 1]);
+            for (int kk = 0; kk < Tr::kDqKeys / 16; ++kk)
+                Wgmma<Elem, Tr::kDqCols>::ss_mn(
+                    acc_dq, smem_desc_sw128(DsTile::at(ds_buf, dq_key0 + kk * 16, 64 * mh), DsTile::kSlabBytes),
+                    smem_desc_sw128(KVTile::at(smem_k, dq_key0 + kk * 16, dq_col0), KVTile::kSlabBytes), kk > 0);
+            wgmma_commit();
+            wgmma_wait<0>();
+            pin_registers(acc_dv);
+            pin_registers(acc_dk);
+            if (mh == 0) {
+                pin_registers(pa);
+                pin_registers(dsa);
             }
+            pin_registers(acc_dq);
+            if (mh == 0) {
+                dq_row0 = slot_rows[s];
+                mbar_arrive(empty(s));  // Q, dO, lse, D and the row of slot s are read
+                if (adds) bulk_wait_read<0>();  // the last step's reductions have read their tile
+            }
+            if (adds) named_barrier_sync(kDqHandoff, Tr::kConsumerThreads);  // warpgroup 0's part is in
+
+            // dQ_i into the staging rows, then one bulk reduction per query row into the fp32 accumulator.
+#pragma unroll
+            for (int nt = 0; nt < Tr::kDqCols / 8; ++nt)
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int row = 64 * mh + 16 * w4 + (lane >> 2) + 8 * half;
+                    const int col = dq_col0 + nt * 8 + (lane & 3) * 2;
+                    const u32 at = dq_tile + (row * Tr::kDqPitch + col) * 4;
+                    float x = acc_dq[0][nt][2 * half], y = acc_dq[0][nt][2 * half + 1];
+                    if (adds) {  // the same thread of warpgroup 0 stored these two
+                        float x0, y0;
+                        ld_shared_v2_f32(at, x0, y0);
+                        x += x0, y += y0;
+                    }
+                    st_shared_v2_f32(at, x, y);
+                }
+            if (Tr::kDqByKeys && !adds) named_barrier_sync(kDqHandoff, Tr::kConsumerThreads);  // (stored)
+        }
+        if (Tr::kDqByKeys && !adds) continue;
         fence_proxy_async_smem();
-        asm volatile("bar.sync 2, %0;\n" ::"n"(Tr::kConsumerThreads) : "memory");
-        if (ctid < kM && m0 + ctid < seqlen_q) {
-            const i64 stat = batch * stat_batch_stride + head * stat_head_stride + q_start + m0 + ctid;
-            bulk_reduce_add_f32(dq_accum + stat * Tr::kHeadDim, smem_dq + ctid * Tr::kDqPitch * 4,
+        consumers_sync(2);
+        if (sync_tid < kM && m0 + sync_tid < seqlen_q) {
+            const i64 stat = dq_row0 + sync_tid;
+            bulk_reduce_add_f32(dq_accum + stat * Tr::kHeadDim, dq_tile + sync_tid * Tr::kDqPitch * 4,
                                 Tr::kHeadDim * 4);
             bulk_commit();
         }
     }
     bulk_wait<0>();
 
-    // dK = scale dS^T Q and dV, staged in the K and V tiles (once both warpgroups are done with K) so that the
-    // global stores are 16-byte and row-contiguous.
-    asm volatile("bar.sync 1, %0;\n" ::"n"(Tr::kConsumerThreads) : "memory");
+    // dK = scale dS^T Q and dV, staged in the K and V tiles (once the warpgroups that read these rows are done
+    // with them) so that the global stores are 16-byte and row-contiguous.
+    consumers_sync(1);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
 #pragma unroll
@@ -301,12 +362,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             stmatrix_x4(KVTile::at(smem_v, row, col), xv);
         }
     }
-    asm volatile("bar.sync 1, %0;\n" ::"n"(Tr::kConsumerThreads) : "memory");
+    consumers_sync(1);
     u16* dk_rows = dk + batch * dk_batch_stride + kv_head * dk_head_stride;
     u16* dv_rows = dv + batch * dv_batch_stride + kv_head * dv_head_stride;
     constexpr int kChunksPerRow = Tr::kHeadDim / 8;
-    for (int idx = ctid; idx < kN * kChunksPerRow; idx += Tr::kConsumerThreads) {
-        const int r = idx / kChunksPerRow, c = (idx % kChunksPerRow) * 8;
+    constexpr int kSyncRows = kN * kSyncThreads / Tr::kConsumerThreads;  // the rows these threads staged
+    const int row0 = Tr::kDqByKeys ? 64 * wg : 0;
+    for (int idx = sync_tid; idx < kSyncRows * kChunksPerRow; idx += kSyncThreads) {
+        const int r = row0 + idx / kChunksPerRow, c = (idx % kChunksPerRow) * 8;
         if (key0 + r < seqlen_k) {
             u32 chunk[4];
             ld_shared_v4(KVTile::at(smem_k, r, c), chunk);

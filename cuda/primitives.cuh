@@ -153,6 +153,9 @@ FA2_DEVICE void st_shared_u32(u32 addr, u32 v) { asm volatile("st.shared.b32 [%0
 FA2_DEVICE void st_shared_v2_f32(u32 addr, float a, float b) {
     asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b) : "memory");
 }
+FA2_DEVICE void ld_shared_v2_f32(u32 addr, float& a, float& b) {
+    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];\n" : "=f"(a), "=f"(b) : "r"(addr) : "memory");
+}
 FA2_DEVICE void ld_shared_v4(u32 addr, u32 (&r)[4]) {
     asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -477,6 +480,10 @@ FA2_DEVICE void cp_async_mbar_arrive(u32 bar) {
 }
 // Orders this thread's view of shared memory written through the generic proxy (cp.async, st.shared) before
 // the tensor cores read it through the async proxy (wgmma operands).
+// A named barrier (ids 1-15; 0 is __syncthreads'): waits for `threads` arrivals, its own included.
+FA2_DEVICE void named_barrier_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 FA2_DEVICE void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // Bulk reduction from shared to global memory (no tensor map): `bytes` (a multiple of 16, both addresses 16-byte

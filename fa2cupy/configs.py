@@ -234,37 +234,44 @@ class BwdConfig:
 @dataclass(frozen=True)
 class HopperBwdConfig:
     """Template arguments of ``fa2::HopperBwdTraits`` (cuda/bwd_hopper.cu, sm_90a only): the dK/dV kernel on wgmma,
-    a producer warpgroup and two consumer warpgroups of 64 keys; 128 keys per block, 64 query rows per step, dQ
-    added to the fp32 accumulator (atomic mode only); padded and varlen."""
+    a producer warpgroup and two consumer warpgroups of 64 keys; 128 keys per block, ``block_m`` query rows per step,
+    dQ added to the fp32 accumulator (atomic mode only); padded and varlen."""
 
-    headdim: int  # exactly the head dim (128)
+    headdim: int  # exactly the head dim (64 or 128)
+    block_m: int  # query rows per step: 64, or 128 with dq_by_keys
     stages: int  # Q/dO ring depth
+    dq_by_keys: bool  # dQ_i split between the warpgroups by keys (each all columns) instead of by columns
 
-    block_m = 64
     block_n = 128
     dslices = 1
     threads = 3 * 128
     family = "bwd_hopper"  # cuda/bwd_hopper.cu
 
     def smem_bytes(self, atomic_dq: bool = True) -> int:
-        # Must match HopperBwdTraits::kSmemBytes: alignment slack, K and V, the Q/dO ring, two dS^T tiles, the
-        # fp32 dQ staging rows, the row statistics, the mbarriers.
-        d = self.headdim
-        return (1024 + 2 * 128 * d * 2 + 2 * self.stages * 64 * d * 2 + 2 * 128 * 64 * 2 + 64 * (d + 4) * 4
-                + 2 * self.stages * 64 * 4 + 8 * (1 + 2 * self.stages))
+        # Must match HopperBwdTraits::kSmemBytes: alignment slack, K and V, the Q/dO ring, the dS^T tiles (two by
+        # columns, one by keys), the fp32 dQ staging rows (one tile by columns, a pair by keys), the row statistics
+        # and each slot's first row, the mbarriers.
+        d, m = self.headdim, self.block_m
+        ds_tiles, dq_tiles = (1, 2) if self.dq_by_keys else (2, 1)
+        return (1024 + 2 * 128 * d * 2 + 2 * self.stages * m * d * 2 + ds_tiles * 128 * m * 2
+                + dq_tiles * m * (d + 4) * 4 + 2 * self.stages * m * 4 + 8 * self.stages + 8 * (1 + 2 * self.stages))
 
     def name_expression(self, dtype: str, mask: str, atomic_dq: bool = True, mods: bool = False,
                         varlen: bool = False) -> str:
         if mods or not atomic_dq:
             raise ValueError("the Hopper backward takes calls without score modifiers, atomic dQ only")
-        return f"fa2::bwd_dkdv_hopper<fa2::HopperBwdTraits<{self.headdim}, {self.stages}, {DTYPE_TAGS[dtype]}, " \
-               f"{MASK_TAGS[mask]}{', true' if varlen else ''}>>"
+        return (f"fa2::bwd_dkdv_hopper<fa2::HopperBwdTraits<{self.headdim}, {self.block_m}, {self.stages}, "
+                f"{str(self.dq_by_keys).lower()}, {DTYPE_TAGS[dtype]}, {MASK_TAGS[mask]}{', true' if varlen else ''}>>")
 
 
 #: The Hopper backward's dK/dV kernel, by head dim: used on compute capability 9.0 for padded and varlen calls
 #: without score modifiers in the default (atomic dQ) mode; every other case runs BACKWARD_TABLE's mma.sync kernels.
+#: Head dim 64 takes 128 query rows per step (the per-step waits and hand-offs over twice the work) and splits dQ_i
+#: by keys (by columns each warpgroup's 32 would be half a swizzled slab), the two partial sums added in shared
+#: memory before the one reduction per row (bench/NOTES.md, session 22).
 BACKWARD_HOPPER_TABLE: dict[int, HopperBwdConfig] = {
-    128: HopperBwdConfig(128, 2),
+    64: HopperBwdConfig(64, 128, 2, True),
+    128: HopperBwdConfig(128, 64, 2, False),
 }
 
 

@@ -165,18 +165,21 @@ def test_hopper_forward_is_chosen_only_where_it_runs():
 
 
 def test_hopper_backward_is_chosen_only_where_it_runs():
-    row = configs.BACKWARD_HOPPER_TABLE[128]
-    assert configs.hopper_backward_config(90, 128, mods=False, deterministic=False) is row
-    for arch in (80, 86, 89, 100, 120):
-        assert configs.hopper_backward_config(arch, 128, mods=False, deterministic=False) is None
-    for flag in ("mods", "deterministic"):
-        kw = {"mods": False, "deterministic": False, flag: True}
-        assert configs.hopper_backward_config(90, 128, **kw) is None
-    for d in (32, 64, 96, 160, 256):
+    for d in (64, 128):
+        row = configs.BACKWARD_HOPPER_TABLE[d]
+        assert configs.hopper_backward_config(90, d, mods=False, deterministic=False) is row
+        for arch in (80, 86, 89, 100, 120):
+            assert configs.hopper_backward_config(arch, d, mods=False, deterministic=False) is None
+        for flag in ("mods", "deterministic"):
+            kw = {"mods": False, "deterministic": False, flag: True}
+            assert configs.hopper_backward_config(90, d, **kw) is None
+        assert row.name_expression("bfloat16", "causal", varlen=True).endswith("fa2::kMaskCausal, true>>")
+        with pytest.raises(ValueError, match="atomic"):
+            row.name_expression("float16", "none", atomic_dq=False)
+    # Head dim 64 splits dQ_i by keys: by columns each warpgroup's 32 would be half a swizzled slab.
+    assert configs.BACKWARD_HOPPER_TABLE[64].dq_by_keys and not configs.BACKWARD_HOPPER_TABLE[128].dq_by_keys
+    for d in (32, 40, 96, 160, 256):
         assert configs.hopper_backward_config(90, d, mods=False, deterministic=False) is None
-    assert row.name_expression("bfloat16", "causal", varlen=True).endswith("fa2::kMaskCausal, true>>")
-    with pytest.raises(ValueError, match="atomic"):
-        row.name_expression("float16", "none", atomic_dq=False)
 
 
 def test_every_table_entry_fits_its_family():

@@ -1,5 +1,6 @@
 """The Hopper backward (cuda/bwd_hopper.cu's dK/dV kernel) on a GPU of compute capability 9.0: it is the kernel the
-library plans there for padded and varlen calls without modifiers at head dim 128 in the default (atomic dQ) mode, its
+library plans there for padded and varlen calls without modifiers at head dims 64 and 128 in the default (atomic dQ)
+mode, its
 gradients match the float64 reference on every mask, grouping, length and layout it takes, and the mma.sync
 backward it replaces for those calls still matches the reference on the same GPU.
 
@@ -57,7 +58,10 @@ def test_hopper_kernel_is_the_one_planned():
     assert isinstance(plan.config, configs.HopperBwdConfig) and plan.zero_tail is not None
     strides = dict.fromkeys(names, (256 * 8 * 64, 8 * 64, 64, 1))
     plan = backward.plan_backward((1, 256, 8, 64), (1, 256, 8, 64), strides, "bfloat16", 0.1, True, False, 90)
-    assert isinstance(plan.config, configs.BwdConfig)  # no Hopper row for d = 64 yet
+    assert isinstance(plan.config, configs.HopperBwdConfig) and plan.config.dq_by_keys
+    strides = dict.fromkeys(names, (256 * 8 * 96, 8 * 96, 96, 1))
+    plan = backward.plan_backward((1, 256, 8, 96), (1, 256, 8, 96), strides, "bfloat16", 0.1, True, False, 90)
+    assert isinstance(plan.config, configs.BwdConfig)  # no Hopper row for d = 96
 
 
 LENGTHS = [1, 2, 17, 63, 64, 65, 127, 128, 129, 191, 255, 256, 257, 500, 700]
@@ -73,7 +77,7 @@ def hopper_cases(draw):
         seqlen_k=draw(st.sampled_from(LENGTHS)),
         nheads=nheads,
         nheads_kv=nheads_kv,
-        headdim=128,
+        headdim=draw(st.sampled_from([64, 128])),
         causal=draw(st.booleans()),
         window_size=draw(st.one_of(st.just((-1, -1)),
                                    st.tuples(*[st.one_of(st.just(-1), st.integers(0, 8), st.integers(0, 400))] * 2))),
@@ -94,6 +98,7 @@ def test_both_backward_kernels_match_reference_on_hopper(case, hopper):
 
 
 @pytest.mark.parametrize("hopper", [True, False])
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize(
     "b,sq,sk,h,hkv,causal,window",
     [
@@ -105,11 +110,11 @@ def test_both_backward_kernels_match_reference_on_hopper(case, hopper):
         (1, 1, 1, 1, 1, False, (-1, -1)),  # one key: dq = dk = 0
     ],
 )
-def test_fixed_hopper_cases(hopper, b, sq, sk, h, hkv, causal, window):
+def test_fixed_hopper_cases(hopper, d, b, sq, sk, h, hkv, causal, window):
     _hopper_gpu()
     with _kernel(hopper):
         for dtype in ("float16", "bfloat16"):
-            run_case(dict(batch=b, seqlen_q=sq, seqlen_k=sk, nheads=h, nheads_kv=hkv, headdim=128, causal=causal,
+            run_case(dict(batch=b, seqlen_q=sq, seqlen_k=sk, nheads=h, nheads_kv=hkv, headdim=d, causal=causal,
                           window_size=window, dtype=dtype, softmax_scale=None, deterministic=False, transposed=False,
                           seed=sq + sk + h))
 
@@ -121,7 +126,8 @@ def varlen_hopper_cases(draw):
     lq = draw(st.lists(lengths, min_size=batch, max_size=batch))
     lk = lq if draw(st.booleans()) else draw(st.lists(lengths, min_size=batch, max_size=batch))
     h, hkv = draw(st.sampled_from(GROUPS))
-    return dict(lengths_q=lq, lengths_k=lk, nheads=h, nheads_kv=hkv, headdim=128, causal=draw(st.booleans()),
+    return dict(lengths_q=lq, lengths_k=lk, nheads=h, nheads_kv=hkv, headdim=draw(st.sampled_from([64, 128])),
+                causal=draw(st.booleans()),
                 window_size=draw(st.one_of(st.just((-1, -1)), st.tuples(st.integers(-1, 200), st.integers(-1, 200)))),
                 softcap=0.0, alibi=None,
                 extra_rows=draw(st.sampled_from([0, 5])),  # rows past cu_seqlens[-1], which nothing may read
