@@ -12,8 +12,8 @@
 // and add dQ_i to the fp32 accumulator with one bulk reduction per query row (cp.reduce.async.bulk: no tensor
 // map, no per-element atomics). dQ_i is split between the warpgroups by head-dim columns (head dim 128: each 64
 // of them over all 128 keys, after the two exchange dS^T) or by keys (head dim 64, where 32 columns would be half
-// a swizzled slab: each its own 64 keys over all columns, no exchange, two reductions per row). Padded and varlen
-// calls without score modifiers, head dims 64 and 128; the rest runs bwd_dkdv.
+// a swizzled slab: each its own 64 keys over all columns, the two partial sums added in shared memory). Padded
+// and varlen calls without score modifiers, head dims 64 and 128; the rest runs bwd_dkdv.
 #include "primitives.cuh"
 #include "masks.cuh"
 
@@ -38,8 +38,8 @@ struct HopperBwdTraits {
     using DsTile = SwizzledSlabs<kBlockN, kBlockM>;  // dS^T, keys x queries: dQ's A operand read MN-major
     // Each warpgroup's share of dQ_i: its columns and keys. By columns, with HeadDim 128, one 64-column slab of K.
     static constexpr int kDqCols = DqByKeys ? HeadDim : HeadDim / 2, kDqKeys = DqByKeys ? kBlockN / 2 : kBlockN;
-    // The fp32 dQ tile staged for the bulk reductions, one row per query (padded against bank conflicts): one per
-    // warpgroup when each reduces its own partial sums.
+    // The fp32 dQ tile staged for the bulk reductions, one row per query (padded against bank conflicts); by keys
+    // a pair, by the step's parity, so that warpgroup 0 stores the next step's part while this one's is reduced.
     static constexpr int kDqPitch = HeadDim + 4, kDqBytes = kBlockM * kDqPitch * 4, kDqTiles = DqByKeys ? 2 : 1;
     // dS^T: by columns double-buffered, so a warpgroup writes the next one while the other may still read this
     // one; by keys each warpgroup reads only its own rows, after its own wait.
@@ -227,12 +227,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // key - query offset against the step's band (uniform). With a per-tile branch around it
         // (tile_needs_mask) or through visible(), ptxas kept more registers live and serialised the wgmma (C7512)
         // or spilled at 128 query rows; at 64 the visible() form measured 5% slower causal (bench/NOTES.md).
-        const int band_hi = m0 + seqlen_k - seqlen_q + (Tr::kMask == kMaskWindow ? window_right : 0);
-        const int band_lo = m0 + seqlen_k - seqlen_q - window_left;
+        const int band_hi = m0 + mask.diag() + mask.right(), band_lo = m0 + mask.diag() - mask.left();
         const auto masked = [&](int offset, int key) {  // offset: key - (query - m0)
-            if constexpr (Tr::kMask == kMaskNone) return key >= seqlen_k;
-            if constexpr (Tr::kMask == kMaskCausal) return key >= seqlen_k || offset > band_hi;
-            return key >= seqlen_k || offset > band_hi || offset < band_lo;
+            return key >= seqlen_k || (Tr::kMask != kMaskNone && offset > band_hi) ||
+                   (Tr::kMask == kMaskWindow && offset < band_lo);
         };
 #pragma unroll
         for (int nt = 0; nt < kQT; ++nt) {
@@ -285,7 +283,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // With 128 query rows, dQ_i in its two 64-row halves one after the other (wgmma's M is 64): the second
         // half's accumulators take the registers P^T and dS^T leave once the first wait is over.
         constexpr int kDqHalves = kM / 64;
-        const u32 dq_tile = smem_dq + (Tr::kDqByKeys ? (it & 1) * Tr::kDqBytes : 0);
+        const u32 dq_tile = smem_dq + (it % Tr::kDqTiles) * Tr::kDqBytes;
         const bool adds = Tr::kDqByKeys && wg == 1;  // (by keys: warpgroup 1 adds to warpgroup 0's part)
         i64 dq_row0 = 0;  // the accumulator's row of query m0 (read before the slot goes back)
 #pragma unroll
@@ -301,12 +299,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             wgmma_wait<0>();
             pin_registers(acc_dv);
             pin_registers(acc_dk);
+            pin_registers(acc_dq);
             if (mh == 0) {
                 pin_registers(pa);
                 pin_registers(dsa);
-            }
-            pin_registers(acc_dq);
-            if (mh == 0) {
                 dq_row0 = slot_rows[s];
                 mbar_arrive(empty(s));  // Q, dO, lse, D and the row of slot s are read
                 if (adds) bulk_wait_read<0>();  // the last step's reductions have read their tile

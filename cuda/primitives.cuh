@@ -478,12 +478,12 @@ FA2_DEVICE void mbar_wait(u32 bar, u32 parity) {
 FA2_DEVICE void cp_async_mbar_arrive(u32 bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
-// Orders this thread's view of shared memory written through the generic proxy (cp.async, st.shared) before
-// the tensor cores read it through the async proxy (wgmma operands).
 // A named barrier (ids 1-15; 0 is __syncthreads'): waits for `threads` arrivals, its own included.
 FA2_DEVICE void named_barrier_sync(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// Orders this thread's view of shared memory written through the generic proxy (cp.async, st.shared) before
+// the tensor cores read it through the async proxy (wgmma operands).
 FA2_DEVICE void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // Bulk reduction from shared to global memory (no tensor map): `bytes` (a multiple of 16, both addresses 16-byte
