@@ -205,6 +205,8 @@ __global__ void __launch_bounds__(256)
                    int page_size, int max_pages, const u16* __restrict__ rotary_cos,
                    const u16* __restrict__ rotary_sin, const int* __restrict__ cache_leftpad, int rotary_dim,
                    int seqlen_ro, int rotary_interleaved, int q_span) {
+    wait_for_prior_grids();
+    allow_next_grid();
     const CacheIndex index{block_table, cache_seqlens, cache_batch_idx, fixed_seqlen, seqlen_new,
                            capacity,    cache_rows,    page_size,       max_pages};
     const bool reporter = blockIdx.x == 0;
@@ -289,6 +291,8 @@ __global__ void __launch_bounds__(256)
              long long* error_host, i64 q_batch_stride, int q_row_stride, i64 q_head_stride, int batch,
              int seqlen_q, int nheads, int headdim, int fixed_seqlen, int seqlen_new, int capacity, int rotary_dim,
              int seqlen_ro, int rotary_interleaved, int advance) {
+    wait_for_prior_grids();
+    allow_next_grid();
     const CacheIndex index{nullptr, cache_seqlens, nullptr, fixed_seqlen, seqlen_new, capacity, 0, 0, 0};
     const Rotary rot{rotary_cos, rotary_sin, rotary_dim, seqlen_ro, rotary_interleaved != 0};
     const int chunks_per_row = headdim / 8;
@@ -427,6 +431,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const int tile_stride = num_splits * kTileStride;  // between a warp's tiles of an item
 
     decode_mark(0, blockIdx.x);
+    // (launched early after the append or the previous call: every block is resident from the start, so the next
+    // kernel may take the SMs as they empty)
+    wait_for_prior_grids();
+    allow_next_grid();
     extern __shared__ __align__(128) unsigned char smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int tile_warp = solo ? 0 : warp;  // the warp's first tile of an item
@@ -599,29 +607,52 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
     int item = solo ? blockIdx.x * kW + warp : blockIdx.x;
     if (solo && item >= items) return;  // (warp items have no block barrier)
-    DecodeItem cur;
-    item_values(item, cur);
-    // The first item: Q (its addresses need no index value, so it loads while they arrive), then each warp's ring
-    // prologue, one group per tile (empty past the warp's tiles).
-    load_q(cur, 0);
-    cp_async_commit();
-    item_check(cur);
-    bool bad_page = false;  // a bad block_table entry in cur's tiles (this thread's loads)
     // The ring: each warp keeps kS - 1 tiles in flight while it waits for the next one, refilling a slot before
     // the math on the next tile; deep (Tr::kDeepRing), kS tiles, refilling each slot right after its tile's math.
     // Each position issued is one commit group, empty past the item's tiles.
     constexpr bool deep = Tr::kDeepRing;
+    constexpr int kAhead = kS - 1 + deep;  // ring positions issued before the first tile's math
+    DecodeItem cur;
+    item_values(item, cur);
+    // The first item: Q (its addresses need no index value, so it loads while they arrive), then each warp's ring
+    // prologue, one group per position (empty past the warp's tiles).
+    load_q(cur, 0);
+    cp_async_commit();
+    // In a contiguous cache without cache_batch_idx or Extras, row b's keys start at slot 0 of cache row b whatever
+    // its length, so the warp's first tiles are loaded before cache_seqlens arrives (a round trip at every block's
+    // start), as if the row covered them whole: kept if it does, else landed and loaded again. (Speculative reads
+    // stay inside the cache's capacity; a key past the row's length never reaches the math.)
+    DecodeItem guess;
+    guess.b = guess.cache_row = cur.b;
+    guess.kv_head = cur.kv_head;
+    guess.pad = guess.key_begin = 0;
+    guess.key_end = capacity;
+    guess.first_tile = cur.split * kTileStride + tile_warp;
+    const bool speculate = !Tr::kExtras && !Tr::kPaged && cache_seqlens != nullptr && cache_batch_idx == nullptr &&
+                           cur.b < cache_rows && tile_first(guess, kAhead - 1) + Tr::kBlockN <= capacity;
+    if (speculate) {
 #pragma unroll
-    for (int t = 0; t < kS - 1 + deep; ++t) {
-        if (t < cur.my_tiles) bad_page |= load_kv(cur, t, t);
-        cp_async_commit();
+        for (int t = 0; t < kAhead; ++t) {
+            load_kv(guess, t, t);
+            cp_async_commit();
+        }
+    }
+    item_check(cur);
+    bool bad_page = false;  // a bad block_table entry in cur's tiles (this thread's loads)
+    if (!speculate || tile_first(cur, kAhead - 1) + Tr::kBlockN > cur.key_end) {
+        if (speculate) cp_async_wait<0>();  // (a slot's copies land before it is filled again)
+#pragma unroll
+        for (int t = 0; t < kAhead; ++t) {
+            if (t < cur.my_tiles) bad_page |= load_kv(cur, t, t);
+            cp_async_commit();
+        }
     }
     int buffer = 0;                                      // cur's Q buffer
     int slot_base = 0;                                   // ring slot of cur's first tile (of this warp), modulo kS
     int issued = deep ? kS : min(kS - 1, cur.my_tiles);  // cur's tiles (deep: ring positions) issued ahead
     for (bool first_item = true;; first_item = false) {
         if (first_item) {
-            cp_async_wait<kS - 1 + deep>();  // the Q group (the oldest) has landed, for this thread
+            cp_async_wait<kAhead>();  // the Q group (the oldest) has landed, for this thread
         } else if constexpr (deep) {
             for (; issued < kS; ++issued) {
                 if (issued < cur.my_tiles) bad_page |= load_kv(cur, issued, (slot_base + issued) % kS);

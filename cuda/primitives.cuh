@@ -448,6 +448,23 @@ FA2_DEVICE void mma_c_b(float (&acc)[MTiles][DTiles][4], const float (&p)[MTiles
     }
 }
 
+// ---- programmatic dependent launch (sm_90; nothing on older GPUs) -----------------------------------------------
+// A kernel launched with programmatic stream serialization (fa2cupy/build.py's Launch) may start while the kernel
+// before it in the stream is still running: it waits here before its first global memory access, until that
+// kernel has finished and its writes are visible (at once if it was launched without the attribute).
+FA2_DEVICE void wait_for_prior_grids() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+// Lets the next kernel in the stream start its launch now (it waits for this one in wait_for_prior_grids): its
+// blocks take SMs as this kernel's blocks leave them, instead of after the last one has finished.
+FA2_DEVICE void allow_next_grid() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 // ---- Hopper (sm_90a): mbarriers, warpgroup MMA ------------------------------------------------------------
 // Used only by cuda/fwd_hopper.cu and cuda/bwd_hopper.cu, compiled for sm_90a alone; nothing here is emitted
 // elsewhere.

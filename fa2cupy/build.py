@@ -167,13 +167,18 @@ class Launch:
     8-byte slot (the driver copies the parameter's size from the slot's start: little-endian, so the low bytes).
     ``variable`` lists the slots a call passes values for, in order: unsigned 64-bit values (pointers, counts,
     seed words); a negative one raises ValueError rather than launching with a wrapped value.
+
+    ``programmatic`` (sm_90 and later): launched with programmatic stream serialization (cuLaunchKernelEx), so that
+    the kernel's launch overlaps the end of the kernel before it in the stream; the kernel must wait for it first
+    (cuda/primitives.cuh: wait_for_prior_grids).
     """
 
     __slots__ = ("function", "grid", "block", "smem_bytes", "variable", "_slots", "_words", "_params", "_params_ptr",
-                 "_lock")
+                 "_lock", "_config")
 
-    def __init__(self, function, grid, block, smem_bytes: int, args, variable):
+    def __init__(self, function, grid, block, smem_bytes: int, args, variable, programmatic: bool = False):
         self.function, self.grid, self.block, self.smem_bytes = function, tuple(grid), tuple(block), smem_bytes
+        self._config = _programmatic_config(self.grid, self.block, smem_bytes) if programmatic else None
         self.variable = tuple(variable)
         self._slots = (ctypes.c_uint64 * len(args))()
         for i, value in enumerate(args):
@@ -197,11 +202,56 @@ class Launch:
             words = self._words
             for i, value in zip(self.variable, values):
                 words[i] = value  # pointers and counts: >= 0 (a negative one raises ValueError)
-            _launch_kernel(self.function.ptr, *self.grid, *self.block, self.smem_bytes, stream_ptr,
-                           self._params_ptr, 0)
+            if self._config is None:
+                _launch_kernel(self.function.ptr, *self.grid, *self.block, self.smem_bytes, stream_ptr,
+                               self._params_ptr, 0)
+                return
+            config, config_ptr = self._config
+            config.hStream = stream_ptr
+            lib = _driver()
+            status = lib.cuLaunchKernelEx(config_ptr, self.function.ptr, self._params_ptr, None)
+            if status:
+                name = ctypes.c_char_p()
+                known = hasattr(lib, "cuGetErrorName") and lib.cuGetErrorName(status, ctypes.byref(name)) == 0
+                raise RuntimeError(f"cuLaunchKernelEx failed: {name.value.decode() if known else 'CUDA error'} "
+                                   f"({status})")
 
 
 _launch_kernel = None
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, padding, then a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("value", ctypes.c_int), ("rest", ctypes.c_byte * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p), ("attrs", ctypes.c_void_p),
+                ("numAttrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+def _programmatic_config(grid, block, smem_bytes):
+    """A CUlaunchConfig with the programmatic stream serialization attribute (its stream set per call), and its
+    address; the attribute is kept alive by the config's owner through the returned config."""
+    attribute = _LaunchAttribute()
+    attribute.id = _PROGRAMMATIC_STREAM_SERIALIZATION
+    attribute.value = 1  # programmaticStreamSerializationAllowed
+    config = _LaunchConfig(*grid, *block, smem_bytes, None, ctypes.addressof(attribute), 1)
+    config._attribute = attribute  # (ctypes keeps the attribute alive with the config)
+    return config, ctypes.addressof(config)
+
+
+@functools.lru_cache(maxsize=1)
+def _driver():
+    """The CUDA driver library, with cuLaunchKernelEx's signature."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuLaunchKernelEx.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+    lib.cuLaunchKernelEx.restype = ctypes.c_int
+    return lib
 
 
 def memset_async(ptr: int, value: int, nbytes: int, stream_ptr: int) -> None:

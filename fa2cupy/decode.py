@@ -135,6 +135,14 @@ DEEP_RING: bool | None = None
 #: Force warp items on (True, wherever there is one split and a warp-items twin) or off (False), instead of
 #: :func:`uses_warp_items`.
 WARP_ITEMS: bool | None = None
+#: Force programmatic launches of the decode kernels (True; sm_90 and later) or plain ones (False), instead of
+#: :data:`PROGRAMMATIC_MIN_SPLITS` (A/B timings).
+PROGRAMMATIC_LAUNCH: bool | None = None
+#: On sm_90 and later, calls with this many splits or more launch their kernels with programmatic stream
+#: serialization: a kernel's launch overlaps the end of the kernel before it in the stream (the last split
+#: block's merge of the call before, where most SMs idle), and it waits for that kernel before reading memory.
+#: H100, bench/NOTES.md: 1 x 16k -1.8% from a graph, -3.7% eager; 1 x 1k -7%; but 8 x 1k (2 splits) +4-7%.
+PROGRAMMATIC_MIN_SPLITS = 4
 
 
 #: Longest work item (in key tiles) that warps stream alone: on longer ones the warps of a block drifting apart
@@ -259,8 +267,10 @@ def plan_decode(q_shape, strides, dtype: str, *, nheads_kv: int, cache_rows: int
         magic, shift = fast_divisor(divisor)
         args += (np.uint32(magic), np.int32(shift))
     grid, smem = _attention_grid(function, config, device, items)
+    programmatic = arch >= 90 and (splits >= PROGRAMMATIC_MIN_SPLITS if PROGRAMMATIC_LAUNCH is None
+                                   else PROGRAMMATIC_LAUNCH)
     attention = build.Launch(function, (grid, 1, 1), (config.threads, 1, 1), smem, args,
-                             tuple(range(13)) + (seqlen_slot, extra_slot, extra_slot + 2))
+                             tuple(range(13)) + (seqlen_slot, extra_slot, extra_slot + 2), programmatic)
     q_span = (seqlen_q if extras.rotary_advance else 1) if extras.rotary_dim else 0
     rotary_args = (np.int32(extras.rotary_dim), np.int32(extras.seqlen_ro), np.int32(extras.rotary_interleaved))
     append = None
@@ -277,7 +287,8 @@ def plan_decode(q_shape, strides, dtype: str, *, nheads_kv: int, cache_rows: int
         append_name = append_name_expression(paged, dtype if extras.append else None)
         append = build.Launch(build.get_kernel("decode", append_name, 0),
                               (max(1, min(-(-chunks // 1024), 64)), 1, 1), (256, 1, 1), 0, args,
-                              tuple(range(9)) + (seqlen_slot, extra_slot, extra_slot + 1, extra_slot + 2))
+                              tuple(range(9)) + (seqlen_slot, extra_slot, extra_slot + 1, extra_slot + 2),
+                              programmatic)
     rotary = None
     if extras.rotary_dim:
         chunks = batch * seqlen_q * nheads * headdim // 8
@@ -288,7 +299,7 @@ def plan_decode(q_shape, strides, dtype: str, *, nheads_kv: int, cache_rows: int
         args += (np.int32(extras.rotary_advance),)
         rotary = build.Launch(build.get_kernel("decode", rotary_name_expression(dtype), 0),
                               (max(1, min(-(-chunks // 256), 132)), 1, 1), (256, 1, 1), 0, args,
-                              tuple(range(7)) + (seqlen_slot,))
+                              tuple(range(7)) + (seqlen_slot,), programmatic)
     rotary_span = max(seqlen_new, q_span) if extras.rotary_dim else 0
     return DecodePlan(attention, append, rotary, splits, workspace, arrivals, lse_offset, out_offset, capacity,
                       seqlen_new, rotary_span, extras.seqlen_ro, config)

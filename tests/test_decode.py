@@ -153,6 +153,40 @@ def test_blocks_walk_items_only_when_the_grid_is_over_full(monkeypatch):
     assert decode._attention_grid(Function, wide, 0, 10_000) == (10_000, wide.smem_bytes)
 
 
+def test_programmatic_launches_where_splits_merge(monkeypatch):
+    # plan_decode (device queries and kernel builds stubbed: an H100-like part): on sm_90, calls of
+    # PROGRAMMATIC_MIN_SPLITS splits or more launch every kernel (append included) programmatically, others plainly;
+    # never before sm_90; decode.PROGRAMMATIC_LAUNCH forces either way.
+    from fa2cupy import build, decode
+
+    class Function:
+        ptr = 0
+
+    monkeypatch.setattr(build, "get_kernel", lambda *args: Function())
+    monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(decode, "_opt_in_smem", lambda config, device: config.smem_bytes)
+    monkeypatch.setattr(decode, "_attention_grid", lambda function, config, device, items: (items, 1024))
+    strides = {name: (0, 0, 0, 2) for name in ("q", "k_cache", "v_cache", "k", "v")}
+
+    def plan(batch, arch, num_splits=0):
+        return decode.plan_decode((batch, 1, 32, 128), strides, "bfloat16", nheads_kv=8, cache_rows=batch,
+                                  capacity=16384, page_size=0, max_pages=0, seqlen_new=1, max_seqlen_k=16384,
+                                  softmax_scale=0.1, causal=False, arch=arch, device=0, num_splits=num_splits,
+                                  item=2)
+
+    def programmatic(p):
+        return p.attention._config is not None, p.append._config is not None
+
+    assert plan(1, 90).splits >= decode.PROGRAMMATIC_MIN_SPLITS and programmatic(plan(1, 90)) == (True, True)
+    assert programmatic(plan(1, 90, num_splits=decode.PROGRAMMATIC_MIN_SPLITS - 1)) == (False, False)
+    assert plan(64, 90).splits == 1 and programmatic(plan(64, 90)) == (False, False)
+    assert programmatic(plan(1, 80)) == (False, False)
+    monkeypatch.setattr(decode, "PROGRAMMATIC_LAUNCH", True)
+    assert programmatic(plan(64, 90)) == (True, True) and programmatic(plan(1, 80)) == (False, False)
+    monkeypatch.setattr(decode, "PROGRAMMATIC_LAUNCH", False)
+    assert programmatic(plan(1, 90)) == (False, False)
+
+
 def test_deep_ring_twin_for_short_streams():
     # configs.decode_config picks the deep-ring twin (sm_90, d=128) for work items of 2..16 key tiles per warp
     # (4 warps x 32 keys: 256..2048 keys); `deep` (decode.DEEP_RING in plan_decode) forces it either way.

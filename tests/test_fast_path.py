@@ -156,3 +156,38 @@ def test_launch_writes_per_call_values_into_their_slots(monkeypatch):
         launch(5, (-1, 0))
     build.Launch(Function(), (0, 3, 1), (128, 1, 1), 0, fixed, [0])(5, (1,))  # empty grid: nothing launched
     assert len(calls) == 1
+
+
+def test_programmatic_launch_passes_its_config_to_cuLaunchKernelEx(monkeypatch):
+    # A programmatic launch goes through cuLaunchKernelEx with a CUlaunchConfig laid out as in cuda.h (grid, block,
+    # shared memory, the call's stream, one attribute: programmatic stream serialization allowed) and the same
+    # argument slots as a plain launch; a driver error raises.
+    seen = []
+
+    class Driver:
+        status = 0
+
+        def cuLaunchKernelEx(self, config_ptr, function, params, extra):
+            config = build._LaunchConfig.from_address(config_ptr)
+            attribute = build._LaunchAttribute.from_address(config.attrs)
+            slots = (ctypes.c_uint64 * 2).from_address(ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))[0])
+            seen.append(((config.gridDimX, config.gridDimY, config.gridDimZ, config.blockDimX, config.blockDimY,
+                          config.blockDimZ, config.sharedMemBytes, config.hStream, config.numAttrs),
+                         (attribute.id, attribute.value), function, slots[0], extra))
+            return self.status
+
+    driver = Driver()
+    monkeypatch.setattr(build, "_driver", lambda: driver)
+    monkeypatch.setattr(build, "_launch_kernel", lambda *args: pytest.fail("plain launch"))
+    assert ctypes.sizeof(build._LaunchConfig) == 56 and build._LaunchConfig.hStream.offset == 32
+    assert ctypes.sizeof(build._LaunchAttribute) == 72 and build._LaunchAttribute.value.offset == 8
+
+    class Function:
+        ptr = 77
+
+    launch = build.Launch(Function(), (4, 1, 2), (384, 1, 1), 1000, (np.uint64(0), np.int32(9)), [0], True)
+    launch(0x1234, (0xABC0,))
+    assert seen == [((4, 1, 2, 384, 1, 1, 1000, 0x1234, 1), (6, 1), 77, 0xABC0, None)]
+    driver.status = 1  # CUDA_ERROR_INVALID_VALUE
+    with pytest.raises(RuntimeError, match=r"cuLaunchKernelEx failed: .*\(1\)"):
+        launch(0x1234, (0xABC0,))

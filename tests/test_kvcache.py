@@ -477,6 +477,71 @@ def test_num_splits_agree(dtype, paged, ring):
         assert np.all(lerr <= 1e-3 * (1 + np.abs(l1))), f"num_splits={splits}: lse differs by {lerr.max():.3e}"
 
 
+@pytest.mark.parametrize("seqlen_new", [0, 1])
+def test_non_finite_slots_past_the_rows_never_reach_the_output(seqlen_new, ring):
+    # A contiguous cache's first key tiles load before cache_seqlens arrives, as if each row were full, and are
+    # loaded again where the row is shorter (cuda/decode.cu): every slot past a row's keys holds NaN or +-inf here,
+    # so a kept speculative tile (or any read past a row's length) would show as NaN in out or lse. Lengths sit on
+    # either side of tile boundaries, for several split counts, at the decode bar's head layout.
+    rng = np.random.default_rng(21 + seqlen_new)
+    capacity = 2048
+    seqlens = np.array([0, 1, 31, 32, 33, 64, 255, 256, 257, 700, 2047, 2048], dtype=np.int32)
+    seqlens = np.minimum(seqlens, capacity - seqlen_new)
+    case = build_case(rng, batch=len(seqlens), seqlen_q=1, nheads=32, nheads_kv=8, headdim=128, dtype="bfloat16",
+                      capacity=capacity, seqlens=seqlens, seqlen_new=seqlen_new)
+    garbage = np.array([np.nan, np.inf, -np.inf], dtype=np.float32)
+    for b, length in enumerate(seqlens):
+        for cache in (case["logical_k"], case["logical_v"]):
+            tail = cache[b, length:]
+            tail[...] = rng.choice(garbage, size=tail.shape).astype(tail.dtype)
+    for splits in (0, 1, 3, 16):
+        run_and_check(case, num_splits=splits)
+
+
+@pytest.mark.parametrize("num_splits", [1, 0])
+def test_decode_step_under_torch_cuda_graph(num_splits):
+    # A decode step (append, then attention; at the bar's heads, 16 splits with num_splits=0) captured in a torch
+    # CUDA graph and replayed on new q and new keys/values: each replay equals the same step run eagerly, bitwise.
+    # On sm_90 the kernels are captured with programmatic launches (build.Launch), so the graph holds those
+    # dependencies, and a replay follows the previous one's split merge.
+    torch = pytest.importorskip("torch")
+    import fa2cupy
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    b, capacity, hq, hkv, d = 2, 4096, 32, 8, 128
+    q, k_cache, v_cache = randn(b, 1, hq, d), randn(b, capacity, hkv, d), randn(b, capacity, hkv, d)
+    k_new, v_new = randn(b, 1, hkv, d), randn(b, 1, hkv, d)
+    lens = torch.tensor([4000, 1234], device="cuda", dtype=torch.int32)
+
+    def step():
+        return fa2cupy.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=lens,
+                                               num_splits=num_splits)
+
+    with debug_poison("forward", False):  # (the fast path, which graphs capture, skips the poison hook)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # compile and plan outside the capture
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        for _ in range(3):
+            for x in (q, k_new, v_new):
+                x.copy_(randn(*x.shape))
+            graph.replay()
+            replayed = out.clone()
+            eager = step()  # the same step again (the append writes the same values to the same slots)
+            torch.cuda.synchronize()
+            assert not torch.isnan(replayed).any()
+            assert torch.equal(replayed, eager)
+            assert torch.equal(k_cache[0, 4000], k_new[0, 0]) and torch.equal(v_cache[1, 1234], v_new[1, 0])
+
+
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("features", [False, True])
 def test_blocks_walking_several_items(paged, features, monkeypatch, ring):
