@@ -562,7 +562,9 @@ def _bench_decode(headdims, seqlens, batches, nheads, nheads_kv, dtype, out_dir,
     pairs = B.decode_grid(batches, seqlens)
     click.echo(f"fa2cupy bench --mode decode on {gpu}: hq={nheads} hkv={nheads_kv} d={','.join(map(str, headdims))} "
                f"{dtype}, seqlen_q=1, full caches, {len(pairs)} (batch, seqlen_k) pairs; median of {repeats} "
-               f"CUDA-event times per call, calls back to back, best of 3 rounds taking turns; "
+               f"CUDA-event times per call, calls back to back (queued: 8 calls per pair of events, enqueued "
+               f"behind a spinning kernel, so no host dispatch in them), best of 3 rounds taking turns; graph: 16 "
+               f"calls per CUDA graph; "
                f"TB/s = K+V bytes / time")
     records = []
     for headdim in headdims:
@@ -580,7 +582,10 @@ def _bench_decode(headdims, seqlens, batches, nheads, nheads_kv, dtype, out_dir,
     base = B.result_basename("decode", env.get("gpu", gpu))
     payload = {"mode": "decode", "environment": env,
                "settings": {"dtype": dtype, "nheads": nheads, "nheads_kv": nheads_kv, "repeats": repeats,
-                            "warmup": warmup, "timing": "median of CUDA-event times per call, back to back; best of 3 rounds taking turns",
+                            "warmup": warmup,
+                            "timing": "median of CUDA-event times per call, back to back (queued: 8 calls per "
+                                      "pair of events behind a spinning kernel); best of 3 rounds taking turns; "
+                                      "graph: 16 calls per CUDA graph",
                             "metric": "2 * batch * seqlen_k * nheads_kv * headdim * itemsize / time"},
                "records": records}
     path = B.write_json(os.path.join(out_dir, base + ".json"), payload)

@@ -2,8 +2,9 @@
 decode``: torch bf16 tensors, hq=32 hkv=8 d=128, seqlen_q=1, full caches, ``cache_seqlens`` a tensor). Each case
 runs every variant in turn for several rounds (the order alternating), so clock drift and the machine-to-machine
 spread fall on all variants alike; each variant keeps its best round. Eager: CUDA-event time per call, calls back
-to back; graph: 16 calls captured in a CUDA graph, GPU time per call. Outputs are compared with the first
-variant's before timing.
+to back; queued: 8 calls per pair of events, enqueued behind a spinning kernel (GPU time per eager call); graph:
+16 calls captured in a CUDA graph, GPU time per call. Outputs are compared with the first variant's before
+timing.
 
     python bench/decode_ab.py [--cases 1x16384,64x1024] [--variants base,walk132] [--rounds 4]
     python bench/decode_ab.py --trees base=ab_trees/base/cuda,new=cuda   (kernels built from each copy of cuda/)
@@ -11,7 +12,8 @@ variant's before timing.
 Variants: ``base`` (the shipped plan), ``deep``/``shallow`` (the deep-ring twin of the d=128 row forced on or
 off), ``block``/``solo``/``solodeep``/``soloshallow`` (warp items forced off, or on with either ring), ``solost3``
 (warp items with 3 ring stages), ``walkN`` (N blocks wherever blocks walk items), ``wN`` (N warps per block),
-``st3`` (3 ring stages), ``bn16`` (16-key tiles).
+``st3`` (3 ring stages), ``bn16`` (16-key tiles), ``nopdl`` / ``pdl`` (plain or programmatic launches whatever
+the split count, instead of decode.PROGRAMMATIC_MIN_SPLITS).
 """
 
 import argparse
@@ -26,7 +28,8 @@ from fa2cupy import build, configs, decode, interface  # noqa: E402
 
 H, HKV, D = 32, 8, 128  # the decode bar's query heads, KV heads and head dim
 _originals = {"_attention_grid": decode._attention_grid, "decode_config": configs.decode_config,
-              "DEEP_RING": decode.DEEP_RING, "WARP_ITEMS": decode.WARP_ITEMS}
+              "DEEP_RING": decode.DEEP_RING, "WARP_ITEMS": decode.WARP_ITEMS,
+              "PROGRAMMATIC_LAUNCH": decode.PROGRAMMATIC_LAUNCH}
 
 
 def _walk_blocks(blocks):
@@ -58,6 +61,8 @@ VARIANTS["solost3"] = {"WARP_ITEMS": True, "DEEP_RING": False, "decode_config": 
 for _w in (2, 3, 5, 6):
     VARIANTS[f"w{_w}"] = {"decode_config": _row(warps=_w)}
 VARIANTS["st3"] = {"decode_config": _row(stages=3)}
+VARIANTS["nopdl"] = {"PROGRAMMATIC_LAUNCH": False}  # plain launches (no programmatic stream serialization)
+VARIANTS["pdl"] = {"PROGRAMMATIC_LAUNCH": True}  # programmatic launches whatever the split count
 VARIANTS["bn16"] = {"decode_config": _row(block_n=16)}  # 16-key tiles: two walking blocks per SM fit
 VARIANTS["bn16st3"] = {"decode_config": _row(block_n=16, stages=3)}
 
@@ -100,7 +105,7 @@ def main():
         def call():
             return fa2cupy.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)
 
-        reference, eager, graph, label = None, {}, {}, {}
+        reference, eager, queued, graph, label = None, {}, {}, {}, {}
         for name in names:
             use(name)
             out = call().float()
@@ -113,18 +118,21 @@ def main():
             plan = next(iter(interface._cached_calls.values())).plan
             label[name] = (f"splits={plan.splits} grid={plan.attention.grid[0]}"
                            f"{' warp' if plan.config.warp_items else ''}{' deep' if plan.config.deep_ring else ''}")
-            eager[name], graph[name] = [], []
+            eager[name], queued[name], graph[name] = [], [], []
         for r in range(args.rounds):
             for name in (list(label) if r % 2 == 0 else list(label)[::-1]):
                 use(name)
                 eager[name].append(B.time_gpu(call, events, warmup=10, repeats=60).median_ms * 1e3)
+                queued[name].append(B.time_gpu(call, events, warmup=10, repeats=30, queued=True,
+                                               batch=8).median_ms * 1e3)
                 graph[name].append(B.graph_ms_per_call(call, events) * 1e3)
         first = names[0] if names[0] in label else None
         for name in label:
-            e, g = min(eager[name]), min(graph[name])
-            rel = (f"  vs {first}: eager {e / min(eager[first]):.3f}x graph {g / min(graph[first]):.3f}x"
-                   if first else "")
+            e, qd, g = min(eager[name]), min(queued[name]), min(graph[name])
+            rel = (f"  vs {first}: eager {e / min(eager[first]):.3f}x queued {qd / min(queued[first]):.3f}x "
+                   f"graph {g / min(graph[first]):.3f}x" if first else "")
             print(f"{case:>9} {name:>11} {label[name]:<28} eager {e:7.1f} us (median {statistics.median(eager[name]):6.1f})"
+                  f"  queued {qd:7.1f} us = {nbytes / (qd * 1e-6) / 1e12:.2f} TB/s"
                   f"  graph {g:7.1f} us = {nbytes / (g * 1e-6) / 1e12:.2f} TB/s{rel}", flush=True)
     use(names[0])
 

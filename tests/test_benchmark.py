@@ -459,14 +459,61 @@ def test_bench_forward_case_tiny_gpu():
 
 @pytest.mark.gpu
 def test_decode_bench_case_times_every_implementation():
-    # One point of `fa2cupy bench --mode decode`, small: fa2cupy contiguous and paged against SDPA, eager and from a
-    # CUDA graph; fa2cupy's output close to SDPA flash's, the paged one bitwise equal to the contiguous one.
+    # One point of `fa2cupy bench --mode decode`, small: fa2cupy contiguous and paged against SDPA, eager (also
+    # queued behind a spinning kernel) and from a CUDA graph; fa2cupy's output close to SDPA flash's, the paged one
+    # bitwise equal to the contiguous one.
     if not B.torch_available():
         pytest.skip("needs torch with CUDA")
     rec = B.bench_decode_case(2, 1024, warmup=2, repeats=5, rounds=1)
     assert rec["kv_bytes"] == B.kv_cache_bytes(2, 1024, 8, 128) and rec["paged_equals_contiguous"] is True
     assert rec["max_abs_diff"] < 1e-2
     for name in ("fa2cupy", "fa2cupy_paged"):
-        for suffix in ("", "_graph"):
+        for suffix in ("", "_queued", "_graph"):
             assert math.isfinite(rec[name + suffix + "_tbps"]) and rec[name + suffix + "_tbps"] > 0, (name, suffix)
     assert rec["fa2cupy_graph_us"] * 1e-6 * rec["fa2cupy_graph_tbps"] * 1e12 == pytest.approx(rec["kv_bytes"])
+
+
+class _ClockEvents:
+    """Events on a pretend GPU clock that each call of the timed function advances by 2 ms; ``hold`` records
+    the spin it was asked for, and its event reports done (the spin over) if ``spin_ends_early``."""
+
+    def __init__(self, spin_ends_early=False):
+        self.now, self.held, self.spin_ends_early = 0.0, [], spin_ends_early
+
+    def event(self):
+        events = self
+
+        class Event:
+            def record(self):
+                self.t = events.now
+
+            def query(self):
+                return events.spin_ends_early
+
+        return Event()
+
+    @staticmethod
+    def elapsed_ms(a, b):
+        return b.t - a.t
+
+    def sync(self):
+        pass
+
+    def hold(self, ms):
+        self.held.append(ms)
+        return self.event()
+
+
+def test_time_gpu_batches_and_queues():
+    # batch: samples of 8 calls per event pair, reported per call; queued: one spin covering every timed call's
+    # enqueueing, and an error rather than a number if the spin ran out before the host was done.
+    events = _ClockEvents()
+
+    def call():
+        events.now += 2.0
+
+    timing = B.time_gpu(call, events, warmup=1, repeats=4, queued=True, batch=8)
+    assert timing.median_ms == 2.0 and timing.n == 4 and len(events.held) == 1 and events.held[0] > 0
+    early = _ClockEvents(spin_ends_early=True)
+    with pytest.raises(RuntimeError, match="before the host had enqueued"):
+        B.time_gpu(lambda: None, early, warmup=1, repeats=3, queued=True)
