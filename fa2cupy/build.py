@@ -212,9 +212,8 @@ class Launch:
             status = lib.cuLaunchKernelEx(config_ptr, self.function.ptr, self._params_ptr, None)
             if status:
                 name = ctypes.c_char_p()
-                known = hasattr(lib, "cuGetErrorName") and lib.cuGetErrorName(status, ctypes.byref(name)) == 0
-                raise RuntimeError(f"cuLaunchKernelEx failed: {name.value.decode() if known else 'CUDA error'} "
-                                   f"({status})")
+                lib.cuGetErrorName(status, ctypes.byref(name))
+                raise RuntimeError(f"cuLaunchKernelEx failed: {(name.value or b'unknown error').decode()} ({status})")
 
 
 _launch_kernel = None
@@ -247,10 +246,11 @@ def _programmatic_config(grid, block, smem_bytes):
 
 @functools.lru_cache(maxsize=1)
 def _driver():
-    """The CUDA driver library, with cuLaunchKernelEx's signature."""
+    """The CUDA driver library, with the signatures of cuLaunchKernelEx and cuGetErrorName."""
     lib = ctypes.CDLL("libcuda.so.1")
     lib.cuLaunchKernelEx.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
-    lib.cuLaunchKernelEx.restype = ctypes.c_int
+    lib.cuGetErrorName.argtypes = (ctypes.c_int, ctypes.POINTER(ctypes.c_char_p))
+    lib.cuLaunchKernelEx.restype = lib.cuGetErrorName.restype = ctypes.c_int
     return lib
 
 

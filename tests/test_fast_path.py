@@ -176,6 +176,10 @@ def test_programmatic_launch_passes_its_config_to_cuLaunchKernelEx(monkeypatch):
                          (attribute.id, attribute.value), function, slots[0], extra))
             return self.status
 
+        def cuGetErrorName(self, status, name):
+            name._obj.value = {1: b"CUDA_ERROR_INVALID_VALUE"}.get(status)
+            return 0 if status == 1 else 1
+
     driver = Driver()
     monkeypatch.setattr(build, "_driver", lambda: driver)
     monkeypatch.setattr(build, "_launch_kernel", lambda *args: pytest.fail("plain launch"))
@@ -189,5 +193,5 @@ def test_programmatic_launch_passes_its_config_to_cuLaunchKernelEx(monkeypatch):
     launch(0x1234, (0xABC0,))
     assert seen == [((4, 1, 2, 384, 1, 1, 1000, 0x1234, 1), (6, 1), 77, 0xABC0, None)]
     driver.status = 1  # CUDA_ERROR_INVALID_VALUE
-    with pytest.raises(RuntimeError, match=r"cuLaunchKernelEx failed: .*\(1\)"):
+    with pytest.raises(RuntimeError, match=r"cuLaunchKernelEx failed: CUDA_ERROR_INVALID_VALUE \(1\)"):
         launch(0x1234, (0xABC0,))
