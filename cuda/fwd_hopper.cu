@@ -303,8 +303,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
     // Consumers: warpgroup wg owns rows 64 wg .. 64 wg + 63 of each item's tile, warp w of it 16 of those.
     // Per key tile j a warpgroup issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} together, then turns S_j into
-    // P_j while the product with V_{j-1} runs (FA3's overlap within a warpgroup), and the two warpgroups take
-    // turns to issue (named barriers 1 and 2), so that one's softmax runs under the other's products.
+    // P_j, and the two warpgroups take turns to issue (named barriers 1 and 2), so that one's softmax runs under
+    // the other's products. (ptxas puts the wait for P_{j-1} V_{j-1} ahead of the softmax; held below it, so that
+    // the softmax also ran under the warpgroup's own product, the kernel was 2.5-7.5% slower: bench/NOTES.md.)
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Tr::kConsumerRegisters));
     // The warpgroup as warp_uniform(): from `warp >> 2` ptxas kept every branch on the warpgroup divergent (a
     // WARPSYNC or BSSY/BSYNC pair around each; 464 more instructions, 3-7% slower) and serialised any wgmma in
