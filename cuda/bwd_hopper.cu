@@ -340,7 +340,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     bulk_wait<0>();
 
     // dK = scale dS^T Q and dV, staged in the K and V tiles (once the warpgroups that read these rows are done
-    // with them) so that the global stores are 16-byte and row-contiguous.
+    // with them) so that the global stores are 16-byte and row-contiguous. (stmatrix written out as in
+    // fwd_hopper.cu's row write, not through a shared helper: that changed both kernels' code, bench/NOTES.md.)
     consumers_sync(1);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {

@@ -486,6 +486,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // O = diag(l)^-1 O and L = m + log(l). O's rows go into this warpgroup's rows of the item's Q buffer
         // (Q is no longer read; stmatrix, conflict-free in the swizzled slabs) and the buffer back to the
         // producer, which writes them out before it loads another Q there: the warpgroup goes on to its next item.
+        // (Written out here and in bwd_hopper.cu rather than through one helper: a shared one changed both kernels'
+        // code and measured slower, bench/NOTES.md, session 21's review.)
         float row_lse[2];
         softmax.finalize(acc_o, row_lse, scale);
         const u32 q_tile = smem_q + q_buffer * QTile::kBytes;
