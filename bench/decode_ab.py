@@ -13,7 +13,8 @@ Variants: ``base`` (the shipped plan), ``deep``/``shallow`` (the deep-ring twin 
 off), ``block``/``solo``/``solodeep``/``soloshallow`` (warp items forced off, or on with either ring), ``solost3``
 (warp items with 3 ring stages), ``walkN`` (N blocks wherever blocks walk items), ``wN`` (N warps per block),
 ``st3`` (3 ring stages), ``bn16`` (16-key tiles), ``nopdl`` / ``pdl`` (plain or programmatic launches whatever
-the split count, instead of decode.PROGRAMMATIC_MIN_SPLITS).
+the split count, instead of decode.PROGRAMMATIC_MIN_SPLITS), ``splitsN`` (N splits wherever the rule splits:
+33 at 1 x 16k is 264 items that 132 walking blocks take two at a time, every SM streaming).
 """
 
 import argparse
@@ -29,7 +30,7 @@ from fa2cupy import build, configs, decode, interface  # noqa: E402
 H, HKV, D = 32, 8, 128  # the decode bar's query heads, KV heads and head dim
 _originals = {"_attention_grid": decode._attention_grid, "decode_config": configs.decode_config,
               "DEEP_RING": decode.DEEP_RING, "WARP_ITEMS": decode.WARP_ITEMS,
-              "PROGRAMMATIC_LAUNCH": decode.PROGRAMMATIC_LAUNCH}
+              "PROGRAMMATIC_LAUNCH": decode.PROGRAMMATIC_LAUNCH, "choose_num_splits": decode.choose_num_splits}
 
 
 def _walk_blocks(blocks):
@@ -64,6 +65,8 @@ VARIANTS["st3"] = {"decode_config": _row(stages=3)}
 VARIANTS["nopdl"] = {"PROGRAMMATIC_LAUNCH": False}  # plain launches (no programmatic stream serialization)
 VARIANTS["pdl"] = {"PROGRAMMATIC_LAUNCH": True}  # programmatic launches whatever the split count
 VARIANTS["bn16"] = {"decode_config": _row(block_n=16)}  # 16-key tiles: two walking blocks per SM fit
+for _n in (24, 32, 33, 48, 66):  # a fixed split count wherever the rule would split
+    VARIANTS[f"splits{_n}"] = {"choose_num_splits": lambda blocks, sms, keys, tile, n=_n: n if blocks < sms else 1}
 VARIANTS["bn16st3"] = {"decode_config": _row(block_n=16, stages=3)}
 
 
