@@ -558,15 +558,21 @@ def time_gpu(fn: Callable[[], Any], events, *, warmup: int = 10, repeats: int = 
         n = max(min_repeats, int(max_seconds / (est * batch)))
     starts = [events.event() for _ in range(n)]
     ends = [events.event() for _ in range(n)]
-    # (enqueueing takes at most the measured call with its synchronisation, per call, plus slack)
-    held = events.hold(1e3 * (est * batch * n + 0.005)) if queued else None
-    for i in range(n):
-        starts[i].record()
-        for _ in range(batch):
-            fn()
-        ends[i].record()
-    if held is not None and held.query():
-        raise RuntimeError("time_gpu(queued=True): the GPU reached the timed calls before the host had enqueued them")
+    for attempt in range(4 if queued else 1):
+        # (enqueueing takes at most the measured call with its synchronisation, per call, plus slack; a host
+        # that stalls for longer than that gets a spin twice as long at each new attempt)
+        held = events.hold(1e3 * (est * batch * n + 0.005) * 2**attempt) if queued else None
+        for i in range(n):
+            starts[i].record()
+            for _ in range(batch):
+                fn()
+            ends[i].record()
+        if held is None or not held.query():
+            break
+        events.sync()
+    else:
+        raise RuntimeError("time_gpu(queued=True): the GPU reached the timed calls before the host had enqueued "
+                           "them, four times")
     events.sync()
     ms = [events.elapsed_ms(s, e) / batch for s, e in zip(starts, ends)]
     return Timing(statistics.median(ms), min(ms), max(ms), n)

@@ -478,7 +478,7 @@ class _ClockEvents:
     the spin it was asked for, and its event reports done (the spin over) if ``spin_ends_early``."""
 
     def __init__(self, spin_ends_early=False):
-        self.now, self.held, self.spin_ends_early = 0.0, [], spin_ends_early
+        self.now, self.held, self.spin_ends_early = 0.0, [], spin_ends_early  # bool, or how many spins end early
 
     def event(self):
         events = self
@@ -488,7 +488,8 @@ class _ClockEvents:
                 self.t = events.now
 
             def query(self):
-                return events.spin_ends_early
+                early = events.spin_ends_early
+                return early if isinstance(early, bool) else len(events.held) <= early
 
         return Event()
 
@@ -506,7 +507,8 @@ class _ClockEvents:
 
 def test_time_gpu_batches_and_queues():
     # batch: samples of 8 calls per event pair, reported per call; queued: one spin covering every timed call's
-    # enqueueing, and an error rather than a number if the spin ran out before the host was done.
+    # enqueueing; a spin that ran out before the host was done is tried again twice as long, and after four such
+    # spins an error rather than a number.
     events = _ClockEvents()
 
     def call():
@@ -514,6 +516,15 @@ def test_time_gpu_batches_and_queues():
 
     timing = B.time_gpu(call, events, warmup=1, repeats=4, queued=True, batch=8)
     assert timing.median_ms == 2.0 and timing.n == 4 and len(events.held) == 1 and events.held[0] > 0
+    once = _ClockEvents(spin_ends_early=1)  # a host that stalled once
+
+    def call_once():
+        once.now += 2.0
+
+    timing = B.time_gpu(call_once, once, warmup=1, repeats=4, queued=True, batch=8)
+    assert timing.median_ms == 2.0 and timing.n == 4
+    assert len(once.held) == 2 and once.held[1] == pytest.approx(2 * once.held[0])
     early = _ClockEvents(spin_ends_early=True)
     with pytest.raises(RuntimeError, match="before the host had enqueued"):
         B.time_gpu(lambda: None, early, warmup=1, repeats=3, queued=True)
+    assert len(early.held) == 4 and early.held[3] == pytest.approx(8 * early.held[0])
