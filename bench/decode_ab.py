@@ -65,7 +65,7 @@ VARIANTS["st3"] = {"decode_config": _row(stages=3)}
 VARIANTS["nopdl"] = {"PROGRAMMATIC_LAUNCH": False}  # plain launches (no programmatic stream serialization)
 VARIANTS["pdl"] = {"PROGRAMMATIC_LAUNCH": True}  # programmatic launches whatever the split count
 VARIANTS["bn16"] = {"decode_config": _row(block_n=16)}  # 16-key tiles: two walking blocks per SM fit
-for _n in (24, 32, 33, 48, 66):  # a fixed split count wherever the rule would split
+for _n in (32, 33, 66):  # a fixed split count wherever the rule would split
     VARIANTS[f"splits{_n}"] = {"choose_num_splits": lambda blocks, sms, keys, tile, n=_n: n if blocks < sms else 1}
 VARIANTS["bn16st3"] = {"decode_config": _row(block_n=16, stages=3)}
 
