@@ -542,9 +542,9 @@ def time_gpu(fn: Callable[[], Any], events, *, warmup: int = 10, repeats: int = 
     ``queued`` (torch events): the timed calls are enqueued behind a spinning kernel that outlasts the host's
     enqueueing, so each event pair times the GPU's work for one call, launch included, and never a GPU idling
     while the host dispatches (what the plain timing measures when a call's host path is slower than its
-    kernels). Raises RuntimeError if the spin ended before the host was done. ``batch``: each timed sample is that
-    many calls back to back between one pair of events (time per call: the sample / batch), so that the events'
-    own cost is not in every call's time.
+    kernels). A spin that ended before the host was done is tried again twice as long; RuntimeError after four.
+    ``batch``: each timed sample is that many calls back to back between one pair of events (time per call: the
+    sample / batch), so that the events' own cost is not in every call's time.
     """
     for _ in range(max(1, warmup)):
         fn()
