@@ -326,8 +326,11 @@ constexpr int kTracePoints = 24;
 #define FA2_DECODE_TRACE_STRIDE 1
 #endif
 #ifdef FA2_DECODE_TRACE
+#ifndef FA2_DECODE_TRACE_ARRAY  // (another name for a second traced build in the same process)
+#define FA2_DECODE_TRACE_ARRAY fa2_decode_trace
+#endif
 extern "C" {
-__device__ unsigned long long fa2_decode_trace[8192 * kTracePoints * 2];
+__device__ unsigned long long FA2_DECODE_TRACE_ARRAY[8192 * kTracePoints * 2];
 }
 FA2_DEVICE void decode_mark(int point, int item) {
     const unsigned id = item;
@@ -336,7 +339,7 @@ FA2_DEVICE void decode_mark(int point, int item) {
     unsigned sm;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    unsigned long long* slot = fa2_decode_trace + (unsigned long long)id * kTracePoints * 2;
+    unsigned long long* slot = FA2_DECODE_TRACE_ARRAY + (unsigned long long)id * kTracePoints * 2;
     slot[2 * point] = now;
     slot[2 * point + 1] = clock64();
     slot[2 * (kTracePoints - 1)] = sm;
@@ -434,6 +437,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // (launched early after the append or the previous call: every block is resident from the start, so the next
     // kernel may take the SMs as they empty)
     wait_for_prior_grids();
+    decode_mark(22, blockIdx.x);
     allow_next_grid();
     extern __shared__ __align__(128) unsigned char smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -458,10 +462,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     unsigned char* merge_area = smem + Tr::kQAreaBytes + (persistent ? kW * Tr::kRingBytes : 0);
     const CacheIndex index{block_table, cache_seqlens, cache_batch_idx, fixed_seqlen, seqlen_new,
                            capacity,    cache_rows,    page_size,       max_pages};
-    // A report still pending (this call's append found a bad value) poisons every item: it writes NaN.
-    // Warp-uniform (lane 0's read), so the warps' loops never diverge.
-    const bool pending_report = __shfl_sync(0xffffffffu, *static_cast<volatile int*>(error_claim), 0) != 0;
-
+    // The error word, read first and looked at once the first item's loads are out (pending_report).
+    const int error_word = *static_cast<volatile int*>(error_claim);
     // An item's index values are loaded first (their latency hides behind other work) and checked later.
     auto item_values = [&](int item, DecodeItem& it) {
         const int split_major = by_splits.div(item);
@@ -480,7 +482,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // share of them (warp items: the warp takes them all).
     auto item_check = [&](DecodeItem& it) {
         const bool reporter = (solo ? lane : threadIdx.x) == 0 && it.split == 0 && it.group == 0;  // one per row
-        it.poisoned = false;  // a bad value of this item's (a report pending from elsewhere: below)
+        it.poisoned = false;  // a bad value of this item's (a report pending from elsewhere: pending_report)
         if (!index.seqlen_ok(it.cached)) {
             it.poisoned = true;
             if (reporter) report_bad_value(error_claim, error_host, kBadCacheSeqlen, it.b, 0, it.cached);
@@ -495,9 +497,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             if (reporter) report_bad_value(error_claim, error_host, kBadCacheLeftpad, it.b, 0, it.pad);
         }
         it.seqlen_k = it.poisoned ? 0 : it.cached + seqlen_new - it.pad;
-        // A report pending from elsewhere (the append's) poisons the rows too, but not the loads: every index value
-        // they use is checked here or per tile, so the tile count need not wait for the error word's load.
-        it.poisoned |= pending_report;
         const int last_query = min(seqlen_q - 1, by_heads_per_kv.div(min(rows, it.row0 + 16) - 1));
         if constexpr (Tr::kExtras) {
             // Only the keys some row of the block sees, from a tile boundary (paged tiles must start on a multiple
@@ -647,6 +646,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             cp_async_commit();
         }
     }
+    // A report still pending (this call's append found a bad value) poisons every item's rows (NaN), but not its
+    // loads: every index value they use is checked in item_check or per tile. So the error word, loaded first, is
+    // looked at only now (where its use came first, every block's first loads waited for its round trip; that
+    // measured level on the H100, whose first round of loads is bound by DRAM throughput, not latency).
+    // Warp-uniform (lane 0's read), so the warps' loops never diverge.
+    const bool pending_report = __shfl_sync(0xffffffffu, error_word, 0) != 0;
     int buffer = 0;                                      // cur's Q buffer
     int slot_base = 0;                                   // ring slot of cur's first tile (of this warp), modulo kS
     int issued = deep ? kS : min(kS - 1, cur.my_tiles);  // cur's tiles (deep: ring positions) issued ahead
@@ -818,7 +823,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         if constexpr (solo) {
             // The warp's rows are final (one split): each lane holds rows lane / 4 and lane / 4 + 8, two columns
             // of every 8-column tile.
-            const bool poisoned = __any_sync(0xffffffffu, cur.poisoned || bad_page);
+            const bool poisoned = __any_sync(0xffffffffu, cur.poisoned || bad_page || pending_report);
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int packed = cur.row0 + (lane >> 2) + half * 8;
@@ -837,7 +842,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             decode_mark(14, item);
         } else {
             // Every warp is done with the item's tiles and Q (the barrier).
-            const bool poisoned = __syncthreads_or(cur.poisoned || bad_page);
+            const bool poisoned = __syncthreads_or(cur.poisoned || bad_page || pending_report);
             decode_mark(13, item);
 
             float* merge_out = reinterpret_cast<float*>(merge_area);          // [warp][16][kMergePitch]
