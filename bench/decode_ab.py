@@ -73,6 +73,15 @@ VARIANTS["bn16st3"] = {"decode_config": _row(block_n=16, stages=3)}
 TREES = {}  # tree variant -> its copy of cuda/ (--trees)
 
 
+def bar_inputs(torch, gen, b, sk):
+    """(q, k_cache, v_cache, cache_seqlens) of the decode bar's call: random bf16 (never zeros), full caches of
+    ``sk`` keys per row, ``cache_seqlens`` a tensor."""
+    q = torch.randn(b, 1, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    kc = torch.randn(b, sk, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    vc = torch.randn(b, sk, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    return q, kc, vc, torch.full((b,), sk, device="cuda", dtype=torch.int32)
+
+
 def use(variant: str) -> None:
     """Sets the variant's module attributes (of decode, or configs.decode_config), or its source tree, and drops
     the cached plans."""
@@ -99,10 +108,7 @@ def main():
     names = args.variants.split(",")
     for case in args.cases.split(","):
         b, sk = map(int, case.split("x"))
-        q = torch.randn(b, 1, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-        kc = torch.randn(b, sk, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-        vc = torch.randn(b, sk, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-        lens = torch.full((b,), sk, device="cuda", dtype=torch.int32)
+        q, kc, vc, lens = bar_inputs(torch, gen, b, sk)
         nbytes = B.kv_cache_bytes(b, sk, HKV, D)
 
         def call():

@@ -17,9 +17,9 @@ import numpy as np
 sys.path.insert(0, ".")
 from fa2cupy import benchmark as B  # noqa: E402
 from fa2cupy import build, decode, device_errors  # noqa: E402
+from decode_ab import D, HKV, bar_inputs  # noqa: E402
 
 POINTS = 24  # kTracePoints
-H, HKV, D = 32, 8, 128
 ARRAYS = ("fa2_decode_trace", "fa2_decode_trace_b")
 
 
@@ -36,10 +36,7 @@ def main():
     gen = torch.Generator(device="cuda").manual_seed(0)
     for case in args.cases.split(","):
         b, sk = map(int, case.split("x"))
-        q = torch.randn(b, 1, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-        kc = torch.randn(b, sk, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-        vc = torch.randn(b, sk, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-        lens = torch.full((b,), sk, device="cuda", dtype=torch.int32)
+        q, kc, vc, lens = bar_inputs(torch, gen, b, sk)
 
         def plan():
             strides = {name: tuple(2 * s for s in t.stride()) for name, t in (("q", q), ("k_cache", kc),

@@ -14,8 +14,8 @@ import sys
 sys.path.insert(0, ".")
 import fa2cupy  # noqa: E402
 from fa2cupy import benchmark as B  # noqa: E402
+from decode_ab import D, HKV, bar_inputs  # noqa: E402
 
-H, HKV, D = 32, 8, 128
 
 
 def main():
@@ -32,10 +32,7 @@ def main():
     batches = [int(x) for x in args.batches.split(",")]
     for case in args.cases.split(","):
         b, sk = map(int, case.split("x"))
-        q = torch.randn(b, 1, H, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-        kc = torch.randn(b, sk, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-        vc = torch.randn(b, sk, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-        lens = torch.full((b,), sk, device="cuda", dtype=torch.int32)
+        q, kc, vc, lens = bar_inputs(torch, gen, b, sk)
         qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()
         nbytes = B.kv_cache_bytes(b, sk, HKV, D)
 
