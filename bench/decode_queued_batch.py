@@ -2,7 +2,8 @@
 fa2cupy and both SDPA backends (the decode bar's call: torch bf16, hq=32 hkv=8 d=128, seqlen_q=1, full caches,
 ``cache_seqlens`` a tensor). An event recorded between two calls is a stream operation between two kernels, so
 the second kernel cannot start early (programmatic launch) after the first; with ``batch`` calls per pair of
-events, one call in ``batch`` pays for that. Best of ``--rounds`` rounds, implementations taking turns.
+events, one call in ``batch`` pays for that. Best of ``--rounds`` rounds, implementations taking turns; beside
+them, 16 calls replayed from a CUDA graph (first round).
 
     python bench/decode_queued_batch.py [--cases 1x16384,1x4096] [--batches 1,8,32,96] [--rounds 3]
 """
@@ -42,18 +43,18 @@ def main():
         def sdpa():
             return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
 
-        runners = [("fa2cupy", ours, None), ("sdpa_flash", sdpa, SDPBackend.FLASH_ATTENTION),
-                   ("sdpa_cudnn", sdpa, SDPBackend.CUDNN_ATTENTION)]
+        runners = [("fa2cupy", ours, contextlib.nullcontext),  # (name, call, context it runs in)
+                   ("sdpa_flash", sdpa, lambda: sdpa_kernel([SDPBackend.FLASH_ATTENTION])),
+                   ("sdpa_cudnn", sdpa, lambda: sdpa_kernel([SDPBackend.CUDNN_ATTENTION]))]
         best = {}
-        for _ in range(args.rounds):
-            for name, fn, backend in runners:
-                for batch in batches:
-                    with sdpa_kernel([backend]) if backend is not None else contextlib.nullcontext():
+        for r in range(args.rounds):
+            for name, fn, context in runners:
+                with context():
+                    for batch in batches:
                         ms = B.time_gpu(fn, events, warmup=10, repeats=max(5, 240 // batch), queued=True,
                                         batch=batch).median_ms
-                    best[name, batch] = min(best.get((name, batch), float("inf")), ms)
-                if _ == 0:
-                    context = (lambda backend=backend: sdpa_kernel([backend])) if backend is not None else None
+                        best[name, batch] = min(best.get((name, batch), float("inf")), ms)
+                if r == 0:  # (the graph replays are steady: one round)
                     best[name, "graph"] = B.graph_ms_per_call(fn, events, context=context)
         print(f"\n{case} ({nbytes / 2**20:.0f} MiB): us per call and TB/s, queued with N calls per pair of events; "
               f"graph of 16 calls")
