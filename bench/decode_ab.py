@@ -8,6 +8,7 @@ timing.
 
     python bench/decode_ab.py [--cases 1x16384,64x1024] [--variants base,walk132] [--rounds 4]
     python bench/decode_ab.py --trees base=ab_trees/base/cuda,new=cuda   (kernels built from each copy of cuda/)
+    python bench/decode_ab.py --paged 256 ...   (the same keys and values in shuffled pages of 256 keys)
 
 Variants: ``base`` (the shipped plan), ``deep``/``shallow`` (the deep-ring twin of the d=128 row forced on or
 off), ``block``/``solo``/``solodeep``/``soloshallow`` (warp items forced off, or on with either ring), ``solost3``
@@ -82,6 +83,20 @@ def bar_inputs(torch, gen, b, sk):
     return q, kc, vc, torch.full((b,), sk, device="cuda", dtype=torch.int32)
 
 
+def paged_inputs(torch, gen, k_cache, v_cache, page_size):
+    """(k_pages, v_pages, block_table): the caches' rows cut into pages of ``page_size`` keys, stored in a random
+    order (as the decode bench's paged column)."""
+    b, sk = k_cache.shape[:2]
+    pages = sk // page_size
+    perm = torch.randperm(b * pages, device="cuda", generator=gen)
+    k_pages, v_pages = torch.empty_like(k_cache), torch.empty_like(v_cache)
+    k_pages = k_pages.reshape(b * pages, page_size, HKV, D)
+    v_pages = v_pages.reshape(b * pages, page_size, HKV, D)
+    k_pages[perm] = k_cache.reshape(b * pages, page_size, HKV, D)
+    v_pages[perm] = v_cache.reshape(b * pages, page_size, HKV, D)
+    return k_pages, v_pages, perm.to(torch.int32).reshape(b, pages).contiguous()
+
+
 def use(variant: str) -> None:
     """Sets the variant's module attributes (of decode, or configs.decode_config), or its source tree, and drops
     the cached plans."""
@@ -98,6 +113,7 @@ def main():
     parser.add_argument("--variants", default="base,walk132")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--trees", default="", help="name=DIR,... : the shipped plans on kernels from each tree")
+    parser.add_argument("--paged", type=int, default=0, help="page size: the caches in shuffled pages")
     args = parser.parse_args()
     if args.trees:
         TREES.update(pair.split("=", 1) for pair in args.trees.split(","))
@@ -111,8 +127,14 @@ def main():
         q, kc, vc, lens = bar_inputs(torch, gen, b, sk)
         nbytes = B.kv_cache_bytes(b, sk, HKV, D)
 
-        def call():
-            return fa2cupy.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)
+        if args.paged:
+            k_pages, v_pages, table = paged_inputs(torch, gen, kc, vc, args.paged)
+
+            def call():
+                return fa2cupy.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=lens, block_table=table)
+        else:
+            def call():
+                return fa2cupy.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)
 
         reference, eager, queued, graph, label = None, {}, {}, {}, {}
         for name in names:

@@ -532,8 +532,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     };
 
     // K/V of the warp's j-th tile of an item into ring slot `slot`; true if a block_table entry was out of range
-    // (reported, and read as zeros).
-    auto load_kv = [&](const DecodeItem& it, int j, int slot) -> bool {
+    // (reported unless `guessed`, and read as zeros).
+    auto load_kv = [&](const DecodeItem& it, int j, int slot, bool guessed = false) -> bool {
         bool bad_page = false;
         const int first = tile_first(it, j);
         // Paged: the tile starts on a multiple of 16 keys and pages hold multiples of 16, so it spans at most
@@ -550,7 +550,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 const bool used = p == 0 || (page_idx * page_size < it.key_end && page_idx < max_pages);
                 int page = first < it.key_end && used ? block_table[(i64)it.b * max_pages + page_idx] : 0;
                 if (!index.row_ok(page)) {
-                    if (!bad_page) report_bad_value(error_claim, error_host, kBadBlockTable, it.b, page_idx, page);
+                    if (!bad_page && !guessed)
+                        report_bad_value(error_claim, error_host, kBadBlockTable, it.b, page_idx, page);
                     bad_page = true;
                     page = 0;
                 }
@@ -617,28 +618,32 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // prologue, one group per position (empty past the warp's tiles).
     load_q(cur, 0);
     cp_async_commit();
-    // In a contiguous cache without cache_batch_idx or Extras, row b's keys start at slot 0 of cache row b whatever
-    // its length, so the warp's first tiles are loaded before cache_seqlens arrives (a round trip at every block's
-    // start), as if the row covered them whole: kept if it does, else landed and loaded again. (Speculative reads
-    // stay inside the cache's capacity; a key past the row's length never reaches the math.)
+    // Without cache_batch_idx or Extras, row b's keys start at slot 0 of cache row b (paged: of the pages its
+    // block_table row lists) whatever its length, so the warp's first tiles are loaded before cache_seqlens arrives
+    // (a round trip at every block's start; paged, their block_table entries are read alongside it), as if the row
+    // covered them whole: kept if it does, else landed and loaded again. A guessed page entry out of range is not
+    // read and not reported (the row may not use it), and its tiles are loaded again the checked way. (Speculative
+    // reads stay inside the cache; a key past the row's length never reaches the math.)
     DecodeItem guess;
     guess.b = guess.cache_row = cur.b;
     guess.kv_head = cur.kv_head;
     guess.pad = guess.key_begin = 0;
     guess.key_end = capacity;
     guess.first_tile = cur.split * kTileStride + tile_warp;
-    const bool speculate = !Tr::kExtras && !Tr::kPaged && cache_seqlens != nullptr && cache_batch_idx == nullptr &&
-                           cur.b < cache_rows && tile_first(guess, kAhead - 1) + Tr::kBlockN <= capacity;
+    const bool speculate = !Tr::kExtras && cache_seqlens != nullptr && cache_batch_idx == nullptr &&
+                           (Tr::kPaged || cur.b < cache_rows) &&
+                           tile_first(guess, kAhead - 1) + Tr::kBlockN <= capacity;
+    bool guess_bad_page = false;
     if (speculate) {
 #pragma unroll
         for (int t = 0; t < kAhead; ++t) {
-            load_kv(guess, t, t);
+            guess_bad_page |= load_kv(guess, t, t, true);
             cp_async_commit();
         }
     }
     item_check(cur);
     bool bad_page = false;  // a bad block_table entry in cur's tiles (this thread's loads)
-    if (!speculate || tile_first(cur, kAhead - 1) + Tr::kBlockN > cur.key_end) {
+    if (!speculate || guess_bad_page || tile_first(cur, kAhead - 1) + Tr::kBlockN > cur.key_end) {
         if (speculate) cp_async_wait<0>();  // (a slot's copies land before it is filled again)
 #pragma unroll
         for (int t = 0; t < kAhead; ++t) {

@@ -1136,21 +1136,20 @@ def decode_table(records: Sequence[dict[str, Any]]) -> str:
     def ratio(x):
         return None if x is None else f"{x:.2f}x"
 
-    def timing(r, suffix):  # fa2cupy, SDPA flash, SDPA cuDNN and the ratio, for one way of timing
-        return [tb(r.get(name + suffix + "_tbps")) for name in ("fa2cupy", "sdpa_flash", "sdpa_cudnn")] + [
+    def timing(r, suffix):  # fa2cupy, paged, SDPA flash, SDPA cuDNN and the ratio, for one way of timing
+        names = ("fa2cupy", "fa2cupy_paged", "sdpa_flash", "sdpa_cudnn")
+        return [tb(r.get(name + suffix + "_tbps")) for name in names] + [
             ratio(r.get("ratio" + suffix + "_vs_best_sdpa"))]
 
     rows = []
     for r in records:
-        rows.append([r["batch"], r["seqlen_k"], f"{r['kv_bytes'] / 2**20:.0f}", tb(r.get("fa2cupy_tbps")),
-                     tb(r.get("fa2cupy_paged_tbps")), tb(r.get("sdpa_flash_tbps")), tb(r.get("sdpa_cudnn_tbps")),
-                     ratio(r.get("ratio_vs_best_sdpa")),
+        rows.append([r["batch"], r["seqlen_k"], f"{r['kv_bytes'] / 2**20:.0f}", *timing(r, ""),
                      None if r.get("fa2cupy_us") is None else f"{r['fa2cupy_us']:.1f}",
                      *timing(r, "_queued"), *timing(r, "_graph"),
                      None if r.get("max_abs_diff") is None else f"{r['max_abs_diff']:.1e}"])
     return format_table(["batch", "seqlen_k", "KV MiB", "fa2cupy TB/s", "paged TB/s", "SDPA flash", "SDPA cuDNN",
-                         "vs best SDPA", "fa2cupy us", "queued: fa2cupy", "flash", "cuDNN", "vs best",
-                         "graph: fa2cupy", "flash", "cuDNN", "vs best", "max|diff|"], rows)
+                         "vs best SDPA", "fa2cupy us", "queued: fa2cupy", "paged", "flash", "cuDNN", "vs best",
+                         "graph: fa2cupy", "paged", "flash", "cuDNN", "vs best", "max|diff|"], rows)
 
 
 # --------------------------------------------------------------------------- #

@@ -477,23 +477,37 @@ def test_num_splits_agree(dtype, paged, ring):
         assert np.all(lerr <= 1e-3 * (1 + np.abs(l1))), f"num_splits={splits}: lse differs by {lerr.max():.3e}"
 
 
+@pytest.mark.parametrize("page_size", [None, 16, 64])
 @pytest.mark.parametrize("seqlen_new", [0, 1])
-def test_non_finite_slots_past_the_rows_never_reach_the_output(seqlen_new, ring):
-    # A contiguous cache's first key tiles load before cache_seqlens arrives, as if each row were full, and are
-    # loaded again where the row is shorter (cuda/decode.cu): every slot past a row's keys holds NaN or +-inf here,
-    # so a kept speculative tile (or any read past a row's length) would show as NaN in out or lse. Lengths sit on
-    # either side of tile boundaries, for several split counts, at the decode bar's head layout.
+def test_non_finite_slots_past_the_rows_never_reach_the_output(seqlen_new, page_size, ring):
+    # A cache's first key tiles load before cache_seqlens arrives, as if each row were full, and are loaded again
+    # where the row is shorter (cuda/decode.cu): every slot past a row's keys holds NaN or +-inf here, so a kept
+    # speculative tile (or any read past a row's length) would show as NaN in out or lse. Paged, the guess also
+    # reads block_table entries past each row's pages, which hold values out of range here: those must be neither
+    # read through nor reported. Lengths sit on either side of tile boundaries, for several split counts, at the
+    # decode bar's head layout.
     rng = np.random.default_rng(21 + seqlen_new)
     capacity = 2048
     seqlens = np.array([0, 1, 31, 32, 33, 64, 255, 256, 257, 700, 2047, 2048], dtype=np.int32)
     seqlens = np.minimum(seqlens, capacity - seqlen_new)
     case = build_case(rng, batch=len(seqlens), seqlen_q=1, nheads=32, nheads_kv=8, headdim=128, dtype="bfloat16",
-                      capacity=capacity, seqlens=seqlens, seqlen_new=seqlen_new)
+                      capacity=capacity, seqlens=seqlens, seqlen_new=seqlen_new, page_size=page_size)
     garbage = np.array([np.nan, np.inf, -np.inf], dtype=np.float32)
     for b, length in enumerate(seqlens):
         for cache in (case["logical_k"], case["logical_v"]):
             tail = cache[b, length:]
             tail[...] = rng.choice(garbage, size=tail.shape).astype(tail.dtype)
+    if page_size is not None:
+        table = case["block_table"]
+        num_pages = case["phys_k"].shape[0]
+        for phys, logical in ((case["phys_k"], case["logical_k"]), (case["phys_v"], case["logical_v"])):
+            phys[...] = rng.choice(garbage, size=phys.shape).astype(phys.dtype)  # spare pages too
+            for b, length in enumerate(seqlens):
+                for j in range(-(-int(length) // page_size)):
+                    phys[table[b, j]] = logical[b, j * page_size:(j + 1) * page_size]
+        for b, length in enumerate(seqlens):
+            used = -(-(int(length) + seqlen_new) // page_size)
+            table[b, used:] = rng.choice([-1, num_pages, 2**31 - 1, -2**31], size=table.shape[1] - used)
     for splits in (0, 1, 3, 16):
         run_and_check(case, num_splits=splits)
 
