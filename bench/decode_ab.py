@@ -8,7 +8,7 @@ timing.
 
     python bench/decode_ab.py [--cases 1x16384,64x1024] [--variants base,walk132] [--rounds 4]
     python bench/decode_ab.py --trees base=ab_trees/base/cuda,new=cuda   (kernels built from each copy of cuda/)
-    python bench/decode_ab.py --paged 256 ...   (the same keys and values in shuffled pages of 256 keys)
+    python bench/decode_ab.py --paged 256 [--in-order] ...   (the same keys and values in shuffled pages of 256 keys)
 
 Variants: ``base`` (the shipped plan), ``deep``/``shallow`` (the deep-ring twin of the d=128 row forced on or
 off), ``block``/``solo``/``solodeep``/``soloshallow`` (warp items forced off, or on with either ring), ``solost3``
@@ -83,12 +83,14 @@ def bar_inputs(torch, gen, b, sk):
     return q, kc, vc, torch.full((b,), sk, device="cuda", dtype=torch.int32)
 
 
-def paged_inputs(torch, gen, k_cache, v_cache, page_size):
+def paged_inputs(torch, gen, k_cache, v_cache, page_size, shuffled=True):
     """(k_pages, v_pages, block_table): the caches' rows cut into pages of ``page_size`` keys, stored in a random
-    order (as the decode bench's paged column)."""
+    order (as the decode bench's paged column), or in order (``shuffled`` False: the same bytes as the contiguous
+    cache, read through the table)."""
     b, sk = k_cache.shape[:2]
     pages = sk // page_size
-    perm = torch.randperm(b * pages, device="cuda", generator=gen)
+    perm = (torch.randperm(b * pages, device="cuda", generator=gen) if shuffled
+            else torch.arange(b * pages, device="cuda"))
     k_pages, v_pages = torch.empty_like(k_cache), torch.empty_like(v_cache)
     k_pages = k_pages.reshape(b * pages, page_size, HKV, D)
     v_pages = v_pages.reshape(b * pages, page_size, HKV, D)
@@ -114,6 +116,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--trees", default="", help="name=DIR,... : the shipped plans on kernels from each tree")
     parser.add_argument("--paged", type=int, default=0, help="page size: the caches in shuffled pages")
+    parser.add_argument("--in-order", action="store_true", help="with --paged: pages in order, not shuffled")
     args = parser.parse_args()
     if args.trees:
         TREES.update(pair.split("=", 1) for pair in args.trees.split(","))
@@ -128,7 +131,7 @@ def main():
         nbytes = B.kv_cache_bytes(b, sk, HKV, D)
 
         if args.paged:
-            k_pages, v_pages, table = paged_inputs(torch, gen, kc, vc, args.paged)
+            k_pages, v_pages, table = paged_inputs(torch, gen, kc, vc, args.paged, shuffled=not args.in_order)
 
             def call():
                 return fa2cupy.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=lens, block_table=table)

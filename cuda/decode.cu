@@ -422,7 +422,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                      i64 alibi_batch_stride, const int* __restrict__ cache_leftpad, int window_left,
                      int window_right, float softcap, int num_splits, u32 splits_magic, int splits_shift,
                      u32 groups_magic, int groups_shift, u32 heads_kv_magic, int heads_kv_shift,
-                     u32 heads_per_kv_magic, int heads_per_kv_shift) {
+                     u32 heads_per_kv_magic, int heads_per_kv_shift, u32 page_size_magic, int page_size_shift) {
     using QTile = typename Tr::QTile;
     using KVTile = typename Tr::KVTile;
     using Mma = fa2::Mma<typename Tr::Elem>;
@@ -451,6 +451,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
     // Run-time divisors of the index arithmetic, as multiplications (the launch's start waits on them).
     const FastDiv by_heads_per_kv{heads_per_kv_magic, heads_per_kv_shift};
+    const FastDiv by_page_size{page_size_magic, page_size_shift};
     const int nheads_kv = by_heads_per_kv.div(nheads);
     const int rows = seqlen_q * heads_per_kv;  // packed rows r = query * heads_per_kv + head-in-group
     const int groups = nheads_kv * ((rows + 15) / 16);
@@ -537,25 +538,38 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         bool bad_page = false;
         const int first = tile_first(it, j);
         // Paged: the tile starts on a multiple of 16 keys and pages hold multiples of 16, so it spans at most
-        // BlockN / 16 pages: their indices are read (and checked) once per tile, not once per row.
+        // BlockN / 16 pages: the entries of those it reaches are read (all at once, then checked) once per tile,
+        // not once per row. (This path runs between a tile's landing and the next tile's copies: short matters.)
         constexpr int kTilePages = Tr::kPaged ? Tr::kBlockN / 16 : 1;
         int pages[kTilePages];
-        int first_offset = 0;
+        int first_offset = 0, first_page = 0;
         if (Tr::kPaged) {
-            const int first_page = first / page_size;
+            first_page = by_page_size.div(first);
             first_offset = first - first_page * page_size;
 #pragma unroll
             for (int p = 0; p < kTilePages; ++p) {
                 const int page_idx = first_page + p;
-                const bool used = p == 0 || (page_idx * page_size < it.key_end && page_idx < max_pages);
-                int page = first < it.key_end && used ? block_table[(i64)it.b * max_pages + page_idx] : 0;
-                if (!index.row_ok(page)) {
+                const bool used = p == 0 ? first < it.key_end
+                                         : first_offset + Tr::kBlockN > p * page_size &&
+                                               page_idx * page_size < it.key_end && page_idx < max_pages;
+                pages[p] = used ? block_table[(i64)it.b * max_pages + page_idx] : 0;
+            }
+#pragma unroll
+            for (int p = 0; p < kTilePages; ++p) {
+                if (!index.row_ok(pages[p])) {
                     if (!bad_page && !guessed)
-                        report_bad_value(error_claim, error_host, kBadBlockTable, it.b, page_idx, page);
+                        report_bad_value(error_claim, error_host, kBadBlockTable, it.b, first_page + p, pages[p]);
                     bad_page = true;
-                    page = 0;
+                    pages[p] = 0;
                 }
-                pages[p] = page;
+            }
+        }
+        i64 k_page_off[kTilePages], v_page_off[kTilePages];  // (paged) where each page's rows start
+        if constexpr (Tr::kPaged) {
+#pragma unroll
+            for (int p = 0; p < kTilePages; ++p) {
+                k_page_off[p] = pages[p] * k_batch_stride;
+                v_page_off[p] = pages[p] * v_batch_stride;
             }
         }
         constexpr int kChunks = Tr::kBlockN * kDT;
@@ -564,17 +578,20 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             const int idx = lane + i * 32, r = idx / kDT, c = (idx % kDT) * 8;
             const bool ok = first + r < it.key_end && c < headdim && !bad_page;
             i64 k_off, v_off;
-            if (Tr::kPaged) {
-                int page = pages[0], offset = first_offset + r;
+            if constexpr (Tr::kPaged) {
+                int offset = first_offset + r;
+                k_off = k_page_off[0];
+                v_off = v_page_off[0];
 #pragma unroll
                 for (int p = 1; p < kTilePages; ++p) {
                     if (offset >= page_size) {
                         offset -= page_size;
-                        page = pages[p];
+                        k_off = k_page_off[p];
+                        v_off = v_page_off[p];
                     }
                 }
-                k_off = page * k_batch_stride + (i64)offset * k_row_stride;
-                v_off = page * v_batch_stride + (i64)offset * v_row_stride;
+                k_off += (i64)offset * k_row_stride;
+                v_off += (i64)offset * v_row_stride;
             } else {
                 const int key = ok ? it.pad + first + r : 0;
                 k_off = it.cache_row * k_batch_stride + (i64)key * k_row_stride;

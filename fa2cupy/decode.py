@@ -263,7 +263,7 @@ def plan_decode(q_shape, strides, dtype: str, *, nheads_kv: int, cache_rows: int
     args += (pointer, np.int64(extras.alibi_batch_stride), pointer, np.int32(extras.window_left),
              np.int32(extras.window_right), np.float32(extras.softcap))
     args += (np.int32(splits),)
-    for divisor in (splits, nheads_kv * row_blocks, nheads_kv, group):  # the kernel's FastDiv divisors
+    for divisor in (splits, nheads_kv * row_blocks, nheads_kv, group, max(page_size, 1)):  # the FastDiv divisors
         magic, shift = fast_divisor(divisor)
         args += (np.uint32(magic), np.int32(shift))
     grid, smem = _attention_grid(function, config, device, items)
