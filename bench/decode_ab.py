@@ -83,22 +83,6 @@ def bar_inputs(torch, gen, b, sk):
     return q, kc, vc, torch.full((b,), sk, device="cuda", dtype=torch.int32)
 
 
-def paged_inputs(torch, gen, k_cache, v_cache, page_size, shuffled=True):
-    """(k_pages, v_pages, block_table): the caches' rows cut into pages of ``page_size`` keys, stored in a random
-    order (as the decode bench's paged column), or in order (``shuffled`` False: the same bytes as the contiguous
-    cache, read through the table)."""
-    b, sk = k_cache.shape[:2]
-    pages = sk // page_size
-    perm = (torch.randperm(b * pages, device="cuda", generator=gen) if shuffled
-            else torch.arange(b * pages, device="cuda"))
-    k_pages, v_pages = torch.empty_like(k_cache), torch.empty_like(v_cache)
-    k_pages = k_pages.reshape(b * pages, page_size, HKV, D)
-    v_pages = v_pages.reshape(b * pages, page_size, HKV, D)
-    k_pages[perm] = k_cache.reshape(b * pages, page_size, HKV, D)
-    v_pages[perm] = v_cache.reshape(b * pages, page_size, HKV, D)
-    return k_pages, v_pages, perm.to(torch.int32).reshape(b, pages).contiguous()
-
-
 def use(variant: str) -> None:
     """Sets the variant's module attributes (of decode, or configs.decode_config), or its source tree, and drops
     the cached plans."""
@@ -131,7 +115,7 @@ def main():
         nbytes = B.kv_cache_bytes(b, sk, HKV, D)
 
         if args.paged:
-            k_pages, v_pages, table = paged_inputs(torch, gen, kc, vc, args.paged, shuffled=not args.in_order)
+            k_pages, v_pages, table = B.paged_copy(torch, gen, kc, vc, args.paged, shuffled=not args.in_order)
 
             def call():
                 return fa2cupy.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=lens, block_table=table)

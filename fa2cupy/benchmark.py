@@ -1027,6 +1027,21 @@ def graph_ms_per_call(fn: Callable[[], Any], events, *, calls: int = 16, context
     return time_gpu(graph.replay, events, warmup=3, repeats=repeats).median_ms / calls
 
 
+def paged_copy(torch, gen, k_cache, v_cache, page_size: int, shuffled: bool = True):
+    """(k_pages, v_pages, block_table) holding the same keys and values as the contiguous ``(batch, seqlen_k,
+    nheads_kv, d)`` caches, cut into pages of ``page_size`` keys (a divisor of seqlen_k) stored in a random order,
+    or in order (``shuffled`` False: the contiguous caches' own layout, read through the table)."""
+    batch, seqlen_k = k_cache.shape[:2]
+    pages = seqlen_k // page_size
+    order = (torch.randperm(batch * pages, device="cuda", generator=gen) if shuffled
+             else torch.arange(batch * pages, device="cuda"))
+    k_pages = torch.empty_like(k_cache).reshape(batch * pages, page_size, *k_cache.shape[2:])
+    v_pages = torch.empty_like(v_cache).reshape(batch * pages, page_size, *v_cache.shape[2:])
+    k_pages[order] = k_cache.reshape(k_pages.shape)
+    v_pages[order] = v_cache.reshape(v_pages.shape)
+    return k_pages, v_pages, order.to(torch.int32).reshape(batch, pages).contiguous()
+
+
 def bench_decode_case(batch: int, seqlen_k: int, *, nheads: int = 32, nheads_kv: int = 8, headdim: int = 128,
                       dtype: str = "bf16", page_size: int | None = 256, warmup: int = 10, repeats: int = 50,
                       rounds: int = 3, seed: int = 0) -> dict[str, Any]:
@@ -1064,13 +1079,7 @@ def bench_decode_case(batch: int, seqlen_k: int, *, nheads: int = 32, nheads_kv:
     runners.append(("fa2cupy", ours, None))
     out = ours().float()
     if page_size and seqlen_k % page_size == 0:
-        pages = seqlen_k // page_size
-        perm = torch.randperm(batch * pages, device="cuda", generator=gen).to(torch.int32)
-        table = perm.reshape(batch, pages).contiguous()
-        k_pages = torch.empty(batch * pages, page_size, nheads_kv, headdim, device="cuda", dtype=tdtype)
-        v_pages = torch.empty_like(k_pages)
-        k_pages[perm.long()] = k_cache.reshape(batch * pages, page_size, nheads_kv, headdim)
-        v_pages[perm.long()] = v_cache.reshape(batch * pages, page_size, nheads_kv, headdim)
+        k_pages, v_pages, table = paged_copy(torch, gen, k_cache, v_cache, page_size)
 
         def ours_paged():
             return fa2cupy.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=lens, block_table=table)
