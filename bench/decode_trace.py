@@ -82,12 +82,12 @@ def main():
             print(f"\n{case} splits={plan.splits} grid={plan.attention.grid[0]}: "
                   f"{nbytes / (t.median_ms * 1e-3) / 1e12:.2f} TB/s, {t.median_ms * 1e3:.1f} us per call (events, "
                   f"back to back)")
-            report(raw, stride)
+            report(raw, stride, plan.splits)
 
 
-def report(raw, stride):
+def report(raw, stride, splits=1):
     """Per-phase medians and maxima over work items, and, for blocks that walk several items, where a block's
-    time goes between its items."""
+    time goes between its items; with splits and a block per item, each row's merge tail."""
     raw = raw.astype(np.int64)
     stamps, sms, owners = raw[:, :POINTS - 1, 0], raw[:, POINTS - 1, 0], raw[:, POINTS - 1, 1]
     seen = stamps[:, 1] > 0  # every item records its start (point 1); point 0 is its block's start
@@ -106,6 +106,8 @@ def report(raw, stride):
         span = (rel[ok, z] - rel[ok, a]) / ((z - a) * stride if label.endswith("(per tile)") else 1)
         print(f"    {label:40s} median {np.median(span):6.2f}  max {span.max():6.2f} us  ({ok.sum()} items)")
     if len(stamps) == len(blocks):
+        if splits > 1:
+            merge_tail(rel, owners, splits)
         return
     # Blocks that walk items: each item's span (its start to its rows written), the gap from one item's end to
     # the next item's first tile landing, by the item's place in its block.
@@ -125,6 +127,24 @@ def report(raw, stride):
               f"{max(values):6.2f} us  ({len(values)} items)")
     if gaps:
         print(f"    previous item's end to first tile landed      median {np.median(gaps):6.2f}  max {max(gaps):6.2f} us")
+
+
+def merge_tail(rel, owners, splits):
+    """A block per item, the split fastest: block x holds split x % splits of row x // splits. Per row, from the
+    last of its blocks to be done with its loops (point 13) to the merged rows (point 16), and how often the
+    merging block was that last one."""
+    tails, last_merges = [], []
+    for row in np.unique(owners // splits):
+        mine = np.flatnonzero(owners // splits == row)
+        merged = mine[rel[mine, 16] >= 0]
+        if len(mine) != splits or len(merged) != 1:
+            continue
+        tails.append(rel[merged[0], 16] - rel[mine, 13].max())
+        last_merges.append(rel[merged[0], 13] == rel[mine, 13].max())
+    if tails:
+        print(f"    last loops done to row merged            median {np.median(tails):6.2f}  max {max(tails):6.2f} us  "
+              f"({len(tails)} rows; merged by the last block done: {np.mean(last_merges):.0%})")
+
 
 if __name__ == "__main__":
     main()
