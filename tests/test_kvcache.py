@@ -557,6 +557,53 @@ def test_decode_step_under_torch_cuda_graph(num_splits):
 
 
 @pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("pretend_sms", [None, 3])
+def test_split_merge_bitwise_whichever_block_merges(paged, pretend_sms, monkeypatch):
+    # The last split block of a row to arrive merges the row; which block that is changes from launch to launch.
+    # Repeated launches on the same inputs must give the same bits, and each must leave its arrival counters at 0
+    # (the next launch on the stream starts from them, with no memset). A pretend 3-SM GPU makes blocks walk items
+    # that merge.
+    cp = _cupy()
+    from fa2cupy import decode, interface
+
+    plans = []
+    workspace = decode.DecodePlan.workspace
+
+    def spy(plan, stream_ptr, framework, device):
+        plans.append(plan)
+        return workspace(plan, stream_ptr, framework, device)
+
+    monkeypatch.setattr(decode.DecodePlan, "workspace", spy)
+    if pretend_sms:
+        monkeypatch.setattr(decode, "_sm_count", lambda device: pretend_sms)
+    interface._cached_calls.clear()
+    try:
+        rng = np.random.default_rng(31 + paged + 2 * bool(pretend_sms))
+        seqlens = rng.integers(2000, 4097, size=2)
+        case = build_case(rng, batch=2, seqlen_q=1, nheads=32, nheads_kv=8, headdim=128, dtype="bfloat16",
+                          capacity=4096, seqlens=seqlens, seqlen_new=0, page_size=64 if paged else None)
+        q = cp.asarray(case["q"])
+        k_cache, v_cache = cp.asarray(case["phys_k"]), cp.asarray(case["phys_v"])
+        kwargs = dict(cache_seqlens=cp.asarray(case["seqlens"]), return_softmax_lse=True)
+        if paged:
+            kwargs["block_table"] = cp.asarray(case["block_table"])
+        for splits in (16, 5):
+            first_out, first_lse = (cp.asnumpy(x) for x in run_and_check(case, num_splits=splits))
+            for _ in range(40):
+                out, lse = _kvcache()(q, k_cache, v_cache, num_splits=splits, **kwargs)
+                assert np.array_equal(_bits(cp.asnumpy(out)), _bits(first_out))
+                assert np.array_equal(cp.asnumpy(lse).view(np.uint32), first_lse.view(np.uint32))
+            cp.cuda.runtime.deviceSynchronize()
+        assert plans and all(plan.splits > 1 for plan in plans)
+        for plan in {id(plan): plan for plan in plans}.values():
+            for array, _ in plan.workspaces.values():
+                counters = cp.asnumpy(array[:plan.arrivals].view(cp.int32))
+                assert counters.size == plan.arrivals and not counters.any(), counters
+    finally:
+        interface._cached_calls.clear()
+
+
+@pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("features", [False, True])
 def test_blocks_walking_several_items(paged, features, monkeypatch, ring):
     # More work items than the GPU holds blocks: the launch has fewer blocks, each walking items in grid strides
