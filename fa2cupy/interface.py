@@ -7,7 +7,6 @@ import dataclasses
 import math
 
 import cupy
-import cupyx
 
 from . import arrays, backward, checks, decode, device_errors, forward, packed, paging
 
@@ -709,7 +708,7 @@ def _paged_varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seq
             dq, dk, dv = flash_attn_varlen_backward(c["dout"], c["q"], k_packed, v_packed, c["out"], c["softmax_lse"],
                                                     c["cu_seqlens_q"], packed_cu_k, max_seqlen_q, max_seqlen_k,
                                                     **options)
-            grads = [dq] + [paging.sum_onto_pages(cupy, cupyx.scatter_add, g, x.shape, page, slot, inside)
+            grads = [dq] + [paging.sum_onto_pages(cupy, g, x.shape, page, slot, inside)
                             for g, x in ((dk, k_pages), (dv, v_pages))]
             return tuple(arrays.make_result(None, g, framework) for g in grads)
 

@@ -41,16 +41,16 @@ def gather(xp, pages, page, slot, inside):
     return xp.where(inside[:, None, None], bits, bits.dtype.type(0)).view(pages.dtype)
 
 
-def sum_onto_pages(xp, scatter_add, grad, pages_shape, page, slot, inside):
+def sum_onto_pages(xp, grad, pages_shape, page, slot, inside):
     """The packed gradient rows summed onto the page rows they came from, in float32 (float64 for float64 grads),
-    returned in grad's dtype (a page shared by several sequences gets all their rows; rows no key came from are 0);
-    ``scatter_add(a, index, values)`` accumulates in place (``cupyx.scatter_add`` / ``numpy.add.at``)."""
+    returned in grad's dtype (a page shared by several sequences gets all their rows; rows no key came from are 0).
+    ``xp.add.at`` accumulates (CuPy's and NumPy's alike; ``cupyx.scatter_add`` is deprecated since CuPy 14)."""
     if grad.dtype == xp.float64:
         summed = xp.zeros(pages_shape, dtype=xp.float64)
-        scatter_add(summed, (page, slot), xp.where(inside[:, None, None], grad, 0.0))
+        xp.add.at(summed, (page, slot), xp.where(inside[:, None, None], grad, 0.0))
         return summed
     summed = xp.zeros(pages_shape, dtype=xp.float32)
-    scatter_add(summed, (page, slot), xp.where(inside[:, None, None], to_float32(xp, grad), 0.0))
+    xp.add.at(summed, (page, slot), xp.where(inside[:, None, None], to_float32(xp, grad), 0.0))
     return from_float32(xp, summed, grad.dtype)
 
 

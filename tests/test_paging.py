@@ -40,9 +40,9 @@ def test_key_pages_gather_and_sum(lengths, page_size, start, share, seed):
             assert np.array_equal(packed[t], pages[p, j % page_size])
             want[p, j % page_size] += grad[t]
     assert not packed[~inside].any()
-    summed = paging.sum_onto_pages(np, np.add.at, grad, pages.shape, page, slot, inside)
+    summed = paging.sum_onto_pages(np, grad, pages.shape, page, slot, inside)
     assert np.allclose(summed, want, rtol=1e-6, atol=1e-6)
-    summed64 = paging.sum_onto_pages(np, np.add.at, grad.astype(np.float64), pages.shape, page, slot, inside)
+    summed64 = paging.sum_onto_pages(np, grad.astype(np.float64), pages.shape, page, slot, inside)
     assert summed64.dtype == np.float64 and np.allclose(summed64, want, rtol=1e-12, atol=1e-12)
     if not share:  # write_pages puts packed rows where the block table says: gathering them back gives them again
         source = rng.standard_normal((sum(lengths), 2, 8)).astype(np.float32)

@@ -235,7 +235,7 @@ def _ref_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, soft
     if block_table is not None:  # summed back onto the pages (float64: this is the stand-in, not the GPU path)
         table = block_table.numpy()
         _, page, slot, inside = paging.key_pages(np, cu_k.numpy(), table, dk.shape[0], k.shape[1], k.shape[0])
-        dk, dv = (paging.sum_onto_pages(np, np.add.at, g, k.shape, page, slot, inside) for g in (dk, dv))
+        dk, dv = (paging.sum_onto_pages(np, g, k.shape, page, slot, inside) for g in (dk, dv))
     return tuple(torch.from_numpy(g).to(x.dtype) for g, x in zip((dq, dk, dv), (q, k, v)))
 
 
