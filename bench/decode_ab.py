@@ -13,9 +13,10 @@ timing.
 Variants: ``base`` (the shipped plan), ``deep``/``shallow`` (the deep-ring twin of the d=128 row forced on or
 off), ``block``/``solo``/``solodeep``/``soloshallow`` (warp items forced off, or on with either ring), ``solost3``
 (warp items with 3 ring stages), ``walkN`` (N blocks wherever blocks walk items), ``wN`` (N warps per block),
-``st3`` (3 ring stages), ``bn16`` (16-key tiles), ``nopdl`` / ``pdl`` (plain or programmatic launches whatever
-the split count, instead of decode.PROGRAMMATIC_MIN_SPLITS), ``splitsN`` (N splits wherever the rule splits:
-33 at 1 x 16k is 264 items that 132 walking blocks take two at a time, every SM streaming).
+``st3`` (3 ring stages), ``bn16`` / ``bn16st3`` / ``bn16st4`` (16-key tiles, 2-4 ring stages), ``nopdl`` /
+``pdl`` (plain or programmatic launches whatever the split count, instead of decode.PROGRAMMATIC_MIN_SPLITS),
+``splitsN`` (N splits wherever the rule splits: 33 at 1 x 16k is 264 items that 132 walking blocks take two at a
+time, every SM streaming).
 """
 
 import argparse
@@ -69,6 +70,7 @@ VARIANTS["bn16"] = {"decode_config": _row(block_n=16)}  # 16-key tiles: two walk
 for _n in (32, 33, 66):  # a fixed split count wherever the rule would split
     VARIANTS[f"splits{_n}"] = {"choose_num_splits": lambda blocks, sms, keys, tile, n=_n: n if blocks < sms else 1}
 VARIANTS["bn16st3"] = {"decode_config": _row(block_n=16, stages=3)}
+VARIANTS["bn16st4"] = {"decode_config": _row(block_n=16, stages=4)}
 
 
 TREES = {}  # tree variant -> its copy of cuda/ (--trees)
