@@ -16,9 +16,9 @@ The forward cases run the forward only; BWD_CASES run forward + backward
 contiguous, causal) against ``flash_attn_func`` over each row's keys; decode_deep runs them again with the deep
 ring (d=128 on sm_90), decode_walk with both rings on a pretend 2-SM GPU, where each decode block walks several
 work items, decode_warp with one split and warps that stream whole items (both rings, 1 and 2 pretend SMs);
-fwd_hopper runs the forward, window and varlen cases of head dim 64 and 128 without modifiers (the Hopper kernel's,
-on sm_90) with 1 and 2 pretend SMs, so that each persistent block walks many work items; bwd_hopper runs the
-d=64 and d=128 backward and window cases in the default mode (the Hopper dK/dV kernel's, on sm_90).
+fwd_hopper runs the forward, window, varlen and paged cases of head dim 64 and 128 without modifiers (the Hopper
+kernel's, on sm_90) with 1 and 2 pretend SMs, so that each persistent block walks many work items; bwd_hopper runs
+the d=64 and d=128 backward and window cases in the default mode (the Hopper dK/dV kernel's, on sm_90).
 
     python3 bench/sanitize_case.py [fwd|bwd|...|decode|decode_deep|decode_walk|decode_warp|fwd_hopper|bwd_hopper ...]
 """
@@ -394,6 +394,9 @@ def main(groups) -> int:
                 total += 1
             for i, case in enumerate(c for c in VARLEN_CASES if c[3] in (64, 128) and not c[6] and not c[7]):
                 bad += not check_varlen(i, *case)
+                total += 1
+            for i, case in enumerate(c for c in PAGED_CASES if c[4] in (64, 128)):  # paged K/V
+                bad += not check_paged(i, *case)
                 total += 1
         build.device_attribute = real_attribute
         interface._cached_calls.clear()

@@ -13,7 +13,7 @@ Two comparisons, each timed back to back with the same timer as ``fa2cupy bench`
 * with --trees: only the equal-length forwards, with kernels built from each copy of cuda/ in turn within one
   process (rounds of every tree, each keeping its best round), so that kernel versions compare on one clock;
 * with --paged: the varlen forward reading K/V through a shuffled block_table of pages of each given size against
-  the packed varlen forward on the same keys (the page look-ups' cost).
+  the packed varlen forward on the same keys (the page look-ups' cost), and the paged call on the mma.sync forward.
 """
 
 import argparse
@@ -25,12 +25,34 @@ import numpy as np
 sys.path.insert(0, ".")
 import fa2cupy  # noqa: E402
 from fa2cupy import benchmark as B  # noqa: E402
-from fa2cupy import build, interface, paging  # noqa: E402
+from fa2cupy import build, forward, interface, paging  # noqa: E402
 
 
 def flops(lengths, heads, d, causal, bwd):
     per = sum(4 * n * n * heads * d for n in lengths) * (0.5 if causal else 1.0)
     return per * (2.5 if bwd else 1.0)
+
+
+def mixed_lengths(gen, tokens):
+    """Random sequence lengths of 256..4096 tokens, ``tokens`` in all (the last one shorter)."""
+    lengths, total = [], 0
+    while total < tokens:
+        n = int(min(gen.integers(256, 4097), tokens - total))
+        lengths.append(n)
+        total += n
+    return lengths
+
+
+def paged_pool(gen, lengths, page_size, k, v):
+    """Packed varlen K/V ``(total, h, d)`` copied into pages of ``page_size`` rows of a shuffled pool:
+    (k_pages, v_pages, block_table) on the GPU."""
+    table, num_pages = paging.shuffled_block_table(gen, lengths, page_size, unused=0)
+    pools = []
+    for packed in (k, v):
+        pool = cupy.zeros((num_pages, page_size) + packed.shape[1:], packed.dtype)
+        paging.write_pages(cupy, pool, packed, np.concatenate([[0], np.cumsum(lengths)]), table)
+        pools.append(pool)
+    return pools[0], pools[1], cupy.asarray(table)
 
 
 def time_pair(fwd, bwd, events):
@@ -76,13 +98,9 @@ def main():
               f"{vf:.3f} ms bwd {vb:.3f} ms | varlen speed / padded: fwd {pf / vf:.3f}x bwd {pb / vb:.3f}x "
               f"(bar >= 0.95x)", flush=True)
 
-    lengths, total = [], 0
     gen = np.random.default_rng(1)
-    while total < args.tokens:
-        n = int(min(gen.integers(256, 4097), args.tokens - total))
-        lengths.append(n)
-        total += n
-    longest = max(lengths)
+    lengths = mixed_lengths(gen, args.tokens)
+    total, longest = sum(lengths), max(lengths)
     cu = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
     qv, kv, vv, dov = (rand(total, h, d) for _ in range(4))
     outv, lsev, _ = fa2cupy.flash_attn_varlen_func(qv, kv, vv, cu, cu, longest, longest, causal=causal,
@@ -101,12 +119,7 @@ def main():
 
     for page_size in (int(p) for p in args.paged.split(",") if p):
         # The mixed lengths again, each sequence's keys on pages of page_size rows in a shuffled pool.
-        table, num_pages = paging.shuffled_block_table(gen, lengths, page_size, unused=0)
-        k_pages = cupy.zeros((num_pages, page_size, h, d), cupy.float16)
-        v_pages = cupy.zeros_like(k_pages)
-        for pages, packed in ((k_pages, kv), (v_pages, vv)):
-            paging.write_pages(cupy, pages, packed, np.concatenate([[0], np.cumsum(lengths)]), table)
-        table_d = cupy.asarray(table)
+        k_pages, v_pages, table_d = paged_pool(gen, lengths, page_size, kv, vv)
         paged = fa2cupy.flash_attn_varlen_func(qv, k_pages, v_pages, cu, cu, longest, longest, causal=causal,
                                                block_table=table_d)
         packed = fa2cupy.flash_attn_varlen_func(qv, kv, vv, cu, cu, longest, longest, causal=causal)
@@ -116,8 +129,16 @@ def main():
                         events, warmup=3, repeats=15).median_ms
         vf = B.time_gpu(lambda: fa2cupy.flash_attn_varlen_func(qv, kv, vv, cu, cu, longest, longest, causal=causal),
                         events, warmup=3, repeats=15).median_ms
+        forward.HOPPER = False  # the same paged call on the mma.sync forward (where paged K/V ran before)
+        interface._cached_calls.clear()
+        mf = B.time_gpu(lambda: fa2cupy.flash_attn_varlen_func(qv, k_pages, v_pages, cu, cu, longest, longest,
+                                                               causal=causal, block_table=table_d),
+                        events, warmup=3, repeats=15).median_ms
+        forward.HOPPER = True
+        interface._cached_calls.clear()
         print(f"paged K/V, pages of {page_size}, mixed lengths causal={causal}: paged fwd {pf:.3f} ms, packed fwd "
-              f"{vf:.3f} ms: paged speed / packed {vf / pf:.3f}x (bitwise equal: {same})", flush=True)
+              f"{vf:.3f} ms: paged speed / packed {vf / pf:.3f}x (bitwise equal: {same}); paged on the mma.sync "
+              f"forward {mf:.3f} ms ({mf / pf:.2f}x the time)", flush=True)
 
 
 def compare_trees(args, rand, events):

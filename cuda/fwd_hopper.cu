@@ -15,15 +15,16 @@
 // launch): a fixed stride handed some SMs twice the keys of others under a causal mask.
 //
 // Same arguments as flash_fwd (cuda/fwd.cu) plus the batch size, the heads per L2 group and the tile counter (null
-// for the grid stride), so one launch plan serves both; padded and varlen calls without modifiers (paged K/V,
-// softcap, ALiBi and dropout stay on flash_fwd).
+// for the grid stride), so one launch plan serves both; padded and varlen calls without modifiers, varlen with paged
+// K/V too (softcap, ALiBi and dropout stay on flash_fwd).
 #include "primitives.cuh"
 #include "softmax.cuh"
 #include "masks.cuh"
 
 namespace fa2 {
 
-template <int HeadDim, int BlockN, int KStages, int VStages, int QBuffers, class Elem_, int Mask, bool Varlen = false>
+template <int HeadDim, int BlockN, int KStages, int VStages, int QBuffers, class Elem_, int Mask, bool Varlen = false,
+          bool Paged = false>
 struct HopperFwdTraits {
     using Elem = Elem_;
     // K and V have rings of their own: a K slot goes back once S = Q K^T has landed, a V slot only after P V, a
@@ -33,6 +34,11 @@ struct HopperFwdTraits {
     // Varlen: sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q/o/lse and cu_seqlens_k[b] .. of k/v;
     // seqlen_q/seqlen_k are the maxima, and work items past a sequence's end are passed over.
     static constexpr bool kVarlen = Varlen;
+    // Paged K/V (varlen only): k/v are (num_pages, page_size, nheads_kv, d), their batch strides the page strides,
+    // and key j of sequence b is row j % page_size of page block_table[b][j / page_size]. Only the producer's
+    // addresses differ: the tiles, and so the results, are those of packed K/V.
+    static constexpr bool kPaged = Paged;
+    static_assert(Varlen || !Paged, "paged K/V comes with varlen");
     // Two consumer warpgroups and a producer warpgroup, whose registers go to the consumers (setmaxnreg).
     static constexpr int kConsumerWarps = 8, kThreads = 384, kProducerThreads = 128;
     static constexpr int kProducerRegisters = 56, kConsumerRegisters = 224;
@@ -96,13 +102,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     flash_fwd_hopper(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                      u16* __restrict__ o, float* __restrict__ lse, const int* __restrict__ cu_seqlens_q,
                      const int* __restrict__ cu_seqlens_k, const float* __restrict__, const u32* __restrict__,
-                     const int* __restrict__, i64 q_batch_stride,
+                     const int* __restrict__ block_table, i64 q_batch_stride,
                      int q_row_stride, i64 q_head_stride, i64 k_batch_stride, int k_row_stride, i64 k_head_stride,
                      i64 v_batch_stride, int v_row_stride, i64 v_head_stride, i64 o_batch_stride, int o_row_stride,
                      i64 o_head_stride, i64 lse_batch_stride, i64 lse_head_stride, int seqlen_q, int seqlen_k,
                      int nheads, int heads_per_kv, int, int window_left, int window_right, float scale,
-                     float scale_log2, float, int, u32, u32, u32, u32, u32, float, int total_q, int total_k, int, u32,
-                     int, int, int, int* error_claim, long long* error_host, int batch, int heads_per_group,
+                     float scale_log2, float, int, u32, u32, u32, u32, u32, float, int total_q, int total_k,
+                     int page_size, u32 page_magic, int page_shift, int max_pages, int num_pages, int* error_claim,
+                     long long* error_host, int batch, int heads_per_group,
                      int* __restrict__ tile_counter) {
     using QTile = typename Tr::QTile;
     using KVTile = typename Tr::KVTile;
@@ -164,8 +171,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                                 r.seqlen_k, reporter ? 1 : 0);
             // (the same on every lane: uniform, the loops over the sequence's tiles and what they count stay off
             // vector registers and lane loops, as with the padded kernel's bounds from kernel arguments)
+            // (paged: cu_seqlens_k counts keys in the sequence's pages, which start at its block_table row)
             r = {warp_uniform(r.seqlen_q), warp_uniform(r.seqlen_k), warp_uniform(seq.q_start),
-                 warp_uniform(seq.k_start)};
+                 Tr::kPaged ? 0 : warp_uniform(seq.k_start)};
         }
         return r;
     };
@@ -276,12 +284,40 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                                 kv_head * k_head_stride;
             const u16* v_tile = v + b * v_batch_stride + (i64)(seq.k_start + first_key) * v_row_stride +
                                 kv_head * v_head_stride;
+            // Paged: lane j of producer warp w looks up row 32 w + j of the next tile, for its K and V rows alike (a
+            // bad block_table entry is reported and its rows read as zeros, as in flash_fwd). (Looking the rows up a
+            // tile ahead measured the same: bench/NOTES.md.)
+            int page = -1, slot = 0;
+            const auto look_up_rows = [&] {
+                const int row = ptid, key = seq.seqlen_k - keys_left + row;
+                page = -1;
+                if (row < keys_left) {
+                    const FastDiv page_of{page_magic, page_shift};
+                    const int page_idx = page_of.div(key), entry = block_table[(i64)b * max_pages + page_idx];
+                    if ((unsigned)entry < (unsigned)num_pages) {
+                        page = entry, slot = key - page_idx * page_size;
+                    } else {
+                        report_bad_value(error_claim, error_host, kBadVarlenPage, b, page_idx, entry);
+                    }
+                }
+            };
             const auto load_kv = [&] {  // the next tile's K and V, then its one arrival
                 const int k_slot = ring_slot<kKS>(tiles), v_slot = ring_slot<kVS>(tiles);
+                if constexpr (Tr::kPaged) look_up_rows();  // (its load in flight while the slot is waited for)
                 mbar_wait(k_empty(k_slot), ring_phase<kKS>(tiles) ^ 1);
-                load_tile(KVTile{}, smem_k + k_slot * KVTile::kBytes, k_tile, k_row_stride, keys_left);
+                if constexpr (Tr::kPaged)
+                    loader.template load_paged_rows<KVTile>(smem_k + k_slot * KVTile::kBytes,
+                                                             k + kv_head * k_head_stride, k_batch_stride,
+                                                             k_row_stride, page, slot, ptid >> 5, ptid & 31);
+                else
+                    load_tile(KVTile{}, smem_k + k_slot * KVTile::kBytes, k_tile, k_row_stride, keys_left);
                 mbar_wait(v_empty(v_slot), ring_phase<kVS>(tiles) ^ 1);
-                load_tile(KVTile{}, smem_v + v_slot * KVTile::kBytes, v_tile, v_row_stride, keys_left);
+                if constexpr (Tr::kPaged)
+                    loader.template load_paged_rows<KVTile>(smem_v + v_slot * KVTile::kBytes,
+                                                             v + kv_head * v_head_stride, v_batch_stride,
+                                                             v_row_stride, page, slot, ptid >> 5, ptid & 31);
+                else
+                    load_tile(KVTile{}, smem_v + v_slot * KVTile::kBytes, v_tile, v_row_stride, keys_left);
                 cp_async_mbar_arrive(full(k_slot));
                 ++tiles;
                 k_tile += (i64)Tr::kBlockN * k_row_stride;

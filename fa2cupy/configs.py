@@ -91,15 +91,17 @@ class HopperFwdConfig:
 
     def name_expression(self, dtype: str, mask: str, mods: bool = False, varlen: bool = False,
                         paged: bool = False) -> str:
-        if mods or paged:
-            raise ValueError("the Hopper forward has no score modifiers and no paged K/V")
-        flags = f"{DTYPE_TAGS[dtype]}, {MASK_TAGS[mask]}{', true' if varlen else ''}"
+        if mods:
+            raise ValueError("the Hopper forward has no score modifiers")
+        if paged and not varlen:
+            raise ValueError("paged K/V comes with varlen")
+        flags = f"{DTYPE_TAGS[dtype]}, {MASK_TAGS[mask]}{', true' if varlen else ''}{', true' if paged else ''}"
         return (f"fa2::flash_fwd_hopper<fa2::HopperFwdTraits<{self.headdim}, {self.block_n}, {self.k_stages}, "
                 f"{self.v_stages}, {self.q_buffers}, {flags}>>")
 
 
-#: The Hopper forward, by head dim: used on compute capability 9.0 for padded and varlen calls without score
-#: modifiers or paged K/V (every other case runs FORWARD_TABLE's mma.sync kernels).
+#: The Hopper forward, by head dim: used on compute capability 9.0 for padded and varlen calls (paged K/V too)
+#: without score modifiers (every other case runs FORWARD_TABLE's mma.sync kernels).
 FORWARD_HOPPER_TABLE: dict[int, HopperFwdConfig] = {
     64: HopperFwdConfig(64, 128, 4, 4, 2),
     128: HopperFwdConfig(128, 128, 2, 3, 2),
@@ -541,11 +543,11 @@ def hopper_forward_config(arch: int, headdim: int, dtype: str, mods: bool = Fals
                           paged: bool = False, mask: str = "none", seqlen_q: int | None = None
                           ) -> HopperFwdConfig | None:
     """The Hopper forward's row for this call, or None where the mma.sync forward runs it (another GPU, a head
-    dim other than 64 or 128, paged K/V, score modifiers, or a masked call shorter than HOPPER_MASKED_MIN_SEQLEN;
-    ``seqlen_q`` None skips that last rule)."""
+    dim other than 64 or 128, score modifiers, or a masked call shorter than HOPPER_MASKED_MIN_SEQLEN; ``seqlen_q``
+    None skips that last rule). Paged K/V (varlen) runs where packed K/V would."""
     if dtype not in DTYPE_TAGS:
         raise ValueError(f"dtype must be one of {tuple(DTYPE_TAGS)}, got {dtype}")
-    if arch != 90 or mods or paged or headdim not in FORWARD_HOPPER_TABLE:
+    if arch != 90 or mods or headdim not in FORWARD_HOPPER_TABLE:
         return None
     if mask != "none" and seqlen_q is not None and seqlen_q < HOPPER_MASKED_MIN_SEQLEN[headdim]:
         return None
@@ -554,8 +556,9 @@ def hopper_forward_config(arch: int, headdim: int, dtype: str, mods: bool = Fals
 
 def hopper_forward_instantiations() -> list[str]:
     """Name expressions of every shipped Hopper forward instantiation (compiled for sm_90a)."""
-    return sorted(config.name_expression(dtype, mask, varlen=varlen) for config in FORWARD_HOPPER_TABLE.values()
-                  for dtype in DTYPE_TAGS for mask in MASKS for varlen in (False, True))
+    return sorted(config.name_expression(dtype, mask, varlen=varlen, paged=paged)
+                  for config in FORWARD_HOPPER_TABLE.values() for dtype in DTYPE_TAGS for mask in MASKS
+                  for varlen, paged in ((False, False), (True, False), (True, True)))
 
 
 def backward_config(arch: int, headdim: int, dtype: str, mask: str, mods: bool = False) -> BwdConfig:

@@ -16,7 +16,7 @@ from . import arrays, build, checks, configs, device_errors
 #: shows up as NaN instead of as whatever the allocator happened to hand back.
 _debug_poison = False
 
-#: Run calls without modifiers or paged K/V on the Hopper kernel (cuda/fwd_hopper.cu) on compute capability 9.0
+#: Run calls without modifiers (paged K/V included) on the Hopper kernel (cuda/fwd_hopper.cu) on compute capability 9.0
 #: where configs.hopper_forward_config picks it. Tests and A/B timings set it False to run the mma.sync kernel
 #: there instead (and empty configs.HOPPER_MASKED_MIN_SEQLEN's lengths to take the Hopper kernel for every length).
 HOPPER = True

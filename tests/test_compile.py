@@ -99,8 +99,8 @@ def _probe_ptx(family: str, probes: list[str], arch: str) -> str:
 # The sm_90a families: (family, their shipped instantiations, how many, their table rows with the byte count a
 # launch asks for, the kernel template's name).
 HOPPER_FAMILIES = {
-    "fwd_hopper": (configs.hopper_forward_instantiations,
-                   len(configs.FORWARD_HOPPER_TABLE) * len(configs.DTYPE_TAGS) * len(configs.MASKS) * 2,
+    "fwd_hopper": (configs.hopper_forward_instantiations,  # padded, varlen, varlen with paged K/V
+                   len(configs.FORWARD_HOPPER_TABLE) * len(configs.DTYPE_TAGS) * len(configs.MASKS) * 3,
                    lambda: [(c, c.smem_bytes) for c in configs.FORWARD_HOPPER_TABLE.values()], "fa2::flash_fwd_hopper<"),
     "bwd_hopper": (configs.hopper_backward_instantiations,
                    len(configs.BACKWARD_HOPPER_TABLE) * len(configs.DTYPE_TAGS) * len(configs.MASKS) * 2,
@@ -149,9 +149,17 @@ def test_hopper_forward_is_chosen_only_where_it_runs():
         assert configs.hopper_forward_config(90, d, "float16") is configs.FORWARD_HOPPER_TABLE[d]
         for arch in (80, 86, 89, 100, 120):  # wgmma is sm_90a's own: not even later GPUs run it
             assert configs.hopper_forward_config(arch, d, "bfloat16") is None
-        for flag in ("mods", "paged"):
-            assert configs.hopper_forward_config(90, d, "bfloat16", **{flag: True}) is None
+        assert configs.hopper_forward_config(90, d, "bfloat16", mods=True) is None
         assert configs.hopper_forward_config(90, d, "bfloat16", varlen=True) is configs.FORWARD_HOPPER_TABLE[d]
+        # paged K/V (varlen) runs where packed K/V does, on its own instantiation
+        row = configs.FORWARD_HOPPER_TABLE[d]
+        assert configs.hopper_forward_config(90, d, "bfloat16", varlen=True, paged=True) is row
+        paged = row.name_expression("bfloat16", "causal", varlen=True, paged=True)
+        assert paged.endswith("kMaskCausal, true, true>>") and paged in configs.hopper_forward_instantiations()
+        with pytest.raises(ValueError, match="varlen"):
+            row.name_expression("bfloat16", "none", paged=True)
+        with pytest.raises(ValueError, match="modifiers"):
+            row.name_expression("bfloat16", "none", mods=True)
     for d in (32, 40, 96, 120, 160, 256):
         assert configs.hopper_forward_config(90, d, "bfloat16") is None
     for d, shortest in configs.HOPPER_MASKED_MIN_SEQLEN.items():  # masked calls: from a length on

@@ -2,9 +2,11 @@
 
 The same keys are laid out twice: packed ``(total_k, hkv, d)`` and scattered over a shuffled pool of pages (unused
 rows and pages hold other random values, unused block_table entries hold an invalid page so that reading one would
-be reported). The paged call must equal the packed call bitwise (same tiles and arithmetic; only the addresses of
-the K/V rows differ), and the packed call is checked against the float64 reference in test_varlen_mods_gpu.py;
-one case here is also checked against the reference directly. Outputs are poisoned with NaN before every launch.
+be reported). The paged call must equal the packed call on the same kernel bitwise (same tiles and arithmetic; only
+the addresses of the K/V rows differ), and the packed call is checked against the float64 reference in
+test_varlen_mods_gpu.py; one case here is also checked against the reference directly. On Hopper every check runs
+on both forward kernels: the Hopper forward (which takes paged K/V at head dims 64 and 128 without modifiers) and
+the mma.sync forward. Outputs are poisoned with NaN before every launch.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from fa2cupy import benchmark as B
 from fa2cupy import paging
 from fa2cupy.reference import attention_ref_varlen
 from gpu_helpers import (  # noqa: F401 -- poison_forward_and_backward is an autouse fixture
-    UNIT_ROUNDOFF, cu_seqlens, cupy_module as _cupy, fa2cupy_module, np_dtype as _np_dtype,
+    UNIT_ROUNDOFF, cu_seqlens, cupy_module as _cupy, fa2cupy_module, np_dtype as _np_dtype, planning_with,
     poison_forward_and_backward, torch_cuda as _torch)
 
 pytestmark = pytest.mark.gpu
@@ -30,6 +32,20 @@ LENGTHS = [0, 1, 2, 15, 16, 17, 64, 65, 129, 200]
 PAGE_SIZES = [1, 3, 16, 24, 64, 256]
 HEAD_GROUPS = [(1, 1), (4, 1), (6, 3), (8, 2)]
 EXAMPLES = max(10, settings().max_examples // 4)
+KERNELS = ["hopper", "mma"]
+
+
+def _forward_kernel(kernel: str):
+    """Plans calls on one forward kernel: "hopper", the Hopper forward wherever it takes the call, whatever its
+    length (short masked calls otherwise run the mma.sync forward; skipped off compute capability 9.0), or "mma",
+    the mma.sync forward alone."""
+    from fa2cupy import configs, forward
+
+    if kernel == "mma":
+        return planning_with((forward, "HOPPER", False))
+    if int(_cupy().cuda.Device().compute_capability) != 90:
+        pytest.skip("the Hopper forward runs on compute capability 9.0 only")
+    return planning_with((configs, "HOPPER_MASKED_MIN_SEQLEN", dict.fromkeys(configs.HOPPER_MASKED_MIN_SEQLEN, 0)))
 
 
 def _randn(rng, shape, dtype):
@@ -106,41 +122,35 @@ def _same_rows(a, b, rows):
     assert cp.array_equal(a[:rows].view(cp.uint16), b[:rows].view(cp.uint16))
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @settings(max_examples=EXAMPLES, deadline=None)
-@given(paged_cases())
-def test_paged_forward_equals_packed(c):
+@given(c=paged_cases())
+def test_paged_forward_equals_packed(kernel, c):
     fa = fa2cupy_module()
     q, k, v, k_pages, v_pages, table, cu_q, cu_k, slopes = _case_arrays(c)
     max_q, max_k = max(c["lengths_q"]), max(c["lengths_k"])
     options = _options(c, slopes)
-    out_p, lse_p, _ = fa.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, max_q, max_k, block_table=table,
-                                                return_attn_probs=True, **options)
-    # Packed K/V on the kernel the paged call ran on: on Hopper, packed d = 64 / 128 calls run the Hopper forward,
-    # whose rounding differs (both within the reference bounds), and paged ones the mma.sync forward.
-    from fa2cupy import forward, interface
-
-    patch = pytest.MonkeyPatch()
-    patch.setattr(forward, "HOPPER", False)
-    interface._cached_calls.clear()
-    try:
+    with _forward_kernel(kernel):  # paged and packed K/V on the same kernel
+        out_p, lse_p, _ = fa.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, max_q, max_k,
+                                                    block_table=table, return_attn_probs=True, **options)
         out, lse, _ = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, return_attn_probs=True, **options)
-    finally:
-        patch.undo()
-        interface._cached_calls.clear()
     rows = sum(c["lengths_q"])
     _same_rows(out_p, out, rows)
     assert _cupy().array_equal(lse_p[:, :rows], lse[:, :rows])
     fa.check_device_errors()  # unused block_table entries (invalid pages) were never read
 
 
-def test_paged_forward_matches_reference():
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("headdim, page_size", [(64, 48), (128, 16), (128, 5)])
+def test_paged_forward_matches_reference(kernel, headdim, page_size):
     fa = fa2cupy_module()
-    c = dict(lengths_q=[70, 1, 0, 130], lengths_k=[200, 17, 5, 129], page_size=48, nheads=4, nheads_kv=2,
-             headdim=64, causal=True, window_size=(-1, -1), softcap=0.0, alibi=False, dropout_p=0.0,
+    c = dict(lengths_q=[70, 1, 0, 130], lengths_k=[200, 17, 5, 129], page_size=page_size, nheads=4, nheads_kv=2,
+             headdim=headdim, causal=True, window_size=(-1, -1), softcap=0.0, alibi=False, dropout_p=0.0,
              dtype="bfloat16", seed=11)
     q, k, v, k_pages, v_pages, table, cu_q, cu_k, _ = _case_arrays(c)
-    out, lse, _ = fa.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 130, 200, causal=True,
-                                            block_table=table, return_attn_probs=True)
+    with _forward_kernel(kernel):
+        out, lse, _ = fa.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 130, 200, causal=True,
+                                                block_table=table, return_attn_probs=True)
     ref_out, ref_lse = attention_ref_varlen(*(B.to_numpy64(x) for x in (q, k, v)), cu_seqlens(c["lengths_q"]),
                                             cu_seqlens(c["lengths_k"]), causal=True)
     tol = 4 * UNIT_ROUNDOFF["bfloat16"] * float(np.abs(B.to_numpy64(v)).max()) + 1e-6
@@ -208,7 +218,8 @@ def test_paged_backward(share_first_page, deterministic):
     assert not B.to_numpy64(dk_p)[~touched].any() and not B.to_numpy64(dv_p)[~touched].any()
 
 
-def test_bad_page_is_reported():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_bad_page_is_reported(kernel):
     fa = fa2cupy_module()
     cp = _cupy()
     rng = np.random.default_rng(2)
@@ -216,12 +227,13 @@ def test_bad_page_is_reported():
     k_pages, v_pages = (cp.asarray(_randn(rng, (6, 16, 2, 64), "float16")) for _ in range(2))
     cu = cp.asarray(cu_seqlens([20, 20]))
     table = cp.asarray(np.array([[0, 1], [2, 6]], np.int32))  # page 6 of 6 does not exist (sequence 1, keys 16..)
-    fa.flash_attn_varlen_func(q, k_pages, v_pages, cu, cu, 20, 20, block_table=table)
-    with pytest.raises(ValueError, match=r"block_table\[1, 1\] = 6 is not a page of k"):
+    with _forward_kernel(kernel):
+        fa.flash_attn_varlen_func(q, k_pages, v_pages, cu, cu, 20, 20, block_table=table)
+        with pytest.raises(ValueError, match=r"block_table\[1, 1\] = 6 is not a page of k"):
+            fa.check_device_errors()
+        table[1, 1] = 3
+        out = fa.flash_attn_varlen_func(q, k_pages, v_pages, cu, cu, 20, 20, block_table=table)
         fa.check_device_errors()
-    table[1, 1] = 3
-    out = fa.flash_attn_varlen_func(q, k_pages, v_pages, cu, cu, 20, 20, block_table=table)
-    fa.check_device_errors()
     assert not cp.isnan(out).any()
 
 
