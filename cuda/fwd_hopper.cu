@@ -301,23 +301,24 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                     }
                 }
             };
+            // The next tile's K or V rows: from `tile` (packed), or from their pages in the pool whose kv head
+            // starts at `pool` (paged; batch_stride is then the page stride).
+            const auto load_rows = [&](u32 dst, const u16* tile, const u16* pool, i64 batch_stride, int row_stride) {
+                if constexpr (Tr::kPaged)
+                    loader.template load_paged_rows<KVTile>(dst, pool, batch_stride, row_stride, page, slot,
+                                                             ptid >> 5, ptid & 31);
+                else
+                    load_tile(KVTile{}, dst, tile, row_stride, keys_left);
+            };
             const auto load_kv = [&] {  // the next tile's K and V, then its one arrival
                 const int k_slot = ring_slot<kKS>(tiles), v_slot = ring_slot<kVS>(tiles);
                 if constexpr (Tr::kPaged) look_up_rows();  // (its load in flight while the slot is waited for)
                 mbar_wait(k_empty(k_slot), ring_phase<kKS>(tiles) ^ 1);
-                if constexpr (Tr::kPaged)
-                    loader.template load_paged_rows<KVTile>(smem_k + k_slot * KVTile::kBytes,
-                                                             k + kv_head * k_head_stride, k_batch_stride,
-                                                             k_row_stride, page, slot, ptid >> 5, ptid & 31);
-                else
-                    load_tile(KVTile{}, smem_k + k_slot * KVTile::kBytes, k_tile, k_row_stride, keys_left);
+                load_rows(smem_k + k_slot * KVTile::kBytes, k_tile, k + kv_head * k_head_stride, k_batch_stride,
+                          k_row_stride);
                 mbar_wait(v_empty(v_slot), ring_phase<kVS>(tiles) ^ 1);
-                if constexpr (Tr::kPaged)
-                    loader.template load_paged_rows<KVTile>(smem_v + v_slot * KVTile::kBytes,
-                                                             v + kv_head * v_head_stride, v_batch_stride,
-                                                             v_row_stride, page, slot, ptid >> 5, ptid & 31);
-                else
-                    load_tile(KVTile{}, smem_v + v_slot * KVTile::kBytes, v_tile, v_row_stride, keys_left);
+                load_rows(smem_v + v_slot * KVTile::kBytes, v_tile, v + kv_head * v_head_stride, v_batch_stride,
+                          v_row_stride);
                 cp_async_mbar_arrive(full(k_slot));
                 ++tiles;
                 k_tile += (i64)Tr::kBlockN * k_row_stride;
