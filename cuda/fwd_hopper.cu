@@ -289,17 +289,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             // tile ahead measured the same: bench/NOTES.md.)
             int page = -1, slot = 0;
             const auto look_up_rows = [&] {
-                const int row = ptid, key = seq.seqlen_k - keys_left + row;
-                page = -1;
-                if (row < keys_left) {
-                    const FastDiv page_of{page_magic, page_shift};
-                    const int page_idx = page_of.div(key), entry = block_table[(i64)b * max_pages + page_idx];
-                    if ((unsigned)entry < (unsigned)num_pages) {
-                        page = entry, slot = key - page_idx * page_size;
-                    } else {
-                        report_bad_value(error_claim, error_host, kBadVarlenPage, b, page_idx, entry);
-                    }
-                }
+                const PagedKeys keys{block_table + (i64)b * max_pages, {page_magic, page_shift}, page_size,
+                                     num_pages};
+                const int row = ptid;
+                if (row >= keys_left || !keys.locate(seq.seqlen_k - keys_left + row, page, slot, b, error_claim,
+                                                     error_host))
+                    page = -1;
             };
             // The next tile's K or V rows: from `tile` (packed), or from their pages in the pool whose kv head
             // starts at `pool` (paged; batch_stride is then the page stride).

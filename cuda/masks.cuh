@@ -111,6 +111,25 @@ struct WindowMask {
     }
 };
 
+// Paged K/V of a varlen forward: key j of a sequence is row j % page_size of page pages[j / page_size], `pages`
+// the sequence's block_table row. A block_table entry that is not a page of k is reported (ValueError on the host)
+// and its row read as zeros, never read through.
+struct PagedKeys {
+    const int* pages;
+    FastDiv page_of;
+    int page_size, num_pages;
+    // The page and row in it of `key`, or false for a bad entry (reported as sequence `batch`'s).
+    FA2_DEVICE bool locate(int key, int& page, int& row, int batch, int* error_claim, long long* error_host) const {
+        const int page_idx = page_of.div(key), entry = pages[page_idx];
+        if ((unsigned)entry >= (unsigned)num_pages) {
+            report_bad_value(error_claim, error_host, kBadVarlenPage, batch, page_idx, entry);
+            return false;
+        }
+        page = entry, row = key - page_idx * page_size;
+        return true;
+    }
+};
+
 // Varlen: sequence `batch` is rows cu_seqlens[batch] .. cu_seqlens[batch + 1] of the packed arrays. Turns the
 // kernel's seqlen_q/seqlen_k (the maxima the grid was sized for) into this sequence's lengths and gives its first
 // rows. A sequence whose bounds are not 0 <= start <= end <= total with end - start <= the maximum would read or

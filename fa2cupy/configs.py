@@ -540,11 +540,10 @@ def hopper_heads_per_group(seqlen_k: int, headdim: int, heads_per_kv: int, heads
 
 
 def hopper_forward_config(arch: int, headdim: int, dtype: str, mods: bool = False, varlen: bool = False,
-                          paged: bool = False, mask: str = "none", seqlen_q: int | None = None
-                          ) -> HopperFwdConfig | None:
+                          mask: str = "none", seqlen_q: int | None = None) -> HopperFwdConfig | None:
     """The Hopper forward's row for this call, or None where the mma.sync forward runs it (another GPU, a head
     dim other than 64 or 128, score modifiers, or a masked call shorter than HOPPER_MASKED_MIN_SEQLEN; ``seqlen_q``
-    None skips that last rule). Paged K/V (varlen) runs where packed K/V would."""
+    None skips that last rule). Varlen calls, paged K/V included, run where padded ones would."""
     if dtype not in DTYPE_TAGS:
         raise ValueError(f"dtype must be one of {tuple(DTYPE_TAGS)}, got {dtype}")
     if arch != 90 or mods or headdim not in FORWARD_HOPPER_TABLE:

@@ -105,8 +105,7 @@ def plan_forward(
     seqlen_k, nheads_kv = k_shape[1], k_shape[2]
     mask, mods, left, right = kernel_variant(causal, window_size, softcap, alibi_batch_stride is not None, dropout_p)
     if config is None and HOPPER:
-        config = configs.hopper_forward_config(arch, headdim, dtype, mods, varlen_totals is not None,
-                                               paged is not None, mask, seqlen_q)
+        config = configs.hopper_forward_config(arch, headdim, dtype, mods, varlen_totals is not None, mask, seqlen_q)
     if config is None:
         config = configs.forward_config(arch, headdim, dtype, mask, varlen_totals is not None)
     function = build.get_kernel(config.family, config.name_expression(dtype, mask, mods, varlen_totals is not None,
