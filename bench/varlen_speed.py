@@ -10,8 +10,9 @@ Two comparisons, each timed back to back with the same timer as ``fa2cupy bench`
 * mixed lengths (random, 256..4096, fixed seed): varlen TFLOPs/s against the padded batch's at the same total
   real tokens, padded to the longest sequence; the padded batch does the extra work of its padding, so this is
   the speed a user gains by not padding;
-* with --trees: only the equal-length forwards, with kernels built from each copy of cuda/ in turn within one
-  process (rounds of every tree, each keeping its best round), so that kernel versions compare on one clock;
+* with --trees: only the equal-length forwards (and, with --paged, the mixed-length paged and packed ones), with
+  kernels built from each copy of cuda/ in turn within one process (rounds of every tree, each keeping its best
+  round), so that kernel versions compare on one clock;
 * with --paged: the varlen forward reading K/V through a shuffled block_table of pages of each given size against
   the packed varlen forward on the same keys (the page look-ups' cost), and the paged call on the mma.sync forward.
 """
@@ -142,34 +143,46 @@ def main():
 
 
 def compare_trees(args, rand, events):
-    """Equal-length varlen and padded forwards on kernels built from each tree, in rounds taking turns."""
+    """Equal-length varlen and padded forwards (and, with --paged, the mixed-length paged and packed varlen
+    forwards) on kernels built from each tree, in rounds taking turns."""
     h, d, causal = args.heads, args.headdim, args.causal
     trees = [t.split("=", 1) for t in args.trees]
-    calls = {}
+    calls = {}  # case: (name of the reference call, reference, name of the compared call, compared)
     for seqlen in (1024, 4096):
         b = args.tokens // seqlen
         q, k, v = (rand(b, seqlen, h, d) for _ in range(3))
         cu = cupy.arange(0, b * seqlen + 1, seqlen, dtype=cupy.int32)
         qv, kv, vv = (x.reshape(b * seqlen, h, d) for x in (q, k, v))
         calls[f"{b}x{seqlen}"] = (
-            lambda q=q, k=k, v=v: fa2cupy.flash_attn_func(q, k, v, causal=causal),
-            lambda qv=qv, kv=kv, vv=vv, cu=cu, s=seqlen: fa2cupy.flash_attn_varlen_func(qv, kv, vv, cu, cu, s, s,
-                                                                                         causal=causal))
+            "padded", lambda q=q, k=k, v=v: fa2cupy.flash_attn_func(q, k, v, causal=causal),
+            "varlen", lambda qv=qv, kv=kv, vv=vv, cu=cu, s=seqlen: fa2cupy.flash_attn_varlen_func(
+                qv, kv, vv, cu, cu, s, s, causal=causal))
+    gen = np.random.default_rng(1)
+    lengths = mixed_lengths(gen, args.tokens)
+    longest = max(lengths)
+    cu = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    qv, kv, vv = (rand(sum(lengths), h, d) for _ in range(3))
+    for page_size in (int(p) for p in args.paged.split(",") if p):
+        k_pages, v_pages, table = paged_pool(gen, lengths, page_size, kv, vv)
+        calls[f"mixed, pages of {page_size}"] = (
+            "packed", lambda: fa2cupy.flash_attn_varlen_func(qv, kv, vv, cu, cu, longest, longest, causal=causal),
+            "paged", lambda kp=k_pages, vp=v_pages, t=table: fa2cupy.flash_attn_varlen_func(
+                qv, kp, vp, cu, cu, longest, longest, causal=causal, block_table=t))
     best = {}
     for _ in range(args.rounds):
         for name, path in trees:
             build.use_sources(path)
             interface._cached_calls.clear()  # (its plans hold the previous tree's kernels)
-            for case, (padded, varlen) in calls.items():
-                pf = B.time_gpu(padded, events, warmup=3, repeats=15).median_ms
-                vf = B.time_gpu(varlen, events, warmup=3, repeats=15).median_ms
+            for case, (_, reference, _, compared) in calls.items():
+                rf = B.time_gpu(reference, events, warmup=3, repeats=15).median_ms
+                cf = B.time_gpu(compared, events, warmup=3, repeats=15).median_ms
                 old = best.get((name, case), (float("inf"), float("inf")))
-                best[(name, case)] = (min(old[0], pf), min(old[1], vf))
-    for case in calls:
+                best[(name, case)] = (min(old[0], rf), min(old[1], cf))
+    for case, (ref_name, _, cmp_name, _) in calls.items():
         for name, _ in trees:
-            pf, vf = best[(name, case)]
-            print(f"{name:>10} {case} causal={causal}: padded fwd {pf:.4f} ms, varlen fwd {vf:.4f} ms: varlen speed "
-                  f"/ padded {pf / vf:.3f}x (best of {args.rounds} rounds)", flush=True)
+            rf, cf = best[(name, case)]
+            print(f"{name:>10} {case} causal={causal}: {ref_name} fwd {rf:.4f} ms, {cmp_name} fwd {cf:.4f} ms: "
+                  f"{cmp_name} speed / {ref_name} {rf / cf:.3f}x (best of {args.rounds} rounds)", flush=True)
 
 
 if __name__ == "__main__":

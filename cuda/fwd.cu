@@ -105,18 +105,14 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
         const i64 first = (i64)(n_first + n_block) * Tr::kBlockN;
         const int rows = mask_now().seqlen_k - (int)first;
         if constexpr (paged) {
-            const int* pages = block_table + (i64)batch * max_pages;
-            const FastDiv page_of{page_magic, page_shift};
+            const PagedKeys keys{block_table + (i64)batch * max_pages, {page_magic, page_shift}, page_size,
+                                 num_pages};
             KVTile::template load_async_pair_rows<Tr::kThreads>(
                 smem_k + slot * KVTile::kBytes, smem_v + slot * KVTile::kBytes, k_head, v_head, headdim, tid,
                 [&](int r, const u16*& k_row, const u16*& v_row) {
-                    if (r >= rows) return false;
-                    const int key = (int)first + r, page_idx = page_of.div(key), page = pages[page_idx];
-                    if ((unsigned)page >= (unsigned)num_pages) {  // reported, and read as zeros
-                        report_bad_value(error_claim, error_host, kBadVarlenPage, batch, page_idx, page);
+                    int page, row_in_page;  // (a bad entry is reported, and its rows read as zeros)
+                    if (r >= rows || !keys.locate((int)first + r, page, row_in_page, batch, error_claim, error_host))
                         return false;
-                    }
-                    const int row_in_page = key - page_idx * page_size;
                     k_row = k_head + page * k_batch_stride + (i64)row_in_page * k_row_stride;
                     v_row = v_head + page * v_batch_stride + (i64)row_in_page * v_row_stride;
                     return true;

@@ -284,24 +284,26 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                                 kv_head * k_head_stride;
             const u16* v_tile = v + b * v_batch_stride + (i64)(seq.k_start + first_key) * v_row_stride +
                                 kv_head * v_head_stride;
-            // Paged: lane j of producer warp w looks up row 32 w + j of the next tile, for its K and V rows alike (a
-            // bad block_table entry is reported and its rows read as zeros, as in flash_fwd). (Looking the rows up a
+            // Paged: lane j of producer warp w looks up row 32 w + j of the next tile, its K and V rows alike (a bad
+            // block_table entry is reported and its rows read as zeros, as in flash_fwd). (Looking the rows up a
             // tile ahead measured the same: bench/NOTES.md.)
-            int page = -1, slot = 0;
+            const u16* k_row = nullptr;
+            const u16* v_row = nullptr;
             const auto look_up_rows = [&] {
                 const PagedKeys keys{block_table + (i64)b * max_pages, {page_magic, page_shift}, page_size,
                                      num_pages};
+                int page, slot;
                 const int row = ptid;
-                if (row >= keys_left || !keys.locate(seq.seqlen_k - keys_left + row, page, slot, b, error_claim,
-                                                     error_host))
-                    page = -1;
+                const bool ok = row < keys_left && keys.locate(seq.seqlen_k - keys_left + row, page, slot, b,
+                                                               error_claim, error_host);
+                k_row = ok ? k + kv_head * k_head_stride + page * k_batch_stride + (i64)slot * k_row_stride : nullptr;
+                v_row = ok ? v + kv_head * v_head_stride + page * v_batch_stride + (i64)slot * v_row_stride : nullptr;
             };
-            // The next tile's K or V rows: from `tile` (packed), or from their pages in the pool whose kv head
-            // starts at `pool` (paged; batch_stride is then the page stride).
-            const auto load_rows = [&](u32 dst, const u16* tile, const u16* pool, i64 batch_stride, int row_stride) {
+            // The next tile's K or V rows: from `tile` (packed), or from their pages (paged: `row` is this lane's
+            // row, and zero-filled rows name `pool`, the start of K or V, as their source, which is not read).
+            const auto load_rows = [&](u32 dst, const u16* tile, const u16* row, const u16* pool, int row_stride) {
                 if constexpr (Tr::kPaged)
-                    loader.template load_paged_rows<KVTile>(dst, pool, batch_stride, row_stride, page, slot,
-                                                             ptid >> 5, ptid & 31);
+                    loader.template load_paged_rows<KVTile>(dst, row, pool, ptid >> 5, ptid & 31);
                 else
                     load_tile(KVTile{}, dst, tile, row_stride, keys_left);
             };
@@ -309,11 +311,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 const int k_slot = ring_slot<kKS>(tiles), v_slot = ring_slot<kVS>(tiles);
                 if constexpr (Tr::kPaged) look_up_rows();  // (its load in flight while the slot is waited for)
                 mbar_wait(k_empty(k_slot), ring_phase<kKS>(tiles) ^ 1);
-                load_rows(smem_k + k_slot * KVTile::kBytes, k_tile, k + kv_head * k_head_stride, k_batch_stride,
-                          k_row_stride);
+                load_rows(smem_k + k_slot * KVTile::kBytes, k_tile, k_row, k, k_row_stride);
                 mbar_wait(v_empty(v_slot), ring_phase<kVS>(tiles) ^ 1);
-                load_rows(smem_v + v_slot * KVTile::kBytes, v_tile, v + kv_head * v_head_stride, v_batch_stride,
-                          v_row_stride);
+                load_rows(smem_v + v_slot * KVTile::kBytes, v_tile, v_row, v, v_row_stride);
                 cp_async_mbar_arrive(full(k_slot));
                 ++tiles;
                 k_tile += (i64)Tr::kBlockN * k_row_stride;

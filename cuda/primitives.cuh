@@ -31,6 +31,14 @@ FA2_DEVICE u32 smem_u32(const void* ptr) {
     return addr;
 }
 
+// `p`, but opaque to the compiler: addresses formed from it stay one register plus an immediate offset, where
+// ptxas had re-derived each from 64-bit index arithmetic (four instructions a copy in the paged K/V loader).
+template <class T>
+FA2_DEVICE const T* opaque(const T* p) {
+    asm("" : "+l"(p));
+    return p;
+}
+
 // ---- asynchronous global -> shared copies (Ampere cp.async) ---------------------------------------------
 // 16 bytes per thread; `valid == false` writes zeros instead of reading, which is how ragged tiles
 // (seqlen or head dim not a tile multiple) stay finite without branching around the copy.
@@ -637,23 +645,25 @@ struct SlabLoader {
         for (int row = first_row; row < kRows; row += kRowStep, to += kRowStep * Tile::kRowBytes, from += step)
             cp_async_16(to, row < valid ? from : src, row < valid);
     }
-    // Tile's rows gathered from pages (paged K/V), a warp's 32 rows at a time: warp w copies rows 32 w .. 32 w + 31,
-    // whose page and slot in it its lanes hold (lane j: row 32 w + j; page < 0: zero-filled), handed round by
-    // shuffles. So each lane looks up one row, and a tile's look-ups are in flight together (looked up row by row
-    // inside the copy loop, they held paged calls at ~0.36x packed speed, against ~0.6x this way).
+    // Paged K/V: a tile's rows gathered from pages. Lane j of producer warp w holds the address of row 32 w + j
+    // (null: zero-filled), and the warp copies its 32 rows 4 at a time, 8 lanes a row, each row's address handed
+    // round by a shuffle: so every copy instruction reads 128 contiguous bytes of each of 4 rows (whole lines, as
+    // the packed loader's 256 of 2). Copies of fewer bytes from more rows cost the LSU a pass per line: 32 bytes of
+    // 16 rows an instruction held paged calls at ~0.85x packed speed, one row per copy with its page worked out
+    // each time (~40 instructions a copy) at ~0.6x.
     template <class Tile>
-    FA2_DEVICE void load_paged_rows(u32 dst, const u16* head, i64 page_stride, int row_stride, int page, int slot,
-                                    int warp, int lane) const {
-        constexpr int kRows = Tile::kBytes / (Cols * 2), kRowsPerStep = 32 / kChunksPerRow;
-        static_assert(kRows == Threads && 32 % kChunksPerRow == 0, "a warp's 32 rows, whole rows per step");
-        const int sub = lane / kChunksPerRow, col = lane % kChunksPerRow * 8;
-#pragma unroll 4
-        for (int i = 0; i < 32 / kRowsPerStep; ++i) {
-            const int r = i * kRowsPerStep + sub;
-            const int p = __shfl_sync(0xffffffffu, page, r), s = __shfl_sync(0xffffffffu, slot, r);
-            cp_async_16(Tile::at(dst, 32 * warp + r, col), p >= 0 ? head + p * page_stride + (i64)s * row_stride + col
-                                                                   : head,
-                        p >= 0);
+    FA2_DEVICE void load_paged_rows(u32 dst, const u16* row, const u16* any, int warp, int lane) const {
+        static_assert(Tile::kBytes / (Cols * 2) == Threads && Threads % 32 == 0, "a warp's 32 rows");
+        const int chunk = lane % 8;
+#pragma unroll
+        for (int g = 0; g < 8; ++g) {
+            const u16* src = reinterpret_cast<const u16*>(
+                __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(row), 4 * g + lane / 8));
+            const bool ok = src != nullptr;
+            src = opaque((ok ? src : any) + 8 * chunk);  // (each copy's source: this register plus a constant)
+#pragma unroll
+            for (int s = 0; s < Cols / 64; ++s)
+                cp_async_16(Tile::at(dst, 32 * warp + 4 * g + lane / 8, 64 * s + 8 * chunk), src + 64 * s, ok);
         }
     }
 };
