@@ -209,12 +209,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 #pragma unroll 1
             for (int row = first_row; row < Tr::kBlockM && row < seqlen - row0;
                  row += kRowStep, from += kRowStep * QTile::kRowBytes, to += (i64)kRowStep * o_row_stride) {
-#pragma unroll
-                for (int s = 0; s < decltype(loader)::kSlabs; ++s) {
-                    u32 x[4];
-                    ld_shared_v4(from + s * QTile::kSlabBytes, x);
-                    *reinterpret_cast<uint4*>(to + 64 * s) = make_uint4(x[0], x[1], x[2], x[3]);
-                }
+                u32 x[4];
+                ld_shared_v4(from, x);
+                *reinterpret_cast<uint4*>(to) = make_uint4(x[0], x[1], x[2], x[3]);
             }
         };
         // The next Q buffer once the consumers hand it back, with the rows of the item it held written out.

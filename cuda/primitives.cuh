@@ -626,15 +626,14 @@ struct SwizzledSlabs {
 };
 
 // A producer warpgroup's share of copying tiles of Cols-wide rows into SwizzledSlabs (cp.async): thread `ptid` of
-// Threads copies 16-byte chunk `column` of each 64-column slab of every kRowStep-th row from `first_row` on, a
-// multiple of 8 rows apart, so its swizzled position within a row is the same for all of them and its addresses
-// advance by constants. A warp's copy instruction takes 128 contiguous bytes of each of 4 rows.
+// Threads copies one 16-byte column chunk of every kRowStep-th row, a multiple of 8 rows apart, so its swizzled
+// position within a row is the same for all of them and its addresses advance by constants.
 template <int Threads, int Cols>
 struct SlabLoader {
-    static constexpr int kSlabs = Cols / 64, kRowStep = Threads / 8;
+    static constexpr int kChunksPerRow = Cols / 8, kRowStep = Threads / kChunksPerRow;
     static_assert(kRowStep % 8 == 0, "a thread's rows share one swizzle phase");
     int first_row, column;
-    FA2_DEVICE explicit SlabLoader(int ptid) : first_row(ptid / 8), column(ptid % 8 * 8) {}
+    FA2_DEVICE explicit SlabLoader(int ptid) : first_row(ptid / kChunksPerRow), column(ptid % kChunksPerRow * 8) {}
     // Tile's rows of `src` (row_stride elements apart) into the tile at `dst`, zeros from row `valid` on.
     template <class Tile>
     FA2_DEVICE void load(u32 dst, const u16* src, int row_stride, int valid) const {
@@ -644,9 +643,7 @@ struct SlabLoader {
         const i64 step = (i64)kRowStep * row_stride;
 #pragma unroll 4  // (4 copies in flight per thread)
         for (int row = first_row; row < kRows; row += kRowStep, to += kRowStep * Tile::kRowBytes, from += step)
-#pragma unroll
-            for (int s = 0; s < kSlabs; ++s)
-                cp_async_16(to + s * Tile::kSlabBytes, row < valid ? from + 64 * s : src, row < valid);
+            cp_async_16(to, row < valid ? from : src, row < valid);
     }
     // Paged K/V: a tile's rows gathered from pages. Lane j of producer warp w holds the address of row 32 w + j
     // (null: zero-filled), and the warp copies its 32 rows 4 at a time, 8 lanes a row, each row's address handed
