@@ -18,9 +18,10 @@ ring (d=128 on sm_90), decode_walk with both rings on a pretend 2-SM GPU, where 
 work items, decode_warp with one split and warps that stream whole items (both rings, 1 and 2 pretend SMs);
 fwd_hopper runs the forward, window, varlen and paged cases of head dim 64 and 128 without modifiers (the Hopper
 kernel's, on sm_90) with 1 and 2 pretend SMs, so that each persistent block walks many work items; bwd_hopper runs
-the d=64 and d=128 backward and window cases in the default mode (the Hopper dK/dV kernel's, on sm_90).
+the d=64 and d=128 backward and window cases in the default mode (the Hopper dK/dV kernel's, on sm_90); paged_mma
+runs the paged cases on the mma.sync forward (which sm_90 otherwise uses only with modifiers or other head dims).
 
-    python3 bench/sanitize_case.py [fwd|bwd|...|decode|decode_deep|decode_walk|decode_warp|fwd_hopper|bwd_hopper ...]
+    python3 bench/sanitize_case.py [fwd|bwd|...|paged_mma|decode|decode_deep|decode_walk|decode_warp|fwd_hopper|bwd_hopper ...]
 """
 
 from __future__ import annotations
@@ -336,6 +337,16 @@ def main(groups) -> int:
         for i, case in enumerate(PAGED_CASES):
             bad += not check_paged(i, *case)
             total += 1
+    if "paged_mma" in groups:  # the paged cases on the mma.sync forward (on sm_90 the Hopper one takes most)
+        from fa2cupy import forward, interface
+
+        forward.HOPPER = False
+        interface._cached_calls.clear()
+        for i, case in enumerate(PAGED_CASES):
+            bad += not check_paged(i, *case)
+            total += 1
+        forward.HOPPER = True
+        interface._cached_calls.clear()
     if "dropout" in groups:
         for i, case in enumerate(DROPOUT_CASES):
             bad += not check_dropout(i, *case)

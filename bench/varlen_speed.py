@@ -2,7 +2,7 @@
 fp16, 16 heads of 128, 16k tokens in all.
 
     python bench/varlen_speed.py [--tokens 16384] [--causal] [--paged 16,256]
-    python bench/varlen_speed.py --trees base=ab_trees/base/cuda new=cuda [--rounds 4] [--causal]
+    python bench/varlen_speed.py --trees base=ab_trees/base/cuda new=cuda [--rounds 4] [--causal] [--paged 16] [--mma]
 
 Two comparisons, each timed back to back with the same timer as ``fa2cupy bench`` (CUDA events, median):
 * equal lengths: varlen over b sequences of s tokens against flash_attn_func on (b, s): the same work, so the
@@ -12,7 +12,7 @@ Two comparisons, each timed back to back with the same timer as ``fa2cupy bench`
   the speed a user gains by not padding;
 * with --trees: only the equal-length forwards (and, with --paged, the mixed-length paged and packed ones), with
   kernels built from each copy of cuda/ in turn within one process (rounds of every tree, each keeping its best
-  round), so that kernel versions compare on one clock;
+  round), so that kernel versions compare on one clock (--mma: on the mma.sync forward);
 * with --paged: the varlen forward reading K/V through a shuffled block_table of pages of each given size against
   the packed varlen forward on the same keys (the page look-ups' cost), and the paged call on the mma.sync forward.
 """
@@ -71,6 +71,7 @@ def main():
     parser.add_argument("--paged", default="", help="comma-separated page sizes: paged forward vs packed")
     parser.add_argument("--trees", nargs="*", default=(), help="name=path/to/cuda ...: forward A/B of sources")
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--mma", action="store_true", help="with --trees: the forwards on the mma.sync kernel")
     args = parser.parse_args()
     h, d, causal = args.heads, args.headdim, args.causal
     rng = cupy.random.default_rng(0)
@@ -80,6 +81,7 @@ def main():
         return rng.standard_normal(shape, dtype=cupy.float32).astype(cupy.float16)
 
     if args.trees:
+        forward.HOPPER = not args.mma
         return compare_trees(args, rand, events)
 
     for seqlen in (1024, 4096):

@@ -24,6 +24,9 @@ struct FwdTraits {
     static constexpr bool kVarlen = Varlen;
     // Varlen with paged K/V (block_table non-null): its own instantiation, as the page look-ups cost registers.
     static constexpr bool kPaged = Paged;
+    // Paged rows looked up once per tile by the lanes and handed round (SmemTile::load_async_pair_rows), but for
+    // the d=64 128 x 128 row, at the register cap, where that spilled 44 bytes: it looks each chunk's row up.
+    static constexpr bool kPagedRowsByLanes = !(HeadDim == 64 && BlockN == 128);
     static constexpr int kMTiles = BlockM / (16 * Warps);  // m16 row tiles per warp
     static constexpr int kNTiles = BlockN / 8;             // n8 key tiles of S per row tile
     static constexpr int kDTiles = HeadDim / 8;            // n8 head-dim tiles of O per row tile
@@ -107,15 +110,14 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
         if constexpr (paged) {
             const PagedKeys keys{block_table + (i64)batch * max_pages, {page_magic, page_shift}, page_size,
                                  num_pages};
-            KVTile::template load_async_pair_rows<Tr::kThreads>(
+            KVTile::template load_async_pair_rows<Tr::kThreads, Tr::kPagedRowsByLanes>(
                 smem_k + slot * KVTile::kBytes, smem_v + slot * KVTile::kBytes, k_head, v_head, headdim, tid,
-                [&](int r, const u16*& k_row, const u16*& v_row) {
-                    int page, row_in_page;  // (a bad entry is reported, and its rows read as zeros)
-                    if (r >= rows || !keys.locate((int)first + r, page, row_in_page, batch, error_claim, error_host))
-                        return false;
-                    k_row = k_head + page * k_batch_stride + (i64)row_in_page * k_row_stride;
-                    v_row = v_head + page * v_batch_stride + (i64)row_in_page * v_row_stride;
-                    return true;
+                [&](int r, int& page, int& slot) {  // (a bad entry is reported, and its rows read as zeros)
+                    return r < rows && keys.locate((int)first + r, page, slot, batch, error_claim, error_host);
+                },
+                [&](int page, int slot, const u16*& k_row, const u16*& v_row) {
+                    k_row = k_head + page * k_batch_stride + (i64)slot * k_row_stride;
+                    v_row = v_head + page * v_batch_stride + (i64)slot * v_row_stride;
                 });
             return;
         }

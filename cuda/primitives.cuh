@@ -299,26 +299,60 @@ struct SmemTile {
         }
     }
 
-    // K and V tiles together from gathered rows (paged K/V): row_src(r, k_row, v_row) points k_row/v_row at the
-    // first elements of tile row r and returns true, or returns false for a row to zero-fill. One look-up serves
-    // both tiles (their rows come from the same page). Columns >= cols_valid are zero-filled as in load_async.
-    // Zero-filled chunks name k_any/v_any (any valid address) as their source, which is not read.
-    template <int Threads, class RowSrc>
+    // K and V tiles together from gathered rows (paged K/V): locate(r, page, slot) finds tile row r (its page and
+    // its slot in the page) and returns true, or returns false for a row to zero-fill; rows_at(page, slot, k_row,
+    // v_row) points k_row/v_row at that row's first elements. One look-up serves both tiles (their rows come from
+    // the same page). Columns >= cols_valid are zero-filled as in load_async. Zero-filled chunks name k_any/v_any
+    // (any valid address) as their source, which is not read.
+    // Where each copy instruction takes whole rows (32 / (Cols / 8) of them) and a warp's copies cover at most 32
+    // rows, each lane looks one of the warp's rows up, all at once, and the copies take the rows' pages by
+    // shuffles: one look-up round trip per tile instead of one per copy (those held paged calls at ~0.76x packed
+    // speed). Other widths, or ByLanes false, look each chunk's row up in turn.
+    template <int Threads, bool ByLanes, class Locate, class RowsAt>
     static FA2_DEVICE void load_async_pair_rows(u32 base_k, u32 base_v, const u16* k_any, const u16* v_any,
-                                                int cols_valid, int tid, RowSrc row_src) {
+                                                int cols_valid, int tid, Locate locate, RowsAt rows_at) {
         constexpr int kChunksPerRow = Cols / 8;
         constexpr int kChunks = Rows * kChunksPerRow;
-        // Not unrolled: unrolled, every chunk's look-up and two 64-bit addresses are live at once, and kernels at
-        // the register cap spill (92 bytes at d=64 128x128).
+        if constexpr (ByLanes && 32 % kChunksPerRow == 0 && kChunks % Threads == 0 && Rows <= Threads) {
+            constexpr int kRowsPerCopy = 32 / kChunksPerRow, kCopies = kChunks / Threads;
+            static_assert(kCopies * kRowsPerCopy <= 32, "a warp's rows, one per lane");
+            const int lane = tid & 31, warp_first = tid - lane, c = lane % kChunksPerRow * 8;
+            // Row of this warp's copy i, sub-row s: (warp_first + i * Threads) / kChunksPerRow + s.
+            int my_page = -1, my_slot = 0;
+            if (lane < kCopies * kRowsPerCopy &&
+                !locate((warp_first + lane / kRowsPerCopy * Threads) / kChunksPerRow + lane % kRowsPerCopy,
+                        my_page, my_slot))
+                my_page = -1;
 #pragma unroll 1
-        for (int i = 0; i < (kChunks + Threads - 1) / Threads; ++i) {
-            const int idx = tid + i * Threads;
-            if (kChunks % Threads == 0 || idx < kChunks) {
-                const int r = idx / kChunksPerRow, c = (idx % kChunksPerRow) * 8;
+            for (int i = 0; i < kCopies; ++i) {
+                const int from = i * kRowsPerCopy + lane / kChunksPerRow;
+                const int page = __shfl_sync(0xffffffffu, my_page, from);
+                const int slot = __shfl_sync(0xffffffffu, my_slot, from);
+                const int r = (warp_first + i * Threads) / kChunksPerRow + lane / kChunksPerRow;
+                const bool ok = page >= 0 && c < cols_valid;
                 const u16 *k_row = k_any, *v_row = v_any;
-                const bool ok = row_src(r, k_row, v_row) && c < cols_valid;
+                if (ok) rows_at(page, slot, k_row, v_row);
                 cp_async_16(at(base_k, r, c), ok ? k_row + c : k_any, ok);
                 cp_async_16(at(base_v, r, c), ok ? v_row + c : v_any, ok);
+            }
+        } else {
+            // Not unrolled: unrolled, every chunk's look-up and two 64-bit addresses are live at once, and kernels
+            // at the register cap spill (92 bytes at d=64 128x128).
+#pragma unroll 1
+            for (int i = 0; i < (kChunks + Threads - 1) / Threads; ++i) {
+                const int idx = tid + i * Threads;
+                if (kChunks % Threads == 0 || idx < kChunks) {
+                    const int r = idx / kChunksPerRow, c = (idx % kChunksPerRow) * 8;
+                    const u16 *k_row = k_any, *v_row = v_any;
+                    const bool ok = [&] {
+                        int page, slot;
+                        if (!locate(r, page, slot)) return false;
+                        rows_at(page, slot, k_row, v_row);
+                        return true;
+                    }() && c < cols_valid;
+                    cp_async_16(at(base_k, r, c), ok ? k_row + c : k_any, ok);
+                    cp_async_16(at(base_v, r, c), ok ? v_row + c : v_any, ok);
+                }
             }
         }
     }
