@@ -344,6 +344,8 @@ struct SmemTile {
                 if (kChunks % Threads == 0 || idx < kChunks) {
                     const int r = idx / kChunksPerRow, c = (idx % kChunksPerRow) * 8;
                     const u16 *k_row = k_any, *v_row = v_any;
+                    // (look-up and addresses in one step: with the addresses set after the test of ok, the d=64
+                    // 128 x 128 row spilled 72 bytes)
                     const bool ok = [&] {
                         int page, slot;
                         if (!locate(r, page, slot)) return false;
