@@ -8,6 +8,7 @@ timing.
 
     python bench/decode_ab.py [--cases 1x16384,64x1024] [--variants base,walk132] [--rounds 4]
     python bench/decode_ab.py --trees base=ab_trees/base/cuda,new=cuda   (kernels built from each copy of cuda/)
+    python bench/decode_ab.py --trees base=ab_trees/base/cuda,new+pdl=cuda   (a tree with a variant's settings)
     python bench/decode_ab.py --paged 256 [--in-order] ...   (the same keys and values in shuffled pages of 256 keys)
 
 Variants: ``base`` (the shipped plan), ``deep``/``shallow`` (the deep-ring twin of the d=128 row forced on or
@@ -88,7 +89,10 @@ def bar_inputs(torch, gen, b, sk):
 def use(variant: str) -> None:
     """Sets the variant's module attributes (of decode, or configs.decode_config), or its source tree, and drops
     the cached plans."""
-    for name, value in {**_originals, **VARIANTS.get(variant, {})}.items():
+    attributes = dict(_originals)
+    for part in variant.split("+"):  # a tree's name may add variants: "new+pdl" is tree "new" with "pdl"
+        attributes.update(VARIANTS.get(part, {}))
+    for name, value in attributes.items():
         setattr(configs if name == "decode_config" else decode, name, value)
     if TREES:
         build.use_sources(TREES[variant])

@@ -68,6 +68,7 @@ DECODE_CASES = (
     (1, 1, 4, 1, 40, 48, 3, False, 16, 2),       # headdim 40, MQA
     (1, 1, 32, 8, 128, 2048, 1, False, None, 0),  # the bar's heads: 16 splits
     (1, 1, 8, 1, 128, 4096, 1, False, 16, 40),    # 40 splits: the last block merges them in three chunks
+    (1, 1, 32, 8, 128, 2048, 0, False, 64, 0),    # paged bar heads, no append: block_table read before the wait
 )
 
 

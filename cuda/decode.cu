@@ -422,7 +422,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                      i64 alibi_batch_stride, const int* __restrict__ cache_leftpad, int window_left,
                      int window_right, float softcap, int num_splits, u32 splits_magic, int splits_shift,
                      u32 groups_magic, int groups_shift, u32 heads_kv_magic, int heads_kv_shift,
-                     u32 heads_per_kv_magic, int heads_per_kv_shift, u32 page_size_magic, int page_size_shift) {
+                     u32 heads_per_kv_magic, int heads_per_kv_shift, u32 page_size_magic, int page_size_shift,
+                     int programmatic) {
     using QTile = typename Tr::QTile;
     using KVTile = typename Tr::KVTile;
     using Mma = fa2::Mma<typename Tr::Elem>;
@@ -433,12 +434,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     constexpr int kTileStride = solo ? 1 : kW;
     const int tile_stride = num_splits * kTileStride;  // between a warp's tiles of an item
 
-    decode_mark(0, blockIdx.x);
-    // (launched early after the append or the previous call: every block is resident from the start, so the next
-    // kernel may take the SMs as they empty)
-    wait_for_prior_grids();
-    decode_mark(22, blockIdx.x);
-    allow_next_grid();
     extern __shared__ __align__(128) unsigned char smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int tile_warp = solo ? 0 : warp;  // the warp's first tile of an item
@@ -463,10 +458,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     unsigned char* merge_area = smem + Tr::kQAreaBytes + (persistent ? kW * Tr::kRingBytes : 0);
     const CacheIndex index{block_table, cache_seqlens, cache_batch_idx, fixed_seqlen, seqlen_new,
                            capacity,    cache_rows,    page_size,       max_pages};
-    // The error word, read first and looked at once the first item's loads are out (pending_report).
-    const int error_word = *static_cast<volatile int*>(error_claim);
-    // An item's index values are loaded first (their latency hides behind other work) and checked later.
-    auto item_values = [&](int item, DecodeItem& it) {
+    // An item's place in the grid (index arithmetic only: no memory access, so also before the wait).
+    auto item_coords = [&](int item, DecodeItem& it) {
         const int split_major = by_splits.div(item);
         it.split = item - split_major * num_splits;
         it.b = by_groups.div(split_major);
@@ -474,9 +467,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         const int row_block = by_heads_kv.div(it.group);
         it.kv_head = it.group - row_block * nheads_kv;
         it.row0 = row_block * 16;
+    };
+    // An item's index values are loaded first (their latency hides behind other work) and checked later.
+    auto item_loads = [&](DecodeItem& it) {
         it.cached = index.cached(it.b);
         it.cache_row = index.cache_row(it.b);
         it.pad = Tr::kExtras && cache_leftpad != nullptr ? cache_leftpad[it.b] : 0;
+    };
+    auto item_values = [&](int item, DecodeItem& it) {
+        item_coords(item, it);
+        item_loads(it);
     };
     // Values the host could not check. A bad one poisons the item: it writes NaN. Then the row's keys that some row
     // of the block sees (under the causal mask, none past the last row's limit), in BlockN tiles, and this warp's
@@ -532,93 +532,232 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         head = kv_head * heads_per_kv + packed - query * heads_per_kv;
     };
 
-    // K/V of the warp's j-th tile of an item into ring slot `slot`; true if a block_table entry was out of range
+    // Paged: a tile starts on a multiple of 16 keys and pages hold multiples of 16, so it spans at most BlockN / 16
+    // pages. The block_table entries of the pages the tile of batch row b from key `first` reaches (0 past
+    // max_pages); `early`: read before wait_for_prior_grids, as guesses (ld_cg).
+    constexpr int kTilePages = Tr::kPaged ? Tr::kBlockN / 16 : 1;
+    auto tile_entries = [&](int b, int first, int (&entries)[kTilePages], bool early) {
+        const int first_page = by_page_size.div(first);
+        const int first_offset = first - first_page * page_size;
+#pragma unroll
+        for (int p = 0; p < kTilePages; ++p) {
+            const int page_idx = first_page + p;
+            const int* entry = block_table + (i64)b * max_pages + page_idx;
+            const bool reached = page_idx < max_pages && (p == 0 || first_offset + Tr::kBlockN > p * page_size);
+            entries[p] = !reached ? 0 : early ? ld_cg(entry) : *entry;
+        }
+    };
+    // Paged: a tile's entries kept where the tile uses the page (else 0) and checked; true if one was out of range
     // (reported unless `guessed`, and read as zeros).
-    auto load_kv = [&](const DecodeItem& it, int j, int slot, bool guessed = false) -> bool {
+    auto check_pages = [&](const DecodeItem& it, int first, int (&pages)[kTilePages], bool guessed) -> bool {
         bool bad_page = false;
-        const int first = tile_first(it, j);
-        // Paged: the tile starts on a multiple of 16 keys and pages hold multiples of 16, so it spans at most
-        // BlockN / 16 pages: the entries of those it reaches are read (all at once, then checked) once per tile,
-        // not once per row. (This path runs between a tile's landing and the next tile's copies: short matters.)
-        constexpr int kTilePages = Tr::kPaged ? Tr::kBlockN / 16 : 1;
-        int pages[kTilePages];
-        int first_offset = 0, first_page = 0;
-        if (Tr::kPaged) {
-            first_page = by_page_size.div(first);
-            first_offset = first - first_page * page_size;
+        const int first_page = by_page_size.div(first);
+        const int first_offset = first - first_page * page_size;
 #pragma unroll
-            for (int p = 0; p < kTilePages; ++p) {
-                const int page_idx = first_page + p;
-                const bool used = p == 0 ? first < it.key_end
-                                         : first_offset + Tr::kBlockN > p * page_size &&
-                                               page_idx * page_size < it.key_end && page_idx < max_pages;
-                pages[p] = used ? block_table[(i64)it.b * max_pages + page_idx] : 0;
-            }
-#pragma unroll
-            for (int p = 0; p < kTilePages; ++p) {
-                if (!index.row_ok(pages[p])) {
-                    if (!bad_page && !guessed)
-                        report_bad_value(error_claim, error_host, kBadBlockTable, it.b, first_page + p, pages[p]);
-                    bad_page = true;
-                    pages[p] = 0;
-                }
-            }
+        for (int p = 0; p < kTilePages; ++p) {
+            const int page_idx = first_page + p;
+            const bool used = p == 0 ? first < it.key_end
+                                     : first_offset + Tr::kBlockN > p * page_size &&
+                                           page_idx * page_size < it.key_end && page_idx < max_pages;
+            if (!used) pages[p] = 0;
         }
-        i64 k_page_off[kTilePages], v_page_off[kTilePages];  // (paged) where each page's rows start
-        if constexpr (Tr::kPaged) {
 #pragma unroll
-            for (int p = 0; p < kTilePages; ++p) {
-                k_page_off[p] = pages[p] * k_batch_stride;
-                v_page_off[p] = pages[p] * v_batch_stride;
-            }
-        }
-        constexpr int kChunks = Tr::kBlockN * kDT;
-#pragma unroll 4
-        for (int i = 0; i < kChunks / 32; ++i) {
-            const int idx = lane + i * 32, r = idx / kDT, c = (idx % kDT) * 8;
-            const bool ok = first + r < it.key_end && c < headdim && !bad_page;
-            i64 k_off, v_off;
-            if constexpr (Tr::kPaged) {
-                int offset = first_offset + r;
-                k_off = k_page_off[0];
-                v_off = v_page_off[0];
-#pragma unroll
-                for (int p = 1; p < kTilePages; ++p) {
-                    if (offset >= page_size) {
-                        offset -= page_size;
-                        k_off = k_page_off[p];
-                        v_off = v_page_off[p];
-                    }
-                }
-                k_off += (i64)offset * k_row_stride;
-                v_off += (i64)offset * v_row_stride;
-            } else {
-                const int key = ok ? it.pad + first + r : 0;
-                k_off = it.cache_row * k_batch_stride + (i64)key * k_row_stride;
-                v_off = it.cache_row * v_batch_stride + (i64)key * v_row_stride;
-            }
-            const u16* k_src = k_cache + k_off + it.kv_head * k_head_stride + c;
-            const u16* v_src = v_cache + v_off + it.kv_head * v_head_stride + c;
-            if constexpr (Tr::kL2Prefetch) {
-                cp_async_16_prefetch256(KVTile::at(smem_k + slot * KVTile::kBytes, r, c), k_src, ok);
-                cp_async_16_prefetch256(KVTile::at(smem_v + slot * KVTile::kBytes, r, c), v_src, ok);
-            } else {
-                cp_async_16(KVTile::at(smem_k + slot * KVTile::kBytes, r, c), k_src, ok);
-                cp_async_16(KVTile::at(smem_v + slot * KVTile::kBytes, r, c), v_src, ok);
+        for (int p = 0; p < kTilePages; ++p) {
+            if (!index.row_ok(pages[p])) {
+                if (!bad_page && !guessed)
+                    report_bad_value(error_claim, error_host, kBadBlockTable, it.b, first_page + p, pages[p]);
+                bad_page = true;
+                pages[p] = 0;
             }
         }
         return bad_page;
     };
-    // Q rows of an item by (query, head), all threads together (warp items: the warp), into Q buffer `buffer`.
+
+    // A key tile's copies, worked out apart from issuing them (the first item's are worked out before the wait):
+    // where a warp covers whole rows per pass (kWalk), each lane keeps one column and walks down the tile's rows
+    // 32 / kDT at a time, a pointer per page the tile spans (a contiguous cache is one page) advanced by a fixed
+    // step, instead of 64-bit index arithmetic per copy (~11 instructions a copy; a call's first two tiles are 64
+    // copies a lane, and its first loads had gone out ~500 instructions after the wait, its last ~1400).
+    // (Head dims up to 128: the larger ones' kernels sit at the register cap, where the walk's pointers spilled.)
+    constexpr bool kWalk = 32 % kDT == 0 && Tr::kHeadDim <= 128;
+    constexpr int kRowStep = kWalk ? 32 / kDT : 1;
+    struct KVPlan {
+        const u16* k[kTilePages];
+        const u16* v[kTilePages];
+        int rows_in;       // tile rows with keys: 0 for a lane past the head dim, or if a page was bad
+        int first_offset;  // (paged) the tile's first key's slot in its first page
+    };
+    auto plan_kv = [&](const DecodeItem& it, int first, const int (&pages)[kTilePages], bool bad_page) {
+        KVPlan plan;
+        const int r0 = lane / kDT, c = (lane % kDT) * 8;
+        plan.first_offset = Tr::kPaged ? first - by_page_size.div(first) * page_size : 0;
+#pragma unroll
+        for (int p = 0; p < kTilePages; ++p) {
+            // Row r0's slot in page p (paged: negative or past the page for rows of another page, never read
+            // through page p), or in the contiguous cache row.
+            const int slot0 = Tr::kPaged ? plan.first_offset + r0 - p * page_size : it.pad + first + r0;
+            const i64 k_row = (Tr::kPaged ? pages[p] : it.cache_row) * k_batch_stride;
+            const i64 v_row = (Tr::kPaged ? pages[p] : it.cache_row) * v_batch_stride;
+            plan.k[p] = k_cache + k_row + (i64)slot0 * k_row_stride + it.kv_head * k_head_stride + c;
+            plan.v[p] = v_cache + v_row + (i64)slot0 * v_row_stride + it.kv_head * v_head_stride + c;
+        }
+        plan.rows_in = bad_page || c >= headdim ? 0 : it.key_end - first;
+        return plan;
+    };
+    auto copy_kv = [&](u32 dst, const u16* src, bool ok) {
+        if constexpr (Tr::kL2Prefetch)
+            cp_async_16_prefetch256(dst, src, ok);
+        else
+            cp_async_16(dst, src, ok);
+    };
+    // `whole` (Const<1>): every row of the tile has a key and the lane's column is inside the head dim (the guessed
+    // first tiles): no per-row check.
+    auto issue_kv = [&](KVPlan plan, int slot, auto whole) {
+        const u32 k_dst = smem_k + slot * KVTile::kBytes, v_dst = smem_v + slot * KVTile::kBytes;
+        const int r0 = lane / kDT, c = (lane % kDT) * 8;
+        const int k_step = kRowStep * k_row_stride, v_step = kRowStep * v_row_stride;
+#pragma unroll
+        for (int i = 0; i < Tr::kBlockN / kRowStep; ++i) {
+            const int r = r0 + i * kRowStep;
+            const bool ok = decltype(whole)::value || r < plan.rows_in;
+            const u16* k_at = plan.k[0];
+            const u16* v_at = plan.v[0];
+#pragma unroll
+            for (int p = 1; p < kTilePages; ++p) {
+                if (plan.first_offset + r >= p * page_size) {
+                    k_at = plan.k[p];
+                    v_at = plan.v[p];
+                }
+            }
+            copy_kv(KVTile::at(k_dst, r, c), ok ? k_at : k_cache, ok);
+            copy_kv(KVTile::at(v_dst, r, c), ok ? v_at : v_cache, ok);
+#pragma unroll
+            for (int p = 0; p < kTilePages; ++p) {
+                plan.k[p] += k_step;
+                plan.v[p] += v_step;
+            }
+        }
+    };
+    // Keeps a plan's values computed where this stands (before the wait: see keep_here).
+    auto keep_plan_here = [&](KVPlan& plan) {
+#pragma unroll
+        for (int p = 0; p < kTilePages; ++p) {
+            keep_here(plan.k[p]);
+            keep_here(plan.v[p]);
+        }
+        keep_here(plan.rows_in);
+    };
+
+    // K/V of the warp's j-th tile of an item into ring slot `slot`; true if a block_table entry was out of range
+    // (reported unless `guessed`, and read as zeros). Paged: with `use_given`, the tile's entries are `given`, read
+    // already (else they are read here: all at once, then checked, once per tile, not once per row; this path runs
+    // between a tile's landing and the next tile's copies, so short matters).
+    auto load_kv_given = [&](const DecodeItem& it, int j, int slot, bool guessed, bool use_given,
+                             const int (&given)[kTilePages]) -> bool {
+        bool bad_page = false;
+        const int first = tile_first(it, j);
+        int pages[kTilePages];
+        if constexpr (Tr::kPaged) {
+            if (use_given) {
+#pragma unroll
+                for (int p = 0; p < kTilePages; ++p) pages[p] = given[p];
+            } else {
+                tile_entries(it.b, first, pages, false);
+            }
+            bad_page = check_pages(it, first, pages, guessed);
+        }
+        // (Paged tiles keep the per-copy arithmetic after the first ones: inside the loop the walk's pointers for
+        // two pages spilled at the register cap.)
+        if constexpr (kWalk && !Tr::kPaged) {
+            issue_kv(plan_kv(it, first, pages, bad_page), slot, Const<0>{});
+        } else {
+            int first_offset = 0;
+            i64 k_page_off[kTilePages], v_page_off[kTilePages];  // (paged) where each page's rows start
+            if constexpr (Tr::kPaged) {
+                first_offset = first - by_page_size.div(first) * page_size;
+#pragma unroll
+                for (int p = 0; p < kTilePages; ++p) {
+                    k_page_off[p] = pages[p] * k_batch_stride;
+                    v_page_off[p] = pages[p] * v_batch_stride;
+                }
+            }
+            constexpr int kChunks = Tr::kBlockN * kDT;
+#pragma unroll 4
+            for (int i = 0; i < kChunks / 32; ++i) {
+                const int idx = lane + i * 32, r = idx / kDT, c = (idx % kDT) * 8;
+                const bool ok = first + r < it.key_end && c < headdim && !bad_page;
+                i64 k_off, v_off;
+                if constexpr (Tr::kPaged) {
+                    int offset = first_offset + r;
+                    k_off = k_page_off[0];
+                    v_off = v_page_off[0];
+#pragma unroll
+                    for (int p = 1; p < kTilePages; ++p) {
+                        if (offset >= page_size) {
+                            offset -= page_size;
+                            k_off = k_page_off[p];
+                            v_off = v_page_off[p];
+                        }
+                    }
+                    k_off += (i64)offset * k_row_stride;
+                    v_off += (i64)offset * v_row_stride;
+                } else {
+                    const int key = ok ? it.pad + first + r : 0;
+                    k_off = it.cache_row * k_batch_stride + (i64)key * k_row_stride;
+                    v_off = it.cache_row * v_batch_stride + (i64)key * v_row_stride;
+                }
+                const u32 k_dst = smem_k + slot * KVTile::kBytes, v_dst = smem_v + slot * KVTile::kBytes;
+                copy_kv(KVTile::at(k_dst, r, c), k_cache + k_off + it.kv_head * k_head_stride + c, ok);
+                copy_kv(KVTile::at(v_dst, r, c), v_cache + v_off + it.kv_head * v_head_stride + c, ok);
+            }
+        }
+        return bad_page;
+    };
+    int no_entries[kTilePages] = {};
+    auto load_kv = [&](const DecodeItem& it, int j, int slot, bool guessed = false) -> bool {
+        return load_kv_given(it, j, slot, guessed, false, no_entries);
+    };
+    // Q rows of an item by (query, head), all threads together (warp items: the warp), into Q buffer `buffer`:
+    // planned (each thread's chunk addresses, null where it zero-fills) apart from issued, as the K/V tiles.
+    constexpr int kQLoaders = solo ? 32 : Tr::kThreads, kQChunks = 16 * kDT;
+    constexpr int kQPerThread = (kQChunks + kQLoaders - 1) / kQLoaders;
+    // (Where a thread copies more than two Q chunks, their addresses are worked out one at a time, as they are
+    // copied: all held at once, they spilled.)
+    constexpr bool kPlanQ = kQPerThread <= 2;
+    // This thread's chunk i of an item's Q rows: its source (null: zero-filled) and where it lands.
+    auto q_src = [&](const DecodeItem& it, int i) -> const u16* {
+        const int idx = (solo ? lane : threadIdx.x) + i * kQLoaders;
+        const int r = idx / kDT, c = (idx % kDT) * 8, packed = it.row0 + r;
+        const bool ok = (kQChunks % kQLoaders == 0 || idx < kQChunks) && packed < rows && c < headdim;
+        int query, head;
+        query_head(it.kv_head, packed, query, head);
+        return ok ? q + it.b * q_batch_stride + (i64)query * q_row_stride + head * q_head_stride + c : nullptr;
+    };
+    auto copy_q = [&](int i, const u16* src, int buffer) {
+        const int idx = (solo ? lane : threadIdx.x) + i * kQLoaders;
+        if (kQChunks % kQLoaders != 0 && idx >= kQChunks) return;
+        cp_async_16(QTile::at(smem_q + buffer * QTile::kBytes, idx / kDT, (idx % kDT) * 8), src ? src : q,
+                    src != nullptr);
+    };
+    struct QPlan {
+        const u16* src[kQPerThread];
+    };
+    auto plan_q = [&](const DecodeItem& it) {
+        QPlan plan;
+#pragma unroll
+        for (int i = 0; i < kQPerThread; ++i) plan.src[i] = q_src(it, i);
+        return plan;
+    };
+    auto issue_q = [&](const QPlan& plan, int buffer) {
+#pragma unroll
+        for (int i = 0; i < kQPerThread; ++i) copy_q(i, plan.src[i], buffer);
+    };
     auto load_q = [&](const DecodeItem& it, int buffer) {
-        for (int idx = solo ? lane : threadIdx.x; idx < 16 * kDT; idx += solo ? 32 : Tr::kThreads) {
-            const int r = idx / kDT, c = (idx % kDT) * 8, packed = it.row0 + r;
-            const bool ok = packed < rows && c < headdim;
-            int query, head;
-            query_head(it.kv_head, packed, query, head);
-            cp_async_16(QTile::at(smem_q + buffer * QTile::kBytes, r, c),
-                        ok ? q + it.b * q_batch_stride + (i64)query * q_row_stride + head * q_head_stride + c : q,
-                        ok);
+        if constexpr (kPlanQ) {
+            issue_q(plan_q(it), buffer);
+        } else {
+#pragma unroll 1
+            for (int i = 0; i < kQPerThread; ++i) copy_q(i, q_src(it, i), buffer);
         }
     };
 
@@ -630,17 +769,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     constexpr bool deep = Tr::kDeepRing;
     constexpr int kAhead = kS - 1 + deep;  // ring positions issued before the first tile's math
     DecodeItem cur;
-    item_values(item, cur);
-    // The first item: Q (its addresses need no index value, so it loads while they arrive), then each warp's ring
-    // prologue, one group per position (empty past the warp's tiles).
-    load_q(cur, 0);
-    cp_async_commit();
+    item_coords(item, cur);
     // Without cache_batch_idx or Extras, row b's keys start at slot 0 of cache row b (paged: of the pages its
     // block_table row lists) whatever its length, so the warp's first tiles are loaded before cache_seqlens arrives
-    // (a round trip at every block's start; paged, their block_table entries are read alongside it), as if the row
-    // covered them whole: kept if it does, else landed and loaded again. A guessed page entry out of range is not
-    // read and not reported (the row may not use it), and its tiles are loaded again the checked way. (Speculative
-    // reads stay inside the cache; a key past the row's length never reaches the math.)
+    // (a round trip at every block's start), as if the row covered them whole: kept if it does, else landed and
+    // loaded again. A guessed page entry out of range is not read and not reported (the row may not use it), and
+    // its tiles are loaded again the checked way. (Speculative reads stay inside the cache; a key past the row's
+    // length never reaches the math.)
     DecodeItem guess;
     guess.b = guess.cache_row = cur.b;
     guess.kv_head = cur.kv_head;
@@ -650,15 +785,102 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const bool speculate = !Tr::kExtras && cache_seqlens != nullptr && cache_batch_idx == nullptr &&
                            (Tr::kPaged || cur.b < cache_rows) &&
                            tile_first(guess, kAhead - 1) + Tr::kBlockN <= capacity;
+    // Launched programmatically (`programmatic`, sm_90), a block waits at wait_for_prior_grids for the kernel
+    // before to finish, often for microseconds: the first item's copies are worked out before the wait (Q's and the
+    // guessed tiles' addresses; paged, the guessed tiles' block_table entries are read for them), so that after it
+    // the copies are all that is left to issue (ptxas had put nearly all the index arithmetic after the wait, and a
+    // call's first copies went out ~500 instructions after it). Launched plainly, working out first only delayed
+    // the index loads (8 x 1k +8% on the H100): there the loads go first.
+    constexpr bool kPlanEarly = FA2_GRID_DEPENDENCIES != 0;  // (older GPUs: never launched programmatically)
+    const bool plan_early = kPlanEarly && programmatic != 0;
+    // Paged, early: the kernel before may still be writing block_table, so the entries read before the wait are
+    // guesses, read again after it; if any differs, the copies land and the tiles load again.
+    int early_entries[kAhead][kTilePages], entries_after_wait[kAhead][kTilePages];
+    if (plan_early && Tr::kPaged && speculate) {
+#pragma unroll
+        for (int t = 0; t < kAhead; ++t) tile_entries(guess.b, tile_first(guess, t), early_entries[t], true);
+    }
+    QPlan first_q;
+    KVPlan guess_plans[kAhead];
     bool guess_bad_page = false;
+    auto plan_first = [&] {
+        if constexpr (kPlanQ) {
+            first_q = plan_q(cur);
+#pragma unroll
+            for (int i = 0; i < kQPerThread; ++i) keep_here(first_q.src[i]);
+        }
+        if constexpr (kWalk) {
+            if (speculate) {
+#pragma unroll
+                for (int t = 0; t < kAhead; ++t) {
+                    int pages[kTilePages];
+                    bool bad = false;
+                    if constexpr (Tr::kPaged) {
+                        if (plan_early) {
+#pragma unroll
+                            for (int p = 0; p < kTilePages; ++p) pages[p] = early_entries[t][p];
+                        } else {
+                            tile_entries(guess.b, tile_first(guess, t), pages, false);
+                        }
+                        bad = check_pages(guess, tile_first(guess, t), pages, true);
+                    }
+                    guess_bad_page |= bad;
+                    guess_plans[t] = plan_kv(guess, tile_first(guess, t), pages, bad);
+                    keep_plan_here(guess_plans[t]);
+                }
+            }
+        }
+    };
+    if (plan_early) plan_first();
+
+    decode_mark(0, blockIdx.x);
+    // (launched early after the append or the previous call: every block is resident from the start, so the next
+    // kernel may take the SMs as they empty)
+    wait_for_prior_grids();
+    decode_mark(22, blockIdx.x);
+    allow_next_grid();
+    // The error word, read first and looked at once the first item's loads are out (pending_report).
+    const int error_word = *static_cast<volatile int*>(error_claim);
+    item_loads(cur);
+    if (plan_early) {
+        if (Tr::kPaged && speculate) {
+#pragma unroll
+            for (int t = 0; t < kAhead; ++t)
+                tile_entries(guess.b, tile_first(guess, t), entries_after_wait[t], false);
+        }
+    } else {
+        plan_first();
+    }
+    // The first item: Q (its addresses need no index value, so it loads while they arrive), then each warp's ring
+    // prologue, one group per position (empty past the warp's tiles).
+    if constexpr (kPlanQ)
+        issue_q(first_q, 0);
+    else
+        load_q(cur, 0);
+    cp_async_commit();
     if (speculate) {
 #pragma unroll
         for (int t = 0; t < kAhead; ++t) {
-            guess_bad_page |= load_kv(guess, t, t, true);
+            if constexpr (kWalk) {
+                if (guess_plans[t].rows_in >= Tr::kBlockN)
+                    issue_kv(guess_plans[t], t, Const<1>{});
+                else
+                    issue_kv(guess_plans[t], t, Const<0>{});
+            } else {
+                guess_bad_page |= load_kv_given(guess, t, t, true, plan_early, early_entries[t]);
+            }
             cp_async_commit();
         }
     }
     item_check(cur);
+    if (plan_early && Tr::kPaged && speculate) {
+#pragma unroll
+        for (int t = 0; t < kAhead; ++t)
+#pragma unroll
+            for (int p = 0; p < kTilePages; ++p) guess_bad_page |= early_entries[t][p] != entries_after_wait[t][p];
+        // (lanes may have read different guesses while block_table was being written: they start again together)
+        guess_bad_page = __any_sync(0xffffffffu, guess_bad_page);
+    }
     bool bad_page = false;  // a bad block_table entry in cur's tiles (this thread's loads)
     if (!speculate || guess_bad_page || tile_first(cur, kAhead - 1) + Tr::kBlockN > cur.key_end) {
         if (speculate) cp_async_wait<0>();  // (a slot's copies land before it is filled again)
@@ -700,6 +922,24 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         else
             __syncthreads();  // ... for every thread, and every warp is past the previous item's merge
         decode_mark(1, item);
+        const i64 total_rows = (i64)batch * seqlen_q * nheads;
+        auto out_row = [&](int packed) {  // index of packed row `packed` in (batch, seqlen_q, nheads) order
+            int query, head;
+            query_head(cur.kv_head, packed, query, head);
+            return ((i64)cur.b * seqlen_q + query) * nheads + head;
+        };
+        auto lse_index = [&](int packed) {  // ... and in lse_out's (batch, nheads, seqlen_q) order
+            int query, head;
+            query_head(cur.kv_head, packed, query, head);
+            return ((i64)cur.b * nheads + head) * seqlen_q + query;
+        };
+        // (block merge) Where each of the item's rows goes in out and lse_out, worked out now: the index arithmetic,
+        // with its divisions, stays off the merge at the end, which every call waits for.
+        __shared__ i64 block_row[16], block_lse_row[16];
+        if (!solo && threadIdx.x < 16) {
+            block_row[threadIdx.x] = out_row(cur.row0 + threadIdx.x);
+            block_lse_row[threadIdx.x] = lse_index(cur.row0 + threadIdx.x);
+        }
         const int next_item = item + walkers;
         const bool has_next = next_item < items;
         DecodeItem next;
@@ -831,17 +1071,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         decode_mark(12, item);
         float row_lse[2];
         softmax.finalize(acc_o, row_lse, Tr::kExtras ? 1.f : scale);
-        const i64 total_rows = (i64)batch * seqlen_q * nheads;
-        auto out_row = [&](int packed) {  // index of packed row `packed` in (batch, seqlen_q, nheads) order
-            int query, head;
-            query_head(cur.kv_head, packed, query, head);
-            return ((i64)cur.b * seqlen_q + query) * nheads + head;
-        };
-        auto lse_index = [&](int packed) {  // ... and in lse_out's (batch, nheads, seqlen_q) order
-            int query, head;
-            query_head(cur.kv_head, packed, query, head);
-            return ((i64)cur.b * nheads + head) * seqlen_q + query;
-        };
         if constexpr (solo) {
             // The warp's rows are final (one split): each lane holds rows lane / 4 and lane / 4 + 8, two columns
             // of every 8-column tile.
@@ -883,17 +1112,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             }
             __syncthreads();
             decode_mark(20, item);
-            // Per row, once: the block's lse, each warp's lse replaced by its weight, and where the row goes in out
-            // and lse_out (the index arithmetic, with its run-time divisions, kept off the loops below).
+            // Per row, once: the block's lse, and each warp's lse replaced by its weight.
             __shared__ float block_lse[16];
-            __shared__ i64 block_row[16], block_lse_row[16];
             if (threadIdx.x < real_rows) {
                 const int r = threadIdx.x;
                 const float lse = merged_lse(kW, [&](int w) { return merge_lse[w * 16 + r]; });
                 for (int w = 0; w < kW; ++w) merge_lse[w * 16 + r] = part_weight(merge_lse[w * 16 + r], lse);
                 block_lse[r] = lse;
-                block_row[r] = out_row(cur.row0 + r);
-                block_lse_row[r] = lse_index(cur.row0 + r);
             }
             __syncthreads();
             decode_mark(21, item);

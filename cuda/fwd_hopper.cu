@@ -74,12 +74,6 @@ FA2_DEVICE u32 ring_phase(u32 t) {
     return (t / Slots) & 1;
 }
 
-// A compile-time number passed as an argument (lambdas take no template arguments).
-template <int N>
-struct Const {
-    static constexpr int value = N;
-};
-
 // Diagnostics for bench/hopper_trace.py: built with FA2_FWD_TRACE, lane 0 of warpgroup 0's and warpgroup 1's first
 // warps and the producer's first thread record clock64 at numbered points of each of their block's first
 // kTraceItems work items (the consumers count items they see, the producer items it loads); otherwise the marks

@@ -188,6 +188,14 @@ FA2_DEVICE float4 ld_relaxed_gpu_v4(const float* ptr) {
                  : "l"(ptr));
     return x;
 }
+// A load that leaves no copy in L1 (cached in L2 only): for a value read before wait_for_prior_grids as a guess,
+// which the kernel before may still be writing, so that the same value read after the wait cannot hit a stale L1
+// line. Volatile: it stays before the wait.
+FA2_DEVICE int ld_cg(const int* ptr) {
+    int x;
+    asm volatile("ld.global.cg.s32 %0, [%1];\n" : "=r"(x) : "l"(ptr));
+    return x;
+}
 // Adds two consecutive floats to global memory without reading back (fp32 dQ accumulation in the backward).
 FA2_DEVICE void red_add_f32x2(float* ptr, float a, float b) {
 #if __CUDA_ARCH__ >= 900
@@ -230,6 +238,12 @@ FA2_DEVICE void st_global_v4(void* ptr, const u32 (&r)[4]) {
 // Release and acquire at GPU scope in one fence: with a block barrier before it (release) or after it (acquire),
 // one thread's fence orders the whole block's memory accesses around an atomic flag (fences are cumulative).
 FA2_DEVICE void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+
+// A compile-time number passed as an argument (lambdas take no template arguments).
+template <int N>
+struct Const {
+    static constexpr int value = N;
+};
 
 // n / d for a divisor fixed per launch, by a multiply-high and a shift (Granlund & Montgomery 1994) instead of a
 // ~20-instruction integer division: the host computes magic and shift (fa2cupy/forward.py fast_divisor). Exact for
@@ -496,11 +510,24 @@ FA2_DEVICE void mma_c_b(float (&acc)[MTiles][DTiles][4], const float (&p)[MTiles
 // A kernel launched with programmatic stream serialization (fa2cupy/build.py's Launch) may start while the kernel
 // before it in the stream is still running: it waits here before its first global memory access, until that
 // kernel has finished and its writes are visible (at once if it was launched without the attribute).
+#if __CUDA_ARCH__ >= 900
+#define FA2_GRID_DEPENDENCIES 1  // programmatic launches exist: wait_for_prior_grids may wait
+#else
+#define FA2_GRID_DEPENDENCIES 0
+#endif
 FA2_DEVICE void wait_for_prior_grids() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
 }
+// Keeps a value's computation before this point: an empty volatile asm that reads and rewrites it, and volatile
+// asm keeps its program order (with wait_for_prior_grids too). For index arithmetic that needs no memory, done while
+// a block waits for the kernel before instead of after (ptxas had put nearly all of it after the wait).
+template <class T>
+FA2_DEVICE void keep_here(T*& p) {
+    asm volatile("" : "+l"(p));
+}
+FA2_DEVICE void keep_here(int& x) { asm volatile("" : "+r"(x)); }
 // Lets the next kernel in the stream start its launch now (it waits for this one in wait_for_prior_grids): its
 // blocks take SMs as this kernel's blocks leave them, instead of after the last one has finished.
 FA2_DEVICE void allow_next_grid() {

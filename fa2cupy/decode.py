@@ -266,9 +266,10 @@ def plan_decode(q_shape, strides, dtype: str, *, nheads_kv: int, cache_rows: int
     for divisor in (splits, nheads_kv * row_blocks, nheads_kv, group, max(page_size, 1)):  # the FastDiv divisors
         magic, shift = fast_divisor(divisor)
         args += (np.uint32(magic), np.int32(shift))
-    grid, smem = _attention_grid(function, config, device, items)
     programmatic = arch >= 90 and (splits >= PROGRAMMATIC_MIN_SPLITS if PROGRAMMATIC_LAUNCH is None
                                    else PROGRAMMATIC_LAUNCH)
+    args += (np.int32(programmatic),)  # (the kernel works out its first copies before waiting only then)
+    grid, smem = _attention_grid(function, config, device, items)
     attention = build.Launch(function, (grid, 1, 1), (config.threads, 1, 1), smem, args,
                              tuple(range(13)) + (seqlen_slot, extra_slot, extra_slot + 2), programmatic)
     q_span = (seqlen_q if extras.rotary_advance else 1) if extras.rotary_dim else 0

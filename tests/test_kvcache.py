@@ -684,6 +684,60 @@ def test_warp_items_match_reference(c, pretend_sms):
     assert plans and all(plan.splits == 1 and plan.config.warp_items for plan in plans), plans
 
 
+# A kernel that lets the next one start at once (programmatic launch), then rewrites a table after a pause.
+_LATE_WRITER = r"""
+extern "C" __global__ void late_writer(int* table, const int* values, int n, unsigned long long pause_ns) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+    unsigned long long start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (now - start < pause_ns);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) table[i] = values[i];
+}
+"""
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_block_table_written_by_the_kernel_before(page_size):
+    # The decode kernel reads the block_table entries of its first tiles before griddepcontrol.wait, as guesses.
+    # Here the kernel right before it (whose programmatic launch lets the decode blocks start while it runs) rewrites
+    # the table after a pause: the guesses read the old table, whose pages hold other keys, and the kernel must
+    # find that out after the wait and load those tiles again. The result must equal the same call on a table
+    # that was never rewritten, bitwise, and the reference. (On GPUs without programmatic launches the writer
+    # simply runs first.)
+    cp = _cupy()
+    rng = np.random.default_rng(page_size)
+    case = build_case(rng, batch=2, seqlen_q=1, nheads=32, nheads_kv=8, headdim=128, dtype="bfloat16",
+                      capacity=4096, seqlens=[4096, 3000], seqlen_new=0, page_size=page_size)
+    new_table = case["block_table"]
+    old_table = np.ascontiguousarray(np.roll(new_table, 1, axis=1))  # each entry names another logical page
+    writer = cp.RawKernel(_LATE_WRITER, "late_writer")
+    k_cache, v_cache = cp.asarray(case["phys_k"]), cp.asarray(case["phys_v"])
+    q, lens = cp.asarray(case["q"]), cp.asarray(case["seqlens"])
+    values = cp.asarray(new_table)
+
+    def run(table):
+        return _kvcache()(q, k_cache, v_cache, cache_seqlens=lens, block_table=table, num_splits=16,
+                          return_softmax_lse=True)
+
+    want_out, want_lse = run(values)  # poisoned outputs: every element written
+    check_outputs(case, want_out, want_lse, None, False)
+    with debug_poison("forward", False):  # (no fill kernel between the writer and the decode kernel)
+        run(values)  # the plan and its split workspace exist before the timed pair
+        for _ in range(5):
+            table = cp.asarray(old_table)
+            cp.cuda.runtime.deviceSynchronize()
+            writer((1,), (256,), (table, values, np.int32(values.size), np.uint64(50_000)))
+            out, lse = run(table)
+            cp.cuda.runtime.deviceSynchronize()
+            assert cp.array_equal(table, values)
+            assert np.array_equal(_bits(cp.asnumpy(out)), _bits(cp.asnumpy(want_out)))
+            assert cp.array_equal(lse, want_lse)
+
+
 def test_non_default_stream():
     cp = _cupy()
     rng = np.random.default_rng(5)
