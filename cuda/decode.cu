@@ -1146,8 +1146,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                     reinterpret_cast<u32*>(out + row * headdim)[c / 2] = Mma::pack(o.x, o.y);
                     if (c == 0 && lse_out != nullptr) lse_out[block_lse_row[r]] = lse;
                 } else {
-                    *reinterpret_cast<float2*>(partial_out + (cur.split * total_rows + row) * headdim + c) = o;
-                    if (c == 0) partial_lse[cur.split * total_rows + row] = lse;
+                    // Read back by the last block within microseconds: kept in L2 ahead of the K/V stream, which
+                    // had pushed them out before the last block came (1 x 16k: 0.5-1 us a call, with where the
+                    // workspace lies in memory).
+                    const u64 keep = l2_evict_last();
+                    st_global_f32x2(partial_out + (cur.split * total_rows + row) * headdim + c, o.x, o.y, keep);
+                    if (c == 0) st_global_f32(partial_lse + cur.split * total_rows + row, lse, keep);
                 }
             }
             decode_mark(14, item);

@@ -50,6 +50,23 @@ FA2_DEVICE void cp_async_16_prefetch256(u32 dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
                  "r"(valid ? 16 : 0));
 }
+// An L2 eviction policy (createpolicy, for cache_hint accesses) under which lines go last when L2 evicts: for a
+// result another block reads back within microseconds (decode's split partials) while a stream goes through L2.
+// (Its counterpart for the stream, evict-first K/V, cost the small caches their L2 residency against the SDPA
+// calls the bench interleaves: 8 x 1k 0.66x.)
+FA2_DEVICE u64 l2_evict_last() {
+    u64 policy;
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
+    return policy;
+}
+// Stores under an L2 policy.
+FA2_DEVICE void st_global_f32x2(float* ptr, float a, float b, u64 policy) {
+    asm volatile("st.global.L2::cache_hint.v2.f32 [%0], {%1, %2}, %3;\n" ::"l"(ptr), "f"(a), "f"(b), "l"(policy)
+                 : "memory");
+}
+FA2_DEVICE void st_global_f32(float* ptr, float a, u64 policy) {
+    asm volatile("st.global.L2::cache_hint.f32 [%0], %1, %2;\n" ::"l"(ptr), "f"(a), "l"(policy) : "memory");
+}
 FA2_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 FA2_DEVICE void cp_async_wait() {
