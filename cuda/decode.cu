@@ -534,7 +534,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
     // Paged: a tile starts on a multiple of 16 keys and pages hold multiples of 16, so it spans at most BlockN / 16
     // pages. The block_table entries of the pages the tile of batch row b from key `first` reaches (0 past
-    // max_pages); `early`: read before wait_for_prior_grids, as guesses (ld_cg).
+    // max_pages); `early`: read before wait_for_prior_grids, as guesses (ld_relaxed_gpu).
     constexpr int kTilePages = Tr::kPaged ? Tr::kBlockN / 16 : 1;
     auto tile_entries = [&](int b, int first, int (&entries)[kTilePages], bool early) {
         const int first_page = by_page_size.div(first);
@@ -544,7 +544,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             const int page_idx = first_page + p;
             const int* entry = block_table + (i64)b * max_pages + page_idx;
             const bool reached = page_idx < max_pages && (p == 0 || first_offset + Tr::kBlockN > p * page_size);
-            entries[p] = !reached ? 0 : early ? ld_cg(entry) : *entry;
+            entries[p] = !reached ? 0 : early ? ld_relaxed_gpu(entry) : *entry;
         }
     };
     // Paged: a tile's entries kept where the tile uses the page (else 0) and checked; true if one was out of range

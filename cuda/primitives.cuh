@@ -33,6 +33,7 @@ FA2_DEVICE u32 smem_u32(const void* ptr) {
 
 // `p`, but opaque to the compiler: addresses formed from it stay one register plus an immediate offset, where
 // ptxas had re-derived each from 64-bit index arithmetic (four instructions a copy in the paged K/V loader).
+// (keep_here, beside wait_for_prior_grids, is its volatile form, which also keeps the value's place in order.)
 template <class T>
 FA2_DEVICE const T* opaque(const T* p) {
     asm("" : "+l"(p));
@@ -198,19 +199,18 @@ FA2_DEVICE float ld_relaxed_gpu(const float* ptr) {
     asm volatile("ld.relaxed.gpu.global.f32 %0, [%1];\n" : "=f"(x) : "l"(ptr));
     return x;
 }
+// (also a guess read before wait_for_prior_grids: coherent at GPU scope, it leaves no L1 copy that the same read
+// after the wait could hit; volatile, it stays before the wait)
+FA2_DEVICE int ld_relaxed_gpu(const int* ptr) {
+    int x;
+    asm volatile("ld.relaxed.gpu.global.s32 %0, [%1];\n" : "=r"(x) : "l"(ptr));
+    return x;
+}
 FA2_DEVICE float4 ld_relaxed_gpu_v4(const float* ptr) {
     float4 x;
     asm volatile("ld.relaxed.gpu.global.v4.f32 {%0, %1, %2, %3}, [%4];\n"
                  : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w)
                  : "l"(ptr));
-    return x;
-}
-// A load that leaves no copy in L1 (cached in L2 only): for a value read before wait_for_prior_grids as a guess,
-// which the kernel before may still be writing, so that the same value read after the wait cannot hit a stale L1
-// line. Volatile: it stays before the wait.
-FA2_DEVICE int ld_cg(const int* ptr) {
-    int x;
-    asm volatile("ld.global.cg.s32 %0, [%1];\n" : "=r"(x) : "l"(ptr));
     return x;
 }
 // Adds two consecutive floats to global memory without reading back (fp32 dQ accumulation in the backward).
