@@ -533,31 +533,39 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     };
 
     // Paged: a tile starts on a multiple of 16 keys and pages hold multiples of 16, so it spans at most BlockN / 16
-    // pages. The block_table entries of the pages the tile of batch row b from key `first` reaches (0 past
-    // max_pages); `early`: read before wait_for_prior_grids, as guesses (ld_relaxed_gpu).
+    // pages. A tile's first key and (paged) the index of its first page and the key's slot there, worked out once.
     constexpr int kTilePages = Tr::kPaged ? Tr::kBlockN / 16 : 1;
-    auto tile_entries = [&](int b, int first, int (&entries)[kTilePages], bool early) {
-        const int first_page = by_page_size.div(first);
-        const int first_offset = first - first_page * page_size;
+    struct TileStart {
+        int first, page, offset;
+    };
+    auto tile_start = [&](int first) {
+        TileStart t{first, 0, 0};
+        if constexpr (Tr::kPaged) {
+            t.page = by_page_size.div(first);
+            t.offset = first - t.page * page_size;
+        }
+        return t;
+    };
+    // The block_table entries of the pages the tile reaches in batch row b (0 past max_pages); `early`: read before
+    // wait_for_prior_grids, as guesses.
+    auto tile_entries = [&](int b, const TileStart& t, int (&entries)[kTilePages], bool early) {
 #pragma unroll
         for (int p = 0; p < kTilePages; ++p) {
-            const int page_idx = first_page + p;
+            const int page_idx = t.page + p;
             const int* entry = block_table + (i64)b * max_pages + page_idx;
-            const bool reached = page_idx < max_pages && (p == 0 || first_offset + Tr::kBlockN > p * page_size);
+            const bool reached = page_idx < max_pages && (p == 0 || t.offset + Tr::kBlockN > p * page_size);
             entries[p] = !reached ? 0 : early ? ld_relaxed_gpu(entry) : *entry;
         }
     };
     // Paged: a tile's entries kept where the tile uses the page (else 0) and checked; true if one was out of range
     // (reported unless `guessed`, and read as zeros).
-    auto check_pages = [&](const DecodeItem& it, int first, int (&pages)[kTilePages], bool guessed) -> bool {
+    auto check_pages = [&](const DecodeItem& it, const TileStart& t, int (&pages)[kTilePages], bool guessed) -> bool {
         bool bad_page = false;
-        const int first_page = by_page_size.div(first);
-        const int first_offset = first - first_page * page_size;
 #pragma unroll
         for (int p = 0; p < kTilePages; ++p) {
-            const int page_idx = first_page + p;
-            const bool used = p == 0 ? first < it.key_end
-                                     : first_offset + Tr::kBlockN > p * page_size &&
+            const int page_idx = t.page + p;
+            const bool used = p == 0 ? t.first < it.key_end
+                                     : t.offset + Tr::kBlockN > p * page_size &&
                                            page_idx * page_size < it.key_end && page_idx < max_pages;
             if (!used) pages[p] = 0;
         }
@@ -565,7 +573,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         for (int p = 0; p < kTilePages; ++p) {
             if (!index.row_ok(pages[p])) {
                 if (!bad_page && !guessed)
-                    report_bad_value(error_claim, error_host, kBadBlockTable, it.b, first_page + p, pages[p]);
+                    report_bad_value(error_claim, error_host, kBadBlockTable, it.b, t.page + p, pages[p]);
                 bad_page = true;
                 pages[p] = 0;
             }
@@ -587,10 +595,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         int rows_in;       // tile rows with keys: 0 for a lane past the head dim, or if a page was bad
         int first_offset;  // (paged) the tile's first key's slot in its first page
     };
-    auto plan_kv = [&](const DecodeItem& it, int first, const int (&pages)[kTilePages], bool bad_page) {
+    auto plan_kv = [&](const DecodeItem& it, const TileStart& t, const int (&pages)[kTilePages], bool bad_page) {
         KVPlan plan;
-        const int r0 = lane / kDT, c = (lane % kDT) * 8;
-        plan.first_offset = Tr::kPaged ? first - by_page_size.div(first) * page_size : 0;
+        const int r0 = lane / kDT, c = (lane % kDT) * 8, first = t.first;
+        plan.first_offset = t.offset;
 #pragma unroll
         for (int p = 0; p < kTilePages; ++p) {
             // Row r0's slot in page p (paged: negative or past the page for rows of another page, never read
@@ -655,26 +663,25 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     auto load_kv_given = [&](const DecodeItem& it, int j, int slot, bool guessed, bool use_given,
                              const int (&given)[kTilePages]) -> bool {
         bool bad_page = false;
-        const int first = tile_first(it, j);
+        const TileStart t = tile_start(tile_first(it, j));
+        const int first = t.first, first_offset = t.offset;
         int pages[kTilePages];
         if constexpr (Tr::kPaged) {
             if (use_given) {
 #pragma unroll
                 for (int p = 0; p < kTilePages; ++p) pages[p] = given[p];
             } else {
-                tile_entries(it.b, first, pages, false);
+                tile_entries(it.b, t, pages, false);
             }
-            bad_page = check_pages(it, first, pages, guessed);
+            bad_page = check_pages(it, t, pages, guessed);
         }
         // (Paged tiles keep the per-copy arithmetic after the first ones: inside the loop the walk's pointers for
         // two pages spilled at the register cap.)
         if constexpr (kWalk && !Tr::kPaged) {
-            issue_kv(plan_kv(it, first, pages, bad_page), slot, Const<0>{});
+            issue_kv(plan_kv(it, t, pages, bad_page), slot, Const<0>{});
         } else {
-            int first_offset = 0;
             i64 k_page_off[kTilePages], v_page_off[kTilePages];  // (paged) where each page's rows start
             if constexpr (Tr::kPaged) {
-                first_offset = first - by_page_size.div(first) * page_size;
 #pragma unroll
                 for (int p = 0; p < kTilePages; ++p) {
                     k_page_off[p] = pages[p] * k_batch_stride;
@@ -798,7 +805,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     int early_entries[kAhead][kTilePages], entries_after_wait[kAhead][kTilePages];
     if (plan_early && Tr::kPaged && speculate) {
 #pragma unroll
-        for (int t = 0; t < kAhead; ++t) tile_entries(guess.b, tile_first(guess, t), early_entries[t], true);
+        for (int t = 0; t < kAhead; ++t) tile_entries(guess.b, tile_start(tile_first(guess, t)), early_entries[t], true);
     }
     QPlan first_q;
     KVPlan guess_plans[kAhead];
@@ -813,6 +820,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             if (speculate) {
 #pragma unroll
                 for (int t = 0; t < kAhead; ++t) {
+                    const TileStart start = tile_start(tile_first(guess, t));
                     int pages[kTilePages];
                     bool bad = false;
                     if constexpr (Tr::kPaged) {
@@ -820,12 +828,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 #pragma unroll
                             for (int p = 0; p < kTilePages; ++p) pages[p] = early_entries[t][p];
                         } else {
-                            tile_entries(guess.b, tile_first(guess, t), pages, false);
+                            tile_entries(guess.b, start, pages, false);
                         }
-                        bad = check_pages(guess, tile_first(guess, t), pages, true);
+                        bad = check_pages(guess, start, pages, true);
                     }
                     guess_bad_page |= bad;
-                    guess_plans[t] = plan_kv(guess, tile_first(guess, t), pages, bad);
+                    guess_plans[t] = plan_kv(guess, start, pages, bad);
                     keep_plan_here(guess_plans[t]);
                 }
             }
@@ -846,7 +854,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         if (Tr::kPaged && speculate) {
 #pragma unroll
             for (int t = 0; t < kAhead; ++t)
-                tile_entries(guess.b, tile_first(guess, t), entries_after_wait[t], false);
+                tile_entries(guess.b, tile_start(tile_first(guess, t)), entries_after_wait[t], false);
         }
     } else {
         plan_first();
