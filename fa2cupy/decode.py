@@ -138,6 +138,9 @@ WARP_ITEMS: bool | None = None
 #: Force programmatic launches of the decode kernels (True; sm_90 and later) or plain ones (False), instead of
 #: :data:`PROGRAMMATIC_MIN_SPLITS` (A/B timings).
 PROGRAMMATIC_LAUNCH: bool | None = None
+#: Force K/V copies under an L2 evict-first policy (True) or the normal one (False), instead of doing so only for
+#: calls whose K/V bytes exceed the L2 size (tests and A/B timings).
+STREAM_EVICT_FIRST: bool | None = None
 #: On sm_90 and later, calls with this many splits or more launch their kernels with programmatic stream
 #: serialization: a kernel's launch overlaps the end of the kernel before it in the stream (the last split
 #: block's merge of the call before, where most SMs idle), and it waits for that kernel before reading memory.
@@ -269,6 +272,10 @@ def plan_decode(q_shape, strides, dtype: str, *, nheads_kv: int, cache_rows: int
     programmatic = arch >= 90 and (splits >= PROGRAMMATIC_MIN_SPLITS if PROGRAMMATIC_LAUNCH is None
                                    else PROGRAMMATIC_LAUNCH)
     args += (np.int32(programmatic),)  # (the kernel works out its first copies before waiting only then)
+    kv_bytes = 2 * batch * max_seqlen_k * nheads_kv * headdim * item  # (at most: the longest row's keys per row)
+    evict_first = (kv_bytes > build.device_attribute(device, "L2CacheSize") if STREAM_EVICT_FIRST is None
+                   else STREAM_EVICT_FIRST)
+    args += (np.int32(evict_first),)  # (K/V that cannot stay in L2 stream through it under evict-first)
     grid, smem = _attention_grid(function, config, device, items)
     attention = build.Launch(function, (grid, 1, 1), (config.threads, 1, 1), smem, args,
                              tuple(range(13)) + (seqlen_slot, extra_slot, extra_slot + 2), programmatic)

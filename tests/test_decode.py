@@ -153,6 +153,30 @@ def test_blocks_walk_items_only_when_the_grid_is_over_full(monkeypatch):
     assert decode._attention_grid(Function, wide, 0, 10_000) == (10_000, wide.smem_bytes)
 
 
+def _h100_like_planner(monkeypatch):
+    """plan_decode of a bf16 hq=32 hkv=8 d=128 call on an H100-like part (132 SMs, 50 MiB L2), with device
+    queries and kernel builds stubbed: plan(batch, arch, num_splits=0, seqlen_k=16384)."""
+    from fa2cupy import build, decode
+
+    class Function:
+        ptr = 0
+
+    monkeypatch.setattr(build, "get_kernel", lambda *args: Function())
+    monkeypatch.setattr(build, "device_attribute",
+                        lambda device, name: {"L2CacheSize": 50 * 2**20, "MultiProcessorCount": 132}[name])
+    monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(decode, "_opt_in_smem", lambda config, device: config.smem_bytes)
+    monkeypatch.setattr(decode, "_attention_grid", lambda function, config, device, items: (items, 1024))
+    strides = {name: (0, 0, 0, 2) for name in ("q", "k_cache", "v_cache", "k", "v")}
+
+    def plan(batch, arch, num_splits=0, seqlen_k=16384):
+        return decode.plan_decode((batch, 1, 32, 128), strides, "bfloat16", nheads_kv=8, cache_rows=batch,
+                                  capacity=seqlen_k, page_size=0, max_pages=0, seqlen_new=1, max_seqlen_k=seqlen_k,
+                                  softmax_scale=0.1, causal=False, arch=arch, device=0, num_splits=num_splits,
+                                  item=2)
+    return plan
+
+
 def test_programmatic_launches_where_splits_merge(monkeypatch):
     # plan_decode (device queries and kernel builds stubbed: an H100-like part): on sm_90, calls of
     # PROGRAMMATIC_MIN_SPLITS splits or more launch every kernel (append included) programmatically, others plainly;
@@ -162,17 +186,7 @@ def test_programmatic_launches_where_splits_merge(monkeypatch):
     class Function:
         ptr = 0
 
-    monkeypatch.setattr(build, "get_kernel", lambda *args: Function())
-    monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
-    monkeypatch.setattr(decode, "_opt_in_smem", lambda config, device: config.smem_bytes)
-    monkeypatch.setattr(decode, "_attention_grid", lambda function, config, device, items: (items, 1024))
-    strides = {name: (0, 0, 0, 2) for name in ("q", "k_cache", "v_cache", "k", "v")}
-
-    def plan(batch, arch, num_splits=0):
-        return decode.plan_decode((batch, 1, 32, 128), strides, "bfloat16", nheads_kv=8, cache_rows=batch,
-                                  capacity=16384, page_size=0, max_pages=0, seqlen_new=1, max_seqlen_k=16384,
-                                  softmax_scale=0.1, causal=False, arch=arch, device=0, num_splits=num_splits,
-                                  item=2)
+    plan = _h100_like_planner(monkeypatch)
 
     def programmatic(p):
         return p.attention._config is not None, p.append._config is not None
@@ -185,6 +199,28 @@ def test_programmatic_launches_where_splits_merge(monkeypatch):
     assert programmatic(plan(64, 90)) == (True, True) and programmatic(plan(1, 80)) == (False, False)
     monkeypatch.setattr(decode, "PROGRAMMATIC_LAUNCH", False)
     assert programmatic(plan(1, 90)) == (False, False)
+
+
+def test_kv_streams_under_evict_first_only_past_l2(monkeypatch):
+    # The attention kernel's last argument: K/V copies under an L2 evict-first policy only for calls whose K/V
+    # bytes exceed L2 (50 MiB here; 2 x b x sk x 8 heads x 128 x 2 bytes), where they cannot stay in L2 anyway;
+    # a cache that fits keeps its residency. decode.STREAM_EVICT_FIRST forces either way.
+    from fa2cupy import decode
+
+    plan = _h100_like_planner(monkeypatch)
+
+    def evict_first(p):
+        return int(p.attention._slots[len(p.attention._slots) - 1])
+
+    assert evict_first(plan(1, 90, seqlen_k=16384)) == 1        # 64 MiB
+    assert evict_first(plan(8, 90, seqlen_k=1024)) == 0         # 32 MiB
+    assert evict_first(plan(64, 90, seqlen_k=1024)) == 1        # 256 MiB
+    assert evict_first(plan(1, 90, seqlen_k=4096)) == 0         # 16 MiB
+    assert evict_first(plan(1, 80, seqlen_k=65536)) == 1        # (the policy is sm_80's too)
+    monkeypatch.setattr(decode, "STREAM_EVICT_FIRST", False)
+    assert evict_first(plan(1, 90, seqlen_k=16384)) == 0
+    monkeypatch.setattr(decode, "STREAM_EVICT_FIRST", True)
+    assert evict_first(plan(8, 90, seqlen_k=1024)) == 1
 
 
 def test_deep_ring_twin_for_short_streams():

@@ -383,6 +383,27 @@ def test_paged_equals_contiguous_bitwise(dtype, page_size, num_splits):
         "paged and contiguous caches with the same content must give bitwise-identical out"
 
 
+@pytest.mark.parametrize("page_size", [None, 16, 64])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_evict_first_stream_changes_no_bit(page_size, num_splits, monkeypatch):
+    # K/V copies under the L2 evict-first policy (which calls past the L2 size take) give the reference's answer
+    # and the normal policy's bits; plans are rebuilt for each.
+    from fa2cupy import decode, interface
+
+    cp = _cupy()
+    rng = np.random.default_rng(7 + num_splits)
+    case = build_case(rng, batch=2, seqlen_q=1, nheads=32, nheads_kv=8, headdim=128, dtype="bfloat16",
+                      capacity=2048, seqlens=[2047, 900], seqlen_new=1, page_size=page_size)
+    results = []
+    for evict_first in (True, False):
+        monkeypatch.setattr(decode, "STREAM_EVICT_FIRST", evict_first)
+        interface._cached_calls.clear()
+        out, lse = run_and_check(case, num_splits=num_splits)
+        results.append((_bits(cp.asnumpy(out)), cp.asnumpy(lse).view(np.uint32)))
+    interface._cached_calls.clear()
+    assert np.array_equal(results[0][0], results[1][0]) and np.array_equal(results[0][1], results[1][1])
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "batch_idx", "paged"])
 @pytest.mark.parametrize("new", [1, 4])
 def test_append_writes_exactly_the_new_slots(layout, new):
