@@ -46,36 +46,31 @@ FA2_DEVICE const T* opaque(const T* p) {
 FA2_DEVICE void cp_async_16(u32 dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
-// The same with an L2 prefetch hint of 256 bytes: for streams read once in whole 256-byte rows (decode's K/V).
-FA2_DEVICE void cp_async_16_prefetch256(u32 dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-                 "r"(valid ? 16 : 0));
-}
 // L2 eviction policies (createpolicy, for cache_hint accesses). Evict-last: for a result another block reads back
 // within microseconds (decode's split partials) while a stream goes through L2. Evict-first: for a stream read once
 // that is larger than L2 anyway (it cannot stay there; under evict-first a cache that fits L2 lost its residency to
-// the SDPA calls the bench interleaves: 8 x 1k 0.66x).
+// the SDPA calls the bench interleaves: 8 x 1k 0.66x). Evict-unchanged: as if with no policy (an explicit
+// evict_normal one cost an L2-resident 8 x 1k cache 8%; evict-unchanged is level with no hint).
 FA2_DEVICE u64 l2_evict_first() {
     u64 policy;
     asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
     return policy;
 }
-// Evict-unchanged: the policy of a copy that takes none (an explicit evict_normal one cost an L2-resident 8 x 1k
-// cache 8%; evict-unchanged is level with no hint), so that one cache_hint copy serves both.
 FA2_DEVICE u64 l2_evict_unchanged() {
     u64 policy;
     asm volatile("createpolicy.fractional.L2::evict_unchanged.b64 %0, 1.0;\n" : "=l"(policy));
     return policy;
 }
-// cp_async_16_prefetch256 under an L2 policy.
-FA2_DEVICE void cp_async_16_prefetch256(u32 dst, const void* src, bool valid, u64 policy) {
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
-                 "r"(valid ? 16 : 0), "l"(policy));
-}
 FA2_DEVICE u64 l2_evict_last() {
     u64 policy;
     asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(policy));
     return policy;
+}
+// cp_async_16 with an L2 prefetch hint of 256 bytes, under an L2 policy: for streams read once in whole 256-byte
+// rows (decode's K/V).
+FA2_DEVICE void cp_async_16_prefetch256(u32 dst, const void* src, bool valid, u64 policy) {
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
+                 "r"(valid ? 16 : 0), "l"(policy));
 }
 // Stores under an L2 policy.
 FA2_DEVICE void st_global_f32x2(float* ptr, float a, float b, u64 policy) {
