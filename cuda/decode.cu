@@ -809,7 +809,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     int early_entries[kAhead][kTilePages], entries_after_wait[kAhead][kTilePages];
     if (plan_early && Tr::kPaged && speculate) {
 #pragma unroll
-        for (int t = 0; t < kAhead; ++t) tile_entries(guess.b, tile_start(tile_first(guess, t)), early_entries[t], true);
+        for (int t = 0; t < kAhead; ++t)
+            tile_entries(guess.b, tile_start(tile_first(guess, t)), early_entries[t], true);
     }
     QPlan first_q;
     KVPlan guess_plans[kAhead];

@@ -1337,6 +1337,11 @@ def environment_info() -> dict[str, Any]:
                              capture_output=True, text=True, timeout=5)
         if sha.returncode == 0:
             env["git_commit"] = sha.stdout.strip()
+            # The kernels timed are the sources on disk: say so when they are not that commit's.
+            changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "cuda", "fa2cupy"],
+                                     cwd=_package_root(), capture_output=True, text=True, timeout=5)
+            if changed.returncode == 0 and changed.stdout.strip():
+                env["git_commit"] += "+modified"
     except Exception:
         pass
     return env
