@@ -16,7 +16,7 @@ off), ``block``/``solo``/``solodeep``/``soloshallow`` (warp items forced off, or
 (warp items with 3 ring stages), ``walkN`` (N blocks wherever blocks walk items), ``wN`` (N warps per block),
 ``st3`` (3 ring stages), ``bn16`` / ``bn16st3`` / ``bn16st4`` (16-key tiles, 2-4 ring stages), ``nopdl`` /
 ``pdl`` (plain or programmatic launches whatever the split count, instead of decode.PROGRAMMATIC_MIN_SPLITS),
-``ef`` / ``noef`` (K/V copies under L2 evict-first or the normal policy whatever the call's size),
+``ef`` / ``noef`` (K/V copies under L2 evict-first or under none whatever the call's size),
 ``splitsN`` (N splits wherever the rule splits: 33 at 1 x 16k is 264 items that 132 walking blocks take two at a
 time, every SM streaming).
 """
@@ -70,7 +70,7 @@ VARIANTS["st3"] = {"decode_config": _row(stages=3)}
 VARIANTS["nopdl"] = {"PROGRAMMATIC_LAUNCH": False}  # plain launches (no programmatic stream serialization)
 VARIANTS["pdl"] = {"PROGRAMMATIC_LAUNCH": True}  # programmatic launches whatever the split count
 VARIANTS["ef"] = {"STREAM_EVICT_FIRST": True}  # K/V under L2 evict-first whatever their size
-VARIANTS["noef"] = {"STREAM_EVICT_FIRST": False}  # K/V under the normal policy whatever their size
+VARIANTS["noef"] = {"STREAM_EVICT_FIRST": False}  # K/V under no policy (evict-unchanged) whatever their size
 VARIANTS["bn16"] = {"decode_config": _row(block_n=16)}  # 16-key tiles: two walking blocks per SM fit
 for _n in (32, 33, 66):  # a fixed split count wherever the rule would split
     VARIANTS[f"splits{_n}"] = {"choose_num_splits": lambda blocks, sms, keys, tile, n=_n: n if blocks < sms else 1}

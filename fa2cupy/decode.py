@@ -138,7 +138,7 @@ WARP_ITEMS: bool | None = None
 #: Force programmatic launches of the decode kernels (True; sm_90 and later) or plain ones (False), instead of
 #: :data:`PROGRAMMATIC_MIN_SPLITS` (A/B timings).
 PROGRAMMATIC_LAUNCH: bool | None = None
-#: Force K/V copies under an L2 evict-first policy (True) or the normal one (False), instead of doing so only for
+#: Force K/V copies under an L2 evict-first policy (True) or under none (False: evict-unchanged), instead of only for
 #: calls whose K/V bytes exceed the L2 size (tests and A/B timings).
 STREAM_EVICT_FIRST: bool | None = None
 #: On sm_90 and later, calls with this many splits or more launch their kernels with programmatic stream

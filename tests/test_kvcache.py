@@ -387,7 +387,7 @@ def test_paged_equals_contiguous_bitwise(dtype, page_size, num_splits):
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_evict_first_stream_changes_no_bit(page_size, num_splits, monkeypatch):
     # K/V copies under the L2 evict-first policy (which calls past the L2 size take) give the reference's answer
-    # and the normal policy's bits; plans are rebuilt for each.
+    # and the bits of copies under no policy; plans are rebuilt for each.
     from fa2cupy import decode, interface
 
     cp = _cupy()
