@@ -806,11 +806,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const bool plan_early = kPlanEarly && programmatic != 0;
     // Paged, early: the kernel before may still be writing block_table, so the entries read before the wait are
     // guesses, read again after it; if any differs, the copies land and the tiles load again.
+    TileStart guess_starts[kAhead];  // (worked out once, for the reads before and after the wait and the plans)
+#pragma unroll
+    for (int t = 0; t < kAhead; ++t) guess_starts[t] = tile_start(tile_first(guess, t));
     int early_entries[kAhead][kTilePages], entries_after_wait[kAhead][kTilePages];
     if (plan_early && Tr::kPaged && speculate) {
 #pragma unroll
-        for (int t = 0; t < kAhead; ++t)
-            tile_entries(guess.b, tile_start(tile_first(guess, t)), early_entries[t], true);
+        for (int t = 0; t < kAhead; ++t) tile_entries(guess.b, guess_starts[t], early_entries[t], true);
     }
     QPlan first_q;
     KVPlan guess_plans[kAhead];
@@ -825,7 +827,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             if (speculate) {
 #pragma unroll
                 for (int t = 0; t < kAhead; ++t) {
-                    const TileStart start = tile_start(tile_first(guess, t));
+                    const TileStart& start = guess_starts[t];
                     int pages[kTilePages];
                     bool bad = false;
                     if constexpr (Tr::kPaged) {
@@ -859,7 +861,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         if (Tr::kPaged && speculate) {
 #pragma unroll
             for (int t = 0; t < kAhead; ++t)
-                tile_entries(guess.b, tile_start(tile_first(guess, t)), entries_after_wait[t], false);
+                tile_entries(guess.b, guess_starts[t], entries_after_wait[t], false);
         }
     } else {
         plan_first();
