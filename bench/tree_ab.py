@@ -6,7 +6,8 @@ with the first variant's.
     python bench/tree_ab.py --trees base=ab_trees/base/cuda new=cuda new1q=cuda@3,3,1 [--cases fwd128:causal:2048 ...]
 
 A tree may name a Hopper row after an @ (HopperFwdConfig's fields after block_n 128, for d=128 or, as
-``@64:4,4,2``, another head dim); otherwise each tree plans with this package's table. Make the trees on the
+``@64:4,4,2,3``, another head dim; consumer_wgs may be left out: 2); otherwise each tree plans with this package's
+table. Make the trees on the
 machine that sends the command: the device's repository copy has the session's first commit as git HEAD.
 
 A case is ``fwd<d>:<mask>:<seqlen>`` with mask none, causal or window<left> (left, 0); bf16, 16k tokens per

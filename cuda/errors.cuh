@@ -20,8 +20,11 @@ enum BadValue : int {
 };
 
 // Records the first bad value: what (BadValue), where (row, col of the offending array) and the value itself.
+// ByExchange takes the same claim with atomicExch: one register where atomicCAS takes a pair, for code that has
+// few (the Hopper forward's 32-register producer spilled around the pair).
+template <bool ByExchange = false>
 FA2_DEVICE void report_bad_value(int* claim, long long* host, int what, int row, int col, int value) {
-    if (atomicCAS(claim, 0, 1) == 0) {
+    if ((ByExchange ? atomicExch(claim, 1) : atomicCAS(claim, 0, 1)) == 0) {
         volatile long long* report = host;
         report[1] = ((long long)row << 32) | (unsigned)col;
         report[2] = value;

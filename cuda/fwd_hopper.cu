@@ -1,18 +1,18 @@
 // FlashAttention forward for Hopper (sm_90a): wgmma tensor cores, warp-specialised, persistent.
 //
-// A block is a producer warpgroup and two consumer warpgroups. The producer streams each work item's Q tile (128
-// rows) and its K/V tiles into shared memory with cp.async and announces each on an mbarrier; each consumer
-// warpgroup owns 64 of the rows and runs FA2's loop on them (S = Q K^T and O += P V on wgmma, the online softmax
-// in registers, only the log-sum-exp kept). The warpgroups never meet at a block barrier, only at the slots they
-// hand back (an mbarrier per slot), so a warpgroup passes over the key tiles its own rows cannot see (the causal
-// diagonal, the edges of a sliding window) while the other computes. Blocks are persistent: one per SM walks the
-// work items (query tile, head, batch), longest first within groups of heads that share L2, and the producer
-// loads the next item's Q (a second Q buffer) and first tiles while the consumers work on this one. K and V have
-// rings of their own, V's deeper: a K slot goes back once S has landed, a V slot a step later. A warpgroup puts
-// its output rows into its rows of the item's Q buffer (stmatrix) and goes on; the producer writes them out before
-// it loads another Q there, so the row write is off the warpgroups' turns. Items go in a grid
-// stride or, where their lengths differ (masks), to whichever block asks next (an atomic tile counter, zeroed per
-// launch): a fixed stride handed some SMs twice the keys of others under a causal mask.
+// A block is a producer warpgroup and two or three consumer warpgroups. The producer streams each work item's Q tile
+// (64 rows per consumer warpgroup) and its K/V tiles into shared memory with cp.async and announces each on an
+// mbarrier; each consumer warpgroup owns 64 of the rows and runs FA2's loop on them (S = Q K^T and O += P V on wgmma,
+// the online softmax in registers, only the log-sum-exp kept). The warpgroups never meet at a block barrier, only at
+// the slots they hand back (an mbarrier per slot), so a warpgroup passes over the key tiles its own rows cannot see
+// (the causal diagonal, the edges of a sliding window) while the others compute. Blocks are persistent: one per SM
+// walks the work items (query tile, head, batch), longest first within groups of heads that share L2, and the producer
+// loads the next item's Q (a second Q buffer) and first tiles while the consumers work on this one. K and V have rings
+// of their own, V's deeper: a K slot goes back once S has landed, a V slot a step later. A warpgroup puts its output
+// rows into its rows of the item's Q buffer (stmatrix) and goes on; the producer writes them out before it loads
+// another Q there, so the row write is off the warpgroups' turns. Items go in a grid stride or, where their lengths
+// differ (masks), to whichever block asks next (an atomic tile counter, zeroed per launch): a fixed stride handed some
+// SMs twice the keys of others under a causal mask.
 //
 // Same arguments as flash_fwd (cuda/fwd.cu) plus the batch size, the heads per L2 group and the tile counter (null
 // for the grid stride), so one launch plan serves both; padded and varlen calls without modifiers, varlen with paged
@@ -23,13 +23,17 @@
 
 namespace fa2 {
 
-template <int HeadDim, int BlockN, int KStages, int VStages, int QBuffers, class Elem_, int Mask, bool Varlen = false,
-          bool Paged = false>
+template <int HeadDim, int BlockN, int KStages, int VStages, int QBuffers, int ConsumerWGs, class Elem_, int Mask,
+          bool Varlen = false, bool Paged = false>
 struct HopperFwdTraits {
     using Elem = Elem_;
+    // Consumer warpgroups of 64 rows each, taking turns to issue: with three (d=64, where a tile's products are
+    // half as long as at d=128 and its softmax as long), each one's softmax runs under two others' products.
+    static constexpr int kConsumerWGs = ConsumerWGs;
+    static_assert(ConsumerWGs == 2 || ConsumerWGs == 3, "two or three consumer warpgroups");
     // K and V have rings of their own: a K slot goes back once S = Q K^T has landed, a V slot only after P V, a
     // step later, so V needs the deeper ring for the same lead.
-    static constexpr int kHeadDim = HeadDim, kBlockM = 128, kBlockN = BlockN, kKStages = KStages,
+    static constexpr int kHeadDim = HeadDim, kBlockM = 64 * ConsumerWGs, kBlockN = BlockN, kKStages = KStages,
                          kVStages = VStages, kMask = Mask;
     // Varlen: sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q/o/lse and cu_seqlens_k[b] .. of k/v;
     // seqlen_q/seqlen_k are the maxima, and work items past a sequence's end are passed over.
@@ -39,10 +43,16 @@ struct HopperFwdTraits {
     // addresses differ: the tiles, and so the results, are those of packed K/V.
     static constexpr bool kPaged = Paged;
     static_assert(Varlen || !Paged, "paged K/V comes with varlen");
-    // Two consumer warpgroups and a producer warpgroup, whose registers go to the consumers (setmaxnreg).
-    static constexpr int kConsumerWarps = 8, kThreads = 384, kProducerThreads = 128;
-    static constexpr int kProducerRegisters = 56, kConsumerRegisters = 224;
-    static_assert(kProducerRegisters + 2 * kConsumerRegisters <= 3 * 168, "the register file of one block");
+    // The consumer warpgroups and a producer warpgroup, whose registers go to the consumers (setmaxnreg).
+    static constexpr int kConsumerWarps = 4 * ConsumerWGs, kThreads = 128 * (ConsumerWGs + 1),
+                         kProducerThreads = 128;
+    // (Three consumers need 160 each: at 152 ptxas serialised their wgmmas. 32 + 3 x 160 fills the register file.)
+    static constexpr int kProducerRegisters = ConsumerWGs == 2 ? 56 : 32,
+                         kConsumerRegisters = ConsumerWGs == 2 ? 224 : 160;
+    static_assert(kProducerRegisters + ConsumerWGs * kConsumerRegisters <= 65536 / 128,
+                  "the register file of one block");
+    // Named barriers: 1 .. ConsumerWGs the consumers' turns, then the producer's own.
+    static constexpr int kProducerBarrier = ConsumerWGs + 1;
     using QTile = SwizzledSlabs<kBlockM, HeadDim>;
     using KVTile = SwizzledSlabs<BlockN, HeadDim>;
     // With two, the next item's Q loads while the consumers work on this one; with one, only once they have
@@ -161,8 +171,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const auto bounds = [&](int b, bool reporter) {
         Bounds r{seqlen_q, seqlen_k, 0, 0};
         if constexpr (Tr::kVarlen) {
-            const SeqBounds seq(cu_seqlens_q, cu_seqlens_k, b, total_q, total_k, error_claim, error_host, r.seqlen_q,
-                                r.seqlen_k, reporter ? 1 : 0);
+            const SeqBoundsOf<Tr::kConsumerWGs == 3> seq(cu_seqlens_q, cu_seqlens_k, b, total_q, total_k,
+                                                         error_claim, error_host, r.seqlen_q, r.seqlen_k,
+                                                         reporter ? 1 : 0);
             // (the same on every lane: uniform, the loops over the sequence's tiles and what they count stay off
             // vector registers and lane loops, as with the padded kernel's bounds from kernel arguments)
             // (paged: cu_seqlens_k counts keys in the sequence's pages, which start at its block_table row)
@@ -177,9 +188,22 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // Producer: a tile (zeros from row `valid` on) into swizzled slabs. After a slot's copies, one arrival per
         // thread on its barrier, made when they have landed.
         const int ptid = threadIdx.x - 32 * Tr::kConsumerWarps;
-        const SlabLoader<Tr::kProducerThreads, Tr::kHeadDim> loader(ptid);
-        const int first_row = loader.first_row, column = loader.column;
-        constexpr int kRowStep = decltype(loader)::kRowStep;
+        using Loader = SlabLoader<Tr::kProducerThreads, Tr::kHeadDim>;
+        Loader loader(ptid);
+        constexpr int kRowStep = Loader::kRowStep;
+        int out_row_stride = o_row_stride, row_pages = max_pages;
+        // With three consumer warpgroups the producer has 32 registers: its rows and these two strides are taken
+        // afresh per item (keep_here), or ptxas holds each array's row offset and the strides' sign words through
+        // the item loop, and spills.
+        const auto renew_per_item = [&] {
+            if constexpr (Tr::kConsumerWGs == 3) {
+                int thread = ptid;
+                keep_here(thread);
+                loader = Loader(thread);
+                keep_here(out_row_stride);
+                keep_here(row_pages);
+            }
+        };
         const auto load_tile = [&](auto tile, u32 dst, const u16* src, int row_stride, int valid) {
             loader.template load<decltype(tile)>(dst, src, row_stride, valid);
         };
@@ -193,16 +217,18 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         const auto store_rows = [&](int buffer) {
             const int* slot = item_slots + 4 * buffer;
             const int item = slot[0], seqlen = slot[1], q_start = slot[3];
-            asm volatile("bar.sync 3, %0;\n" ::"n"(Tr::kProducerThreads) : "memory");  // (read before rewritten)
+            // (read before rewritten)
+            asm volatile("bar.sync %0, %1;\n" ::"n"(Tr::kProducerBarrier), "n"(Tr::kProducerThreads) : "memory");
             int m_block, head, b;
             coords(item, m_block, head, b);
             const int row0 = m_block * Tr::kBlockM;
-            u16* to = o + b * o_batch_stride + (i64)(q_start + row0 + first_row) * o_row_stride +
+            const int first_row = loader.first_row, column = loader.column;
+            u16* to = o + b * o_batch_stride + (i64)(q_start + row0 + first_row) * out_row_stride +
                       head * o_head_stride + column;
             u32 from = QTile::at(smem_q + buffer * QTile::kBytes, first_row, column);
 #pragma unroll 1
             for (int row = first_row; row < Tr::kBlockM && row < seqlen - row0;
-                 row += kRowStep, from += kRowStep * QTile::kRowBytes, to += (i64)kRowStep * o_row_stride) {
+                 row += kRowStep, from += kRowStep * QTile::kRowBytes, to += (i64)kRowStep * out_row_stride) {
                 u32 x[4];
                 ld_shared_v4(from, x);
                 *reinterpret_cast<uint4*>(to) = make_uint4(x[0], x[1], x[2], x[3]);
@@ -232,7 +258,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         const auto next_item = [&](int item, int ticket) {
             if (tile_counter == nullptr) return item + (int)gridDim.x;
             if (ptid == 0) item_slots[4 * Tr::kQBuffers + exchange] = ticket;
-            asm volatile("bar.sync 3, %0;\n" ::"n"(Tr::kProducerThreads) : "memory");
+            asm volatile("bar.sync %0, %1;\n" ::"n"(Tr::kProducerBarrier), "n"(Tr::kProducerThreads) : "memory");
             const int next = warp_uniform(item_slots[4 * Tr::kQBuffers + exchange]);
             exchange ^= 1;
             return next;
@@ -241,6 +267,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             if (ptid == 0) fwd_mark(point, items_loaded);
         };
         for (int item = blockIdx.x;;) {
+            renew_per_item();
             // The first thread takes the next item now, so that the atomic's round trip overlaps this one's loads.
             int ticket = 0;
             if (tile_counter != nullptr && ptid == 0 && item < items) ticket = atomicAdd(tile_counter, 1) + gridDim.x;
@@ -284,7 +311,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             const u16* k_row = nullptr;
             const u16* v_row = nullptr;
             const auto look_up_rows = [&] {
-                const PagedKeys keys{block_table + (i64)b * max_pages, {page_magic, page_shift}, page_size,
+                const PagedKeys keys{block_table + (i64)b * row_pages, {page_magic, page_shift}, page_size,
                                      num_pages};
                 int page, slot;
                 const int row = ptid;
@@ -329,8 +356,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
     // Consumers: warpgroup wg owns rows 64 wg .. 64 wg + 63 of each item's tile, warp w of it 16 of those.
     // Per key tile j a warpgroup issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} together, then turns S_j into
-    // P_j, and the two warpgroups take turns to issue (named barriers 1 and 2), so that one's softmax runs under
-    // the other's products. (ptxas puts the wait for P_{j-1} V_{j-1} ahead of the softmax; held below it, so that
+    // P_j, and the warpgroups take turns to issue (named barriers 1, 2 and 3), so that one's softmax runs under
+    // the others' products. (ptxas puts the wait for P_{j-1} V_{j-1} ahead of the softmax; held below it, so that
     // the softmax also ran under the warpgroup's own product, the kernel was 2.5-7.5% slower: bench/NOTES.md.)
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Tr::kConsumerRegisters));
     // The warpgroup as warp_uniform(): from `warp >> 2` ptxas kept every branch on the warpgroup divergent (a
@@ -341,23 +368,28 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // whole: with S's accumulators written by different wgmma in a branch, ptxas serialises every wgmma.)
     constexpr bool kHalves = Tr::kBlockN == 128;
     constexpr int kHalfKeys = Tr::kBlockN / 2, kLow = 1, kHigh = 2, kBoth = kLow | kHigh;
+    // Warpgroup w waits at barrier 1 + w for the one before it and hands the turn on at the next one's.
     const auto turn_wait = [&] {
         if (wg == 0)
             asm volatile("bar.sync 1, 256;\n" ::: "memory");
-        else
+        else if (Tr::kConsumerWGs == 2 || wg == 1)
             asm volatile("bar.sync 2, 256;\n" ::: "memory");
+        else
+            asm volatile("bar.sync 3, 256;\n" ::: "memory");
     };
     const auto turn_pass = [&] {
         if (wg == 0)
             asm volatile("bar.arrive 2, 256;\n" ::: "memory");
-        else
+        else if (Tr::kConsumerWGs == 2 || wg == 2)
             asm volatile("bar.arrive 1, 256;\n" ::: "memory");
+        else
+            asm volatile("bar.arrive 3, 256;\n" ::: "memory");
     };
-    if (wg == 1) turn_pass();  // warpgroup 0 issues first
+    if (wg == Tr::kConsumerWGs - 1) turn_pass();  // warpgroup 0 issues first
     u32 tiles = 0;  // K/V tiles taken (K's next is tile `tiles`)
     u32 items_taken = 0;  // (Q buffer items_taken % kQBuffers next)
     const auto mark = [&](int point) {
-        if ((warp & 3) == 0 && lane == 0) fwd_mark(6 * wg + point, items_taken);
+        if ((warp & 3) == 0 && lane == 0 && wg < 2) fwd_mark(6 * wg + point, items_taken);
     };
     for (;;) {
         const int q_buffer = ring_slot<Tr::kQBuffers>(items_taken);
@@ -538,7 +570,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         mark(5);
         ++items_taken;
     }
-    if (wg == 0) turn_wait();  // take warpgroup 1's last pass, so no arrival is left pending
+    if (wg == 0) turn_wait();  // take the last warpgroup's last pass, so no arrival is left pending
 }
 
 }  // namespace fa2

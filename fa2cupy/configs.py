@@ -69,24 +69,32 @@ class FwdConfig:
 @dataclass(frozen=True)
 class HopperFwdConfig:
     """Template arguments of ``fa2::HopperFwdTraits`` (cuda/fwd_hopper.cu, sm_90a only): wgmma, a producer
-    warpgroup and two consumer warpgroups of 64 rows, persistent blocks. 128 query rows per work item."""
+    warpgroup and consumer warpgroups of 64 rows each, persistent blocks; a work item is 64 query rows per
+    consumer warpgroup."""
 
     headdim: int  # exactly the head dim (64 or 128): the kernel has no zero-filled columns
     block_n: int  # keys per K/V tile
     k_stages: int  # K ring depth (a slot goes back once S has landed)
     v_stages: int  # V ring depth (a slot goes back after P V, a step later than K's)
     q_buffers: int  # 2: the next work item's Q loads during this one
+    consumer_wgs: int = 2  # 2 or 3 (three fit the registers at d=64 only)
 
-    block_m = 128
-    threads = 3 * 128  # two consumer warpgroups and a producer warpgroup
     family = "fwd_hopper"  # cuda/fwd_hopper.cu
+
+    @property
+    def block_m(self) -> int:
+        return 64 * self.consumer_wgs
+
+    @property
+    def threads(self) -> int:
+        return 128 * (self.consumer_wgs + 1)  # and a producer warpgroup
 
     @property
     def smem_bytes(self) -> int:
         # Must match HopperFwdTraits::kSmemBytes: alignment slack, the Q buffers, the K/V ring, the mbarriers,
         # the work-item words.
         stages = self.k_stages + self.v_stages
-        return 1024 + self.q_buffers * 128 * self.headdim * 2 + stages * self.block_n * self.headdim * 2 + (
+        return 1024 + self.q_buffers * self.block_m * self.headdim * 2 + stages * self.block_n * self.headdim * 2 + (
             8 * (2 * self.k_stages + self.v_stages + 2 * self.q_buffers) + 4 * (4 * self.q_buffers + 2))
 
     def name_expression(self, dtype: str, mask: str, mods: bool = False, varlen: bool = False,
@@ -97,13 +105,15 @@ class HopperFwdConfig:
             raise ValueError("paged K/V comes with varlen")
         flags = f"{DTYPE_TAGS[dtype]}, {MASK_TAGS[mask]}{', true' if varlen else ''}{', true' if paged else ''}"
         return (f"fa2::flash_fwd_hopper<fa2::HopperFwdTraits<{self.headdim}, {self.block_n}, {self.k_stages}, "
-                f"{self.v_stages}, {self.q_buffers}, {flags}>>")
+                f"{self.v_stages}, {self.q_buffers}, {self.consumer_wgs}, {flags}>>")
 
 
 #: The Hopper forward, by head dim: used on compute capability 9.0 for padded and varlen calls (paged K/V too)
-#: without score modifiers (every other case runs FORWARD_TABLE's mma.sync kernels).
+#: without score modifiers (every other case runs FORWARD_TABLE's mma.sync kernels). At d=64 a tile's products
+#: take half as long as at d=128 and its softmax as long, so three consumer warpgroups (192-row items) take turns:
+#: 12-14% faster than two at 2k-16k (H100, same process; bench/NOTES.md); d=128 has no registers for a third.
 FORWARD_HOPPER_TABLE: dict[int, HopperFwdConfig] = {
-    64: HopperFwdConfig(64, 128, 4, 4, 2),
+    64: HopperFwdConfig(64, 128, 4, 4, 2, 3),
     128: HopperFwdConfig(128, 128, 2, 3, 2),
 }
 

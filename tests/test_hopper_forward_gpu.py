@@ -61,7 +61,8 @@ def test_hopper_kernel_is_the_one_planned():
     assert isinstance(plan.config, configs.FwdConfig)  # modifiers stay on the mma.sync kernel
 
 
-LENGTHS = [1, 2, 17, 63, 64, 65, 127, 128, 129, 191, 255, 256, 257, 500, 1000, 1025]
+# (work items of 128 query rows at d=128, of 192 at d=64: three consumer warpgroups)
+LENGTHS = [1, 2, 17, 63, 64, 65, 127, 128, 129, 191, 192, 193, 255, 256, 257, 383, 385, 500, 1000, 1025]
 GROUPS = [(1, 1), (2, 2), (4, 1), (6, 3), (8, 2), (16, 4)]
 
 
@@ -104,6 +105,8 @@ def test_both_forward_kernels_match_reference_on_hopper(case, hopper):
         (2, 700, 300, 4, 1, 64, True, (-1, -1)),  # sq > sk: rows and whole query tiles with no key
         (1, 129, 4000, 2, 2, 128, False, (50, 50)),  # a narrow band over long keys
         (1, 1, 1, 1, 1, 64, False, (-1, -1)),  # one item, one row
+        (2, 1000, 1000, 4, 2, 64, False, (600, 0)),  # a band at d=64: three warpgroups, the third passing over
+        (1, 450, 450, 2, 2, 64, True, (-1, -1)),  # a ragged last item with no rows for its third warpgroup
     ],
 )
 def test_fixed_hopper_cases(hopper, b, sq, sk, h, hkv, d, causal, window):
@@ -185,9 +188,9 @@ def _pretend_sms(sms):
     [
         # (more work items than the H100's 132 SMs in each, so that the real GPU takes the counter too)
         (3, 1000, 6, 3, 128, True, (-1, -1), 1),  # groups of one kv head's 2 query heads (9 groups of 2)
-        (3, 1500, 5, 5, 64, True, (-1, -1), 3 * 1500 * 64 * 4),  # groups of 3 heads, the last one 2 (15 = 3 * 5)
+        (3, 2000, 5, 5, 64, True, (-1, -1), 3 * 2000 * 64 * 4),  # groups of 3 heads, the last one 2 (15 = 3 * 5)
         (2, 1500, 8, 2, 128, False, (300, 0), 16 << 20),  # a band, all 16 heads in one group
-        (2, 2200, 4, 4, 64, True, (40, 7), 1),
+        (3, 2200, 4, 4, 64, True, (40, 7), 1),
     ],
 )
 def test_tile_counter_matches_grid_stride_bitwise(sms, b, s, h, hkv, d, causal, window, group_bytes):
