@@ -532,10 +532,11 @@ def forward_config(arch: int, headdim: int, dtype: str, mask: str, varlen: bool 
 
 #: Causal and windowed calls run on the Hopper forward from this many query rows on (seqlen_q, or max_seqlen_q with
 #: varlen; tests set them to 0 to run the Hopper kernel at every length). Below it, items of a few key tiles each
-#: leave its pipeline mostly filling and draining. H100 bf16 causal, hidden 2048, TFLOPs/s of the Hopper / mma.sync
-#: kernels: d=64 512 191-201 / 195-196 (a coin toss: mma.sync kept), 1024 275-286 / 246-248; d=128 256 137 / 140,
-#: 512 232-234 / 196-200 (bench/NOTES.md).
-HOPPER_MASKED_MIN_SEQLEN = {64: 1024, 128: 512}
+#: leave its pipeline mostly filling and draining. H100 bf16 causal, hidden 2048, Hopper / mma.sync kernel time in one
+#: process (2026-11-27, after d=64 went to three consumer warpgroups): d=64 256 1.11x (mma.sync kept), 512 0.86x,
+#: 1024 1.00x; d=128 128 0.93x, 256 0.94x, 512 1.01x; windows d=64 (256, 0) over 512 0.79x, d=128 (128, 0) over 256
+#: 0.96x (bench/NOTES.md).
+HOPPER_MASKED_MIN_SEQLEN = {64: 512, 128: 128}
 
 #: The Hopper forward's persistent blocks take the work items of heads in groups whose K/V take at most this many
 #: bytes, longest first within a group, so that the heads in flight at any time share L2 (50 MB on the H100).
