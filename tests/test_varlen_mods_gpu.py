@@ -32,7 +32,7 @@ from fa2cupy.reference import (
 )
 from gpu_helpers import (  # noqa: F401 -- poison_forward_and_backward is an autouse fixture
     UNIT_ROUNDOFF, cu_seqlens, cupy_module as _cupy, debug_poison, fa2cupy_module, np_dtype as _np_dtype,
-    poison_forward_and_backward, torch_cuda as _torch)
+    planning_with, poison_forward_and_backward, skip_unless_hopper, torch_cuda as _torch)
 
 pytestmark = pytest.mark.gpu
 
@@ -263,23 +263,31 @@ def test_varlen_cached_fast_path(framework):
         assert len(fa2cupy.interface._cached_calls) == 2  # one forward and one backward plan, reused twice each
 
 
+@pytest.mark.parametrize("hopper", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
-def test_varlen_equals_padded_bitwise(causal):
-    """Each sequence of a varlen call gives bitwise what a batch-1 call on that sequence alone gives."""
+def test_varlen_equals_padded_bitwise(causal, hopper):
+    """Each sequence of a varlen call gives bitwise what a batch-1 call on that sequence alone gives, on one forward
+    kernel (the masked calls' length rule would otherwise put the short sequences' own calls on the other one)."""
+    from fa2cupy import configs, forward
+
+    if hopper:
+        skip_unless_hopper("forward")
     fa = fa2cupy_module()
     cp = _cupy()
     rng = np.random.default_rng(7)
     lengths = [130, 0, 1, 257, 64]
     cu = cu_seqlens(lengths)
     q, k, v = (_randn(rng, (int(cu[-1]), 4, 128), "bfloat16") for _ in range(3))
-    out = fa.flash_attn_varlen_func(q, k, v, cp.asarray(cu), cp.asarray(cu), max(lengths), max(lengths),
-                                    causal=causal)
-    for b, n in enumerate(lengths):
-        if n == 0:
-            continue
-        s = slice(int(cu[b]), int(cu[b + 1]))
-        alone = fa.flash_attn_func(q[None, s], k[None, s], v[None, s], causal=causal)
-        assert cp.array_equal(out[s].view(cp.uint16), alone[0].view(cp.uint16)), f"sequence {b} differs"
+    with planning_with((forward, "HOPPER", hopper),
+                       (configs, "HOPPER_MASKED_MIN_SEQLEN", dict.fromkeys(configs.HOPPER_MASKED_MIN_SEQLEN, 0))):
+        out = fa.flash_attn_varlen_func(q, k, v, cp.asarray(cu), cp.asarray(cu), max(lengths), max(lengths),
+                                        causal=causal)
+        for b, n in enumerate(lengths):
+            if n == 0:
+                continue
+            s = slice(int(cu[b]), int(cu[b + 1]))
+            alone = fa.flash_attn_func(q[None, s], k[None, s], v[None, s], causal=causal)
+            assert cp.array_equal(out[s].view(cp.uint16), alone[0].view(cp.uint16)), f"sequence {b} differs"
 
 
 @pytest.mark.parametrize("bad", ["decreasing", "past_end", "over_max", "negative"])
