@@ -733,14 +733,19 @@ FORWARD_RUNNERS: dict[str, Callable[[ForwardInputs], Runner]] = {
 
 
 def _kernel_config(case: Case) -> dict[str, Any] | None:
-    """The forward tile config fa2cupy would pick for ``case`` (None if unknown)."""
+    """The forward kernel and tile config fa2cupy would pick for ``case`` (None if unknown): the Hopper forward's
+    row where it takes the call, else the mma.sync forward's."""
     try:
-        from fa2cupy import configs  # noqa: PLC0415
+        from fa2cupy import configs, forward  # noqa: PLC0415
 
         arch = gpu_arch()
         dtype = "bfloat16" if case.dtype == "bf16" else "float16"
-        cfg = configs.forward_config(arch, case.headdim, dtype, "causal" if case.causal else "none")
-        return dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else {"config": str(cfg)}
+        mask = "causal" if case.causal else "none"
+        cfg = None
+        if forward.HOPPER:
+            cfg = configs.hopper_forward_config(arch, case.headdim, dtype, mask=mask, seqlen_q=case.seqlen_q)
+        cfg = cfg or configs.forward_config(arch, case.headdim, dtype, mask)
+        return {"family": cfg.family, "block_m": cfg.block_m, **dataclasses.asdict(cfg)}
     except Exception:
         return None
 
