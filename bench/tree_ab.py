@@ -3,11 +3,11 @@ unpacked by `git archive` beside the edited ones), timed in turns within one pro
 machine's spread fall on every variant alike. Each variant keeps its best round's median; outputs are compared
 with the first variant's.
 
-    python bench/tree_ab.py --trees base=ab_trees/base/cuda new=cuda new1q=cuda@3,3,1 [--cases fwd128:causal:2048 ...]
+    python bench/tree_ab.py --trees base=ab_trees/base/cuda new=cuda new1q=cuda@128,3,3,1 [--cases fwd128:causal:2048 ...]
 
-A tree may name a Hopper row after an @ (HopperFwdConfig's fields after block_n 128, for d=128 or, as
-``@64:4,4,2,3``, another head dim; consumer_wgs may be left out: 2); otherwise each tree plans with this package's
-table. Make the trees on the
+A tree may name a Hopper row after an @ (HopperFwdConfig's fields after the head dim, for d=128 or, as
+``@64:128,4,4,2,3``, another head dim; consumer_wgs may be left out: 2), which then runs every case of that head dim;
+otherwise each tree plans with this package's tables. Make the trees on the
 machine that sends the command: the device's repository copy has the session's first commit as git HEAD.
 
 A case is ``fwd<d>:<mask>:<seqlen>`` with mask none, causal or window<left> (left, 0); bf16, 16k tokens per
@@ -32,11 +32,10 @@ DEFAULT_CASES = ("fwd128:none:2048", "fwd128:causal:1024", "fwd128:causal:2048",
 def plans_for(tree: str, cases):
     """Each case planned against the kernels of the sources in ``tree`` (compiled now, kept by the plans)."""
     tree, _, row = tree.partition("@")
-    shipped = dict(configs.FORWARD_HOPPER_TABLE)
-    if row:  # [d:]k_stages,v_stages,q_buffers (d=128 when no head dim is named)
+    config = None
+    if row:  # [d:]block_n,k_stages,v_stages,q_buffers[,consumer_wgs] (d=128 when no head dim is named)
         d, _, fields = row.rpartition(":")
-        d = int(d or 128)
-        configs.FORWARD_HOPPER_TABLE[d] = configs.HopperFwdConfig(d, 128, *map(int, fields.split(",")))
+        config = configs.HopperFwdConfig(int(d or 128), *map(int, fields.split(",")))
     build.use_sources(tree)
     plans = {}
     for case in cases:
@@ -47,8 +46,8 @@ def plans_for(tree: str, cases):
         window = (int(mask[6:]), 0) if mask.startswith("window") else (-1, -1)
         strides = (shape[1] * heads * d, heads * d, d, 1)
         plans[case] = forward.plan_forward(shape, shape, (strides,) * 4, "bfloat16", d ** -0.5, mask != "none", 90,
-                                           window_size=window)
-    configs.FORWARD_HOPPER_TABLE.update(shipped)
+                                           window_size=window,
+                                           config=config if config and config.headdim == d else None)
     return plans
 
 
