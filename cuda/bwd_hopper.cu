@@ -31,7 +31,8 @@ struct HopperBwdTraits {
     // Two consumer warpgroups and a producer warpgroup, whose registers go to the consumers (setmaxnreg): a
     // consumer holds dK and dV (64 keys x the head dim each) and S^T, dP^T (64 x BlockM) at once.
     static constexpr int kConsumerWarps = 8, kConsumerThreads = 256, kProducerThreads = 128, kThreads = 384;
-    static constexpr int kProducerRegisters = 40, kConsumerRegisters = 232;
+    // (By columns the producer also issues the dQ reductions: 56 registers, the consumers' 224 still enough.)
+    static constexpr int kProducerRegisters = DqByKeys ? 40 : 56, kConsumerRegisters = DqByKeys ? 232 : 224;
     static_assert(kProducerRegisters + 2 * kConsumerRegisters <= 3 * 168, "the register file of one block");
     using KVTile = SwizzledSlabs<kBlockN, HeadDim>;
     using QTile = SwizzledSlabs<kBlockM, HeadDim>;   // Q and dO
@@ -44,8 +45,9 @@ struct HopperBwdTraits {
     // dS^T: by columns double-buffered, so a warpgroup writes the next one while the other may still read this
     // one; by keys each warpgroup reads only its own rows, after its own wait.
     static constexpr int kDsTiles = DqByKeys ? 1 : 2;
-    // kv_full, then full[] and empty[] per ring slot.
-    static constexpr int kBarriers = 1 + 2 * Stages;
+    // kv_full, then full[] and empty[] per ring slot, then dq_staged and dq_free (by columns: the consumers hand
+    // the staged dQ_i to the producer, which issues its reductions and hands the tile back once they have read it).
+    static constexpr int kBarriers = 1 + 2 * Stages + 2;
     // 1 KB of slack: the swizzled slabs start on 1024-byte boundaries.
     static constexpr int kSmemBytes = 1024 + 2 * KVTile::kBytes + 2 * Stages * QTile::kBytes +
                                       kDsTiles * DsTile::kBytes + kDqTiles * kDqBytes + 2 * Stages * kBlockM * 4 +
@@ -98,12 +100,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const u32 kv_full = bars;
     const auto full = [&](int s) { return bars + 8 * (1 + s); };
     const auto empty = [&](int s) { return bars + 8 * (1 + kS + s); };
+    const u32 dq_staged = bars + 8 * (1 + 2 * kS), dq_free = dq_staged + 8;
     if (threadIdx.x == 0) {
         mbar_init(kv_full, Tr::kProducerThreads);
         for (int s = 0; s < kS; ++s) {
             mbar_init(full(s), Tr::kProducerThreads + kM);
             mbar_init(empty(s), Tr::kConsumerThreads);
         }
+        mbar_init(dq_staged, Tr::kConsumerWarps);
+        mbar_init(dq_free, kM);
     }
     __syncthreads();
 
@@ -137,6 +142,22 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         load_tile(KVTile{}, smem_v, v + batch * v_batch_stride + (i64)(k_start + key0) * v_row_stride + kv_head * v_head_stride,
                   v_row_stride, seqlen_k - key0);
         cp_async_mbar_arrive(kv_full);
+        // By columns: step j's dQ_j, once staged, goes out in one bulk reduction per query row (threads ptid < kM),
+        // and the staging tile back to the consumers once read. Taken two steps late, after the load that the
+        // consumers' release of step j's slot let through, so the consumers never wait for the reductions.
+        const auto reduce_step = [&](int j) {
+            if (ptid >= kM) return;
+            const int head = kv_head * heads_per_kv + j / m_count, m0 = (m_begin + j % m_count) * kM;
+            mbar_wait(dq_staged, j & 1);
+            if (m0 + ptid < seqlen_q) {
+                const i64 row = batch * stat_batch_stride + head * stat_head_stride + q_start + m0 + ptid;
+                bulk_reduce_add_f32(dq_accum + row * Tr::kHeadDim, smem_dq + ptid * Tr::kDqPitch * 4,
+                                    Tr::kHeadDim * 4);
+                bulk_commit();
+            }
+            bulk_wait_read<0>();
+            mbar_arrive(dq_free);
+        };
         for (int it = 0; it < n_iters; ++it) {
             const int s = it % kS, head = kv_head * heads_per_kv + it / m_count;
             const int m0 = (m_begin + it % m_count) * kM;
@@ -158,7 +179,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 stats[(kS + s) * kM + ptid] = ok ? dsum[stat] : 0.f;
                 mbar_arrive(full(s));  // (release: the stores above)
             }
+            if (!Tr::kDqByKeys && it >= 2) reduce_step(it - 2);
         }
+        if constexpr (!Tr::kDqByKeys)
+            for (int j = n_iters > 2 ? n_iters - 2 : 0; j < n_iters; ++j) reduce_step(j);
+        bulk_wait<0>();
         asm volatile("cp.async.wait_all;\n" ::: "memory");  // leave nothing in flight into shared memory
         return;
     }
@@ -278,7 +303,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // staging tile must be read by the previous iteration's bulk reductions (their issuers wait, then meet
         // the others here).
         fence_proxy_async_smem();
-        if constexpr (!Tr::kDqByKeys) bulk_wait_read<0>();
         consumers_sync(1);
         // With 128 query rows, dQ_i in its two 64-row halves one after the other (wgmma's M is 64): the second
         // half's accumulators take the registers P^T and dS^T leave once the first wait is over.
@@ -308,6 +332,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 if (adds) bulk_wait_read<0>();  // the last step's reductions have read their tile
             }
             if (adds) named_barrier_sync(kDqHandoff, Tr::kConsumerThreads);  // warpgroup 0's part is in
+            if (!Tr::kDqByKeys && it > 0) mbar_wait(dq_free, (it - 1) & 1);  // the producer read the last dQ_i
 
             // dQ_i into the staging rows, then one bulk reduction per query row into the fp32 accumulator.
 #pragma unroll
@@ -328,6 +353,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             if (Tr::kDqByKeys && !adds) named_barrier_sync(kDqHandoff, Tr::kConsumerThreads);  // (stored)
         }
         if (Tr::kDqByKeys && !adds) continue;
+        if constexpr (!Tr::kDqByKeys) {  // dQ_i to the producer, which issues its reductions
+            fence_proxy_async_smem();
+            __syncwarp();
+            if (lane == 0) mbar_arrive(dq_staged);
+            continue;
+        }
         fence_proxy_async_smem();
         consumers_sync(2);
         if (sync_tid < kM && m0 + sync_tid < seqlen_q) {
