@@ -11,9 +11,10 @@
 //   dQ_i += dS K                               (dS^T through shared memory, read transposed)
 // and add dQ_i to the fp32 accumulator with one bulk reduction per query row (cp.reduce.async.bulk: no tensor
 // map, no per-element atomics). dQ_i is split between the warpgroups by head-dim columns (head dim 128: each 64
-// of them over all 128 keys, after the two exchange dS^T) or by keys (head dim 64, where 32 columns would be half
-// a swizzled slab: each its own 64 keys over all columns, the two partial sums added in shared memory). Padded
-// and varlen calls without score modifiers, head dims 64 and 128; the rest runs bwd_dkdv.
+// of them over all 128 keys, after the two exchange dS^T; the producer issues the reductions, so the consumers
+// neither issue them nor wait for their reads) or by keys (head dim 64, where 32 columns would be half a swizzled
+// slab: each its own 64 keys over all columns, the two partial sums added in shared memory). Padded and varlen
+// calls without score modifiers, head dims 64 and 128; the rest runs bwd_dkdv.
 #include "primitives.cuh"
 #include "masks.cuh"
 
@@ -194,22 +195,20 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const int wg = warp_uniform(warp >> 2), w4 = warp & 3, ctid = threadIdx.x;
     const int dq_key0 = Tr::kDqByKeys ? 64 * wg : 0, dq_col0 = Tr::kDqByKeys ? 0 : Tr::kDqCols * wg;
     // The threads that meet around dS^T, dQ_i's staging and at the dK/dV write, and their index: both warpgroups
-    // (barriers 1 and 2), or with dQ_i split by keys each warpgroup alone (barrier 1 + wg), as each then reads
-    // only its own rows of dS^T, K and V. By keys the two partial dQ_i meet in one staging tile (a pair, by the
-    // step's parity): warpgroup 0 stores its part of each 64-row half, both meet (barrier kDqHandoff), then
-    // warpgroup 1 adds its own and issues the row reductions. Warpgroup 0 rewrites a tile two steps later, past
-    // a hand-off before which warpgroup 1 waited for the reductions to read it.
+    // (barrier 1), or with dQ_i split by keys each warpgroup alone (barrier 1 + wg), as each then reads only its
+    // own rows of dS^T, K and V. By columns the staged dQ_i goes to the producer (dq_staged), which hands the tile
+    // back once its reductions have read it (dq_free). By keys the two partial dQ_i meet in one staging tile (a
+    // pair, by the step's parity): warpgroup 0 stores its part of each 64-row half, both meet (barrier
+    // kDqHandoff), then warpgroup 1 adds its own and issues the row reductions. Warpgroup 0 rewrites a tile two
+    // steps later, past a hand-off before which warpgroup 1 waited for the reductions to read it.
     constexpr int kSyncThreads = Tr::kDqByKeys ? 128 : Tr::kConsumerThreads;
     constexpr int kDqHandoff = 3;
     const int sync_tid = Tr::kDqByKeys ? ctid - 128 * wg : ctid;
-    // id 1: dS^T in (and, by columns, the staging tile free); 2: dQ_i staged (by keys both are barrier 1 + wg).
-    const auto consumers_sync = [&](int id) {
+    const auto consumers_sync = [&] {
         if constexpr (Tr::kDqByKeys)
             named_barrier_sync(1 + wg, 128);
-        else if (id == 1)
-            asm volatile("bar.sync 1, %0;\n" ::"n"(Tr::kConsumerThreads) : "memory");
         else
-            asm volatile("bar.sync 2, %0;\n" ::"n"(Tr::kConsumerThreads) : "memory");
+            asm volatile("bar.sync 1, %0;\n" ::"n"(Tr::kConsumerThreads) : "memory");
     };
     const u32 k_rows = KVTile::at(smem_k, 64 * wg, 0), v_rows = KVTile::at(smem_v, 64 * wg, 0);
     float acc_dk[1][kDT][4], acc_dv[1][kDT][4];
@@ -299,11 +298,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                                                                                QTile::kSlabBytes), 1);
         wgmma_commit();
 
-        // dQ_i = dS K over this warpgroup's keys, so their dS^T must be in (by columns: both warpgroups'); the
-        // staging tile must be read by the previous iteration's bulk reductions (their issuers wait, then meet
-        // the others here).
+        // dQ_i = dS K over this warpgroup's keys, so their dS^T must be in (by columns: both warpgroups').
         fence_proxy_async_smem();
-        consumers_sync(1);
+        consumers_sync();
         // With 128 query rows, dQ_i in its two 64-row halves one after the other (wgmma's M is 64): the second
         // half's accumulators take the registers P^T and dS^T leave once the first wait is over.
         constexpr int kDqHalves = kM / 64;
@@ -334,7 +331,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             if (adds) named_barrier_sync(kDqHandoff, Tr::kConsumerThreads);  // warpgroup 0's part is in
             if (!Tr::kDqByKeys && it > 0) mbar_wait(dq_free, (it - 1) & 1);  // the producer read the last dQ_i
 
-            // dQ_i into the staging rows, then one bulk reduction per query row into the fp32 accumulator.
+            // dQ_i into the staging rows, then one bulk reduction per query row into the fp32 accumulator (by
+            // columns, the producer's).
 #pragma unroll
             for (int nt = 0; nt < Tr::kDqCols / 8; ++nt)
 #pragma unroll
@@ -360,7 +358,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             continue;
         }
         fence_proxy_async_smem();
-        consumers_sync(2);
+        consumers_sync();
         if (sync_tid < kM && m0 + sync_tid < seqlen_q) {
             const i64 stat = dq_row0 + sync_tid;
             bulk_reduce_add_f32(dq_accum + stat * Tr::kHeadDim, dq_tile + sync_tid * Tr::kDqPitch * 4,
@@ -373,7 +371,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // dK = scale dS^T Q and dV, staged in the K and V tiles (once the warpgroups that read these rows are done
     // with them) so that the global stores are 16-byte and row-contiguous. (stmatrix written out as in
     // fwd_hopper.cu's row write, not through a shared helper: that changed both kernels' code, bench/NOTES.md.)
-    consumers_sync(1);
+    consumers_sync();
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
 #pragma unroll
@@ -390,7 +388,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             stmatrix_x4(KVTile::at(smem_v, row, col), xv);
         }
     }
-    consumers_sync(1);
+    consumers_sync();
     u16* dk_rows = dk + batch * dk_batch_stride + kv_head * dk_head_stride;
     u16* dv_rows = dv + batch * dv_batch_stride + kv_head * dv_head_stride;
     constexpr int kChunksPerRow = Tr::kHeadDim / 8;
