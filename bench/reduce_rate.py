@@ -9,9 +9,12 @@ step, as the kernel does. The accumulator has `--tiles` tiles (256: 8 MB, L2-res
 """
 
 import argparse
-import statistics
+import sys
 
 import cupy
+
+sys.path.insert(0, ".")
+from fa2cupy import benchmark as B  # noqa: E402
 
 SOURCE = r"""
 extern "C" __global__ void __launch_bounds__(256) reduce_rate(float* acc, int tiles, int iters, int op_bytes) {
@@ -45,22 +48,13 @@ def main():
     kernel.max_dynamic_shared_size_bytes = 32768
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
     acc = cupy.zeros(args.tiles * 8192, cupy.float32)
+    events = B.CupyEvents()
     for blocks_per_sm in (1, 2):
         for op_bytes in (256, 512, 2048, 8192, 32768):
             grid = sms * blocks_per_sm
             launch = lambda: kernel((grid,), (256,), (acc, cupy.int32(args.tiles), cupy.int32(args.iters),  # noqa
                                                       cupy.int32(op_bytes)), shared_mem=32768)
-            for _ in range(3):
-                launch()
-            times = []
-            for _ in range(10):
-                start, end = cupy.cuda.Event(), cupy.cuda.Event()
-                start.record()
-                launch()
-                end.record()
-                end.synchronize()
-                times.append(cupy.cuda.get_elapsed_time(start, end))
-            ms = statistics.median(times)
+            ms = B.time_gpu(launch, events, warmup=3, repeats=10).median_ms
             tb = grid * args.iters * 32768 / (ms * 1e-3) / 1e12
             print(f"blocks/SM {blocks_per_sm}  op {op_bytes:6d} B  {ms:.3f} ms  {tb:.2f} TB/s", flush=True)
 

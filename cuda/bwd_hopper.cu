@@ -129,6 +129,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     int m_begin, m_count;
     mask.template query_tiles<kM>(key0, kN, m_begin, m_count);
     const int n_iters = heads_per_kv * m_count;
+    // Step j's query head and first query row: the group's heads in turn, each over its query tiles.
+    const auto step_head = [&](int j) { return kv_head * heads_per_kv + j / m_count; };
+    const auto step_m0 = [&](int j) { return (m_begin + j % m_count) * kM; };
 
     if (warp >= Tr::kConsumerWarps) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Tr::kProducerRegisters));
@@ -146,22 +149,24 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // By columns: step j's dQ_j, once staged, goes out in one bulk reduction per query row (threads ptid < kM),
         // and the staging tile back to the consumers once read. Taken two steps late, after the load that the
         // consumers' release of step j's slot let through, so the consumers never wait for the reductions.
+        // The row of lse, D and the dQ accumulator that holds query m0 of `head`.
+        const auto stat_row = [&](int head, int m0) {
+            return batch * stat_batch_stride + head * stat_head_stride + q_start + m0;
+        };
         const auto reduce_step = [&](int j) {
             if (ptid >= kM) return;
-            const int head = kv_head * heads_per_kv + j / m_count, m0 = (m_begin + j % m_count) * kM;
+            const int head = step_head(j), m0 = step_m0(j);
             mbar_wait(dq_staged, j & 1);
             if (m0 + ptid < seqlen_q) {
-                const i64 row = batch * stat_batch_stride + head * stat_head_stride + q_start + m0 + ptid;
-                bulk_reduce_add_f32(dq_accum + row * Tr::kHeadDim, smem_dq + ptid * Tr::kDqPitch * 4,
-                                    Tr::kHeadDim * 4);
+                bulk_reduce_add_f32(dq_accum + (stat_row(head, m0) + ptid) * Tr::kHeadDim,
+                                    smem_dq + ptid * Tr::kDqPitch * 4, Tr::kHeadDim * 4);
                 bulk_commit();
             }
             bulk_wait_read<0>();
             mbar_arrive(dq_free);
         };
         for (int it = 0; it < n_iters; ++it) {
-            const int s = it % kS, head = kv_head * heads_per_kv + it / m_count;
-            const int m0 = (m_begin + it % m_count) * kM;
+            const int s = it % kS, head = step_head(it), m0 = step_m0(it);
             mbar_wait(empty(s), ((it / kS) & 1) ^ 1);
             load_tile(QTile{}, smem_q + s * QTile::kBytes,
                       q + batch * q_batch_stride + (i64)(q_start + m0) * q_row_stride + head * q_head_stride, q_row_stride,
@@ -172,7 +177,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             cp_async_mbar_arrive(full(s));
             if (ptid < kM) {
                 // Plain loads: rows past seqlen_q need lse = +inf (so P = 0), which a zero-filling copy cannot give.
-                const i64 stat0 = batch * stat_batch_stride + head * stat_head_stride + q_start + m0;
+                const i64 stat0 = stat_row(head, m0);
                 const i64 stat = stat0 + ptid;
                 const bool ok = m0 + ptid < seqlen_q;
                 if (ptid == 0) slot_rows[s] = stat0;
@@ -218,8 +223,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const int key_offset = key_lo - (lane & 3) * 2;  // its first score's key minus query offset (query m0 + 0)
     mbar_wait(kv_full, 0);
     for (int it = 0; it < n_iters; ++it) {
-        const int s = it % kS, head = kv_head * heads_per_kv + it / m_count;
-        const int m0 = (m_begin + it % m_count) * kM;
+        const int s = it % kS, m0 = step_m0(it);
         const u32 q_s = smem_q + s * QTile::kBytes, do_s = smem_do + s * QTile::kBytes;
         mbar_wait(full(s), (it / kS) & 1);
         fence_proxy_async_smem();  // the producer's cp.async writes, now read by the tensor cores
@@ -306,7 +310,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         constexpr int kDqHalves = kM / 64;
         const u32 dq_tile = smem_dq + (it % Tr::kDqTiles) * Tr::kDqBytes;
         const bool adds = Tr::kDqByKeys && wg == 1;  // (by keys: warpgroup 1 adds to warpgroup 0's part)
-        i64 dq_row0 = 0;  // the accumulator's row of query m0 (read before the slot goes back)
+        i64 dq_row0 = 0;  // (by keys) the accumulator's row of query m0, read before the slot goes back
 #pragma unroll
         for (int mh = 0; mh < kDqHalves; ++mh) {
             float acc_dq[1][Tr::kDqCols / 8][4];
@@ -350,13 +354,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 }
             if (Tr::kDqByKeys && !adds) named_barrier_sync(kDqHandoff, Tr::kConsumerThreads);  // (stored)
         }
-        if (Tr::kDqByKeys && !adds) continue;
         if constexpr (!Tr::kDqByKeys) {  // dQ_i to the producer, which issues its reductions
             fence_proxy_async_smem();
             __syncwarp();
             if (lane == 0) mbar_arrive(dq_staged);
             continue;
         }
+        if (!adds) continue;  // (by keys warpgroup 1 issues them)
         fence_proxy_async_smem();
         consumers_sync();
         if (sync_tid < kM && m0 + sync_tid < seqlen_q) {
