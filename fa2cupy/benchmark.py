@@ -736,15 +736,11 @@ def _kernel_config(case: Case) -> dict[str, Any] | None:
     """The forward kernel and tile config fa2cupy would pick for ``case`` (None if unknown): the Hopper forward's
     row where it takes the call, else the mma.sync forward's."""
     try:
-        from fa2cupy import configs, forward  # noqa: PLC0415
+        from fa2cupy import forward  # noqa: PLC0415
 
-        arch = gpu_arch()
         dtype = "bfloat16" if case.dtype == "bf16" else "float16"
-        mask = "causal" if case.causal else "none"
-        cfg = None
-        if forward.HOPPER:
-            cfg = configs.hopper_forward_config(arch, case.headdim, dtype, mask=mask, seqlen_q=case.seqlen_q)
-        cfg = cfg or configs.forward_config(arch, case.headdim, dtype, mask)
+        cfg = forward.kernel_config(gpu_arch(), case.headdim, dtype, "causal" if case.causal else "none",
+                                    seqlen_q=case.seqlen_q)
         return {"family": cfg.family, "block_m": cfg.block_m, **dataclasses.asdict(cfg)}
     except Exception:
         return None

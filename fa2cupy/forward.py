@@ -79,6 +79,14 @@ def error_pointers() -> tuple:
     return np.uint64(claim), np.uint64(host)
 
 
+def kernel_config(arch: int, headdim: int, dtype: str, mask: str, mods: bool = False, varlen: bool = False,
+                  seqlen_q: int | None = None):
+    """The forward kernel's row for a call: the Hopper forward's where it takes the call (and HOPPER is on), else
+    the mma.sync forward's."""
+    config = configs.hopper_forward_config(arch, headdim, dtype, mods, varlen, mask, seqlen_q) if HOPPER else None
+    return config or configs.forward_config(arch, headdim, dtype, mask, varlen)
+
+
 def plan_forward(
     q_shape, k_shape, strides, dtype: str, softmax_scale: float, causal: bool, arch: int, config=None,
     window_size=(-1, -1), softcap: float = 0.0, alibi_batch_stride=None, varlen_totals=None, dropout_p: float = 0.0,
@@ -104,10 +112,8 @@ def plan_forward(
     batch, seqlen_q, nheads, headdim = q_shape
     seqlen_k, nheads_kv = k_shape[1], k_shape[2]
     mask, mods, left, right = kernel_variant(causal, window_size, softcap, alibi_batch_stride is not None, dropout_p)
-    if config is None and HOPPER:
-        config = configs.hopper_forward_config(arch, headdim, dtype, mods, varlen_totals is not None, mask, seqlen_q)
     if config is None:
-        config = configs.forward_config(arch, headdim, dtype, mask, varlen_totals is not None)
+        config = kernel_config(arch, headdim, dtype, mask, mods, varlen_totals is not None, seqlen_q)
     function = build.get_kernel(config.family, config.name_expression(dtype, mask, mods, varlen_totals is not None,
                                                                       paged is not None), config.smem_bytes)
     hopper = isinstance(config, configs.HopperFwdConfig)
