@@ -10,11 +10,11 @@
 //   dV += P^T dO, dK += dS^T Q                 (P^T and dS^T as register A operands)
 //   dQ_i += dS K                               (dS^T through shared memory, read transposed)
 // and add dQ_i to the fp32 accumulator with one bulk reduction per query row (cp.reduce.async.bulk: no tensor
-// map, no per-element atomics). dQ_i is split between the warpgroups by head-dim columns (head dim 128: each 64
-// of them over all 128 keys, after the two exchange dS^T; the producer issues the reductions, so the consumers
-// neither issue them nor wait for their reads) or by keys (head dim 64, where 32 columns would be half a swizzled
-// slab: each its own 64 keys over all columns, the two partial sums added in shared memory). Padded and varlen
-// calls without score modifiers, head dims 64 and 128; the rest runs bwd_dkdv.
+// map, no per-element atomics), which the producer issues, so the consumers neither issue them nor wait for their
+// reads. dQ_i is split between the warpgroups by head-dim columns (head dim 128: each 64 of them over all 128 keys,
+// after the two exchange dS^T) or by keys (head dim 64, where 32 columns would be half a swizzled slab: each its
+// own 64 keys over all columns, the two partial sums added in shared memory). Padded and varlen calls without
+// score modifiers, head dims 64 and 128; the rest runs bwd_dkdv.
 #include "primitives.cuh"
 #include "masks.cuh"
 
@@ -32,7 +32,7 @@ struct HopperBwdTraits {
     // Two consumer warpgroups and a producer warpgroup, whose registers go to the consumers (setmaxnreg): a
     // consumer holds dK and dV (64 keys x the head dim each) and S^T, dP^T (64 x BlockM) at once.
     static constexpr int kConsumerWarps = 8, kConsumerThreads = 256, kProducerThreads = 128, kThreads = 384;
-    // (By columns the producer also issues the dQ reductions: 56 registers, the consumers' 224 still enough.)
+    // (By keys, with 128 query rows a step, the consumers need 232: the producer then issues its reductions in 40.)
     static constexpr int kProducerRegisters = DqByKeys ? 40 : 56, kConsumerRegisters = DqByKeys ? 232 : 224;
     static_assert(kProducerRegisters + 2 * kConsumerRegisters <= 3 * 168, "the register file of one block");
     using KVTile = SwizzledSlabs<kBlockN, HeadDim>;
@@ -41,18 +41,20 @@ struct HopperBwdTraits {
     // Each warpgroup's share of dQ_i: its columns and keys. By columns, with HeadDim 128, one 64-column slab of K.
     static constexpr int kDqCols = DqByKeys ? HeadDim : HeadDim / 2, kDqKeys = DqByKeys ? kBlockN / 2 : kBlockN;
     // The fp32 dQ tile staged for the bulk reductions, one row per query (padded against bank conflicts); by keys
-    // a pair, by the step's parity, so that warpgroup 0 stores the next step's part while this one's is reduced.
+    // a pair, by the step's parity, so that warpgroup 0 stores the next step's part while this one's is reduced
+    // (by columns both warpgroups wait for the one tile: there the staging is shorter than the wait).
     static constexpr int kDqPitch = HeadDim + 4, kDqBytes = kBlockM * kDqPitch * 4, kDqTiles = DqByKeys ? 2 : 1;
     // dS^T: by columns double-buffered, so a warpgroup writes the next one while the other may still read this
     // one; by keys each warpgroup reads only its own rows, after its own wait.
     static constexpr int kDsTiles = DqByKeys ? 1 : 2;
-    // kv_full, then full[] and empty[] per ring slot, then dq_staged and dq_free (by columns: the consumers hand
-    // the staged dQ_i to the producer, which issues its reductions and hands the tile back once they have read it).
-    static constexpr int kBarriers = 1 + 2 * Stages + 2;
+    // kv_full, then full[] and empty[] per ring slot, then dq_staged[] and dq_free[] per staging tile (the
+    // consumers hand the staged dQ_i to the producer, which issues its reductions and hands the tile back once
+    // they have read it; a pair by keys, as a tile's barriers may then not run a phase ahead of the other's).
+    static constexpr int kBarriers = 1 + 2 * Stages + 2 * kDqTiles;
     // 1 KB of slack: the swizzled slabs start on 1024-byte boundaries.
     static constexpr int kSmemBytes = 1024 + 2 * KVTile::kBytes + 2 * Stages * QTile::kBytes +
                                       kDsTiles * DsTile::kBytes + kDqTiles * kDqBytes + 2 * Stages * kBlockM * 4 +
-                                      8 * Stages + 8 * kBarriers;
+                                      8 * kBarriers;
     static_assert(kDqCols % 64 == 0, "each warpgroup's dQ columns are whole 64-column slabs");
     // 128 query rows per step (dQ_i in two wgmma row halves) only by keys: by columns the accumulators do not fit.
     static_assert(BlockM == 64 || (BlockM == 128 && DqByKeys), "64 query rows per step, or 128 with dQ by keys");
@@ -89,11 +91,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const u32 smem_ds = smem_do + kS * QTile::kBytes;        // kDsTiles tiles
     const u32 smem_dq = smem_ds + Tr::kDsTiles * DsTile::kBytes;  // fp32 staging, kDqTiles tiles
     const u32 smem_stats = smem_dq + Tr::kDqTiles * Tr::kDqBytes;  // lse (log2 domain) [kS][kM], then D [kS][kM]
-    const u32 smem_rows = smem_stats + 2 * kS * kM * 4;      // each slot's first row of lse / D / dQ [kS]
-    const u32 bars = smem_rows + 8 * kS;
+    const u32 bars = smem_stats + 2 * kS * kM * 4;
     float* const stats = reinterpret_cast<float*>(smem_raw + (smem_stats - smem_u32(smem_raw)));
-    // (the consumers read the row from here rather than keep the batch and head strides in registers)
-    i64* const slot_rows = reinterpret_cast<i64*>(smem_raw + (smem_rows - smem_u32(smem_raw)));
     // kv_full: the producer's 128 threads landed K and V; full[s]: Q and dO landed in slot s (128 cp.async
     // arrivals) and its lse and D are stored (64 arrivals); empty[s]: the 256 consumer threads are done with slot
     // s (each arrives for its own reads of lse and D: one arrival per warp after __syncwarp left racecheck a
@@ -101,15 +100,20 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const u32 kv_full = bars;
     const auto full = [&](int s) { return bars + 8 * (1 + s); };
     const auto empty = [&](int s) { return bars + 8 * (1 + kS + s); };
-    const u32 dq_staged = bars + 8 * (1 + 2 * kS), dq_free = dq_staged + 8;
+    // dq_staged[t]: the warps that store the last of dQ_i (by keys warpgroup 1's, adding to warpgroup 0's part)
+    // are done with staging tile t; dq_free[t]: the producer's kM reductions have read it.
+    const auto dq_staged = [&](int t) { return bars + 8 * (1 + 2 * kS + t); };
+    const auto dq_free = [&](int t) { return bars + 8 * (1 + 2 * kS + Tr::kDqTiles + t); };
     if (threadIdx.x == 0) {
         mbar_init(kv_full, Tr::kProducerThreads);
         for (int s = 0; s < kS; ++s) {
             mbar_init(full(s), Tr::kProducerThreads + kM);
             mbar_init(empty(s), Tr::kConsumerThreads);
         }
-        mbar_init(dq_staged, Tr::kConsumerWarps);
-        mbar_init(dq_free, kM);
+        for (int t = 0; t < Tr::kDqTiles; ++t) {
+            mbar_init(dq_staged(t), Tr::kDqByKeys ? Tr::kConsumerWarps / 2 : Tr::kConsumerWarps);
+            mbar_init(dq_free(t), kM);
+        }
     }
     __syncthreads();
 
@@ -124,14 +128,19 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         q_start = warp_uniform(seq.q_start), k_start = warp_uniform(seq.k_start);
         if (key0 >= seqlen_k) return;  // past this sequence's keys (those rows belong to the next one)
     }
-    // The query tiles with a row that sees one of this block's keys, for every query head of the group.
+    // The steps: every query head of the group in turn, each over the query tiles with a row that sees one of
+    // this block's keys (m_count of them from tile m_begin). Each warp role works them out after its setmaxnreg:
+    // worked out before it, they were live across it and spilled at head dim 64.
     const WindowMask<Tr::kMask> mask{seqlen_q, seqlen_k, window_left, window_right};
-    int m_begin, m_count;
-    mask.template query_tiles<kM>(key0, kN, m_begin, m_count);
-    const int n_iters = heads_per_kv * m_count;
-    // Step j's query head and first query row: the group's heads in turn, each over its query tiles.
-    const auto step_head = [&](int j) { return kv_head * heads_per_kv + j / m_count; };
-    const auto step_m0 = [&](int j) { return (m_begin + j % m_count) * kM; };
+    struct Steps {
+        int m_begin, m_count, count;
+    };
+    const auto block_steps = [&] {
+        Steps steps;
+        mask.template query_tiles<kM>(key0, kN, steps.m_begin, steps.m_count);
+        steps.count = heads_per_kv * steps.m_count;
+        return steps;
+    };
 
     if (warp >= Tr::kConsumerWarps) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Tr::kProducerRegisters));
@@ -146,27 +155,28 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         load_tile(KVTile{}, smem_v, v + batch * v_batch_stride + (i64)(k_start + key0) * v_row_stride + kv_head * v_head_stride,
                   v_row_stride, seqlen_k - key0);
         cp_async_mbar_arrive(kv_full);
-        // By columns: step j's dQ_j, once staged, goes out in one bulk reduction per query row (threads ptid < kM),
-        // and the staging tile back to the consumers once read. Taken two steps late, after the load that the
-        // consumers' release of step j's slot let through, so the consumers never wait for the reductions.
-        // The row of lse, D and the dQ accumulator that holds query m0 of `head`.
-        const auto stat_row = [&](int head, int m0) {
-            return batch * stat_batch_stride + head * stat_head_stride + q_start + m0;
-        };
-        const auto reduce_step = [&](int j) {
+        // Step j's dQ_j, once staged, goes out in one bulk reduction per query row (threads ptid < kM), and the
+        // staging tile back to the consumers once read. Taken two steps late, after the load that the consumers'
+        // release of step j's slot let through, so the consumers never wait for the reductions. `row`: this
+        // thread's row of the accumulator in step j (the row of lse and D it loaded then), -1 past seqlen_q; an
+        // int, as the accumulator's rows of 256 bytes or more fit in device memory (registers: by keys 40 here).
+        const auto reduce_step = [&](int j, int row) {
             if (ptid >= kM) return;
-            const int head = step_head(j), m0 = step_m0(j);
-            mbar_wait(dq_staged, j & 1);
-            if (m0 + ptid < seqlen_q) {
-                bulk_reduce_add_f32(dq_accum + (stat_row(head, m0) + ptid) * Tr::kHeadDim,
-                                    smem_dq + ptid * Tr::kDqPitch * 4, Tr::kHeadDim * 4);
+            const int t = j % Tr::kDqTiles;
+            mbar_wait(dq_staged(t), (j / Tr::kDqTiles) & 1);
+            if (row >= 0) {
+                bulk_reduce_add_f32(dq_accum + (i64)row * Tr::kHeadDim,
+                                    smem_dq + t * Tr::kDqBytes + ptid * Tr::kDqPitch * 4, Tr::kHeadDim * 4);
                 bulk_commit();
             }
             bulk_wait_read<0>();
-            mbar_arrive(dq_free);
+            mbar_arrive(dq_free(t));
         };
-        for (int it = 0; it < n_iters; ++it) {
-            const int s = it % kS, head = step_head(it), m0 = step_m0(it);
+        int row_back1 = -1, row_back2 = -1;  // `row` of steps it - 1 and it - 2
+        const Steps steps = block_steps();
+        // (step it's query head and first row, walked without a division)
+        for (int it = 0, head = kv_head * heads_per_kv, m0 = steps.m_begin * kM; it < steps.count; ++it) {
+            const int s = it % kS;
             mbar_wait(empty(s), ((it / kS) & 1) ^ 1);
             load_tile(QTile{}, smem_q + s * QTile::kBytes,
                       q + batch * q_batch_stride + (i64)(q_start + m0) * q_row_stride + head * q_head_stride, q_row_stride,
@@ -175,20 +185,22 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                       dout + batch * do_batch_stride + (i64)(q_start + m0) * do_row_stride + head * do_head_stride, do_row_stride,
                       seqlen_q - m0);
             cp_async_mbar_arrive(full(s));
+            int row = -1;
             if (ptid < kM) {
                 // Plain loads: rows past seqlen_q need lse = +inf (so P = 0), which a zero-filling copy cannot give.
-                const i64 stat0 = stat_row(head, m0);
-                const i64 stat = stat0 + ptid;
                 const bool ok = m0 + ptid < seqlen_q;
-                if (ptid == 0) slot_rows[s] = stat0;
-                stats[s * kM + ptid] = ok ? lse[stat] * kLog2e : pos_inf();
-                stats[(kS + s) * kM + ptid] = ok ? dsum[stat] : 0.f;
+                if (ok) row = int(batch * stat_batch_stride + head * stat_head_stride + q_start + m0 + ptid);
+                stats[s * kM + ptid] = ok ? lse[row] * kLog2e : pos_inf();
+                stats[(kS + s) * kM + ptid] = ok ? dsum[row] : 0.f;
                 mbar_arrive(full(s));  // (release: the stores above)
             }
-            if (!Tr::kDqByKeys && it >= 2) reduce_step(it - 2);
+            if (it >= 2) reduce_step(it - 2, row_back2);
+            row_back2 = row_back1, row_back1 = row;
+            m0 += kM;
+            if (m0 == (steps.m_begin + steps.m_count) * kM) m0 = steps.m_begin * kM, ++head;
         }
-        if constexpr (!Tr::kDqByKeys)
-            for (int j = n_iters > 2 ? n_iters - 2 : 0; j < n_iters; ++j) reduce_step(j);
+        if (steps.count >= 2) reduce_step(steps.count - 2, row_back2);
+        if (steps.count >= 1) reduce_step(steps.count - 1, row_back1);
         bulk_wait<0>();
         asm volatile("cp.async.wait_all;\n" ::: "memory");  // leave nothing in flight into shared memory
         return;
@@ -201,11 +213,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const int dq_key0 = Tr::kDqByKeys ? 64 * wg : 0, dq_col0 = Tr::kDqByKeys ? 0 : Tr::kDqCols * wg;
     // The threads that meet around dS^T, dQ_i's staging and at the dK/dV write, and their index: both warpgroups
     // (barrier 1), or with dQ_i split by keys each warpgroup alone (barrier 1 + wg), as each then reads only its
-    // own rows of dS^T, K and V. By columns the staged dQ_i goes to the producer (dq_staged), which hands the tile
-    // back once its reductions have read it (dq_free). By keys the two partial dQ_i meet in one staging tile (a
-    // pair, by the step's parity): warpgroup 0 stores its part of each 64-row half, both meet (barrier
-    // kDqHandoff), then warpgroup 1 adds its own and issues the row reductions. Warpgroup 0 rewrites a tile two
-    // steps later, past a hand-off before which warpgroup 1 waited for the reductions to read it.
+    // own rows of dS^T, K and V. The staged dQ_i goes to the producer (dq_staged), which hands the tile back once
+    // its reductions have read it (dq_free). By keys the two partial dQ_i meet in one staging tile (a pair, by the
+    // step's parity): warpgroup 0 stores its part of each 64-row half, both meet (barrier kDqHandoff), then
+    // warpgroup 1 adds its own and hands the tile on.
     constexpr int kSyncThreads = Tr::kDqByKeys ? 128 : Tr::kConsumerThreads;
     constexpr int kDqHandoff = 3;
     const int sync_tid = Tr::kDqByKeys ? ctid - 128 * wg : ctid;
@@ -222,8 +233,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const int key_lo = key0 + 64 * wg + 16 * w4 + (lane >> 2);  // this thread's keys: key_lo, key_lo + 8
     const int key_offset = key_lo - (lane & 3) * 2;  // its first score's key minus query offset (query m0 + 0)
     mbar_wait(kv_full, 0);
-    for (int it = 0; it < n_iters; ++it) {
-        const int s = it % kS, m0 = step_m0(it);
+    const Steps steps = block_steps();
+    for (int it = 0; it < steps.count; ++it) {
+        const int s = it % kS, m0 = (steps.m_begin + it % steps.m_count) * kM;
         const u32 q_s = smem_q + s * QTile::kBytes, do_s = smem_do + s * QTile::kBytes;
         mbar_wait(full(s), (it / kS) & 1);
         fence_proxy_async_smem();  // the producer's cp.async writes, now read by the tensor cores
@@ -308,9 +320,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // With 128 query rows, dQ_i in its two 64-row halves one after the other (wgmma's M is 64): the second
         // half's accumulators take the registers P^T and dS^T leave once the first wait is over.
         constexpr int kDqHalves = kM / 64;
-        const u32 dq_tile = smem_dq + (it % Tr::kDqTiles) * Tr::kDqBytes;
+        const int dq_t = it % Tr::kDqTiles;
+        const u32 dq_tile = smem_dq + dq_t * Tr::kDqBytes;
         const bool adds = Tr::kDqByKeys && wg == 1;  // (by keys: warpgroup 1 adds to warpgroup 0's part)
-        i64 dq_row0 = 0;  // (by keys) the accumulator's row of query m0, read before the slot goes back
 #pragma unroll
         for (int mh = 0; mh < kDqHalves; ++mh) {
             float acc_dq[1][Tr::kDqCols / 8][4];
@@ -328,15 +340,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             if (mh == 0) {
                 pin_registers(pa);
                 pin_registers(dsa);
-                dq_row0 = slot_rows[s];
-                mbar_arrive(empty(s));  // Q, dO, lse, D and the row of slot s are read
-                if (adds) bulk_wait_read<0>();  // the last step's reductions have read their tile
+                mbar_arrive(empty(s));  // Q, dO, lse and D of slot s are read
+                // The producer's reductions have read this tile's last dQ (kDqTiles steps back).
+                if (!adds && it >= Tr::kDqTiles) mbar_wait(dq_free(dq_t), ((it / Tr::kDqTiles) - 1) & 1);
             }
             if (adds) named_barrier_sync(kDqHandoff, Tr::kConsumerThreads);  // warpgroup 0's part is in
-            if (!Tr::kDqByKeys && it > 0) mbar_wait(dq_free, (it - 1) & 1);  // the producer read the last dQ_i
 
-            // dQ_i into the staging rows, then one bulk reduction per query row into the fp32 accumulator (by
-            // columns, the producer's).
+            // dQ_i into the staging rows, for the producer's bulk reductions (one per query row).
 #pragma unroll
             for (int nt = 0; nt < Tr::kDqCols / 8; ++nt)
 #pragma unroll
@@ -354,23 +364,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 }
             if (Tr::kDqByKeys && !adds) named_barrier_sync(kDqHandoff, Tr::kConsumerThreads);  // (stored)
         }
-        if constexpr (!Tr::kDqByKeys) {  // dQ_i to the producer, which issues its reductions
-            fence_proxy_async_smem();
-            __syncwarp();
-            if (lane == 0) mbar_arrive(dq_staged);
-            continue;
-        }
-        if (!adds) continue;  // (by keys warpgroup 1 issues them)
-        fence_proxy_async_smem();
-        consumers_sync();
-        if (sync_tid < kM && m0 + sync_tid < seqlen_q) {
-            const i64 stat = dq_row0 + sync_tid;
-            bulk_reduce_add_f32(dq_accum + stat * Tr::kHeadDim, dq_tile + sync_tid * Tr::kDqPitch * 4,
-                                Tr::kHeadDim * 4);
-            bulk_commit();
-        }
+        if (Tr::kDqByKeys && !adds) continue;  // (by keys warpgroup 1 stores the sums)
+        fence_proxy_async_smem();  // dQ_i to the producer, which issues its reductions
+        __syncwarp();
+        if (lane == 0) mbar_arrive(dq_staged(dq_t));
     }
-    bulk_wait<0>();
 
     // dK = scale dS^T Q and dV, staged in the K and V tiles (once the warpgroups that read these rows are done
     // with them) so that the global stores are 16-byte and row-contiguous. (stmatrix written out as in

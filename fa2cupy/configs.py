@@ -261,12 +261,12 @@ class HopperBwdConfig:
 
     def smem_bytes(self, atomic_dq: bool = True) -> int:
         # Must match HopperBwdTraits::kSmemBytes: alignment slack, K and V, the Q/dO ring, the dS^T tiles (two by
-        # columns, one by keys), the fp32 dQ staging rows (one tile by columns, a pair by keys), the row statistics
-        # and each slot's first row, the mbarriers (kv_full, two per slot, dq_staged and dq_free).
+        # columns, one by keys), the fp32 dQ staging rows (one tile by columns, a pair by keys), the row statistics,
+        # the mbarriers (kv_full, two per slot, two per staging tile: dq_staged and dq_free).
         d, m = self.headdim, self.block_m
         ds_tiles, dq_tiles = (1, 2) if self.dq_by_keys else (2, 1)
         return (1024 + 2 * 128 * d * 2 + 2 * self.stages * m * d * 2 + ds_tiles * 128 * m * 2
-                + dq_tiles * m * (d + 4) * 4 + 2 * self.stages * m * 4 + 8 * self.stages + 8 * (3 + 2 * self.stages))
+                + dq_tiles * m * (d + 4) * 4 + 2 * self.stages * m * 4 + 8 * (1 + 2 * self.stages + 2 * dq_tiles))
 
     def name_expression(self, dtype: str, mask: str, atomic_dq: bool = True, mods: bool = False,
                         varlen: bool = False) -> str:
