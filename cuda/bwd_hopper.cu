@@ -42,7 +42,7 @@ struct HopperBwdTraits {
     static constexpr int kDqCols = DqByKeys ? HeadDim : HeadDim / 2, kDqKeys = DqByKeys ? kBlockN / 2 : kBlockN;
     // The fp32 dQ tile staged for the bulk reductions, one row per query (padded against bank conflicts); by keys
     // a pair, by the step's parity, so that warpgroup 0 stores the next step's part while this one's is reduced
-    // (by columns both warpgroups wait for the one tile: there the staging is shorter than the wait).
+    // (by columns one tile, which both warpgroups wait for: a second does not fit beside the rest at head dim 128).
     static constexpr int kDqPitch = HeadDim + 4, kDqBytes = kBlockM * kDqPitch * 4, kDqTiles = DqByKeys ? 2 : 1;
     // dS^T: by columns double-buffered, so a warpgroup writes the next one while the other may still read this
     // one; by keys each warpgroup reads only its own rows, after its own wait.
