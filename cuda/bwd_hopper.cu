@@ -134,6 +134,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const WindowMask<Tr::kMask> mask{seqlen_q, seqlen_k, window_left, window_right};
     struct Steps {
         int m_begin, m_count, count;
+        // Step j's first query row (the producer walks them in order instead, a division per step fewer).
+        FA2_DEVICE int m0(int j) const { return (m_begin + j % m_count) * kM; }
     };
     const auto block_steps = [&] {
         Steps steps;
@@ -174,7 +176,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         };
         int row_back1 = -1, row_back2 = -1;  // `row` of steps it - 1 and it - 2
         const Steps steps = block_steps();
-        // (step it's query head and first row, walked without a division)
         for (int it = 0, head = kv_head * heads_per_kv, m0 = steps.m_begin * kM; it < steps.count; ++it) {
             const int s = it % kS;
             mbar_wait(empty(s), ((it / kS) & 1) ^ 1);
@@ -196,7 +197,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             }
             if (it >= 2) reduce_step(it - 2, row_back2);
             row_back2 = row_back1, row_back1 = row;
-            m0 += kM;
+            m0 += kM;  // step it + 1's query head and first row
             if (m0 == (steps.m_begin + steps.m_count) * kM) m0 = steps.m_begin * kM, ++head;
         }
         if (steps.count >= 2) reduce_step(steps.count - 2, row_back2);
@@ -211,9 +212,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // and dQ_i's columns dq_col0 .. + kDqCols over keys dq_key0 .. + kDqKeys.
     const int wg = warp_uniform(warp >> 2), w4 = warp & 3, ctid = threadIdx.x;
     const int dq_key0 = Tr::kDqByKeys ? 64 * wg : 0, dq_col0 = Tr::kDqByKeys ? 0 : Tr::kDqCols * wg;
-    // The threads that meet around dS^T, dQ_i's staging and at the dK/dV write, and their index: both warpgroups
-    // (barrier 1), or with dQ_i split by keys each warpgroup alone (barrier 1 + wg), as each then reads only its
-    // own rows of dS^T, K and V. The staged dQ_i goes to the producer (dq_staged), which hands the tile back once
+    // The threads that meet once dS^T is in and at the dK/dV write, and their index: both warpgroups (barrier 1),
+    // or with dQ_i split by keys each warpgroup alone (barrier 1 + wg), as each then reads only its own rows of
+    // dS^T, K and V. The staged dQ_i goes to the producer (dq_staged), which hands the tile back once
     // its reductions have read it (dq_free). By keys the two partial dQ_i meet in one staging tile (a pair, by the
     // step's parity): warpgroup 0 stores its part of each 64-row half, both meet (barrier kDqHandoff), then
     // warpgroup 1 adds its own and hands the tile on.
@@ -235,7 +236,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     mbar_wait(kv_full, 0);
     const Steps steps = block_steps();
     for (int it = 0; it < steps.count; ++it) {
-        const int s = it % kS, m0 = (steps.m_begin + it % steps.m_count) * kM;
+        const int s = it % kS, m0 = steps.m0(it);
         const u32 q_s = smem_q + s * QTile::kBytes, do_s = smem_do + s * QTile::kBytes;
         mbar_wait(full(s), (it / kS) & 1);
         fence_proxy_async_smem();  // the producer's cp.async writes, now read by the tensor cores
