@@ -73,7 +73,9 @@ struct BwdTraits {
 
 // The row statistics (lse, D) and the fp32 dQ accumulator share one layout: row `row` of (batch, head) is entry
 // batch * stat_batch_stride + head * stat_head_stride + q_start + row ((batch, nheads, seqlen_q), or
-// (nheads, total_q) for varlen); the accumulator has headdim floats per entry.
+// (nheads, total_q) for varlen); the accumulator has dq_pitch floats per entry, the first headdim of them used
+// (bwd_dkdv: dq_pitch = headdim; bwd_dkdv_hopper pads its rows as its staging tile's, so that one bulk reduction
+// adds a whole step).
 
 // ---------------------------------------------------------------------------------------------------------------
 // D = rowsum(dO * O) (FA2 Algorithm 2 line 4 hoisted out of the loop), one warp per query row; lanes read
@@ -83,7 +85,7 @@ __global__ void __launch_bounds__(256)
     bwd_preprocess(const u16* __restrict__ dout, const u16* __restrict__ out, float* __restrict__ dsum,
                    float* __restrict__ dq_accum, const int* __restrict__ cu_seqlens_q, i64 do_batch_stride,
                    int do_row_stride, i64 do_head_stride, i64 o_batch_stride, int o_row_stride, i64 o_head_stride,
-                   i64 stat_batch_stride, i64 stat_head_stride, int seqlen_q, int headdim, int total_q,
+                   i64 stat_batch_stride, i64 stat_head_stride, int seqlen_q, int headdim, int dq_pitch, int total_q,
                    int* error_claim, long long* error_host) {
     const int lane = threadIdx.x & 31;
     const int head = blockIdx.y, batch = blockIdx.z;
@@ -108,8 +110,8 @@ __global__ void __launch_bounds__(256)
         }
         if (dq_accum != nullptr) {
             const u32 zero[4] = {0u, 0u, 0u, 0u};
-            st_global_v4(dq_accum + stat * headdim + c, zero);
-            st_global_v4(dq_accum + stat * headdim + c + 4, zero);
+            st_global_v4(dq_accum + stat * dq_pitch + c, zero);
+            st_global_v4(dq_accum + stat * dq_pitch + c + 4, zero);
         }
     }
 #pragma unroll
@@ -598,8 +600,8 @@ template <class Elem>
 __global__ void __launch_bounds__(256)
     bwd_convert_dq(const float* __restrict__ dq_accum, u16* __restrict__ dq, const int* __restrict__ cu_seqlens_q,
                    i64 dq_batch_stride, int dq_row_stride, i64 dq_head_stride, i64 stat_batch_stride,
-                   i64 stat_head_stride, int seqlen_q, int headdim, float scale, int total_q, int* error_claim,
-                   long long* error_host) {
+                   i64 stat_head_stride, int seqlen_q, int headdim, int dq_pitch, float scale, int total_q,
+                   int* error_claim, long long* error_host) {
     const int chunks = headdim / 8;
     const int idx = blockIdx.x * 256 + threadIdx.x;
     const int row = idx / chunks, c = (idx % chunks) * 8;
@@ -609,7 +611,7 @@ __global__ void __launch_bounds__(256)
                         seqlen_k_unused);
     if (row >= seqlen_q) return;
     const i64 row_g = seq.q_start + row;
-    const float* src = dq_accum + (batch * stat_batch_stride + head * stat_head_stride + row_g) * headdim + c;
+    const float* src = dq_accum + (batch * stat_batch_stride + head * stat_head_stride + row_g) * dq_pitch + c;
     u32 lo[4], hi[4], packed[4];
     ld_global_v4(src, lo);
     ld_global_v4(src + 4, hi);

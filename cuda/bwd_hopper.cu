@@ -9,12 +9,12 @@
 //   P^T = exp(S^T scale - L), dS^T = P^T o (dP^T - D)   in registers
 //   dV += P^T dO, dK += dS^T Q                 (P^T and dS^T as register A operands)
 //   dQ_i += dS K                               (dS^T through shared memory, read transposed)
-// and add dQ_i to the fp32 accumulator with one bulk reduction per query row (cp.reduce.async.bulk: no tensor
-// map, no per-element atomics), which the producer issues, so the consumers neither issue them nor wait for their
-// reads. dQ_i is split between the warpgroups by head-dim columns (head dim 128: each 64 of them over all 128 keys,
-// after the two exchange dS^T) or by keys (head dim 64, where 32 columns would be half a swizzled slab: each its
-// own 64 keys over all columns, the two partial sums added in shared memory). Padded and varlen calls without
-// score modifiers, head dims 64 and 128; the rest runs bwd_dkdv.
+// and add dQ_i to the fp32 accumulator with one bulk reduction per step (cp.reduce.async.bulk over the step's
+// rows: no tensor map, no per-element atomics), which the producer issues, so the consumers neither issue it nor
+// wait for its reads. dQ_i is split between the warpgroups by head-dim columns (head dim 128: each 64 of them over
+// all 128 keys, after the two exchange dS^T) or by keys (head dim 64, where 32 columns would be half a swizzled
+// slab: each its own 64 keys over all columns, the two partial sums added in shared memory). Padded and varlen
+// calls without score modifiers, head dims 64 and 128; the rest runs bwd_dkdv.
 #include "primitives.cuh"
 #include "masks.cuh"
 
@@ -32,7 +32,7 @@ struct HopperBwdTraits {
     // Two consumer warpgroups and a producer warpgroup, whose registers go to the consumers (setmaxnreg): a
     // consumer holds dK and dV (64 keys x the head dim each) and S^T, dP^T (64 x BlockM) at once.
     static constexpr int kConsumerWarps = 8, kConsumerThreads = 256, kProducerThreads = 128, kThreads = 384;
-    // (By keys, with 128 query rows a step, the consumers need 232: the producer then issues its reductions in 40.)
+    // (By keys, with 128 query rows a step, the consumers need 232: the producer then works in 40.)
     static constexpr int kProducerRegisters = DqByKeys ? 40 : 56, kConsumerRegisters = DqByKeys ? 232 : 224;
     static_assert(kProducerRegisters + 2 * kConsumerRegisters <= 3 * 168, "the register file of one block");
     using KVTile = SwizzledSlabs<kBlockN, HeadDim>;
@@ -40,16 +40,18 @@ struct HopperBwdTraits {
     using DsTile = SwizzledSlabs<kBlockN, kBlockM>;  // dS^T, keys x queries: dQ's A operand read MN-major
     // Each warpgroup's share of dQ_i: its columns and keys. By columns, with HeadDim 128, one 64-column slab of K.
     static constexpr int kDqCols = DqByKeys ? HeadDim : HeadDim / 2, kDqKeys = DqByKeys ? kBlockN / 2 : kBlockN;
-    // The fp32 dQ tile staged for the bulk reductions, one row per query (padded against bank conflicts); by keys
-    // a pair, by the step's parity, so that warpgroup 0 stores the next step's part while this one's is reduced
-    // (by columns one tile, which both warpgroups wait for: a second does not fit beside the rest at head dim 128).
+    // The fp32 dQ tile staged for the bulk reduction, one row per query, padded against bank conflicts; the
+    // accumulator's rows have the same pitch (kDqPitch floats, the pad never read), so that one operation adds the
+    // whole step. By keys a pair, by the step's parity, so that warpgroup 0 stores the next step's part while this
+    // one's is reduced (by columns one tile, which both warpgroups wait for: a second does not fit beside the rest
+    // at head dim 128).
     static constexpr int kDqPitch = HeadDim + 4, kDqBytes = kBlockM * kDqPitch * 4, kDqTiles = DqByKeys ? 2 : 1;
     // dS^T: by columns double-buffered, so a warpgroup writes the next one while the other may still read this
     // one; by keys each warpgroup reads only its own rows, after its own wait.
     static constexpr int kDsTiles = DqByKeys ? 1 : 2;
     // kv_full, then full[] and empty[] per ring slot, then dq_staged[] and dq_free[] per staging tile (the
-    // consumers hand the staged dQ_i to the producer, which issues its reductions and hands the tile back once
-    // they have read it; a pair by keys, as a tile's barriers may then not run a phase ahead of the other's).
+    // consumers hand the staged dQ_i to the producer, which issues its reduction and hands the tile back once
+    // it has read it; a pair by keys, as a tile's barriers may then not run a phase ahead of the other's).
     static constexpr int kBarriers = 1 + 2 * Stages + 2 * kDqTiles;
     // 1 KB of slack: the swizzled slabs start on 1024-byte boundaries.
     static constexpr int kSmemBytes = 1024 + 2 * KVTile::kBytes + 2 * Stages * QTile::kBytes +
@@ -101,7 +103,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const auto full = [&](int s) { return bars + 8 * (1 + s); };
     const auto empty = [&](int s) { return bars + 8 * (1 + kS + s); };
     // dq_staged[t]: the warps that store the last of dQ_i (by keys warpgroup 1's, adding to warpgroup 0's part)
-    // are done with staging tile t; dq_free[t]: the producer's kM reductions have read it.
+    // are done with staging tile t; dq_free[t]: the producer's reduction has read it.
     const auto dq_staged = [&](int t) { return bars + 8 * (1 + 2 * kS + t); };
     const auto dq_free = [&](int t) { return bars + 8 * (1 + 2 * kS + Tr::kDqTiles + t); };
     if (threadIdx.x == 0) {
@@ -112,7 +114,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         }
         for (int t = 0; t < Tr::kDqTiles; ++t) {
             mbar_init(dq_staged(t), Tr::kDqByKeys ? Tr::kConsumerWarps / 2 : Tr::kConsumerWarps);
-            mbar_init(dq_free(t), kM);
+            mbar_init(dq_free(t), 1);
         }
     }
     __syncthreads();
@@ -157,24 +159,22 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         load_tile(KVTile{}, smem_v, v + batch * v_batch_stride + (i64)(k_start + key0) * v_row_stride + kv_head * v_head_stride,
                   v_row_stride, seqlen_k - key0);
         cp_async_mbar_arrive(kv_full);
-        // Step j's dQ_j, once staged, goes out in one bulk reduction per query row (threads ptid < kM), and the
-        // staging tile back to the consumers once read. Taken two steps late, after the load that the consumers'
-        // release of step j's slot let through, so the consumers never wait for the reductions. `row`: this
-        // thread's row of the accumulator in step j (the row of lse and D it loaded then), -1 past seqlen_q; an
-        // int, as the accumulator's rows of 256 bytes or more fit in device memory (registers: by keys 40 here).
-        const auto reduce_step = [&](int j, int row) {
-            if (ptid >= kM) return;
+        // Step j's dQ_j, once staged, goes out in one bulk reduction of its `rows` rows from accumulator row
+        // `row` on (the first thread), and the staging tile back to the consumers once read. Taken two steps late,
+        // after the load that the consumers' release of step j's slot let through, so the consumers never wait for
+        // it. `row` is an int, as the accumulator's rows of 272 bytes or more fit in device memory.
+        const auto reduce_step = [&](int j, int row, int rows) {
+            if (ptid != 0) return;
             const int t = j % Tr::kDqTiles;
             mbar_wait(dq_staged(t), (j / Tr::kDqTiles) & 1);
-            if (row >= 0) {
-                bulk_reduce_add_f32(dq_accum + (i64)row * Tr::kHeadDim,
-                                    smem_dq + t * Tr::kDqBytes + ptid * Tr::kDqPitch * 4, Tr::kHeadDim * 4);
-                bulk_commit();
-            }
+            bulk_reduce_add_f32(dq_accum + (i64)row * Tr::kDqPitch, smem_dq + t * Tr::kDqBytes,
+                                rows * Tr::kDqPitch * 4);
+            bulk_commit();
             bulk_wait_read<0>();
             mbar_arrive(dq_free(t));
         };
-        int row_back1 = -1, row_back2 = -1;  // `row` of steps it - 1 and it - 2
+        // The first thread's `row` (the step's first) and the step's rows before seqlen_q, of steps it - 1, it - 2
+        int row_back1 = 0, row_back2 = 0, rows_back1 = 0, rows_back2 = 0;
         const Steps steps = block_steps();
         for (int it = 0, head = kv_head * heads_per_kv, m0 = steps.m_begin * kM; it < steps.count; ++it) {
             const int s = it % kS;
@@ -195,13 +195,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 stats[(kS + s) * kM + ptid] = ok ? dsum[row] : 0.f;
                 mbar_arrive(full(s));  // (release: the stores above)
             }
-            if (it >= 2) reduce_step(it - 2, row_back2);
+            if (it >= 2) reduce_step(it - 2, row_back2, rows_back2);
             row_back2 = row_back1, row_back1 = row;
+            rows_back2 = rows_back1, rows_back1 = min(kM, seqlen_q - m0);
             m0 += kM;  // step it + 1's query head and first row
             if (m0 == (steps.m_begin + steps.m_count) * kM) m0 = steps.m_begin * kM, ++head;
         }
-        if (steps.count >= 2) reduce_step(steps.count - 2, row_back2);
-        if (steps.count >= 1) reduce_step(steps.count - 1, row_back1);
+        if (steps.count >= 2) reduce_step(steps.count - 2, row_back2, rows_back2);
+        if (steps.count >= 1) reduce_step(steps.count - 1, row_back1, rows_back1);
         bulk_wait<0>();
         asm volatile("cp.async.wait_all;\n" ::: "memory");  // leave nothing in flight into shared memory
         return;
@@ -215,7 +216,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // The threads that meet once dS^T is in and at the dK/dV write, and their index: both warpgroups (barrier 1),
     // or with dQ_i split by keys each warpgroup alone (barrier 1 + wg), as each then reads only its own rows of
     // dS^T, K and V. The staged dQ_i goes to the producer (dq_staged), which hands the tile back once
-    // its reductions have read it (dq_free). By keys the two partial dQ_i meet in one staging tile (a pair, by the
+    // its reduction has read it (dq_free). By keys the two partial dQ_i meet in one staging tile (a pair, by the
     // step's parity): warpgroup 0 stores its part of each 64-row half, both meet (barrier kDqHandoff), then
     // warpgroup 1 adds its own and hands the tile on.
     constexpr int kSyncThreads = Tr::kDqByKeys ? 128 : Tr::kConsumerThreads;
@@ -342,12 +343,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 pin_registers(pa);
                 pin_registers(dsa);
                 mbar_arrive(empty(s));  // Q, dO, lse and D of slot s are read
-                // The producer's reductions have read this tile's last dQ (kDqTiles steps back).
+                // The producer's reduction has read this tile's last dQ (kDqTiles steps back).
                 if (!adds && it >= Tr::kDqTiles) mbar_wait(dq_free(dq_t), ((it / Tr::kDqTiles) - 1) & 1);
             }
             if (adds) named_barrier_sync(kDqHandoff, Tr::kConsumerThreads);  // warpgroup 0's part is in
 
-            // dQ_i into the staging rows, for the producer's bulk reductions (one per query row).
+            // dQ_i into the staging tile, for the producer's bulk reduction (one per step).
 #pragma unroll
             for (int nt = 0; nt < Tr::kDqCols / 8; ++nt)
 #pragma unroll
@@ -366,7 +367,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             if (Tr::kDqByKeys && !adds) named_barrier_sync(kDqHandoff, Tr::kConsumerThreads);  // (stored)
         }
         if (Tr::kDqByKeys && !adds) continue;  // (by keys warpgroup 1 stores the sums)
-        fence_proxy_async_smem();  // dQ_i to the producer, which issues its reductions
+        fence_proxy_async_smem();  // dQ_i to the producer, which issues its reduction
         __syncwarp();
         if (lane == 0) mbar_arrive(dq_staged(dq_t));
     }

@@ -29,7 +29,7 @@ class BackwardPlan:
     convert: build.Launch | None  # deterministic=False: fp32 accumulator -> dq
     zero_tail: build.Launch | None  # varlen: zeroes the gradient rows past the last sequence
     dsum_shape: tuple  # (batch, nheads, seqlen_q) float32 workspace ((nheads, total_q) for varlen)
-    dq_accum_shape: tuple | None  # (batch, nheads, seqlen_q, d) float32 workspace, atomics only
+    dq_accum_shape: tuple | None  # (batch, nheads, seqlen_q, d [+ 4]) float32 workspace, atomics only
     config: configs.BwdConfig | configs.HopperBwdConfig
 
 
@@ -78,11 +78,14 @@ def plan_backward(
     rng_at = len(sizes)  # the dropout seed and offset words come next: per-call values
     sizes += (np.uint32(0),) * 4 + (keep_scale, np.int32(total_q), np.int32(total_k)) + errors
 
+    # The fp32 dQ accumulator's floats per row: the Hopper kernel's rows are padded like its staging tile's.
+    dq_pitch = config.dq_pitch if config.family == "bwd_hopper" else headdim
     pre = _launch(
         build.get_kernel("bwd", f"fa2::bwd_preprocess<{tag}>", 0),
         ((seqlen_q + 7) // 8, nheads, batch), (256, 1, 1), 0, 5,
         _strides3(strides["dout"]) + _strides3(strides["out"]) + stats + (np.int32(seqlen_q), np.int32(headdim),
-                                                                          np.int32(total_q)) + errors,
+                                                                          np.int32(dq_pitch), np.int32(total_q))
+        + errors,
     )
     smem = config.smem_bytes(atomic)
     main = _launch(
@@ -105,10 +108,10 @@ def plan_backward(
         convert = _launch(
             build.get_kernel("bwd", f"fa2::bwd_convert_dq<{tag}>", 0),
             ((seqlen_q * (headdim // 8) + 255) // 256, nheads, batch), (256, 1, 1), 0, 3,
-            _strides3(strides["dq"]) + stats + (np.int32(seqlen_q), np.int32(headdim), np.float32(softmax_scale),
-                                                np.int32(total_q)) + errors,
+            _strides3(strides["dq"]) + stats + (np.int32(seqlen_q), np.int32(headdim), np.int32(dq_pitch),
+                                                np.float32(softmax_scale), np.int32(total_q)) + errors,
         )
-        dq_accum_shape = (nheads, total_q, headdim) if varlen_totals else (batch, nheads, seqlen_q, headdim)
+        dq_accum_shape = (nheads, total_q, dq_pitch) if varlen_totals else (batch, nheads, seqlen_q, dq_pitch)
     zero_tail = None
     if varlen_totals:
         q_row, kv_row = nheads * headdim, nheads_kv * headdim

@@ -364,6 +364,16 @@ def flash_attn_backward(
     )
 
 
+def _accumulator(plan, framework, device, made, views) -> tuple:
+    """The plan's fp32 dQ accumulator (atomics only; its rows as the plan's kernel pads them), appended to ``made``
+    and ``views``; its allocation entry, for the call's cache, or nothing."""
+    if plan.dq_accum_shape is None:
+        return ()
+    made.append(arrays.new_empty(plan.dq_accum_shape, "float32", framework, device))
+    views.append(made[-1][1])
+    return ((plan.dq_accum_shape, "float32"),)
+
+
 def _cached_backward(cached, names, ptrs, dropout_p, dropout_seed, dropout_offset):
     """The backward's fast path (flash_attn_backward, flash_attn_varlen_backward): the input pointers ``ptrs``
     under their run_backward ``names``, fresh gradients and workspaces, the cached plan launched. (dq, dk, dv)."""
@@ -406,7 +416,7 @@ def _flash_attn_backward_checked(
                 ((shape.batch, shape.seqlen_k, shape.nheads_kv, padded), shape.dtype),  # dk
                 ((shape.batch, shape.seqlen_k, shape.nheads_kv, padded), shape.dtype),  # dv
                 ((shape.batch, shape.nheads, shape.seqlen_q), "float32"),  # dsum = rowsum(dO * O)
-            ) + (() if deterministic else (((shape.batch, shape.nheads, shape.seqlen_q, padded), "float32"),))
+            )  # (and the plan's fp32 dQ accumulator, atomics only)
             made = [arrays.new_empty(s, dt, framework, device) for s, dt in allocations]
             views = [view for _, view in made]
             if backward._debug_poison:
@@ -421,6 +431,7 @@ def _flash_attn_backward_checked(
                 window_size=window_size, softcap=float(softcap), alibi_batch_stride=slopes_stride,
                 dropout_p=float(dropout_p),
             )
+            allocations += _accumulator(plan, framework, device, made, views)
             pointers = {n: x.data.ptr for n, x in zip(("dout", "q", "k", "v", "out"), ready)}
             pointers.update(lse=lse.data.ptr, dropout_seed=seed, dropout_offset=offset)
             state = _contiguous(dropout_rng_state, state_info) if dropout_p else None
@@ -645,7 +656,7 @@ def flash_attn_varlen_backward(
                 ((total_k, shape.nheads_kv, padded), shape.dtype),  # dk
                 ((total_k, shape.nheads_kv, padded), shape.dtype),  # dv
                 ((shape.nheads, total_q), "float32"),  # dsum
-            ) + (() if deterministic else (((shape.nheads, total_q, padded), "float32"),))
+            )  # (and the plan's fp32 dQ accumulator, atomics only)
             made = [arrays.new_empty(s, dt, framework, device) for s, dt in allocations]
             views = [view for _, view in made]
             if backward._debug_poison:
@@ -660,6 +671,7 @@ def flash_attn_varlen_backward(
                 deterministic, _arch(device), window_size=window_size, softcap=float(softcap),
                 alibi_batch_stride=slopes_stride, varlen_totals=(total_q, total_k), dropout_p=float(dropout_p),
             )
+            allocations += _accumulator(plan, framework, device, made, views)
             pointers = {n: x.data.ptr for n, x in ready.items()}
             pointers.update(lse=lse.data.ptr, cu_seqlens_q=cu_q.data.ptr, cu_seqlens_k=cu_k.data.ptr,
                             dropout_seed=seed, dropout_offset=offset)
