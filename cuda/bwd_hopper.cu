@@ -63,6 +63,28 @@ struct HopperBwdTraits {
     static_assert(Stages >= 2, "a ring of at least two query tiles");
 };
 
+// Diagnostics for bench/bwd_trace.py: built with FA2_BWD_TRACE, thread 0 of the block, of the consumers and of the
+// producer record clock64 (and the SM) at numbered points of each of the first kBwdTraceBlocks blocks; otherwise
+// the marks compile away.
+#ifdef FA2_BWD_TRACE
+constexpr int kBwdTracePoints = 8, kBwdTraceBlocks = 16384;
+extern "C" {
+__device__ long long fa2_bwd_trace[kBwdTraceBlocks * kBwdTracePoints];
+}
+FA2_DEVICE void bwd_mark(int point) {
+    const u32 block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    if (block >= kBwdTraceBlocks) return;
+    fa2_bwd_trace[block * kBwdTracePoints + point] = clock64();
+    if (point == 0) {  // and the SM, at point 7
+        int sm;
+        asm volatile("mov.u32 %0, %%smid;\n" : "=r"(sm));
+        fa2_bwd_trace[block * kBwdTracePoints + 7] = sm;
+    }
+}
+#else
+FA2_DEVICE void bwd_mark(int) {}
+#endif
+
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     bwd_dkdv_hopper(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
@@ -107,6 +129,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const auto dq_staged = [&](int t) { return bars + 8 * (1 + 2 * kS + t); };
     const auto dq_free = [&](int t) { return bars + 8 * (1 + 2 * kS + Tr::kDqTiles + t); };
     if (threadIdx.x == 0) {
+        bwd_mark(0);  // the block's start
         mbar_init(kv_full, Tr::kProducerThreads);
         for (int s = 0; s < kS; ++s) {
             mbar_init(full(s), Tr::kProducerThreads + kM);
@@ -204,6 +227,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         if (steps.count >= 2) reduce_step(steps.count - 2, row_back2, rows_back2);
         if (steps.count >= 1) reduce_step(steps.count - 1, row_back1, rows_back1);
         bulk_wait<0>();
+        if (ptid == 0) bwd_mark(6);  // the producer's end
         asm volatile("cp.async.wait_all;\n" ::: "memory");  // leave nothing in flight into shared memory
         return;
     }
@@ -235,11 +259,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const int key_lo = key0 + 64 * wg + 16 * w4 + (lane >> 2);  // this thread's keys: key_lo, key_lo + 8
     const int key_offset = key_lo - (lane & 3) * 2;  // its first score's key minus query offset (query m0 + 0)
     mbar_wait(kv_full, 0);
+    if (ctid == 0) bwd_mark(1);  // K and V in
     const Steps steps = block_steps();
     for (int it = 0; it < steps.count; ++it) {
         const int s = it % kS, m0 = steps.m0(it);
         const u32 q_s = smem_q + s * QTile::kBytes, do_s = smem_do + s * QTile::kBytes;
         mbar_wait(full(s), (it / kS) & 1);
+        if (ctid == 0 && it == 0) bwd_mark(2);  // the first step's Q, dO, lse and D in
         fence_proxy_async_smem();  // the producer's cp.async writes, now read by the tensor cores
 
         float st[1][kQT][4], dpt[1][kQT][4];
@@ -370,7 +396,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         fence_proxy_async_smem();  // dQ_i to the producer, which issues its reduction
         __syncwarp();
         if (lane == 0) mbar_arrive(dq_staged(dq_t));
+        if (ctid == 0 && it == 0) bwd_mark(3);  // the first step done
     }
+    if (ctid == 0) bwd_mark(4);  // the last step done
 
     // dK = scale dS^T Q and dV, staged in the K and V tiles (once the warpgroups that read these rows are done
     // with them) so that the global stores are 16-byte and row-contiguous. (stmatrix written out as in
@@ -408,6 +436,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             st_global_v4(dv_rows + (i64)(k_start + key0 + r) * dv_row_stride + c, chunk);
         }
     }
+    if (ctid == 0) bwd_mark(5);  // dK and dV written (issued)
 }
 
 }  // namespace fa2
