@@ -14,12 +14,9 @@ with cp.async) and its dK/dV out; a faster copy would shrink it.
 import argparse
 import ctypes
 import statistics
-import sys
 
 import cupy
 import numpy as np
-
-sys.path.insert(0, ".")
 
 SOURCE = r"""
 typedef unsigned int u32;
