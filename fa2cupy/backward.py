@@ -78,8 +78,7 @@ def plan_backward(
     rng_at = len(sizes)  # the dropout seed and offset words come next: per-call values
     sizes += (np.uint32(0),) * 4 + (keep_scale, np.int32(total_q), np.int32(total_k)) + errors
 
-    # The fp32 dQ accumulator's floats per row: the Hopper kernel's rows are padded like its staging tile's.
-    dq_pitch = config.dq_pitch if config.family == "bwd_hopper" else headdim
+    dq_pitch = config.dq_pitch(headdim)  # the fp32 dQ accumulator's floats per row, as the main kernel adds them
     pre = _launch(
         build.get_kernel("bwd", f"fa2::bwd_preprocess<{tag}>", 0),
         ((seqlen_q + 7) // 8, nheads, batch), (256, 1, 1), 0, 5,

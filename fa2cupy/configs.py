@@ -213,6 +213,12 @@ class BwdConfig:
     def threads(self) -> int:
         return self.warps * 32
 
+    @staticmethod
+    def dq_pitch(headdim: int) -> int:
+        """Floats per row of the fp32 dQ accumulator for a call of this (padded) head dim: bwd_dkdv adds whole
+        rows of it."""
+        return headdim
+
     def smem_bytes(self, atomic_dq: bool = True) -> int:
         # Must match BwdTraits::kSmemBytes: K, V, the Q/dO ring, P^T and dS^T, the row statistics and (atomic
         # dQ) each warp's dQ scratch, whose shape follows BwdTraits' dQ warp tiling.
@@ -259,12 +265,12 @@ class HopperBwdConfig:
     threads = 3 * 128
     family = "bwd_hopper"  # cuda/bwd_hopper.cu
 
-    @property
-    def dq_pitch(self) -> int:
+    @staticmethod
+    def dq_pitch(headdim: int) -> int:
         """Floats per row of the dQ staging tile and of the fp32 accumulator (HopperBwdTraits::kDqPitch): padded
         against bank conflicts in shared memory, and alike in the accumulator so that one bulk reduction adds a
         step's rows."""
-        return self.headdim + 4
+        return headdim + 4
 
     def smem_bytes(self, atomic_dq: bool = True) -> int:
         # Must match HopperBwdTraits::kSmemBytes: alignment slack, K and V, the Q/dO ring, the dS^T tiles (two by
@@ -273,7 +279,8 @@ class HopperBwdConfig:
         d, m = self.headdim, self.block_m
         ds_tiles, dq_tiles = (1, 2) if self.dq_by_keys else (2, 1)
         return (1024 + 2 * 128 * d * 2 + 2 * self.stages * m * d * 2 + ds_tiles * 128 * m * 2
-                + dq_tiles * m * self.dq_pitch * 4 + 2 * self.stages * m * 4 + 8 * (1 + 2 * self.stages + 2 * dq_tiles))
+                + dq_tiles * m * self.dq_pitch(d) * 4 + 2 * self.stages * m * 4
+                + 8 * (1 + 2 * self.stages + 2 * dq_tiles))
 
     def name_expression(self, dtype: str, mask: str, atomic_dq: bool = True, mods: bool = False,
                         varlen: bool = False) -> str:
