@@ -78,28 +78,29 @@ struct BwdTraits {
 // adds a whole step).
 
 // ---------------------------------------------------------------------------------------------------------------
-// D = rowsum(dO * O) (FA2 Algorithm 2 line 4 hoisted out of the loop), one warp per query row; lanes read
-// 16-byte chunks. Also clears the row of the fp32 dQ accumulator when the main kernel adds into it.
+// D = rowsum(dO * O) (FA2 Algorithm 2 line 4 hoisted out of the loop): `lanes` lanes per query row (a power of
+// two, 8 or 16 for head dims 64 and 128: every lane reads 16-byte chunks, where a warp per row left half or three
+// quarters of them idle), 256 / lanes rows per block. Also clears the row of the fp32 dQ accumulator when the main
+// kernel adds into it.
 template <class Elem>
 __global__ void __launch_bounds__(256)
     bwd_preprocess(const u16* __restrict__ dout, const u16* __restrict__ out, float* __restrict__ dsum,
                    float* __restrict__ dq_accum, const int* __restrict__ cu_seqlens_q, i64 do_batch_stride,
                    int do_row_stride, i64 do_head_stride, i64 o_batch_stride, int o_row_stride, i64 o_head_stride,
-                   i64 stat_batch_stride, i64 stat_head_stride, int seqlen_q, int headdim, int dq_pitch, int total_q,
-                   int* error_claim, long long* error_host) {
-    const int lane = threadIdx.x & 31;
+                   i64 stat_batch_stride, i64 stat_head_stride, int seqlen_q, int headdim, int dq_pitch, int lanes,
+                   int total_q, int* error_claim, long long* error_host) {
     const int head = blockIdx.y, batch = blockIdx.z;
     int seqlen_k_unused = 0;
     const SeqBounds seq(cu_seqlens_q, nullptr, batch, total_q, 0, error_claim, error_host, seqlen_q,
                         seqlen_k_unused);
-    const int row = blockIdx.x * 8 + (threadIdx.x >> 5);
-    if (row >= seqlen_q) return;
+    const int row = blockIdx.x * (256 / lanes) + threadIdx.x / lanes, sub = threadIdx.x & (lanes - 1);
+    const bool valid = row < seqlen_q;  // (no return: the row's lanes meet in the shuffles below)
     const i64 row_g = seq.q_start + row;
     const u16* do_row = dout + batch * do_batch_stride + row_g * do_row_stride + head * do_head_stride;
     const u16* o_row = out + batch * o_batch_stride + row_g * o_row_stride + head * o_head_stride;
     const i64 stat = batch * stat_batch_stride + head * stat_head_stride + row_g;
     float acc = 0.f;
-    for (int c = lane * 8; c < headdim; c += 32 * 8) {
+    for (int c = sub * 8; valid && c < headdim; c += lanes * 8) {
         u32 a[4], b[4];
         ld_global_v4(do_row + c, a);
         ld_global_v4(o_row + c, b);
@@ -114,9 +115,8 @@ __global__ void __launch_bounds__(256)
             st_global_v4(dq_accum + stat * dq_pitch + c + 4, zero);
         }
     }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
-    if (lane == 0) dsum[stat] = acc;
+    for (int offset = lanes / 2; offset > 0; offset >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+    if (valid && sub == 0) dsum[stat] = acc;
 }
 
 // ---------------------------------------------------------------------------------------------------------------

@@ -79,11 +79,13 @@ def plan_backward(
     sizes += (np.uint32(0),) * 4 + (keep_scale, np.int32(total_q), np.int32(total_k)) + errors
 
     dq_pitch = config.dq_pitch(headdim)  # the fp32 dQ accumulator's floats per row, as the main kernel adds them
+    lanes = min(32, 1 << (headdim // 8 - 1).bit_length())  # the preprocess's lanes per row: 16-byte chunks each
     pre = _launch(
         build.get_kernel("bwd", f"fa2::bwd_preprocess<{tag}>", 0),
-        ((seqlen_q + 7) // 8, nheads, batch), (256, 1, 1), 0, 5,
+        (-(-seqlen_q * lanes // 256), nheads, batch), (256, 1, 1), 0, 5,
         _strides3(strides["dout"]) + _strides3(strides["out"]) + stats + (np.int32(seqlen_q), np.int32(headdim),
-                                                                          np.int32(dq_pitch), np.int32(total_q))
+                                                                          np.int32(dq_pitch), np.int32(lanes),
+                                                                          np.int32(total_q))
         + errors,
     )
     smem = config.smem_bytes(atomic)
