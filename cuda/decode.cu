@@ -20,7 +20,7 @@
 // no part saw gets out = 0 and lse = +inf, the same convention as the forward.
 //
 // Bad index values are found on the device, where the values are: the first thread to find one claims the report
-// (atomicCAS on a device word) and writes it to pinned host memory that the host reads without synchronising
+// (atomicExch on a device word) and writes it to pinned host memory that the host reads without synchronising
 // (fa2cupy/device_errors.py); every output row computed while a report is pending is NaN, never a wrong number.
 #include "primitives.cuh"
 #include "errors.cuh"

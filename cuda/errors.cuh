@@ -1,5 +1,5 @@
 // Bad values that only the GPU sees (index arrays in device memory) are reported from the kernels, without a host
-// synchronisation: the first thread to find one claims a per-device word with atomicCAS and writes what, where
+// synchronisation: the first thread to find one claims a per-device word with atomicExch and writes what, where
 // and which value into pinned host memory mapped into the GPU's address space. fa2cupy/device_errors.py reads it
 // and raises a ValueError naming the argument at the next call (or at fa2cupy.check_device_errors()).
 #pragma once
@@ -20,11 +20,10 @@ enum BadValue : int {
 };
 
 // Records the first bad value: what (BadValue), where (row, col of the offending array) and the value itself.
-// ByExchange takes the same claim with atomicExch: one register where atomicCAS takes a pair, for code that has
-// few (the Hopper forward's 32-register producer spilled around the pair).
-template <bool ByExchange = false>
+// The claim is an exchange (the word is 1 once claimed, so only the first finds 0): one register where atomicCAS
+// takes a pair, which the Hopper forward's 32-register producer spilled around.
 FA2_DEVICE void report_bad_value(int* claim, long long* host, int what, int row, int col, int value) {
-    if ((ByExchange ? atomicExch(claim, 1) : atomicCAS(claim, 0, 1)) == 0) {
+    if (atomicExch(claim, 1) == 0) {
         volatile long long* report = host;
         report[1] = ((long long)row << 32) | (unsigned)col;
         report[2] = value;

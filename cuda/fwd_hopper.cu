@@ -171,9 +171,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const auto bounds = [&](int b, bool reporter) {
         Bounds r{seqlen_q, seqlen_k, 0, 0};
         if constexpr (Tr::kVarlen) {
-            const SeqBoundsOf<Tr::kConsumerWGs == 3> seq(cu_seqlens_q, cu_seqlens_k, b, total_q, total_k,
-                                                         error_claim, error_host, r.seqlen_q, r.seqlen_k,
-                                                         reporter ? 1 : 0);
+            const SeqBounds seq(cu_seqlens_q, cu_seqlens_k, b, total_q, total_k, error_claim, error_host, r.seqlen_q,
+                                r.seqlen_k, reporter ? 1 : 0);
             // (the same on every lane: uniform, the loops over the sequence's tiles and what they count stay off
             // vector registers and lane loops, as with the padded kernel's bounds from kernel arguments)
             // (paged: cu_seqlens_k counts keys in the sequence's pages, which start at its block_table row)

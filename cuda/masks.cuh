@@ -135,12 +135,11 @@ struct PagedKeys {
 // rows. A sequence whose bounds are not 0 <= start <= end <= total with end - start <= the maximum would read or
 // write outside the arrays: it is reported (ValueError on the host) and treated as empty. Without cu_seqlens
 // (null) nothing changes. cu_seqlens_k may be null for the kernels that only walk queries.
-template <bool ClaimByExchange = false>  // (see report_bad_value)
-struct SeqBoundsOf {
+struct SeqBounds {
     int q_start = 0, k_start = 0;
     // reporter: 1 if this thread reports bad bounds, 0 if not (one thread per sequence); by default (-1) thread 0 of
     // the first block of the grid's (x, y) plane, which the kernels with a grid z per sequence have once per sequence.
-    FA2_DEVICE SeqBoundsOf(const int* cu_seqlens_q, const int* cu_seqlens_k, int batch, int total_q, int total_k,
+    FA2_DEVICE SeqBounds(const int* cu_seqlens_q, const int* cu_seqlens_k, int batch, int total_q, int total_k,
                          int* error_claim, long long* error_host, int& seqlen_q, int& seqlen_k, int reporter = -1) {
         if (cu_seqlens_q == nullptr) return;
         const int q0 = cu_seqlens_q[batch], q1 = cu_seqlens_q[batch + 1];
@@ -154,12 +153,11 @@ struct SeqBoundsOf {
             return;
         }
         if (reporter < 0 ? threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0 : reporter != 0)
-            report_bad_value<ClaimByExchange>(error_claim, error_host, q_ok ? kBadCuSeqlensK : kBadCuSeqlensQ,
-                                              batch, q_ok ? k0 : q0, q_ok ? k1 : q1);
+            report_bad_value(error_claim, error_host, q_ok ? kBadCuSeqlensK : kBadCuSeqlensQ, batch, q_ok ? k0 : q0,
+                             q_ok ? k1 : q1);
         seqlen_q = seqlen_k = 0;
     }
 };
-using SeqBounds = SeqBoundsOf<>;
 
 // Dropout on P (FA2 with dropout): Philox4x32-10 (Salmon et al. 2011), counter-based, so the forward and both
 // backward kernels regenerate the same keep mask from (seed, offset) whatever their tiling. The random 16-bit

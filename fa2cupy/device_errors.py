@@ -3,7 +3,7 @@ memory, and reading them on the host would cost a synchronisation per call, whic
 cannot afford.
 
 So the kernels check them (cuda/errors.cuh ``report_bad_value``): the first thread to find a bad value claims a
-per-device word with atomicCAS and writes what, where and which value into pinned host memory mapped into the
+per-device word with atomicExch and writes what, where and which value into pinned host memory mapped into the
 GPU's address space; while a report is pending, the kernels write NaN rows and the append writes nothing. The host
 reads that memory without synchronising: the next call raises, or :func:`check_device_errors` waits for the GPU
 and raises. Like CUDA's own asynchronous errors, the exception may surface one call late, but a bad value never
