@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const WindowMask<Tr::kMask> mask{seqlen_q, seqlen_k, window_left, window_right};
     struct Steps {
         int m_begin, m_count, count;
-        // Step j's first query row (the producer walks them in order instead, a division per step fewer).
+        // Step j's first query row (the producer's loads walk them in order instead, a division per step fewer).
         FA2_DEVICE int m0(int j) const { return (m_begin + j % m_count) * kM; }
     };
     const auto block_steps = [&] {
@@ -182,23 +182,38 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         load_tile(KVTile{}, smem_v, v + batch * v_batch_stride + (i64)(k_start + key0) * v_row_stride + kv_head * v_head_stride,
                   v_row_stride, seqlen_k - key0);
         cp_async_mbar_arrive(kv_full);
-        // Step j's dQ_j, once staged, goes out in one bulk reduction of its `rows` rows from accumulator row
-        // `row` on (the first thread), and the staging tile back to the consumers once read. Taken two steps late,
-        // after the load that the consumers' release of step j's slot let through, so the consumers never wait for
-        // it. `row` is an int, as the accumulator's rows of 272 bytes or more fit in device memory.
-        const auto reduce_step = [&](int j, int row, int rows) {
+        const Steps steps = block_steps();
+        // Step j's dQ_j, once staged, goes out in one bulk reduction of its rows before seqlen_q, from its first
+        // query row's accumulator row on (the first thread), and the staging tile back to the consumers once read.
+        // Taken two steps late, after the load that the consumers' release of step j's slot let through, so the
+        // consumers never wait for it. The step's rows are worked out here (carried from its load, they spilled at
+        // head dim 64 beside the statistics loaded a step ahead); the accumulator row is an int, as rows of 272
+        // bytes or more fit in device memory.
+        const auto reduce_step = [&](int j) {
             if (ptid != 0) return;
+            const int head = kv_head * heads_per_kv + j / steps.m_count, m0 = steps.m0(j);
+            const int row = int(batch * stat_batch_stride + head * stat_head_stride + q_start + m0);
             const int t = j % Tr::kDqTiles;
             mbar_wait(dq_staged(t), (j / Tr::kDqTiles) & 1);
             bulk_reduce_add_f32(dq_accum + (i64)row * Tr::kDqPitch, smem_dq + t * Tr::kDqBytes,
-                                rows * Tr::kDqPitch * 4);
+                                min(kM, seqlen_q - m0) * Tr::kDqPitch * 4);
             bulk_commit();
             bulk_wait_read<0>();
             mbar_arrive(dq_free(t));
         };
-        // The first thread's `row` (the step's first) and the step's rows before seqlen_q, of steps it - 1, it - 2
-        int row_back1 = 0, row_back2 = 0, rows_back1 = 0, rows_back2 = 0;
-        const Steps steps = block_steps();
+        // Thread ptid < kM's row statistics of a step, lse (+inf past seqlen_q, so that P = 0: plain loads, which a
+        // zero-filling copy cannot give) and D, loaded a step ahead: their wait falls under the wait for the slot,
+        // not on the way to the step's full barrier (nothing reads them before the step's stores).
+        float lse_next = 0.f, dsum_next = 0.f;
+        const auto load_stats = [&](int head, int m0) {
+            if (ptid >= kM) return;
+            lse_next = pos_inf(), dsum_next = 0.f;
+            if (m0 + ptid < seqlen_q) {
+                const int row = int(batch * stat_batch_stride + head * stat_head_stride + q_start + m0 + ptid);
+                lse_next = lse[row], dsum_next = dsum[row];
+            }
+        };
+        load_stats(kv_head * heads_per_kv, steps.m_begin * kM);
         for (int it = 0, head = kv_head * heads_per_kv, m0 = steps.m_begin * kM; it < steps.count; ++it) {
             const int s = it % kS;
             mbar_wait(empty(s), ((it / kS) & 1) ^ 1);
@@ -209,23 +224,18 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                       dout + batch * do_batch_stride + (i64)(q_start + m0) * do_row_stride + head * do_head_stride, do_row_stride,
                       seqlen_q - m0);
             cp_async_mbar_arrive(full(s));
-            int row = -1;
             if (ptid < kM) {
-                // Plain loads: rows past seqlen_q need lse = +inf (so P = 0), which a zero-filling copy cannot give.
-                const bool ok = m0 + ptid < seqlen_q;
-                if (ok) row = int(batch * stat_batch_stride + head * stat_head_stride + q_start + m0 + ptid);
-                stats[s * kM + ptid] = ok ? lse[row] * kLog2e : pos_inf();
-                stats[(kS + s) * kM + ptid] = ok ? dsum[row] : 0.f;
+                stats[s * kM + ptid] = lse_next * kLog2e;
+                stats[(kS + s) * kM + ptid] = dsum_next;
                 mbar_arrive(full(s));  // (release: the stores above)
             }
-            if (it >= 2) reduce_step(it - 2, row_back2, rows_back2);
-            row_back2 = row_back1, row_back1 = row;
-            rows_back2 = rows_back1, rows_back1 = min(kM, seqlen_q - m0);
+            if (it >= 2) reduce_step(it - 2);
             m0 += kM;  // step it + 1's query head and first row
             if (m0 == (steps.m_begin + steps.m_count) * kM) m0 = steps.m_begin * kM, ++head;
+            if (it + 1 < steps.count) load_stats(head, m0);
         }
-        if (steps.count >= 2) reduce_step(steps.count - 2, row_back2, rows_back2);
-        if (steps.count >= 1) reduce_step(steps.count - 1, row_back1, rows_back1);
+        if (steps.count >= 2) reduce_step(steps.count - 2);
+        if (steps.count >= 1) reduce_step(steps.count - 1);
         bulk_wait<0>();
         if (ptid == 0) bwd_mark(6);  // the producer's end
         asm volatile("cp.async.wait_all;\n" ::: "memory");  // leave nothing in flight into shared memory
