@@ -1,13 +1,14 @@
 """The window bar's kernels, one launch each, for Nsight Compute: full causal attention and a (4096, 0) window
-over 64k tokens (h16 d128 fp16, as bench/window_speed.py), forward and backward, warm-up outside the profiled
-range (cudaProfilerStart/Stop). SM cycles do not move with the clock, which the H100 changes by several percent
+over 64k tokens (fp16, hidden 2048: h16 d128 as bench/window_speed.py, or h32 with --headdim 64), forward and
+backward, warm-up outside the profiled range (cudaProfilerStart/Stop). SM cycles do not move with the clock, which the H100 changes by several percent
 between and within runs (bench/NOTES.md), so a cycle ratio is a steadier reading of a kernel change than a time.
 
     ncu --clock-control none --profile-from-start off \\
         --metrics gpu__time_duration.sum,sm__cycles_elapsed.max,launch__registers_per_thread \\
-        python bench/window_ncu.py [--forward-only] [--window-rows 128,3,3,1 ...]
+        python bench/window_ncu.py [--forward-only] [--headdim 64] [--window-rows 128,3,3,1 ...]
 
---window-rows: the window's forward also on other Hopper rows of d=128 (block_n,k_stages,v_stages,q_buffers),
+--window-rows: the window's forward also on other Hopper rows of the head dim (block_n,k_stages,v_stages,
+q_buffers[,consumer_wgs]),
 launched first. --tree DIR: kernels built from the sources in DIR (a copy of cuda/, say HEAD's from `git
 archive`) instead of this package's.
 """
@@ -28,25 +29,27 @@ def main(argv):
     parser = argparse.ArgumentParser()
     parser.add_argument("--forward-only", action="store_true")
     parser.add_argument("--window-rows", nargs="*", default=[],
-                        help="the window's forward also on these Hopper rows of d=128 (block_n,k_stages,v_stages,"
-                             "q_buffers), e.g. 128,3,3,1")
+                        help="the window's forward also on these Hopper rows of the head dim (block_n,k_stages,"
+                             "v_stages,q_buffers[,consumer_wgs]), e.g. 128,3,3,1")
     parser.add_argument("--tree", type=Path, help="a copy of cuda/ to build the kernels from")
+    parser.add_argument("--headdim", type=int, default=128, choices=(64, 128))
     args = parser.parse_args(argv)
     forward_only, rows = args.forward_only, args.window_rows
     if args.tree:
         build.use_sources(args.tree)
     rng = cupy.random.default_rng(0)
-    shape = (1, 65536, 16, 128)
+    d = args.headdim
+    shape = (1, 65536, 2048 // d, d)
     q, k, v, dout = (rng.standard_normal(shape, dtype=cupy.float32).astype(cupy.float16) for _ in range(4))
     steps, candidates = [], []
-    shipped = configs.FORWARD_HOPPER_TABLE[128]
+    shipped = configs.FORWARD_HOPPER_TABLE[d]
     for row in rows:  # each planned now (the plan is cached with its config), so the table goes back at once
-        configs.FORWARD_HOPPER_TABLE[128] = configs.HopperFwdConfig(128, *map(int, row.split(",")))
+        configs.FORWARD_HOPPER_TABLE[d] = configs.HopperFwdConfig(d, *map(int, row.split(",")))
         plan = forward.plan_forward(shape, shape, (tuple(q.strides[i] // 2 for i in range(4)),) * 4, "float16",
-                                    128 ** -0.5, True, 90, window_size=(4096, 0))
-        configs.FORWARD_HOPPER_TABLE[128] = shipped
+                                    d ** -0.5, True, 90, window_size=(4096, 0))
+        configs.FORWARD_HOPPER_TABLE[d] = shipped
         out = cupy.full_like(q, float("nan"))
-        lse = cupy.empty((1, 16, 65536), cupy.float32)
+        lse = cupy.empty((1, shape[2], 65536), cupy.float32)
         candidates.append((row, out))
         steps.append(lambda p=plan, o=out, l=lse: forward.run_forward(
             p, q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, l.data.ptr, cupy.cuda.get_current_stream().ptr))
