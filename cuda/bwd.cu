@@ -115,6 +115,12 @@ __global__ void __launch_bounds__(256)
             st_global_v4(dq_accum + stat * dq_pitch + c + 4, zero);
         }
     }
+    // The row's pad (dq_pitch - headdim floats, never read) is cleared too: a 32-byte sector left partly unwritten
+    // costs the L2 a read of it from DRAM before its write-back.
+    for (int c = headdim + sub * 4; valid && dq_accum != nullptr && c < dq_pitch; c += lanes * 4) {
+        const u32 zero[4] = {0u, 0u, 0u, 0u};
+        st_global_v4(dq_accum + stat * dq_pitch + c, zero);
+    }
     for (int offset = lanes / 2; offset > 0; offset >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
     if (valid && sub == 0) dsum[stat] = acc;
 }
