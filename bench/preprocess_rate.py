@@ -1,6 +1,7 @@
 """The backward's O(N) passes alone (bwd_preprocess: D = rowsum(dO * O) and the fp32 dQ accumulator cleared; the
 dQ conversion), over 64k tokens at hidden 2048 (h32 d64 and h16 d128, fp16), as DRAM rates, with the kernels of
-one or more copies of cuda/ taking turns in one process (best round's median each). Their D must agree bitwise.
+one or more copies of cuda/ taking turns in one process (best round's median each). Each tree's D is compared
+with the first's (bitwise) and its accumulator checked for zeros, after outputs poisoned with NaN.
 
     python bench/preprocess_rate.py [--trees base=ab_trees/base/cuda,new=cuda] [--rounds 4]
     ncu --clock-control none -k regex:bwd_preprocess --metrics dram__bytes_read.sum,dram__bytes_write.sum \\
@@ -38,14 +39,16 @@ def main(argv):
             build.use_sources(None if tree == "cuda" else tree)
             runs[name] = launches(q, k, v, dout, (4096, 0))
         build.use_sources(None)
-        for name, (keep, pre, _main, _conv) in runs.items():
+        for name, (keep, pre, _main, _conv) in runs.items():  # D and the accumulator poisoned, then one pass
             keep[4].fill(float("nan"))
+            keep[5].fill(float("nan"))
             pre()
         first = runs[trees[0][0]][0][4]
         for name, (keep, *_rest) in runs.items():
-            same = bool(cupy.array_equal(keep[4], first))
-            if not same:
-                print(f"d={d} {name}: D differs from {trees[0][0]}'s", flush=True)
+            accum = keep[5]
+            print(f"d={d} {name}: D {'bitwise equal to' if cupy.array_equal(keep[4], first) else 'DIFFERS from'} "
+                  f"{trees[0][0]}'s; accumulator rows cleared: {bool((accum[..., :d] == 0).all())}, their pad: "
+                  f"{bool((accum[..., d:] == 0).all()) if accum.shape[-1] > d else 'none'}", flush=True)
         plan, dsum, accum = runs[trees[0][0]][0][0], first, runs[trees[0][0]][0][5]
         io = 2 * q.nbytes
         pre_bytes = io + dsum.nbytes + accum.nbytes
