@@ -64,6 +64,31 @@ def test_hopper_kernel_is_the_one_planned():
     assert isinstance(plan.config, configs.BwdConfig)  # no Hopper row for d = 96
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_preprocess_clears_the_padded_accumulator_rows(d):
+    """bwd_preprocess gives D = rowsum(dO * O) and clears every float of the Hopper kernel's dQ accumulator rows, their
+    pad (d + 4 floats a row, never read) included: a 32-byte sector left partly unwritten costs the L2 a DRAM read
+    before its write-back (bench/NOTES.md, session 38)."""
+    _hopper_gpu()
+    import cupy
+    import numpy as np
+
+    from fa2cupy import backward
+
+    shape = (2, 201, 3, d)  # a ragged last block of rows
+    rng = cupy.random.default_rng(7)
+    dout, out = (rng.standard_normal(shape, dtype=cupy.float32).astype(cupy.float16) for _ in range(2))
+    strides = dict.fromkeys(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), tuple(s // 2 for s in out.strides))
+    plan = backward.plan_backward(shape, shape, strides, "float16", d**-0.5, True, False, 90)
+    assert plan.dq_accum_shape == (2, 3, 201, d + 4)
+    dsum = cupy.full(plan.dsum_shape, float("nan"), cupy.float32)
+    accum = cupy.full(plan.dq_accum_shape, float("nan"), cupy.float32)
+    plan.preprocess(cupy.cuda.get_current_stream().ptr, (dout.data.ptr, out.data.ptr, dsum.data.ptr, accum.data.ptr, 0))
+    expected = (dout.astype(cupy.float64) * out.astype(cupy.float64)).sum(-1).transpose(0, 2, 1)
+    np.testing.assert_allclose(cupy.asnumpy(dsum).reshape(2, 3, 201), cupy.asnumpy(expected), rtol=1e-5, atol=1e-4)
+    assert bool((accum == 0).all()), "the accumulator rows (pad included) are not all cleared"
+
+
 LENGTHS = [1, 2, 17, 63, 64, 65, 127, 128, 129, 191, 255, 256, 257, 500, 700]
 GROUPS = [(1, 1), (2, 2), (4, 1), (6, 3), (8, 2), (4, 4)]
 
