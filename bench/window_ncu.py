@@ -1,16 +1,16 @@
 """The window bar's kernels, one launch each, for Nsight Compute: full causal attention and a (4096, 0) window
 over 64k tokens (fp16, hidden 2048: h16 d128 as bench/window_speed.py, or h32 with --headdim 64), forward and
-backward, warm-up outside the profiled range (cudaProfilerStart/Stop). SM cycles do not move with the clock, which the H100 changes by several percent
-between and within runs (bench/NOTES.md), so a cycle ratio is a steadier reading of a kernel change than a time.
+backward, warm-up outside the profiled range (cudaProfilerStart/Stop). SM cycles do not move with the clock,
+which the H100 changes by several percent between and within runs (bench/NOTES.md), so a cycle ratio is a
+steadier reading of a kernel change than a time.
 
     ncu --clock-control none --profile-from-start off \\
         --metrics gpu__time_duration.sum,sm__cycles_elapsed.max,launch__registers_per_thread \\
         python bench/window_ncu.py [--forward-only] [--headdim 64] [--window-rows 128,3,3,1 ...]
 
 --window-rows: the window's forward also on other Hopper rows of the head dim (block_n,k_stages,v_stages,
-q_buffers[,consumer_wgs]),
-launched first. --tree DIR: kernels built from the sources in DIR (a copy of cuda/, say HEAD's from `git
-archive`) instead of this package's.
+q_buffers[,consumer_wgs]), launched first. --tree DIR: kernels built from the sources in DIR (a copy of cuda/, say
+HEAD's from `git archive`) instead of this package's.
 """
 
 import argparse
