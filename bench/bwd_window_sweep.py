@@ -9,8 +9,8 @@ t x steps + o x blocks, says what a query-tile step and a key block's own cost a
         python bench/bwd_window_sweep.py --ncu          # one dK/dV launch per case, in SM cycles
     python bench/bwd_window_sweep.py --tree ab_trees/base/cuda ...   # the kernels of another copy of cuda/
 
-Steps are counted as the kernel walks them: per 128-key block, the query tiles (the plan's block_m rows: 64 at
-d=128, 128 at d=64) with a row that sees one of its keys (WindowMask::query_tiles), for every head.
+Steps are counted as the kernel walks them: per key block (the plan's block_n keys), the query tiles (its block_m
+rows: 64 at d=128, 128 at d=64) with a row that sees one of its keys (WindowMask::query_tiles), for every head.
 """
 
 import argparse
@@ -74,9 +74,9 @@ def main(argv):
     q, k, v, dout = (rng.standard_normal(shape, dtype=cupy.float32).astype(cupy.float16) for _ in range(4))
     cases = [(w, (w, 0)) for w in map(int, args.windows.split(","))] + [(None, (-1, -1))]
     runs = {w: launches(q, k, v, dout, window) for w, window in cases}
-    blocks = args.heads * (-(-args.seqlen // 128))
-    block_m = runs[None][0][0].config.block_m
-    steps = {w: args.heads * steps_of(args.seqlen, w, block_m) for w, _ in cases}
+    block_m, block_n = runs[None][0][0].config.block_m, runs[None][0][0].config.block_n
+    blocks = args.heads * (-(-args.seqlen // block_n))
+    steps = {w: args.heads * steps_of(args.seqlen, w, block_m, block_n) for w, _ in cases}
     if args.ncu:
         for w, _ in cases:
             runs[w][2]()
@@ -97,7 +97,8 @@ def main(argv):
     med = {w: [statistics.median(t) for t in times[w]] for w, _ in cases}
     for w, _ in cases:
         pre, main_ms, conv = med[w]
-        print(f"{'causal' if w is None else f'window ({w}, 0)'}: {steps[w]} steps of {block_m} rows, dK/dV {main_ms:.3f} ms "
+        print(f"{'causal' if w is None else f'window ({w}, 0)'}: {steps[w]} steps of {block_m} rows, "
+              f"dK/dV {main_ms:.3f} ms "
               f"({1e6 * main_ms / steps[w] * 132:.3f} ns x 132 per step), preprocess {pre:.3f} ms, "
               f"dQ conversion {conv:.3f} ms", flush=True)
     ws = [w for w, _ in cases if w is not None]

@@ -80,8 +80,8 @@ struct BwdTraits {
 // ---------------------------------------------------------------------------------------------------------------
 // D = rowsum(dO * O) (FA2 Algorithm 2 line 4 hoisted out of the loop): `lanes` lanes per query row (a power of
 // two, 8 or 16 for head dims 64 and 128: every lane reads 16-byte chunks, where a warp per row left half or three
-// quarters of them idle), 256 / lanes rows per block. Also clears the row of the fp32 dQ accumulator when the main
-// kernel adds into it.
+// quarters of them idle), 256 / lanes rows per block. Also clears the row of the fp32 dQ accumulator (dq_pitch
+// floats, a multiple of 4) when the main kernel adds into it.
 template <class Elem>
 __global__ void __launch_bounds__(256)
     bwd_preprocess(const u16* __restrict__ dout, const u16* __restrict__ out, float* __restrict__ dsum,
@@ -109,15 +109,10 @@ __global__ void __launch_bounds__(256)
             const float2 x = unpack2<Elem>(a[i]), y = unpack2<Elem>(b[i]);
             acc += x.x * y.x + x.y * y.y;
         }
-        if (dq_accum != nullptr) {
-            const u32 zero[4] = {0u, 0u, 0u, 0u};
-            st_global_v4(dq_accum + stat * dq_pitch + c, zero);
-            st_global_v4(dq_accum + stat * dq_pitch + c + 4, zero);
-        }
     }
-    // The row's pad (dq_pitch - headdim floats, never read) is cleared too: a 32-byte sector left partly unwritten
-    // costs the L2 a read of it from DRAM before its write-back.
-    for (int c = headdim + sub * 4; valid && dq_accum != nullptr && c < dq_pitch; c += lanes * 4) {
+    // The accumulator row, all dq_pitch floats of it: its pad too (never read), as a 32-byte sector left partly
+    // unwritten costs the L2 a read of it from DRAM before its write-back.
+    for (int c = sub * 4; valid && dq_accum != nullptr && c < dq_pitch; c += lanes * 4) {
         const u32 zero[4] = {0u, 0u, 0u, 0u};
         st_global_v4(dq_accum + stat * dq_pitch + c, zero);
     }
