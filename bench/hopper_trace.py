@@ -19,16 +19,21 @@ import numpy as np
 sys.path.insert(0, ".")
 from fa2cupy import build, configs, forward  # noqa: E402
 
-POINTS, ITEMS, BLOCKS = 16, 64, 160  # kTracePoints, kTraceItems, kTraceBlocks
-CONSUMER = (  # (label, from point, to point) within one item; point + 6 for warpgroup 1
+POINTS, ITEMS, BLOCKS = 24, 64, 160  # kTracePoints, kTraceItems, kTraceBlocks
+CONSUMER = (  # (label, from point, to point) within one item (-1: point 5 of the item before); + 10 for warpgroup 1
     ("Q wait (previous rows written -> Q in)", -1, 0),
-    ("first S (issue -> landed)", 0, 1),
+    ("item worked out", 0, 6),
+    ("first tile wait", 6, 7),
+    ("turn wait", 7, 8),
+    ("first S (issued -> landed)", 8, 1),
     ("first softmax", 1, 2),
     ("loop", 2, 3),
     ("last P V", 3, 4),
-    ("rows written", 4, 5),
+    ("finalize", 4, 9),
+    ("rows staged", 9, 5),
     ("item (rows written -> rows written)", -1, 5),
 )
+PRODUCER = 20  # its points: 20 item known, 22 Q buffer free, 23 K/V issued
 
 
 def main():
@@ -80,16 +85,22 @@ def main():
         for wg in range(2):
             cells = []
             for label, a, b in CONSUMER:
-                to = marks[:, 1:, 6 * wg + b]
-                start = marks[:, :-1, 6 * wg + 5] if a < 0 else marks[:, 1:, 6 * wg + a]
+                to = marks[:, 1:, 10 * wg + b]
+                start = marks[:, :-1, 10 * wg + 5] if a < 0 else marks[:, 1:, 10 * wg + a]
                 cells.append(f"{label}: {np.nanmedian(to - start):.0f}")
             print(f"  warpgroup {wg}: " + "; ".join(cells))
-        producer = (("Q buffer free, previous rows out", 12, 14), ("K/V issued", 14, 15))
+            # Each point against the same item's "Q in", whatever order a kernel puts them in
+            offsets = [f"{p}: {np.nanmedian(marks[:, 1:, 10 * wg + p] - marks[:, 1:, 10 * wg]):.0f}" for p in range(1, 10)]
+            period = np.nanmedian(marks[:, 2:, 10 * wg] - marks[:, 1:-1, 10 * wg])
+            print(f"    points after Q in: " + ", ".join(offsets) + f"; Q in -> next Q in: {period:.0f}")
+        producer = (("Q buffer free, previous rows out", PRODUCER, PRODUCER + 2),
+                    ("K/V issued", PRODUCER + 2, PRODUCER + 3))
         print("  producer: " + "; ".join(f"{label}: {np.nanmedian(marks[:, 1:, b] - marks[:, 1:, a]):.0f}"
                                           for label, a, b in producer)
-              + f"; Q issued -> Q in (wg 0): {np.nanmedian(marks[:, 1:, 0] - marks[:, 1:, 14]):.0f}"
-              + f"; Q buffer free -> wg 1's loop done: {np.nanmedian(marks[:, 1:, 14] - marks[:, :-1, 9]):.0f}")
-        total = np.nanmax(marks[:, :, 11], axis=1) - np.nanmin(marks[:, :, 12], axis=1)
+              + f"; Q issued -> Q in (wg 0): {np.nanmedian(marks[:, 1:, 0] - marks[:, 1:, PRODUCER + 2]):.0f}"
+              + f"; Q buffer free -> wg 1's loop done: "
+              f"{np.nanmedian(marks[:, 1:, PRODUCER + 2] - marks[:, :-1, 13]):.0f}")
+        total = np.nanmax(marks[:, :, 15], axis=1) - np.nanmin(marks[:, :, PRODUCER], axis=1)
         print(f"  block span (first item known -> last rows written): median {np.nanmedian(total):.0f}, "
               f"max {np.nanmax(total):.0f}")
 

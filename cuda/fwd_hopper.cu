@@ -86,10 +86,10 @@ FA2_DEVICE u32 ring_phase(u32 t) {
 
 // Diagnostics for bench/hopper_trace.py: built with FA2_FWD_TRACE, lane 0 of warpgroup 0's and warpgroup 1's first
 // warps and the producer's first thread record clock64 at numbered points of each of their block's first
-// kTraceItems work items (the consumers count items they see, the producer items it loads); otherwise the marks
-// compile away.
+// kTraceItems work items (the consumers count items they see, the producer items it loads; points 10 wg + 0..9 the
+// consumers', 20..23 the producer's); otherwise the marks compile away.
 #ifdef FA2_FWD_TRACE
-constexpr int kTracePoints = 16, kTraceItems = 64, kTraceBlocks = 160;
+constexpr int kTracePoints = 24, kTraceItems = 64, kTraceBlocks = 160;
 extern "C" {
 __device__ long long fa2_fwd_trace[kTraceBlocks * kTraceItems * kTracePoints];
 }
@@ -290,10 +290,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 item = next_item(item, ticket);
                 continue;
             }
-            mark(12);
+            mark(20);
             free_buffer();
             publish(item, seq);
-            mark(14);
+            mark(22);
             const WindowMask<Tr::kMask> mask{seq.seqlen_q, seq.seqlen_k, window_left, window_right};
             int n_first, n_blocks;
             mask.template key_tiles<Tr::kBlockN>(row0, Tr::kBlockM, n_first, n_blocks);
@@ -345,7 +345,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                       q_row_stride, seq.seqlen_q - row0);
             announce();
             for (int t = 0; t < n_blocks; ++t) load_kv();
-            mark(15);
+            mark(23);
             ++items_loaded;
             item = next_item(item, ticket);
         }
@@ -388,7 +388,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     u32 tiles = 0;  // K/V tiles taken (K's next is tile `tiles`)
     u32 items_taken = 0;  // (Q buffer items_taken % kQBuffers next)
     const auto mark = [&](int point) {
-        if ((warp & 3) == 0 && lane == 0 && wg < 2) fwd_mark(6 * wg + point, items_taken);
+        if ((warp & 3) == 0 && lane == 0 && wg < 2) fwd_mark(10 * wg + point, items_taken);
     };
     for (;;) {
         const int q_buffer = ring_slot<Tr::kQBuffers>(items_taken);
@@ -421,6 +421,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             if (half_first % 2) first_half = kHigh;
             if ((half_first + half_count) % 2) last_half = kLow;
         }
+        mark(6);
 
         float acc_o[1][kDT][4];
         zero_fragments(acc_o);
@@ -491,8 +492,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         for (int j = 0; j < mine_begin; ++j) pass_over();
         if (my_count > 0) {
             mbar_wait(full(ring_slot<kKS>(tiles)), ring_phase<kKS>(tiles));
+            mark(7);
             fence_proxy_async_smem();  // the producer's cp.async writes, now read by the tensor cores
             turn_wait();
+            mark(8);
             wgmma_fence();
             issue_s();
             turn_pass();
@@ -547,6 +550,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // code and measured slower, bench/NOTES.md, session 21's review.)
         float row_lse[2];
         softmax.finalize(acc_o, row_lse, scale);
+        mark(9);
         const u32 q_tile = smem_q + q_buffer * QTile::kBytes;
         static_assert(kDT % 4 == 0, "the output goes out in groups of four n8 tiles");
 #pragma unroll
