@@ -4,6 +4,8 @@ machine's spread fall on every variant alike. Each variant keeps its best round'
 with the first variant's.
 
     python bench/tree_ab.py --trees base=ab_trees/base/cuda new=cuda new1q=cuda@128,3,3,1 [--cases fwd128:causal:2048 ...]
+    ncu --clock-control none --profile-from-start off --metrics sm__cycles_elapsed.max,smsp__inst_executed.sum \
+        python bench/tree_ab.py --ncu --trees ...     # each case once per tree, in the order printed: SM cycles
 
 A tree may name a Hopper row after an @ (HopperFwdConfig's fields after the head dim, for d=128 or, as
 ``@64:128,4,4,2,3``, another head dim; consumer_wgs may be left out: 2), which then runs every case of that head dim;
@@ -20,6 +22,7 @@ import sys
 from pathlib import Path
 
 import cupy
+import cupy.cuda.profiler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fa2cupy import build, configs, forward  # noqa: E402
@@ -57,6 +60,8 @@ def main():
     parser.add_argument("--cases", nargs="*", default=DEFAULT_CASES)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--ncu", action="store_true",
+                        help="no timing: each case once per tree inside cudaProfilerStart/Stop, for Nsight Compute")
     args = parser.parse_args()
     trees = dict(item.split("=") for item in args.trees)
     variants = {name: plans_for(path, args.cases) for name, path in trees.items()}
@@ -84,6 +89,16 @@ def main():
         out = cupy.empty(shape, cupy.uint16)
         best = {name: float("inf") for name in variants}
         names = list(variants)
+        if args.ncu:  # (launched once above each, so compiled and warm)
+            for name in names:
+                print(f"profiled: {case} {name} (diff {diffs[name]:.1e})", flush=True)
+                cupy.cuda.runtime.deviceSynchronize()
+                cupy.cuda.profiler.start()
+                forward.run_forward(variants[name][case], q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr,
+                                    lse.data.ptr, stream.ptr)
+                cupy.cuda.runtime.deviceSynchronize()
+                cupy.cuda.profiler.stop()
+            continue
         for r in range(args.rounds):
             for name in (names if r % 2 == 0 else names[::-1]):
                 plan = variants[name][case]

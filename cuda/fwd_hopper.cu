@@ -60,10 +60,11 @@ struct HopperFwdTraits {
     static constexpr int kQBuffers = QBuffers;
     // full[] per K slot (a tile's K and V land together), k_empty[], v_empty[], q_full[], q_empty[].
     static constexpr int kBarriers = 2 * KStages + VStages + 2 * kQBuffers;
-    // After the barriers: the work item of each Q buffer with its sequence's bounds (producer -> consumers: item,
-    // seqlen_q, seqlen_k, first query row; the producer reads them again to write the item's output rows out)
+    // After the barriers: the work item of each Q buffer with its sequence's bounds and coordinates (producer ->
+    // consumers: item, seqlen_q, seqlen_k, first query row, query tile, head, batch row, so that the consumers
+    // work out none of them between items; the producer reads them again to write the item's output rows out)
     // and two words in which the producer's first thread hands the next item to the others.
-    static constexpr int kItemSlots = 4 * kQBuffers + 2;
+    static constexpr int kSlotWords = 7, kItemSlots = kSlotWords * kQBuffers + 2;
     // 1 KB of slack: the swizzled slabs must start on 1024-byte boundaries.
     static constexpr int kSmemBytes =
         1024 + kQBuffers * QTile::kBytes + (KStages + VStages) * KVTile::kBytes + 8 * kBarriers + 4 * kItemSlots;
@@ -142,7 +143,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         }
         for (int s = 0; s < kVS; ++s) mbar_init(v_empty(s), Tr::kConsumerWarps);
         for (int b = 0; b < Tr::kQBuffers; ++b) {
-            // every producer thread's copies, and the first thread's item in item_slots[4 b ..]
+            // every producer thread's copies, and the first thread's item in item_slots[kSlotWords b ..]
             mbar_init(q_full(b), Tr::kProducerThreads + 1);
             mbar_init(q_empty(b), Tr::kConsumerWarps);
         }
@@ -214,12 +215,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // (each thread the chunks it loads Q into, so its own copies cannot overtake these reads). Waited for on
         // q_empty: the consumers hand a Q buffer back once their rows are in it.
         const auto store_rows = [&](int buffer) {
-            const int* slot = item_slots + 4 * buffer;
-            const int item = slot[0], seqlen = slot[1], q_start = slot[3];
+            const int* slot = item_slots + Tr::kSlotWords * buffer;
+            const int seqlen = slot[1], q_start = slot[3], m_block = slot[4], head = slot[5], b = slot[6];
             // (read before rewritten)
             asm volatile("bar.sync %0, %1;\n" ::"n"(Tr::kProducerBarrier), "n"(Tr::kProducerThreads) : "memory");
-            int m_block, head, b;
-            coords(item, m_block, head, b);
             const int row0 = m_block * Tr::kBlockM;
             const int first_row = loader.first_row, column = loader.column;
             u16* to = o + b * o_batch_stride + (i64)(q_start + row0 + first_row) * out_row_stride +
@@ -241,10 +240,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // Hands `item` (or, past the last, the end) and its sequence's bounds to the consumers with the next Q
         // buffer, once free_buffer has it back (varlen: so that they do not wait for cu_seqlens at every item's
         // start).
-        const auto publish = [&](int item, const Bounds& seq) {
+        const auto publish = [&](int item, const Bounds& seq, int m_block, int head, int b) {
             if (ptid == 0) {
-                int* slot = item_slots + 4 * q_buffer();
+                int* slot = item_slots + Tr::kSlotWords * q_buffer();
                 slot[0] = item, slot[1] = seq.seqlen_q, slot[2] = seq.seqlen_k, slot[3] = seq.q_start;
+                slot[4] = m_block, slot[5] = head, slot[6] = b;
             }
         };
         const auto announce = [&] {
@@ -256,9 +256,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // a grid stride on.
         const auto next_item = [&](int item, int ticket) {
             if (tile_counter == nullptr) return item + (int)gridDim.x;
-            if (ptid == 0) item_slots[4 * Tr::kQBuffers + exchange] = ticket;
+            if (ptid == 0) item_slots[Tr::kSlotWords * Tr::kQBuffers + exchange] = ticket;
             asm volatile("bar.sync %0, %1;\n" ::"n"(Tr::kProducerBarrier), "n"(Tr::kProducerThreads) : "memory");
-            const int next = warp_uniform(item_slots[4 * Tr::kQBuffers + exchange]);
+            const int next = warp_uniform(item_slots[Tr::kSlotWords * Tr::kQBuffers + exchange]);
             exchange ^= 1;
             return next;
         };
@@ -277,7 +277,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                     mbar_wait(q_empty(ring_slot<Tr::kQBuffers>(last)), ring_phase<Tr::kQBuffers>(last));
                     store_rows(ring_slot<Tr::kQBuffers>(last));
                 }
-                publish(items, Bounds{});
+                publish(items, Bounds{}, 0, 0, 0);
                 announce();
                 break;
             }
@@ -292,7 +292,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             }
             mark(20);
             free_buffer();
-            publish(item, seq);
+            publish(item, seq, m_block, head, b);
             mark(22);
             const WindowMask<Tr::kMask> mask{seq.seqlen_q, seq.seqlen_k, window_left, window_right};
             int n_first, n_blocks;
@@ -395,13 +395,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         mbar_wait(q_full(q_buffer), ring_phase<Tr::kQBuffers>(items_taken));  // the item, and its Q
         mark(0);
         // (read by lane 0, the lane that later hands the buffer back, so the reads are ordered before its reuse)
-        int slot[4];
+        int slot[7];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) slot[i] = __shfl_sync(~0u, lane == 0 ? item_slots[4 * q_buffer + i] : 0, 0);
-        const int item = slot[0];
-        if (item >= items) break;
-        int m_block, head, b;
-        coords(item, m_block, head, b);
+        for (int i = 0; i < 7; ++i)
+            slot[i] = __shfl_sync(~0u, lane == 0 ? item_slots[Tr::kSlotWords * q_buffer + i] : 0, 0);
+        if (slot[0] >= items) break;
+        const int m_block = slot[4], head = slot[5], b = slot[6];
         const int row0 = m_block * Tr::kBlockM, wg_row0 = row0 + 64 * wg, warp_row0 = wg_row0 + 16 * (warp & 3);
         const Bounds seq{slot[1], slot[2], slot[3], 0};
         const int seqlen_q = seq.seqlen_q;

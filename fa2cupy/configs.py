@@ -92,10 +92,10 @@ class HopperFwdConfig:
     @property
     def smem_bytes(self) -> int:
         # Must match HopperFwdTraits::kSmemBytes: alignment slack, the Q buffers, the K/V ring, the mbarriers,
-        # the work-item words.
+        # the work-item words (7 a Q buffer, 2 to hand out the next item).
         stages = self.k_stages + self.v_stages
         return 1024 + self.q_buffers * self.block_m * self.headdim * 2 + stages * self.block_n * self.headdim * 2 + (
-            8 * (2 * self.k_stages + self.v_stages + 2 * self.q_buffers) + 4 * (4 * self.q_buffers + 2))
+            8 * (2 * self.k_stages + self.v_stages + 2 * self.q_buffers) + 4 * (7 * self.q_buffers + 2))
 
     def name_expression(self, dtype: str, mask: str, mods: bool = False, varlen: bool = False,
                         paged: bool = False) -> str:
