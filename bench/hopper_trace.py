@@ -1,7 +1,8 @@
 """Where the Hopper forward's work items spend their SM cycles: builds flash_fwd_hopper with FA2_FWD_TRACE (lane 0
 of each consumer warpgroup's first warp and the producer's first thread record clock64 at numbered points of
 each of their block's first 64 items, cuda/fwd_hopper.cu's fwd_mark) and prints, per case, the median cycles of
-each phase over items (the first item of each block left out), per consumer warpgroup.
+each phase over items (the first item of each block left out), per consumer warpgroup, and each point's median
+offset from the same item's "Q in" (readable whatever order a changed kernel puts the points in).
 
     python bench/hopper_trace.py [--cases causal:65536,window4096:65536] [--heads 16] [--headdim 128]
     python bench/hopper_trace.py --cases causal:1024,varlen-causal:1024 --tokens 16384 [--tree ab_trees/x/cuda]
@@ -90,9 +91,10 @@ def main():
                 cells.append(f"{label}: {np.nanmedian(to - start):.0f}")
             print(f"  warpgroup {wg}: " + "; ".join(cells))
             # Each point against the same item's "Q in", whatever order a kernel puts them in
-            offsets = [f"{p}: {np.nanmedian(marks[:, 1:, 10 * wg + p] - marks[:, 1:, 10 * wg]):.0f}" for p in range(1, 10)]
+            q_in = marks[:, 1:, 10 * wg]
+            offsets = [f"{p}: {np.nanmedian(marks[:, 1:, 10 * wg + p] - q_in):.0f}" for p in range(1, 10)]
             period = np.nanmedian(marks[:, 2:, 10 * wg] - marks[:, 1:-1, 10 * wg])
-            print(f"    points after Q in: " + ", ".join(offsets) + f"; Q in -> next Q in: {period:.0f}")
+            print("    points after Q in: " + ", ".join(offsets) + f"; Q in -> next Q in: {period:.0f}")
         producer = (("Q buffer free, previous rows out", PRODUCER, PRODUCER + 2),
                     ("K/V issued", PRODUCER + 2, PRODUCER + 3))
         print("  producer: " + "; ".join(f"{label}: {np.nanmedian(marks[:, 1:, b] - marks[:, 1:, a]):.0f}"

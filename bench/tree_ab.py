@@ -4,7 +4,8 @@ machine's spread fall on every variant alike. Each variant keeps its best round'
 with the first variant's.
 
     python bench/tree_ab.py --trees base=ab_trees/base/cuda new=cuda new1q=cuda@128,3,3,1 [--cases fwd128:causal:2048 ...]
-    ncu --clock-control none --profile-from-start off --metrics sm__cycles_elapsed.max,smsp__inst_executed.sum \
+    ncu --clock-control none --profile-from-start off -k regex:flash_fwd \
+        --metrics sm__cycles_elapsed.max,smsp__inst_executed.sum \
         python bench/tree_ab.py --ncu --trees ...     # each case once per tree, in the order printed: SM cycles
 
 A tree may name a Hopper row after an @ (HopperFwdConfig's fields after the head dim, for d=128 or, as

@@ -395,9 +395,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         mbar_wait(q_full(q_buffer), ring_phase<Tr::kQBuffers>(items_taken));  // the item, and its Q
         mark(0);
         // (read by lane 0, the lane that later hands the buffer back, so the reads are ordered before its reuse)
-        int slot[7];
+        int slot[Tr::kSlotWords];
 #pragma unroll
-        for (int i = 0; i < 7; ++i)
+        for (int i = 0; i < Tr::kSlotWords; ++i)
             slot[i] = __shfl_sync(~0u, lane == 0 ? item_slots[Tr::kSlotWords * q_buffer + i] : 0, 0);
         if (slot[0] >= items) break;
         const int m_block = slot[4], head = slot[5], b = slot[6];
