@@ -16,6 +16,7 @@ rows: 64 at d=128, 128 at d=64) with a row that sees one of its keys (WindowMask
 import argparse
 import statistics
 import sys
+from types import SimpleNamespace
 
 import cupy
 import cupy.cuda.profiler
@@ -48,7 +49,8 @@ def launches(q, k, v, dout, window):
     dsum = cupy.empty(plan.dsum_shape, cupy.float32)
     dq_accum = cupy.empty(plan.dq_accum_shape, cupy.float32)
     stream = cupy.cuda.get_current_stream().ptr
-    keep = (plan, out, lse, grads, dsum, dq_accum)  # (the plan first: its tile rows count the steps)
+    # (what the launches use, kept alive, by name: the plan's tile rows count the steps)
+    keep = SimpleNamespace(plan=plan, out=out, lse=lse, grads=grads, dsum=dsum, dq_accum=dq_accum)
     p = lambda x: x.data.ptr  # noqa: E731
     pre = lambda: plan.preprocess(stream, (p(dout), p(out), p(dsum), p(dq_accum), 0))  # noqa: E731
     main = lambda: plan.main(stream, (p(q), p(k), p(v), p(dout), p(lse), p(dsum), p(dq_accum), p(grads[1]),  # noqa
@@ -74,7 +76,7 @@ def main(argv):
     q, k, v, dout = (rng.standard_normal(shape, dtype=cupy.float32).astype(cupy.float16) for _ in range(4))
     cases = [(w, (w, 0)) for w in map(int, args.windows.split(","))] + [(None, (-1, -1))]
     runs = {w: launches(q, k, v, dout, window) for w, window in cases}
-    block_m, block_n = runs[None][0][0].config.block_m, runs[None][0][0].config.block_n
+    block_m, block_n = runs[None][0].plan.config.block_m, runs[None][0].plan.config.block_n
     blocks = args.heads * (-(-args.seqlen // block_n))
     steps = {w: args.heads * steps_of(args.seqlen, w, block_m, block_n) for w, _ in cases}
     if args.ncu:

@@ -40,16 +40,17 @@ def main(argv):
             runs[name] = launches(q, k, v, dout, (4096, 0))
         build.use_sources(None)
         for name, (keep, pre, _main, _conv) in runs.items():  # D and the accumulator poisoned, then one pass
-            keep[4].fill(float("nan"))
-            keep[5].fill(float("nan"))
+            keep.dsum.fill(float("nan"))
+            keep.dq_accum.fill(float("nan"))
             pre()
-        first = runs[trees[0][0]][0][4]
+        first = runs[trees[0][0]][0]
         for name, (keep, *_rest) in runs.items():
-            accum = keep[5]
-            print(f"d={d} {name}: D {'bitwise equal to' if cupy.array_equal(keep[4], first) else 'DIFFERS from'} "
+            accum = keep.dq_accum
+            same = cupy.array_equal(keep.dsum, first.dsum)
+            print(f"d={d} {name}: D {'bitwise equal to' if same else 'DIFFERS from'} "
                   f"{trees[0][0]}'s; accumulator rows cleared: {bool((accum[..., :d] == 0).all())}, their pad: "
                   f"{bool((accum[..., d:] == 0).all()) if accum.shape[-1] > d else 'none'}", flush=True)
-        plan, dsum, accum = runs[trees[0][0]][0][0], first, runs[trees[0][0]][0][5]
+        plan, dsum, accum = first.plan, first.dsum, first.dq_accum
         io = 2 * q.nbytes
         pre_bytes = io + dsum.nbytes + accum.nbytes
         conv_bytes = accum.nbytes + q.nbytes
