@@ -1,21 +1,22 @@
 // FlashAttention forward for Hopper (sm_90a): wgmma tensor cores, warp-specialised, persistent.
 //
 // A block is a producer warpgroup and two or three consumer warpgroups. The producer streams each work item's Q tile
-// (64 rows per consumer warpgroup) and its K/V tiles into shared memory with cp.async and announces each on an
-// mbarrier; each consumer warpgroup owns 64 of the rows and runs FA2's loop on them (S = Q K^T and O += P V on wgmma,
+// (64 rows per consumer warpgroup) and its K/V tiles into shared memory (padded calls: one thread's tensor-map copies,
+// TMA; varlen calls: every producer thread's cp.async) and announces each on an mbarrier; each consumer warpgroup owns 64 of the rows and runs FA2's loop on them (S = Q K^T and O += P V on wgmma,
 // the online softmax in registers, only the log-sum-exp kept). The warpgroups never meet at a block barrier, only at
 // the slots they hand back (an mbarrier per slot), so a warpgroup passes over the key tiles its own rows cannot see
 // (the causal diagonal, the edges of a sliding window) while the others compute. Blocks are persistent: one per SM
 // walks the work items (query tile, head, batch), longest first within groups of heads that share L2, and the producer
 // loads the next item's Q (a second Q buffer) and first tiles while the consumers work on this one. K and V have rings
 // of their own, V's deeper: a K slot goes back once S has landed, a V slot a step later. A warpgroup puts its output
-// rows into its rows of the item's Q buffer (stmatrix) and goes on; the producer writes them out before it loads
-// another Q there, so the row write is off the warpgroups' turns. Items go in a grid stride or, where their lengths
+// rows into its rows of the item's Q buffer (stmatrix) and goes on; the producer writes them out (a TMA store where it
+// loads with TMA) before it loads another Q there, so the row write is off the warpgroups' turns. Items go in a grid stride or, where their lengths
 // differ (masks), to whichever block asks next (an atomic tile counter, zeroed per launch): a fixed stride handed some
 // SMs twice the keys of others under a causal mask.
 //
-// Same arguments as flash_fwd (cuda/fwd.cu) plus the batch size, the heads per L2 group and the tile counter (null
-// for the grid stride), so one launch plan serves both; padded and varlen calls without modifiers, varlen with paged
+// Same arguments as flash_fwd (cuda/fwd.cu) plus the batch size, the heads per L2 group, the tile counter (null
+// for the grid stride) and the tensor maps of q, k, v and o (fa2cupy/tensor_maps.py; unused by varlen calls), so
+// one launch plan serves both; padded and varlen calls without modifiers, varlen with paged
 // K/V too (softcap, ALiBi and dropout stay on flash_fwd).
 #include "primitives.cuh"
 #include "softmax.cuh"
@@ -43,6 +44,10 @@ struct HopperFwdTraits {
     // addresses differ: the tiles, and so the results, are those of packed K/V.
     static constexpr bool kPaged = Paged;
     static_assert(Varlen || !Paged, "paged K/V comes with varlen");
+    // Padded calls move their tiles with the tensor memory accelerator (tensor maps of q, k, v and o: one thread
+    // issues a tile's copies, rows past the sequence read as zeros and are not written); varlen calls, whose
+    // tiles end inside the packed arrays, with cp.async from all the producer's threads.
+    static constexpr bool kTma = !Varlen;
     // The consumer warpgroups and a producer warpgroup, whose registers go to the consumers (setmaxnreg).
     static constexpr int kConsumerWarps = 4 * ConsumerWGs, kThreads = 128 * (ConsumerWGs + 1),
                          kProducerThreads = 128;
@@ -115,7 +120,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                      float scale_log2, float, int, u32, u32, u32, u32, u32, float, int total_q, int total_k,
                      int page_size, u32 page_magic, int page_shift, int max_pages, int num_pages, int* error_claim,
                      long long* error_host, int batch, int heads_per_group,
-                     int* __restrict__ tile_counter) {
+                     int* __restrict__ tile_counter, const __grid_constant__ TensorMap tmap_q,
+                     const __grid_constant__ TensorMap tmap_k, const __grid_constant__ TensorMap tmap_v,
+                     const __grid_constant__ TensorMap tmap_o) {
     using QTile = typename Tr::QTile;
     using KVTile = typename Tr::KVTile;
     using Elem = typename Tr::Elem;
@@ -138,13 +145,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     int* const item_slots = reinterpret_cast<int*>(smem_raw + (bars + 8 * Tr::kBarriers - smem_u32(smem_raw)));
     if (threadIdx.x == 0) {
         for (int s = 0; s < kKS; ++s) {
-            mbar_init(full(s), Tr::kProducerThreads);
+            mbar_init(full(s), Tr::kTma ? 1 : Tr::kProducerThreads);
             mbar_init(k_empty(s), Tr::kConsumerWarps);
         }
         for (int s = 0; s < kVS; ++s) mbar_init(v_empty(s), Tr::kConsumerWarps);
         for (int b = 0; b < Tr::kQBuffers; ++b) {
             // every producer thread's copies, and the first thread's item in item_slots[kSlotWords b ..]
-            mbar_init(q_full(b), Tr::kProducerThreads + 1);
+            mbar_init(q_full(b), Tr::kTma ? 1 : Tr::kProducerThreads + 1);
             mbar_init(q_empty(b), Tr::kConsumerWarps);
         }
     }
@@ -185,6 +192,75 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
     if (warp >= Tr::kConsumerWarps) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Tr::kProducerRegisters));
+        if constexpr (Tr::kTma) {
+            // Producer, padded calls: the first thread issues every copy (a slab of 64 columns per box), the
+            // others leave. Q lands on q_full, a tile's K and V together on full, each barrier expecting the bytes.
+            if (threadIdx.x != 32 * Tr::kConsumerWarps) return;
+            constexpr int kSlabs = Tr::kHeadDim / 64;
+            u32 tiles = 0, items_loaded = 0;
+            const auto mark = [&](int point) { fwd_mark(point, items_loaded); };
+            // The output rows the consumers staged in Q buffer `buffer`, out to o for the item its words name.
+            const auto store_rows = [&](int buffer) {
+                const int* slot = item_slots + Tr::kSlotWords * buffer;
+                const u32 tile = smem_q + buffer * QTile::kBytes;
+                for (int slab = 0; slab < kSlabs; ++slab)
+                    tma_store(tmap_o, 64 * slab, slot[5], slot[4] * Tr::kBlockM, slot[6], tile + slab * QTile::kSlabBytes);
+                bulk_commit();
+            };
+            for (int item = blockIdx.x;;) {
+                const int q_buffer = ring_slot<Tr::kQBuffers>(items_loaded);
+                int* const slot = item_slots + Tr::kSlotWords * q_buffer;
+                if (item >= items) {
+                    // The rows of the last items out, as the consumers stage them, then the end in a free buffer.
+                    for (u32 last = items_loaded > Tr::kQBuffers ? items_loaded - Tr::kQBuffers : 0;
+                         last < items_loaded; ++last) {
+                        mbar_wait(q_empty(ring_slot<Tr::kQBuffers>(last)), ring_phase<Tr::kQBuffers>(last));
+                        store_rows(ring_slot<Tr::kQBuffers>(last));
+                    }
+                    bulk_wait<0>();  // (every row out, every buffer read, before the block can leave)
+                    slot[0] = items;
+                    mbar_arrive(q_full(q_buffer));
+                    return;
+                }
+                // The next item now, so that the atomic's round trip overlaps this one's copies.
+                const int next = tile_counter != nullptr ? atomicAdd(tile_counter, 1) + (int)gridDim.x
+                                                         : item + (int)gridDim.x;
+                int m_block, head, b;
+                coords(item, m_block, head, b);
+                const int row0 = m_block * Tr::kBlockM, kv_head = head / heads_per_kv;
+                mark(20);
+                mbar_wait(q_empty(q_buffer), ring_phase<Tr::kQBuffers>(items_loaded) ^ 1);
+                if (items_loaded >= Tr::kQBuffers) {
+                    store_rows(q_buffer);
+                    bulk_wait_read<0>();  // (the rows read out before Q lands there)
+                }
+                slot[0] = item, slot[1] = seqlen_q, slot[2] = seqlen_k, slot[3] = 0;
+                slot[4] = m_block, slot[5] = head, slot[6] = b;
+                mark(22);
+                mbar_arrive_expect_tx(q_full(q_buffer), QTile::kBytes);  // (release: the item's words)
+                for (int slab = 0; slab < kSlabs; ++slab)
+                    tma_load(smem_q + q_buffer * QTile::kBytes + slab * QTile::kSlabBytes, tmap_q, 64 * slab, head,
+                             row0, b, q_full(q_buffer));
+                const WindowMask<Tr::kMask> mask{seqlen_q, seqlen_k, window_left, window_right};
+                int n_first, n_blocks;
+                mask.template key_tiles<Tr::kBlockN>(row0, Tr::kBlockM, n_first, n_blocks);
+                for (int t = 0, key = n_first * Tr::kBlockN; t < n_blocks; ++t, ++tiles, key += Tr::kBlockN) {
+                    const int k_slot = ring_slot<kKS>(tiles), v_slot = ring_slot<kVS>(tiles);
+                    mbar_wait(k_empty(k_slot), ring_phase<kKS>(tiles) ^ 1);
+                    mbar_arrive_expect_tx(full(k_slot), 2 * KVTile::kBytes);
+                    for (int slab = 0; slab < kSlabs; ++slab)
+                        tma_load(smem_k + k_slot * KVTile::kBytes + slab * KVTile::kSlabBytes, tmap_k, 64 * slab,
+                                 kv_head, key, b, full(k_slot));
+                    mbar_wait(v_empty(v_slot), ring_phase<kVS>(tiles) ^ 1);
+                    for (int slab = 0; slab < kSlabs; ++slab)
+                        tma_load(smem_v + v_slot * KVTile::kBytes + slab * KVTile::kSlabBytes, tmap_v, 64 * slab,
+                                 kv_head, key, b, full(k_slot));
+                }
+                mark(23);
+                ++items_loaded;
+                item = next;
+            }
+        }
         // Producer: a tile (zeros from row `valid` on) into swizzled slabs. After a slot's copies, one arrival per
         // thread on its barrier, made when they have landed.
         const int ptid = threadIdx.x - 32 * Tr::kConsumerWarps;
@@ -492,7 +568,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         if (my_count > 0) {
             mbar_wait(full(ring_slot<kKS>(tiles)), ring_phase<kKS>(tiles));
             mark(7);
-            fence_proxy_async_smem();  // the producer's cp.async writes, now read by the tensor cores
+            if constexpr (!Tr::kTma) fence_proxy_async_smem();  // the producer's cp.async writes, read by wgmma
             turn_wait();
             mark(8);
             wgmma_fence();
@@ -509,7 +585,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             for (int j = mine_begin + 1; j < mine_end; ++j) {
                 // S_j and O += P_{j-1} V_{j-1} issued together; P_j computed while the second runs.
                 mbar_wait(full(ring_slot<kKS>(tiles)), ring_phase<kKS>(tiles));  // (V_{j-1} landed with K_{j-1})
-                fence_proxy_async_smem();
+                if constexpr (!Tr::kTma) fence_proxy_async_smem();
                 turn_wait();
                 wgmma_fence();
                 issue_s();
@@ -568,6 +644,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             if (row < seqlen_q && (lane & 3) == 0)
                 lse[b * lse_batch_stride + head * lse_head_stride + seq.q_start + row] = row_lse[half];
         }
+        if constexpr (Tr::kTma) fence_proxy_async_smem();  // the rows, written by stmatrix, read by the TMA store
         release(q_empty(q_buffer));  // (after __syncwarp: every lane's rows are in)
         mark(5);
         ++items_taken;

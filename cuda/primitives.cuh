@@ -611,6 +611,34 @@ FA2_DEVICE void bulk_reduce_add_f32(float* dst, u32 src, u32 bytes) {
                  "r"(bytes)
                  : "memory");
 }
+// Tensor maps (TMA): a CUtensorMap encoded on the host (fa2cupy/tensor_maps.py) and passed by value as a
+// __grid_constant__ kernel parameter, which the copies name by its generic address. Four dimensions, innermost
+// first: the head dim's columns, the head, the row, the batch row; boxes of 64 columns (128 bytes, the 128-byte
+// swizzle of SwizzledSlabs: a slab per box) and a tile's rows.
+struct alignas(64) TensorMap {
+    unsigned long long opaque[16];
+};
+// One box of `map` at (column, head, row, batch) into shared memory at `dst` (1024-byte aligned for the swizzle),
+// its bytes counted on mbarrier `bar` (rows outside the tensor read as zeros).
+FA2_DEVICE void tma_load(u32 dst, const TensorMap& map, int column, int head, int row, int batch, u32 bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+        "[%6];\n" ::"r"(dst),
+        "l"(reinterpret_cast<u64>(&map)), "r"(column), "r"(head), "r"(row), "r"(batch), "r"(bar)
+        : "memory");
+}
+// One box of shared memory at `src` out to `map` at (column, head, row, batch), in this thread's bulk group (rows
+// outside the tensor are not written). src written by ordinary stores: fence_proxy_async_smem and a barrier first.
+FA2_DEVICE void tma_store(const TensorMap& map, int column, int head, int row, int batch, u32 src) {
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3, %4}], [%5];\n" ::"l"(
+                     reinterpret_cast<u64>(&map)),
+                 "r"(column), "r"(head), "r"(row), "r"(batch), "r"(src)
+                 : "memory");
+}
+// An arrival on `bar` that also expects `bytes` more of copies (tma_load) in its current phase.
+FA2_DEVICE void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
 FA2_DEVICE void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 template <int N>
 FA2_DEVICE void bulk_wait_read() {  // this thread's bulk groups but the last N have read their shared memory

@@ -171,12 +171,17 @@ class Launch:
     ``programmatic`` (sm_90 and later): launched with programmatic stream serialization (cuLaunchKernelEx), so that
     the kernel's launch overlaps the end of the kernel before it in the stream; the kernel must wait for it first
     (cuda/primitives.cuh: wait_for_prior_grids).
+
+    ``blobs``: that many 128-byte parameters after ``args`` (tensor maps, cuda/primitives.cuh: TensorMap), zeros
+    until a call's ``write_blobs`` rewrites them: it gets their host addresses (64-byte aligned) under the launch's
+    lock, before the launch copies them.
     """
 
     __slots__ = ("function", "grid", "block", "smem_bytes", "variable", "_slots", "_words", "_params", "_params_ptr",
-                 "_lock", "_config")
+                 "_lock", "_config", "_blobs", "blob_addresses")
 
-    def __init__(self, function, grid, block, smem_bytes: int, args, variable, programmatic: bool = False):
+    def __init__(self, function, grid, block, smem_bytes: int, args, variable, programmatic: bool = False,
+                 blobs: int = 0):
         self.function, self.grid, self.block, self.smem_bytes = function, tuple(grid), tuple(block), smem_bytes
         self._config = _programmatic_config(self.grid, self.block, smem_bytes) if programmatic else None
         self.variable = tuple(variable)
@@ -186,11 +191,15 @@ class Launch:
             self._slots[i] = int(np.frombuffer(value.tobytes().ljust(8, b"\0"), dtype=np.uint64)[0])
         self._words = memoryview(self._slots).cast("B").cast("Q")  # stores ints faster than the ctypes array
         base = ctypes.addressof(self._slots)
-        self._params = (ctypes.c_void_p * len(args))(*(base + 8 * i for i in range(len(args))))
+        self._blobs = (ctypes.c_uint64 * (16 * blobs + 8))()  # (8 words of slack for the alignment)
+        first_blob = (ctypes.addressof(self._blobs) + 63) // 64 * 64
+        self.blob_addresses = tuple(first_blob + 128 * i for i in range(blobs))
+        self._params = (ctypes.c_void_p * (len(args) + blobs))(*(base + 8 * i for i in range(len(args))),
+                                                               *self.blob_addresses)
         self._params_ptr = ctypes.addressof(self._params)
         self._lock = threading.Lock()  # the slots are shared; the launch copies them
 
-    def __call__(self, stream_ptr: int, values) -> None:
+    def __call__(self, stream_ptr: int, values, write_blobs=None) -> None:
         global _launch_kernel
         if _launch_kernel is None:
             from cupy_backends.cuda.api import driver
@@ -202,6 +211,8 @@ class Launch:
             words = self._words
             for i, value in zip(self.variable, values):
                 words[i] = value  # pointers and counts: >= 0 (a negative one raises ValueError)
+            if write_blobs is not None:
+                write_blobs(self.blob_addresses)
             if self._config is None:
                 _launch_kernel(self.function.ptr, *self.grid, *self.block, self.smem_bytes, stream_ptr,
                                self._params_ptr, 0)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import arrays, build, checks, configs, device_errors
+from . import arrays, build, checks, configs, device_errors, tensor_maps
 
 #: Tests set this to fill out and lse with NaN before every launch, so an element the kernel fails to write
 #: shows up as NaN instead of as whatever the allocator happened to hand back.
@@ -38,6 +38,9 @@ class ForwardPlan:
     # a grid stride: where items differ in length (masks), a fixed stride left SMs idle (0.64 of the ideal
     # balance at causal 16k, d=128).
     tile_counter: bool = False
+    # The Hopper forward's tensor maps of q, k, v and out (padded calls, whose tiles it moves with TMA): encoded
+    # into the launch's last four parameters for each call's pointers.
+    tensor_maps: tensor_maps.TileMaps | None = None
 
 
 def kernel_variant(causal: bool, window_size, softcap: float, alibi: bool,
@@ -114,6 +117,11 @@ def plan_forward(
     mask, mods, left, right = kernel_variant(causal, window_size, softcap, alibi_batch_stride is not None, dropout_p)
     if config is None:
         config = kernel_config(arch, headdim, dtype, mask, mods, varlen_totals is not None, seqlen_q)
+    shapes = ((batch, seqlen_q, nheads, headdim), k_shape, k_shape, (batch, seqlen_q, nheads, headdim))
+    tma = isinstance(config, configs.HopperFwdConfig) and varlen_totals is None
+    if tma and not all(tensor_maps.usable(shape, s) for shape, s in zip(shapes, strides)):
+        # (strides TMA cannot take, say negative ones: the mma.sync forward, which copies with cp.async)
+        config, tma = configs.forward_config(arch, headdim, dtype, mask, varlen_totals is not None), False
     function = build.get_kernel(config.family, config.name_expression(dtype, mask, mods, varlen_totals is not None,
                                                                       paged is not None), config.smem_bytes)
     hopper = isinstance(config, configs.HopperFwdConfig)
@@ -163,8 +171,12 @@ def plan_forward(
         if tile_counter:
             variable.append(10 + len(scalars) - 1)  # a fresh counter per launch (run_forward)
     launch = build.Launch(function, grid, (config.threads, 1, 1), config.smem_bytes, (np.uint64(0),) * 10 + scalars,
-                          variable)
-    return ForwardPlan(launch, config, tile_counter)
+                          variable, blobs=4 if hopper else 0)
+    maps = None
+    if tma:
+        rows = (config.block_m, config.block_n, config.block_n, config.block_m)
+        maps = tensor_maps.TileMaps([tensor_maps.layout(shape, s, r) for shape, s, r in zip(shapes, strides, rows)])
+    return ForwardPlan(launch, config, tile_counter, maps)
 
 
 def run_forward(plan: ForwardPlan, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int,
@@ -181,13 +193,17 @@ def run_forward(plan: ForwardPlan, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: 
     or replayed from CUDA graphs never share one (a graph captures the zeroing with the launch)."""
     values = (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state,
               block_table) + dropout_words(dropout_seed, dropout_offset)
+    write_maps = None
+    if plan.tensor_maps is not None:
+        maps, pointers = plan.tensor_maps, (q_ptr, k_ptr, v_ptr, out_ptr)
+        write_maps = lambda addresses: maps.encode(addresses, pointers)  # noqa: E731
     if plan.tile_counter:
         counter, pointer = arrays.new_empty_raw((1,), "int32", framework, device)
         build.memset_async(pointer, 0, 4, stream_ptr)
-        plan.launch(stream_ptr, values + (pointer,))
+        plan.launch(stream_ptr, values + (pointer,), write_maps)
         del counter  # (stream-ordered allocators: reused only by work queued after this launch)
     else:
-        plan.launch(stream_ptr, values)
+        plan.launch(stream_ptr, values, write_maps)
 
 
 def dropout_mask(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, dropout_p: float, seed: int, offset: int,

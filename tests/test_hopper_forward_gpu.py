@@ -61,6 +61,29 @@ def test_hopper_kernel_is_the_one_planned():
     assert isinstance(plan.config, configs.FwdConfig)  # modifiers stay on the mma.sync kernel
 
 
+def test_arrays_tma_cannot_copy_run_the_mma_sync_forward():
+    """Padded calls move their tiles with tensor maps, which take no negative strides: such a call is planned on
+    the mma.sync forward, and its answer matches the reference (reversed rows of q, k, v and out alike)."""
+    _hopper_gpu()
+    cp = _cupy()
+    from fa2cupy import configs, forward
+    from test_forward_gpu import check_against_reference
+
+    strides = ((64 * 8 * 128, 8 * 128, 128, 1),) * 4
+    plan = forward.plan_forward((1, 64, 8, 128), (1, 64, 8, 128), strides, "bfloat16", 0.1, False, 90)
+    assert isinstance(plan.config, configs.HopperFwdConfig) and plan.tensor_maps is not None
+    reversed_rows = ((64 * 8 * 128, -8 * 128, 128, 1),) * 4
+    plan = forward.plan_forward((1, 64, 8, 128), (1, 64, 8, 128), reversed_rows, "bfloat16", 0.1, False, 90)
+    assert isinstance(plan.config, configs.FwdConfig) and plan.tensor_maps is None
+
+    import fa2cupy
+
+    rng = np.random.default_rng(7)
+    q, k, v = (cp.asarray(rng.standard_normal((2, 300, 4, 128)), dtype=cp.float16)[:, ::-1] for _ in range(3))
+    out = fa2cupy.flash_attn_func(q, k, v, causal=True)
+    check_against_reference(q, k, v, out, None, None, True, "float16", (-1, -1))
+
+
 # (work items of 128 query rows at d=128, of 192 at d=64: three consumer warpgroups)
 LENGTHS = [1, 2, 17, 63, 64, 65, 127, 128, 129, 191, 192, 193, 255, 256, 257, 383, 385, 500, 1000, 1025]
 GROUPS = [(1, 1), (2, 2), (4, 1), (6, 3), (8, 2), (16, 4)]

@@ -1,0 +1,91 @@
+"""Tensor maps for the Hopper forward's TMA copies (cuda/fwd_hopper.cu, padded calls).
+
+A tensor map (CUtensorMap, 128 opaque bytes) describes one array to the tensor memory accelerator: its address,
+sizes, strides, the box a copy moves and the shared-memory swizzle. The driver encodes it on the host
+(``cuTensorMapEncodeTiled``); the kernel takes it by value as a ``__grid_constant__`` parameter. The maps here view a
+``(batch, seqlen, nheads, headdim)`` array as four dimensions, innermost first: the head dim, the head, the row, the
+batch row; a box is 64 columns (128 bytes, the 128-byte swizzle of cuda/primitives.cuh's SwizzledSlabs) by one head
+by a tile's rows. Rows past ``seqlen`` read as zeros and are not written.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+_UINT16 = 1  # CU_TENSOR_MAP_DATA_TYPE_UINT16 (fp16 and bf16 alike: the copies move bits)
+_INTERLEAVE_NONE = 0
+_SWIZZLE_128B = 3
+_L2_PROMOTION_256B = 3
+_OOB_FILL_ZEROS = 0  # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE
+
+_encode = None
+
+
+def _encoder():
+    global _encode
+    if _encode is None:
+        from . import build
+
+        lib = build._driver()
+        lib.cuTensorMapEncodeTiled.restype = ctypes.c_int
+        lib.cuTensorMapEncodeTiled.argtypes = (
+            ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int)
+        _encode = lib
+    return _encode
+
+
+def layout(shape, strides, rows: int):
+    """``(dims, byte strides, box)`` of one array's map: ``shape`` ``(batch, seqlen, nheads, headdim)``, ``strides``
+    its element strides (``(batch, row, head, 1)``), boxes of 64 columns by ``rows`` rows. A dimension of size 1 gets
+    the stride of a packed layout (its own is never used, and may be 0 or unaligned)."""
+    batch, seqlen, nheads, headdim = shape
+    batch_stride, row_stride, head_stride = strides[:3]
+    if nheads == 1:
+        head_stride = headdim
+    if seqlen == 1:
+        row_stride = head_stride * nheads
+    if batch == 1:
+        batch_stride = row_stride * seqlen
+    dims = (headdim, nheads, seqlen, batch)
+    byte_strides = (2 * head_stride, 2 * row_stride, 2 * batch_stride)
+    return dims, byte_strides, (64, 1, rows, 1)
+
+
+def usable(shape, strides) -> bool:
+    """Whether TMA can copy the array: positive strides, multiples of 16 bytes below 2**40, as :func:`layout` takes
+    them (the kernel's other requirements, 16-byte aligned rows, hold for every planned array)."""
+    _, byte_strides, _ = layout(shape, strides, 1)
+    return all(0 < s < 1 << 40 and s % 16 == 0 for s in byte_strides)
+
+
+class TileMaps:
+    """The maps of q, k, v and out for one plan, encoded into a launch's 128-byte parameters (build.Launch's blobs)
+    for a call's pointers; a map whose pointer is the last call's is left as it is."""
+
+    __slots__ = ("_arrays", "_last")
+
+    def __init__(self, layouts):
+        self._arrays = []
+        for dims, byte_strides, box in layouts:
+            self._arrays.append(((ctypes.c_uint64 * 4)(*dims), (ctypes.c_uint64 * 3)(*byte_strides),
+                                 (ctypes.c_uint32 * 4)(*box), (ctypes.c_uint32 * 4)(1, 1, 1, 1)))
+        self._last = [None] * len(layouts)
+
+    def encode(self, addresses, pointers) -> None:
+        lib = _encoder()
+        for i, (address, pointer) in enumerate(zip(addresses, pointers)):
+            if self._last[i] == (address, pointer):
+                continue
+            dims, byte_strides, box, element_strides = self._arrays[i]
+            status = lib.cuTensorMapEncodeTiled(address, _UINT16, 4, pointer, dims, byte_strides, box,
+                                                element_strides, _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B,
+                                                _OOB_FILL_ZEROS)
+            if status:
+                self._last[i] = None
+                name = ctypes.c_char_p()
+                lib.cuGetErrorName(status, ctypes.byref(name))
+                raise RuntimeError(f"cuTensorMapEncodeTiled failed for array {i} (q, k, v, out) with dims "
+                                   f"{tuple(dims)}, byte strides {tuple(byte_strides)}: "
+                                   f"{(name.value or b'unknown error').decode()} ({status})")
+            self._last[i] = (address, pointer)
