@@ -53,8 +53,9 @@ def launches(q, k, v, dout, window):
     keep = SimpleNamespace(plan=plan, out=out, lse=lse, grads=grads, dsum=dsum, dq_accum=dq_accum)
     p = lambda x: x.data.ptr  # noqa: E731
     pre = lambda: plan.preprocess(stream, (p(dout), p(out), p(dsum), p(dq_accum), 0))  # noqa: E731
+    maps = backward.maps_writer(plan, p(q), p(k), p(v), p(dout))
     main = lambda: plan.main(stream, (p(q), p(k), p(v), p(dout), p(lse), p(dsum), p(dq_accum), p(grads[1]),  # noqa
-                                      p(grads[2]), 0, 0, 0, 0, 0, 0, 0, 0))
+                                      p(grads[2]), 0, 0, 0, 0, 0, 0, 0, 0), maps)
     conv = lambda: plan.convert(stream, (p(dq_accum), p(grads[0]), 0))  # noqa: E731
     return keep, pre, main, conv
 

@@ -29,6 +29,9 @@ struct HopperBwdTraits {
     // Varlen: sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q/dO/lse/dQ and cu_seqlens_k[b] .. of
     // k/v/dK/dV; seqlen_q/seqlen_k are the maxima, and key blocks past a sequence's end return at once.
     static constexpr bool kVarlen = Varlen;
+    // Padded calls move K, V, Q and dO with the tensor memory accelerator (tensor maps, one producer thread issuing
+    // the copies; rows past the sequence read as zeros), varlen calls with every producer thread's cp.async.
+    static constexpr bool kTma = !Varlen;
     // Two consumer warpgroups and a producer warpgroup, whose registers go to the consumers (setmaxnreg): a
     // consumer holds dK and dV (64 keys x the head dim each) and S^T, dP^T (64 x BlockM) at once.
     static constexpr int kConsumerWarps = 8, kConsumerThreads = 256, kProducerThreads = 128, kThreads = 384;
@@ -99,7 +102,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                     int dv_row_stride, i64 dv_head_stride, i64 stat_batch_stride, i64 stat_head_stride,
                     int seqlen_q, int seqlen_k, int, int heads_per_kv, int, int window_left, int window_right,
                     float scale, float scale_log2, float, int, u32, u32, u32, u32, u32, float, int total_q,
-                    int total_k, int* error_claim, long long* error_host) {
+                    int total_k, int* error_claim, long long* error_host, const __grid_constant__ TensorMap tmap_q,
+                    const __grid_constant__ TensorMap tmap_k, const __grid_constant__ TensorMap tmap_v,
+                    const __grid_constant__ TensorMap tmap_do) {
     using KVTile = typename Tr::KVTile;
     using QTile = typename Tr::QTile;
     using DsTile = typename Tr::DsTile;
@@ -130,9 +135,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const auto dq_free = [&](int t) { return bars + 8 * (1 + 2 * kS + Tr::kDqTiles + t); };
     if (threadIdx.x == 0) {
         bwd_mark(0);  // the block's start
-        mbar_init(kv_full, Tr::kProducerThreads);
+        mbar_init(kv_full, Tr::kTma ? 1 : Tr::kProducerThreads);
         for (int s = 0; s < kS; ++s) {
-            mbar_init(full(s), Tr::kProducerThreads + kM);
+            mbar_init(full(s), (Tr::kTma ? 1 : Tr::kProducerThreads) + kM);
             mbar_init(empty(s), Tr::kConsumerThreads);
         }
         for (int t = 0; t < Tr::kDqTiles; ++t) {
@@ -177,11 +182,24 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         const auto load_tile = [&](auto tile, u32 dst, const u16* src, int row_stride, int valid) {
             loader.template load<decltype(tile)>(dst, src, row_stride, valid);
         };
-        load_tile(KVTile{}, smem_k, k + batch * k_batch_stride + (i64)(k_start + key0) * k_row_stride + kv_head * k_head_stride,
-                  k_row_stride, seqlen_k - key0);
-        load_tile(KVTile{}, smem_v, v + batch * v_batch_stride + (i64)(k_start + key0) * v_row_stride + kv_head * v_head_stride,
-                  v_row_stride, seqlen_k - key0);
-        cp_async_mbar_arrive(kv_full);
+        constexpr int kSlabs = Tr::kHeadDim / 64;
+        if constexpr (Tr::kTma) {
+            if (ptid == 0) {
+                mbar_arrive_expect_tx(kv_full, 2 * KVTile::kBytes);
+                for (int slab = 0; slab < kSlabs; ++slab) {
+                    tma_load(smem_k + slab * KVTile::kSlabBytes, tmap_k, 64 * slab, kv_head, key0, batch, kv_full);
+                    tma_load(smem_v + slab * KVTile::kSlabBytes, tmap_v, 64 * slab, kv_head, key0, batch, kv_full);
+                }
+            }
+        } else {
+            load_tile(KVTile{}, smem_k,
+                      k + batch * k_batch_stride + (i64)(k_start + key0) * k_row_stride + kv_head * k_head_stride,
+                      k_row_stride, seqlen_k - key0);
+            load_tile(KVTile{}, smem_v,
+                      v + batch * v_batch_stride + (i64)(k_start + key0) * v_row_stride + kv_head * v_head_stride,
+                      v_row_stride, seqlen_k - key0);
+            cp_async_mbar_arrive(kv_full);
+        }
         const Steps steps = block_steps();
         // Step j's dQ_j, once staged, goes out in one bulk reduction of its rows before seqlen_q, from its first
         // query row's accumulator row on (the first thread), and the staging tile back to the consumers once read.
@@ -217,13 +235,25 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         for (int it = 0, head = kv_head * heads_per_kv, m0 = steps.m_begin * kM; it < steps.count; ++it) {
             const int s = it % kS;
             mbar_wait(empty(s), ((it / kS) & 1) ^ 1);
-            load_tile(QTile{}, smem_q + s * QTile::kBytes,
-                      q + batch * q_batch_stride + (i64)(q_start + m0) * q_row_stride + head * q_head_stride, q_row_stride,
-                      seqlen_q - m0);
-            load_tile(QTile{}, smem_do + s * QTile::kBytes,
-                      dout + batch * do_batch_stride + (i64)(q_start + m0) * do_row_stride + head * do_head_stride, do_row_stride,
-                      seqlen_q - m0);
-            cp_async_mbar_arrive(full(s));
+            if constexpr (Tr::kTma) {
+                if (ptid == 0) {
+                    mbar_arrive_expect_tx(full(s), 2 * QTile::kBytes);
+                    for (int slab = 0; slab < kSlabs; ++slab) {
+                        tma_load(smem_q + s * QTile::kBytes + slab * QTile::kSlabBytes, tmap_q, 64 * slab, head, m0,
+                                 batch, full(s));
+                        tma_load(smem_do + s * QTile::kBytes + slab * QTile::kSlabBytes, tmap_do, 64 * slab, head, m0,
+                                 batch, full(s));
+                    }
+                }
+            } else {
+                load_tile(QTile{}, smem_q + s * QTile::kBytes,
+                          q + batch * q_batch_stride + (i64)(q_start + m0) * q_row_stride + head * q_head_stride,
+                          q_row_stride, seqlen_q - m0);
+                load_tile(QTile{}, smem_do + s * QTile::kBytes,
+                          dout + batch * do_batch_stride + (i64)(q_start + m0) * do_row_stride + head * do_head_stride,
+                          do_row_stride, seqlen_q - m0);
+                cp_async_mbar_arrive(full(s));
+            }
             if (ptid < kM) {
                 stats[s * kM + ptid] = lse_next * kLog2e;
                 stats[(kS + s) * kM + ptid] = dsum_next;
@@ -276,7 +306,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         const u32 q_s = smem_q + s * QTile::kBytes, do_s = smem_do + s * QTile::kBytes;
         mbar_wait(full(s), (it / kS) & 1);
         if (ctid == 0 && it == 0) bwd_mark(2);  // the first step's Q, dO, lse and D in
-        fence_proxy_async_smem();  // the producer's cp.async writes, now read by the tensor cores
+        if constexpr (!Tr::kTma) fence_proxy_async_smem();  // the producer's cp.async writes, read by wgmma
 
         float st[1][kQT][4], dpt[1][kQT][4];
         wgmma_fence();

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import build, configs
+from . import build, configs, tensor_maps
 from .forward import _LOG2E, dropout_scalars, dropout_words, error_pointers, kernel_variant
 
 #: Tests set this to fill dq, dk and dv with NaN before the kernels run (see forward._debug_poison).
@@ -31,13 +31,19 @@ class BackwardPlan:
     dsum_shape: tuple  # (batch, nheads, seqlen_q) float32 workspace ((nheads, total_q) for varlen)
     dq_accum_shape: tuple | None  # (batch, nheads, seqlen_q, d [+ 4]) float32 workspace, atomics only
     config: configs.BwdConfig | configs.HopperBwdConfig
+    # The Hopper dK/dV kernel's tensor maps of q, k, v and dout (padded calls, whose tiles it moves with TMA):
+    # encoded into the main launch's last four parameters for each call's pointers.
+    tensor_maps: tensor_maps.TileMaps | None = None
 
 
-def _launch(function, grid, block, smem_bytes: int, pointers: int, scalars: tuple, rng_at=None) -> build.Launch:
+def _launch(function, grid, block, smem_bytes: int, pointers: int, scalars: tuple, rng_at=None,
+            blobs: int = 0) -> build.Launch:
     """A launch whose first ``pointers`` arguments are per-call device pointers, then fixed ``scalars``; with
-    ``rng_at``, the four argument slots from there (dropout seed and offset words) are per-call values too."""
+    ``rng_at``, the four argument slots from there (dropout seed and offset words) are per-call values too; then
+    ``blobs`` tensor maps (build.Launch)."""
     variable = list(range(pointers)) + ([] if rng_at is None else list(range(rng_at, rng_at + 4)))
-    return build.Launch(function, grid, block, smem_bytes, (np.uint64(0),) * pointers + scalars, variable)
+    return build.Launch(function, grid, block, smem_bytes, (np.uint64(0),) * pointers + scalars, variable,
+                        blobs=blobs)
 
 
 def _strides3(strides) -> tuple:
@@ -65,8 +71,13 @@ def plan_backward(
     atomic = not deterministic
     if config is None and HOPPER:
         config = configs.hopper_backward_config(arch, headdim, mods, deterministic)
+    shapes = {"q": q_shape, "k": k_shape, "v": k_shape, "dout": q_shape}
+    if (isinstance(config, configs.HopperBwdConfig) and varlen_totals is None
+            and not all(tensor_maps.usable(shapes[n], strides[n]) for n in shapes)):
+        config = None  # (strides TMA cannot take, say negative ones: the mma.sync backward, with cp.async)
     if config is None:
         config = configs.backward_config(arch, headdim, dtype, mask, mods)
+    hopper = isinstance(config, configs.HopperBwdConfig)
     total_q, total_k = varlen_totals or (0, 0)
     stats = (np.int64(0), np.int64(total_q)) if varlen_totals else (np.int64(nheads * seqlen_q), np.int64(seqlen_q))
     errors = error_pointers()
@@ -94,7 +105,12 @@ def plan_backward(
         (((seqlen_k + config.block_n - 1) // config.block_n) * config.dslices, nheads_kv, batch),
         (config.threads, 1, 1), smem, 13,
         sum((_strides3(strides[n]) for n in ("q", "k", "v", "dout", "dk", "dv")), ()) + sizes, rng_at=13 + 18 + rng_at,
+        blobs=4 if hopper else 0,
     )
+    maps = None
+    if hopper and varlen_totals is None:
+        rows = {"q": config.block_m, "k": config.block_n, "v": config.block_n, "dout": config.block_m}
+        maps = tensor_maps.TileMaps([tensor_maps.layout(shapes[n], strides[n], rows[n]) for n in shapes])
     dq = convert = None
     dq_accum_shape = None
     if deterministic:
@@ -123,7 +139,16 @@ def plan_backward(
                             (256, 1, 1), 0, 5, (np.int32(batch), np.int32(total_q), np.int32(total_k),
                                                 np.int32(q_row), np.int32(kv_row)))
     dsum_shape = (nheads, total_q) if varlen_totals else (batch, nheads, seqlen_q)
-    return BackwardPlan(pre, main, dq, convert, zero_tail, dsum_shape, dq_accum_shape, config)
+    return BackwardPlan(pre, main, dq, convert, zero_tail, dsum_shape, dq_accum_shape, config, maps)
+
+
+def maps_writer(plan: BackwardPlan, q: int, k: int, v: int, dout: int):
+    """What the main launch takes as ``write_blobs`` for these pointers: the plan's tensor maps encoded for them
+    (None where the plan has none)."""
+    if plan.tensor_maps is None:
+        return None
+    maps = plan.tensor_maps
+    return lambda addresses: maps.encode(addresses, (q, k, v, dout))
 
 
 def run_backward(plan: BackwardPlan, ptr: dict, stream_ptr: int) -> None:
@@ -136,7 +161,8 @@ def run_backward(plan: BackwardPlan, ptr: dict, stream_ptr: int) -> None:
     rng = dropout_words(ptr.get("dropout_seed", 0), ptr.get("dropout_offset", 0))
     plan.preprocess(stream_ptr, (ptr["dout"], ptr["out"], ptr["dsum"], dq_accum, cu_q))
     plan.main(stream_ptr, (ptr["q"], ptr["k"], ptr["v"], ptr["dout"], ptr["lse"], ptr["dsum"], dq_accum, ptr["dk"],
-                           ptr["dv"], cu_q, cu_k, alibi, rng_state) + rng)
+                           ptr["dv"], cu_q, cu_k, alibi, rng_state) + rng,
+              maps_writer(plan, ptr["q"], ptr["k"], ptr["v"], ptr["dout"]))
     if plan.dq is not None:
         plan.dq(stream_ptr, (ptr["q"], ptr["k"], ptr["v"], ptr["dout"], ptr["lse"], ptr["dsum"], ptr["dq"], cu_q,
                              cu_k, alibi, rng_state) + rng)

@@ -64,6 +64,37 @@ def test_hopper_kernel_is_the_one_planned():
     assert isinstance(plan.config, configs.BwdConfig)  # no Hopper row for d = 96
 
 
+def test_arrays_tma_cannot_copy_run_the_mma_sync_backward():
+    """Padded calls move their tiles with tensor maps (varlen calls with cp.async), which take no negative
+    strides: such a call is planned on the mma.sync backward, and its gradients match the reference."""
+    _hopper_gpu()
+    import numpy as np
+
+    import fa2cupy
+    from fa2cupy import backward, configs
+    from gpu_helpers import cupy_module
+    from test_backward_gpu import check_gradients
+
+    names = ("q", "k", "v", "dout", "out", "dq", "dk", "dv")
+    strides = dict.fromkeys(names, (256 * 8 * 128, 8 * 128, 128, 1))
+    plan = backward.plan_backward((1, 256, 8, 128), (1, 256, 8, 128), strides, "bfloat16", 0.1, True, False, 90)
+    assert isinstance(plan.config, configs.HopperBwdConfig) and plan.tensor_maps is not None
+    plan = backward.plan_backward((1, 256, 8, 128), (1, 256, 8, 128), strides, "bfloat16", 0.1, True, False, 90,
+                                  varlen_totals=(256, 256))
+    assert isinstance(plan.config, configs.HopperBwdConfig) and plan.tensor_maps is None
+    reversed_rows = dict(strides, q=(256 * 8 * 128, -8 * 128, 128, 1))
+    plan = backward.plan_backward((1, 256, 8, 128), (1, 256, 8, 128), reversed_rows, "bfloat16", 0.1, True, False,
+                                  90)
+    assert isinstance(plan.config, configs.BwdConfig)
+
+    cp = cupy_module()
+    rng = np.random.default_rng(11)
+    q, k, v, dout = (cp.asarray(rng.standard_normal((2, 300, 4, 128)), dtype=cp.float16)[:, ::-1] for _ in range(4))
+    out, lse, _ = fa2cupy.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    grads = fa2cupy.flash_attn_backward(dout, q, k, v, out, lse, causal=True)
+    check_gradients(dout, q, k, v, out, grads, None, True, "float16")
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_preprocess_clears_the_padded_accumulator_rows(d):
     """bwd_preprocess gives D = rowsum(dO * O) and clears every float of the Hopper kernel's dQ accumulator rows, their
