@@ -30,7 +30,9 @@ struct HopperBwdTraits {
     // k/v/dK/dV; seqlen_q/seqlen_k are the maxima, and key blocks past a sequence's end return at once.
     static constexpr bool kVarlen = Varlen;
     // Padded calls move K, V, Q and dO with the tensor memory accelerator (tensor maps, one producer thread issuing
-    // the copies; rows past the sequence read as zeros), varlen calls with every producer thread's cp.async.
+    // the copies; rows past the sequence read as zeros). Varlen calls move whole tiles of a sequence so too, and a
+    // sequence's last, ragged tile with every producer thread's cp.async, whose zeros past its rows keep another
+    // sequence's rows (which may hold anything) out of the products.
     static constexpr bool kTma = !Varlen;
     // Two consumer warpgroups and a producer warpgroup, whose registers go to the consumers (setmaxnreg): a
     // consumer holds dK and dV (64 keys x the head dim each) and S^T, dP^T (64 x BlockM) at once.
@@ -183,12 +185,20 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             loader.template load<decltype(tile)>(dst, src, row_stride, valid);
         };
         constexpr int kSlabs = Tr::kHeadDim / 64;
-        if constexpr (Tr::kTma) {
+        const int map_batch = Tr::kVarlen ? 0 : batch;  // (varlen: the maps span the packed arrays' rows)
+        if (Tr::kTma || seqlen_k - key0 >= kN) {  // (varlen: the first thread arrives for all)
             if (ptid == 0) {
-                mbar_arrive_expect_tx(kv_full, 2 * KVTile::kBytes);
+                if constexpr (Tr::kTma) {
+                    mbar_arrive_expect_tx(kv_full, 2 * KVTile::kBytes);
+                } else {
+                    mbar_expect_tx(kv_full, 2 * KVTile::kBytes);
+                    mbar_arrive_count(kv_full, Tr::kProducerThreads);
+                }
                 for (int slab = 0; slab < kSlabs; ++slab) {
-                    tma_load(smem_k + slab * KVTile::kSlabBytes, tmap_k, 64 * slab, kv_head, key0, batch, kv_full);
-                    tma_load(smem_v + slab * KVTile::kSlabBytes, tmap_v, 64 * slab, kv_head, key0, batch, kv_full);
+                    tma_load(smem_k + slab * KVTile::kSlabBytes, tmap_k, 64 * slab, kv_head, k_start + key0,
+                             map_batch, kv_full);
+                    tma_load(smem_v + slab * KVTile::kSlabBytes, tmap_v, 64 * slab, kv_head, k_start + key0,
+                             map_batch, kv_full);
                 }
             }
         } else {
@@ -235,14 +245,19 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         for (int it = 0, head = kv_head * heads_per_kv, m0 = steps.m_begin * kM; it < steps.count; ++it) {
             const int s = it % kS;
             mbar_wait(empty(s), ((it / kS) & 1) ^ 1);
-            if constexpr (Tr::kTma) {
+            if (Tr::kTma || seqlen_q - m0 >= kM) {  // (varlen: the first thread arrives for all)
                 if (ptid == 0) {
-                    mbar_arrive_expect_tx(full(s), 2 * QTile::kBytes);
+                    if constexpr (Tr::kTma) {
+                        mbar_arrive_expect_tx(full(s), 2 * QTile::kBytes);
+                    } else {
+                        mbar_expect_tx(full(s), 2 * QTile::kBytes);
+                        mbar_arrive_count(full(s), Tr::kProducerThreads);
+                    }
                     for (int slab = 0; slab < kSlabs; ++slab) {
-                        tma_load(smem_q + s * QTile::kBytes + slab * QTile::kSlabBytes, tmap_q, 64 * slab, head, m0,
-                                 batch, full(s));
-                        tma_load(smem_do + s * QTile::kBytes + slab * QTile::kSlabBytes, tmap_do, 64 * slab, head, m0,
-                                 batch, full(s));
+                        tma_load(smem_q + s * QTile::kBytes + slab * QTile::kSlabBytes, tmap_q, 64 * slab, head,
+                                 q_start + m0, map_batch, full(s));
+                        tma_load(smem_do + s * QTile::kBytes + slab * QTile::kSlabBytes, tmap_do, 64 * slab, head,
+                                 q_start + m0, map_batch, full(s));
                     }
                 }
             } else {
@@ -306,7 +321,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         const u32 q_s = smem_q + s * QTile::kBytes, do_s = smem_do + s * QTile::kBytes;
         mbar_wait(full(s), (it / kS) & 1);
         if (ctid == 0 && it == 0) bwd_mark(2);  // the first step's Q, dO, lse and D in
-        if constexpr (!Tr::kTma) fence_proxy_async_smem();  // the producer's cp.async writes, read by wgmma
+        // The producer's cp.async writes, read by wgmma (varlen: a sequence's ragged step, or a ragged key block
+        // at the first step; whole tiles come by TMA, which writes through the async proxy itself).
+        if (!Tr::kTma && (seqlen_q - m0 < kM || (it == 0 && seqlen_k - key0 < kN))) fence_proxy_async_smem();
 
         float st[1][kQT][4], dpt[1][kQT][4];
         wgmma_fence();

@@ -46,7 +46,8 @@ struct HopperFwdTraits {
     static_assert(Varlen || !Paged, "paged K/V comes with varlen");
     // Padded calls move their tiles with the tensor memory accelerator (tensor maps of q, k, v and o: one thread
     // issues a tile's copies, rows past the sequence read as zeros and are not written); varlen calls, whose
-    // tiles end inside the packed arrays, with cp.async from all the producer's threads.
+    // tiles end inside the packed arrays, with cp.async from all the producer's threads, but for packed K/V's
+    // whole tiles, which go by TMA too.
     static constexpr bool kTma = !Varlen;
     // The consumer warpgroups and a producer warpgroup, whose registers go to the consumers (setmaxnreg).
     static constexpr int kConsumerWarps = 4 * ConsumerWGs, kThreads = 128 * (ConsumerWGs + 1),
@@ -407,10 +408,30 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 const int k_slot = ring_slot<kKS>(tiles), v_slot = ring_slot<kVS>(tiles);
                 if constexpr (Tr::kPaged) look_up_rows();  // (its load in flight while the slot is waited for)
                 mbar_wait(k_empty(k_slot), ring_phase<kKS>(tiles) ^ 1);
-                load_rows(smem_k + k_slot * KVTile::kBytes, k_tile, k_row, k, k_row_stride);
-                mbar_wait(v_empty(v_slot), ring_phase<kVS>(tiles) ^ 1);
-                load_rows(smem_v + v_slot * KVTile::kBytes, v_tile, v_row, v, v_row_stride);
-                cp_async_mbar_arrive(full(k_slot));
+                // Packed K/V: a whole tile of the sequence's keys by TMA (the first thread's copies and arrivals);
+                // the sequence's last, ragged tile by cp.async, whose zeros past its keys keep
+                // another sequence's rows (which may hold anything) out of P V.
+                if (!Tr::kPaged && keys_left >= Tr::kBlockN) {
+                    const int row = seq.k_start + seq.seqlen_k - keys_left;
+                    if (ptid == 0) {  // (arriving for every producer thread)
+                        mbar_expect_tx(full(k_slot), 2 * KVTile::kBytes);
+                        mbar_arrive_count(full(k_slot), Tr::kProducerThreads);
+                        for (int slab = 0; slab < Tr::kHeadDim / 64; ++slab)
+                            tma_load(smem_k + k_slot * KVTile::kBytes + slab * KVTile::kSlabBytes, tmap_k, 64 * slab,
+                                     kv_head, row, 0, full(k_slot));
+                    }
+                    mbar_wait(v_empty(v_slot), ring_phase<kVS>(tiles) ^ 1);
+                    if (ptid == 0) {
+                        for (int slab = 0; slab < Tr::kHeadDim / 64; ++slab)
+                            tma_load(smem_v + v_slot * KVTile::kBytes + slab * KVTile::kSlabBytes, tmap_v, 64 * slab,
+                                     kv_head, row, 0, full(k_slot));
+                    }
+                } else {
+                    load_rows(smem_k + k_slot * KVTile::kBytes, k_tile, k_row, k, k_row_stride);
+                    mbar_wait(v_empty(v_slot), ring_phase<kVS>(tiles) ^ 1);
+                    load_rows(smem_v + v_slot * KVTile::kBytes, v_tile, v_row, v, v_row_stride);
+                    cp_async_mbar_arrive(full(k_slot));
+                }
                 ++tiles;
                 k_tile += (i64)Tr::kBlockN * k_row_stride;
                 v_tile += (i64)Tr::kBlockN * v_row_stride;

@@ -635,6 +635,14 @@ FA2_DEVICE void tma_store(const TensorMap& map, int column, int head, int row, i
                  "r"(column), "r"(head), "r"(row), "r"(batch), "r"(src)
                  : "memory");
 }
+// `count` arrivals on `bar` at once (standing in for threads whose copies another thread's TMA made).
+FA2_DEVICE void mbar_arrive_count(u32 bar, u32 count) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// `bytes` more of copies (tma_load) expected in `bar`'s current phase, without an arrival.
+FA2_DEVICE void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.expect_tx.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
 // An arrival on `bar` that also expects `bytes` more of copies (tma_load) in its current phase.
 FA2_DEVICE void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");

@@ -31,8 +31,8 @@ class BackwardPlan:
     dsum_shape: tuple  # (batch, nheads, seqlen_q) float32 workspace ((nheads, total_q) for varlen)
     dq_accum_shape: tuple | None  # (batch, nheads, seqlen_q, d [+ 4]) float32 workspace, atomics only
     config: configs.BwdConfig | configs.HopperBwdConfig
-    # The Hopper dK/dV kernel's tensor maps of q, k, v and dout (padded calls, whose tiles it moves with TMA):
-    # encoded into the main launch's last four parameters for each call's pointers.
+    # The Hopper dK/dV kernel's tensor maps of q, k, v and dout (the tiles it moves with TMA: all of a padded call's,
+    # a varlen call's whole ones): encoded into the main launch's last four parameters for each call's pointers.
     tensor_maps: tensor_maps.TileMaps | None = None
 
 
@@ -72,7 +72,11 @@ def plan_backward(
     if config is None and HOPPER:
         config = configs.hopper_backward_config(arch, headdim, mods, deterministic)
     shapes = {"q": q_shape, "k": k_shape, "v": k_shape, "dout": q_shape}
-    if (isinstance(config, configs.HopperBwdConfig) and varlen_totals is None
+    if varlen_totals:  # (the maps span the packed arrays' rows)
+        rows_q, rows_k = (max(1, total) for total in varlen_totals)
+        shapes = {"q": (1, rows_q, nheads, headdim), "k": (1, rows_k, nheads_kv, headdim),
+                  "v": (1, rows_k, nheads_kv, headdim), "dout": (1, rows_q, nheads, headdim)}
+    if (isinstance(config, configs.HopperBwdConfig)
             and not all(tensor_maps.usable(shapes[n], strides[n]) for n in shapes)):
         config = None  # (strides TMA cannot take, say negative ones: the mma.sync backward, with cp.async)
     if config is None:
@@ -108,7 +112,7 @@ def plan_backward(
         blobs=4 if hopper else 0,
     )
     maps = None
-    if hopper and varlen_totals is None:
+    if hopper:
         rows = {"q": config.block_m, "k": config.block_n, "v": config.block_n, "dout": config.block_m}
         maps = tensor_maps.TileMaps([tensor_maps.layout(shapes[n], strides[n], rows[n]) for n in shapes])
     dq = convert = None

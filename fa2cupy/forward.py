@@ -38,8 +38,9 @@ class ForwardPlan:
     # a grid stride: where items differ in length (masks), a fixed stride left SMs idle (0.64 of the ideal
     # balance at causal 16k, d=128).
     tile_counter: bool = False
-    # The Hopper forward's tensor maps of q, k, v and out (padded calls, whose tiles it moves with TMA): encoded
-    # into the launch's last four parameters for each call's pointers.
+    # The Hopper forward's tensor maps of q, k, v and out (padded calls, whose tiles it moves with TMA, and packed
+    # varlen calls, whose whole K/V tiles it does): encoded into the launch's last four parameters for each call's
+    # pointers.
     tensor_maps: tensor_maps.TileMaps | None = None
 
 
@@ -117,8 +118,14 @@ def plan_forward(
     mask, mods, left, right = kernel_variant(causal, window_size, softcap, alibi_batch_stride is not None, dropout_p)
     if config is None:
         config = kernel_config(arch, headdim, dtype, mask, mods, varlen_totals is not None, seqlen_q)
+    # The Hopper forward's tensor maps (padded calls: all four arrays; packed varlen: K and V, whose whole tiles go by
+    # TMA; paged K/V: none), over the packed arrays' rows for varlen.
     shapes = ((batch, seqlen_q, nheads, headdim), k_shape, k_shape, (batch, seqlen_q, nheads, headdim))
-    tma = isinstance(config, configs.HopperFwdConfig) and varlen_totals is None
+    if varlen_totals:
+        rows_q, rows_k = (max(1, total) for total in varlen_totals)
+        shapes = ((1, rows_q, nheads, headdim), (1, rows_k, nheads_kv, headdim), (1, rows_k, nheads_kv, headdim),
+                  (1, rows_q, nheads, headdim))
+    tma = isinstance(config, configs.HopperFwdConfig) and paged is None
     if tma and not all(tensor_maps.usable(shape, s) for shape, s in zip(shapes, strides)):
         # (strides TMA cannot take, say negative ones: the mma.sync forward, which copies with cp.async)
         config, tma = configs.forward_config(arch, headdim, dtype, mask, varlen_totals is not None), False

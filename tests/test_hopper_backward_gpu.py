@@ -65,8 +65,8 @@ def test_hopper_kernel_is_the_one_planned():
 
 
 def test_arrays_tma_cannot_copy_run_the_mma_sync_backward():
-    """Padded calls move their tiles with tensor maps (varlen calls with cp.async), which take no negative
-    strides: such a call is planned on the mma.sync backward, and its gradients match the reference."""
+    """Calls move their tiles with tensor maps (varlen calls their whole tiles), which take no negative strides:
+    such a call is planned on the mma.sync backward, and its gradients match the reference."""
     _hopper_gpu()
     import numpy as np
 
@@ -81,7 +81,7 @@ def test_arrays_tma_cannot_copy_run_the_mma_sync_backward():
     assert isinstance(plan.config, configs.HopperBwdConfig) and plan.tensor_maps is not None
     plan = backward.plan_backward((1, 256, 8, 128), (1, 256, 8, 128), strides, "bfloat16", 0.1, True, False, 90,
                                   varlen_totals=(256, 256))
-    assert isinstance(plan.config, configs.HopperBwdConfig) and plan.tensor_maps is None
+    assert isinstance(plan.config, configs.HopperBwdConfig) and plan.tensor_maps is not None
     reversed_rows = dict(strides, q=(256 * 8 * 128, -8 * 128, 128, 1))
     plan = backward.plan_backward((1, 256, 8, 128), (1, 256, 8, 128), reversed_rows, "bfloat16", 0.1, True, False,
                                   90)
@@ -198,3 +198,36 @@ def test_both_backward_kernels_match_reference_on_hopper_varlen(case, hopper):
     note(repr(case))
     with _kernel(hopper):
         run_varlen_case(case)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_varlen_keeps_another_sequence_out(d):
+    """Whole tiles of a varlen backward go by TMA and a sequence's last, ragged K/V block and query step by
+    zero-filling copies: infinite or NaN rows of the next sequence never reach this one's gradients."""
+    _hopper_gpu()
+    import numpy as np
+
+    import fa2cupy
+    from fa2cupy.reference import attention_ref_backward
+    from gpu_helpers import cupy_module
+    from test_varlen_mods_gpu import _host, _randn
+
+    cp = cupy_module()
+    rng = np.random.default_rng(9)
+    lengths = (200, 300)  # the first sequence ends inside a key block and a query step
+    q, k, v, dout = (_randn(rng, (sum(lengths), 4, d), "bfloat16") for _ in range(4))
+    cu = cp.asarray(np.cumsum((0,) + lengths), dtype=cp.int32)
+    with _kernel(True):
+        out, lse, _ = fa2cupy.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True,
+                                                     return_attn_probs=True)
+        for x in (q, k, v, dout):
+            x[lengths[0]:] = float("nan")
+        dq, dk, dv = fa2cupy.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu, cu, max(lengths),
+                                                        max(lengths), causal=True)
+    first = slice(0, lengths[0])
+    ref = attention_ref_backward(*(_host(x[first])[None] for x in (dout, q, k, v)), causal=True)
+    for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), ref):
+        got = _host(got[first])
+        assert np.isfinite(got).all(), f"{name}: the next sequence's NaN rows reached this one's gradients"
+        tol = 0.05 * float(np.abs(want[0]).max()) + 1e-3
+        assert float(np.abs(got - want[0]).max()) <= tol, name

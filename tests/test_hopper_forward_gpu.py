@@ -178,6 +178,31 @@ def test_varlen_matches_reference_on_both_kernels(c, hopper):
     _check_out(out, lse, ref_out, ref_lse, v, dtype, rows=np.arange(int(cu_q[-1])))
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_varlen_keeps_another_sequence_out(d):
+    """Whole K/V tiles of a varlen call go by TMA and a sequence's last, ragged tile by zero-filling copies: an
+    infinite or NaN row of the next sequence never reaches this one's output (P = 0 there, and 0 * inf is NaN)."""
+    _hopper_gpu()
+    import fa2cupy
+    from fa2cupy.reference import attention_ref
+
+    cp = _cupy()
+    rng = np.random.default_rng(5)
+    lengths = (200, 300)  # the first sequence ends inside a 128-key tile, the second's rows follow in the array
+    q, k, v = (_randn(rng, (sum(lengths), 4, d), "bfloat16") for _ in range(3))
+    k[lengths[0]:] = float("inf")
+    v[lengths[0]:] = float("nan")
+    cu = cp.asarray(np.cumsum((0,) + lengths), dtype=cp.int32)
+    with _kernel(True):
+        out = fa2cupy.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
+    first = slice(0, lengths[0])
+    ref = attention_ref(*(_host(x[first])[None] for x in (q, k, v)), causal=True)[0][0]
+    got = _host(out[first])
+    assert np.isfinite(got).all(), "the next sequence's inf / NaN rows reached this one's output"
+    tol = 4 * 2.0 ** -8 * float(np.abs(_host(v[first])).max()) + 1e-6
+    assert float(np.abs(got - ref).max()) <= tol
+
+
 @contextlib.contextmanager
 def _planned():
     """The forward plans made inside, in a list."""
