@@ -1,10 +1,11 @@
 // FlashAttention backward for Hopper (sm_90a): the dK/dV kernel (with dQ added atomically) on wgmma tensor cores.
 //
-// Same work split and arguments as bwd_dkdv (cuda/bwd.cu), whose preprocess (D = rowsum(dO o O), the zeroed fp32
-// dQ accumulator) and dQ conversion kernels it shares: one block per (128-key tile, kv head, batch) keeps K_j and
-// V_j in shared memory and walks the query tiles (BlockM rows) of every query head of its group. A producer warpgroup
-// streams each tile's Q, dO and row statistics into a ring (cp.async, an mbarrier per slot); two consumer
-// warpgroups own 64 of the keys each and, per query tile, compute on wgmma
+// Same work split and arguments as bwd_dkdv (cuda/bwd.cu), plus the tensor maps of q, k, v and dO
+// (fa2cupy/tensor_maps.py), and the same preprocess (D = rowsum(dO o O), the zeroed fp32 dQ accumulator) and dQ
+// conversion kernels: one block per (128-key tile, kv head, batch) keeps K_j and V_j in shared memory and walks the
+// query tiles (BlockM rows) of every query head of its group. A producer warpgroup streams each tile's Q, dO and row
+// statistics into a ring (an mbarrier per slot; the tiles by TMA, a varlen sequence's ragged ones by cp.async); two
+// consumer warpgroups own 64 of the keys each and, per query tile, compute on wgmma
 //   S^T = K Q^T, dP^T = V dO^T                 (keys x queries, both operands from shared memory)
 //   P^T = exp(S^T scale - L), dS^T = P^T o (dP^T - D)   in registers
 //   dV += P^T dO, dK += dS^T Q                 (P^T and dS^T as register A operands)
@@ -124,8 +125,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const u32 smem_stats = smem_dq + Tr::kDqTiles * Tr::kDqBytes;  // lse (log2 domain) [kS][kM], then D [kS][kM]
     const u32 bars = smem_stats + 2 * kS * kM * 4;
     float* const stats = reinterpret_cast<float*>(smem_raw + (smem_stats - smem_u32(smem_raw)));
-    // kv_full: the producer's 128 threads landed K and V; full[s]: Q and dO landed in slot s (128 cp.async
-    // arrivals) and its lse and D are stored (64 arrivals); empty[s]: the 256 consumer threads are done with slot
+    // kv_full: K and V landed (128 cp.async arrivals, or with TMA the first thread's arrival, for all 128 in
+    // varlen, and the copies' bytes); full[s]: Q and dO landed in slot s (likewise) and its lse and D are stored
+    // (kM arrivals); empty[s]: the 256 consumer threads are done with slot
     // s (each arrives for its own reads of lse and D: one arrival per warp after __syncwarp left racecheck a
     // hazard between the other lanes' reads and the producer's next stores).
     const u32 kv_full = bars;

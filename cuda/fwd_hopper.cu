@@ -1,22 +1,24 @@
 // FlashAttention forward for Hopper (sm_90a): wgmma tensor cores, warp-specialised, persistent.
 //
 // A block is a producer warpgroup and two or three consumer warpgroups. The producer streams each work item's Q tile
-// (64 rows per consumer warpgroup) and its K/V tiles into shared memory (padded calls: one thread's tensor-map copies,
-// TMA; varlen calls: every producer thread's cp.async) and announces each on an mbarrier; each consumer warpgroup owns 64 of the rows and runs FA2's loop on them (S = Q K^T and O += P V on wgmma,
-// the online softmax in registers, only the log-sum-exp kept). The warpgroups never meet at a block barrier, only at
-// the slots they hand back (an mbarrier per slot), so a warpgroup passes over the key tiles its own rows cannot see
-// (the causal diagonal, the edges of a sliding window) while the others compute. Blocks are persistent: one per SM
-// walks the work items (query tile, head, batch), longest first within groups of heads that share L2, and the producer
-// loads the next item's Q (a second Q buffer) and first tiles while the consumers work on this one. K and V have rings
-// of their own, V's deeper: a K slot goes back once S has landed, a V slot a step later. A warpgroup puts its output
-// rows into its rows of the item's Q buffer (stmatrix) and goes on; the producer writes them out (a TMA store where it
-// loads with TMA) before it loads another Q there, so the row write is off the warpgroups' turns. Items go in a grid stride or, where their lengths
-// differ (masks), to whichever block asks next (an atomic tile counter, zeroed per launch): a fixed stride handed some
-// SMs twice the keys of others under a causal mask.
+// (64 rows per consumer warpgroup) and its K/V tiles into shared memory and announces each on an mbarrier: padded
+// calls through tensor maps (TMA), one thread issuing every copy; varlen calls with every producer thread's cp.async,
+// but for a sequence's whole K/V tiles, which go by TMA too. Each consumer warpgroup owns 64 of the rows and runs
+// FA2's loop on them (S = Q K^T and O += P V on wgmma, the online softmax in registers, only the log-sum-exp kept).
+// The warpgroups never meet at a block barrier, only at the slots they hand back (an mbarrier per slot), so a
+// warpgroup passes over the key tiles its own rows cannot see (the causal diagonal, the edges of a sliding window)
+// while the others compute. Blocks are persistent: one per SM walks the work items (query tile, head, batch), longest
+// first within groups of heads that share L2, and the producer loads the next item's Q (a second Q buffer) and first
+// tiles while the consumers work on this one. K and V have rings of their own, V's deeper: a K slot goes back once S
+// has landed, a V slot a step later. A warpgroup puts its output rows into its rows of the item's Q buffer
+// (stmatrix) and goes on; the producer writes them out (padded calls: a TMA store) before it loads another Q there,
+// so the row write is off the warpgroups' turns. Items go in a grid stride or, where their lengths differ (masks), to
+// whichever block asks next (an atomic tile counter, zeroed per launch): a fixed stride handed some SMs twice the
+// keys of others under a causal mask.
 //
 // Same arguments as flash_fwd (cuda/fwd.cu) plus the batch size, the heads per L2 group, the tile counter (null
-// for the grid stride) and the tensor maps of q, k, v and o (fa2cupy/tensor_maps.py; unused by varlen calls), so
-// one launch plan serves both; padded and varlen calls without modifiers, varlen with paged
+// for the grid stride) and the tensor maps of q, k, v and o (fa2cupy/tensor_maps.py; varlen calls use K's and V's,
+// paged ones none), so one launch plan serves both; padded and varlen calls without modifiers, varlen with paged
 // K/V too (softcap, ALiBi and dropout stay on flash_fwd).
 #include "primitives.cuh"
 #include "softmax.cuh"
@@ -134,7 +136,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const u32 smem_q = (smem_u32(smem_raw) + 1023) & ~1023u;
     const u32 smem_k = smem_q + Tr::kQBuffers * QTile::kBytes;
     const u32 smem_v = smem_k + kKS * KVTile::kBytes;
-    // Barriers: full[s] (the producer's 128 threads land the K and V of the tile in K slot s: one wait per tile),
+    // Barriers: full[s] (the K and V of the tile in K slot s landed: the producer's 128 threads' cp.async arrivals,
+    // or the first thread's arrival for all with the TMA copies' bytes expected; one wait per tile),
     // k_empty[s] and v_empty[s] (the 8 consumer warps are done with K slot s, V slot s), q_full[b] and q_empty[b]
     // likewise for the Q buffers.
     const u32 bars = smem_v + kVS * KVTile::kBytes;
@@ -151,7 +154,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         }
         for (int s = 0; s < kVS; ++s) mbar_init(v_empty(s), Tr::kConsumerWarps);
         for (int b = 0; b < Tr::kQBuffers; ++b) {
-            // every producer thread's copies, and the first thread's item in item_slots[kSlotWords b ..]
+            // every producer thread's copies and the first thread's item in item_slots[kSlotWords b ..] (TMA: the
+            // first thread's one arrival for both, its copies' bytes expected)
             mbar_init(q_full(b), Tr::kTma ? 1 : Tr::kProducerThreads + 1);
             mbar_init(q_empty(b), Tr::kConsumerWarps);
         }
@@ -205,7 +209,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 const int* slot = item_slots + Tr::kSlotWords * buffer;
                 const u32 tile = smem_q + buffer * QTile::kBytes;
                 for (int slab = 0; slab < kSlabs; ++slab)
-                    tma_store(tmap_o, 64 * slab, slot[5], slot[4] * Tr::kBlockM, slot[6], tile + slab * QTile::kSlabBytes);
+                    tma_store(tmap_o, 64 * slab, slot[5], slot[4] * Tr::kBlockM, slot[6],
+                              tile + slab * QTile::kSlabBytes);
                 bulk_commit();
             };
             for (int item = blockIdx.x;;) {

@@ -622,8 +622,8 @@ struct alignas(64) TensorMap {
 // its bytes counted on mbarrier `bar` (rows outside the tensor read as zeros).
 FA2_DEVICE void tma_load(u32 dst, const TensorMap& map, int column, int head, int row, int batch, u32 bar) {
     asm volatile(
-        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
-        "[%6];\n" ::"r"(dst),
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
         "l"(reinterpret_cast<u64>(&map)), "r"(column), "r"(head), "r"(row), "r"(batch), "r"(bar)
         : "memory");
 }
