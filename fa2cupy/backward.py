@@ -71,11 +71,7 @@ def plan_backward(
     atomic = not deterministic
     if config is None and HOPPER:
         config = configs.hopper_backward_config(arch, headdim, mods, deterministic)
-    shapes = {"q": q_shape, "k": k_shape, "v": k_shape, "dout": q_shape}
-    if varlen_totals:  # (the maps span the packed arrays' rows)
-        rows_q, rows_k = (max(1, total) for total in varlen_totals)
-        shapes = {"q": (1, rows_q, nheads, headdim), "k": (1, rows_k, nheads_kv, headdim),
-                  "v": (1, rows_k, nheads_kv, headdim), "dout": (1, rows_q, nheads, headdim)}
+    shapes = dict(zip(("q", "k", "v", "dout"), tensor_maps.array_shapes(q_shape, k_shape, varlen_totals)))
     if (isinstance(config, configs.HopperBwdConfig)
             and not all(tensor_maps.usable(shapes[n], strides[n]) for n in shapes)):
         config = None  # (strides TMA cannot take, say negative ones: the mma.sync backward, with cp.async)
@@ -149,10 +145,7 @@ def plan_backward(
 def maps_writer(plan: BackwardPlan, q: int, k: int, v: int, dout: int):
     """What the main launch takes as ``write_blobs`` for these pointers: the plan's tensor maps encoded for them
     (None where the plan has none)."""
-    if plan.tensor_maps is None:
-        return None
-    maps = plan.tensor_maps
-    return lambda addresses: maps.encode(addresses, (q, k, v, dout))
+    return None if plan.tensor_maps is None else plan.tensor_maps.writer((q, k, v, dout))
 
 
 def run_backward(plan: BackwardPlan, ptr: dict, stream_ptr: int) -> None:

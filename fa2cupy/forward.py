@@ -120,11 +120,7 @@ def plan_forward(
         config = kernel_config(arch, headdim, dtype, mask, mods, varlen_totals is not None, seqlen_q)
     # The Hopper forward's tensor maps (padded calls: all four arrays; packed varlen: K and V, whose whole tiles go by
     # TMA; paged K/V: none), over the packed arrays' rows for varlen.
-    shapes = ((batch, seqlen_q, nheads, headdim), k_shape, k_shape, (batch, seqlen_q, nheads, headdim))
-    if varlen_totals:
-        rows_q, rows_k = (max(1, total) for total in varlen_totals)
-        shapes = ((1, rows_q, nheads, headdim), (1, rows_k, nheads_kv, headdim), (1, rows_k, nheads_kv, headdim),
-                  (1, rows_q, nheads, headdim))
+    shapes = tensor_maps.array_shapes(q_shape, k_shape, varlen_totals)
     tma = isinstance(config, configs.HopperFwdConfig) and paged is None
     if tma and not all(tensor_maps.usable(shape, s) for shape, s in zip(shapes, strides)):
         # (strides TMA cannot take, say negative ones: the mma.sync forward, which copies with cp.async)
@@ -200,10 +196,7 @@ def run_forward(plan: ForwardPlan, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: 
     or replayed from CUDA graphs never share one (a graph captures the zeroing with the launch)."""
     values = (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state,
               block_table) + dropout_words(dropout_seed, dropout_offset)
-    write_maps = None
-    if plan.tensor_maps is not None:
-        maps, pointers = plan.tensor_maps, (q_ptr, k_ptr, v_ptr, out_ptr)
-        write_maps = lambda addresses: maps.encode(addresses, pointers)  # noqa: E731
+    write_maps = None if plan.tensor_maps is None else plan.tensor_maps.writer((q_ptr, k_ptr, v_ptr, out_ptr))
     if plan.tile_counter:
         counter, pointer = arrays.new_empty_raw((1,), "int32", framework, device)
         build.memset_async(pointer, 0, 4, stream_ptr)

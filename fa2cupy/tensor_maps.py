@@ -52,6 +52,17 @@ def layout(shape, strides, rows: int):
     return dims, byte_strides, (64, 1, rows, 1)
 
 
+def array_shapes(q_shape, k_shape, varlen_totals=None):
+    """The ``(batch, seqlen, nheads, headdim)`` shapes the maps of q, k, v and a q-shaped fourth array (out, or dout)
+    take: the call's own, or with ``varlen_totals = (total_q, total_k)`` one batch row over the packed arrays' rows
+    (at least one: a map has no empty dimension)."""
+    nheads, headdim, nheads_kv = q_shape[2], q_shape[3], k_shape[2]
+    if varlen_totals:
+        q_shape = (1, max(1, varlen_totals[0]), nheads, headdim)
+        k_shape = (1, max(1, varlen_totals[1]), nheads_kv, headdim)
+    return q_shape, k_shape, k_shape, q_shape
+
+
 def usable(shape, strides) -> bool:
     """Whether TMA can copy the array: positive strides, multiples of 16 bytes below 2**40, as :func:`layout` takes
     them (the kernel's other requirements, 16-byte aligned rows, hold for every planned array)."""
@@ -71,6 +82,10 @@ class TileMaps:
             self._arrays.append(((ctypes.c_uint64 * 4)(*dims), (ctypes.c_uint64 * 3)(*byte_strides),
                                  (ctypes.c_uint32 * 4)(*box), (ctypes.c_uint32 * 4)(1, 1, 1, 1)))
         self._last = [None] * len(layouts)
+
+    def writer(self, pointers):
+        """What build.Launch takes as ``write_blobs``: these maps encoded for ``pointers`` (q, k, v, out)."""
+        return lambda addresses: self.encode(addresses, pointers)
 
     def encode(self, addresses, pointers) -> None:
         lib = _encoder()

@@ -45,3 +45,55 @@ def test_arrays_tma_cannot_copy_are_refused(element_strides):
 
 def test_row_strides_beyond_the_tensor_memory_accelerator_are_refused():
     assert not tensor_maps.usable((2, 1000, 16, 128), (1 << 40, 1 << 39, 128, 1))
+
+
+def test_varlen_maps_span_the_packed_rows():
+    q, k, v, out = tensor_maps.array_shapes((3, 700, 8, 128), (3, 900, 2, 128), (1234, 0))
+    assert q == out == (1, 1234, 8, 128)
+    assert k == v == (1, 1, 2, 128)  # no keys at all: one row, never read
+    assert tensor_maps.array_shapes((3, 700, 8, 64), (3, 900, 2, 64)) == ((3, 700, 8, 64), (3, 900, 2, 64),
+                                                                         (3, 900, 2, 64), (3, 700, 8, 64))
+
+
+class _Driver:
+    """Stands in for the driver's cuTensorMapEncodeTiled: records the calls, fails where told."""
+
+    def __init__(self, status=0):
+        self.calls, self.status = [], status
+
+    def cuTensorMapEncodeTiled(self, address, dtype, rank, pointer, dims, strides, box, element_strides, *modes):
+        self.calls.append((address, pointer, tuple(dims), tuple(strides), tuple(box)))
+        return self.status
+
+    def cuGetErrorName(self, status, name):
+        name._obj.value = b"CUDA_ERROR_INVALID_VALUE"
+        return 0
+
+
+def _maps():
+    layout = tensor_maps.layout((2, 100, 4, 64), (100 * 4 * 64, 4 * 64, 64, 1), 128)
+    return tensor_maps.TileMaps([layout] * 4)
+
+
+def test_maps_are_encoded_again_only_where_a_pointer_changed(monkeypatch):
+    driver = _Driver()
+    monkeypatch.setattr(tensor_maps, "_encode", driver)
+    maps = _maps()
+    addresses = (4096, 4224, 4352, 4480)
+    maps.writer((16, 32, 48, 64))(addresses)
+    assert [c[:2] for c in driver.calls] == list(zip(addresses, (16, 32, 48, 64)))
+    assert driver.calls[0][2:] == ((64, 4, 100, 2), (128, 512, 51200), (64, 1, 128, 1))
+    driver.calls.clear()
+    maps.writer((16, 32, 48, 80))(addresses)  # a new output array only
+    assert [c[:2] for c in driver.calls] == [(4480, 80)]
+
+
+def test_a_map_the_driver_refuses_raises_and_is_encoded_again(monkeypatch):
+    driver = _Driver(status=1)
+    monkeypatch.setattr(tensor_maps, "_encode", driver)
+    maps = _maps()
+    with pytest.raises(RuntimeError, match="cuTensorMapEncodeTiled failed for array 0.*CUDA_ERROR_INVALID_VALUE"):
+        maps.encode((4096,) * 4, (16,) * 4)
+    driver.status = 0
+    maps.encode((4096,) * 4, (16,) * 4)
+    assert len(driver.calls) == 5  # the refused map, then all four
