@@ -38,6 +38,9 @@ struct HopperBwdTraits {
     // Two consumer warpgroups and a producer warpgroup, whose registers go to the consumers (setmaxnreg): a
     // consumer holds dK and dV (64 keys x the head dim each) and S^T, dP^T (64 x BlockM) at once.
     static constexpr int kConsumerWarps = 8, kConsumerThreads = 256, kProducerThreads = 128, kThreads = 384;
+    // Arrivals a tile's copies make on its barrier: the first producer thread's (TMA), or every producer thread's
+    // (varlen: their cp.async, or the first thread's for all with a whole tile's TMA copies).
+    static constexpr int kCopyArrivals = kTma ? 1 : kProducerThreads;
     // (By keys, with 128 query rows a step, the consumers need 232: the producer then works in 40.)
     static constexpr int kProducerRegisters = DqByKeys ? 40 : 56, kConsumerRegisters = DqByKeys ? 232 : 224;
     static_assert(kProducerRegisters + 2 * kConsumerRegisters <= 3 * 168, "the register file of one block");
@@ -139,9 +142,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const auto dq_free = [&](int t) { return bars + 8 * (1 + 2 * kS + Tr::kDqTiles + t); };
     if (threadIdx.x == 0) {
         bwd_mark(0);  // the block's start
-        mbar_init(kv_full, Tr::kTma ? 1 : Tr::kProducerThreads);
+        mbar_init(kv_full, Tr::kCopyArrivals);
         for (int s = 0; s < kS; ++s) {
-            mbar_init(full(s), (Tr::kTma ? 1 : Tr::kProducerThreads) + kM);
+            mbar_init(full(s), Tr::kCopyArrivals + kM);
             mbar_init(empty(s), Tr::kConsumerThreads);
         }
         for (int t = 0; t < Tr::kDqTiles; ++t) {
@@ -186,17 +189,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         const auto load_tile = [&](auto tile, u32 dst, const u16* src, int row_stride, int valid) {
             loader.template load<decltype(tile)>(dst, src, row_stride, valid);
         };
-        constexpr int kSlabs = Tr::kHeadDim / 64;
         const int map_batch = Tr::kVarlen ? 0 : batch;  // (varlen: the maps span the packed arrays' rows)
         if (Tr::kTma || seqlen_k - key0 >= kN) {  // (varlen: the first thread arrives for all)
             if (ptid == 0) {
-                if constexpr (Tr::kTma) {
-                    mbar_arrive_expect_tx(kv_full, 2 * KVTile::kBytes);
-                } else {
-                    mbar_expect_tx(kv_full, 2 * KVTile::kBytes);
-                    mbar_arrive_count(kv_full, Tr::kProducerThreads);
-                }
-                for (int slab = 0; slab < kSlabs; ++slab) {
+                mbar_arrive_expect_tx<Tr::kCopyArrivals>(kv_full, 2 * KVTile::kBytes);
+                for (int slab = 0; slab < KVTile::kSlabs; ++slab) {
                     tma_load(smem_k + slab * KVTile::kSlabBytes, tmap_k, 64 * slab, kv_head, k_start + key0,
                              map_batch, kv_full);
                     tma_load(smem_v + slab * KVTile::kSlabBytes, tmap_v, 64 * slab, kv_head, k_start + key0,
@@ -249,13 +246,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             mbar_wait(empty(s), ((it / kS) & 1) ^ 1);
             if (Tr::kTma || seqlen_q - m0 >= kM) {  // (varlen: the first thread arrives for all)
                 if (ptid == 0) {
-                    if constexpr (Tr::kTma) {
-                        mbar_arrive_expect_tx(full(s), 2 * QTile::kBytes);
-                    } else {
-                        mbar_expect_tx(full(s), 2 * QTile::kBytes);
-                        mbar_arrive_count(full(s), Tr::kProducerThreads);
-                    }
-                    for (int slab = 0; slab < kSlabs; ++slab) {
+                    mbar_arrive_expect_tx<Tr::kCopyArrivals>(full(s), 2 * QTile::kBytes);
+                    for (int slab = 0; slab < QTile::kSlabs; ++slab) {
                         tma_load(smem_q + s * QTile::kBytes + slab * QTile::kSlabBytes, tmap_q, 64 * slab, head,
                                  q_start + m0, map_batch, full(s));
                         tma_load(smem_do + s * QTile::kBytes + slab * QTile::kSlabBytes, tmap_do, 64 * slab, head,

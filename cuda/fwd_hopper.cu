@@ -51,9 +51,11 @@ struct HopperFwdTraits {
     // tiles end inside the packed arrays, with cp.async from all the producer's threads, but for packed K/V's
     // whole tiles, which go by TMA too.
     static constexpr bool kTma = !Varlen;
+    // Arrivals a tile's copies make on its barrier: the first producer thread's (TMA), or every producer thread's
+    // (varlen: their cp.async, or the first thread's for all with a whole tile's TMA copies).
+    static constexpr int kProducerThreads = 128, kCopyArrivals = kTma ? 1 : kProducerThreads;
     // The consumer warpgroups and a producer warpgroup, whose registers go to the consumers (setmaxnreg).
-    static constexpr int kConsumerWarps = 4 * ConsumerWGs, kThreads = 128 * (ConsumerWGs + 1),
-                         kProducerThreads = 128;
+    static constexpr int kConsumerWarps = 4 * ConsumerWGs, kThreads = 128 * (ConsumerWGs + 1);
     // (Three consumers need 160 each: at 152 ptxas serialised their wgmmas. 32 + 3 x 160 fills the register file.)
     static constexpr int kProducerRegisters = ConsumerWGs == 2 ? 56 : 32,
                          kConsumerRegisters = ConsumerWGs == 2 ? 224 : 160;
@@ -149,14 +151,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     int* const item_slots = reinterpret_cast<int*>(smem_raw + (bars + 8 * Tr::kBarriers - smem_u32(smem_raw)));
     if (threadIdx.x == 0) {
         for (int s = 0; s < kKS; ++s) {
-            mbar_init(full(s), Tr::kTma ? 1 : Tr::kProducerThreads);
+            mbar_init(full(s), Tr::kCopyArrivals);
             mbar_init(k_empty(s), Tr::kConsumerWarps);
         }
         for (int s = 0; s < kVS; ++s) mbar_init(v_empty(s), Tr::kConsumerWarps);
         for (int b = 0; b < Tr::kQBuffers; ++b) {
             // every producer thread's copies and the first thread's item in item_slots[kSlotWords b ..] (TMA: the
             // first thread's one arrival for both, its copies' bytes expected)
-            mbar_init(q_full(b), Tr::kTma ? 1 : Tr::kProducerThreads + 1);
+            mbar_init(q_full(b), Tr::kTma ? 1 : Tr::kCopyArrivals + 1);
             mbar_init(q_empty(b), Tr::kConsumerWarps);
         }
     }
@@ -201,14 +203,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             // Producer, padded calls: the first thread issues every copy (a slab of 64 columns per box), the
             // others leave. Q lands on q_full, a tile's K and V together on full, each barrier expecting the bytes.
             if (threadIdx.x != 32 * Tr::kConsumerWarps) return;
-            constexpr int kSlabs = Tr::kHeadDim / 64;
             u32 tiles = 0, items_loaded = 0;
             const auto mark = [&](int point) { fwd_mark(point, items_loaded); };
             // The output rows the consumers staged in Q buffer `buffer`, out to o for the item its words name.
             const auto store_rows = [&](int buffer) {
                 const int* slot = item_slots + Tr::kSlotWords * buffer;
                 const u32 tile = smem_q + buffer * QTile::kBytes;
-                for (int slab = 0; slab < kSlabs; ++slab)
+                for (int slab = 0; slab < QTile::kSlabs; ++slab)
                     tma_store(tmap_o, 64 * slab, slot[5], slot[4] * Tr::kBlockM, slot[6],
                               tile + slab * QTile::kSlabBytes);
                 bulk_commit();
@@ -244,7 +245,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 slot[4] = m_block, slot[5] = head, slot[6] = b;
                 mark(22);
                 mbar_arrive_expect_tx(q_full(q_buffer), QTile::kBytes);  // (release: the item's words)
-                for (int slab = 0; slab < kSlabs; ++slab)
+                // (Q's slabs here and the rows' in store_rows written out: through a per-tile helper ptxas ordered
+                // the producer's item set-up differently, not measured)
+                for (int slab = 0; slab < QTile::kSlabs; ++slab)
                     tma_load(smem_q + q_buffer * QTile::kBytes + slab * QTile::kSlabBytes, tmap_q, 64 * slab, head,
                              row0, b, q_full(q_buffer));
                 const WindowMask<Tr::kMask> mask{seqlen_q, seqlen_k, window_left, window_right};
@@ -254,13 +257,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                     const int k_slot = ring_slot<kKS>(tiles), v_slot = ring_slot<kVS>(tiles);
                     mbar_wait(k_empty(k_slot), ring_phase<kKS>(tiles) ^ 1);
                     mbar_arrive_expect_tx(full(k_slot), 2 * KVTile::kBytes);
-                    for (int slab = 0; slab < kSlabs; ++slab)
-                        tma_load(smem_k + k_slot * KVTile::kBytes + slab * KVTile::kSlabBytes, tmap_k, 64 * slab,
-                                 kv_head, key, b, full(k_slot));
+                    tma_load_tile<KVTile>(smem_k + k_slot * KVTile::kBytes, tmap_k, kv_head, key, b, full(k_slot));
                     mbar_wait(v_empty(v_slot), ring_phase<kVS>(tiles) ^ 1);
-                    for (int slab = 0; slab < kSlabs; ++slab)
-                        tma_load(smem_v + v_slot * KVTile::kBytes + slab * KVTile::kSlabBytes, tmap_v, 64 * slab,
-                                 kv_head, key, b, full(k_slot));
+                    tma_load_tile<KVTile>(smem_v + v_slot * KVTile::kBytes, tmap_v, kv_head, key, b, full(k_slot));
                 }
                 mark(23);
                 ++items_loaded;
@@ -418,19 +417,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 // another sequence's rows (which may hold anything) out of P V.
                 if (!Tr::kPaged && keys_left >= Tr::kBlockN) {
                     const int row = seq.k_start + seq.seqlen_k - keys_left;
-                    if (ptid == 0) {  // (arriving for every producer thread)
-                        mbar_expect_tx(full(k_slot), 2 * KVTile::kBytes);
-                        mbar_arrive_count(full(k_slot), Tr::kProducerThreads);
-                        for (int slab = 0; slab < Tr::kHeadDim / 64; ++slab)
-                            tma_load(smem_k + k_slot * KVTile::kBytes + slab * KVTile::kSlabBytes, tmap_k, 64 * slab,
-                                     kv_head, row, 0, full(k_slot));
+                    if (ptid == 0) {
+                        mbar_arrive_expect_tx<Tr::kCopyArrivals>(full(k_slot), 2 * KVTile::kBytes);
+                        tma_load_tile<KVTile>(smem_k + k_slot * KVTile::kBytes, tmap_k, kv_head, row, 0, full(k_slot));
                     }
                     mbar_wait(v_empty(v_slot), ring_phase<kVS>(tiles) ^ 1);
-                    if (ptid == 0) {
-                        for (int slab = 0; slab < Tr::kHeadDim / 64; ++slab)
-                            tma_load(smem_v + v_slot * KVTile::kBytes + slab * KVTile::kSlabBytes, tmap_v, 64 * slab,
-                                     kv_head, row, 0, full(k_slot));
-                    }
+                    if (ptid == 0)
+                        tma_load_tile<KVTile>(smem_v + v_slot * KVTile::kBytes, tmap_v, kv_head, row, 0, full(k_slot));
                 } else {
                     load_rows(smem_k + k_slot * KVTile::kBytes, k_tile, k_row, k, k_row_stride);
                     mbar_wait(v_empty(v_slot), ring_phase<kVS>(tiles) ^ 1);

@@ -635,17 +635,16 @@ FA2_DEVICE void tma_store(const TensorMap& map, int column, int head, int row, i
                  "r"(column), "r"(head), "r"(row), "r"(batch), "r"(src)
                  : "memory");
 }
-// `count` arrivals on `bar` at once (standing in for threads whose copies another thread's TMA made).
-FA2_DEVICE void mbar_arrive_count(u32 bar, u32 count) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-// `bytes` more of copies (tma_load) expected in `bar`'s current phase, without an arrival.
-FA2_DEVICE void mbar_expect_tx(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.expect_tx.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-// An arrival on `bar` that also expects `bytes` more of copies (tma_load) in its current phase.
+// `Arrivals` arrivals on `bar` (one thread standing in for others where the barrier counts every copying thread)
+// that also expect `bytes` more of copies (tma_load) in its current phase.
+template <u32 Arrivals = 1>
 FA2_DEVICE void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+    if constexpr (Arrivals == 1) {
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+    } else {
+        asm volatile("mbarrier.expect_tx.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "n"(Arrivals) : "memory");
+    }
 }
 FA2_DEVICE void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 template <int N>
@@ -747,11 +746,20 @@ FA2_WGMMA_M64(f16, 128, "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12,
 template <int Rows, int Cols>
 struct SwizzledSlabs {
     static_assert(Cols % 64 == 0 && Rows % 8 == 0, "whole 64-column slabs of 8-row atoms");
-    static constexpr int kRowBytes = 128, kSlabBytes = Rows * kRowBytes, kBytes = Cols / 64 * kSlabBytes;
+    static constexpr int kSlabs = Cols / 64, kRowBytes = 128, kSlabBytes = Rows * kRowBytes,
+                         kBytes = kSlabs * kSlabBytes;
     static FA2_DEVICE u32 at(u32 base, int r, int c) {
         return base + (c >> 6) * kSlabBytes + r * kRowBytes + ((((c >> 3) & 7) ^ (r & 7)) << 4);
     }
 };
+
+// A tile of SwizzledSlabs from `map`'s rows `row` .. (its box's rows) of (head, batch): one TMA box per slab, its
+// bytes counted on `bar`. (The 128-byte swizzle of a box of 64 columns is the slabs' own.)
+template <class Tile>
+FA2_DEVICE void tma_load_tile(u32 dst, const TensorMap& map, int head, int row, int batch, u32 bar) {
+    for (int slab = 0; slab < Tile::kSlabs; ++slab)
+        tma_load(dst + slab * Tile::kSlabBytes, map, 64 * slab, head, row, batch, bar);
+}
 
 // A producer warpgroup's share of copying tiles of Cols-wide rows into SwizzledSlabs (cp.async): thread `ptid` of
 // Threads copies one 16-byte column chunk of every kRowStep-th row, a multiple of 8 rows apart, so its swizzled
