@@ -191,9 +191,11 @@ class Launch:
             self._slots[i] = int(np.frombuffer(value.tobytes().ljust(8, b"\0"), dtype=np.uint64)[0])
         self._words = memoryview(self._slots).cast("B").cast("Q")  # stores ints faster than the ctypes array
         base = ctypes.addressof(self._slots)
-        self._blobs = (ctypes.c_uint64 * (16 * blobs + 8))()  # (8 words of slack for the alignment)
-        first_blob = (ctypes.addressof(self._blobs) + 63) // 64 * 64
-        self.blob_addresses = tuple(first_blob + 128 * i for i in range(blobs))
+        self._blobs, self.blob_addresses = None, ()
+        if blobs:
+            self._blobs = (ctypes.c_uint64 * (16 * blobs + 8))()  # (8 words of slack for the alignment)
+            first_blob = (ctypes.addressof(self._blobs) + 63) // 64 * 64
+            self.blob_addresses = tuple(first_blob + 128 * i for i in range(blobs))
         self._params = (ctypes.c_void_p * (len(args) + blobs))(*(base + 8 * i for i in range(len(args))),
                                                                *self.blob_addresses)
         self._params_ptr = ctypes.addressof(self._params)
@@ -222,9 +224,7 @@ class Launch:
             lib = _driver()
             status = lib.cuLaunchKernelEx(config_ptr, self.function.ptr, self._params_ptr, None)
             if status:
-                name = ctypes.c_char_p()
-                lib.cuGetErrorName(status, ctypes.byref(name))
-                raise RuntimeError(f"cuLaunchKernelEx failed: {(name.value or b'unknown error').decode()} ({status})")
+                raise RuntimeError(f"cuLaunchKernelEx failed: {driver_error(status)}")
 
 
 _launch_kernel = None
@@ -257,12 +257,23 @@ def _programmatic_config(grid, block, smem_bytes):
 
 @functools.lru_cache(maxsize=1)
 def _driver():
-    """The CUDA driver library, with the signatures of cuLaunchKernelEx and cuGetErrorName."""
+    """The CUDA driver library, with the signatures of cuLaunchKernelEx, cuTensorMapEncodeTiled (fa2cupy/
+    tensor_maps.py) and cuGetErrorName."""
     lib = ctypes.CDLL("libcuda.so.1")
     lib.cuLaunchKernelEx.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+    # (map, data type, rank, address, dims, strides, box, element strides, interleave, swizzle, L2 promotion, fill)
+    lib.cuTensorMapEncodeTiled.argtypes = ((ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32) + (ctypes.c_void_p,) * 5
+                                           + (ctypes.c_int,) * 4)
     lib.cuGetErrorName.argtypes = (ctypes.c_int, ctypes.POINTER(ctypes.c_char_p))
-    lib.cuLaunchKernelEx.restype = lib.cuGetErrorName.restype = ctypes.c_int
+    lib.cuLaunchKernelEx.restype = lib.cuTensorMapEncodeTiled.restype = lib.cuGetErrorName.restype = ctypes.c_int
     return lib
+
+
+def driver_error(status: int) -> str:
+    """A CUresult as ``NAME (number)`` for an exception's message."""
+    name = ctypes.c_char_p()
+    _driver().cuGetErrorName(status, ctypes.byref(name))
+    return f"{(name.value or b'unknown error').decode()} ({status})"
 
 
 def memset_async(ptr: int, value: int, nbytes: int, stream_ptr: int) -> None:

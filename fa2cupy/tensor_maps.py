@@ -12,28 +12,13 @@ from __future__ import annotations
 
 import ctypes
 
+from . import build
+
 _UINT16 = 1  # CU_TENSOR_MAP_DATA_TYPE_UINT16 (fp16 and bf16 alike: the copies move bits)
 _INTERLEAVE_NONE = 0
 _SWIZZLE_128B = 3
 _L2_PROMOTION_256B = 3
 _OOB_FILL_ZEROS = 0  # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE
-
-_encode = None
-
-
-def _encoder():
-    global _encode
-    if _encode is None:
-        from . import build
-
-        lib = build._driver()
-        lib.cuTensorMapEncodeTiled.restype = ctypes.c_int
-        lib.cuTensorMapEncodeTiled.argtypes = (
-            ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int)
-        _encode = lib
-    return _encode
-
 
 def layout(shape, strides, rows: int):
     """``(dims, byte strides, box)`` of one array's map: ``shape`` ``(batch, seqlen, nheads, headdim)``, ``strides``
@@ -88,7 +73,7 @@ class TileMaps:
         return lambda addresses: self.encode(addresses, pointers)
 
     def encode(self, addresses, pointers) -> None:
-        lib = _encoder()
+        lib = build._driver()
         for i, (address, pointer) in enumerate(zip(addresses, pointers)):
             if self._last[i] == (address, pointer):
                 continue
@@ -98,9 +83,6 @@ class TileMaps:
                                                 _OOB_FILL_ZEROS)
             if status:
                 self._last[i] = None
-                name = ctypes.c_char_p()
-                lib.cuGetErrorName(status, ctypes.byref(name))
-                raise RuntimeError(f"cuTensorMapEncodeTiled failed for array {i} (q, k, v, out) with dims "
-                                   f"{tuple(dims)}, byte strides {tuple(byte_strides)}: "
-                                   f"{(name.value or b'unknown error').decode()} ({status})")
+                raise RuntimeError(f"cuTensorMapEncodeTiled failed for array {i} (q, k, v, out or dout) with dims "
+                                   f"{tuple(dims)}, byte strides {tuple(byte_strides)}: {build.driver_error(status)}")
             self._last[i] = (address, pointer)

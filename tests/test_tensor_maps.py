@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fa2cupy import tensor_maps
+from fa2cupy import build, tensor_maps
 
 
 def test_packed_layout_maps_head_dim_head_row_batch():
@@ -77,7 +77,7 @@ def _maps():
 
 def test_maps_are_encoded_again_only_where_a_pointer_changed(monkeypatch):
     driver = _Driver()
-    monkeypatch.setattr(tensor_maps, "_encode", driver)
+    monkeypatch.setattr(build, "_driver", lambda: driver)
     maps = _maps()
     addresses = (4096, 4224, 4352, 4480)
     maps.writer((16, 32, 48, 64))(addresses)
@@ -90,7 +90,7 @@ def test_maps_are_encoded_again_only_where_a_pointer_changed(monkeypatch):
 
 def test_a_map_the_driver_refuses_raises_and_is_encoded_again(monkeypatch):
     driver = _Driver(status=1)
-    monkeypatch.setattr(tensor_maps, "_encode", driver)
+    monkeypatch.setattr(build, "_driver", lambda: driver)
     maps = _maps()
     with pytest.raises(RuntimeError, match="cuTensorMapEncodeTiled failed for array 0.*CUDA_ERROR_INVALID_VALUE"):
         maps.encode((4096,) * 4, (16,) * 4)
