@@ -207,7 +207,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             load_tile(KVTile{}, smem_v,
                       v + batch * v_batch_stride + (i64)(k_start + key0) * v_row_stride + kv_head * v_head_stride,
                       v_row_stride, seqlen_k - key0);
-            cp_async_mbar_arrive(kv_full);
+            cp_async_fenced_arrive(kv_full);  // (fenced: the consumers read it unfenced)
         }
         const Steps steps = block_steps();
         // Step j's dQ_j, once staged, goes out in one bulk reduction of its rows before seqlen_q, from its first
@@ -261,7 +261,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 load_tile(QTile{}, smem_do + s * QTile::kBytes,
                           dout + batch * do_batch_stride + (i64)(q_start + m0) * do_row_stride + head * do_head_stride,
                           do_row_stride, seqlen_q - m0);
-                cp_async_mbar_arrive(full(s));
+                cp_async_fenced_arrive(full(s));
             }
             if (ptid < kM) {
                 stats[s * kM + ptid] = lse_next * kLog2e;
@@ -310,14 +310,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     mbar_wait(kv_full, 0);
     if (ctid == 0) bwd_mark(1);  // K and V in
     const Steps steps = block_steps();
-    for (int it = 0; it < steps.count; ++it) {
-        const int s = it % kS, m0 = steps.m0(it);
+    // Step it's first query row, walked as the producer does (steps.m0 takes a run-time division a step).
+    const int m_first = steps.m_begin * kM, m_last = (steps.m_begin + steps.m_count - 1) * kM;
+    for (int it = 0, m0 = m_first; it < steps.count; ++it, m0 = m0 == m_last ? m_first : m0 + kM) {
+        const int s = it % kS;
         const u32 q_s = smem_q + s * QTile::kBytes, do_s = smem_do + s * QTile::kBytes;
         mbar_wait(full(s), (it / kS) & 1);
         if (ctid == 0 && it == 0) bwd_mark(2);  // the first step's Q, dO, lse and D in
-        // The producer's cp.async writes, read by wgmma (varlen: a sequence's ragged step, or a ragged key block
-        // at the first step; whole tiles come by TMA, which writes through the async proxy itself).
-        if (!Tr::kTma && (seqlen_q - m0 < kM || (it == 0 && seqlen_k - key0 < kN))) fence_proxy_async_smem();
 
         float st[1][kQT][4], dpt[1][kQT][4];
         wgmma_fence();

@@ -428,7 +428,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                     load_rows(smem_k + k_slot * KVTile::kBytes, k_tile, k_row, k, k_row_stride);
                     mbar_wait(v_empty(v_slot), ring_phase<kVS>(tiles) ^ 1);
                     load_rows(smem_v + v_slot * KVTile::kBytes, v_tile, v_row, v, v_row_stride);
-                    cp_async_mbar_arrive(full(k_slot));
+                    // (packed: fenced here, once an item, so that the consumers' steady loop fences only when paged)
+                    if constexpr (Tr::kPaged)
+                        cp_async_mbar_arrive(full(k_slot));
+                    else
+                        cp_async_fenced_arrive(full(k_slot));
                 }
                 ++tiles;
                 k_tile += (i64)Tr::kBlockN * k_row_stride;
@@ -587,7 +591,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         if (my_count > 0) {
             mbar_wait(full(ring_slot<kKS>(tiles)), ring_phase<kKS>(tiles));
             mark(7);
-            if constexpr (!Tr::kTma) fence_proxy_async_smem();  // the producer's cp.async writes, read by wgmma
+            if constexpr (!Tr::kTma) fence_proxy_async_smem();  // the producer's cp.async writes (Q, paged K/V), read by wgmma
             turn_wait();
             mark(8);
             wgmma_fence();
@@ -604,7 +608,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             for (int j = mine_begin + 1; j < mine_end; ++j) {
                 // S_j and O += P_{j-1} V_{j-1} issued together; P_j computed while the second runs.
                 mbar_wait(full(ring_slot<kKS>(tiles)), ring_phase<kKS>(tiles));  // (V_{j-1} landed with K_{j-1})
-                if constexpr (!Tr::kTma) fence_proxy_async_smem();
+                if constexpr (Tr::kPaged) fence_proxy_async_smem();
                 turn_wait();
                 wgmma_fence();
                 issue_s();

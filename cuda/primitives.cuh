@@ -602,6 +602,14 @@ FA2_DEVICE void named_barrier_sync(int id, int threads) {
 // Orders this thread's view of shared memory written through the generic proxy (cp.async, st.shared) before
 // the tensor cores read it through the async proxy (wgmma operands).
 FA2_DEVICE void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// One arrival on `bar` once this thread's cp.async writes have landed and been fenced over to the async proxy, so
+// that the threads waiting on `bar` read them with wgmma without a fence of their own. The thread waits for the
+// copies here: for the rare tile (a varlen sequence's ragged one) beside tiles that come by TMA.
+FA2_DEVICE void cp_async_fenced_arrive(u32 bar) {
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    fence_proxy_async_smem();
+    mbar_arrive(bar);
+}
 
 // Bulk reduction from shared to global memory (no tensor map): `bytes` (a multiple of 16, both addresses 16-byte
 // aligned) of fp32 added element-wise at `dst`, asynchronously. The shared memory must be written and made visible
