@@ -1,7 +1,7 @@
 """The Hopper backward (cuda/bwd_hopper.cu's dK/dV kernel) against the mma.sync backward and torch SDPA, one process.
 
     python bench/hopper_bwd.py [--seqlens 1024,2048,4096,8192,16384] [--headdims 64,128] [--rounds 2] [--window]
-    python bench/hopper_bwd.py --trees base=ab_trees/base,new=cuda [--seqlens ...]   # A/B of kernel sources
+    python bench/hopper_bwd.py --trees base=ab_trees/base/cuda,new=cuda [--seqlens ...]   # A/B of kernel sources
     python bench/hopper_bwd.py --rows 64:64:2:1,64:128:2:1 [--seqlens ...]   # A/B of table rows (d:m:stages:keys)
 
 bf16, 16k tokens per batch, hidden 2048 (2048 / d heads): TFLOPs/s of fa2cupy's backward with the Hopper dK/dV

@@ -3,7 +3,9 @@ range, for Nsight Compute's clock-free cycles of every backward kernel (varlen_s
 between runs on the H100):
 
     ncu --clock-control none --profile-from-start off -k regex:bwd \\
-        --metrics sm__cycles_elapsed.max,gpu__time_duration.sum python3 bench/varlen_bwd_ncu.py [--causal]
+        --metrics sm__cycles_elapsed.max,gpu__time_duration.sum python3 bench/varlen_bwd_ncu.py [--causal] [--tree DIR]
+
+(--tree: the kernels built from another copy of cuda/, for an A/B in two runs.)
 """
 
 import sys
@@ -13,10 +15,13 @@ import cupy.cuda.profiler
 
 sys.path.insert(0, ".")
 import fa2cupy  # noqa: E402
+from fa2cupy import build  # noqa: E402
 
 
 def main(argv):
     causal = "--causal" in argv
+    if "--tree" in argv:
+        build.use_sources(argv[argv.index("--tree") + 1])
     b, s, h, d = 4, 4096, 16, 128
     rng = cupy.random.default_rng(0)
     q, k, v, dout = (rng.standard_normal((b, s, h, d), dtype=cupy.float32).astype(cupy.float16) for _ in range(4))

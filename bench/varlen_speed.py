@@ -3,21 +3,23 @@ fp16, 16 heads of 128, 16k tokens in all.
 
     python bench/varlen_speed.py [--tokens 16384] [--causal] [--paged 16,256]
     python bench/varlen_speed.py --trees base=ab_trees/base/cuda new=cuda [--rounds 4] [--causal] [--paged 16] [--mma]
+        [--backward]
 
 Two comparisons, each timed back to back with the same timer as ``fa2cupy bench`` (CUDA events, median):
 * equal lengths: varlen over b sequences of s tokens against flash_attn_func on (b, s): the same work, so the
-  time ratio is the overhead of varlen;
+  time ratio is the overhead of varlen (rounds taking turns, medians over rounds);
 * mixed lengths (random, 256..4096, fixed seed): varlen TFLOPs/s against the padded batch's at the same total
   real tokens, padded to the longest sequence; the padded batch does the extra work of its padding, so this is
   the speed a user gains by not padding;
-* with --trees: only the equal-length forwards (and, with --paged, the mixed-length paged and packed ones), with
-  kernels built from each copy of cuda/ in turn within one process (rounds of every tree, each keeping its best
+* with --trees: only the equal-length forwards (with --backward the backwards too; with --paged the
+  mixed-length paged and packed ones), with kernels built from each copy of cuda/ in turn within one process (rounds of every tree, each keeping its best
   round), so that kernel versions compare on one clock (--mma: on the mma.sync forward);
 * with --paged: the varlen forward reading K/V through a shuffled block_table of pages of each given size against
   the packed varlen forward on the same keys (the page look-ups' cost), and the paged call on the mma.sync forward.
 """
 
 import argparse
+import statistics
 import sys
 
 import cupy
@@ -56,6 +58,24 @@ def paged_pool(gen, lengths, page_size, k, v):
     return pools[0], pools[1], cupy.asarray(table)
 
 
+def equal_length_calls(rand, b, seqlen, h, d, causal):
+    """The padded batch (b, seqlen) and the same tokens packed as b varlen sequences: forward and backward calls
+    of each, on fresh random inputs."""
+    q, k, v, do = (rand(b, seqlen, h, d) for _ in range(4))
+    out, lse, _ = fa2cupy.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    cu = cupy.arange(0, b * seqlen + 1, seqlen, dtype=cupy.int32)
+    qv, kv, vv, dov = (x.reshape(b * seqlen, h, d) for x in (q, k, v, do))
+    outv, lsev, _ = fa2cupy.flash_attn_varlen_func(qv, kv, vv, cu, cu, seqlen, seqlen, causal=causal,
+                                                    return_attn_probs=True)
+    return {
+        "padded fwd": lambda: fa2cupy.flash_attn_func(q, k, v, causal=causal),
+        "padded bwd": lambda: fa2cupy.flash_attn_backward(do, q, k, v, out, lse, causal=causal),
+        "varlen fwd": lambda: fa2cupy.flash_attn_varlen_func(qv, kv, vv, cu, cu, seqlen, seqlen, causal=causal),
+        "varlen bwd": lambda: fa2cupy.flash_attn_varlen_backward(dov, qv, kv, vv, outv, lsev, cu, cu, seqlen, seqlen,
+                                                                 causal=causal),
+    }
+
+
 def time_pair(fwd, bwd, events):
     f = B.time_gpu(fwd, events, warmup=3, repeats=15).median_ms
     b = B.time_gpu(bwd, events, warmup=3, repeats=15).median_ms
@@ -70,7 +90,8 @@ def main():
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--paged", default="", help="comma-separated page sizes: paged forward vs packed")
     parser.add_argument("--trees", nargs="*", default=(), help="name=path/to/cuda ...: forward A/B of sources")
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=4, help="timing rounds (equal lengths, or --trees)")
+    parser.add_argument("--backward", action="store_true", help="with --trees: the equal-length backwards too")
     parser.add_argument("--mma", action="store_true", help="with --trees: the forwards on the mma.sync kernel")
     args = parser.parse_args()
     h, d, causal = args.heads, args.headdim, args.causal
@@ -85,21 +106,18 @@ def main():
         return compare_trees(args, rand, events)
 
     for seqlen in (1024, 4096):
-        b = args.tokens // seqlen
-        q, k, v, do = (rand(b, seqlen, h, d) for _ in range(4))
-        out, lse, _ = fa2cupy.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
-        pf, pb = time_pair(lambda: fa2cupy.flash_attn_func(q, k, v, causal=causal),
-                           lambda: fa2cupy.flash_attn_backward(do, q, k, v, out, lse, causal=causal), events)
-        cu = cupy.arange(0, b * seqlen + 1, seqlen, dtype=cupy.int32)
-        qv, kv, vv, dov = (x.reshape(b * seqlen, h, d) for x in (q, k, v, do))
-        outv, lsev, _ = fa2cupy.flash_attn_varlen_func(qv, kv, vv, cu, cu, seqlen, seqlen, causal=causal,
-                                                        return_attn_probs=True)
-        vf, vb = time_pair(lambda: fa2cupy.flash_attn_varlen_func(qv, kv, vv, cu, cu, seqlen, seqlen, causal=causal),
-                           lambda: fa2cupy.flash_attn_varlen_backward(dov, qv, kv, vv, outv, lsev, cu, cu, seqlen,
-                                                                      seqlen, causal=causal), events)
-        print(f"equal lengths {b}x{seqlen} causal={causal}: padded fwd {pf:.3f} ms bwd {pb:.3f} ms | varlen fwd "
-              f"{vf:.3f} ms bwd {vb:.3f} ms | varlen speed / padded: fwd {pf / vf:.3f}x bwd {pb / vb:.3f}x "
-              f"(bar >= 0.95x)", flush=True)
+        calls = equal_length_calls(rand, args.tokens // seqlen, seqlen, h, d, causal)
+        # Rounds taking turns (padded, varlen, padded, ...): timed one after the other, the two saw different
+        # clocks (the padded backward's own time moved by 4% between runs); medians over rounds.
+        times = {name: [] for name in calls}
+        for _ in range(args.rounds):
+            for name, call in calls.items():
+                times[name].append(B.time_gpu(call, events, warmup=3, repeats=15).median_ms)
+        pf, pb, vf, vb = (statistics.median(times[n]) for n in ("padded fwd", "padded bwd", "varlen fwd",
+                                                                  "varlen bwd"))
+        print(f"equal lengths {args.tokens // seqlen}x{seqlen} causal={causal}: padded fwd {pf:.3f} ms bwd "
+              f"{pb:.3f} ms | varlen fwd {vf:.3f} ms bwd {vb:.3f} ms | varlen speed / padded: fwd {pf / vf:.3f}x "
+              f"bwd {pb / vb:.3f}x (bar >= 0.95x; medians of {args.rounds} rounds)", flush=True)
 
     gen = np.random.default_rng(1)
     lengths = mixed_lengths(gen, args.tokens)
@@ -145,20 +163,16 @@ def main():
 
 
 def compare_trees(args, rand, events):
-    """Equal-length varlen and padded forwards (and, with --paged, the mixed-length paged and packed varlen
-    forwards) on kernels built from each tree, in rounds taking turns."""
+    """Equal-length varlen and padded forwards (with --backward the backwards too; with --paged the mixed-length
+    paged and packed varlen forwards) on kernels built from each tree, in rounds taking turns."""
     h, d, causal = args.heads, args.headdim, args.causal
     trees = [t.split("=", 1) for t in args.trees]
     calls = {}  # case: (name of the reference call, reference, name of the compared call, compared)
     for seqlen in (1024, 4096):
-        b = args.tokens // seqlen
-        q, k, v = (rand(b, seqlen, h, d) for _ in range(3))
-        cu = cupy.arange(0, b * seqlen + 1, seqlen, dtype=cupy.int32)
-        qv, kv, vv = (x.reshape(b * seqlen, h, d) for x in (q, k, v))
-        calls[f"{b}x{seqlen}"] = (
-            "padded", lambda q=q, k=k, v=v: fa2cupy.flash_attn_func(q, k, v, causal=causal),
-            "varlen", lambda qv=qv, kv=kv, vv=vv, cu=cu, s=seqlen: fa2cupy.flash_attn_varlen_func(
-                qv, kv, vv, cu, cu, s, s, causal=causal))
+        each = equal_length_calls(rand, args.tokens // seqlen, seqlen, h, d, causal)
+        for part in ("fwd", "bwd") if args.backward else ("fwd",):
+            calls[f"{args.tokens // seqlen}x{seqlen} {part}"] = ("padded", each[f"padded {part}"],
+                                                                "varlen", each[f"varlen {part}"])
     gen = np.random.default_rng(1)
     lengths = mixed_lengths(gen, args.tokens)
     longest = max(lengths)
@@ -183,7 +197,7 @@ def compare_trees(args, rand, events):
     for case, (ref_name, _, cmp_name, _) in calls.items():
         for name, _ in trees:
             rf, cf = best[(name, case)]
-            print(f"{name:>10} {case} causal={causal}: {ref_name} fwd {rf:.4f} ms, {cmp_name} fwd {cf:.4f} ms: "
+            print(f"{name:>10} {case} causal={causal}: {ref_name} {rf:.4f} ms, {cmp_name} {cf:.4f} ms: "
                   f"{cmp_name} speed / {ref_name} {rf / cf:.3f}x (best of {args.rounds} rounds)", flush=True)
 
 
