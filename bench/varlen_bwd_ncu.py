@@ -4,8 +4,10 @@ between runs on the H100):
 
     ncu --clock-control none --profile-from-start off -k regex:bwd \\
         --metrics sm__cycles_elapsed.max,gpu__time_duration.sum python3 bench/varlen_bwd_ncu.py [--causal] [--tree DIR]
+        [--seqlen 1024] [--forward]
 
-(--tree: the kernels built from another copy of cuda/, for an A/B in two runs.)
+(--tree: the kernels built from another copy of cuda/, for an A/B in two runs; --seqlen: 16k / seqlen sequences
+of seqlen tokens; --forward: the forwards instead, `-k regex:flash_fwd`.)
 """
 
 import sys
@@ -22,7 +24,8 @@ def main(argv):
     causal = "--causal" in argv
     if "--tree" in argv:
         build.use_sources(argv[argv.index("--tree") + 1])
-    b, s, h, d = 4, 4096, 16, 128
+    s = int(argv[argv.index("--seqlen") + 1]) if "--seqlen" in argv else 4096
+    b, h, d = 16384 // s, 16, 128
     rng = cupy.random.default_rng(0)
     q, k, v, dout = (rng.standard_normal((b, s, h, d), dtype=cupy.float32).astype(cupy.float16) for _ in range(4))
     out, lse, _ = fa2cupy.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
@@ -35,6 +38,11 @@ def main(argv):
         "varlen": lambda: fa2cupy.flash_attn_varlen_backward(packed[3], *packed[:3], packed[4], lse_varlen, cu, cu,
                                                              s, s, causal=causal),
     }
+    if "--forward" in argv:
+        calls = {
+            "padded": lambda: fa2cupy.flash_attn_func(q, k, v, causal=causal),
+            "varlen": lambda: fa2cupy.flash_attn_varlen_func(*packed[:3], cu, cu, s, s, causal=causal),
+        }
     for call in list(calls.values()) * 2:  # compiled and warm before the profiled range
         call()
     cupy.cuda.runtime.deviceSynchronize()

@@ -48,8 +48,8 @@ struct HopperFwdTraits {
     static_assert(Varlen || !Paged, "paged K/V comes with varlen");
     // Padded calls move their tiles with the tensor memory accelerator (tensor maps of q, k, v and o: one thread
     // issues a tile's copies, rows past the sequence read as zeros and are not written); varlen calls, whose
-    // tiles end inside the packed arrays, with cp.async from all the producer's threads, but for packed K/V's
-    // whole tiles, which go by TMA too.
+    // tiles end inside the packed arrays, with cp.async from all the producer's threads and ordinary stores, but
+    // for packed K/V's Q, whole K/V tiles and whole output tiles, which go by TMA too.
     static constexpr bool kTma = !Varlen;
     // Arrivals a tile's copies make on its barrier: the first producer thread's (TMA), or every producer thread's
     // (varlen: their cp.async, or the first thread's for all with a whole tile's TMA copies).
@@ -266,8 +266,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 item = next;
             }
         }
-        // Producer: a tile (zeros from row `valid` on) into swizzled slabs. After a slot's copies, one arrival per
-        // thread on its barrier, made when they have landed.
+        // Producer, varlen calls: a tile (zeros from row `valid` on) into swizzled slabs. After a slot's copies, one
+        // arrival per thread on its barrier, made when they have landed. With packed K/V (not paged) an item's Q,
+        // its whole output tiles and its sequence's whole K/V tiles go by the first thread's TMA copies instead.
+        constexpr bool kTmaRows = !Tr::kPaged;
         const int ptid = threadIdx.x - 32 * Tr::kConsumerWarps;
         using Loader = SlabLoader<Tr::kProducerThreads, Tr::kHeadDim>;
         Loader loader(ptid);
@@ -301,6 +303,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             // (read before rewritten)
             asm volatile("bar.sync %0, %1;\n" ::"n"(Tr::kProducerBarrier), "n"(Tr::kProducerThreads) : "memory");
             const int row0 = m_block * Tr::kBlockM;
+            if (kTmaRows && seqlen - row0 >= Tr::kBlockM) {  // a whole tile: the first thread's TMA store
+                if (ptid == 0) {
+                    for (int slab = 0; slab < QTile::kSlabs; ++slab)
+                        tma_store(tmap_o, 64 * slab, head, q_start + row0, 0,
+                                  smem_q + buffer * QTile::kBytes + slab * QTile::kSlabBytes);
+                    bulk_commit();
+                    bulk_wait_read<0>();  // (the rows read out before Q lands there)
+                }
+                return;
+            }
             const int first_row = loader.first_row, column = loader.column;
             u16* to = o + b * o_batch_stride + (i64)(q_start + row0 + first_row) * out_row_stride +
                       head * o_head_stride + column;
@@ -312,6 +324,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 ld_shared_v4(from, x);
                 *reinterpret_cast<uint4*>(to) = make_uint4(x[0], x[1], x[2], x[3]);
             }
+            // (every thread's reads done before the first thread's TMA copy of the next Q lands there)
+            if constexpr (kTmaRows)
+                asm volatile("bar.sync %0, %1;\n" ::"n"(Tr::kProducerBarrier), "n"(Tr::kProducerThreads) : "memory");
         };
         // The next Q buffer once the consumers hand it back, with the rows of the item it held written out.
         const auto free_buffer = [&] {
@@ -439,16 +454,29 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 v_tile += (i64)Tr::kBlockN * v_row_stride;
                 keys_left -= Tr::kBlockN;
             };
-            load_tile(QTile{}, smem_q + q_buffer() * QTile::kBytes,
-                      q + b * q_batch_stride + (i64)(seq.q_start + row0) * q_row_stride + head * q_head_stride,
-                      q_row_stride, seq.seqlen_q - row0);
-            announce();
+            if constexpr (kTmaRows) {
+                // (rows past the sequence's end are the next one's, or zeros past the array's: each output row
+                // depends on its own query row alone, and these are never written out)
+                if (ptid == 0) {
+                    // (every producer thread's arrival and the item's words' release)
+                    mbar_arrive_expect_tx<Tr::kCopyArrivals + 1>(q_full(q_buffer()), QTile::kBytes);
+                    for (int slab = 0; slab < QTile::kSlabs; ++slab)
+                        tma_load(smem_q + q_buffer() * QTile::kBytes + slab * QTile::kSlabBytes, tmap_q, 64 * slab,
+                                 head, seq.q_start + row0, 0, q_full(q_buffer()));
+                }
+            } else {
+                load_tile(QTile{}, smem_q + q_buffer() * QTile::kBytes,
+                          q + b * q_batch_stride + (i64)(seq.q_start + row0) * q_row_stride + head * q_head_stride,
+                          q_row_stride, seq.seqlen_q - row0);
+                announce();
+            }
             for (int t = 0; t < n_blocks; ++t) load_kv();
             mark(23);
             ++items_loaded;
             item = next_item(item, ticket);
         }
         asm volatile("cp.async.wait_all;\n" ::: "memory");  // leave nothing in flight into shared memory
+        if (kTmaRows && ptid == 0) bulk_wait<0>();  // (every row out before the block can leave)
         return;
     }
 
@@ -591,7 +619,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         if (my_count > 0) {
             mbar_wait(full(ring_slot<kKS>(tiles)), ring_phase<kKS>(tiles));
             mark(7);
-            if constexpr (!Tr::kTma) fence_proxy_async_smem();  // the producer's cp.async writes (Q, paged K/V), read by wgmma
+            if constexpr (Tr::kPaged) fence_proxy_async_smem();  // the producer's cp.async writes (Q, K/V), read by wgmma
             turn_wait();
             mark(8);
             wgmma_fence();
@@ -667,7 +695,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             if (row < seqlen_q && (lane & 3) == 0)
                 lse[b * lse_batch_stride + head * lse_head_stride + seq.q_start + row] = row_lse[half];
         }
-        if constexpr (Tr::kTma) fence_proxy_async_smem();  // the rows, written by stmatrix, read by the TMA store
+        if constexpr (!Tr::kPaged) fence_proxy_async_smem();  // the rows, written by stmatrix, read by a TMA store
         release(q_empty(q_buffer));  // (after __syncwarp: every lane's rows are in)
         mark(5);
         ++items_taken;
