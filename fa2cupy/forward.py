@@ -118,8 +118,8 @@ def plan_forward(
     mask, mods, left, right = kernel_variant(causal, window_size, softcap, alibi_batch_stride is not None, dropout_p)
     if config is None:
         config = kernel_config(arch, headdim, dtype, mask, mods, varlen_totals is not None, seqlen_q)
-    # The Hopper forward's tensor maps (padded calls: all four arrays; packed varlen: K and V, whose whole tiles go by
-    # TMA; paged K/V: none), over the packed arrays' rows for varlen.
+    # The Hopper forward's tensor maps (padded calls, and packed varlen, whose Q, whole K/V tiles and whole output
+    # tiles go by TMA; paged K/V: none), over the packed arrays' rows for varlen.
     shapes = tensor_maps.array_shapes(q_shape, k_shape, varlen_totals)
     tma = isinstance(config, configs.HopperFwdConfig) and paged is None
     if tma and not all(tensor_maps.usable(shape, s) for shape, s in zip(shapes, strides)):
