@@ -3,7 +3,9 @@ launch each inside the profiled range, for Nsight Compute: fp16, 16 heads of 128
 all (bench/varlen_speed.py's), non-causal.
 
     ncu --clock-control none --profile-from-start off --section SpeedOfLight --section WarpStateStats \\
-        --section SchedulerStats python bench/paged_ncu.py
+        --section SchedulerStats python bench/paged_ncu.py [--tree DIR]
+
+(--tree: the kernels built from another copy of cuda/, for an A/B in two runs.)
 """
 
 import sys
@@ -14,10 +16,13 @@ import numpy as np
 
 sys.path.insert(0, ".")
 import fa2cupy  # noqa: E402
+from fa2cupy import build  # noqa: E402
 from varlen_speed import mixed_lengths, paged_pool  # noqa: E402
 
 
 def main():
+    if "--tree" in sys.argv:
+        build.use_sources(sys.argv[sys.argv.index("--tree") + 1])
     h, d = 16, 128
     rng = cupy.random.default_rng(0)
     gen = np.random.default_rng(1)

@@ -2,8 +2,8 @@
 //
 // A block is a producer warpgroup and two or three consumer warpgroups. The producer streams each work item's Q tile
 // (64 rows per consumer warpgroup) and its K/V tiles into shared memory and announces each on an mbarrier: padded
-// calls through tensor maps (TMA), one thread issuing every copy; varlen calls with every producer thread's cp.async,
-// but for a sequence's whole K/V tiles, which go by TMA too. Each consumer warpgroup owns 64 of the rows and runs
+// calls through tensor maps (TMA), one thread issuing every copy; varlen calls so too for Q and, with packed K/V, a
+// sequence's whole K/V tiles, and with every producer thread's cp.async for the rest. Each consumer warpgroup owns 64 of the rows and runs
 // FA2's loop on them (S = Q K^T and O += P V on wgmma, the online softmax in registers, only the log-sum-exp kept).
 // The warpgroups never meet at a block barrier, only at the slots they hand back (an mbarrier per slot), so a
 // warpgroup passes over the key tiles its own rows cannot see (the causal diagonal, the edges of a sliding window)
@@ -11,7 +11,7 @@
 // first within groups of heads that share L2, and the producer loads the next item's Q (a second Q buffer) and first
 // tiles while the consumers work on this one. K and V have rings of their own, V's deeper: a K slot goes back once S
 // has landed, a V slot a step later. A warpgroup puts its output rows into its rows of the item's Q buffer
-// (stmatrix) and goes on; the producer writes them out (padded calls: a TMA store) before it loads another Q there,
+// (stmatrix) and goes on; the producer writes them out (a whole tile: a TMA store) before it loads another Q there,
 // so the row write is off the warpgroups' turns. Items go in a grid stride or, where their lengths differ (masks), to
 // whichever block asks next (an atomic tile counter, zeroed per launch): a fixed stride handed some SMs twice the
 // keys of others under a causal mask.
@@ -48,8 +48,9 @@ struct HopperFwdTraits {
     static_assert(Varlen || !Paged, "paged K/V comes with varlen");
     // Padded calls move their tiles with the tensor memory accelerator (tensor maps of q, k, v and o: one thread
     // issues a tile's copies, rows past the sequence read as zeros and are not written); varlen calls, whose
-    // tiles end inside the packed arrays, with cp.async from all the producer's threads and ordinary stores, but
-    // for packed K/V's Q, whole K/V tiles and whole output tiles, which go by TMA too.
+    // tiles end inside the packed arrays, so too for Q, whole output tiles and, with packed K/V, whole K/V tiles,
+    // and the rest (a sequence's ragged tiles, paged K/V) with cp.async from all the producer's threads and their
+    // stores.
     static constexpr bool kTma = !Varlen;
     // Arrivals a tile's copies make on its barrier: the first producer thread's (TMA), or every producer thread's
     // (varlen: their cp.async, or the first thread's for all with a whole tile's TMA copies).
@@ -267,9 +268,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             }
         }
         // Producer, varlen calls: a tile (zeros from row `valid` on) into swizzled slabs. After a slot's copies, one
-        // arrival per thread on its barrier, made when they have landed. With packed K/V (not paged) an item's Q,
-        // its whole output tiles and its sequence's whole K/V tiles go by the first thread's TMA copies instead.
-        constexpr bool kTmaRows = !Tr::kPaged;
+        // arrival per thread on its barrier, made when they have landed. An item's Q and whole output tiles, and
+        // with packed K/V (not paged) its sequence's whole K/V tiles, go by the first thread's TMA copies instead.
         const int ptid = threadIdx.x - 32 * Tr::kConsumerWarps;
         using Loader = SlabLoader<Tr::kProducerThreads, Tr::kHeadDim>;
         Loader loader(ptid);
@@ -303,7 +303,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             // (read before rewritten)
             asm volatile("bar.sync %0, %1;\n" ::"n"(Tr::kProducerBarrier), "n"(Tr::kProducerThreads) : "memory");
             const int row0 = m_block * Tr::kBlockM;
-            if (kTmaRows && seqlen - row0 >= Tr::kBlockM) {  // a whole tile: the first thread's TMA store
+            if (seqlen - row0 >= Tr::kBlockM) {  // a whole tile: the first thread's TMA store
                 if (ptid == 0) {
                     for (int slab = 0; slab < QTile::kSlabs; ++slab)
                         tma_store(tmap_o, 64 * slab, head, q_start + row0, 0,
@@ -325,8 +325,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 *reinterpret_cast<uint4*>(to) = make_uint4(x[0], x[1], x[2], x[3]);
             }
             // (every thread's reads done before the first thread's TMA copy of the next Q lands there)
-            if constexpr (kTmaRows)
-                asm volatile("bar.sync %0, %1;\n" ::"n"(Tr::kProducerBarrier), "n"(Tr::kProducerThreads) : "memory");
+            asm volatile("bar.sync %0, %1;\n" ::"n"(Tr::kProducerBarrier), "n"(Tr::kProducerThreads) : "memory");
         };
         // The next Q buffer once the consumers hand it back, with the rows of the item it held written out.
         const auto free_buffer = [&] {
@@ -454,7 +453,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 v_tile += (i64)Tr::kBlockN * v_row_stride;
                 keys_left -= Tr::kBlockN;
             };
-            if constexpr (kTmaRows) {
+            {
                 // (rows past the sequence's end are the next one's, or zeros past the array's: each output row
                 // depends on its own query row alone, and these are never written out)
                 if (ptid == 0) {
@@ -464,11 +463,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                         tma_load(smem_q + q_buffer() * QTile::kBytes + slab * QTile::kSlabBytes, tmap_q, 64 * slab,
                                  head, seq.q_start + row0, 0, q_full(q_buffer()));
                 }
-            } else {
-                load_tile(QTile{}, smem_q + q_buffer() * QTile::kBytes,
-                          q + b * q_batch_stride + (i64)(seq.q_start + row0) * q_row_stride + head * q_head_stride,
-                          q_row_stride, seq.seqlen_q - row0);
-                announce();
             }
             for (int t = 0; t < n_blocks; ++t) load_kv();
             mark(23);
@@ -476,7 +470,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             item = next_item(item, ticket);
         }
         asm volatile("cp.async.wait_all;\n" ::: "memory");  // leave nothing in flight into shared memory
-        if (kTmaRows && ptid == 0) bulk_wait<0>();  // (every row out before the block can leave)
+        if (ptid == 0) bulk_wait<0>();  // (every row out before the block can leave)
         return;
     }
 
@@ -619,7 +613,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         if (my_count > 0) {
             mbar_wait(full(ring_slot<kKS>(tiles)), ring_phase<kKS>(tiles));
             mark(7);
-            if constexpr (Tr::kPaged) fence_proxy_async_smem();  // the producer's cp.async writes (Q, K/V), read by wgmma
+            if constexpr (Tr::kPaged) fence_proxy_async_smem();  // the producer's cp.async writes (paged K/V), read by wgmma
             turn_wait();
             mark(8);
             wgmma_fence();
@@ -695,7 +689,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             if (row < seqlen_q && (lane & 3) == 0)
                 lse[b * lse_batch_stride + head * lse_head_stride + seq.q_start + row] = row_lse[half];
         }
-        if constexpr (!Tr::kPaged) fence_proxy_async_smem();  // the rows, written by stmatrix, read by a TMA store
+        fence_proxy_async_smem();  // the rows, written by stmatrix, read by a TMA store
         release(q_empty(q_buffer));  // (after __syncwarp: every lane's rows are in)
         mark(5);
         ++items_taken;

@@ -118,11 +118,12 @@ def plan_forward(
     mask, mods, left, right = kernel_variant(causal, window_size, softcap, alibi_batch_stride is not None, dropout_p)
     if config is None:
         config = kernel_config(arch, headdim, dtype, mask, mods, varlen_totals is not None, seqlen_q)
-    # The Hopper forward's tensor maps (padded calls, and packed varlen, whose Q, whole K/V tiles and whole output
-    # tiles go by TMA; paged K/V: none), over the packed arrays' rows for varlen.
+    # The Hopper forward's tensor maps (padded calls, and varlen, whose Q, whole output tiles and, packed, whole K/V
+    # tiles go by TMA; paged K/V have none), over the packed arrays' rows for varlen.
     shapes = tensor_maps.array_shapes(q_shape, k_shape, varlen_totals)
-    tma = isinstance(config, configs.HopperFwdConfig) and paged is None
-    if tma and not all(tensor_maps.usable(shape, s) for shape, s in zip(shapes, strides)):
+    mapped = (True, paged is None, paged is None, True)
+    tma = isinstance(config, configs.HopperFwdConfig)
+    if tma and not all(tensor_maps.usable(shape, s) for shape, s, m in zip(shapes, strides, mapped) if m):
         # (strides TMA cannot take, say negative ones: the mma.sync forward, which copies with cp.async)
         config, tma = configs.forward_config(arch, headdim, dtype, mask, varlen_totals is not None), False
     function = build.get_kernel(config.family, config.name_expression(dtype, mask, mods, varlen_totals is not None,
@@ -178,7 +179,8 @@ def plan_forward(
     maps = None
     if tma:
         rows = (config.block_m, config.block_n, config.block_n, config.block_m)
-        maps = tensor_maps.TileMaps([tensor_maps.layout(shape, s, r) for shape, s, r in zip(shapes, strides, rows)])
+        maps = tensor_maps.TileMaps([tensor_maps.layout(shape, s, r) if m else None
+                                     for shape, s, r, m in zip(shapes, strides, rows, mapped)])
     return ForwardPlan(launch, config, tile_counter, maps)
 
 

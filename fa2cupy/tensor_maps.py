@@ -57,13 +57,18 @@ def usable(shape, strides) -> bool:
 
 class TileMaps:
     """The maps of q, k, v and out for one plan, encoded into a launch's 128-byte parameters (build.Launch's blobs)
-    for a call's pointers; a map whose pointer is the last call's is left as it is."""
+    for a call's pointers; a map whose pointer is the last call's is left as it is. A layout of ``None`` is a map the
+    kernel does not read (paged K/V): never encoded, its parameter left zero."""
 
     __slots__ = ("_arrays", "_last")
 
     def __init__(self, layouts):
         self._arrays = []
-        for dims, byte_strides, box in layouts:
+        for entry in layouts:
+            if entry is None:
+                self._arrays.append(None)
+                continue
+            dims, byte_strides, box = entry
             self._arrays.append(((ctypes.c_uint64 * 4)(*dims), (ctypes.c_uint64 * 3)(*byte_strides),
                                  (ctypes.c_uint32 * 4)(*box), (ctypes.c_uint32 * 4)(1, 1, 1, 1)))
         self._last = [None] * len(layouts)
@@ -75,7 +80,7 @@ class TileMaps:
     def encode(self, addresses, pointers) -> None:
         lib = build._driver()
         for i, (address, pointer) in enumerate(zip(addresses, pointers)):
-            if self._last[i] == (address, pointer):
+            if self._arrays[i] is None or self._last[i] == (address, pointer):
                 continue
             dims, byte_strides, box, element_strides = self._arrays[i]
             status = lib.cuTensorMapEncodeTiled(address, _UINT16, 4, pointer, dims, byte_strides, box,

@@ -97,3 +97,13 @@ def test_a_map_the_driver_refuses_raises_and_is_encoded_again(monkeypatch):
     driver.status = 0
     maps.encode((4096,) * 4, (16,) * 4)
     assert len(driver.calls) == 5  # the refused map, then all four
+
+
+def test_maps_the_kernel_does_not_read_are_never_encoded(monkeypatch):
+    # (paged K/V: the Hopper forward maps q and out only)
+    driver = _Driver()
+    monkeypatch.setattr(build, "_driver", lambda: driver)
+    layout = tensor_maps.layout((1, 300, 4, 64), (300 * 4 * 64, 4 * 64, 64, 1), 128)
+    maps = tensor_maps.TileMaps([layout, None, None, layout])
+    maps.writer((16, 32, 48, 64))((4096, 4224, 4352, 4480))
+    assert [c[:2] for c in driver.calls] == [(4096, 16), (4480, 64)]
