@@ -2,8 +2,8 @@
 fp16, 16 heads of 128, 16k tokens in all.
 
     python bench/varlen_speed.py [--tokens 16384] [--causal] [--paged 16,256]
-    python bench/varlen_speed.py --trees base=ab_trees/base/cuda new=cuda [--rounds 4] [--causal] [--paged 16] [--mma]
-        [--backward]
+    python bench/varlen_speed.py --trees base=ab_trees/base/cuda new=cuda [--rounds 4] [--causal] [--paged 16]
+        [--mma] [--backward]
 
 Two comparisons, each timed back to back with the same timer as ``fa2cupy bench`` (CUDA events, median):
 * equal lengths: varlen over b sequences of s tokens against flash_attn_func on (b, s): the same work, so the
@@ -12,8 +12,9 @@ Two comparisons, each timed back to back with the same timer as ``fa2cupy bench`
   real tokens, padded to the longest sequence; the padded batch does the extra work of its padding, so this is
   the speed a user gains by not padding;
 * with --trees: only the equal-length forwards (with --backward the backwards too; with --paged the
-  mixed-length paged and packed ones), with kernels built from each copy of cuda/ in turn within one process (rounds of every tree, each keeping its best
-  round), so that kernel versions compare on one clock (--mma: on the mma.sync forward);
+  mixed-length paged and packed ones), with kernels built from each copy of cuda/ in turn within one process
+  (rounds of every tree, each keeping its best round), so that kernel versions compare on one clock (--mma: on the
+  mma.sync forward);
 * with --paged: the varlen forward reading K/V through a shuffled block_table of pages of each given size against
   the packed varlen forward on the same keys (the page look-ups' cost), and the paged call on the mma.sync forward.
 """

@@ -3,8 +3,9 @@
 // A block is a producer warpgroup and two or three consumer warpgroups. The producer streams each work item's Q tile
 // (64 rows per consumer warpgroup) and its K/V tiles into shared memory and announces each on an mbarrier: padded
 // calls through tensor maps (TMA), one thread issuing every copy; varlen calls so too for Q and, with packed K/V, a
-// sequence's whole K/V tiles, and with every producer thread's cp.async for the rest. Each consumer warpgroup owns 64 of the rows and runs
-// FA2's loop on them (S = Q K^T and O += P V on wgmma, the online softmax in registers, only the log-sum-exp kept).
+// sequence's whole K/V tiles, and with every producer thread's cp.async for the rest. Each consumer warpgroup owns
+// 64 of the rows and runs FA2's loop on them (S = Q K^T and O += P V on wgmma, the online softmax in registers, only
+// the log-sum-exp kept).
 // The warpgroups never meet at a block barrier, only at the slots they hand back (an mbarrier per slot), so a
 // warpgroup passes over the key tiles its own rows cannot see (the causal diagonal, the edges of a sliding window)
 // while the others compute. Blocks are persistent: one per SM walks the work items (query tile, head, batch), longest
@@ -453,16 +454,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 v_tile += (i64)Tr::kBlockN * v_row_stride;
                 keys_left -= Tr::kBlockN;
             };
-            {
-                // (rows past the sequence's end are the next one's, or zeros past the array's: each output row
-                // depends on its own query row alone, and these are never written out)
-                if (ptid == 0) {
-                    // (every producer thread's arrival and the item's words' release)
-                    mbar_arrive_expect_tx<Tr::kCopyArrivals + 1>(q_full(q_buffer()), QTile::kBytes);
-                    for (int slab = 0; slab < QTile::kSlabs; ++slab)
-                        tma_load(smem_q + q_buffer() * QTile::kBytes + slab * QTile::kSlabBytes, tmap_q, 64 * slab,
-                                 head, seq.q_start + row0, 0, q_full(q_buffer()));
-                }
+            // Q by TMA: rows past the sequence's end are the next one's, or zeros past the array's (each output row
+            // depends on its own query row alone, and these are never written out). One arrival for every producer
+            // thread and the release of the item's words.
+            if (ptid == 0) {
+                mbar_arrive_expect_tx<Tr::kCopyArrivals + 1>(q_full(q_buffer()), QTile::kBytes);
+                for (int slab = 0; slab < QTile::kSlabs; ++slab)
+                    tma_load(smem_q + q_buffer() * QTile::kBytes + slab * QTile::kSlabBytes, tmap_q, 64 * slab, head,
+                             seq.q_start + row0, 0, q_full(q_buffer()));
             }
             for (int t = 0; t < n_blocks; ++t) load_kv();
             mark(23);
@@ -613,7 +612,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         if (my_count > 0) {
             mbar_wait(full(ring_slot<kKS>(tiles)), ring_phase<kKS>(tiles));
             mark(7);
-            if constexpr (Tr::kPaged) fence_proxy_async_smem();  // the producer's cp.async writes (paged K/V), read by wgmma
+            if constexpr (Tr::kPaged) fence_proxy_async_smem();  // the producer's cp.async K/V, read by wgmma
             turn_wait();
             mark(8);
             wgmma_fence();
