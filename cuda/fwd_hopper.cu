@@ -18,8 +18,8 @@
 // keys of others under a causal mask.
 //
 // Same arguments as flash_fwd (cuda/fwd.cu) plus the batch size, the heads per L2 group, the tile counter (null
-// for the grid stride) and the tensor maps of q, k, v and o (fa2cupy/tensor_maps.py; varlen calls use K's and V's,
-// paged ones none), so one launch plan serves both; padded and varlen calls without modifiers, varlen with paged
+// for the grid stride) and the tensor maps of q, k, v and o (fa2cupy/tensor_maps.py; paged calls have no K or V
+// map), so one launch plan serves both; padded and varlen calls without modifiers, varlen with paged
 // K/V too (softcap, ALiBi and dropout stay on flash_fwd).
 #include "primitives.cuh"
 #include "softmax.cuh"
@@ -158,9 +158,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         }
         for (int s = 0; s < kVS; ++s) mbar_init(v_empty(s), Tr::kConsumerWarps);
         for (int b = 0; b < Tr::kQBuffers; ++b) {
-            // every producer thread's copies and the first thread's item in item_slots[kSlotWords b ..] (TMA: the
-            // first thread's one arrival for both, its copies' bytes expected)
-            mbar_init(q_full(b), Tr::kTma ? 1 : Tr::kCopyArrivals + 1);
+            // the first producer thread's one arrival for its Q copies (their bytes expected) and the item it wrote
+            // in item_slots[kSlotWords b ..]
+            mbar_init(q_full(b), 1);
             mbar_init(q_empty(b), Tr::kConsumerWarps);
         }
     }
@@ -343,10 +343,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 slot[4] = m_block, slot[5] = head, slot[6] = b;
             }
         };
-        const auto announce = [&] {
-            cp_async_mbar_arrive(q_full(q_buffer()));
-            if (ptid == 0) mbar_arrive(q_full(q_buffer()));  // (release: the item slot's store)
-        };
         // The item after `item`: with a tile counter the one the first thread took (`ticket`), handed to the others
         // through two exchange words in turn (a word is rewritten only after every thread has read it); without,
         // a grid stride on.
@@ -374,7 +370,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                     store_rows(ring_slot<Tr::kQBuffers>(last));
                 }
                 publish(items, Bounds{}, 0, 0, 0);
-                announce();
+                if (ptid == 0) mbar_arrive(q_full(q_buffer()));  // (release: the item slot's store)
                 break;
             }
             int m_block, head, b;
@@ -455,13 +451,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 keys_left -= Tr::kBlockN;
             };
             // Q by TMA: rows past the sequence's end are the next one's, or zeros past the array's (each output row
-            // depends on its own query row alone, and these are never written out). One arrival for every producer
-            // thread and the release of the item's words.
+            // depends on its own query row alone, and these are never written out).
             if (ptid == 0) {
-                mbar_arrive_expect_tx<Tr::kCopyArrivals + 1>(q_full(q_buffer()), QTile::kBytes);
-                for (int slab = 0; slab < QTile::kSlabs; ++slab)
-                    tma_load(smem_q + q_buffer() * QTile::kBytes + slab * QTile::kSlabBytes, tmap_q, 64 * slab, head,
-                             seq.q_start + row0, 0, q_full(q_buffer()));
+                mbar_arrive_expect_tx(q_full(q_buffer()), QTile::kBytes);  // (release: the item's words)
+                tma_load_tile<QTile>(smem_q + q_buffer() * QTile::kBytes, tmap_q, head, seq.q_start + row0, 0,
+                                     q_full(q_buffer()));
             }
             for (int t = 0; t < n_blocks; ++t) load_kv();
             mark(23);
