@@ -193,12 +193,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         if (Tr::kTma || seqlen_k - key0 >= kN) {  // (varlen: the first thread arrives for all)
             if (ptid == 0) {
                 mbar_arrive_expect_tx<Tr::kCopyArrivals>(kv_full, 2 * KVTile::kBytes);
-                for (int slab = 0; slab < KVTile::kSlabs; ++slab) {
-                    tma_load(smem_k + slab * KVTile::kSlabBytes, tmap_k, 64 * slab, kv_head, k_start + key0,
-                             map_batch, kv_full);
-                    tma_load(smem_v + slab * KVTile::kSlabBytes, tmap_v, 64 * slab, kv_head, k_start + key0,
-                             map_batch, kv_full);
-                }
+                tma_load_tile<KVTile>(smem_k, tmap_k, kv_head, k_start + key0, map_batch, kv_full);
+                tma_load_tile<KVTile>(smem_v, tmap_v, kv_head, k_start + key0, map_batch, kv_full);
             }
         } else {
             load_tile(KVTile{}, smem_k,
@@ -247,12 +243,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             if (Tr::kTma || seqlen_q - m0 >= kM) {  // (varlen: the first thread arrives for all)
                 if (ptid == 0) {
                     mbar_arrive_expect_tx<Tr::kCopyArrivals>(full(s), 2 * QTile::kBytes);
-                    for (int slab = 0; slab < QTile::kSlabs; ++slab) {
-                        tma_load(smem_q + s * QTile::kBytes + slab * QTile::kSlabBytes, tmap_q, 64 * slab, head,
-                                 q_start + m0, map_batch, full(s));
-                        tma_load(smem_do + s * QTile::kBytes + slab * QTile::kSlabBytes, tmap_do, 64 * slab, head,
-                                 q_start + m0, map_batch, full(s));
-                    }
+                    tma_load_tile<QTile>(smem_q + s * QTile::kBytes, tmap_q, head, q_start + m0, map_batch, full(s));
+                    tma_load_tile<QTile>(smem_do + s * QTile::kBytes, tmap_do, head, q_start + m0, map_batch, full(s));
                 }
             } else {
                 load_tile(QTile{}, smem_q + s * QTile::kBytes,
