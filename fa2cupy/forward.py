@@ -38,9 +38,9 @@ class ForwardPlan:
     # a grid stride: where items differ in length (masks), a fixed stride left SMs idle (0.64 of the ideal
     # balance at causal 16k, d=128).
     tile_counter: bool = False
-    # The Hopper forward's tensor maps of q, k, v and out (padded calls, whose tiles it moves with TMA, and packed
-    # varlen calls, whose whole K/V tiles it does): encoded into the launch's last four parameters for each call's
-    # pointers.
+    # The Hopper forward's tensor maps of q, k, v and out (the tiles it moves with TMA: all of a padded call's; a
+    # varlen call's Q, whole output tiles and, unless K/V are paged, whole K/V tiles): encoded into the launch's
+    # last four parameters for each call's pointers.
     tensor_maps: tensor_maps.TileMaps | None = None
 
 
@@ -122,10 +122,10 @@ def plan_forward(
     # tiles go by TMA; paged K/V have none), over the packed arrays' rows for varlen.
     shapes = tensor_maps.array_shapes(q_shape, k_shape, varlen_totals)
     mapped = (True, paged is None, paged is None, True)
-    tma = isinstance(config, configs.HopperFwdConfig)
-    if tma and not all(tensor_maps.usable(shape, s) for shape, s, m in zip(shapes, strides, mapped) if m):
+    if (isinstance(config, configs.HopperFwdConfig)
+            and not all(tensor_maps.usable(shape, s) for shape, s, m in zip(shapes, strides, mapped) if m)):
         # (strides TMA cannot take, say negative ones: the mma.sync forward, which copies with cp.async)
-        config, tma = configs.forward_config(arch, headdim, dtype, mask, varlen_totals is not None), False
+        config = configs.forward_config(arch, headdim, dtype, mask, varlen_totals is not None)
     function = build.get_kernel(config.family, config.name_expression(dtype, mask, mods, varlen_totals is not None,
                                                                       paged is not None), config.smem_bytes)
     hopper = isinstance(config, configs.HopperFwdConfig)
@@ -177,7 +177,7 @@ def plan_forward(
     launch = build.Launch(function, grid, (config.threads, 1, 1), config.smem_bytes, (np.uint64(0),) * 10 + scalars,
                           variable, blobs=4 if hopper else 0)
     maps = None
-    if tma:
+    if hopper:
         rows = (config.block_m, config.block_n, config.block_n, config.block_m)
         maps = tensor_maps.TileMaps([tensor_maps.layout(shape, s, r) if m else None
                                      for shape, s, r, m in zip(shapes, strides, rows, mapped)])
