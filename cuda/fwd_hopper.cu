@@ -247,8 +247,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 slot[4] = m_block, slot[5] = head, slot[6] = b;
                 mark(22);
                 mbar_arrive_expect_tx(q_full(q_buffer), QTile::kBytes);  // (release: the item's words)
-                // (Q's slabs here and the rows' in store_rows written out: through a per-tile helper ptxas ordered
-                // the producer's item set-up differently, not measured)
+                // (Q's slabs here and the rows' in store_rows written out: through tma_load_tile / tma_store_tile
+                // ptxas orders the producer's item set-up differently, not measured)
                 for (int slab = 0; slab < QTile::kSlabs; ++slab)
                     tma_load(smem_q + q_buffer * QTile::kBytes + slab * QTile::kSlabBytes, tmap_q, 64 * slab, head,
                              row0, b, q_full(q_buffer));
@@ -306,10 +306,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             const int row0 = m_block * Tr::kBlockM;
             if (seqlen - row0 >= Tr::kBlockM) {  // a whole tile: the first thread's TMA store
                 if (ptid == 0) {
-                    for (int slab = 0; slab < QTile::kSlabs; ++slab)
-                        tma_store(tmap_o, 64 * slab, head, q_start + row0, 0,
-                                  smem_q + buffer * QTile::kBytes + slab * QTile::kSlabBytes);
-                    bulk_commit();
+                    tma_store_tile<QTile>(tmap_o, head, q_start + row0, 0, smem_q + buffer * QTile::kBytes);
                     bulk_wait_read<0>();  // (the rows read out before Q lands there)
                 }
                 return;

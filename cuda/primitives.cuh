@@ -769,6 +769,15 @@ FA2_DEVICE void tma_load_tile(u32 dst, const TensorMap& map, int head, int row, 
         tma_load(dst + slab * Tile::kSlabBytes, map, 64 * slab, head, row, batch, bar);
 }
 
+// A tile of SwizzledSlabs at `src` out to `map`'s rows `row` .. (its box's rows) of (head, batch): one TMA store per
+// slab, in one bulk group (rows outside the tensor are not written).
+template <class Tile>
+FA2_DEVICE void tma_store_tile(const TensorMap& map, int head, int row, int batch, u32 src) {
+    for (int slab = 0; slab < Tile::kSlabs; ++slab)
+        tma_store(map, 64 * slab, head, row, batch, src + slab * Tile::kSlabBytes);
+    bulk_commit();
+}
+
 // A producer warpgroup's share of copying tiles of Cols-wide rows into SwizzledSlabs (cp.async): thread `ptid` of
 // Threads copies one 16-byte column chunk of every kRowStep-th row, a multiple of 8 rows apart, so its swizzled
 // position within a row is the same for all of them and its addresses advance by constants.
