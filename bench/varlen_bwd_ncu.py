@@ -16,8 +16,8 @@ import cupy
 import cupy.cuda.profiler
 
 sys.path.insert(0, ".")
-import fa2cupy  # noqa: E402
 from fa2cupy import build  # noqa: E402
+from varlen_speed import equal_length_calls  # noqa: E402
 
 
 def main(argv):
@@ -25,24 +25,11 @@ def main(argv):
     if "--tree" in argv:
         build.use_sources(argv[argv.index("--tree") + 1])
     s = int(argv[argv.index("--seqlen") + 1]) if "--seqlen" in argv else 4096
-    b, h, d = 16384 // s, 16, 128
     rng = cupy.random.default_rng(0)
-    q, k, v, dout = (rng.standard_normal((b, s, h, d), dtype=cupy.float32).astype(cupy.float16) for _ in range(4))
-    out, lse, _ = fa2cupy.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
-    packed = [x.reshape(b * s, h, d) for x in (q, k, v, dout, out)]
-    cu = cupy.arange(0, b * s + 1, s, dtype=cupy.int32)
-    _, lse_varlen, _ = fa2cupy.flash_attn_varlen_func(*packed[:3], cu, cu, s, s, causal=causal,
-                                                      return_attn_probs=True)
-    calls = {
-        "padded": lambda: fa2cupy.flash_attn_backward(dout, q, k, v, out, lse, causal=causal),
-        "varlen": lambda: fa2cupy.flash_attn_varlen_backward(packed[3], *packed[:3], packed[4], lse_varlen, cu, cu,
-                                                             s, s, causal=causal),
-    }
-    if "--forward" in argv:
-        calls = {
-            "padded": lambda: fa2cupy.flash_attn_func(q, k, v, causal=causal),
-            "varlen": lambda: fa2cupy.flash_attn_varlen_func(*packed[:3], cu, cu, s, s, causal=causal),
-        }
+    calls = equal_length_calls(lambda *shape: rng.standard_normal(shape, dtype=cupy.float32).astype(cupy.float16),
+                               16384 // s, s, 16, 128, causal)
+    kind = "fwd" if "--forward" in argv else "bwd"
+    calls = {side: calls[f"{side} {kind}"] for side in ("padded", "varlen")}
     for call in list(calls.values()) * 2:  # compiled and warm before the profiled range
         call()
     cupy.cuda.runtime.deviceSynchronize()
