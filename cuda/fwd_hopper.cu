@@ -520,6 +520,24 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         mask.template key_tiles<Tr::kBlockN>(row0, Tr::kBlockM, n_first, n_blocks);
         mask.template key_tiles<Tr::kBlockN>(wg_row0, 64, my_first, my_count);
         if (wg_row0 >= seqlen_q) my_count = 0;  // a ragged last tile: this warpgroup has no rows
+        // Every warpgroup takes a turn per tile of the block and one for its last P V, or, where each passes over
+        // at least one tile, one turn fewer: it passes over its first tile before the first it computes, or else
+        // its last after its last P V, without a turn. (A turn for such a tile held the warpgroup that passes over
+        // the block's last tile until the one that computes it had issued it, and the one that passes over the
+        // first until the others had their first softmax done: a window item of 192 rows at d=64 has both.)
+        // Each warpgroup is then at most one tile ahead of another in the turn it takes, which needs rings of
+        // four (so that the tile it waits for has its slots back from every warpgroup's turns before this one).
+        bool free_pass = false;
+        if constexpr (kKS >= 4 && kVS >= 4 && Tr::kMask == kMaskWindow) {
+            int fewest_passes = n_blocks;
+#pragma unroll
+            for (int w = 0; w < Tr::kConsumerWGs; ++w) {
+                int first, count;
+                mask.template key_tiles<Tr::kBlockN>(row0 + 64 * w, 64, first, count);
+                fewest_passes = min(fewest_passes, n_blocks - (row0 + 64 * w < seqlen_q ? count : 0));
+            }
+            free_pass = fewest_passes > 0;
+        }
         // This warpgroup's tiles among the block's: [mine_begin, mine_end); it passes over the others.
         const int mine_begin = my_first - n_first, mine_end = mine_begin + my_count;
         // Of its first and last tiles, the 64-key half its rows see if they see only one (the band's first tile
@@ -548,12 +566,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 if (also) mbar_arrive(also);
             }
         };
-        // A tile of the block that this warpgroup's rows cannot see: its turn passes, its slots go back (once
-        // landed, so that every arrival on a slot's barrier counts towards the same fill).
-        const auto pass_over = [&] {
+        // A tile of the block that this warpgroup's rows cannot see: its turn passes (unless `take_turn` is false),
+        // its slots go back (once landed, so that every arrival on a slot's barrier counts towards the same fill).
+        const auto pass_over = [&](bool take_turn) {
             mbar_wait(full(ring_slot<kKS>(tiles)), ring_phase<kKS>(tiles));
-            turn_wait();
-            turn_pass();
+            if (take_turn) {
+                turn_wait();
+                turn_pass();
+            }
             release(k_empty(ring_slot<kKS>(tiles)), v_empty(ring_slot<kVS>(tiles)));
             ++tiles;
         };
@@ -599,7 +619,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             for (int kk = 0; kk < kNT / 2; ++kk) c_to_a<Elem>(p[kk], s[0][2 * kk], s[0][2 * kk + 1]);
         };
 
-        for (int j = 0; j < mine_begin; ++j) pass_over();
+        for (int j = 0; j < mine_begin; ++j) pass_over(!(free_pass && j == 0));
         if (my_count > 0) {
             mbar_wait(full(ring_slot<kKS>(tiles)), ring_phase<kKS>(tiles));
             mark(7);
@@ -651,7 +671,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             turn_wait();  // every warpgroup takes n_blocks + 1 turns per item
             turn_pass();
         }
-        for (int j = mine_end; j < n_blocks; ++j) pass_over();
+        for (int j = mine_end; j < n_blocks; ++j) pass_over(!(free_pass && mine_begin == 0 && j == n_blocks - 1));
 
         // O = diag(l)^-1 O and L = m + log(l). O's rows go into this warpgroup's rows of the item's Q buffer
         // (Q is no longer read; stmatrix, conflict-free in the swizzled slabs) and the buffer back to the
