@@ -56,6 +56,9 @@ def main():
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--headdim", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5, help="alternating causal/window timing rounds")
+    parser.add_argument("--sustain", type=float, default=0.0,
+                        help="seconds of back-to-back calls before each timing, so that each run is timed at the "
+                             "clock its own load settles to (fa2cupy.benchmark.sustain), not the one before it")
     parser.add_argument("--candidates", action="store_true", help="also time configs.WINDOW_FORWARD_CANDIDATES")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time the backward's launches one by one (preprocess, dK/dV, dQ conversion)")
@@ -78,7 +81,8 @@ def main():
     for r in range(args.rounds):
         for name, _ in cases:
             for kind in (0, 1):
-                times[name][kind].append(B.time_gpu(runs[name][kind], events, warmup=2, repeats=10).median_ms)
+                times[name][kind].append(B.time_gpu(runs[name][kind], events, warmup=2, repeats=10,
+                                                    sustain_seconds=args.sustain).median_ms)
         (cf, cb), (wf, wb) = ((times[n][0][-1], times[n][1][-1]) for n, _ in cases)
         print(f"round {r + 1}: causal {cf:.2f} / {cb:.2f} ms, window {wf:.2f} / {wb:.2f} ms (fwd / bwd): "
               f"speed-up {cf / wf:.2f}x / {cb / wb:.2f}x", flush=True)

@@ -531,12 +531,24 @@ class CupyEvents:
         self.cupy.cuda.runtime.deviceSynchronize()
 
 
+def sustain(fn: Callable[[], Any], sync: Callable[[], None], seconds: float) -> None:
+    """Calls ``fn`` back to back for ``seconds`` (synchronising every 8 calls, so the queue stays short). A GPU at
+    its power limit sets its clock by the load it runs within a fraction of a second: a kernel timed right after
+    another's load, or after idling, runs at that one's clock, not at the one its own load settles to."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(8):
+            fn()
+        sync()
+
+
 def time_gpu(fn: Callable[[], Any], events, *, warmup: int = 10, repeats: int = 30,
-             max_seconds: float = 3.0, min_repeats: int = 5, queued: bool = False, batch: int = 1) -> Timing:
+             max_seconds: float = 3.0, min_repeats: int = 5, queued: bool = False, batch: int = 1,
+             sustain_seconds: float = 0.0) -> Timing:
     """Median GPU time of ``fn`` from CUDA events recorded around each call.
 
-    ``warmup`` untimed calls first (the first one may compile kernels), then
-    ``repeats`` timed calls back to back (reduced, down to ``min_repeats``, when
+    ``warmup`` untimed calls first (the first one may compile kernels), then ``sustain_seconds`` of untimed calls
+    back to back (see ``sustain``), then ``repeats`` timed calls back to back (reduced, down to ``min_repeats``, when
     they would take longer than ``max_seconds``).  One synchronisation at the end.
 
     ``queued`` (torch events): the timed calls are enqueued behind a spinning kernel that outlasts the host's
@@ -549,6 +561,7 @@ def time_gpu(fn: Callable[[], Any], events, *, warmup: int = 10, repeats: int = 
     for _ in range(max(1, warmup)):
         fn()
     events.sync()
+    sustain(fn, events.sync, sustain_seconds)
     t0 = time.perf_counter()
     fn()
     events.sync()
