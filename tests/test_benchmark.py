@@ -545,3 +545,38 @@ def test_records_name_the_kernel_that_runs(monkeypatch):
     monkeypatch.setattr(B, "gpu_arch", lambda: 80)
     monkeypatch.setattr(forward, "HOPPER", True)
     assert B._kernel_config(B.Case(1, 4096, 4096, 16, 16, 128, False))["family"] == "fwd"
+
+
+class _CountingEvents:
+    """Stand-in for CupyEvents on the CPU: events that read 1 ms apart, and a count of synchronisations."""
+
+    def __init__(self):
+        self.syncs = 0
+
+    class _Event:
+        def record(self):
+            pass
+
+    def event(self):
+        return self._Event()
+
+    def elapsed_ms(self, a, b):
+        return 1.0
+
+    def sync(self):
+        self.syncs += 1
+
+
+def test_time_gpu_sustains_load_before_timing():
+    events, calls = _CountingEvents(), []
+    plain = B.time_gpu(lambda: calls.append(1), events, warmup=2, repeats=5)
+    assert plain.n == 5 and len(calls) == 2 + 1 + 5  # warm-up, the estimate, the timed calls
+    calls.clear()
+    events.syncs = 0
+    start = B.time.perf_counter()
+    B.time_gpu(lambda: calls.append(1), events, warmup=2, repeats=5, sustain_seconds=0.05)
+    assert B.time.perf_counter() - start >= 0.05
+    sustained = len(calls) - (2 + 1 + 5)
+    # back-to-back calls in groups of 8, each group followed by a synchronisation
+    assert sustained >= 8 and sustained % 8 == 0
+    assert events.syncs >= sustained // 8
