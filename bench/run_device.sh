@@ -128,7 +128,7 @@ if [ "${TUNE_BWD:-0}" = 1 ]; then  # every backward tile candidate of configs.BA
 fi
 
 if [ "${MASKS:-0}" = 1 ]; then  # issue 5's bars: window speed-up, varlen vs padded, paged vs packed
-  step masks "${MASKS_TIMEOUT:-150}" "$OUT/masks.log" \
+  step masks "${MASKS_TIMEOUT:-240}" "$OUT/masks.log" \
     bash -c "'$PY' bench/window_speed.py --candidates && '$PY' bench/varlen_speed.py --causal --paged 16,256"
 fi
 

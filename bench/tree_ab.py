@@ -1,7 +1,9 @@
 """A/B timing of kernel sources: the same forward calls built from several copies of cuda/ (say, HEAD's sources
 unpacked by `git archive` beside the edited ones), timed in turns within one process so that clock drift and the
 machine's spread fall on every variant alike. Each variant keeps its best round's median; outputs are compared
-with the first variant's.
+with the first variant's. ``--sustain S`` runs each variant back to back for S seconds before its timed calls: at the
+power cap a variant timed straight after a lighter case runs at a higher clock (a 64k window forward read 9.7% apart
+between two trees without it, 0.5% with 2 s; bench/NOTES.md, session 43).
 
     python bench/tree_ab.py --trees base=ab_trees/base/cuda new=cuda new1q=cuda@128,3,3,1 [--cases fwd128:causal:2048 ...]
     ncu --clock-control none --profile-from-start off -k regex:flash_fwd \

@@ -1,10 +1,13 @@
 """Sliding-window speed: a (4096, 0) window over 64k tokens against full causal attention over the same tokens
 (issue 5's bar: >= 8x faster), forward and backward, fp16, 16 heads of 128.
 
-    python bench/window_speed.py [--seqlen 65536] [--window 4096] [--rounds 5] [--candidates]
+    python bench/window_speed.py [--seqlen 65536] [--window 4096] [--rounds 5] [--sustain 2] [--candidates]
 
 Same timer as ``fa2cupy bench`` (CUDA events per call, calls back to back, median), in rounds that time the
-causal and the window runs back to back; the speed-ups are the ratios of the medians over rounds. With ``--candidates`` the
+causal and the window runs back to back; the speed-ups are the ratios of the medians over rounds. Each timing
+follows ``--sustain`` seconds of the same call back to back (default 2; 0 for the short bursts of sessions before
+43), so that each run is timed at its own steady clock: at the power cap a window run timed straight after a
+lighter load read up to 10% fast (bench/NOTES.md, session 43). With ``--candidates`` the
 window forward and backward are also timed on each tile of configs.WINDOW_FORWARD_CANDIDATES /
 WINDOW_BACKWARD_CANDIDATES (checked against the shipped rows' results first), as speed-ups over the same full
 causal runs.
@@ -56,7 +59,7 @@ def main():
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--headdim", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5, help="alternating causal/window timing rounds")
-    parser.add_argument("--sustain", type=float, default=0.0,
+    parser.add_argument("--sustain", type=float, default=2.0,
                         help="seconds of back-to-back calls before each timing, so that each run is timed at the "
                              "clock its own load settles to (fa2cupy.benchmark.sustain), not the one before it")
     parser.add_argument("--candidates", action="store_true", help="also time configs.WINDOW_FORWARD_CANDIDATES")
