@@ -457,8 +457,12 @@ def _int_list(ctx, param, value):
 @click.option("--deterministic", is_flag=True,
               help="bwd/fwdbwd: run fa2cupy's backward with deterministic=True (bit-reproducible, slower).")
 @click.option("--no-memory", is_flag=True, help="bwd/fwdbwd: skip the peak-memory measurement.")
+@click.option("--sustain", default=0.0, show_default=True, type=click.FloatRange(min=0.0),
+              help="fwd/bwd/fwdbwd: seconds of each implementation's calls back to back before its timed ones, "
+                   "so that each is timed at its own steady clock (at the power cap a light kernel leaves a high "
+                   "clock to the one timed after it).")
 def bench(mode, headdims, causal, seqlens, batches, nheads, nheads_kv, dtype, tokens, hidden, out_dir, repeats,
-          warmup, skip_cold, skip_overhead, no_plot, deterministic, no_memory) -> None:
+          warmup, skip_cold, skip_overhead, no_plot, deterministic, no_memory, sustain) -> None:
     """TFLOPs/s of fa2cupy beside torch SDPA (flash, cuDNN) on the FlashAttention-2 paper grid.
 
     --mode fwd times the forward; bwd the backward alone (out/lse from one forward;
@@ -469,6 +473,8 @@ def bench(mode, headdims, causal, seqlens, batches, nheads, nheads_kv, dtype, to
     import os  # noqa: PLC0415
 
     if mode == "decode":
+        if sustain:
+            raise click.BadParameter("applies to --mode fwd, bwd and fwdbwd, not decode", param_hint="--sustain")
         _bench_decode(headdims or [128], seqlens or list(B.DECODE_SEQLENS), batches, nheads, nheads_kv, dtype,
                       out_dir, repeats, warmup)
         return
@@ -483,10 +489,11 @@ def bench(mode, headdims, causal, seqlens, batches, nheads, nheads_kv, dtype, to
     env = B.environment_info()
     runner = B.MODE_RUNNERS[mode]
     click.echo(f"fa2cupy bench --mode {mode} on {gpu}: {len(cases)} cases, {dtype}, "
-               f"median of {repeats} (CUDA events), framework "
+               f"median of {repeats} (CUDA events"
+               f"{f', each after {sustain:g} s of its calls back to back' if sustain else ''}), framework "
                f"{'torch' if B.torch_available() else 'cupy (torch not importable: no SDPA columns)'}")
     records = []
-    options: dict[str, Any] = {"warmup": warmup, "repeats": repeats}
+    options: dict[str, Any] = {"warmup": warmup, "repeats": repeats, "sustain_seconds": sustain}
     if mode != "fwd":
         options.update(deterministic=deterministic, memory=not no_memory)
         click.echo(f"backward: fa2cupy deterministic={deterministic}; TFLOPs/s count "
@@ -536,7 +543,8 @@ def bench(mode, headdims, causal, seqlens, batches, nheads, nheads_kv, dtype, to
     base = B.result_basename(mode + ("-det" if mode != "fwd" and deterministic else ""), env.get("gpu", gpu))
     payload = {"mode": mode, "environment": env,
                "settings": {"dtype": dtype, "tokens": tokens, "hidden": hidden, "repeats": repeats,
-                            "warmup": warmup, "timing": "median of CUDA-event times per call",
+                            "warmup": warmup, "sustain_seconds": sustain,
+                            "timing": "median of CUDA-event times per call",
                             "flops": B.flops_description(mode),
                             **({"deterministic": deterministic} if mode != "fwd" else {})},
                "records": records, **extra}

@@ -761,8 +761,12 @@ def _kernel_config(case: Case) -> dict[str, Any] | None:
 
 def bench_forward_case(case: Case, *, warmup: int = 10, repeats: int = 30, seed: int = 0,
                        impls: Sequence[str] = tuple(FORWARD_RUNNERS), max_seconds: float = 3.0,
-                       framework: str | None = None) -> dict[str, Any]:
+                       framework: str | None = None, sustain_seconds: float = 0.0) -> dict[str, Any]:
     """Time every implementation in ``impls`` on ``case``; returns a JSON-able record.
+
+    ``sustain_seconds``: each implementation's timed calls follow that long of its own calls back to back (see
+    :func:`sustain`), so that each is timed at the clock its own load settles to, not at the one the implementation
+    timed before it left (at the power cap a light kernel leaves a high clock to the next).
 
     The record also holds ``max_abs_diff``: max |fa2cupy - SDPA| over the
     output (a sanity check that the fast thing is also the right thing).
@@ -780,7 +784,7 @@ def bench_forward_case(case: Case, *, warmup: int = 10, repeats: int = 30, seed:
             runner = FORWARD_RUNNERS[name](inp)
             with runner.context():
                 t = time_gpu(runner.fn, runner.events, warmup=warmup, repeats=repeats,
-                             max_seconds=max_seconds)
+                             max_seconds=max_seconds, sustain_seconds=sustain_seconds)
                 outputs[name] = runner.fn()
             runner.events.sync()
             entry.update(median_ms=t.median_ms, min_ms=t.min_ms, max_ms=t.max_ms, n=t.n,
@@ -925,10 +929,10 @@ def _grad_diff(a_grads, b_grads_bhsd) -> float:
 def bench_backward_case(case: Case, *, mode: str = "bwd", warmup: int = 10, repeats: int = 30, seed: int = 0,
                         impls: Sequence[str] = tuple(IMPL_TITLES), max_seconds: float = 3.0,
                         framework: str | None = None, deterministic: bool = False,
-                        memory: bool = True) -> dict[str, Any]:
+                        memory: bool = True, sustain_seconds: float = 0.0) -> dict[str, Any]:
     """Time the backward (``mode='bwd'``) or forward + backward (``'fwdbwd'``) of every
-    implementation in ``impls`` on ``case``; returns a JSON-able record like
-    :func:`bench_forward_case`'s, plus ``peak_mib`` per implementation (see
+    implementation in ``impls`` on ``case`` (``sustain_seconds`` as in :func:`bench_forward_case`);
+    returns a JSON-able record like :func:`bench_forward_case`'s, plus ``peak_mib`` per implementation (see
     :func:`peak_memory_bytes`) and ``max_abs_diff`` = max over dq/dk/dv of
     max|fa2cupy - SDPA| / max(1, max|SDPA|)."""
     mode = canonical_mode(mode)
@@ -956,7 +960,7 @@ def bench_backward_case(case: Case, *, mode: str = "bwd", warmup: int = 10, repe
             runner = makers[name]()
             with runner.context():
                 t = time_gpu(runner.fn, runner.events, warmup=warmup, repeats=repeats,
-                             max_seconds=max_seconds)
+                             max_seconds=max_seconds, sustain_seconds=sustain_seconds)
                 outputs[name] = runner.fn()
             runner.events.sync()
             entry.update(median_ms=t.median_ms, min_ms=t.min_ms, max_ms=t.max_ms, n=t.n,

@@ -580,3 +580,27 @@ def test_time_gpu_sustains_load_before_timing():
     # back-to-back calls in groups of 8, each group followed by a synchronisation
     assert sustained >= 8 and sustained % 8 == 0
     assert events.syncs >= sustained // 8
+
+
+@pytest.mark.parametrize("mode", ["fwd", "bwd", "fwdbwd"])
+def test_bench_cases_pass_sustain_to_every_timing(monkeypatch, mode):
+    # Each implementation's timing gets the same steady-load lead-in; no GPU: inputs, runners and the timer stubbed.
+    case = B.Case(1, 256, 256, 2, 2, 64, False)
+    monkeypatch.setattr(B, "make_forward_inputs", lambda case, seed, framework: B.ForwardInputs(case, "cupy", *"qkv"))
+    monkeypatch.setattr(B, "_random_like", lambda x, seed: "dout")
+    monkeypatch.setattr(B, "_kernel_config", lambda case: None)
+    runner = B.Runner(lambda: None, _CountingEvents(), B.contextlib.nullcontext)
+    for name in B.FORWARD_RUNNERS:
+        monkeypatch.setitem(B.FORWARD_RUNNERS, name, lambda inp: runner)
+    for maker in ("fa2cupy_backward_runner", "_sdpa_backward_runner"):
+        monkeypatch.setattr(B, maker, lambda *args: runner)
+    seen = []
+
+    def fake_time_gpu(fn, events, **kw):
+        seen.append(kw["sustain_seconds"])
+        return B.Timing(1.0, 1.0, 1.0, 5)
+
+    monkeypatch.setattr(B, "time_gpu", fake_time_gpu)
+    rec = B.MODE_RUNNERS[mode](case, sustain_seconds=1.5, **({} if mode == "fwd" else {"memory": False}))
+    assert seen == [1.5] * 3
+    assert all(r["error"] is None and r["median_ms"] == 1.0 for r in rec["results"].values())

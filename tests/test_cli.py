@@ -210,3 +210,18 @@ def test_info_on_gpu():
 def test_check_quick_on_gpu():
     result = CliRunner().invoke(cli.main, ["check", "--quick"])
     assert result.exit_code == 0, result.output
+
+
+def test_bench_sustain_is_checked():
+    runner = CliRunner()
+    assert "--sustain" in runner.invoke(cli.main, ["bench", "--help"]).output
+    r = runner.invoke(cli.main, ["bench", "--sustain", "-1"])
+    assert r.exit_code == 2 and "--sustain" in r.output
+    r = runner.invoke(cli.main, ["bench", "--mode", "decode", "--sustain", "1"])
+    assert r.exit_code == 2 and "--sustain" in r.output and "decode" in r.output
+
+
+@no_gpu_only
+def test_bench_sustain_parses_then_needs_gpu():
+    r = CliRunner().invoke(cli.main, ["bench", "--sustain", "2", "--seqlens", "2k"])
+    assert r.exit_code == cli.EXIT_NO_GPU
