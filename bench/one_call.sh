@@ -8,7 +8,7 @@
 #
 # The timing runs first, on a quiet GPU. The tests share the GPU and the CPU: the float64 references are
 # CPU work, so BLAS threads are capped, and JAX does not take the GPU's memory up front. The four groups
-# took 206-239 s each side by side on an H100 (session 44), the timing ~175 s.
+# took 155-204 s side by side on an H100 (session 44, SKIP_TIMING=1), the timing ~175 s. Exits 1 if a step failed.
 set -u
 export PYTHONPATH=. FA2CUPY_HYPOTHESIS_PROFILE=device XLA_PYTHON_CLIENT_PREALLOCATE=false
 export OMP_NUM_THREADS=4 OPENBLAS_NUM_THREADS=4 MKL_NUM_THREADS=4
@@ -16,7 +16,8 @@ OUT="${OUT:-bench/results/device}"
 mkdir -p "$OUT"
 S=$(date +%s)
 (nvidia-smi -L; git log -1 --oneline 2>/dev/null; date -u) > "$OUT/env.txt"
-st() { echo "$1 rc $2 at $(( $(date +%s) - S ))s" >> "$OUT/env.txt"; }
+FAILED=0
+st() { echo "$1 rc $2 at $(( $(date +%s) - S ))s" >> "$OUT/env.txt"; [ "$2" = 0 ] || FAILED=1; }
 
 if [ "${SKIP_TIMING:-0}" != 1 ]; then
 B="python3 cli.py bench --headdim 64,128 --causal both --seqlens 2048,8192 --dtype bf16 --out /tmp/fa2cupy-bench --no-plot"
@@ -43,3 +44,4 @@ cat "$OUT/env.txt"
 for f in "$OUT"/tests_*.log; do echo "== $f"; grep -E "passed|failed|error" "$f" | tail -2; done
 [ -f "$OUT/bench.log" ] && grep -v "^wrote" "$OUT/bench.log"
 [ -f "$OUT/window.log" ] && tail -4 "$OUT/window.log"
+exit $FAILED
