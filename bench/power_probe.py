@@ -155,13 +155,9 @@ def main():
 
             def timed():
                 start, end = events.event(), events.event()
-                calls, e0, t0 = 0, nvml.energy_j(), time.perf_counter()
+                e0 = nvml.energy_j()
                 start.record()
-                while time.perf_counter() - t0 < args.seconds:
-                    for _ in range(8):
-                        runner.fn()
-                    calls += 8
-                    events.sync()
+                calls = B.sustain(runner.fn, events.sync, args.seconds)
                 end.record()
                 events.sync()
                 return calls, events.elapsed_ms(start, end), nvml.energy_j() - e0

@@ -531,15 +531,18 @@ class CupyEvents:
         self.cupy.cuda.runtime.deviceSynchronize()
 
 
-def sustain(fn: Callable[[], Any], sync: Callable[[], None], seconds: float) -> None:
-    """Calls ``fn`` back to back for ``seconds`` (synchronising every 8 calls, so the queue stays short). A GPU at
-    its power limit sets its clock by the load it runs within a fraction of a second: a kernel timed right after
-    another's load, or after idling, runs at that one's clock, not at the one its own load settles to."""
-    start = time.perf_counter()
+def sustain(fn: Callable[[], Any], sync: Callable[[], None], seconds: float) -> int:
+    """Calls ``fn`` back to back for ``seconds`` (synchronising every 8 calls, so the queue stays short) and returns
+    how many calls it made. A GPU at its power limit sets its clock by the load it runs within a fraction of a
+    second: a kernel timed right after another's load, or after idling, runs at that one's clock, not at the one its
+    own load settles to."""
+    start, calls = time.perf_counter(), 0
     while time.perf_counter() - start < seconds:
         for _ in range(8):
             fn()
+        calls += 8
         sync()
+    return calls
 
 
 def time_gpu(fn: Callable[[], Any], events, *, warmup: int = 10, repeats: int = 30,

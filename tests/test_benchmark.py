@@ -580,6 +580,9 @@ def test_time_gpu_sustains_load_before_timing():
     # back-to-back calls in groups of 8, each group followed by a synchronisation
     assert sustained >= 8 and sustained % 8 == 0
     assert events.syncs >= sustained // 8
+    calls.clear()
+    assert B.sustain(lambda: calls.append(1), events.sync, 0.02) == len(calls) >= 8  # the calls it made
+    assert B.sustain(lambda: calls.append(1), events.sync, 0.0) == 0
 
 
 @pytest.mark.parametrize("mode", ["fwd", "bwd", "fwdbwd"])
