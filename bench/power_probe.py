@@ -121,12 +121,6 @@ def make_cases():
     }
 
 
-def window_flops(case, window: int) -> float:
-    """Forward FLOPs of the (window, 0) band: 4 d per visible query-key pair."""
-    pairs = sum(min(i, window) + 1 for i in range(case.seqlen_k))
-    return 4.0 * case.batch * case.nheads * case.headdim * pairs
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--sustain", type=float, default=3.0)
@@ -164,7 +158,8 @@ def main():
 
             samples, (calls, ms, joules) = sampled(nvml, timed)
         per_call = ms / calls
-        flops = window_flops(case, window) if window else B.attention_flops(case, "fwd")
+        flops = (4.0 * case.batch * case.nheads * case.headdim * B.band_pairs(case.seqlen_k, window) if window
+                 else B.attention_flops(case, "fwd"))
         mhz = sum(s[0] for s in samples) / len(samples)
         watts = sum(s[1] for s in samples) / len(samples)
         reasons = 0

@@ -130,9 +130,7 @@ def main():
         elif mask == "causal":
             flops = 2 * batch * heads * seqlen * (seqlen + 1) * d
         else:
-            left = int(mask[6:])
-            keys = sum(min(i, left) + 1 for i in range(seqlen))
-            flops = 4 * batch * heads * keys * d
+            flops = 4 * batch * heads * B.band_pairs(seqlen, int(mask[6:])) * d
         base = best[names[0]]
         cells = "  ".join(f"{n} {best[n]:.3f} ms {flops / best[n] / 1e9:.0f} TF/s ({best[n] / base:.3f}, "
                           f"diff {diffs[n]:.1e})" for n in names)

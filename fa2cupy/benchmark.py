@@ -203,6 +203,13 @@ def attention_flops(case: Case, mode: str = "fwd") -> float:
     return f * FLOP_FACTORS[mode]
 
 
+def band_pairs(seqlen: int, left: int) -> int:
+    """Query-key pairs a (left, 0) window sees over ``seqlen`` tokens (query i sees keys max(0, i - left) .. i):
+    forward FLOPs are 4 d of them per head."""
+    near = min(left, seqlen)  # the first rows, which see every key up to themselves
+    return near * (near + 1) // 2 + (seqlen - near) * (left + 1)
+
+
 def tflops_per_s(flops: float, ms: float | None) -> float | None:
     """FLOPs and a time in milliseconds -> TFLOPs/s (None if no time)."""
     if ms is None or not ms > 0:

@@ -607,3 +607,9 @@ def test_bench_cases_pass_sustain_to_every_timing(monkeypatch, mode):
     rec = B.MODE_RUNNERS[mode](case, sustain_seconds=1.5, **({} if mode == "fwd" else {"memory": False}))
     assert seen == [1.5] * 3
     assert all(r["error"] is None and r["median_ms"] == 1.0 for r in rec["results"].values())
+
+
+@pytest.mark.parametrize("seqlen,left", [(1, 0), (1, 5), (10, 0), (10, 3), (10, 9), (10, 10), (10, 50), (4097, 4096)])
+def test_band_pairs_counts_every_visible_pair(seqlen, left):
+    i, j = np.meshgrid(np.arange(seqlen), np.arange(seqlen), indexing="ij")
+    assert B.band_pairs(seqlen, left) == int(((j <= i) & (j >= i - left)).sum())
