@@ -12,6 +12,9 @@
 #   DECODE=1         also run `cli.py bench --mode decode` (KV bandwidth vs SDPA flash/cuDNN) -> bench_decode.log
 #   TUNE_DEC=1       also time every decode candidate (bench/tune_decode.py) -> tune_decode.log
 #   PROFILE=1        also profile host dispatch (bench/dispatch_profile.py) -> profile.log
+#   SUSTAIN=S        also the bench (and with BWD=1 the backward's) again with --sustain S: each implementation
+#                    timed at its own steady clock -> bench_sustain.log
+#   WINDOW=1         also issue 5's window bar alone: bench/window_speed.py --rounds 3 -> window.log
 #   MASKS=1          also issue 5's speed bars: bench/window_speed.py --candidates ((4096, 0) window over 64k vs
 #                    full causal, and the window tile candidates)
 #                    and bench/varlen_speed.py --causal --paged 16,256 (varlen vs padded, paged vs packed)
@@ -25,11 +28,12 @@
 #                    arguments (e.g. "--deterministic" or "--mode fwdbwd").  Its JSON/PNG go to
 #                    bench/results/device-bwd (not returned) unless BWD_FILES=1 puts them in $OUT.
 #   TESTS_TIMEOUT / CHECK_TIMEOUT / BENCH_TIMEOUT / BWD_TIMEOUT / SANITIZE_TIMEOUT   seconds per
-#       step (defaults 200/180/200/180/240: tests+check+bench fit the device tool's 600 s per
-#        call; with BWD=1 or SANITIZE=1 use QUICK=1 or skip something else)
+#       step (defaults 300/180/200/180/240; with BWD=1 or SANITIZE=1 use QUICK=1 or skip something else)
+#   One H100 call (sized from session 44's times, ~8 min; not yet run as one call):
+#       QUICK=1 SKIP_CHECK=1 BWD=1 SUSTAIN=1 WINDOW=1 BENCH_ARGS=--no-plot bash bench/run_device.sh
 #
-# The tests step runs every `-m gpu` test under tests/, the backward's
-# (tests/test_backward_gpu.py) included; `check` verifies the backward too.
+# The tests step runs every `-m gpu` test under tests/ in four pytest processes side by side
+# (bench/gpu_tests.sh, ~3.5 min on an H100); `check` verifies the backward too.
 #
 # Files written to $OUT (the device tool returns at most 8): env.txt (nvidia-smi, versions,
 # then one status line per step), tests.log, check.log, bench.log, fwd_<gpu>_<date>.json/.png,
@@ -85,8 +89,8 @@ else
 fi
 
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  FA2CUPY_HYPOTHESIS_PROFILE=device step tests "${TESTS_TIMEOUT:-200}" "$OUT/tests.log" \
-    "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/
+  PYTHON="$PY" LIMIT=$(( ${TESTS_TIMEOUT:-300} - 20 )) step tests "${TESTS_TIMEOUT:-300}" "$OUT/tests.log" \
+    bash bench/gpu_tests.sh
 fi
 
 if [ "${SKIP_CHECK:-0}" != 1 ]; then
@@ -108,6 +112,24 @@ if [ "${BWD:-0}" = 1 ]; then  # backward vs SDPA's backward (flash, cuDNN), with
   step bench_bwd "${BWD_TIMEOUT:-180}" "$OUT/bench_bwd.log" \
     "$PY" cli.py bench --mode bwd --headdim 64,128 --causal both --seqlens "$BWD_SL" --dtype bf16 \
     --skip-cold --skip-overhead --out "$BWD_OUT" ${BWD_ARGS:-}
+fi
+
+if [ -n "${SUSTAIN:-}" ]; then  # the same timings, each implementation at its own steady clock
+  # shellcheck disable=SC2086
+  step bench_sustain "${BENCH_TIMEOUT:-200}" "$OUT/bench_sustain.log" \
+    "$PY" cli.py bench --mode fwd --headdim 64,128 --causal both --seqlens "$SEQLENS" --dtype bf16 \
+    --sustain "$SUSTAIN" --skip-cold --skip-overhead --no-plot --out bench/results/device-sustain ${BENCH_ARGS:-}
+  if [ "${BWD:-0}" = 1 ]; then
+    # shellcheck disable=SC2086
+    step bench_bwd_sustain "${BWD_TIMEOUT:-180}" "$OUT/bench_bwd_sustain.log" \
+      "$PY" cli.py bench --mode bwd --headdim 64,128 --causal both --seqlens "$BWD_SL" --dtype bf16 \
+      --sustain "$SUSTAIN" --skip-cold --skip-overhead --no-memory --no-plot --out bench/results/device-sustain \
+      ${BWD_ARGS:-}
+  fi
+fi
+
+if [ "${WINDOW:-0}" = 1 ]; then  # issue 5's window bar: (4096, 0) over 64k against causal, steady clocks
+  step window "${WINDOW_TIMEOUT:-90}" "$OUT/window.log" "$PY" bench/window_speed.py --rounds 3
 fi
 
 if [ "${DECODE:-0}" = 1 ]; then  # decode KV bandwidth vs SDPA flash / cuDNN (issue 4's grid)
