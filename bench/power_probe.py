@@ -16,6 +16,9 @@ Cases (bf16 unless named fp16; `win` is a (4096, 0) window, as bench/window_spee
   f64_causal64k, f64_win64k          the same at 32 heads of 64
   f128_8k, f128_causal8k             fa2cupy, 2 x 8k, 16 heads of 128 (the README's bench rows)
   cudnn128_8k, flash128_8k           torch SDPA cuDNN / flash on the same 2 x 8k inputs
+  copy1g                             a CuPy copy of 1 GiB (2 GiB of HBM traffic a call): joules per GB moved, to
+                                     weigh the HBM traffic every attention call has (q, k, v read, out written)
+  idle                               the card's power and clock with nothing queued (sampled over --seconds)
 """
 
 import argparse
@@ -118,7 +121,17 @@ def make_cases():
         "f128_causal8k": (bench8k_causal, fa2(), None),
         "cudnn128_8k": (bench8k, B.FORWARD_RUNNERS["sdpa_cudnn"], None),
         "flash128_8k": (bench8k, B.FORWARD_RUNNERS["sdpa_flash"], None),
+        "copy1g": (None, None, None),
     }
+
+
+def copy_runner(nbytes: int):
+    """A device-to-device copy of ``nbytes`` (random data), the HBM traffic of a call being twice that."""
+    import cupy  # noqa: PLC0415
+
+    src = cupy.random.random(nbytes // 4, dtype=cupy.float32)
+    dst = cupy.empty_like(src)
+    return B.Runner(lambda: cupy.copyto(dst, src), B.CupyEvents(), contextlib.nullcontext), (src, dst)
 
 
 def main():
@@ -135,11 +148,21 @@ def main():
     print(f"{'case':16s} {'ms/call':>9s} {'TFLOPs/s':>9s} {'MHz':>6s} {'W':>6s} {'Mcycles':>8s} {'J/call':>8s} "
           f"{'J/TFLOP':>8s} {'counter':>8s}  reasons", flush=True)
     for name in args.cases.split(","):
+        if name == "idle":
+            cupy.cuda.runtime.deviceSynchronize()
+            samples, _ = sampled(nvml, lambda: time.sleep(args.seconds))
+            mhz, watts, names = summary(samples)
+            print(f"{name:16s} {'':>9s} {'':>9s} {mhz:6.0f} {watts:6.0f}  {names}", flush=True)
+            continue
         case, factory, window = cases[name]
-        # (fa2cupy on CuPy arrays, timed on CuPy's stream; SDPA on torch tensors, on torch's)
-        framework = "torch" if name.startswith(("cudnn", "flash")) else "cupy"
-        inp = B.make_forward_inputs(case, seed=0, framework=framework)
-        runner = factory(inp)
+        if case is None:  # the copy
+            nbytes = 1 << 30
+            runner, keep = copy_runner(nbytes)
+        else:
+            # (fa2cupy on CuPy arrays, timed on CuPy's stream; SDPA on torch tensors, on torch's)
+            framework = "torch" if name.startswith(("cudnn", "flash")) else "cupy"
+            keep = B.make_forward_inputs(case, seed=0, framework=framework)
+            runner = factory(keep)
         events = runner.events
         with runner.context():
             for _ in range(3):
@@ -158,20 +181,31 @@ def main():
 
             samples, (calls, ms, joules) = sampled(nvml, timed)
         per_call = ms / calls
-        flops = (4.0 * case.batch * case.nheads * case.headdim * B.band_pairs(case.seqlen_k, window) if window
-                 else B.attention_flops(case, "fwd"))
-        mhz = sum(s[0] for s in samples) / len(samples)
-        watts = sum(s[1] for s in samples) / len(samples)
-        reasons = 0
-        for s in samples:
-            reasons |= s[2]
-        names = ",".join(n for bit, n in REASON_NAMES.items() if reasons & bit) or "none"
+        mhz, watts, names = summary(samples)
         per_call_j = watts * per_call / 1e3
-        print(f"{name:16s} {per_call:9.3f} {flops / per_call / 1e9:9.1f} {mhz:6.0f} {watts:6.0f} "
-              f"{mhz * per_call / 1e3:8.3f} {per_call_j:8.3f} {per_call_j / (flops / 1e12):8.3f} "
-              f"{joules / calls:8.3f}  {names}", flush=True)
-        del inp, runner
+        if case is None:
+            moved = 2 * nbytes / 1e9  # GB read and written
+            print(f"{name:16s} {per_call:9.3f} {moved / per_call * 1e3:6.0f}GB/s {mhz:6.0f} {watts:6.0f} "
+                  f"{mhz * per_call / 1e3:8.3f} {per_call_j:8.3f} {per_call_j / moved:6.3f}/GB "
+                  f"{joules / calls:8.3f}  {names}", flush=True)
+        else:
+            flops = (4.0 * case.batch * case.nheads * case.headdim * B.band_pairs(case.seqlen_k, window)
+                     if window else B.attention_flops(case, "fwd"))
+            print(f"{name:16s} {per_call:9.3f} {flops / per_call / 1e9:9.1f} {mhz:6.0f} {watts:6.0f} "
+                  f"{mhz * per_call / 1e3:8.3f} {per_call_j:8.3f} {per_call_j / (flops / 1e12):8.3f} "
+                  f"{joules / calls:8.3f}  {names}", flush=True)
+        del keep, runner
         cupy.get_default_memory_pool().free_all_blocks()
+
+
+def summary(samples) -> tuple[float, float, str]:
+    """Mean SM clock (MHz), mean power (W) and the union of the clock-event reasons of NVML samples."""
+    mhz = sum(s[0] for s in samples) / len(samples)
+    watts = sum(s[1] for s in samples) / len(samples)
+    reasons = 0
+    for s in samples:
+        reasons |= s[2]
+    return mhz, watts, ",".join(n for bit, n in REASON_NAMES.items() if reasons & bit) or "none"
 
 
 if __name__ == "__main__":
