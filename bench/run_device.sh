@@ -29,7 +29,7 @@
 #                    bench/results/device-bwd (not returned) unless BWD_FILES=1 puts them in $OUT.
 #   TESTS_TIMEOUT / CHECK_TIMEOUT / BENCH_TIMEOUT / BWD_TIMEOUT / SANITIZE_TIMEOUT   seconds per
 #       step (defaults 300/180/200/180/240; with BWD=1 or SANITIZE=1 use QUICK=1 or skip something else)
-#   One H100 call (sized from session 44's times, ~8 min; not yet run as one call):
+#   The GPU tests and every timing in one call (340 s on an H200, session 45; 600 s is a call's limit):
 #       QUICK=1 SKIP_CHECK=1 BWD=1 SUSTAIN=1 WINDOW=1 BENCH_ARGS=--no-plot bash bench/run_device.sh
 #
 # The tests step runs every `-m gpu` test under tests/ in four pytest processes side by side
