@@ -55,6 +55,18 @@ def test_varlen_maps_span_the_packed_rows():
                                                                          (3, 900, 2, 64), (3, 700, 8, 64))
 
 
+@pytest.mark.parametrize("shape,element_strides,promotion", [
+    ((2, 1000, 16, 128), (1000 * 16 * 128, 16 * 128, 128, 1), 256),  # the next 128 bytes: the row's columns 64-127
+    ((2, 1000, 16, 64), (1000 * 16 * 64, 16 * 64, 64, 1), 128),  # the next head's row, read by other items
+    ((2, 1000, 16, 64), (16 * 1000 * 64, 64, 1000 * 64, 1), 256),  # heads first: the tile's next row
+    ((2, 1000, 1, 64), (1000 * 64, 64, 64, 1), 256),  # one head: the next row
+    ((2, 1000, 4, 64), (1000 * 3 * 4 * 64, 3 * 4 * 64, 64, 1), 128),  # q of a packed qkv: the next head's q
+])
+def test_l2_promotion_fetches_only_bytes_the_same_tile_reads(shape, element_strides, promotion):
+    dims, byte_strides, _ = tensor_maps.layout(shape, element_strides, 128)
+    assert tensor_maps.l2_promotion(dims, byte_strides) == {128: 2, 256: 3}[promotion]
+
+
 class _Driver:
     """Stands in for the driver's cuTensorMapEncodeTiled: records the calls, fails where told."""
 
@@ -62,7 +74,7 @@ class _Driver:
         self.calls, self.status = [], status
 
     def cuTensorMapEncodeTiled(self, address, dtype, rank, pointer, dims, strides, box, element_strides, *modes):
-        self.calls.append((address, pointer, tuple(dims), tuple(strides), tuple(box)))
+        self.calls.append((address, pointer, tuple(dims), tuple(strides), tuple(box), modes[2]))
         return self.status
 
     def cuGetErrorName(self, status, name):
@@ -82,7 +94,7 @@ def test_maps_are_encoded_again_only_where_a_pointer_changed(monkeypatch):
     addresses = (4096, 4224, 4352, 4480)
     maps.writer((16, 32, 48, 64))(addresses)
     assert [c[:2] for c in driver.calls] == list(zip(addresses, (16, 32, 48, 64)))
-    assert driver.calls[0][2:] == ((64, 4, 100, 2), (128, 512, 51200), (64, 1, 128, 1))
+    assert driver.calls[0][2:] == ((64, 4, 100, 2), (128, 512, 51200), (64, 1, 128, 1), 2)  # 128-byte promotion
     driver.calls.clear()
     maps.writer((16, 32, 48, 80))(addresses)  # a new output array only
     assert [c[:2] for c in driver.calls] == [(4480, 80)]
