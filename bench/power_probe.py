@@ -18,6 +18,9 @@ Cases (bf16 unless named fp16; `win` is a (4096, 0) window, as bench/window_spee
   cudnn128_8k, flash128_8k           torch SDPA cuDNN / flash on the same 2 x 8k inputs
   copy1g                             a CuPy copy of 1 GiB (2 GiB of HBM traffic a call): joules per GB moved, to
                                      weigh the HBM traffic every attention call has (q, k, v read, out written)
+  l2copy8m                           the same bytes moved between SMs and L2 alone: 8 MiB copied 512 times a call
+                                     within one kernel (cache-global loads and stores, L2-resident); the copy1g
+                                     figure less this one is what the DRAM itself costs a GB
   idle                               the card's power and clock with nothing queued (sampled over --seconds)
 """
 
@@ -122,7 +125,37 @@ def make_cases():
         "cudnn128_8k": (bench8k, B.FORWARD_RUNNERS["sdpa_cudnn"], None),
         "flash128_8k": (bench8k, B.FORWARD_RUNNERS["sdpa_flash"], None),
         "copy1g": (None, None, None),
+        "l2copy8m": (None, None, None),
     }
+
+
+L2_COPY = r"""
+extern "C" __global__ void l2_copy(const float4* src, float4* dst, int n, int reps) {
+    // volatile asm: each round's loads and stores are issued, none merged across rounds
+    for (int r = 0; r < reps; ++r)
+        for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+            float4 v;
+            asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];"
+                         : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(src + i));
+            asm volatile("st.global.cg.v4.f32 [%0], {%1, %2, %3, %4};"
+                         :: "l"(dst + i), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
+        }
+}
+"""
+
+
+def l2_copy_runner(nbytes: int, reps: int):
+    """``reps`` copies of ``nbytes`` (small enough to stay in L2) within one kernel; the bytes moved between SMs and
+    L2 a call are ``2 * reps * nbytes``."""
+    import cupy  # noqa: PLC0415
+
+    kernel = cupy.RawKernel(L2_COPY, "l2_copy")
+    src = cupy.random.random(nbytes // 4, dtype=cupy.float32)
+    dst = cupy.empty_like(src)
+    n = nbytes // 16
+    sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    return B.Runner(lambda: kernel((4 * sms,), (256,), (src, dst, cupy.int32(n), cupy.int32(reps))), B.CupyEvents(),
+                    contextlib.nullcontext), (src, dst)
 
 
 def copy_runner(nbytes: int):
@@ -155,7 +188,10 @@ def main():
             print(f"{name:16s} {'':>9s} {'':>9s} {mhz:6.0f} {watts:6.0f}  {names}", flush=True)
             continue
         case, factory, window = cases[name]
-        if case is None:  # the copy
+        if name == "l2copy8m":
+            nbytes = 512 * (8 << 20)  # read a call, as many written
+            runner, keep = l2_copy_runner(8 << 20, 512)
+        elif case is None:  # the copy
             nbytes = 1 << 30
             runner, keep = copy_runner(nbytes)
         else:
