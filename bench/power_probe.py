@@ -124,8 +124,9 @@ def make_cases():
         "f128_causal8k": (bench8k_causal, fa2(), None),
         "cudnn128_8k": (bench8k, B.FORWARD_RUNNERS["sdpa_cudnn"], None),
         "flash128_8k": (bench8k, B.FORWARD_RUNNERS["sdpa_flash"], None),
-        "copy1g": (None, None, None),
-        "l2copy8m": (None, None, None),
+        # (copies: no Case; the factory makes its own arrays and returns the bytes moved a call)
+        "copy1g": (None, lambda: copy_runner(1 << 30), None),
+        "l2copy8m": (None, lambda: l2_copy_runner(8 << 20, 512), None),
     }
 
 
@@ -145,8 +146,8 @@ extern "C" __global__ void l2_copy(const float4* src, float4* dst, int n, int re
 
 
 def l2_copy_runner(nbytes: int, reps: int):
-    """``reps`` copies of ``nbytes`` (small enough to stay in L2) within one kernel; the bytes moved between SMs and
-    L2 a call are ``2 * reps * nbytes``."""
+    """``reps`` copies of ``nbytes`` (small enough to stay in L2) within one kernel: (runner, arrays to keep alive,
+    bytes moved between SMs and L2 a call)."""
     import cupy  # noqa: PLC0415
 
     kernel = cupy.RawKernel(L2_COPY, "l2_copy")
@@ -154,17 +155,18 @@ def l2_copy_runner(nbytes: int, reps: int):
     dst = cupy.empty_like(src)
     n = nbytes // 16
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
-    return B.Runner(lambda: kernel((4 * sms,), (256,), (src, dst, cupy.int32(n), cupy.int32(reps))), B.CupyEvents(),
-                    contextlib.nullcontext), (src, dst)
+    runner = B.Runner(lambda: kernel((4 * sms,), (256,), (src, dst, cupy.int32(n), cupy.int32(reps))),
+                      B.CupyEvents(), contextlib.nullcontext)
+    return runner, (src, dst), 2 * reps * nbytes
 
 
 def copy_runner(nbytes: int):
-    """A device-to-device copy of ``nbytes`` (random data), the HBM traffic of a call being twice that."""
+    """A device-to-device copy of ``nbytes`` (random data): (runner, arrays to keep alive, HBM bytes moved a call)."""
     import cupy  # noqa: PLC0415
 
     src = cupy.random.random(nbytes // 4, dtype=cupy.float32)
     dst = cupy.empty_like(src)
-    return B.Runner(lambda: cupy.copyto(dst, src), B.CupyEvents(), contextlib.nullcontext), (src, dst)
+    return B.Runner(lambda: cupy.copyto(dst, src), B.CupyEvents(), contextlib.nullcontext), (src, dst), 2 * nbytes
 
 
 def main():
@@ -188,12 +190,8 @@ def main():
             print(f"{name:16s} {'':>9s} {'':>9s} {mhz:6.0f} {watts:6.0f}  {names}", flush=True)
             continue
         case, factory, window = cases[name]
-        if name == "l2copy8m":
-            nbytes = 512 * (8 << 20)  # read a call, as many written
-            runner, keep = l2_copy_runner(8 << 20, 512)
-        elif case is None:  # the copy
-            nbytes = 1 << 30
-            runner, keep = copy_runner(nbytes)
+        if case is None:
+            runner, keep, moved = factory()
         else:
             # (fa2cupy on CuPy arrays, timed on CuPy's stream; SDPA on torch tensors, on torch's)
             framework = "torch" if name.startswith(("cudnn", "flash")) else "cupy"
@@ -220,9 +218,9 @@ def main():
         mhz, watts, names = summary(samples)
         per_call_j = watts * per_call / 1e3
         if case is None:
-            moved = 2 * nbytes / 1e9  # GB read and written
-            print(f"{name:16s} {per_call:9.3f} {moved / per_call * 1e3:6.0f}GB/s {mhz:6.0f} {watts:6.0f} "
-                  f"{mhz * per_call / 1e3:8.3f} {per_call_j:8.3f} {per_call_j / moved:6.3f}/GB "
+            gb = moved / 1e9
+            print(f"{name:16s} {per_call:9.3f} {gb / per_call * 1e3:6.0f}GB/s {mhz:6.0f} {watts:6.0f} "
+                  f"{mhz * per_call / 1e3:8.3f} {per_call_j:8.3f} {per_call_j / gb:6.3f}/GB "
                   f"{joules / calls:8.3f}  {names}", flush=True)
         else:
             flops = (4.0 * case.batch * case.nheads * case.headdim * B.band_pairs(case.seqlen_k, window)
