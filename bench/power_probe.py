@@ -16,11 +16,11 @@ Cases (bf16 unless named fp16; `win` is a (4096, 0) window, as bench/window_spee
   f64_causal64k, f64_win64k          the same at 32 heads of 64
   f128_8k, f128_causal8k             fa2cupy, 2 x 8k, 16 heads of 128 (the README's bench rows)
   cudnn128_8k, flash128_8k           torch SDPA cuDNN / flash on the same 2 x 8k inputs
-  copy1g                             a CuPy copy of 1 GiB (2 GiB of HBM traffic a call): joules per GB moved, to
-                                     weigh the HBM traffic every attention call has (q, k, v read, out written)
-  l2copy8m                           the same bytes moved between SMs and L2 alone: 8 MiB copied 512 times a call
-                                     within one kernel (cache-global loads and stores, L2-resident); the copy1g
-                                     figure less this one is what the DRAM itself costs a GB
+  copy1g                             a copy of 1 GiB (2 GiB of HBM traffic a call): joules per GB moved, to weigh
+                                     the HBM traffic every attention call has (q, k, v read, out written)
+  l2copy8m                           the same copy kernel over 8 MiB, 512 times a call: the bytes move between SMs
+                                     and L2 alone (L2-resident); the copy1g figure less this one is what the DRAM
+                                     itself costs a GB
   idle                               the card's power and clock with nothing queued (sampled over --seconds)
 """
 
@@ -125,13 +125,13 @@ def make_cases():
         "cudnn128_8k": (bench8k, B.FORWARD_RUNNERS["sdpa_cudnn"], None),
         "flash128_8k": (bench8k, B.FORWARD_RUNNERS["sdpa_flash"], None),
         # (copies: no Case; the factory makes its own arrays and returns the bytes moved a call)
-        "copy1g": (None, lambda: copy_runner(1 << 30), None),
-        "l2copy8m": (None, lambda: l2_copy_runner(8 << 20, 512), None),
+        "copy1g": (None, lambda: copy_runner(1 << 30, 1), None),
+        "l2copy8m": (None, lambda: copy_runner(8 << 20, 512), None),
     }
 
 
-L2_COPY = r"""
-extern "C" __global__ void l2_copy(const float4* src, float4* dst, int n, int reps) {
+COPY = r"""
+extern "C" __global__ void copy_rounds(const float4* src, float4* dst, int n, int reps) {
     // volatile asm: each round's loads and stores are issued, none merged across rounds
     for (int r = 0; r < reps; ++r)
         for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
@@ -145,12 +145,12 @@ extern "C" __global__ void l2_copy(const float4* src, float4* dst, int n, int re
 """
 
 
-def l2_copy_runner(nbytes: int, reps: int):
-    """``reps`` copies of ``nbytes`` (small enough to stay in L2) within one kernel: (runner, arrays to keep alive,
-    bytes moved between SMs and L2 a call)."""
+def copy_runner(nbytes: int, reps: int):
+    """``reps`` copies of ``nbytes`` (random data) within one kernel, with cache-global loads and stores (so over a
+    few MiB the rounds after the first stay in L2): (runner, arrays to keep alive, bytes moved a call)."""
     import cupy  # noqa: PLC0415
 
-    kernel = cupy.RawKernel(L2_COPY, "l2_copy")
+    kernel = cupy.RawKernel(COPY, "copy_rounds")
     src = cupy.random.random(nbytes // 4, dtype=cupy.float32)
     dst = cupy.empty_like(src)
     n = nbytes // 16
@@ -158,15 +158,6 @@ def l2_copy_runner(nbytes: int, reps: int):
     runner = B.Runner(lambda: kernel((4 * sms,), (256,), (src, dst, cupy.int32(n), cupy.int32(reps))),
                       B.CupyEvents(), contextlib.nullcontext)
     return runner, (src, dst), 2 * reps * nbytes
-
-
-def copy_runner(nbytes: int):
-    """A device-to-device copy of ``nbytes`` (random data): (runner, arrays to keep alive, HBM bytes moved a call)."""
-    import cupy  # noqa: PLC0415
-
-    src = cupy.random.random(nbytes // 4, dtype=cupy.float32)
-    dst = cupy.empty_like(src)
-    return B.Runner(lambda: cupy.copyto(dst, src), B.CupyEvents(), contextlib.nullcontext), (src, dst), 2 * nbytes
 
 
 def main():
