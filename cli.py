@@ -100,7 +100,7 @@ def require_gpu() -> str:
 # --------------------------------------------------------------------------- #
 
 # Bounds live in fa2cupy/benchmark.py (one place, shared with the GPU tests and
-# bench/sanitize_case.py): B.out_bound, B.lse_bound, B.gradient_bound.
+# bench/dev/sanitize_case.py): B.out_bound, B.lse_bound, B.gradient_bound.
 
 
 C = B.Case
@@ -447,7 +447,7 @@ def _int_list(ctx, param, value):
 @click.option("--dtype", type=click.Choice(["bf16", "fp16"]), default="bf16", show_default=True)
 @click.option("--tokens", default=16384, show_default=True, help="Tokens per batch.")
 @click.option("--hidden", default=2048, show_default=True, help="Model width (nheads = hidden // headdim).")
-@click.option("--out", "out_dir", default="bench/results", show_default=True, type=click.Path(file_okay=False),
+@click.option("--out", "out_dir", default="bench/out", show_default=True, type=click.Path(file_okay=False),
               help="Folder for the JSON and PNG.")
 @click.option("--repeats", default=30, show_default=True, help="Timed runs per implementation (median).")
 @click.option("--warmup", default=10, show_default=True, help="Untimed runs first.")

@@ -16,7 +16,7 @@ Modes: ``fwd``, ``bwd`` (backward only, given out/lse from one forward) and
 cache length) and metric (KV-cache bytes read per second): :func:`decode_grid`,
 :func:`bench_decode_case`, :func:`decode_table`.
 
-The error bounds shared by ``fa2cupy check``, bench/sanitize_case.py and the GPU
+The error bounds shared by ``fa2cupy check``, bench/dev/sanitize_case.py and the GPU
 tests live here too (:func:`out_bound`, :func:`lse_bound`, :func:`gradient_bound`,
 :func:`reference_gradients`), in one place.
 """
@@ -219,7 +219,7 @@ def tflops_per_s(flops: float, ms: float | None) -> float | None:
 
 # --------------------------------------------------------------------------- #
 # Error bounds against the float64 reference (pure NumPy; one place for the
-# CLI, bench/sanitize_case.py and the GPU tests)
+# CLI, bench/dev/sanitize_case.py and the GPU tests)
 # --------------------------------------------------------------------------- #
 
 #: Unit roundoff of the input dtypes (half an ulp of 1): fp16 2^-11, bf16 2^-8.

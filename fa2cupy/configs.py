@@ -158,7 +158,7 @@ FORWARD_MASKED_TABLE: dict[tuple[str, int], FwdConfig] = {
     ("sm90", 64): _fwd(64, 128, 96, 4, min_blocks=2),
 }
 
-#: Extra configurations timed by bench/tune_fwd.py (``TUNE=1 bash bench/run_device.sh``) when re-tuning the table.
+#: Extra configurations timed by bench/dev/tune_fwd.py (``TUNE=1 bash bench/dev/run_device.sh``) when re-tuning the table.
 FORWARD_CANDIDATES: dict[int, tuple[FwdConfig, ...]] = {
     64: (
         _fwd(64, 128, 128, 4, min_blocks=2),
@@ -375,7 +375,7 @@ BACKWARD_TABLE: dict[tuple[str, int], BwdConfig] = {
     **{("sm90", d): c for d, c in _BWD_SM90.items()},
 }
 
-#: Extra backward configurations timed by bench/tune_bwd.py when re-tuning the table.
+#: Extra backward configurations timed by bench/dev/tune_bwd.py when re-tuning the table.
 BACKWARD_CANDIDATES: dict[int, tuple[BwdConfig, ...]] = {
     64: (
         _bwd(64, 128, 128, 8, 4),
@@ -475,7 +475,7 @@ class DecodeConfig:
 
 
 # Decode is memory-bound: what matters is bytes in flight per SM (warps x ring depth x tile) against the smem
-# that buys them. H100 (bench/tune_decode.py, bench/NOTES.md): 4 warps x 2 stages x 32-key tiles with the L2
+# that buys them. H100 (bench/dev/tune_decode.py, bench/NOTES.md): 4 warps x 2 stages x 32-key tiles with the L2
 # 256-byte prefetch hint was the best or within 1% of it at every measured point; the hint alone is worth 2%.
 # (4 warps x 5 stages x 16-key tiles: 1% faster at 64x1k, 1.6-5% slower at 8x64k and 8x1k.)
 _DEC = {d: DecodeConfig(d, 32, 2, 4, True) if d <= 128 else DecodeConfig(d, 16, 2, 2, True) for d in HEADDIMS}
@@ -486,7 +486,7 @@ DECODE_TABLE: dict[tuple[str, int], DecodeConfig] = {
     **{("sm90", d): c for d, c in _DEC.items()},
 }
 #: The same rows with the deep ring, for short streams: work items of DEEP_RING_TILES key tiles per warp. H100
-#: (bench/decode_ab.py, bench/NOTES.md): 2-8% faster at 1x4k, 8x1k, 1x16k, 8x4k, 64x1k, where the rounds that every
+#: (bench/dev/decode_ab.py, bench/NOTES.md): 2-8% faster at 1x4k, 8x1k, 1x16k, 8x4k, 64x1k, where the rounds that every
 #: block starts together are most of the stream; 0.2-1.7% slower on long streams (1x64k, 8x64k, 64x16k) and on
 #: single-tile ones (1x1k). Measured at d=128 only, so only that row has one.
 DECODE_DEEP_TABLE: dict[tuple[str, int], DecodeConfig] = {
@@ -499,7 +499,7 @@ DEEP_RING_TILES = range(2, 17)
 DECODE_WARP_TABLE: dict[tuple[str, int], DecodeConfig] = {
     ("sm90", 128): replace(_DEC[128], warp_items=True),
 }
-#: Tuning candidates at d=128 (bench/tune_decode.py), compiled on demand, not shipped.
+#: Tuning candidates at d=128 (bench/dev/tune_decode.py), compiled on demand, not shipped.
 DECODE_CANDIDATES = tuple(
     DecodeConfig(128, bn, st, w, pf)
     for bn, st, w, pf in ((16, 3, 4, False), (16, 3, 4, True), (16, 4, 4, True), (32, 2, 4, False),

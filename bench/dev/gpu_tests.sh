@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Every `-m gpu` test under tests/ in four pytest processes side by side on one GPU: the float64 references are
+# CPU work, so the suite (~11 min in one process on an H100) takes ~3.5 min this way (session 44: 546 passed in
+# 204 s), and it fits a device call beside the benchmark. Each group's log is printed in turn; exit 1 if any failed.
+#
+#   bash bench/dev/gpu_tests.sh        # LIMIT=seconds per process (default 280), PYTHON=interpreter
+#
+# The last group is every test file the first three do not name, so a new file is never left out.
+set -u
+cd "$(dirname "$0")/../.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" FA2CUPY_HYPOTHESIS_PROFILE="${FA2CUPY_HYPOTHESIS_PROFILE:-device}"
+# (BLAS threads capped so that four processes do not oversubscribe the CPU; JAX takes GPU memory as it needs it)
+export XLA_PYTHON_CLIENT_PREALLOCATE=false OMP_NUM_THREADS=4 OPENBLAS_NUM_THREADS=4 MKL_NUM_THREADS=4
+PY="${PYTHON:-python3}"
+groups=(
+  "tests/test_kvcache.py"
+  "tests/test_hopper_forward_gpu.py tests/test_paged_varlen_gpu.py tests/test_forward_gpu.py tests/test_benchmark.py tests/test_cli.py"
+  "tests/test_torch.py tests/test_jax.py tests/test_packed.py tests/test_varlen_mods_gpu.py"
+)
+rest=(tests/)
+for group in "${groups[@]}"; do for f in $group; do rest+=("--ignore=$f"); done; done
+logs=$(mktemp -d)
+pids=()
+run() {  # run N ARGS...: one pytest process, its output in $logs/N.log
+  local n=$1; shift
+  timeout -k 15 "${LIMIT:-280}" "$PY" -m pytest -q -m gpu -p no:cacheprovider --durations=5 "$@" > "$logs/$n.log" 2>&1
+}
+for n in "${!groups[@]}"; do
+  # shellcheck disable=SC2086
+  run "$n" ${groups[$n]} & pids+=($!)
+done
+run "${#groups[@]}" "${rest[@]}" & pids+=($!)
+failed=0
+for n in "${!pids[@]}"; do
+  wait "${pids[$n]}"; rc=$?
+  echo "=== group $((n + 1)) of ${#pids[@]}: rc=$rc"
+  cat "$logs/$n.log"
+  [ "$rc" = 0 ] || failed=1
+done
+rm -rf "$logs"
+exit $failed

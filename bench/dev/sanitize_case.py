@@ -1,0 +1,422 @@
+"""A few small forward and backward cases for compute-sanitizer (memcheck / racecheck).
+
+    compute-sanitizer --tool memcheck  python3 bench/dev/sanitize_case.py
+    compute-sanitizer --tool racecheck python3 bench/dev/sanitize_case.py
+
+Small on purpose (the sanitizers slow kernels down by orders of magnitude) but
+covering the edges: partial tiles, causal with sq != sk (fully masked rows),
+head dims 40 and 256, GQA/MQA, a single query.  Uses CuPy arrays only (no torch,
+less noise under the sanitizer).  Each output is also checked against the float64
+reference with the ``fa2cupy check`` bounds; exit status 1 on a mismatch.
+
+The forward cases run the forward only; BWD_CASES run forward + backward
+(``flash_attn_backward``, dq/dk/dv against the reference with
+``fa2cupy.benchmark.gradient_bound``), in both deterministic modes; DECODE_CASES run
+``flash_attn_with_kvcache`` (append, split-KV with the last-block merge, paged and
+contiguous, causal) against ``flash_attn_func`` over each row's keys; decode_deep runs them again with the deep
+ring (d=128 on sm_90), decode_walk with both rings on a pretend 2-SM GPU, where each decode block walks several
+work items, decode_warp with one split and warps that stream whole items (both rings, 1 and 2 pretend SMs);
+fwd_hopper runs the forward, window, varlen and paged cases of head dim 64 and 128 without modifiers (the Hopper
+kernel's, on sm_90) with 1 and 2 pretend SMs, so that each persistent block walks many work items; bwd_hopper runs
+the d=64 and d=128 backward and window cases in the default mode (the Hopper dK/dV kernel's, on sm_90); paged_mma
+runs the paged cases on the mma.sync forward (which sm_90 otherwise uses only with modifiers or other head dims).
+
+    python3 bench/dev/sanitize_case.py [fwd|bwd|...|paged_mma|decode|decode_deep|decode_walk|decode_warp|fwd_hopper|bwd_hopper ...]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import numpy as np  # noqa: E402
+
+import cli  # noqa: E402
+from fa2cupy import benchmark as B  # noqa: E402
+
+CASES = (
+    B.Case(1, 64, 64, 2, 2, 64, False, "fp16"),      # exactly one tile
+    B.Case(1, 65, 65, 2, 2, 64, True, "bf16"),       # one past a tile, causal
+    B.Case(2, 37, 91, 4, 2, 40, True, "bf16"),       # headdim 40 (padded), GQA, causal sq < sk
+    B.Case(1, 33, 129, 2, 2, 256, False, "fp16"),    # headdim 256
+    B.Case(1, 129, 33, 4, 1, 128, True, "bf16"),     # MQA, causal sq > sk: fully masked rows
+    B.Case(2, 1, 77, 2, 2, 128, True, "fp16"),       # one query
+    B.Case(1, 100, 100, 3, 3, 33, False, "bf16"),    # odd headdim
+)
+
+# (case, deterministic): forward + backward.
+BWD_CASES = (
+    (B.Case(1, 64, 64, 2, 2, 64, False, "fp16"), False),     # exactly one tile
+    (B.Case(1, 65, 65, 2, 2, 64, True, "bf16"), True),       # one past a tile, causal
+    (B.Case(1, 37, 91, 4, 2, 40, True, "bf16"), False),      # headdim 40, GQA, causal sq < sk
+    (B.Case(1, 37, 91, 4, 2, 40, True, "bf16"), True),
+    (B.Case(1, 33, 70, 2, 2, 256, False, "fp16"), True),     # headdim 256
+    (B.Case(1, 33, 70, 2, 2, 256, True, "fp16"), False),
+    (B.Case(1, 97, 33, 4, 1, 128, True, "bf16"), False),     # MQA, causal sq > sk: dead rows
+    (B.Case(1, 97, 33, 4, 1, 128, True, "bf16"), True),
+    (B.Case(1, 1, 77, 2, 2, 128, True, "fp16"), False),      # one query
+)
+
+
+# (batch, seqlen_q, nheads, nheads_kv, headdim, capacity, seqlen_new, causal, page_size or None, num_splits)
+DECODE_CASES = (
+    (3, 1, 8, 2, 128, 256, 1, False, None, 3),   # split-KV, GQA 4, append one token
+    (2, 4, 8, 2, 64, 96, 2, True, 16, 0),        # paged (16-key pages), speculative 4 queries, causal
+    (2, 3, 6, 3, 256, 64, 0, True, None, 1),     # headdim 256, one split, no append
+    (1, 1, 4, 1, 40, 48, 3, False, 16, 2),       # headdim 40, MQA
+    (1, 1, 32, 8, 128, 2048, 1, False, None, 0),  # the bar's heads: 16 splits
+    (1, 1, 8, 1, 128, 4096, 1, False, 16, 40),    # 40 splits: the last block merges them in three chunks
+    (1, 1, 32, 8, 128, 2048, 0, False, 64, 0),    # paged bar heads, no append: block_table read before the wait
+)
+
+
+def run_decode_cases(deep=None, warp_items=None) -> int:
+    """DECODE_CASES with decode.DEEP_RING set to ``deep`` and decode.WARP_ITEMS to ``warp_items`` (plans rebuilt
+    for them; with warp items, every case takes one split); how many failed."""
+    from fa2cupy import decode, interface
+
+    decode.DEEP_RING, decode.WARP_ITEMS = deep, warp_items
+    interface._cached_calls.clear()
+    try:
+        return sum(not check_decode(i, *case[:-1], 1 if warp_items else case[-1])
+                   for i, case in enumerate(DECODE_CASES))
+    finally:
+        decode.DEEP_RING = decode.WARP_ITEMS = None
+        interface._cached_calls.clear()
+
+
+def check_decode(i, batch, sq, h, hkv, d, cap, new, causal, page, splits) -> bool:
+    """One flash_attn_with_kvcache call against flash_attn_func over each row's keys (after the append)."""
+    import cupy as cp
+
+    import fa2cupy
+
+    rng = np.random.default_rng(100 + i)
+    lens = rng.integers(0, cap - new + 1, size=batch).astype(np.int32)
+    lens[0] = cap - new
+
+    def randn(*shape):
+        return cp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(cp.float16)
+
+    q, kc, vc = randn(batch, sq, h, d), randn(batch, cap, hkv, d), randn(batch, cap, hkv, d)
+    kn, vn = (randn(batch, new, hkv, d), randn(batch, new, hkv, d)) if new else (None, None)
+    ke, ve = kc.copy(), vc.copy()
+    for b in range(batch):
+        if new:
+            ke[b, lens[b]:lens[b] + new], ve[b, lens[b]:lens[b] + new] = kn[b], vn[b]
+    extra = {}
+    if page:
+        pages = cap // page
+        perm = rng.permutation(batch * pages).astype(np.int32)
+        kc_in, vc_in = (cp.empty((batch * pages, page, hkv, d), dtype=cp.float16) for _ in range(2))
+        kc_in[cp.asarray(perm)] = kc.reshape(batch * pages, page, hkv, d)
+        vc_in[cp.asarray(perm)] = vc.reshape(batch * pages, page, hkv, d)
+        extra["block_table"] = cp.asarray(perm.reshape(batch, pages))
+    else:
+        kc_in, vc_in = kc, vc
+    out = fa2cupy.flash_attn_with_kvcache(q, kc_in, vc_in, k=kn, v=vn, cache_seqlens=cp.asarray(lens),
+                                          causal=causal, num_splits=splits, **extra)
+    worst = 0.0
+    for b in range(batch):
+        n = int(lens[b]) + new
+        if n == 0:
+            worst = max(worst, float(cp.abs(out[b].astype(cp.float32)).max()))
+            continue
+        ref = fa2cupy.flash_attn_func(q[b:b + 1], ke[b:b + 1, :n], ve[b:b + 1, :n], causal=causal)
+        worst = max(worst, float(cp.abs(out[b:b + 1].astype(cp.float32) - ref.astype(cp.float32)).max()))
+    ok = worst < 3e-3
+    print(f"decode {i}: b{batch} sq{sq} h{h}/{hkv} d{d} cap{cap} new{new} causal={causal} page={page} "
+          f"splits={splits}: max|diff| {worst:.1e} {'ok' if ok else 'FAIL'}", flush=True)
+    return ok
+
+
+# (sq, sk, h, hkv, d, causal, window_size): forward + backward with a sliding window.
+WINDOW_CASES = (
+    (130, 200, 4, 2, 64, False, (20, 5)),
+    (200, 90, 2, 1, 128, True, (16, 0)),  # sq > sk: rows and keys with nothing visible
+    (70, 70, 2, 2, 40, False, (0, -1)),
+    (400, 400, 2, 1, 128, False, (150, 20)),  # bands of several tiles: the window forward's warps lead
+    (300, 350, 2, 2, 96, True, (70, 0)),
+)
+
+
+def check_window(i, sq, sk, h, hkv, d, causal, window) -> bool:
+    """Forward and backward with a sliding window against the float64 reference (fa2cupy check's bounds)."""
+    import cupy as cp
+
+    import fa2cupy
+    from fa2cupy import benchmark as B
+    from fa2cupy.reference import attention_ref
+
+    rng = np.random.default_rng(200 + i)
+    q, k, v, dout = (cp.asarray(rng.standard_normal(s, dtype=np.float32)).astype(cp.float16)
+                     for s in ((1, sq, h, d), (1, sk, hkv, d), (1, sk, hkv, d), (1, sq, h, d)))
+    out, lse, _ = fa2cupy.flash_attn_func(q, k, v, causal=causal, window_size=window, return_attn_probs=True)
+    grads = fa2cupy.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, window_size=window)
+    host = [cp.asnumpy(x).astype(np.float64) for x in (q, k, v, dout, out)]
+    ref, _ = attention_ref(*host[:3], causal=causal, window_size=window)
+    ok = np.abs(host[4] - ref).max() <= B.out_bound("fp16", np.abs(ref).max())
+    for name, err, bound in B.gradient_errors([cp.asnumpy(g) for g in grads], host[3], *host[:3], host[4], "fp16",
+                                              None, causal, window):
+        ok &= err <= bound
+    print(f"window {i}: sq{sq} sk{sk} h{h}/{hkv} d{d} causal={causal} window={window}: {'ok' if ok else 'FAIL'}",
+          flush=True)
+    return bool(ok)
+
+# More backward cases for the Hopper dK/dV kernel (d=128 and 64): several key blocks and query tiles, both ring slots
+# and dS buffers reused, GQA sums, ragged ends on both sides.
+HOPPER_BWD_CASES = (
+    B.Case(1, 200, 300, 4, 2, 128, False, "bf16"),
+    B.Case(2, 190, 130, 2, 1, 128, True, "fp16"),
+    B.Case(1, 200, 300, 4, 2, 64, False, "fp16"),
+    B.Case(2, 190, 130, 2, 1, 64, True, "bf16"),
+)
+
+# (lengths, h, hkv, d, causal, window_size, softcap, alibi, deterministic): varlen forward + backward.
+VARLEN_CASES = (
+    ((70, 0, 1, 130), 4, 2, 64, True, (-1, -1), 0.0, False, False),
+    ((33, 90), 2, 1, 128, False, (16, 4), 2.0, True, True),
+    ((65,), 2, 2, 40, True, (-1, -1), 5.0, True, False),
+)
+
+# Varlen cases for the Hopper dK/dV kernel (d=128 and 64, no modifiers, atomic dQ): empty and one-row sequences, key
+# blocks past a sequence's end.
+HOPPER_BWD_VARLEN_CASES = (
+    ((70, 0, 1, 130), 4, 2, 128, True, (-1, -1), 0.0, False, False),
+    ((33, 190), 2, 1, 128, False, (16, 4), 0.0, False, False),
+    ((70, 0, 1, 130), 4, 2, 64, True, (-1, -1), 0.0, False, False),
+    ((33, 190), 2, 1, 64, False, (16, 4), 0.0, False, False),
+)
+
+
+def check_varlen(i, lengths, h, hkv, d, causal, window, softcap, alibi, det) -> bool:
+    """Varlen (with softcap / ALiBi) forward and backward against the float64 reference."""
+    import cupy as cp
+
+    import fa2cupy
+    from fa2cupy import benchmark as B
+    from fa2cupy.reference import attention_ref_varlen, attention_ref_varlen_backward
+
+    rng = np.random.default_rng(300 + i)
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    total = int(cu[-1]) + 3  # three rows past the last sequence
+    q, k, v, dout = (cp.asarray(rng.standard_normal(s, dtype=np.float32)).astype(cp.float16)
+                     for s in ((total, h, d), (total, hkv, d), (total, hkv, d), (total, h, d)))
+    slopes = cp.asarray(rng.uniform(0, 0.3, (len(lengths), h)).astype(np.float32)) if alibi else None
+    kw = dict(causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes)
+    cu_d = cp.asarray(cu)
+    m = max(lengths)
+    out, lse, _ = fa2cupy.flash_attn_varlen_func(q, k, v, cu_d, cu_d, m, m, return_attn_probs=True, **kw)
+    grads = fa2cupy.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_d, cu_d, m, m, deterministic=det, **kw)
+    host = [cp.asnumpy(x).astype(np.float64) for x in (q, k, v, dout, out)]
+    ref_kw = dict(kw, alibi_slopes=None if slopes is None else cp.asnumpy(slopes))
+    ref, _ = attention_ref_varlen(*host[:3], cu, cu, **ref_kw)
+    rows = slice(0, int(cu[-1]))
+    ok = np.abs(host[4][rows] - ref[rows]).max() <= B.out_bound("fp16", np.abs(ref).max())
+    refs = attention_ref_varlen_backward(host[3], *host[:3], cu, cu, out=host[4], **ref_kw)
+    floor = B.gradient_floor(d ** -0.5, d, np.abs(host[3]).max(), np.abs(host[2]).max(), np.abs(host[0]).max())
+    for g, r in zip(grads, refs):
+        ok &= np.abs(cp.asnumpy(g).astype(np.float64)[rows] - r[rows]).max() <= B.gradient_bound(
+            "fp16", np.abs(r).max(), floor)
+    print(f"varlen {i}: lengths {lengths} h{h}/{hkv} d{d} causal={causal} window={window} softcap={softcap} "
+          f"alibi={alibi} deterministic={det}: {'ok' if ok else 'FAIL'}", flush=True)
+    return bool(ok)
+
+
+# (b, sq, sk, h, hkv, d, causal, dropout_p, deterministic): forward + backward with dropout.
+DROPOUT_CASES = (
+    (1, 70, 90, 2, 1, 64, True, 0.3, False),
+    (2, 33, 33, 2, 2, 128, False, 0.5, True),
+)
+
+
+def check_dropout(i, b, sq, sk, h, hkv, d, causal, p, det) -> bool:
+    """Dropout forward and backward against the reference applying fa2cupy.dropout_mask's mask."""
+    import cupy as cp
+
+    import fa2cupy
+    from fa2cupy import benchmark as B
+    from fa2cupy.reference import attention_ref, attention_ref_backward
+
+    rng = np.random.default_rng(400 + i)
+    q, k, v, dout = (cp.asarray(rng.standard_normal(s, dtype=np.float32)).astype(cp.float16)
+                     for s in ((b, sq, h, d), (b, sk, hkv, d), (b, sk, hkv, d), (b, sq, h, d)))
+    kw = dict(causal=causal, dropout_p=p, dropout_seed=1000 + i, dropout_offset=8)
+    out, lse, _ = fa2cupy.flash_attn_func(q, k, v, return_attn_probs=True, **kw)
+    grads = fa2cupy.flash_attn_backward(dout, q, k, v, out, lse, deterministic=det, **kw)
+    mask = cp.asnumpy(fa2cupy.dropout_mask(b, h, sq, sk, p, 1000 + i, 8))
+    host = [cp.asnumpy(x).astype(np.float64) for x in (q, k, v, dout, out)]
+    ref, _ = attention_ref(*host[:3], causal=causal, dropout_p=p, dropout_mask=mask)
+    ok = np.abs(host[4] - ref).max() <= B.out_bound("fp16", np.abs(ref).max()) / (1 - p)
+    refs = attention_ref_backward(host[3], *host[:3], causal=causal, out=host[4], dropout_p=p, dropout_mask=mask)
+    floor = B.gradient_floor(d ** -0.5 / (1 - p), d, np.abs(host[3]).max(), np.abs(host[2]).max(),
+                             np.abs(host[0]).max())
+    for g, r in zip(grads, refs):
+        ok &= np.abs(cp.asnumpy(g).astype(np.float64) - r).max() <= B.gradient_bound("fp16", np.abs(r).max(), floor)
+    print(f"dropout {i}: b{b} sq{sq} sk{sk} h{h}/{hkv} d{d} causal={causal} p={p} deterministic={det}: "
+          f"{'ok' if ok else 'FAIL'}", flush=True)
+    return bool(ok)
+
+
+# (lengths_q, lengths_k, h, hkv, d, page_size, window_size): causal paged varlen forward + backward.
+PAGED_CASES = (
+    ((70, 0, 1, 130), (90, 3, 40, 130), 4, 2, 64, 16, (-1, -1)),
+    ((33, 90), (100, 17), 2, 1, 128, 48, (16, 4)),
+    ((65,), (65,), 2, 2, 40, 1, (-1, -1)),
+)
+
+
+def check_paged(i, lengths_q, lengths_k, h, hkv, d, page_size, window) -> bool:
+    """Paged varlen (block_table) against the packed varlen call on the same keys: bitwise forward, deterministic
+    backward (dq bitwise, dk/dv summed onto pages)."""
+    import cupy as cp
+
+    import fa2cupy
+    from fa2cupy import paging
+
+    rng = np.random.default_rng(500 + i)
+    cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
+    q, dout = (rng.standard_normal((int(cu_q[-1]), h, d), dtype=np.float32).astype(np.float16) for _ in range(2))
+    k, v = (rng.standard_normal((int(cu_k[-1]), hkv, d), dtype=np.float32).astype(np.float16) for _ in range(2))
+    table, num_pages = paging.shuffled_block_table(rng, lengths_k, page_size, spare_pages=2, unused=0)
+    k_pages, v_pages = (rng.standard_normal((num_pages, page_size, hkv, d), dtype=np.float32).astype(np.float16)
+                        for _ in range(2))
+    for pages, packed in ((k_pages, k), (v_pages, v)):
+        paging.write_pages(np, pages, packed, cu_k, table)
+    q, dout, k, v, k_pages, v_pages, table, cu_qd, cu_kd = (
+        cp.asarray(x) for x in (q, dout, k, v, k_pages, v_pages, table, cu_q, cu_k))
+    mq, mk = max(lengths_q), max(lengths_k)
+    kw = dict(causal=True, window_size=window, deterministic=True)
+    out_p, lse_p, _ = fa2cupy.flash_attn_varlen_func(q, k_pages, v_pages, cu_qd, cu_kd, mq, mk, block_table=table,
+                                                     return_attn_probs=True, **kw)
+    out, lse, _ = fa2cupy.flash_attn_varlen_func(q, k, v, cu_qd, cu_kd, mq, mk, return_attn_probs=True, **kw)
+    ok = bool(cp.array_equal(out_p, out)) and bool(cp.array_equal(lse_p, lse))
+    dq_p, dk_p, dv_p = fa2cupy.flash_attn_varlen_backward(dout, q, k_pages, v_pages, out, lse, cu_qd, cu_kd, mq, mk,
+                                                          block_table=table, **kw)
+    dq, dk, dv = fa2cupy.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_qd, cu_kd, mq, mk, **kw)
+    ok &= bool(cp.array_equal(dq_p, dq))
+    pages_of = cp.asarray(np.concatenate([table[b, np.arange(n) // page_size] for b, n in enumerate(lengths_k)]))
+    slots = cp.asarray(np.concatenate([np.arange(n) % page_size for n in lengths_k]))
+    ok &= bool(cp.array_equal(dk_p[pages_of, slots], dk)) and bool(cp.array_equal(dv_p[pages_of, slots], dv))
+    fa2cupy.check_device_errors()
+    print(f"paged {i}: lengths q {lengths_q} k {lengths_k} h{h}/{hkv} d{d} page {page_size} window={window}: "
+          f"{'ok' if ok else 'FAIL'}", flush=True)
+    return ok
+
+
+def main(groups) -> int:
+    ok, msg = cli.probe_gpu()
+    if not ok:
+        print(msg)
+        return 2
+    print(cli.check_header(), flush=True)
+    bad = total = 0
+    if "fwd" in groups:
+        for i, case in enumerate(CASES):
+            r = cli.run_check_case(case, seed=i, backward=False)
+            print(cli.check_row(i, r), flush=True)
+            bad += not r.passed
+            total += 1
+    if "bwd" in groups:
+        for j, (case, det) in enumerate(BWD_CASES, start=len(CASES)):
+            r = cli.run_check_case(case, seed=j, backward=True, deterministic=det)
+            print(cli.check_row(j, r), flush=True)
+            bad += not r.passed
+            total += 1
+    if "window" in groups:
+        for i, case in enumerate(WINDOW_CASES):
+            bad += not check_window(i, *case)
+            total += 1
+    if "varlen" in groups:
+        for i, case in enumerate(VARLEN_CASES):
+            bad += not check_varlen(i, *case)
+            total += 1
+    if "paged" in groups:
+        for i, case in enumerate(PAGED_CASES):
+            bad += not check_paged(i, *case)
+            total += 1
+    if "paged_mma" in groups:  # the paged cases on the mma.sync forward (on sm_90 the Hopper one takes most)
+        from fa2cupy import forward, interface
+
+        forward.HOPPER = False
+        interface._cached_calls.clear()
+        for i, case in enumerate(PAGED_CASES):
+            bad += not check_paged(i, *case)
+            total += 1
+        forward.HOPPER = True
+        interface._cached_calls.clear()
+    if "dropout" in groups:
+        for i, case in enumerate(DROPOUT_CASES):
+            bad += not check_dropout(i, *case)
+            total += 1
+    if "decode" in groups:
+        bad, total = bad + run_decode_cases(), total + len(DECODE_CASES)
+    if "decode_deep" in groups:  # the decode cases with the deep ring wherever a row has one (d=128, sm_90)
+        bad, total = bad + run_decode_cases(deep=True), total + len(DECODE_CASES)
+    if "decode_walk" in groups:  # the decode cases on a pretend 2-SM GPU: blocks walk several items, both rings
+        from fa2cupy import decode
+
+        decode._sm_count = lambda device: 2
+        for deep in (False, True):
+            bad, total = bad + run_decode_cases(deep=deep), total + len(DECODE_CASES)
+    if "decode_warp" in groups:  # one split, warps streaming whole items (d=128, sm_90), on 1 and 2 pretend SMs
+        from fa2cupy import decode
+
+        for sms in (1, 2):
+            decode._sm_count = lambda device, sms=sms: sms
+            for deep in (False, True):
+                bad, total = bad + run_decode_cases(deep=deep, warp_items=True), total + len(DECODE_CASES)
+    if "bwd_hopper" in groups:  # the d=64/128 backward and window cases (the Hopper dK/dV kernel's, on sm_90)
+        for j, (case, det) in enumerate(BWD_CASES, start=len(CASES)):
+            if case.headdim in (64, 128) and not det:
+                r = cli.run_check_case(case, seed=j, backward=True, deterministic=False)
+                print(cli.check_row(j, r), flush=True)
+                bad += not r.passed
+                total += 1
+        for j, case in enumerate(HOPPER_BWD_CASES, start=len(CASES) + len(BWD_CASES)):
+            r = cli.run_check_case(case, seed=j, backward=True, deterministic=False)
+            print(cli.check_row(j, r), flush=True)
+            bad += not r.passed
+            total += 1
+        for i, case in enumerate(c for c in WINDOW_CASES if c[4] in (64, 128)):
+            bad += not check_window(i, *case)
+            total += 1
+        for i, case in enumerate(HOPPER_BWD_VARLEN_CASES):
+            bad += not check_varlen(i, *case)
+            total += 1
+    if "fwd_hopper" in groups:
+        from fa2cupy import build, configs, interface
+
+        configs.HOPPER_MASKED_MIN_SEQLEN.update(dict.fromkeys(configs.HOPPER_MASKED_MIN_SEQLEN, 0))  # short too
+        real_attribute = build.device_attribute
+        for sms in (1, 2):
+            build.device_attribute = lambda device, name, sms=sms: (
+                sms if name == "MultiProcessorCount" else real_attribute(device, name))
+            interface._cached_calls.clear()
+            for i, case in enumerate(c for c in CASES if c.headdim in (64, 128)):
+                r = cli.run_check_case(case, seed=i, backward=False)
+                print(f"{sms} SMs:", cli.check_row(i, r), flush=True)
+                bad += not r.passed
+                total += 1
+            for i, case in enumerate(c for c in WINDOW_CASES if c[4] in (64, 128)):
+                bad += not check_window(i, *case)
+                total += 1
+            for i, case in enumerate(c for c in VARLEN_CASES if c[3] in (64, 128) and not c[6] and not c[7]):
+                bad += not check_varlen(i, *case)
+                total += 1
+            for i, case in enumerate(c for c in PAGED_CASES if c[4] in (64, 128)):  # paged K/V
+                bad += not check_paged(i, *case)
+                total += 1
+        build.device_attribute = real_attribute
+        interface._cached_calls.clear()
+    print(f"{total - bad}/{total} passed")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    np.seterr(all="ignore")
+    sys.exit(main(sys.argv[1:] or ("fwd", "bwd", "window", "varlen", "paged", "dropout", "decode", "decode_deep",
+                                   "decode_walk", "decode_warp")))

@@ -1,0 +1,143 @@
+"""A/B timing of kernel sources: the same forward calls built from several copies of cuda/ (say, HEAD's sources
+unpacked by `git archive` beside the edited ones), timed in turns within one process so that clock drift and the
+machine's spread fall on every variant alike. Each variant keeps its best round's median; outputs are compared
+with the first variant's. ``--sustain S`` runs each variant back to back for S seconds before its timed calls: at the
+power cap a variant timed straight after a lighter case runs at a higher clock (a 64k window forward read 9.7% apart
+between two trees without it, 0.5% with 2 s; bench/NOTES.md, session 43).
+
+    python bench/dev/tree_ab.py --trees base=ab_trees/base/cuda new=cuda new1q=cuda@128,3,3,1 [--cases fwd128:causal:2048 ...]
+    ncu --clock-control none --profile-from-start off -k regex:flash_fwd \
+        --metrics sm__cycles_elapsed.max,smsp__inst_executed.sum \
+        python bench/dev/tree_ab.py --ncu --trees ...     # each case once per tree, in the order printed: SM cycles
+
+A tree may name a Hopper row after an @ (HopperFwdConfig's fields after the head dim, for d=128 or, as
+``@64:128,4,4,2,3``, another head dim; consumer_wgs may be left out: 2), which then runs every case of that head dim;
+otherwise each tree plans with this package's tables. Make the trees on the
+machine that sends the command: the device's repository copy has the session's first commit as git HEAD.
+
+A case is ``fwd<d>:<mask>:<seqlen>`` with mask none, causal or window<left> (left, 0); bf16, 16k tokens per
+batch (at least one sequence), hidden 2048.
+"""
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import cupy
+import cupy.cuda.profiler
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from fa2cupy import benchmark as B  # noqa: E402
+from fa2cupy import build, configs, forward  # noqa: E402
+
+DEFAULT_CASES = ("fwd128:none:2048", "fwd128:causal:1024", "fwd128:causal:2048", "fwd128:none:16384",
+                 "fwd128:causal:16384", "fwd64:none:8192", "fwd64:causal:8192", "fwd128:causal:65536",
+                 "fwd128:window4096:65536")
+
+
+def plans_for(tree: str, cases):
+    """Each case planned against the kernels of the sources in ``tree`` (compiled now, kept by the plans)."""
+    tree, _, row = tree.partition("@")
+    config = None
+    if row:  # [d:]block_n,k_stages,v_stages,q_buffers[,consumer_wgs] (d=128 when no head dim is named)
+        d, _, fields = row.rpartition(":")
+        config = configs.HopperFwdConfig(int(d or 128), *map(int, fields.split(",")))
+    build.use_sources(tree)
+    plans = {}
+    for case in cases:
+        _, mask, seqlen = case.split(":")
+        d = int(case.split(":")[0][3:])
+        seqlen, heads = int(seqlen), 2048 // d
+        shape = (max(1, 16384 // seqlen), seqlen, heads, d)
+        window = (int(mask[6:]), 0) if mask.startswith("window") else (-1, -1)
+        strides = (shape[1] * heads * d, heads * d, d, 1)
+        plans[case] = forward.plan_forward(shape, shape, (strides,) * 4, "bfloat16", d ** -0.5, mask != "none", 90,
+                                           window_size=window,
+                                           config=config if config and config.headdim == d else None)
+    return plans
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--trees", nargs="+", required=True, help="name=path/to/cuda[@row] ...")
+    parser.add_argument("--cases", nargs="*", default=DEFAULT_CASES)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--sustain", type=float, default=0.0,
+                        help="seconds of back-to-back launches before each variant's timed calls, so that each is "
+                             "timed at the clock its own load settles to (fa2cupy.benchmark.sustain)")
+    parser.add_argument("--ncu", action="store_true",
+                        help="no timing: each case once per tree inside cudaProfilerStart/Stop, for Nsight Compute")
+    args = parser.parse_args()
+    trees = dict(item.split("=") for item in args.trees)
+    variants = {name: plans_for(path, args.cases) for name, path in trees.items()}
+    rng = cupy.random.default_rng(1)
+    stream = cupy.cuda.get_current_stream()
+    for case in args.cases:
+        _, mask, seqlen = case.split(":")
+        d = int(case.split(":")[0][3:])
+        seqlen, heads = int(seqlen), 2048 // d
+        batch = max(1, 16384 // seqlen)
+        shape = (batch, seqlen, heads, d)
+        # bf16 bit patterns (CuPy has no bfloat16 type): the top halves of float32 normals
+        q, k, v = ((rng.standard_normal(shape, dtype=cupy.float32).view(cupy.uint32) >> 16).astype(cupy.uint16)
+                   for _ in range(3))
+        lse = cupy.empty((batch, heads, seqlen), cupy.float32)
+        outs = {}
+        for name, plans in variants.items():
+            out = cupy.full(shape, 0x7FC0, cupy.uint16)  # NaN
+            forward.run_forward(plans[case], q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr,
+                                stream.ptr)
+            outs[name] = out
+        widen = lambda bits: (bits.astype(cupy.uint32) << 16).view(cupy.float32)  # noqa: E731
+        first = widen(next(iter(outs.values())))
+        diffs = {name: float(cupy.abs(widen(o) - first).max()) for name, o in outs.items()}
+        out = cupy.empty(shape, cupy.uint16)
+        best = {name: float("inf") for name in variants}
+        rounds = {name: [] for name in variants}
+        names = list(variants)
+        if args.ncu:  # (launched once above each, so compiled and warm)
+            for name in names:
+                print(f"profiled: {case} {name} (diff {diffs[name]:.1e})", flush=True)
+                cupy.cuda.runtime.deviceSynchronize()
+                cupy.cuda.profiler.start()
+                forward.run_forward(variants[name][case], q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr,
+                                    lse.data.ptr, stream.ptr)
+                cupy.cuda.runtime.deviceSynchronize()
+                cupy.cuda.profiler.stop()
+            continue
+        for r in range(args.rounds):
+            for name in (names if r % 2 == 0 else names[::-1]):
+                plan = variants[name][case]
+                launch = lambda: forward.run_forward(plan, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr,  # noqa
+                                                     lse.data.ptr, stream.ptr)
+                for _ in range(3):
+                    launch()
+                B.sustain(launch, stream.synchronize, args.sustain)
+                times = []
+                for _ in range(args.repeats):
+                    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+                    start.record(stream)
+                    launch()
+                    end.record(stream)
+                    end.synchronize()
+                    times.append(cupy.cuda.get_elapsed_time(start, end))
+                best[name] = min(best[name], statistics.median(times))
+                rounds[name].append(statistics.median(times))
+        if mask == "none":
+            flops = 4 * batch * heads * seqlen * seqlen * d
+        elif mask == "causal":
+            flops = 2 * batch * heads * seqlen * (seqlen + 1) * d
+        else:
+            flops = 4 * batch * heads * B.band_pairs(seqlen, int(mask[6:])) * d
+        base = best[names[0]]
+        cells = "  ".join(f"{n} {best[n]:.3f} ms {flops / best[n] / 1e9:.0f} TF/s ({best[n] / base:.3f}, "
+                          f"diff {diffs[n]:.1e})" for n in names)
+        print(f"{case:<26} {cells}", flush=True)
+        print(" " * 27 + "  ".join(f"{n} rounds " + " ".join(f"{t:.3f}" for t in rounds[n]) for n in names),
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
