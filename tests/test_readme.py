@@ -1,0 +1,128 @@
+"""The README's Python examples run as written.
+
+Every ```python block of README.md is a complete program (imports included). On any machine each block must
+compile and name nothing it does not define or import; on a GPU (``-m gpu``) each runs in a fresh Python process
+from the repository root and must exit cleanly. Blocks that import torch or jax are skipped, with the reason, where
+PyTorch has no CUDA or JAX has no GPU backend.
+
+    python -m pytest -q -m gpu tests/test_readme.py      # on a GPU machine
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import functools
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+
+_FENCE = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
+
+
+def readme_blocks() -> list[tuple[str, str]]:
+    """(label, source) of every ```python block, labelled by its place and the bold heading before it."""
+    text = README.read_text()
+    blocks = []
+    for i, match in enumerate(_FENCE.finditer(text)):
+        before = text[: match.start()]
+        headings = re.findall(r"^\*\*([^*]+)\*\*", before, re.MULTILINE)
+        words = re.sub(r"[^a-z0-9]+", "-", (headings[-1] if headings else "top").lower()).strip("-")
+        blocks.append((f"{i}-{'-'.join(words.split('-')[:3])}", match.group(1)))
+    return blocks
+
+
+BLOCKS = readme_blocks()
+
+
+def imported_modules(source: str) -> set[str]:
+    """Top-level package names a block imports."""
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def undefined_names(source: str) -> set[str]:
+    """Names a block reads but never binds (assignment, import, def, argument, loop or comprehension target) and
+    that are not builtins: what a reader copying the block alone would find missing. Scopes are not told apart,
+    which is enough for examples."""
+    tree = ast.parse(source)
+    bound, loaded = set(dir(builtins)), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (loaded if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+    return loaded - bound
+
+
+def test_readme_has_the_examples():
+    sources = [source for _, source in BLOCKS]
+    assert len(sources) >= 7, f"README.md has {len(sources)} python blocks"
+    everything = "\n".join(sources)
+    for needed in ("fa2cupy.torch", "fa2cupy.jax", "flash_attn_with_kvcache", "flash_attn_varlen_func",
+                   "merge_attention_states", "import numpy", "import cupy", "jax.grad", "jax.jit", ".backward()"):
+        assert needed in everything, f"no README example shows {needed}"
+
+
+@pytest.mark.parametrize("label,source", BLOCKS, ids=[label for label, _ in BLOCKS])
+def test_block_compiles_and_defines_what_it_uses(label, source):
+    compile(source, f"README.md[{label}]", "exec")
+    assert not undefined_names(source), f"README.md[{label}] uses names it never defines or imports"
+    assert {"fa2cupy"} & imported_modules(source), f"README.md[{label}] does not import fa2cupy"
+
+
+def _probe(code: str) -> str | None:
+    """None if ``code`` runs in a fresh interpreter, else the last line of its error output."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          env=_child_env(), timeout=300)
+    if done.returncode == 0:
+        return None
+    lines = (done.stderr or done.stdout).strip().splitlines()
+    return lines[-1] if lines else f"exit status {done.returncode}"
+
+
+@functools.lru_cache(maxsize=None)
+def missing(module: str) -> str | None:
+    """Why a block importing ``module`` cannot run here, or None."""
+    if module == "torch":
+        why = _probe("import torch; assert torch.cuda.is_available(), 'PyTorch has no CUDA'")
+        return None if why is None else f"needs PyTorch with CUDA: {why}"
+    if module == "jax":
+        why = _probe("import jax, jax.experimental.buffer_callback; assert jax.devices('gpu')")
+        return None if why is None else f"needs JAX with a GPU backend: {why}"
+    return None
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX beside CuPy's pool on one GPU
+    return env
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("label,source", BLOCKS, ids=[label for label, _ in BLOCKS])
+def test_block_runs_on_the_gpu(label, source):
+    for module in sorted(imported_modules(source) & {"torch", "jax"}):
+        why = missing(module)
+        if why:
+            pytest.skip(why)
+    done = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True, cwd=ROOT,
+                          env=_child_env(), timeout=600)
+    assert done.returncode == 0, f"README.md[{label}] failed:\n{done.stdout}\n{done.stderr}"
