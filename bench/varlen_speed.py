@@ -1,4 +1,4 @@
-"""Varlen speed against the padded batch of the same real tokens (issue 5's bar: >= 0.95x), forward and backward,
+"""Varlen speed against the padded batch of the same real tokens (target: >= 0.95x), forward and backward,
 fp16, 16 heads of 128, 16k tokens in all.
 
     python bench/varlen_speed.py [--tokens 16384] [--causal] [--paged 16,256]
@@ -108,8 +108,8 @@ def main():
 
     for seqlen in (1024, 4096):
         calls = equal_length_calls(rand, args.tokens // seqlen, seqlen, h, d, causal)
-        # Rounds taking turns (padded, varlen, padded, ...): timed one after the other, the two saw different
-        # clocks (the padded backward's own time moved by 4% between runs); medians over rounds.
+        # Rounds taking turns (padded, varlen, padded, ...): timed one after the other, the two see different
+        # clocks (the padded backward's own time moves by 4% between runs); medians over rounds.
         times = {name: [] for name in calls}
         for _ in range(args.rounds):
             for name, call in calls.items():
@@ -151,7 +151,7 @@ def main():
                         events, warmup=3, repeats=15).median_ms
         vf = B.time_gpu(lambda: fa2cupy.flash_attn_varlen_func(qv, kv, vv, cu, cu, longest, longest, causal=causal),
                         events, warmup=3, repeats=15).median_ms
-        forward.HOPPER = False  # the same paged call on the mma.sync forward (where paged K/V ran before)
+        forward.HOPPER = False  # the same paged call on the mma.sync forward (what GPUs other than Hopper run)
         interface._cached_calls.clear()
         mf = B.time_gpu(lambda: fa2cupy.flash_attn_varlen_func(qv, k_pages, v_pages, cu, cu, longest, longest,
                                                                causal=causal, block_table=table_d),

@@ -1,13 +1,13 @@
 """Sliding-window speed: a (4096, 0) window over 64k tokens against full causal attention over the same tokens
-(issue 5's bar: >= 8x faster), forward and backward, fp16, 16 heads of 128.
+(target: >= 8x faster), forward and backward, fp16, 16 heads of 128.
 
     python bench/window_speed.py [--seqlen 65536] [--window 4096] [--rounds 5] [--sustain 2] [--candidates]
 
 Same timer as ``fa2cupy bench`` (CUDA events per call, calls back to back, median), in rounds that time the
 causal and the window runs back to back; the speed-ups are the ratios of the medians over rounds. Each timing
-follows ``--sustain`` seconds of the same call back to back (default 2; 0 for the short bursts of sessions before
-43), so that each run is timed at its own steady clock: at the power cap a window run timed straight after a
-lighter load read up to 10% fast (bench/NOTES.md, session 43). With ``--candidates`` the
+follows ``--sustain`` seconds of the same call back to back (default 2; 0 for short bursts), so that each run is
+timed at its own steady clock: at the power cap a window run timed straight after a lighter load reads up to 10%
+fast (docs/design.md, "How figures are measured"). With ``--candidates`` the
 window forward and backward are also timed on each tile of configs.WINDOW_FORWARD_CANDIDATES /
 WINDOW_BACKWARD_CANDIDATES (checked against the shipped rows' results first), as speed-ups over the same full
 causal runs.
@@ -78,7 +78,7 @@ def main():
                       lambda w=window, o=out, l=lse: fa2cupy.flash_attn_backward(dout, q, k, v, o, l, causal=True,
                                                                                 window_size=w))
     # Rounds that take turns (causal, window, causal, window, ...): a 7 ms window run and a 52 ms causal run
-    # timed minutes apart saw different clocks (the window forward moved by +-5% between calls), so each round
+    # timed minutes apart see different clocks (the window forward moves by +-5% between runs), so each round
     # times both back to back, and the bar is read from the medians over rounds.
     times = {name: ([], []) for name, _ in cases}
     for r in range(args.rounds):
