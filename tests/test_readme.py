@@ -13,6 +13,8 @@ from __future__ import annotations
 import ast
 import builtins
 import functools
+import importlib
+import inspect
 import os
 import re
 import subprocess
@@ -85,6 +87,66 @@ def test_block_compiles_and_defines_what_it_uses(label, source):
     compile(source, f"README.md[{label}]", "exec")
     assert not undefined_names(source), f"README.md[{label}] uses names it never defines or imports"
     assert {"fa2cupy"} & imported_modules(source), f"README.md[{label}] does not import fa2cupy"
+
+
+def fa2cupy_calls(source: str) -> list[tuple[str, ast.Call]]:
+    """(dotted target, call) of every call in a block whose callee is a name imported from fa2cupy
+    (``from fa2cupy.torch import flash_attn_func``) or an attribute of an imported fa2cupy module
+    (``fa2cupy.flash_attn_with_kvcache``)."""
+    tree = ast.parse(source)
+    aliases = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "fa2cupy":
+                    aliases[alias.asname or alias.name.split(".")[0]] = alias.asname and alias.name or "fa2cupy"
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "fa2cupy":
+            for alias in node.names:
+                aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+
+    def dotted(node):
+        if isinstance(node, ast.Name):
+            return aliases.get(node.id)
+        if isinstance(node, ast.Attribute):
+            base = dotted(node.value)
+            return base and f"{base}.{node.attr}"
+        return None
+
+    return [(target, node) for node in ast.walk(tree) if isinstance(node, ast.Call)
+            for target in [dotted(node.func)] if target]
+
+
+def _resolve(target: str):
+    """The object a dotted fa2cupy name names (importing its module), or skip when the module cannot import here."""
+    parts = target.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        module_name = ".".join(parts[:cut])
+        try:
+            obj = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if module_name.startswith(exc.name or "\0"):
+                continue  # not a module: an attribute further up
+            pytest.skip(f"{module_name} needs {exc.name}")
+        except ImportError as exc:
+            pytest.skip(f"{module_name} cannot be imported here: {exc}")
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise AssertionError(f"cannot resolve {target}")
+
+
+@pytest.mark.parametrize("label,source", BLOCKS, ids=[label for label, _ in BLOCKS])
+def test_block_calls_match_the_signatures(label, source):
+    calls = fa2cupy_calls(source)
+    assert calls, f"README.md[{label}] calls nothing from fa2cupy"
+    for target, call in calls:
+        if any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
+            continue
+        function = _resolve(target)
+        try:
+            inspect.signature(function).bind(*call.args, **{k.arg: k.value for k in call.keywords})
+        except TypeError as exc:
+            raise AssertionError(f"README.md[{label}]: {target}(...) does not match its signature: {exc}") from exc
 
 
 def _probe(code: str) -> str | None:
