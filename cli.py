@@ -18,6 +18,7 @@ from typing import Any
 import click
 import numpy as np
 
+from fa2cupy import testing
 
 
 def _import_benchmark():
@@ -99,8 +100,8 @@ def require_gpu() -> str:
 # check: correctness sweep against the float64 reference
 # --------------------------------------------------------------------------- #
 
-# Bounds live in fa2cupy/benchmark.py (one place, shared with the GPU tests and
-# bench/dev/sanitize_case.py): B.out_bound, B.lse_bound, B.gradient_bound.
+# What passes is decided by fa2cupy.testing (one place, shared with the GPU tests and
+# bench/dev/sanitize_case.py): attention_errors for out/lse, gradient_errors for dq/dk/dv.
 
 
 C = B.Case
@@ -175,9 +176,6 @@ def checks_backward(case: B.Case) -> bool:
     return B.backward_work(case) <= BWD_WORK_LIMIT
 
 
-GRAD_NAMES = ("dq", "dk", "dv")
-
-
 @dataclasses.dataclass
 class CheckResult:
     case: B.Case
@@ -198,51 +196,22 @@ class CheckResult:
                 and (self.grad_ratios is None or all(r <= 1.0 for r in self.grad_ratios.values())))
 
 
-def compare_gradients(case: B.Case, grads, ref_grads, softmax_scale: float, absmax: dict[str, float]) -> dict[str, float]:
-    """max|g - ref_g| / B.gradient_bound(...) for g in dq, dk, dv (inf where g has NaN/inf).
-
-    ``absmax``: max |x| of the inputs "dout", "q", "k", "v" (for the bound's floor)."""
-    floor = B.gradient_floor(softmax_scale, case.headdim, absmax["dout"], absmax["v"], max(absmax["q"], absmax["k"]))
-    ratios = {}
-    for name, g, r in zip(GRAD_NAMES, grads, ref_grads):
-        g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
-        if g.shape != r.shape:
-            raise ValueError(f"{name} has shape {g.shape}, expected {r.shape}")
-        if not np.all(np.isfinite(g)):
-            ratios[name] = math.inf
-            continue
-        err = float(np.max(np.abs(g - r))) if g.size else 0.0
-        bound = B.gradient_bound(case.dtype, float(np.max(np.abs(r))) if r.size else 0.0, floor)
-        ratios[name] = err / bound if bound > 0 else (0.0 if err == 0 else math.inf)
-    return ratios
+def gradient_ratios(errors) -> dict[str, float]:
+    """{name: max|g - ref_g| / bound} from :func:`fa2cupy.testing.gradient_errors` (inf where g has NaN/inf)."""
+    return {name: err / bound if bound > 0 else (0.0 if err == 0 else math.inf) for name, err, bound in errors}
 
 
 def compare(case: B.Case, out: np.ndarray, lse: np.ndarray, ref_out: np.ndarray,
             ref_lse: np.ndarray) -> CheckResult:
-    """Compare kernel output/LSE (float64 NumPy) with the reference.
+    """Compare kernel output/LSE (float64 NumPy) with the reference (:func:`fa2cupy.testing.attention_errors`).
 
     Rows with no visible key (causal, sq > sk) have a non-finite reference LSE;
     there the kernel must output zeros (FlashAttention-2 convention) and its
     LSE is not compared.
     """
-    res = CheckResult(case)
-    valid = np.isfinite(ref_lse)                             # (b, h, sq)
-    res.masked_rows = int((~valid).sum())
-    valid_bshd = np.transpose(valid, (0, 2, 1))[..., None]   # (b, sq, h, 1)
-    ref_out_z = np.where(valid_bshd, np.nan_to_num(ref_out), 0.0)
-    diff = np.abs(out - ref_out_z)
-    res.out_err = float(np.max(diff)) if diff.size else 0.0
-    if not np.all(np.isfinite(out)):
-        res.out_err = math.inf
-    res.out_bound = B.out_bound(case.dtype, float(np.max(np.abs(ref_out_z))) if ref_out_z.size else 0.0)
-    if valid.any():
-        ld = np.abs(lse[valid] - ref_lse[valid])
-        if not np.all(np.isfinite(ld)):
-            res.lse_err, res.lse_ratio = math.inf, math.inf
-        else:
-            res.lse_err = float(ld.max())
-            res.lse_ratio = float(np.max(ld / B.lse_bound(ref_lse[valid])))
-    return res
+    e = testing.attention_errors(out, ref_out, case.dtype, lse=lse, ref_lse=ref_lse)
+    return CheckResult(case, out_err=e.out_err, out_bound=e.out_bound, lse_err=e.lse_err, lse_ratio=e.lse_ratio,
+                       masked_rows=e.masked_rows)
 
 
 def run_check_case(case: B.Case, seed: int, backward: bool | None = None,
@@ -266,16 +235,17 @@ def run_check_case(case: B.Case, seed: int, backward: bool | None = None,
             dout = B.to_device(dout_p, case.dtype, "cupy")
             grads = fa2cupy.flash_attn_backward(dout, dev["q"], dev["k"], dev["v"], out, lse, causal=case.causal,
                                                 deterministic=deterministic)
-            grads = [B.to_numpy64(g) for g in grads]
-        out64, lse64 = B.to_numpy64(out), B.to_numpy64(lse)
+            grads = [testing.to_numpy64(g) for g in grads]
+        out64, lse64 = testing.to_numpy64(out), testing.to_numpy64(lse)
         seconds = time.perf_counter() - t0
         q64, k64, v64 = host["q"][1], host["k"][1], host["v"][1]
         ref_out, ref_lse = attention_ref(q64, k64, v64, causal=case.causal)
         res = compare(case, out64, lse64, np.asarray(ref_out, np.float64), np.asarray(ref_lse, np.float64))
         if backward:
-            ref_grads = B.reference_gradients(dout64, q64, k64, v64, out64, causal=case.causal, ref_out=ref_out)
-            absmax = {n: float(np.max(np.abs(x))) for n, x in (("dout", dout64), ("q", q64), ("k", k64), ("v", v64))}
-            res.grad_ratios = compare_gradients(case, grads, ref_grads, 1.0 / math.sqrt(case.headdim), absmax)
+            ref_grads = testing.reference_gradients(dout64, q64, k64, v64, out64, causal=case.causal,
+                                                    ref_out=ref_out)
+            res.grad_ratios = gradient_ratios(testing.gradient_errors(grads, dout64, q64, k64, v64, out64, case.dtype,
+                                                                      causal=case.causal, ref_grads=ref_grads))
             res.deterministic = bool(deterministic)
         res.seconds = seconds
         return res
@@ -303,7 +273,7 @@ def check_row(i: int, r: CheckResult) -> str:
                          for j, (c, w) in enumerate(zip(cells, CHECK_WIDTHS))) + f"  {r.error}"
     cells = (str(i), r.case.label, _fmt_e(r.out_err), _fmt_e(r.out_bound), _fmt_e(r.lse_err),
              "-" if r.lse_ratio is None else f"{r.lse_ratio:.2f}",
-             *(("-" if r.grad_ratios is None else _fmt_ratio(r.grad_ratios.get(g))) for g in GRAD_NAMES),
+             *(("-" if r.grad_ratios is None else _fmt_ratio(r.grad_ratios.get(g))) for g in testing.GRAD_NAMES),
              f"{r.seconds:.1f}", "PASS" if r.passed else "FAIL")
     line = "  ".join(c.ljust(w) if j == 1 else c.rjust(w) for j, (c, w) in enumerate(zip(cells, CHECK_WIDTHS)))
     notes = []

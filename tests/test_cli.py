@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # cli.py lives
 
 import cli  # noqa: E402
 from fa2cupy import benchmark as B  # noqa: E402
+from fa2cupy import testing  # noqa: E402
 
 HAS_GPU = cli.probe_gpu()[0]
 no_gpu_only = pytest.mark.skipif(HAS_GPU, reason="a GPU is present: the no-GPU path is not taken")
@@ -97,11 +98,12 @@ def test_random_cases_depend_on_seed():
         assert 1 <= c.headdim <= 256 and c.nheads % c.nheads_kv == 0
 
 
-def test_bounds():
-    assert B.out_bound("bf16", 0.5) == 2 ** -7
-    assert B.out_bound("fp16", 4.0) == 4 * 2 ** -10
-    np.testing.assert_allclose(B.lse_bound(np.array([0.5, -20.0])), [1e-3, 2e-2])
-    assert not hasattr(cli, "_bound") and not hasattr(cli, "OUT_REL")   # one place: fa2cupy/benchmark.py
+def test_bounds_live_in_one_place():
+    # fa2cupy check's bounds are fa2cupy.testing's (tests/test_testing.py checks their values), not a copy.
+    for name in ("_bound", "OUT_REL", "LSE_REL", "GRAD_C", "out_bound", "gradient_bound", "compare_gradients"):
+        assert not hasattr(cli, name)
+    for name in ("out_bound", "lse_bound", "gradient_bound", "reference_gradients", "to_numpy64"):
+        assert not hasattr(B, name)
 
 
 @no_gpu_only
@@ -132,23 +134,26 @@ def _grad_case():
     dout = B.host_dout(case, 0)[1]
     out, _ = attention_ref(q, k, v, causal=True)
     ref = attention_ref_backward(dout, q, k, v, causal=True)
-    absmax = {"dout": np.abs(dout).max(), "q": np.abs(q).max(), "k": np.abs(k).max(), "v": np.abs(v).max()}
-    return case, ref, absmax
+    return case, ref, (dout, q, k, v, out)
 
 
-def test_compare_gradients():
-    case, ref, absmax = _grad_case()
-    ratios = cli.compare_gradients(case, ref, ref, 0.25, absmax)
-    assert ratios == {"dq": 0.0, "dk": 0.0, "dv": 0.0}
+def test_gradient_ratios_of_the_shared_rule():
+    case, ref, inputs = _grad_case()
+
+    def ratios(grads):
+        return cli.gradient_ratios(testing.gradient_errors(grads, *inputs, case.dtype, causal=True, ref_grads=ref))
+
+    assert ratios(ref) == {"dq": 0.0, "dk": 0.0, "dv": 0.0}
     off = [g.copy() for g in ref]
     off[1][0, 0, 0, 0] += 0.1                         # far above 16 * 2^-11 * max|dk|
-    r = cli.compare_gradients(case, off, ref, 0.25, absmax)
+    r = ratios(off)
     assert r["dk"] > 1 and r["dq"] == 0.0
     nan = [g.copy() for g in ref]
     nan[2][0, -1, 0, 0] = np.nan
-    assert cli.compare_gradients(case, nan, ref, 0.25, absmax)["dv"] == math.inf
-    with pytest.raises(ValueError):
-        cli.compare_gradients(case, [ref[0], ref[1][:, :1], ref[2]], ref, 0.25, absmax)
+    assert ratios(nan)["dv"] == math.inf
+    with pytest.raises(ValueError, match="dk has shape"):
+        ratios([ref[0], ref[1][:, :1], ref[2]])
+    assert cli.gradient_ratios([("dq", 0.0, 0.0), ("dk", 1e-9, 0.0)]) == {"dq": 0.0, "dk": math.inf}
 
 
 def test_check_row_with_gradients():
