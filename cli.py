@@ -1,7 +1,8 @@
 """The ``fa2cupy`` command: ``check`` (correctness on the GPU), ``bench`` (speed), ``info``.
 
-Installed as the console script ``fa2cupy`` (entry point ``cli:main``); also
-runnable as ``python cli.py ...`` from the repository root.
+Installed as the console script ``fa2cupy`` (entry point ``fa2cupy_cli.cli:main``); after
+``pip install -e .`` also runnable as ``python cli.py ...`` from the repository root (the
+benchmark harness is the installed package ``fa2cupy_bench``, from ``bench/``).
 
 Without a usable CUDA GPU every command prints one line saying why and exits
 with status 2; without CuPy it prints one line naming the install extras.
@@ -19,35 +20,7 @@ import click
 import numpy as np
 
 from fa2cupy import testing
-
-
-def _import_benchmark():
-    """fa2cupy.benchmark, or -- when the package itself cannot be imported (e.g. no
-    CuPy) -- the same file loaded on its own (it needs only NumPy), so that the
-    commands can still explain what is missing in one line."""
-    try:
-        from fa2cupy import benchmark  # noqa: PLC0415
-
-        return benchmark
-    except Exception:
-        import importlib.util  # noqa: PLC0415
-        from pathlib import Path  # noqa: PLC0415
-
-        path = Path(__file__).resolve().parent / "fa2cupy" / "benchmark.py"
-        try:
-            spec = importlib.util.find_spec("fa2cupy")
-            if spec is not None and spec.submodule_search_locations:
-                path = Path(list(spec.submodule_search_locations)[0]) / "benchmark.py"
-        except Exception:
-            pass
-        spec = importlib.util.spec_from_file_location("_fa2cupy_benchmark_standalone", path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod   # dataclasses need the module registered
-        spec.loader.exec_module(mod)
-        return mod
-
-
-B = _import_benchmark()
+from fa2cupy_bench import harness as B
 
 EXIT_NO_GPU = 2
 

@@ -2,6 +2,7 @@
 (issue 5's bar: >= 8x faster), forward and backward, fp16, 16 heads of 128.
 
     python bench/window_speed.py [--seqlen 65536] [--window 4096] [--rounds 5] [--sustain 2] [--candidates]
+    (from the repository root, after ``pip install -e .``: the harness is the installed package ``fa2cupy_bench``)
 
 Same timer as ``fa2cupy bench`` (CUDA events per call, calls back to back, median), in rounds that time the
 causal and the window runs back to back; the speed-ups are the ratios of the medians over rounds. Each timing
@@ -21,7 +22,7 @@ import cupy
 
 sys.path.insert(0, ".")
 import fa2cupy  # noqa: E402
-from fa2cupy import benchmark as B  # noqa: E402
+from fa2cupy_bench import harness as B  # noqa: E402
 from fa2cupy import backward, configs, forward  # noqa: E402
 from bench.bwd_window_sweep import launches  # noqa: E402  (the backward's launches one by one)
 
@@ -61,7 +62,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=5, help="alternating causal/window timing rounds")
     parser.add_argument("--sustain", type=float, default=2.0,
                         help="seconds of back-to-back calls before each timing, so that each run is timed at the "
-                             "clock its own load settles to (fa2cupy.benchmark.sustain), not the one before it")
+                             "clock its own load settles to (fa2cupy_bench.harness.sustain), not the one before it")
     parser.add_argument("--candidates", action="store_true", help="also time configs.WINDOW_FORWARD_CANDIDATES")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time the backward's launches one by one (preprocess, dK/dV, dQ conversion)")

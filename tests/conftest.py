@@ -16,6 +16,10 @@ import os
 import pytest
 from hypothesis import HealthCheck, settings
 
+from source_tree import map_installed_packages
+
+map_installed_packages()  # fa2cupy_bench from bench/ when the project is run from a source checkout
+
 settings.register_profile(
     "ci",
     max_examples=25,

@@ -1,16 +1,31 @@
-"""Running the project from a source checkout in tests: Python subprocesses without CuPy.
+"""Running the project from a source checkout in tests: the installed package names, Python without CuPy.
 
+``map_installed_packages`` makes ``fa2cupy_bench`` importable from ``bench/`` when the project is not installed
+(``PYTHONPATH=. pytest``), as pyproject.toml's package-dir maps it in an install; conftest.py calls it.
 ``python_without_cupy`` runs code in a fresh interpreter in which ``cupy``, ``cupyx`` and ``cupy_backends`` cannot be
 imported (as on a machine where fa2cupy was installed without a CUDA extra), with the repository on ``sys.path``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def map_installed_packages() -> None:
+    """Import ``bench/`` as ``fa2cupy_bench`` unless an installed (or editable) ``fa2cupy_bench`` is found."""
+    if "fa2cupy_bench" in sys.modules or importlib.util.find_spec("fa2cupy_bench") is not None:
+        return
+    folder = ROOT / "bench"
+    spec = importlib.util.spec_from_file_location("fa2cupy_bench", folder / "__init__.py",
+                                                  submodule_search_locations=[str(folder)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["fa2cupy_bench"] = module
+    spec.loader.exec_module(module)
 
 #: Prepended to the code: a meta-path finder that answers every import of CuPy's packages as "not installed".
 _NO_CUPY = f"""
@@ -21,7 +36,10 @@ class _NoCupy:
             raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
         return None
 sys.meta_path.insert(0, _NoCupy())
-sys.path.insert(0, {str(ROOT)!r})
+sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / "tests")!r}]
+import source_tree
+source_tree.map_installed_packages()
+sys.path.remove({str(ROOT / "tests")!r})
 """
 
 

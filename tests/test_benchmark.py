@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fa2cupy import benchmark as B
+from fa2cupy_bench import harness as B
 
 
 # ----------------------------------------------------------------------------- grid

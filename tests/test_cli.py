@@ -14,8 +14,9 @@ from click.testing import CliRunner
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # cli.py lives in the repo root
 
 import cli  # noqa: E402
-from fa2cupy import benchmark as B  # noqa: E402
+from fa2cupy_bench import harness as B  # noqa: E402
 from fa2cupy import testing  # noqa: E402
+from source_tree import python_without_cupy  # noqa: E402
 
 HAS_GPU = cli.probe_gpu()[0]
 no_gpu_only = pytest.mark.skipif(HAS_GPU, reason="a GPU is present: the no-GPU path is not taken")
@@ -43,6 +44,22 @@ def test_no_cupy_names_extras(command, monkeypatch):
     lines = _lines(result)
     assert len(lines) == 1, result.output
     assert "fa2cupy[cuda12]" in lines[0] and "fa2cupy[cuda13]" in lines[0]
+
+
+@pytest.mark.parametrize("args", [["--help"], ["check"], ["check", "--quick"], ["bench"], ["bench", "--mode", "bwd"],
+                                  ["info"]])
+def test_without_cupy_in_a_fresh_process(args):
+    # As installed without a CUDA extra: help works, every command says in one line which extra to install.
+    res = python_without_cupy("import cli; cli.main(prog_name='fa2cupy')", *args)
+    if args == ["--help"]:
+        assert res.returncode == 0 and res.stderr == "", res.stderr
+        assert all(cmd in res.stdout for cmd in ("check", "bench", "info"))
+        return
+    lines = [line for line in (res.stdout + res.stderr).splitlines() if line.strip()]
+    assert res.returncode == cli.EXIT_NO_GPU, res.stdout + res.stderr
+    assert len(lines) == 1, res.stdout + res.stderr
+    assert "CuPy is not installed" in lines[0]
+    assert "pip install 'fa2cupy[cuda12]'" in lines[0] and "pip install 'fa2cupy[cuda13]'" in lines[0]
 
 
 def test_probe_gpu_reports_cuda_error(monkeypatch):

@@ -46,6 +46,13 @@ OUT="${OUT:-bench/out/device}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 START=$(date +%s)
+# The harness behind `cli.py bench` is the package fa2cupy_bench, bench/ under the name pyproject.toml's package-dir
+# gives it when installed; without an install, a link in a scratch folder on PYTHONPATH gives it that name.
+if ! "$PY" -c 'import fa2cupy_bench' 2>/dev/null; then
+  BENCH_LINK=$(mktemp -d)
+  ln -s "$PWD/bench" "$BENCH_LINK/fa2cupy_bench"
+  export PYTHONPATH="$PYTHONPATH:$BENCH_LINK"
+fi
 
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)  commit: $(git rev-parse --short HEAD 2>/dev/null || echo n/a)"

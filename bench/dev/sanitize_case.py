@@ -2,6 +2,7 @@
 
     compute-sanitizer --tool memcheck  python3 bench/dev/sanitize_case.py
     compute-sanitizer --tool racecheck python3 bench/dev/sanitize_case.py
+    (from the repository root, after ``pip install -e .``: the harness is the installed package ``fa2cupy_bench``)
 
 Small on purpose (the sanitizers slow kernels down by orders of magnitude) but
 covering the edges: partial tiles, causal with sq != sk (fully masked rows),
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import numpy as np  # noqa: E402
 
 import cli  # noqa: E402
-from fa2cupy import benchmark as B  # noqa: E402
+from fa2cupy_bench import harness as B  # noqa: E402
 
 CASES = (
     B.Case(1, 64, 64, 2, 2, 64, False, "fp16"),      # exactly one tile

@@ -1,7 +1,8 @@
 """Times every decode tile candidate (fa2cupy.configs.DECODE_CANDIDATES, plus the shipped row) and a few split
 counts, at the decode bar's shape (hq=32 hkv=8 d=128 bf16, seqlen_q=1, full caches).
 
-Run on the GPU: ``python bench/dev/tune_decode.py [--cases 1x16384,8x65536]``. Each candidate's output is compared
+Run on the GPU from the repository root, after ``pip install -e .`` (the harness is the installed package
+``fa2cupy_bench``): ``python bench/dev/tune_decode.py [--cases 1x16384,8x65536]``. Each candidate's output is compared
 with the shipped row's first (a wrong candidate is reported, never timed). Same timer as ``fa2cupy bench``
 (CUDA events per call, calls back to back, median).
 """
@@ -12,7 +13,7 @@ import sys
 import cupy
 
 sys.path.insert(0, ".")
-from fa2cupy import benchmark as B  # noqa: E402
+from fa2cupy_bench import harness as B  # noqa: E402
 from fa2cupy import configs, decode, device_errors  # noqa: E402
 
 

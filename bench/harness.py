@@ -1,4 +1,7 @@
-"""Benchmark harness for fa2cupy (used by ``fa2cupy bench``; importable and unit-testable).
+"""Benchmark harness behind ``fa2cupy bench``: grids, timing, the implementations compared, tables, JSON, plots.
+
+Installed as ``fa2cupy_bench.harness`` (pyproject.toml maps the package ``fa2cupy_bench`` to ``bench/``), outside
+the ``fa2cupy`` package: nothing at run time needs it.
 
 The module is split in two halves:
 
@@ -1038,7 +1041,7 @@ import json, sys, time
 t0 = time.perf_counter()
 import cupy
 import fa2cupy
-from fa2cupy import benchmark as B
+from fa2cupy_bench import harness as B
 t_import = time.perf_counter() - t0
 spec = json.loads(sys.argv[1])
 cupy.cuda.runtime.free(cupy.cuda.runtime.malloc(1))   # create the context outside the timings
@@ -1060,7 +1063,10 @@ print("FA2CUPY_COLD " + json.dumps(res))
 
 
 def _package_root() -> str:
-    return str(Path(__file__).resolve().parent.parent)
+    """The folder holding the fa2cupy package: the repository root in a source checkout."""
+    import fa2cupy  # noqa: PLC0415 -- needs no CuPy
+
+    return str(Path(fa2cupy.__file__).resolve().parent.parent)
 
 
 def _run_cold_child(spec: dict[str, Any], cache_dir: str, timeout: float) -> dict[str, Any]:
