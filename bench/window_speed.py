@@ -17,6 +17,7 @@ causal runs.
 import argparse
 import statistics
 import sys
+from types import SimpleNamespace
 
 import cupy
 
@@ -24,7 +25,29 @@ sys.path.insert(0, ".")
 import fa2cupy  # noqa: E402
 from fa2cupy_bench import harness as B  # noqa: E402
 from fa2cupy import backward, configs, forward  # noqa: E402
-from bench.bwd_window_sweep import launches  # noqa: E402  (the backward's launches one by one)
+
+
+def launches(q, k, v, dout, window):
+    """The backward's three launches for one call, each a function: (what they use, kept alive; preprocess, dK/dV
+    with the dQ reductions, dQ conversion)."""
+    out, lse, _ = fa2cupy.flash_attn_func(q, k, v, causal=True, window_size=window, return_attn_probs=True)
+    grads = [cupy.empty_like(x) for x in (q, k, v)]
+    strides = {n: tuple(s // x.itemsize for s in x.strides)
+               for n, x in zip(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), (q, k, v, dout, out, *grads))}
+    plan = backward.plan_backward(q.shape, k.shape, strides, str(q.dtype), q.shape[-1] ** -0.5, True, False,
+                                  int(cupy.cuda.Device().compute_capability), window_size=window)
+    dsum = cupy.empty(plan.dsum_shape, cupy.float32)
+    dq_accum = cupy.empty(plan.dq_accum_shape, cupy.float32)
+    stream = cupy.cuda.get_current_stream().ptr
+    keep = SimpleNamespace(plan=plan, out=out, lse=lse, grads=grads, dsum=dsum, dq_accum=dq_accum)
+    p = lambda x: x.data.ptr  # noqa: E731
+    pre = lambda: plan.preprocess(stream, (p(dout), p(out), p(dsum), p(dq_accum), 0))  # noqa: E731
+    maps = backward.maps_writer(plan, p(q), p(k), p(v), p(dout))
+    # As backward.run_backward passes them, without varlen, ALiBi or dropout.
+    main = lambda: plan.main(stream, (p(q), p(k), p(v), p(dout), p(lse), p(dsum), p(dq_accum), p(grads[1]),  # noqa
+                                      p(grads[2]), 0, 0, 0, 0) + backward.dropout_words(0, 0), maps)
+    conv = lambda: plan.convert(stream, (p(dq_accum), p(grads[0]), 0))  # noqa: E731
+    return keep, pre, main, conv
 
 
 def time_candidate(name, launch, results, shipped, tol, full_causal_ms, events):
