@@ -28,35 +28,19 @@ EXIT_NO_GPU = 2
 # GPU probing
 # --------------------------------------------------------------------------- #
 
-_EXTRAS_HINT = ("install it with: pip install 'fa2cupy[cuda12]' (CUDA 12 driver) "
-                "or pip install 'fa2cupy[cuda13]' (CUDA 13 driver)")
-
-
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
-
-
 def probe_gpu() -> tuple[bool, str]:
-    """(True, 'GPU name') if CuPy sees a CUDA device, else (False, one-line reason)."""
-    try:
-        import cupy  # noqa: PLC0415
-    except ImportError as exc:
-        if getattr(exc, "name", None) == "cupy":
-            return False, f"fa2cupy: CuPy is not installed; {_EXTRAS_HINT}"
-        return False, _one_line(f"fa2cupy: CuPy failed to import ({exc}); {_EXTRAS_HINT}")
-    except Exception as exc:  # broken CuPy install (missing CUDA libraries, ...)
-        return False, _one_line(f"fa2cupy: CuPy failed to import ({type(exc).__name__}: {exc}); {_EXTRAS_HINT}")
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:
-        return False, _one_line(f"fa2cupy: no CUDA GPU found ({exc})")
-    if n < 1:
-        return False, "fa2cupy: no CUDA GPU found (CUDA reports 0 devices)"
+    """(True, 'GPU name') if CuPy sees a CUDA device, else (False, one-line reason:
+    :func:`fa2cupy.testing.gpu_unavailable_reason`)."""
+    reason = testing.gpu_unavailable_reason()
+    if reason is not None:
+        return False, f"fa2cupy: {reason}"
+    import cupy  # noqa: PLC0415
+
     try:
         name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
         name = name.decode() if isinstance(name, bytes) else str(name)
     except Exception as exc:
-        return False, _one_line(f"fa2cupy: no usable CUDA GPU ({exc})")
+        return False, " ".join(f"fa2cupy: no usable CUDA GPU ({exc})".split())
     return True, name
 
 
@@ -543,41 +527,61 @@ def _bench_decode(headdims, seqlens, batches, nheads, nheads_kv, dtype, out_dir,
     click.echo(f"wrote {path}")
 
 
-@main.command()
-def info() -> None:
-    """GPU, CUDA/NVRTC/CuPy versions, kernel cache folder and the forward tile table."""
-    require_gpu()
-    import cupy  # noqa: PLC0415
+def info_rows(env: dict[str, Any], gpu: str | None, arch: int | None) -> list[tuple[str, Any]]:
+    """``fa2cupy info``'s (name, value) rows from :func:`fa2cupy_bench.harness.environment_info`: the versions and
+    the kernel cache folder, known without a GPU, then the GPU (``gpu``: its name, or why there is none)."""
+    from fa2cupy import build  # noqa: PLC0415 -- needs no CuPy
 
-    env = B.environment_info()
-    try:
-        arch = B.gpu_arch()
-    except Exception:
-        arch = None
-    try:
-        from fa2cupy import build  # noqa: PLC0415
+    def version(key: str, note: str | None = None) -> str:
+        value = env.get(key)
+        return f"{value} ({note})" if value and note else str(value)
 
-        cache = str(build.cache_dir())
-    except Exception as exc:
-        import os  # noqa: PLC0415
-
-        cache = os.environ.get("CUPY_CACHE_DIR") or os.path.expanduser("~/.cupy/kernel_cache")
-        cache += f"  (fa2cupy.build.cache_dir unavailable: {B._first_line(exc)})"
     rows = [
-        ("GPU", env.get("gpu")),
-        ("compute capability", f"{env.get('compute_capability')} (sm_{arch})" if arch else env.get("compute_capability")),
+        ("fa2cupy", env.get("fa2cupy")),
+        ("CuPy", version("cupy", env.get("cupy_package"))),
+        ("NVRTC", env.get("nvrtc")),
+        ("CUDA runtime", version("cuda_runtime", "the CUDA CuPy was built for")),
+        ("CUDA driver", env.get("cuda_driver") or "none found"),
+    ]
+    if env.get("torch"):
+        rows.append(("torch", version("torch", f"CUDA {env['torch_cuda']}" if env.get("torch_cuda") else None)))
+    if env.get("jax"):
+        rows.append(("JAX", env["jax"]))
+    rows.append(("kernel cache", build.cache_dir()))
+    if arch is None:
+        return rows + [("GPU", gpu)]
+    return rows + [
+        ("GPU", gpu),
+        ("compute capability", f"{env.get('compute_capability')} (sm_{arch})"),
         ("SMs", env.get("sm_count")),
         ("GPU memory", f"{env.get('gpu_memory_gib')} GiB"),
-        ("CuPy", cupy.__version__),
-        ("CUDA runtime", env.get("cuda_runtime")),
-        ("CUDA driver", env.get("cuda_driver")),
-        ("NVRTC", env.get("nvrtc")),
-        ("fa2cupy", env.get("fa2cupy") or env.get("fa2cupy_error")),
-        ("kernel cache", cache),
     ]
+
+
+@main.command()
+def info() -> None:
+    """Versions (fa2cupy, CuPy, NVRTC, CUDA, torch, JAX), kernel cache folder, GPU and its forward tile table.
+
+    Without a GPU it prints what it can know without one and exits with status 2; without CuPy, one line naming
+    the install extras.
+    """
+    ok, gpu = probe_gpu()
+    env = B.environment_info()
+    if "cupy" not in env:
+        click.echo(gpu, err=True)
+        sys.exit(EXIT_NO_GPU)
+    arch = None
+    if ok:
+        try:
+            arch = B.gpu_arch()
+        except Exception as exc:
+            ok, gpu = False, f"fa2cupy: no usable CUDA GPU ({B._first_line(exc)})"
+    rows = info_rows(env, gpu if ok else gpu.removeprefix("fa2cupy: "), arch)
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         click.echo(f"{k.ljust(width)}  {v}")
+    if not ok:
+        sys.exit(EXIT_NO_GPU)
     click.echo("")
     click.echo(tile_table_text(arch))
 

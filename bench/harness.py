@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as _dt
+import importlib.metadata
 import json
 import math
 import os
@@ -1165,8 +1166,17 @@ def cuda_version_str(v: int | None) -> str | None:
     return f"{v // 1000}.{(v % 1000) // 10}"
 
 
+def _installed_version(name: str) -> str | None:
+    """A distribution's version from its metadata (None when not installed), without importing it."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def environment_info() -> dict[str, Any]:
-    """GPU / library versions for the JSON (every field best-effort)."""
+    """GPU / library versions for the JSON and ``fa2cupy info`` (every field best-effort: without a GPU or a driver
+    the versions are still there, and ``gpu_error`` says why there is no GPU)."""
     env: dict[str, Any] = {
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -1175,23 +1185,36 @@ def environment_info() -> dict[str, Any]:
     }
     try:
         import cupy  # noqa: PLC0415
-
-        env["cupy"] = cupy.__version__
-        rt = cupy.cuda.runtime
-        props = rt.getDeviceProperties(0)
-        name = props["name"]
-        env["gpu"] = name.decode() if isinstance(name, bytes) else str(name)
-        env["compute_capability"] = f"{props['major']}.{props['minor']}"
-        env["sm_count"] = int(props["multiProcessorCount"])
-        env["gpu_memory_gib"] = round(props["totalGlobalMem"] / 2**30, 1)
-        env["cuda_runtime"] = cuda_version_str(rt.runtimeGetVersion())
-        env["cuda_driver"] = cuda_version_str(rt.driverGetVersion())
-        try:
-            env["nvrtc"] = ".".join(map(str, cupy.cuda.nvrtc.getVersion()))
-        except Exception as exc:
-            env["nvrtc"] = f"error: {_first_line(exc)}"
     except Exception as exc:
         env["cupy_error"] = _first_line(exc)
+        cupy = None
+    if cupy is not None:
+        env["cupy"] = cupy.__version__
+        # Which wheel provides it (cupy-cuda12x, cupy-cuda13x); more than one is a broken install.
+        env["cupy_package"] = ", ".join(sorted(set(importlib.metadata.packages_distributions().get("cupy", []))))
+        rt = cupy.cuda.runtime
+        versions = {
+            "cuda_runtime": lambda: cuda_version_str(rt.runtimeGetVersion()),   # the CUDA CuPy was built for
+            "cuda_driver": lambda: cuda_version_str(rt.driverGetVersion()),     # None: no driver
+            "nvrtc": lambda: ".".join(map(str, cupy.cuda.nvrtc.getVersion())),
+        }
+        for key, version in versions.items():
+            try:
+                env[key] = version()
+            except Exception as exc:
+                env[key] = f"error: {_first_line(exc)}"
+        try:
+            props = rt.getDeviceProperties(0)
+            name = props["name"]
+            env["gpu"] = name.decode() if isinstance(name, bytes) else str(name)
+            env["compute_capability"] = f"{props['major']}.{props['minor']}"
+            env["sm_count"] = int(props["multiProcessorCount"])
+            env["gpu_memory_gib"] = round(props["totalGlobalMem"] / 2**30, 1)
+        except Exception as exc:
+            env["gpu_error"] = _first_line(exc)
+    jax = _installed_version("jax")
+    if jax is not None:
+        env["jax"] = jax
     torch = _torch()
     if torch is not None:
         env["torch"] = torch.__version__

@@ -38,6 +38,7 @@ import math
 
 import numpy as np
 
+from . import _INSTALL_HINT
 from .arrays import bf16_bits_to_float
 from .reference import attention_probs_ref, attention_ref, attention_ref_backward
 
@@ -48,6 +49,7 @@ __all__ = [
     "assert_gradients_close",
     "attention_errors",
     "dtype_name",
+    "gpu_unavailable_reason",
     "gradient_bound",
     "gradient_errors",
     "gradient_floor",
@@ -122,6 +124,64 @@ def _dtype_of(x, what: str) -> str:
     except ValueError:
         raise ValueError(f"pass dtype= (float16 or bfloat16): it cannot be read from {what}, whose dtype is "
                          f"{dtype}") from None
+
+
+# --------------------------------------------------------------------------- #
+# Is there a GPU to test on?
+# --------------------------------------------------------------------------- #
+
+
+def _one_line(text) -> str:
+    return " ".join(str(text).split())
+
+
+def _cuda_version(v: int) -> str:
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
+def gpu_unavailable_reason() -> str | None:
+    """None when CuPy can run kernels on a CUDA GPU here, else one line saying plainly why not: CuPy missing (with
+    the extras that install it), no NVIDIA driver, a driver older than CuPy's CUDA, no device. The reason fa2cupy's
+    GPU tests skip and the ``fa2cupy`` command stops; it makes no CUDA context."""
+    try:
+        import cupy  # noqa: PLC0415
+    except ImportError as error:
+        if error.name in ("cupy", "cupy_backends"):
+            return f"CuPy is not installed; install it with {_INSTALL_HINT}"
+        return _one_line(f"CuPy failed to import ({error}); reinstall it with {_INSTALL_HINT}")
+    except Exception as error:  # a broken install: CUDA libraries missing, ...
+        return _one_line(f"CuPy failed to import ({type(error).__name__}: {error}); reinstall it with "
+                         f"{_INSTALL_HINT}")
+    runtime = cupy.cuda.runtime
+    try:
+        count = runtime.getDeviceCount()
+    except Exception as error:
+        return _cuda_error_reason(runtime, _one_line(error))
+    if count < 1:
+        return "no CUDA GPU found: the NVIDIA driver reports no device (see CUDA_VISIBLE_DEVICES)"
+    return None
+
+
+def _cuda_error_reason(runtime, text: str) -> str:
+    """Plain words for the CUDA runtime's error when it looked for devices."""
+    if "cudaErrorInsufficientDriver" in text:
+        # The runtime says this both when there is no driver at all and when the driver is too old for it; the
+        # driver's version, 0 when none is loaded, tells the two apart.
+        try:
+            driver = int(runtime.driverGetVersion())
+        except Exception:
+            driver = 0
+        if driver == 0:
+            return "no GPU or no CUDA driver found (the NVIDIA driver's library, libcuda, is not installed)"
+        try:
+            needed = f"CUDA {_cuda_version(int(runtime.runtimeGetVersion()))}"
+        except Exception:
+            needed = "the CUDA version"
+        return (f"the NVIDIA driver supports CUDA {_cuda_version(driver)}, older than the {needed} this CuPy was built "
+                f"for: update the driver, or install the CuPy for the driver's CUDA ({_INSTALL_HINT})")
+    if "cudaErrorNoDevice" in text:
+        return "no CUDA GPU found: the NVIDIA driver sees no device (cudaErrorNoDevice; see CUDA_VISIBLE_DEVICES)"
+    return f"no usable CUDA GPU ({text})"
 
 
 # --------------------------------------------------------------------------- #

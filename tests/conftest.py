@@ -41,21 +41,11 @@ def pytest_configure(config):
 
 @functools.lru_cache(maxsize=None)
 def gpu_unavailable_reason() -> str | None:
-    """None when a CUDA device is usable through CuPy, else why not."""
-    try:
-        import cupy
-        from cupy_backends.cuda.api.runtime import CUDARuntimeError
-    except ImportError as exc:
-        return f"needs a CUDA GPU: CuPy is not importable ({exc})"
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except CUDARuntimeError as exc:
-        return f"needs a CUDA GPU: none usable ({exc})"
-    except Exception as exc:  # e.g. the CUDA runtime library itself is missing
-        return f"needs a CUDA GPU: CUDA runtime unavailable ({type(exc).__name__}: {exc})"
-    if count < 1:
-        return "needs a CUDA GPU: no device found"
-    return None
+    """None when a CUDA device is usable through CuPy, else why not, in plain words."""
+    from fa2cupy.testing import gpu_unavailable_reason as reason
+
+    why = reason()
+    return None if why is None else f"needs a CUDA GPU: {why}"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -27,13 +28,51 @@ def _lines(result) -> list[str]:
 
 
 @no_gpu_only
-@pytest.mark.parametrize("command", ["check", "bench", "info"])
+@pytest.mark.parametrize("command", [["check"], ["check", "--quick"], ["bench"], ["bench", "--mode", "decode"]])
 def test_no_gpu_one_line_exit(command):
-    result = CliRunner().invoke(cli.main, [command])
+    result = CliRunner().invoke(cli.main, command)
     assert result.exit_code == cli.EXIT_NO_GPU != 0
-    lines = _lines(result)
-    assert len(lines) == 1, result.output
-    assert "fa2cupy[cuda12]" in lines[0] or "no CUDA GPU" in lines[0] or "no usable CUDA GPU" in lines[0]
+    assert _lines(result) == [f"fa2cupy: {testing.gpu_unavailable_reason()}"]
+
+
+def _no_driver() -> bool:
+    """CuPy imports, and CUDA says no driver is loaded (driverGetVersion 0): this machine has no GPU driver."""
+    try:
+        import cupy
+    except ImportError:
+        return False
+    return cupy.cuda.runtime.driverGetVersion() == 0
+
+
+@pytest.mark.skipif(not _no_driver(), reason="a CUDA driver is installed: the no-driver message is not shown")
+def test_no_driver_said_plainly():
+    import conftest
+
+    for said in (cli.probe_gpu()[1], conftest.gpu_unavailable_reason(), testing.gpu_unavailable_reason()):
+        assert "no GPU or no CUDA driver found" in said
+        assert "nsufficient" not in said and "cudaError" not in said   # not CUDA's "driver is insufficient"
+    result = CliRunner().invoke(cli.main, ["check"])
+    assert _lines(result) == ["fa2cupy: no GPU or no CUDA driver found (the NVIDIA driver's library, libcuda, is not "
+                              "installed)"]
+
+
+@no_gpu_only
+def test_info_without_gpu_prints_what_it_knows():
+    cupy = pytest.importorskip("cupy")
+    import fa2cupy
+    from fa2cupy import build
+
+    result = CliRunner().invoke(cli.main, ["info"])
+    assert result.exit_code == cli.EXIT_NO_GPU, result.output
+    rows = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in _lines(result))   # name, padded; value
+    assert rows["fa2cupy"] == fa2cupy.__version__
+    assert rows["CuPy"].startswith(cupy.__version__)
+    assert rows["NVRTC"] == ".".join(map(str, cupy.cuda.nvrtc.getVersion()))
+    runtime = cupy.cuda.runtime.runtimeGetVersion()
+    assert rows["CUDA runtime"].startswith(f"{runtime // 1000}.{runtime % 1000 // 10} (the CUDA CuPy was built for")
+    assert rows["kernel cache"] == build.cache_dir()
+    assert rows["GPU"] == testing.gpu_unavailable_reason()
+    assert "cudaErrorInsufficientDriver" not in result.output
 
 
 @pytest.mark.parametrize("command", ["check", "bench", "info"])

@@ -286,3 +286,41 @@ def test_assert_gradients_close():
     assert [(name, err) for name, err, _ in errors] == [("dq", 0.0), ("dk", 0.0), ("dv", math.inf)]
     with pytest.raises(ValueError, match="dv has shape"):
         T.gradient_errors([ref[0], ref[1], ref[2][:, :3]], dout, q, k, v, out, "fp16", ref_grads=ref)
+
+
+# ----------------------------------------------------------------------------- why there is no GPU
+
+
+@pytest.mark.parametrize("error,driver,runtime,said", [
+    ("cudaErrorInsufficientDriver: CUDA driver version is insufficient for CUDA runtime version", 0, 12090,
+     "no GPU or no CUDA driver found (the NVIDIA driver's library, libcuda, is not installed)"),
+    ("cudaErrorInsufficientDriver: CUDA driver version is insufficient for CUDA runtime version", 12040, 13000,
+     "the NVIDIA driver supports CUDA 12.4, older than the CUDA 13.0 this CuPy was built for: update the driver, "
+     "or install the CuPy for the driver's CUDA (pip install 'fa2cupy[cuda12]'"),
+    ("cudaErrorNoDevice: no CUDA-capable device is detected\nsecond line", 12040, 12090,
+     "no CUDA GPU found: the NVIDIA driver sees no device (cudaErrorNoDevice; see CUDA_VISIBLE_DEVICES)"),
+    ("cudaErrorUnknown: unknown error\nsecond line", 12040, 12090, "no usable CUDA GPU (cudaErrorUnknown: unknown error "
+     "second line)"),
+])
+def test_gpu_unavailable_reason_in_plain_words(monkeypatch, error, driver, runtime, said):
+    cupy = pytest.importorskip("cupy")
+
+    def device_count():
+        raise RuntimeError(error)
+
+    monkeypatch.setattr(cupy.cuda.runtime, "getDeviceCount", device_count)
+    monkeypatch.setattr(cupy.cuda.runtime, "driverGetVersion", lambda: driver)
+    monkeypatch.setattr(cupy.cuda.runtime, "runtimeGetVersion", lambda: runtime)
+    reason = T.gpu_unavailable_reason()
+    assert reason.startswith(said) and "\n" not in reason
+
+
+def test_gpu_unavailable_reason_no_device_and_no_cupy(monkeypatch):
+    cupy = pytest.importorskip("cupy")
+    monkeypatch.setattr(cupy.cuda.runtime, "getDeviceCount", lambda: 0)
+    assert T.gpu_unavailable_reason() == "no CUDA GPU found: the NVIDIA driver reports no device (see " \
+                                         "CUDA_VISIBLE_DEVICES)"
+    monkeypatch.setattr(cupy.cuda.runtime, "getDeviceCount", lambda: 1)
+    assert T.gpu_unavailable_reason() is None
+    res = python_without_cupy("import fa2cupy.testing as T; print(T.gpu_unavailable_reason())")
+    assert res.stdout.startswith("CuPy is not installed; install it with pip install 'fa2cupy[cuda12]'"), res.stderr
