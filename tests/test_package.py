@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import fa2cupy
-from source_tree import python_without_cupy
+from source_tree import ROOT, python_without_cupy
 
 
 def test_import_without_cupy_then_one_clear_error():
@@ -55,3 +55,35 @@ def test_unknown_name_is_an_attribute_error():
     with pytest.raises(AttributeError, match="no attribute 'flash_attn_nothing'"):
         fa2cupy.flash_attn_nothing  # noqa: B018
     assert not hasattr(fa2cupy, "flash_attn_nothing")
+
+
+def _pyproject() -> dict:
+    tomllib = pytest.importorskip("tomllib")   # Python 3.11+
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)
+
+
+def test_each_cuda_extra_brings_one_cupy_and_its_nvrtc():
+    # Set-up is one CUDA extra; the test command adds [test]. Only the CUDA extras may name CuPy, so installing
+    # another extra after either never brings a second CuPy (CuPy warns on every import when two are installed).
+    extras = _pyproject()["project"]["optional-dependencies"]
+    assert extras["cuda12"] == ["cupy-cuda12x>=14", "nvidia-cuda-nvrtc-cu12"]
+    assert extras["cuda13"] == ["cupy-cuda13x>=14", "nvidia-cuda-nvrtc==13.*"]
+    for name, requirements in extras.items():
+        if name not in ("cuda12", "cuda13"):
+            assert not any(r.lower().startswith(("cupy", "nvidia")) for r in requirements), (name, requirements)
+    assert "cupy" not in " ".join(_pyproject()["project"]["dependencies"]).lower()
+
+
+def test_ci_installs_the_extras_and_runs_the_test_command():
+    lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert "python -m pip install -q -e '.[cuda12,test]'" in lines
+    assert lines[-1] == "python -m pytest -q"
+
+
+def test_the_harness_is_installed_and_bench_dev_is_not():
+    setuptools = _pyproject()["tool"]["setuptools"]
+    assert setuptools["package-dir"]["fa2cupy_bench"] == "bench"
+    assert "fa2cupy_bench" in setuptools["packages"]
+    assert not any(p.startswith("fa2cupy_bench.") for p in setuptools["packages"])   # bench/dev/ stays out
+    assert not (ROOT / "bench" / "dev" / "__init__.py").exists()
