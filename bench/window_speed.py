@@ -9,14 +9,15 @@ causal and the window runs back to back; the speed-ups are the ratios of the med
 follows ``--sustain`` seconds of the same call back to back (default 2; 0 for the short bursts of sessions before
 43), so that each run is timed at its own steady clock: at the power cap a window run timed straight after a
 lighter load read up to 10% fast (bench/NOTES.md, session 43). With ``--candidates`` the
-window forward and backward are also timed on each tile of configs.WINDOW_FORWARD_CANDIDATES /
-WINDOW_BACKWARD_CANDIDATES (checked against the shipped rows' results first), as speed-ups over the same full
+window forward and backward are also timed on each tile of WINDOW_FORWARD_CANDIDATES / WINDOW_BACKWARD_CANDIDATES
+in bench/dev/candidates.py (checked against the shipped rows' results first), as speed-ups over the same full
 causal runs.
 """
 
 import argparse
 import statistics
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import cupy
@@ -24,7 +25,10 @@ import cupy
 sys.path.insert(0, ".")
 import fa2cupy  # noqa: E402
 from fa2cupy_bench import harness as B  # noqa: E402
-from fa2cupy import backward, configs, forward  # noqa: E402
+from fa2cupy import backward, forward  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "dev"))
+import candidates  # noqa: E402  (bench/dev/candidates.py: the window tile candidates)
 
 
 def launches(q, k, v, dout, window):
@@ -86,7 +90,7 @@ def main():
     parser.add_argument("--sustain", type=float, default=2.0,
                         help="seconds of back-to-back calls before each timing, so that each run is timed at the "
                              "clock its own load settles to (fa2cupy_bench.harness.sustain), not the one before it")
-    parser.add_argument("--candidates", action="store_true", help="also time configs.WINDOW_FORWARD_CANDIDATES")
+    parser.add_argument("--candidates", action="store_true", help="also time the window tile candidates (bench/dev/candidates.py)")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time the backward's launches one by one (preprocess, dK/dV, dQ conversion)")
     args = parser.parse_args()
@@ -132,7 +136,7 @@ def main():
     arch = int(cupy.cuda.Device().compute_capability)
     stream = cupy.cuda.get_current_stream()
     strides = tuple(tuple(s // x.itemsize for s in x.strides) for x in (q, k, v, out))
-    for config in configs.WINDOW_FORWARD_CANDIDATES.get(args.headdim, ()):
+    for config in candidates.WINDOW_FORWARD_CANDIDATES.get(args.headdim, ()):
         plan = forward.plan_forward(q.shape, k.shape, strides, "float16", args.headdim ** -0.5, True, arch,
                                     config=config, window_size=window)
         launch = lambda: forward.run_forward(plan, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr,  # noqa: E731
@@ -144,7 +148,7 @@ def main():
     grads = [cupy.empty_like(x) for x in (q, k, v)]
     grad_strides = {n: tuple(s // x.itemsize for s in x.strides)
                     for n, x in zip(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), (q, k, v, dout, out, *grads))}
-    for config in configs.WINDOW_BACKWARD_CANDIDATES.get(args.headdim, ()):
+    for config in candidates.WINDOW_BACKWARD_CANDIDATES.get(args.headdim, ()):
         plan = backward.plan_backward(q.shape, k.shape, grad_strides, "float16", args.headdim ** -0.5, True, False,
                                       arch, config=config, window_size=window)
         dsum = cupy.empty(plan.dsum_shape, cupy.float32)

@@ -148,11 +148,11 @@ if [ "${TUNE_DEC:-0}" = 1 ]; then
   step tune_decode "${TUNE_TIMEOUT:-240}" "$OUT/tune_decode.log" "$PY" bench/dev/tune_decode.py ${TUNE_DEC_ARGS:-}
 fi
 
-if [ "${TUNE:-0}" = 1 ]; then  # every tile candidate of configs.FORWARD_CANDIDATES beside SDPA
+if [ "${TUNE:-0}" = 1 ]; then  # every tile candidate of bench/dev/candidates.py beside SDPA
   step tune "${TUNE_TIMEOUT:-240}" "$OUT/tune.log" "$PY" bench/dev/tune_fwd.py --seqlens "${TUNE_SEQLENS:-2048,8192}" --headdims "${TUNE_HEADDIMS:-64,128}"
 fi
 
-if [ "${TUNE_BWD:-0}" = 1 ]; then  # every backward tile candidate of configs.BACKWARD_CANDIDATES beside SDPA
+if [ "${TUNE_BWD:-0}" = 1 ]; then  # every backward tile candidate of bench/dev/candidates.py beside SDPA
   step tune_bwd "${TUNE_TIMEOUT:-240}" "$OUT/tune_bwd.log" "$PY" bench/dev/tune_bwd.py --seqlens "${TUNE_SEQLENS:-2048,8192}"
 fi
 

@@ -1,4 +1,4 @@
-"""Times every decode tile candidate (fa2cupy.configs.DECODE_CANDIDATES, plus the shipped row) and a few split
+"""Times every decode tile candidate (bench/dev/candidates.py, plus the shipped row) and a few split
 counts, at the decode bar's shape (hq=32 hkv=8 d=128 bf16, seqlen_q=1, full caches).
 
 Run on the GPU from the repository root, after ``pip install -e .`` (the harness is the installed package
@@ -15,6 +15,8 @@ import cupy
 sys.path.insert(0, ".")
 from fa2cupy_bench import harness as B  # noqa: E402
 from fa2cupy import configs, decode, device_errors  # noqa: E402
+
+import candidates  # noqa: E402  (bench/dev/, this script's folder)
 
 
 H, HKV, D = 32, 8, 128  # the decode bar's query heads, KV heads and head dim
@@ -64,7 +66,7 @@ def main():
     args = parser.parse_args()
     device = cupy.cuda.runtime.getDevice()
     shipped = configs.decode_config(int(cupy.cuda.Device().compute_capability), D)
-    candidates = [shipped] + ([] if args.shipped_only else [c for c in configs.DECODE_CANDIDATES if c != shipped])
+    candidates = [shipped] + ([] if args.shipped_only else [c for c in candidates.DECODE_CANDIDATES if c != shipped])
     errors = device_errors.pointers(device)
     events = B.CupyEvents()
     rng = cupy.random.default_rng(0)
