@@ -2,7 +2,8 @@
 
 fa2cupy's tests, ``fa2cupy check`` and the benchmarks accept a result by these rules; use them to validate your own
 set-up (a new GPU, driver or CuPy build) the same way. Nothing here needs CuPy or a GPU: device arrays (CuPy,
-PyTorch, JAX) are copied to the host with :func:`to_numpy64`, which imports nothing itself.
+PyTorch, JAX) are copied to the host with :func:`to_numpy64`, which imports no framework the array does not come
+from.
 
 The rules, with ``u`` the unit roundoff of the inputs' dtype (2^-11 for float16, 2^-8 for bfloat16):
 

@@ -1,4 +1,5 @@
-"""Shared pytest setup: the ``gpu`` marker and the Hypothesis profiles.
+"""Shared pytest setup: the ``gpu`` marker, the Hypothesis profiles, and the installed package names when the tests
+run from a source checkout (``PYTHONPATH=. pytest``: see source_tree.py).
 
 Tests marked ``gpu`` are skipped, with the reason printed, on machines without a
 usable CUDA device (CI has none); everything else must pass on a bare CPU box.

@@ -27,6 +27,7 @@ def map_installed_packages() -> None:
     sys.modules["fa2cupy_bench"] = module
     spec.loader.exec_module(module)
 
+
 #: Prepended to the code: a meta-path finder that answers every import of CuPy's packages as "not installed".
 _NO_CUPY = f"""
 import sys

@@ -299,8 +299,8 @@ def test_assert_gradients_close():
      "or install the CuPy for the driver's CUDA (pip install 'fa2cupy[cuda12]'"),
     ("cudaErrorNoDevice: no CUDA-capable device is detected\nsecond line", 12040, 12090,
      "no CUDA GPU found: the NVIDIA driver sees no device (cudaErrorNoDevice; see CUDA_VISIBLE_DEVICES)"),
-    ("cudaErrorUnknown: unknown error\nsecond line", 12040, 12090, "no usable CUDA GPU (cudaErrorUnknown: unknown error "
-     "second line)"),
+    ("cudaErrorUnknown: unknown error\nsecond line", 12040, 12090,
+     "no usable CUDA GPU (cudaErrorUnknown: unknown error second line)"),
 ])
 def test_gpu_unavailable_reason_in_plain_words(monkeypatch, error, driver, runtime, said):
     cupy = pytest.importorskip("cupy")
