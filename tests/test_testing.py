@@ -4,6 +4,7 @@ model of the kernel's roundings, and the assertions' verdicts and messages."""
 from __future__ import annotations
 
 import math
+import textwrap
 
 import numpy as np
 import pytest
@@ -324,3 +325,17 @@ def test_gpu_unavailable_reason_no_device_and_no_cupy(monkeypatch):
     assert T.gpu_unavailable_reason() is None
     res = python_without_cupy("import fa2cupy.testing as T; print(T.gpu_unavailable_reason())")
     assert res.stdout.startswith("CuPy is not installed; install it with pip install 'fa2cupy[cuda12]'"), res.stderr
+
+
+def _docstring_example() -> str:
+    return textwrap.dedent(T.__doc__.split("::\n", 1)[1])
+
+
+def test_docstring_example_is_python():
+    code = compile(_docstring_example(), "fa2cupy.testing example", "exec")
+    assert {"assert_attention_close", "assert_gradients_close"} <= set(code.co_names)
+
+
+@pytest.mark.gpu
+def test_docstring_example_runs_as_written():
+    exec(_docstring_example(), {})
