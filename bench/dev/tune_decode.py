@@ -66,7 +66,8 @@ def main():
     args = parser.parse_args()
     device = cupy.cuda.runtime.getDevice()
     shipped = configs.decode_config(int(cupy.cuda.Device().compute_capability), D)
-    candidates = [shipped] + ([] if args.shipped_only else [c for c in candidates.DECODE_CANDIDATES if c != shipped])
+    configs_timed = [shipped] + ([] if args.shipped_only
+                                 else [c for c in candidates.DECODE_CANDIDATES if c != shipped])
     errors = device_errors.pointers(device)
     events = B.CupyEvents()
     rng = cupy.random.default_rng(0)
@@ -75,7 +76,7 @@ def main():
         q, kc, vc = decode_caches(rng, b, sk, layout)
         nbytes = B.kv_cache_bytes(b, sk, HKV, D)
         reference = None
-        for config in candidates:
+        for config in configs_timed:
             for splits in map(int, args.splits.split(",")):
                 plan, run, out = decode_step(q, kc, vc, config, splits, errors)
                 run()
