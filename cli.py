@@ -1,7 +1,8 @@
 """The ``fa2cupy`` command: ``check`` (correctness on the GPU), ``bench`` (speed), ``info``.
 
-Installed as the console script ``fa2cupy`` (entry point ``cli:main``); also
-runnable as ``python cli.py ...`` from the repository root.
+Installed as the console script ``fa2cupy`` (entry point ``fa2cupy_cli.cli:main``); after
+``pip install -e .`` also runnable as ``python cli.py ...`` from the repository root (the
+benchmark harness is the installed package ``fa2cupy_bench``, from ``bench/``).
 
 Without a usable CUDA GPU every command prints one line saying why and exits
 with status 2; without CuPy it prints one line naming the install extras.
@@ -18,35 +19,8 @@ from typing import Any
 import click
 import numpy as np
 
-
-
-def _import_benchmark():
-    """fa2cupy.benchmark, or -- when the package itself cannot be imported (e.g. no
-    CuPy) -- the same file loaded on its own (it needs only NumPy), so that the
-    commands can still explain what is missing in one line."""
-    try:
-        from fa2cupy import benchmark  # noqa: PLC0415
-
-        return benchmark
-    except Exception:
-        import importlib.util  # noqa: PLC0415
-        from pathlib import Path  # noqa: PLC0415
-
-        path = Path(__file__).resolve().parent / "fa2cupy" / "benchmark.py"
-        try:
-            spec = importlib.util.find_spec("fa2cupy")
-            if spec is not None and spec.submodule_search_locations:
-                path = Path(list(spec.submodule_search_locations)[0]) / "benchmark.py"
-        except Exception:
-            pass
-        spec = importlib.util.spec_from_file_location("_fa2cupy_benchmark_standalone", path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod   # dataclasses need the module registered
-        spec.loader.exec_module(mod)
-        return mod
-
-
-B = _import_benchmark()
+from fa2cupy import testing
+from fa2cupy_bench import harness as B
 
 EXIT_NO_GPU = 2
 
@@ -54,35 +28,19 @@ EXIT_NO_GPU = 2
 # GPU probing
 # --------------------------------------------------------------------------- #
 
-_EXTRAS_HINT = ("install it with: pip install 'fa2cupy[cuda12]' (CUDA 12 driver) "
-                "or pip install 'fa2cupy[cuda13]' (CUDA 13 driver)")
-
-
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
-
-
 def probe_gpu() -> tuple[bool, str]:
-    """(True, 'GPU name') if CuPy sees a CUDA device, else (False, one-line reason)."""
-    try:
-        import cupy  # noqa: PLC0415
-    except ImportError as exc:
-        if getattr(exc, "name", None) == "cupy":
-            return False, f"fa2cupy: CuPy is not installed; {_EXTRAS_HINT}"
-        return False, _one_line(f"fa2cupy: CuPy failed to import ({exc}); {_EXTRAS_HINT}")
-    except Exception as exc:  # broken CuPy install (missing CUDA libraries, ...)
-        return False, _one_line(f"fa2cupy: CuPy failed to import ({type(exc).__name__}: {exc}); {_EXTRAS_HINT}")
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:
-        return False, _one_line(f"fa2cupy: no CUDA GPU found ({exc})")
-    if n < 1:
-        return False, "fa2cupy: no CUDA GPU found (CUDA reports 0 devices)"
+    """(True, 'GPU name') if CuPy sees a CUDA device, else (False, one-line reason:
+    :func:`fa2cupy.testing.gpu_unavailable_reason`)."""
+    reason = testing.gpu_unavailable_reason()
+    if reason is not None:
+        return False, f"fa2cupy: {reason}"
+    import cupy  # noqa: PLC0415
+
     try:
         name = cupy.cuda.runtime.getDeviceProperties(0)["name"]
         name = name.decode() if isinstance(name, bytes) else str(name)
     except Exception as exc:
-        return False, _one_line(f"fa2cupy: no usable CUDA GPU ({exc})")
+        return False, " ".join(f"fa2cupy: no usable CUDA GPU ({exc})".split())
     return True, name
 
 
@@ -99,8 +57,8 @@ def require_gpu() -> str:
 # check: correctness sweep against the float64 reference
 # --------------------------------------------------------------------------- #
 
-# Bounds live in fa2cupy/benchmark.py (one place, shared with the GPU tests and
-# bench/dev/sanitize_case.py): B.out_bound, B.lse_bound, B.gradient_bound.
+# What passes is decided by fa2cupy.testing (one place, shared with the GPU tests and
+# bench/dev/sanitize_case.py): attention_errors for out/lse, gradient_errors for dq/dk/dv.
 
 
 C = B.Case
@@ -175,9 +133,6 @@ def checks_backward(case: B.Case) -> bool:
     return B.backward_work(case) <= BWD_WORK_LIMIT
 
 
-GRAD_NAMES = ("dq", "dk", "dv")
-
-
 @dataclasses.dataclass
 class CheckResult:
     case: B.Case
@@ -198,51 +153,22 @@ class CheckResult:
                 and (self.grad_ratios is None or all(r <= 1.0 for r in self.grad_ratios.values())))
 
 
-def compare_gradients(case: B.Case, grads, ref_grads, softmax_scale: float, absmax: dict[str, float]) -> dict[str, float]:
-    """max|g - ref_g| / B.gradient_bound(...) for g in dq, dk, dv (inf where g has NaN/inf).
-
-    ``absmax``: max |x| of the inputs "dout", "q", "k", "v" (for the bound's floor)."""
-    floor = B.gradient_floor(softmax_scale, case.headdim, absmax["dout"], absmax["v"], max(absmax["q"], absmax["k"]))
-    ratios = {}
-    for name, g, r in zip(GRAD_NAMES, grads, ref_grads):
-        g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
-        if g.shape != r.shape:
-            raise ValueError(f"{name} has shape {g.shape}, expected {r.shape}")
-        if not np.all(np.isfinite(g)):
-            ratios[name] = math.inf
-            continue
-        err = float(np.max(np.abs(g - r))) if g.size else 0.0
-        bound = B.gradient_bound(case.dtype, float(np.max(np.abs(r))) if r.size else 0.0, floor)
-        ratios[name] = err / bound if bound > 0 else (0.0 if err == 0 else math.inf)
-    return ratios
+def gradient_ratios(errors) -> dict[str, float]:
+    """{name: max|g - ref_g| / bound} from :func:`fa2cupy.testing.gradient_errors` (inf where g has NaN/inf)."""
+    return {name: err / bound if bound > 0 else (0.0 if err == 0 else math.inf) for name, err, bound in errors}
 
 
 def compare(case: B.Case, out: np.ndarray, lse: np.ndarray, ref_out: np.ndarray,
             ref_lse: np.ndarray) -> CheckResult:
-    """Compare kernel output/LSE (float64 NumPy) with the reference.
+    """Compare kernel output/LSE (float64 NumPy) with the reference (:func:`fa2cupy.testing.attention_errors`).
 
     Rows with no visible key (causal, sq > sk) have a non-finite reference LSE;
     there the kernel must output zeros (FlashAttention-2 convention) and its
     LSE is not compared.
     """
-    res = CheckResult(case)
-    valid = np.isfinite(ref_lse)                             # (b, h, sq)
-    res.masked_rows = int((~valid).sum())
-    valid_bshd = np.transpose(valid, (0, 2, 1))[..., None]   # (b, sq, h, 1)
-    ref_out_z = np.where(valid_bshd, np.nan_to_num(ref_out), 0.0)
-    diff = np.abs(out - ref_out_z)
-    res.out_err = float(np.max(diff)) if diff.size else 0.0
-    if not np.all(np.isfinite(out)):
-        res.out_err = math.inf
-    res.out_bound = B.out_bound(case.dtype, float(np.max(np.abs(ref_out_z))) if ref_out_z.size else 0.0)
-    if valid.any():
-        ld = np.abs(lse[valid] - ref_lse[valid])
-        if not np.all(np.isfinite(ld)):
-            res.lse_err, res.lse_ratio = math.inf, math.inf
-        else:
-            res.lse_err = float(ld.max())
-            res.lse_ratio = float(np.max(ld / B.lse_bound(ref_lse[valid])))
-    return res
+    e = testing.attention_errors(out, ref_out, case.dtype, lse=lse, ref_lse=ref_lse)
+    return CheckResult(case, out_err=e.out_err, out_bound=e.out_bound, lse_err=e.lse_err, lse_ratio=e.lse_ratio,
+                       masked_rows=e.masked_rows)
 
 
 def run_check_case(case: B.Case, seed: int, backward: bool | None = None,
@@ -266,16 +192,17 @@ def run_check_case(case: B.Case, seed: int, backward: bool | None = None,
             dout = B.to_device(dout_p, case.dtype, "cupy")
             grads = fa2cupy.flash_attn_backward(dout, dev["q"], dev["k"], dev["v"], out, lse, causal=case.causal,
                                                 deterministic=deterministic)
-            grads = [B.to_numpy64(g) for g in grads]
-        out64, lse64 = B.to_numpy64(out), B.to_numpy64(lse)
+            grads = [testing.to_numpy64(g) for g in grads]
+        out64, lse64 = testing.to_numpy64(out), testing.to_numpy64(lse)
         seconds = time.perf_counter() - t0
         q64, k64, v64 = host["q"][1], host["k"][1], host["v"][1]
         ref_out, ref_lse = attention_ref(q64, k64, v64, causal=case.causal)
         res = compare(case, out64, lse64, np.asarray(ref_out, np.float64), np.asarray(ref_lse, np.float64))
         if backward:
-            ref_grads = B.reference_gradients(dout64, q64, k64, v64, out64, causal=case.causal, ref_out=ref_out)
-            absmax = {n: float(np.max(np.abs(x))) for n, x in (("dout", dout64), ("q", q64), ("k", k64), ("v", v64))}
-            res.grad_ratios = compare_gradients(case, grads, ref_grads, 1.0 / math.sqrt(case.headdim), absmax)
+            ref_grads = testing.reference_gradients(dout64, q64, k64, v64, out64, causal=case.causal,
+                                                    ref_out=ref_out)
+            res.grad_ratios = gradient_ratios(testing.gradient_errors(grads, dout64, q64, k64, v64, out64, case.dtype,
+                                                                      causal=case.causal, ref_grads=ref_grads))
             res.deterministic = bool(deterministic)
         res.seconds = seconds
         return res
@@ -303,7 +230,7 @@ def check_row(i: int, r: CheckResult) -> str:
                          for j, (c, w) in enumerate(zip(cells, CHECK_WIDTHS))) + f"  {r.error}"
     cells = (str(i), r.case.label, _fmt_e(r.out_err), _fmt_e(r.out_bound), _fmt_e(r.lse_err),
              "-" if r.lse_ratio is None else f"{r.lse_ratio:.2f}",
-             *(("-" if r.grad_ratios is None else _fmt_ratio(r.grad_ratios.get(g))) for g in GRAD_NAMES),
+             *(("-" if r.grad_ratios is None else _fmt_ratio(r.grad_ratios.get(g))) for g in testing.GRAD_NAMES),
              f"{r.seconds:.1f}", "PASS" if r.passed else "FAIL")
     line = "  ".join(c.ljust(w) if j == 1 else c.rjust(w) for j, (c, w) in enumerate(zip(cells, CHECK_WIDTHS)))
     notes = []
@@ -600,41 +527,63 @@ def _bench_decode(headdims, seqlens, batches, nheads, nheads_kv, dtype, out_dir,
     click.echo(f"wrote {path}")
 
 
-@main.command()
-def info() -> None:
-    """GPU, CUDA/NVRTC/CuPy versions, kernel cache folder and the forward tile table."""
-    require_gpu()
-    import cupy  # noqa: PLC0415
+def info_rows(env: dict[str, Any], gpu: str | None, arch: int | None) -> list[tuple[str, Any]]:
+    """``fa2cupy info``'s (name, value) rows from :func:`fa2cupy_bench.harness.environment_info`: the versions and
+    the kernel cache folder, known without a GPU, then the GPU (``gpu``: its name, or why there is none)."""
+    from fa2cupy import build  # noqa: PLC0415 -- needs no CuPy
 
-    env = B.environment_info()
-    try:
-        arch = B.gpu_arch()
-    except Exception:
-        arch = None
-    try:
-        from fa2cupy import build  # noqa: PLC0415
+    def version(key: str, note: str | None = None) -> str:
+        value = env.get(key)
+        return f"{value} ({note})" if value and note else str(value)
 
-        cache = str(build.cache_dir())
-    except Exception as exc:
-        import os  # noqa: PLC0415
-
-        cache = os.environ.get("CUPY_CACHE_DIR") or os.path.expanduser("~/.cupy/kernel_cache")
-        cache += f"  (fa2cupy.build.cache_dir unavailable: {B._first_line(exc)})"
     rows = [
-        ("GPU", env.get("gpu")),
-        ("compute capability", f"{env.get('compute_capability')} (sm_{arch})" if arch else env.get("compute_capability")),
+        ("fa2cupy", env.get("fa2cupy")),
+        ("CuPy", version("cupy", env.get("cupy_package"))),
+        ("NVRTC", env.get("nvrtc")),
+        ("CUDA runtime", version("cuda_runtime", "the CUDA CuPy was built for")),
+        ("CUDA driver", env.get("cuda_driver") or "none found"),
+    ]
+    if env.get("torch"):
+        rows.append(("torch", version("torch", f"CUDA {env['torch_cuda']}" if env.get("torch_cuda") else None)))
+    if env.get("jax"):
+        rows.append(("JAX", env["jax"]))
+    rows.append(("kernel cache", build.cache_dir()))
+    if arch is None:
+        return rows + [("GPU", gpu)]
+    return rows + [
+        ("GPU", gpu),
+        ("compute capability", f"{env.get('compute_capability')} (sm_{arch})"),
         ("SMs", env.get("sm_count")),
         ("GPU memory", f"{env.get('gpu_memory_gib')} GiB"),
-        ("CuPy", cupy.__version__),
-        ("CUDA runtime", env.get("cuda_runtime")),
-        ("CUDA driver", env.get("cuda_driver")),
-        ("NVRTC", env.get("nvrtc")),
-        ("fa2cupy", env.get("fa2cupy") or env.get("fa2cupy_error")),
-        ("kernel cache", cache),
     ]
+
+
+@main.command()
+def info() -> None:
+    """Versions (fa2cupy, CuPy, NVRTC, CUDA, torch, JAX), kernel cache folder, GPU and its forward tile table.
+
+    Without a GPU it prints what it can know without one and exits with status 2; without CuPy, one line naming
+    the install extras.
+    """
+    ok, gpu = probe_gpu()
+    try:
+        import cupy  # noqa: F401, PLC0415
+    except Exception:   # nothing else is worth reading: the line says which extra to install
+        click.echo(gpu, err=True)
+        sys.exit(EXIT_NO_GPU)
+    env = B.environment_info()
+    arch = None
+    if ok:
+        try:
+            arch = B.gpu_arch()
+        except Exception as exc:
+            ok, gpu = False, f"fa2cupy: no usable CUDA GPU ({B._first_line(exc)})"
+    rows = info_rows(env, gpu if ok else gpu.removeprefix("fa2cupy: "), arch)
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         click.echo(f"{k.ljust(width)}  {v}")
+    if not ok:
+        sys.exit(EXIT_NO_GPU)
     click.echo("")
     click.echo(tile_table_text(arch))
 

@@ -4,6 +4,7 @@ fp16, 16 heads of 128, 16k tokens in all.
     python bench/varlen_speed.py [--tokens 16384] [--causal] [--paged 16,256]
     python bench/varlen_speed.py --trees base=ab_trees/base/cuda new=cuda [--rounds 4] [--causal] [--paged 16]
         [--mma] [--backward]
+    (from the repository root, after ``pip install -e .``: the harness is the installed package ``fa2cupy_bench``)
 
 Two comparisons, each timed back to back with the same timer as ``fa2cupy bench`` (CUDA events, median):
 * equal lengths: varlen over b sequences of s tokens against flash_attn_func on (b, s): the same work, so the
@@ -28,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, ".")
 import fa2cupy  # noqa: E402
-from fa2cupy import benchmark as B  # noqa: E402
+from fa2cupy_bench import harness as B  # noqa: E402
 from fa2cupy import build, forward, interface, paging  # noqa: E402
 
 

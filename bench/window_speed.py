@@ -2,28 +2,56 @@
 (target: >= 8x faster), forward and backward, fp16, 16 heads of 128.
 
     python bench/window_speed.py [--seqlen 65536] [--window 4096] [--rounds 5] [--sustain 2] [--candidates]
+    (from the repository root, after ``pip install -e .``: the harness is the installed package ``fa2cupy_bench``)
 
 Same timer as ``fa2cupy bench`` (CUDA events per call, calls back to back, median), in rounds that time the
 causal and the window runs back to back; the speed-ups are the ratios of the medians over rounds. Each timing
 follows ``--sustain`` seconds of the same call back to back (default 2; 0 for short bursts), so that each run is
 timed at its own steady clock: at the power cap a window run timed straight after a lighter load reads up to 10%
 fast (docs/design.md, "How figures are measured"). With ``--candidates`` the
-window forward and backward are also timed on each tile of configs.WINDOW_FORWARD_CANDIDATES /
-WINDOW_BACKWARD_CANDIDATES (checked against the shipped rows' results first), as speed-ups over the same full
+window forward and backward are also timed on each tile of WINDOW_FORWARD_CANDIDATES / WINDOW_BACKWARD_CANDIDATES
+in bench/dev/candidates.py (checked against the shipped rows' results first), as speed-ups over the same full
 causal runs.
 """
 
 import argparse
 import statistics
 import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import cupy
 
 sys.path.insert(0, ".")
 import fa2cupy  # noqa: E402
-from fa2cupy import benchmark as B  # noqa: E402
-from fa2cupy import backward, configs, forward  # noqa: E402
-from bench.bwd_window_sweep import launches  # noqa: E402  (the backward's launches one by one)
+from fa2cupy_bench import harness as B  # noqa: E402
+from fa2cupy import backward, forward  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "dev"))
+import candidates  # noqa: E402  (bench/dev/candidates.py: the window tile candidates)
+
+
+def launches(q, k, v, dout, window):
+    """The backward's three launches for one call, each a function: (what they use, kept alive; preprocess, dK/dV
+    with the dQ reductions, dQ conversion)."""
+    out, lse, _ = fa2cupy.flash_attn_func(q, k, v, causal=True, window_size=window, return_attn_probs=True)
+    grads = [cupy.empty_like(x) for x in (q, k, v)]
+    strides = {n: tuple(s // x.itemsize for s in x.strides)
+               for n, x in zip(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), (q, k, v, dout, out, *grads))}
+    plan = backward.plan_backward(q.shape, k.shape, strides, str(q.dtype), q.shape[-1] ** -0.5, True, False,
+                                  int(cupy.cuda.Device().compute_capability), window_size=window)
+    dsum = cupy.empty(plan.dsum_shape, cupy.float32)
+    dq_accum = cupy.empty(plan.dq_accum_shape, cupy.float32)
+    stream = cupy.cuda.get_current_stream().ptr
+    keep = SimpleNamespace(plan=plan, out=out, lse=lse, grads=grads, dsum=dsum, dq_accum=dq_accum)
+    p = lambda x: x.data.ptr  # noqa: E731
+    pre = lambda: plan.preprocess(stream, (p(dout), p(out), p(dsum), p(dq_accum), 0))  # noqa: E731
+    maps = backward.maps_writer(plan, p(q), p(k), p(v), p(dout))
+    # As backward.run_backward passes them, without varlen, ALiBi or dropout.
+    main = lambda: plan.main(stream, (p(q), p(k), p(v), p(dout), p(lse), p(dsum), p(dq_accum), p(grads[1]),  # noqa
+                                      p(grads[2]), 0, 0, 0, 0) + backward.dropout_words(0, 0), maps)
+    conv = lambda: plan.convert(stream, (p(dq_accum), p(grads[0]), 0))  # noqa: E731
+    return keep, pre, main, conv
 
 
 def time_candidate(name, launch, results, shipped, tol, full_causal_ms, events):
@@ -61,8 +89,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=5, help="alternating causal/window timing rounds")
     parser.add_argument("--sustain", type=float, default=2.0,
                         help="seconds of back-to-back calls before each timing, so that each run is timed at the "
-                             "clock its own load settles to (fa2cupy.benchmark.sustain), not the one before it")
-    parser.add_argument("--candidates", action="store_true", help="also time configs.WINDOW_FORWARD_CANDIDATES")
+                             "clock its own load settles to (fa2cupy_bench.harness.sustain), not the one before it")
+    parser.add_argument("--candidates", action="store_true", help="also time the window tile candidates (bench/dev/candidates.py)")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time the backward's launches one by one (preprocess, dK/dV, dQ conversion)")
     args = parser.parse_args()
@@ -108,7 +136,7 @@ def main():
     arch = int(cupy.cuda.Device().compute_capability)
     stream = cupy.cuda.get_current_stream()
     strides = tuple(tuple(s // x.itemsize for s in x.strides) for x in (q, k, v, out))
-    for config in configs.WINDOW_FORWARD_CANDIDATES.get(args.headdim, ()):
+    for config in candidates.WINDOW_FORWARD_CANDIDATES.get(args.headdim, ()):
         plan = forward.plan_forward(q.shape, k.shape, strides, "float16", args.headdim ** -0.5, True, arch,
                                     config=config, window_size=window)
         launch = lambda: forward.run_forward(plan, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr,  # noqa: E731
@@ -120,7 +148,7 @@ def main():
     grads = [cupy.empty_like(x) for x in (q, k, v)]
     grad_strides = {n: tuple(s // x.itemsize for s in x.strides)
                     for n, x in zip(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), (q, k, v, dout, out, *grads))}
-    for config in configs.WINDOW_BACKWARD_CANDIDATES.get(args.headdim, ()):
+    for config in candidates.WINDOW_BACKWARD_CANDIDATES.get(args.headdim, ()):
         plan = backward.plan_backward(q.shape, k.shape, grad_strides, "float16", args.headdim ** -0.5, True, False,
                                       arch, config=config, window_size=window)
         dsum = cupy.empty(plan.dsum_shape, cupy.float32)

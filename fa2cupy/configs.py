@@ -158,41 +158,6 @@ FORWARD_MASKED_TABLE: dict[tuple[str, int], FwdConfig] = {
     ("sm90", 64): _fwd(64, 128, 96, 4, min_blocks=2),
 }
 
-#: Extra configurations timed by bench/dev/tune_fwd.py (``TUNE=1 bash bench/dev/run_device.sh``) when re-tuning the table.
-FORWARD_CANDIDATES: dict[int, tuple[FwdConfig, ...]] = {
-    64: (
-        _fwd(64, 128, 128, 4, min_blocks=2),
-        _fwd(64, 128, 96, 4, min_blocks=2),
-        _fwd(64, 128, 64, 4, min_blocks=2),
-        _fwd(64, 128, 64, 4, stages=3, min_blocks=2),
-        _fwd(64, 256, 64, 8),
-    ),
-    96: (
-        _fwd(96, 128, 64, 8, q_in_regs=True),
-        _fwd(96, 128, 32, 4, min_blocks=2),
-    ),
-    128: (
-        _fwd(128, 128, 32, 4, min_blocks=2),
-        _fwd(128, 128, 32, 4, stages=3, min_blocks=2),
-        _fwd(128, 192, 32, 6),
-        _fwd(128, 256, 32, 8),
-        _fwd(128, 128, 128, 8, q_in_regs=True),
-    ),
-}
-
-
-#: Window-forward tiles timed by ``python bench/window_speed.py --candidates`` against the shipped row: smaller
-#: query blocks waste fewer keys at the window's edges (a 128-row block's band covers left + 128 keys), at the cost
-#: of more K/V traffic per row (bench/NOTES.md, "Why the 8x window bar is hard"). The 2-warp 64-row row keeps each
-#: warp's 32 rows (the shipped row's MMA reuse) with 4 blocks per SM.
-WINDOW_FORWARD_CANDIDATES: dict[int, tuple[FwdConfig, ...]] = {
-    128: (
-        _fwd(128, 64, 32, 2, min_blocks=4),
-        _fwd(128, 64, 32, 4, min_blocks=4),
-        _fwd(128, 64, 64, 4, min_blocks=2),
-    ),
-}
-
 
 @dataclass(frozen=True)
 class BwdConfig:
@@ -375,30 +340,6 @@ BACKWARD_TABLE: dict[tuple[str, int], BwdConfig] = {
     **{("sm90", d): c for d, c in _BWD_SM90.items()},
 }
 
-#: Extra backward configurations timed by bench/dev/tune_bwd.py when re-tuning the table.
-BACKWARD_CANDIDATES: dict[int, tuple[BwdConfig, ...]] = {
-    64: (
-        _bwd(64, 128, 128, 8, 4),
-        _bwd(64, 128, 128, 8, 4, warps_keys2=8),
-        _bwd(64, 64, 128, 8, 4),
-        _bwd(64, 128, 128, 8, 2, warps_keys2=4),
-    ),
-    128: (
-        _bwd(128, 64, 128, 8, 4),
-        _bwd(128, 64, 128, 8, 4, stages=1),
-        _bwd(128, 64, 128, 8, 2),
-    ),
-}
-
-#: Window-backward tiles timed by ``python bench/window_speed.py --candidates``: 64-key blocks see left + 64 query
-#: rows instead of left + 128 (less edge waste), with twice the dQ atomics per key.
-WINDOW_BACKWARD_CANDIDATES: dict[int, tuple[BwdConfig, ...]] = {
-    128: (
-        _bwd(128, 64, 64, 8, 4),
-        _bwd(128, 64, 64, 4, 2),
-    ),
-}
-
 #: Masked (causal or window) rows that differ from BACKWARD_TABLE's (the mask costs a few registers: the d=64 H100 row would
 #: spill 4 bytes with it).
 BACKWARD_CAUSAL_TABLE: dict[tuple[str, int], BwdConfig] = {
@@ -499,13 +440,6 @@ DEEP_RING_TILES = range(2, 17)
 DECODE_WARP_TABLE: dict[tuple[str, int], DecodeConfig] = {
     ("sm90", 128): replace(_DEC[128], warp_items=True),
 }
-#: Tuning candidates at d=128 (bench/dev/tune_decode.py), compiled on demand, not shipped.
-DECODE_CANDIDATES = tuple(
-    DecodeConfig(128, bn, st, w, pf)
-    for bn, st, w, pf in ((16, 3, 4, False), (16, 3, 4, True), (16, 4, 4, True), (32, 2, 4, False),
-                          (64, 2, 2, True), (16, 2, 8, True), (32, 3, 2, True), (32, 2, 2, True), (16, 2, 4, True),
-                          (32, 3, 4, True), (16, 6, 4, True), (64, 3, 2, True), (16, 5, 4, True), (32, 2, 4, True))
-)
 
 
 def arch_family(arch: int) -> str:

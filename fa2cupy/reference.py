@@ -225,6 +225,16 @@ def attention_ref_backward(dout, q, k, v, softmax_scale=None, causal=False, wind
     return dq, dk, dv
 
 
+def attention_probs_ref(q, k, softmax_scale=None, causal=False, window_size=(-1, -1)):
+    """Float64 softmax probabilities ``P = softmax(scale * q k^T)`` with the mask, ``(batch, nheads, seqlen_q,
+    seqlen_k)``; rows with no visible key are 0. Arguments as for :func:`attention_ref` (no modifiers or dropout:
+    these are the probabilities ``return_attn_probs=True`` describes before dropout)."""
+    q, k, _, scale, group = _prepare(q, k, k, softmax_scale)
+    b, sq, hq, _ = q.shape
+    mask = _visible(sq, k.shape[1], causal, window_size)
+    return np.stack([_probs(q[bi], np.repeat(k[bi], group, axis=1), scale, mask)[0] for bi in range(b)])
+
+
 def _check_cu_seqlens(cu, total: int, name: str) -> np.ndarray:
     cu = np.asarray(cu, dtype=np.int64)
     if cu.ndim != 1 or cu.size < 1 or cu[0] != 0 or np.any(np.diff(cu) < 0) or cu[-1] > total:

@@ -1,4 +1,5 @@
-"""Shared pytest setup: the ``gpu`` marker and the Hypothesis profiles.
+"""Shared pytest setup: the ``gpu`` marker, the Hypothesis profiles, and the installed package names when the tests
+run from a source checkout (``PYTHONPATH=. pytest``: see source_tree.py).
 
 Tests marked ``gpu`` are skipped, with the reason printed, on machines without a
 usable CUDA device (CI has none); everything else must pass on a bare CPU box.
@@ -15,6 +16,10 @@ import os
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+from source_tree import map_installed_packages
+
+map_installed_packages()  # fa2cupy_bench from bench/ when the project is run from a source checkout
 
 settings.register_profile(
     "ci",
@@ -37,21 +42,11 @@ def pytest_configure(config):
 
 @functools.lru_cache(maxsize=None)
 def gpu_unavailable_reason() -> str | None:
-    """None when a CUDA device is usable through CuPy, else why not."""
-    try:
-        import cupy
-        from cupy_backends.cuda.api.runtime import CUDARuntimeError
-    except ImportError as exc:
-        return f"needs a CUDA GPU: CuPy is not importable ({exc})"
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except CUDARuntimeError as exc:
-        return f"needs a CUDA GPU: none usable ({exc})"
-    except Exception as exc:  # e.g. the CUDA runtime library itself is missing
-        return f"needs a CUDA GPU: CUDA runtime unavailable ({type(exc).__name__}: {exc})"
-    if count < 1:
-        return "needs a CUDA GPU: no device found"
-    return None
+    """None when a CUDA device is usable through CuPy, else why not, in plain words."""
+    from fa2cupy.testing import gpu_unavailable_reason as reason
+
+    why = reason()
+    return None if why is None else f"needs a CUDA GPU: {why}"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -12,8 +12,7 @@ import importlib
 import numpy as np
 import pytest
 
-#: Unit roundoff of the 16-bit types, the u of the error bounds.
-UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
+from fa2cupy.testing import UNIT_ROUNDOFF  # noqa: F401 -- the u of the error bounds, for the GPU tests
 
 
 def cupy_module():

@@ -4,7 +4,7 @@ What is compared
 ----------------
 out and lse come from the library's own forward (``flash_attn_func(...,
 return_attn_probs=True)``), dout is random normal, all inputs rounded to the dtype.
-The reference, ``fa2cupy.benchmark.reference_gradients``, is
+The reference, ``fa2cupy.testing.reference_gradients``, is
 ``fa2cupy.reference.attention_ref_backward`` on exactly those rounded inputs plus
 one exact correction: FlashAttention-2's backward uses the ``out`` it is *given*,
 only through ``D_i = rowsum(dO_i * out_i)``, and the kernel's out is the rounded
@@ -15,8 +15,8 @@ gradients are linear in D, so the reference for the given out is
 ``dq - scale dD_i (P K)_i``, ``dk_j - scale sum_i P_ij dD_i q_i`` (dv does not
 use D); this is exact, not a bound.
 
-The bound (``fa2cupy.benchmark.gradient_bound``), for g in dq, dk, dv
-----------------------------------------------------------------------
+The bound (``fa2cupy.testing.gradient_bound``), for g in dq, dk, dv
+--------------------------------------------------------------------
     max|g - ref_g| <= 16 u max|ref_g| + floor,    u = 2^-11 (fp16), 2^-8 (bf16).
 
 The kernel's low-precision roundings, each with relative error <= u:
@@ -68,7 +68,7 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
-from fa2cupy import benchmark as B
+from fa2cupy import testing as B
 from gpu_helpers import cupy_module as _cupy, debug_poison, np_dtype as _np_dtype, torch_cuda as _torch
 
 pytestmark = pytest.mark.gpu

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -14,7 +15,9 @@ from click.testing import CliRunner
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # cli.py lives in the repo root
 
 import cli  # noqa: E402
-from fa2cupy import benchmark as B  # noqa: E402
+from fa2cupy_bench import harness as B  # noqa: E402
+from fa2cupy import testing  # noqa: E402
+from source_tree import python_without_cupy  # noqa: E402
 
 HAS_GPU = cli.probe_gpu()[0]
 no_gpu_only = pytest.mark.skipif(HAS_GPU, reason="a GPU is present: the no-GPU path is not taken")
@@ -25,13 +28,51 @@ def _lines(result) -> list[str]:
 
 
 @no_gpu_only
-@pytest.mark.parametrize("command", ["check", "bench", "info"])
+@pytest.mark.parametrize("command", [["check"], ["check", "--quick"], ["bench"], ["bench", "--mode", "decode"]])
 def test_no_gpu_one_line_exit(command):
-    result = CliRunner().invoke(cli.main, [command])
+    result = CliRunner().invoke(cli.main, command)
     assert result.exit_code == cli.EXIT_NO_GPU != 0
-    lines = _lines(result)
-    assert len(lines) == 1, result.output
-    assert "fa2cupy[cuda12]" in lines[0] or "no CUDA GPU" in lines[0] or "no usable CUDA GPU" in lines[0]
+    assert _lines(result) == [f"fa2cupy: {testing.gpu_unavailable_reason()}"]
+
+
+def _no_driver() -> bool:
+    """CuPy imports, and CUDA says no driver is loaded (driverGetVersion 0): this machine has no GPU driver."""
+    try:
+        import cupy
+    except ImportError:
+        return False
+    return cupy.cuda.runtime.driverGetVersion() == 0
+
+
+@pytest.mark.skipif(not _no_driver(), reason="a CUDA driver is installed: the no-driver message is not shown")
+def test_no_driver_said_plainly():
+    import conftest
+
+    for said in (cli.probe_gpu()[1], conftest.gpu_unavailable_reason(), testing.gpu_unavailable_reason()):
+        assert "no GPU or no CUDA driver found" in said
+        assert "nsufficient" not in said and "cudaError" not in said   # not CUDA's "driver is insufficient"
+    result = CliRunner().invoke(cli.main, ["check"])
+    assert _lines(result) == ["fa2cupy: no GPU or no CUDA driver found (the NVIDIA driver's library, libcuda, is not "
+                              "installed)"]
+
+
+@no_gpu_only
+def test_info_without_gpu_prints_what_it_knows():
+    cupy = pytest.importorskip("cupy")
+    import fa2cupy
+    from fa2cupy import build
+
+    result = CliRunner().invoke(cli.main, ["info"])
+    assert result.exit_code == cli.EXIT_NO_GPU, result.output
+    rows = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in _lines(result))   # name, padded; value
+    assert rows["fa2cupy"] == fa2cupy.__version__
+    assert rows["CuPy"].startswith(cupy.__version__)
+    assert rows["NVRTC"] == ".".join(map(str, cupy.cuda.nvrtc.getVersion()))
+    runtime = cupy.cuda.runtime.runtimeGetVersion()
+    assert rows["CUDA runtime"].startswith(f"{runtime // 1000}.{runtime % 1000 // 10} (the CUDA CuPy was built for")
+    assert rows["kernel cache"] == build.cache_dir()
+    assert rows["GPU"] == testing.gpu_unavailable_reason()
+    assert "cudaErrorInsufficientDriver" not in result.output
 
 
 @pytest.mark.parametrize("command", ["check", "bench", "info"])
@@ -42,6 +83,22 @@ def test_no_cupy_names_extras(command, monkeypatch):
     lines = _lines(result)
     assert len(lines) == 1, result.output
     assert "fa2cupy[cuda12]" in lines[0] and "fa2cupy[cuda13]" in lines[0]
+
+
+@pytest.mark.parametrize("args", [["--help"], ["check"], ["check", "--quick"], ["bench"], ["bench", "--mode", "bwd"],
+                                  ["info"]])
+def test_without_cupy_in_a_fresh_process(args):
+    # As installed without a CUDA extra: help works, every command says in one line which extra to install.
+    res = python_without_cupy("import cli; cli.main(prog_name='fa2cupy')", *args)
+    if args == ["--help"]:
+        assert res.returncode == 0 and res.stderr == "", res.stderr
+        assert all(cmd in res.stdout for cmd in ("check", "bench", "info"))
+        return
+    lines = [line for line in (res.stdout + res.stderr).splitlines() if line.strip()]
+    assert res.returncode == cli.EXIT_NO_GPU, res.stdout + res.stderr
+    assert len(lines) == 1, res.stdout + res.stderr
+    assert "CuPy is not installed" in lines[0]
+    assert "pip install 'fa2cupy[cuda12]'" in lines[0] and "pip install 'fa2cupy[cuda13]'" in lines[0]
 
 
 def test_probe_gpu_reports_cuda_error(monkeypatch):
@@ -97,11 +154,12 @@ def test_random_cases_depend_on_seed():
         assert 1 <= c.headdim <= 256 and c.nheads % c.nheads_kv == 0
 
 
-def test_bounds():
-    assert B.out_bound("bf16", 0.5) == 2 ** -7
-    assert B.out_bound("fp16", 4.0) == 4 * 2 ** -10
-    np.testing.assert_allclose(B.lse_bound(np.array([0.5, -20.0])), [1e-3, 2e-2])
-    assert not hasattr(cli, "_bound") and not hasattr(cli, "OUT_REL")   # one place: fa2cupy/benchmark.py
+def test_bounds_live_in_one_place():
+    # fa2cupy check's bounds are fa2cupy.testing's (tests/test_testing.py checks their values), not a copy.
+    for name in ("_bound", "OUT_REL", "LSE_REL", "GRAD_C", "out_bound", "gradient_bound", "compare_gradients"):
+        assert not hasattr(cli, name)
+    for name in ("out_bound", "lse_bound", "gradient_bound", "reference_gradients", "to_numpy64"):
+        assert not hasattr(B, name)
 
 
 @no_gpu_only
@@ -132,23 +190,26 @@ def _grad_case():
     dout = B.host_dout(case, 0)[1]
     out, _ = attention_ref(q, k, v, causal=True)
     ref = attention_ref_backward(dout, q, k, v, causal=True)
-    absmax = {"dout": np.abs(dout).max(), "q": np.abs(q).max(), "k": np.abs(k).max(), "v": np.abs(v).max()}
-    return case, ref, absmax
+    return case, ref, (dout, q, k, v, out)
 
 
-def test_compare_gradients():
-    case, ref, absmax = _grad_case()
-    ratios = cli.compare_gradients(case, ref, ref, 0.25, absmax)
-    assert ratios == {"dq": 0.0, "dk": 0.0, "dv": 0.0}
+def test_gradient_ratios_of_the_shared_rule():
+    case, ref, inputs = _grad_case()
+
+    def ratios(grads):
+        return cli.gradient_ratios(testing.gradient_errors(grads, *inputs, case.dtype, causal=True, ref_grads=ref))
+
+    assert ratios(ref) == {"dq": 0.0, "dk": 0.0, "dv": 0.0}
     off = [g.copy() for g in ref]
     off[1][0, 0, 0, 0] += 0.1                         # far above 16 * 2^-11 * max|dk|
-    r = cli.compare_gradients(case, off, ref, 0.25, absmax)
+    r = ratios(off)
     assert r["dk"] > 1 and r["dq"] == 0.0
     nan = [g.copy() for g in ref]
     nan[2][0, -1, 0, 0] = np.nan
-    assert cli.compare_gradients(case, nan, ref, 0.25, absmax)["dv"] == math.inf
-    with pytest.raises(ValueError):
-        cli.compare_gradients(case, [ref[0], ref[1][:, :1], ref[2]], ref, 0.25, absmax)
+    assert ratios(nan)["dv"] == math.inf
+    with pytest.raises(ValueError, match="dk has shape"):
+        ratios([ref[0], ref[1][:, :1], ref[2]])
+    assert cli.gradient_ratios([("dq", 0.0, 0.0), ("dk", 1e-9, 0.0)]) == {"dq": 0.0, "dk": math.inf}
 
 
 def test_check_row_with_gradients():

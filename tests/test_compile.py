@@ -216,12 +216,15 @@ def test_every_table_entry_fits_its_family():
     assert set(configs.DECODE_TABLE) == set(configs.FORWARD_TABLE)
 
 
-def test_decode_shared_memory_matches_the_kernel():
+def test_decode_shared_memory_matches_the_kernel(monkeypatch):
     # DecodeConfig's byte counts (what a launch asks for) against DecodeTraits' own constants, read from the PTX of
-    # a probe variable compiled with the kernel source: shipped rows and tuning candidates.
+    # a probe variable compiled with the kernel source: shipped rows and tuning candidates (bench/dev/candidates.py).
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(__file__), os.pardir, "bench", "dev"))
+    import candidates
+
     warp_items_rings = {dataclasses.replace(c, deep_ring=not c.deep_ring) for c in configs.DECODE_WARP_TABLE.values()}
     rows = sorted(set(configs.DECODE_TABLE.values()) | set(configs.DECODE_DEEP_TABLE.values())
-                  | set(configs.DECODE_WARP_TABLE.values()) | warp_items_rings | set(configs.DECODE_CANDIDATES),
+                  | set(configs.DECODE_WARP_TABLE.values()) | warp_items_rings | set(candidates.DECODE_CANDIDATES),
                   key=repr)
     probes = []
     for i, config in enumerate(rows):

@@ -170,12 +170,12 @@ def test_gpu_window_grad_under_jit_equals_flash_attn_backward(causal):
 
 
 def _assert_close_to_reference(grads, dout, q, k, v, out, softmax_scale, causal):
-    # The shared backward rule (fa2cupy.benchmark.gradient_errors), as for the torch wrapper.
-    from fa2cupy import benchmark
+    # The shared backward rule (fa2cupy.testing.gradient_errors), as for the torch wrapper.
+    from fa2cupy import testing
 
     dtype = np.dtype(q.dtype).name
-    for name, err, bound in benchmark.gradient_errors([_f64(g) for g in grads], _f64(dout), _f64(q), _f64(k),
-                                                      _f64(v), _f64(out), dtype, softmax_scale, causal):
+    for name, err, bound in testing.gradient_errors([_f64(g) for g in grads], _f64(dout), _f64(q), _f64(k),
+                                                    _f64(v), _f64(out), dtype, softmax_scale, causal):
         assert err <= bound, f"{name}: max error {err:.3g} > bound {bound:.3g}"
 
 

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fa2cupy import benchmark as B
+from fa2cupy import testing as B
 from fa2cupy import paging
 from fa2cupy.reference import attention_ref_varlen
 from gpu_helpers import (  # noqa: F401 -- poison_forward_and_backward is an autouse fixture

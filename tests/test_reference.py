@@ -292,3 +292,19 @@ def test_varlen_reference_is_per_sequence():
         np.testing.assert_allclose(lse[:, s], l[0])
     dq, dk, dv = attention_ref_varlen_backward(dout, q, k, v, cu, cu, causal=True)
     assert np.all(dq[8] == 0) and np.all(dk[8] == 0)
+
+
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (3, 1))])
+def test_probabilities_make_the_output(causal, window):
+    from fa2cupy.reference import attention_probs_ref
+
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((2, 9, 4, 8))
+    k, v = (rng.standard_normal((2, 6, 2, 8)) for _ in range(2))
+    p = attention_probs_ref(q, k, 0.7, causal, window)
+    out, lse = attention_ref(q, k, v, softmax_scale=0.7, causal=causal, window_size=window)
+    assert p.shape == (2, 4, 9, 6) and np.all(p >= 0)
+    live = np.isfinite(lse)                                  # (b, h, sq): rows that see a key sum to 1, others 0
+    np.testing.assert_allclose(p.sum(-1)[live], 1.0)
+    assert np.all(p[~live] == 0)
+    np.testing.assert_allclose(np.einsum("bhqk,bkhd->bqhd", p, np.repeat(v, 2, axis=2)), out, atol=1e-12)

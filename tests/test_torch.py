@@ -367,14 +367,14 @@ def _grads(q, k, v, dout, **kw):
 
 
 def _assert_close_to_reference(grads, dout, q, k, v, softmax_scale=None, causal=False):
-    # The shared backward rule (fa2cupy.benchmark.gradient_errors): float64 gradients for the out the kernel
+    # The shared backward rule (fa2cupy.testing.gradient_errors): float64 gradients for the out the kernel
     # computed, 16 u max|ref| plus a floor for gradients that are exactly 0 (e.g. one visible key per row).
-    from fa2cupy import benchmark
+    from fa2cupy import testing
 
     out = fa2cupy.flash_attn_func(q.detach(), k.detach(), v.detach(), softmax_scale=softmax_scale, causal=causal)
     dtype = str(q.dtype).rpartition(".")[2]
-    for name, err, bound in benchmark.gradient_errors([_np(g) for g in grads], _np(dout), _np(q), _np(k), _np(v),
-                                                      _np(out), dtype, softmax_scale, causal):
+    for name, err, bound in testing.gradient_errors([_np(g) for g in grads], _np(dout), _np(q), _np(k), _np(v),
+                                                    _np(out), dtype, softmax_scale, causal):
         assert err <= bound, f"{name}: max error {err:.3g} > bound {bound:.3g}"
 
 

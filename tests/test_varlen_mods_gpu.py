@@ -23,7 +23,7 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
-from fa2cupy import benchmark as B
+from fa2cupy import testing as B
 from fa2cupy.reference import (
     attention_ref,
     attention_ref_backward,
@@ -402,7 +402,7 @@ def test_dropout_matches_reference_with_the_reported_mask(c):
     refs = attention_ref_backward(doh, qh, kh, vh, out=_host(out), dropout_p=p, dropout_mask=mask, **kw)
     _check_grads(grads, refs, dtype, 1 / math.sqrt(d) / (1 - p), d, doh, qh, kh, vh)
     # return_attn_probs: P o Z / (1 - p) as the output was made of (float32, recomputed from the kernel's lse)
-    from fa2cupy.benchmark import _probs64
+    from fa2cupy.reference import attention_probs_ref as _probs64
     p_ref = _probs64(qh, kh, 1 / math.sqrt(d), c["causal"]) if c["softcap"] == 0 else None
     if p_ref is not None:
         expect = np.where(mask, p_ref, 0.0) / (1 - p)

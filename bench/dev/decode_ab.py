@@ -10,6 +10,7 @@ timing.
     python bench/dev/decode_ab.py --trees base=ab_trees/base/cuda,new=cuda   (kernels built from each copy of cuda/)
     python bench/dev/decode_ab.py --trees base=ab_trees/base/cuda,new+pdl=cuda   (a tree with a variant's settings)
     python bench/dev/decode_ab.py --paged 256 [--in-order] ...   (the same keys and values in shuffled pages of 256 keys)
+    (from the repository root, after ``pip install -e .``: the harness is the installed package ``fa2cupy_bench``)
 
 Variants: ``base`` (the shipped plan), ``deep``/``shallow`` (the deep-ring twin of the d=128 row forced on or
 off), ``block``/``solo``/``solodeep``/``soloshallow`` (warp items forced off, or on with either ring), ``solost3``
@@ -28,7 +29,7 @@ import sys
 
 sys.path.insert(0, ".")
 import fa2cupy  # noqa: E402
-from fa2cupy import benchmark as B  # noqa: E402
+from fa2cupy_bench import harness as B  # noqa: E402
 from fa2cupy import build, configs, decode, interface  # noqa: E402
 
 H, HKV, D = 32, 8, 128  # the decode bar's query heads, KV heads and head dim

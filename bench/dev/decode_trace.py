@@ -6,6 +6,7 @@ items, each item's span by its place in its block and the gap between items. Sam
 
     python bench/dev/decode_trace.py [--cases 1x16384,64x1024] [--config 32,2,4,1] [--splits 0] [--defines ...]
                                  [--tree ab_trees/x/cuda]
+    (from the repository root, after ``pip install -e .``: the harness is the installed package ``fa2cupy_bench``)
 """
 
 import argparse
@@ -15,7 +16,7 @@ import cupy
 import numpy as np
 
 sys.path.insert(0, ".")
-from fa2cupy import benchmark as B  # noqa: E402
+from fa2cupy_bench import harness as B  # noqa: E402
 from fa2cupy import build, configs, decode, device_errors  # noqa: E402
 from tune_decode import D, HKV, decode_caches, decode_step  # noqa: E402
 

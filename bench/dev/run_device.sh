@@ -46,6 +46,13 @@ OUT="${OUT:-bench/out/device}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 START=$(date +%s)
+# The harness behind `cli.py bench` is the package fa2cupy_bench, bench/ under the name pyproject.toml's package-dir
+# gives it when installed; without an install, a link in a scratch folder on PYTHONPATH gives it that name.
+if ! "$PY" -c 'import fa2cupy_bench' 2>/dev/null; then
+  BENCH_LINK=$(mktemp -d)
+  ln -s "$PWD/bench" "$BENCH_LINK/fa2cupy_bench"
+  export PYTHONPATH="$PYTHONPATH:$BENCH_LINK"
+fi
 
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)  commit: $(git rev-parse --short HEAD 2>/dev/null || echo n/a)"
@@ -141,11 +148,11 @@ if [ "${TUNE_DEC:-0}" = 1 ]; then
   step tune_decode "${TUNE_TIMEOUT:-240}" "$OUT/tune_decode.log" "$PY" bench/dev/tune_decode.py ${TUNE_DEC_ARGS:-}
 fi
 
-if [ "${TUNE:-0}" = 1 ]; then  # every tile candidate of configs.FORWARD_CANDIDATES beside SDPA
+if [ "${TUNE:-0}" = 1 ]; then  # every tile candidate of bench/dev/candidates.py beside SDPA
   step tune "${TUNE_TIMEOUT:-240}" "$OUT/tune.log" "$PY" bench/dev/tune_fwd.py --seqlens "${TUNE_SEQLENS:-2048,8192}" --headdims "${TUNE_HEADDIMS:-64,128}"
 fi
 
-if [ "${TUNE_BWD:-0}" = 1 ]; then  # every backward tile candidate of configs.BACKWARD_CANDIDATES beside SDPA
+if [ "${TUNE_BWD:-0}" = 1 ]; then  # every backward tile candidate of bench/dev/candidates.py beside SDPA
   step tune_bwd "${TUNE_TIMEOUT:-240}" "$OUT/tune_bwd.log" "$PY" bench/dev/tune_bwd.py --seqlens "${TUNE_SEQLENS:-2048,8192}"
 fi
 

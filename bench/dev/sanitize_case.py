@@ -2,6 +2,7 @@
 
     compute-sanitizer --tool memcheck  python3 bench/dev/sanitize_case.py
     compute-sanitizer --tool racecheck python3 bench/dev/sanitize_case.py
+    (from the repository root, after ``pip install -e .``: the harness is the installed package ``fa2cupy_bench``)
 
 Small on purpose (the sanitizers slow kernels down by orders of magnitude) but
 covering the edges: partial tiles, causal with sq != sk (fully masked rows),
@@ -11,7 +12,7 @@ reference with the ``fa2cupy check`` bounds; exit status 1 on a mismatch.
 
 The forward cases run the forward only; BWD_CASES run forward + backward
 (``flash_attn_backward``, dq/dk/dv against the reference with
-``fa2cupy.benchmark.gradient_bound``), in both deterministic modes; DECODE_CASES run
+``fa2cupy.testing.gradient_bound``), in both deterministic modes; DECODE_CASES run
 ``flash_attn_with_kvcache`` (append, split-KV with the last-block merge, paged and
 contiguous, causal) against ``flash_attn_func`` over each row's keys; decode_deep runs them again with the deep
 ring (d=128 on sm_90), decode_walk with both rings on a pretend 2-SM GPU, where each decode block walks several
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import numpy as np  # noqa: E402
 
 import cli  # noqa: E402
-from fa2cupy import benchmark as B  # noqa: E402
+from fa2cupy_bench import harness as B  # noqa: E402
 
 CASES = (
     B.Case(1, 64, 64, 2, 2, 64, False, "fp16"),      # exactly one tile
@@ -147,7 +148,7 @@ def check_window(i, sq, sk, h, hkv, d, causal, window) -> bool:
     import cupy as cp
 
     import fa2cupy
-    from fa2cupy import benchmark as B
+    from fa2cupy import testing
     from fa2cupy.reference import attention_ref
 
     rng = np.random.default_rng(200 + i)
@@ -157,9 +158,9 @@ def check_window(i, sq, sk, h, hkv, d, causal, window) -> bool:
     grads = fa2cupy.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, window_size=window)
     host = [cp.asnumpy(x).astype(np.float64) for x in (q, k, v, dout, out)]
     ref, _ = attention_ref(*host[:3], causal=causal, window_size=window)
-    ok = np.abs(host[4] - ref).max() <= B.out_bound("fp16", np.abs(ref).max())
-    for name, err, bound in B.gradient_errors([cp.asnumpy(g) for g in grads], host[3], *host[:3], host[4], "fp16",
-                                              None, causal, window):
+    ok = np.abs(host[4] - ref).max() <= testing.out_bound("fp16", np.abs(ref).max())
+    for name, err, bound in testing.gradient_errors([cp.asnumpy(g) for g in grads], host[3], *host[:3], host[4],
+                                                    "fp16", None, causal, window):
         ok &= err <= bound
     print(f"window {i}: sq{sq} sk{sk} h{h}/{hkv} d{d} causal={causal} window={window}: {'ok' if ok else 'FAIL'}",
           flush=True)
@@ -196,7 +197,7 @@ def check_varlen(i, lengths, h, hkv, d, causal, window, softcap, alibi, det) -> 
     import cupy as cp
 
     import fa2cupy
-    from fa2cupy import benchmark as B
+    from fa2cupy import testing
     from fa2cupy.reference import attention_ref_varlen, attention_ref_varlen_backward
 
     rng = np.random.default_rng(300 + i)
@@ -214,11 +215,11 @@ def check_varlen(i, lengths, h, hkv, d, causal, window, softcap, alibi, det) -> 
     ref_kw = dict(kw, alibi_slopes=None if slopes is None else cp.asnumpy(slopes))
     ref, _ = attention_ref_varlen(*host[:3], cu, cu, **ref_kw)
     rows = slice(0, int(cu[-1]))
-    ok = np.abs(host[4][rows] - ref[rows]).max() <= B.out_bound("fp16", np.abs(ref).max())
+    ok = np.abs(host[4][rows] - ref[rows]).max() <= testing.out_bound("fp16", np.abs(ref).max())
     refs = attention_ref_varlen_backward(host[3], *host[:3], cu, cu, out=host[4], **ref_kw)
-    floor = B.gradient_floor(d ** -0.5, d, np.abs(host[3]).max(), np.abs(host[2]).max(), np.abs(host[0]).max())
+    floor = testing.gradient_floor(d ** -0.5, d, np.abs(host[3]).max(), np.abs(host[2]).max(), np.abs(host[0]).max())
     for g, r in zip(grads, refs):
-        ok &= np.abs(cp.asnumpy(g).astype(np.float64)[rows] - r[rows]).max() <= B.gradient_bound(
+        ok &= np.abs(cp.asnumpy(g).astype(np.float64)[rows] - r[rows]).max() <= testing.gradient_bound(
             "fp16", np.abs(r).max(), floor)
     print(f"varlen {i}: lengths {lengths} h{h}/{hkv} d{d} causal={causal} window={window} softcap={softcap} "
           f"alibi={alibi} deterministic={det}: {'ok' if ok else 'FAIL'}", flush=True)
@@ -237,7 +238,7 @@ def check_dropout(i, b, sq, sk, h, hkv, d, causal, p, det) -> bool:
     import cupy as cp
 
     import fa2cupy
-    from fa2cupy import benchmark as B
+    from fa2cupy import testing
     from fa2cupy.reference import attention_ref, attention_ref_backward
 
     rng = np.random.default_rng(400 + i)
@@ -249,12 +250,13 @@ def check_dropout(i, b, sq, sk, h, hkv, d, causal, p, det) -> bool:
     mask = cp.asnumpy(fa2cupy.dropout_mask(b, h, sq, sk, p, 1000 + i, 8))
     host = [cp.asnumpy(x).astype(np.float64) for x in (q, k, v, dout, out)]
     ref, _ = attention_ref(*host[:3], causal=causal, dropout_p=p, dropout_mask=mask)
-    ok = np.abs(host[4] - ref).max() <= B.out_bound("fp16", np.abs(ref).max()) / (1 - p)
+    ok = np.abs(host[4] - ref).max() <= testing.out_bound("fp16", np.abs(ref).max()) / (1 - p)
     refs = attention_ref_backward(host[3], *host[:3], causal=causal, out=host[4], dropout_p=p, dropout_mask=mask)
-    floor = B.gradient_floor(d ** -0.5 / (1 - p), d, np.abs(host[3]).max(), np.abs(host[2]).max(),
-                             np.abs(host[0]).max())
+    floor = testing.gradient_floor(d ** -0.5 / (1 - p), d, np.abs(host[3]).max(), np.abs(host[2]).max(),
+                                   np.abs(host[0]).max())
     for g, r in zip(grads, refs):
-        ok &= np.abs(cp.asnumpy(g).astype(np.float64) - r).max() <= B.gradient_bound("fp16", np.abs(r).max(), floor)
+        ok &= np.abs(cp.asnumpy(g).astype(np.float64) - r).max() <= testing.gradient_bound("fp16", np.abs(r).max(),
+                                                                                          floor)
     print(f"dropout {i}: b{b} sq{sq} sk{sk} h{h}/{hkv} d{d} causal={causal} p={p} deterministic={det}: "
           f"{'ok' if ok else 'FAIL'}", flush=True)
     return bool(ok)

@@ -9,6 +9,7 @@ between two trees without it, 0.5% with 2 s; bench/NOTES.md, session 43).
     ncu --clock-control none --profile-from-start off -k regex:flash_fwd \
         --metrics sm__cycles_elapsed.max,smsp__inst_executed.sum \
         python bench/dev/tree_ab.py --ncu --trees ...     # each case once per tree, in the order printed: SM cycles
+    (from the repository root, after ``pip install -e .``: the harness is the installed package ``fa2cupy_bench``)
 
 A tree may name a Hopper row after an @ (HopperFwdConfig's fields after the head dim, for d=128 or, as
 ``@64:128,4,4,2,3``, another head dim; consumer_wgs may be left out: 2), which then runs every case of that head dim;
@@ -28,7 +29,7 @@ import cupy
 import cupy.cuda.profiler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from fa2cupy import benchmark as B  # noqa: E402
+from fa2cupy_bench import harness as B  # noqa: E402
 from fa2cupy import build, configs, forward  # noqa: E402
 
 DEFAULT_CASES = ("fwd128:none:2048", "fwd128:causal:1024", "fwd128:causal:2048", "fwd128:none:16384",
@@ -66,7 +67,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--sustain", type=float, default=0.0,
                         help="seconds of back-to-back launches before each variant's timed calls, so that each is "
-                             "timed at the clock its own load settles to (fa2cupy.benchmark.sustain)")
+                             "timed at the clock its own load settles to (fa2cupy_bench.harness.sustain)")
     parser.add_argument("--ncu", action="store_true",
                         help="no timing: each case once per tree inside cudaProfilerStart/Stop, for Nsight Compute")
     args = parser.parse_args()

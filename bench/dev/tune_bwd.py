@@ -1,4 +1,4 @@
-"""Times every backward tile candidate (fa2cupy.configs.BACKWARD_CANDIDATES) beside torch SDPA flash and cuDNN.
+"""Times every backward tile candidate (bench/dev/candidates.py) beside torch SDPA flash and cuDNN.
 
 Run on the GPU: ``python bench/dev/tune_bwd.py [--seqlens 2048,8192]``. Each candidate's gradients are first compared
 with those of the shipped table entry (itself validated by tests/test_backward_gpu.py); a candidate that
@@ -15,7 +15,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, ".")
 import fa2cupy  # noqa: E402
-from fa2cupy import arrays, backward, configs  # noqa: E402
+from fa2cupy import arrays, backward  # noqa: E402
+
+import candidates  # noqa: E402  (bench/dev/, this script's folder)
 
 sys.path.insert(0, "bench")
 from tune_fwd import bench  # noqa: E402
@@ -53,7 +55,7 @@ def main():
                 strides = {n: x.stride() for n, x in zip(names, tensors)}
                 ptrs = {n: x.data_ptr() for n, x in zip(names, tensors)}
                 ptrs.update(lse=lse.data_ptr(), dsum=dsum.data_ptr(), dq_accum=accum.data_ptr())
-                for cfg in configs.BACKWARD_CANDIDATES[d]:
+                for cfg in candidates.BACKWARD_CANDIDATES[d]:
                     key = f"{cfg.block_m}x{cfg.block_n}w{cfg.warps}k{cfg.warps_keys}-{cfg.warps_keys2}s{cfg.stages}"
                     plan = backward.plan_backward(q.shape, k.shape, strides, "bfloat16", d ** -0.5, causal, False,
                                                   arch, config=cfg)

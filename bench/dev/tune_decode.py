@@ -1,7 +1,8 @@
-"""Times every decode tile candidate (fa2cupy.configs.DECODE_CANDIDATES, plus the shipped row) and a few split
+"""Times every decode tile candidate (bench/dev/candidates.py, plus the shipped row) and a few split
 counts, at the decode bar's shape (hq=32 hkv=8 d=128 bf16, seqlen_q=1, full caches).
 
-Run on the GPU: ``python bench/dev/tune_decode.py [--cases 1x16384,8x65536]``. Each candidate's output is compared
+Run on the GPU from the repository root, after ``pip install -e .`` (the harness is the installed package
+``fa2cupy_bench``): ``python bench/dev/tune_decode.py [--cases 1x16384,8x65536]``. Each candidate's output is compared
 with the shipped row's first (a wrong candidate is reported, never timed). Same timer as ``fa2cupy bench``
 (CUDA events per call, calls back to back, median).
 """
@@ -12,8 +13,10 @@ import sys
 import cupy
 
 sys.path.insert(0, ".")
-from fa2cupy import benchmark as B  # noqa: E402
+from fa2cupy_bench import harness as B  # noqa: E402
 from fa2cupy import configs, decode, device_errors  # noqa: E402
+
+import candidates  # noqa: E402  (bench/dev/, this script's folder)
 
 
 H, HKV, D = 32, 8, 128  # the decode bar's query heads, KV heads and head dim
@@ -63,7 +66,8 @@ def main():
     args = parser.parse_args()
     device = cupy.cuda.runtime.getDevice()
     shipped = configs.decode_config(int(cupy.cuda.Device().compute_capability), D)
-    candidates = [shipped] + ([] if args.shipped_only else [c for c in configs.DECODE_CANDIDATES if c != shipped])
+    configs_timed = [shipped] + ([] if args.shipped_only
+                                 else [c for c in candidates.DECODE_CANDIDATES if c != shipped])
     errors = device_errors.pointers(device)
     events = B.CupyEvents()
     rng = cupy.random.default_rng(0)
@@ -72,7 +76,7 @@ def main():
         q, kc, vc = decode_caches(rng, b, sk, layout)
         nbytes = B.kv_cache_bytes(b, sk, HKV, D)
         reference = None
-        for config in candidates:
+        for config in configs_timed:
             for splits in map(int, args.splits.split(",")):
                 plan, run, out = decode_step(q, kc, vc, config, splits, errors)
                 run()

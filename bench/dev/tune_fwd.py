@@ -1,4 +1,4 @@
-"""Times every forward tile candidate (fa2cupy.configs.FORWARD_CANDIDATES) beside torch SDPA flash and cuDNN.
+"""Times every forward tile candidate (bench/dev/candidates.py) beside torch SDPA flash and cuDNN.
 
 Run on the GPU: ``python bench/dev/tune_fwd.py [--seqlens 2048,8192] [--json out.json]``. Each candidate is first
 checked against SDPA's math backend (fp32 upcast); a wrong candidate is reported, never timed.
@@ -14,7 +14,9 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, ".")
-from fa2cupy import arrays, configs, forward  # noqa: E402
+from fa2cupy import arrays, forward  # noqa: E402
+
+import candidates  # noqa: E402  (bench/dev/, this script's folder)
 
 
 def bench(fn, iters=30, warmup=5):
@@ -62,7 +64,7 @@ def main():
                         qt[:1].float(), kt[:1].float(), vt[:1].float(), is_causal=causal).transpose(1, 2)
                 out = torch.empty_like(q)
                 lse = torch.empty(b, h, s, device="cuda", dtype=torch.float32)
-                for cfg in configs.FORWARD_CANDIDATES[d]:
+                for cfg in candidates.FORWARD_CANDIDATES[d]:
                     key = f"{cfg.block_m}x{cfg.block_n}w{cfg.warps}s{cfg.stages}{'q' if cfg.q_in_regs else ''}"
                     plan = forward.plan_forward(q.shape, k.shape, tuple(x.stride() for x in (q, k, v, out)),
                                                 "bfloat16", d ** -0.5, causal, arch, config=cfg)

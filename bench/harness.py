@@ -1,4 +1,7 @@
-"""Benchmark harness for fa2cupy (used by ``fa2cupy bench``; importable and unit-testable).
+"""Benchmark harness behind ``fa2cupy bench``: grids, timing, the implementations compared, tables, JSON, plots.
+
+Installed as ``fa2cupy_bench.harness`` (pyproject.toml maps the package ``fa2cupy_bench`` to ``bench/``), outside
+the ``fa2cupy`` package: nothing at run time needs it.
 
 The module is split in two halves:
 
@@ -16,9 +19,7 @@ Modes: ``fwd``, ``bwd`` (backward only, given out/lse from one forward) and
 cache length) and metric (KV-cache bytes read per second): :func:`decode_grid`,
 :func:`bench_decode_case`, :func:`decode_table`.
 
-The error bounds shared by ``fa2cupy check``, bench/dev/sanitize_case.py and the GPU
-tests live here too (:func:`out_bound`, :func:`lse_bound`, :func:`gradient_bound`,
-:func:`reference_gradients`), in one place.
+The error bounds that decide whether a result is right live in :mod:`fa2cupy.testing`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as _dt
+import importlib.metadata
 import json
 import math
 import os
@@ -42,6 +44,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 
 from fa2cupy import arrays
+from fa2cupy.testing import dtype_name
 
 # --------------------------------------------------------------------------- #
 # Grid, dtypes, FLOPs (pure)
@@ -60,12 +63,6 @@ MODE_ALIASES: dict[str, str] = {"fwd_bwd": "fwdbwd", "fwd+bwd": "fwdbwd", "fwd-b
 #: forward + backward = 3.5x).
 FLOP_FACTORS: dict[str, float] = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
 
-#: Short dtype names used throughout the CLI -> canonical names.
-DTYPE_ALIASES: dict[str, str] = {
-    "bf16": "bf16", "bfloat16": "bf16",
-    "fp16": "fp16", "float16": "fp16", "half": "fp16",
-}
-
 #: Implementations compared by ``bench --mode fwd`` (key -> column title).
 IMPL_TITLES: dict[str, str] = {
     "fa2cupy": "fa2cupy",
@@ -83,12 +80,10 @@ def canonical_mode(name: str) -> str:
     return key
 
 
-def canonical_dtype(name: str) -> str:
-    """'bfloat16' / 'bf16' -> 'bf16'; 'float16' / 'fp16' / 'half' -> 'fp16'."""
-    key = str(name).lower().replace("torch.", "")
-    if key not in DTYPE_ALIASES:
-        raise ValueError(f"unsupported dtype {name!r}: use bf16 or fp16")
-    return DTYPE_ALIASES[key]
+def canonical_dtype(name) -> str:
+    """'bfloat16' / 'bf16' -> 'bf16'; 'float16' / 'fp16' / 'half' -> 'fp16' (any dtype spelling
+    :func:`fa2cupy.testing.dtype_name` takes); ValueError for others."""
+    return dtype_name(name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,137 +212,6 @@ def tflops_per_s(flops: float, ms: float | None) -> float | None:
     return flops / (ms * 1e-3) / 1e12
 
 
-# --------------------------------------------------------------------------- #
-# Error bounds against the float64 reference (pure NumPy; one place for the
-# CLI, bench/dev/sanitize_case.py and the GPU tests)
-# --------------------------------------------------------------------------- #
-
-#: Unit roundoff of the input dtypes (half an ulp of 1): fp16 2^-11, bf16 2^-8.
-UNIT_ROUNDOFF: dict[str, float] = {"fp16": 2.0 ** -11, "bf16": 2.0 ** -8}
-
-#: Forward output bound, relative to max(1, max|ref|) (``fa2cupy check``'s historical bound).
-OUT_REL: dict[str, float] = {"bf16": 2.0 ** -7, "fp16": 2.0 ** -10}
-
-#: Forward lse bound, relative to max(1, |ref|).
-LSE_REL = 1e-3
-
-#: Backward: max|g - ref_g| <= GRAD_C * u * max|ref_g| + floor (see :func:`gradient_bound`).
-GRAD_C = 16.0
-
-#: Backward absolute floor, relative to :func:`gradient_floor`'s magnitude.
-GRAD_FLOOR_REL = 2.0 ** -20
-
-
-def out_bound(dtype: str, ref_absmax: float) -> float:
-    """Bound on max |out - ref|: 2^-7 (bf16) or 2^-10 (fp16) times max(1, max |ref|)."""
-    return OUT_REL[canonical_dtype(dtype)] * max(1.0, float(ref_absmax))
-
-
-def lse_bound(ref_lse: np.ndarray) -> np.ndarray:
-    """Elementwise bound on |lse - ref_lse|: 1e-3 * max(1, |ref_lse|)."""
-    return LSE_REL * np.maximum(1.0, np.abs(ref_lse))
-
-
-def gradient_floor(softmax_scale: float, headdim: int, absmax_dout: float, absmax_v: float,
-                   absmax_qk: float) -> float:
-    """Absolute floor of the backward bound: ``2^-20 * scale * d * max|dO| * max|v| * max(max|q|, max|k|)``.
-
-    It only matters when the exact gradient is ~0 -- e.g. every visible row sees one
-    key, so ``dS = P * (dP - D) = 0`` exactly, while the kernel forms ``dP - D`` from
-    two fp32 dot products of length d (error <= ~2 d 2^-24 max|dO| max|v|) and
-    multiplies by ``scale * k`` (or ``q``).  2^-20 leaves a factor 8 over that
-    worst case and is ~2^-9 below an fp16 rounding of the same magnitude.
-    """
-    return (GRAD_FLOOR_REL * abs(float(softmax_scale)) * int(headdim) * float(absmax_dout)
-            * float(absmax_v) * float(absmax_qk))
-
-
-def gradient_bound(dtype: str, ref_absmax: float, floor: float = 0.0) -> float:
-    """Bound on max |g - ref_g| for g in dq, dk, dv: ``16 * u * max|ref_g| + floor``.
-
-    u is the unit roundoff (fp16 2^-11, bf16 2^-8); ``ref_g`` is
-    :func:`reference_gradients` (the float64 gradients *for the out that the
-    backward was given*); ``floor`` is :func:`gradient_floor`.  Derivation and
-    calibration: tests/test_backward_gpu.py's docstring.
-    """
-    u = UNIT_ROUNDOFF[canonical_dtype(dtype)]
-    return GRAD_C * u * max(0.0, float(ref_absmax)) + max(0.0, float(floor))
-
-
-def gradient_errors(grads, dout, q, k, v, out, dtype: str, softmax_scale: float | None = None,
-                    causal: bool = False, window_size=(-1, -1)):
-    """[(name, max|g - ref_g|, bound)] for (dq, dk, dv) against :func:`reference_gradients` with
-    :func:`gradient_bound` and :func:`gradient_floor`: the one backward acceptance rule shared by the tests of
-    every framework wrapper. All arrays are float64-convertible host arrays in flash-attn layout; ``out`` is the
-    forward output the backward was given."""
-    dout, q, k, v, out = (np.asarray(x, dtype=np.float64) for x in (dout, q, k, v, out))
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    refs = reference_gradients(dout, q, k, v, out, softmax_scale=scale, causal=causal, window_size=window_size)
-    floor = gradient_floor(scale, q.shape[-1], np.abs(dout).max(), np.abs(v).max(),
-                           max(np.abs(q).max(), np.abs(k).max()))
-    result = []
-    for name, g, ref in zip(("dq", "dk", "dv"), grads, refs):
-        g = np.asarray(g, dtype=np.float64)
-        err = float(np.abs(g - ref).max()) if np.isfinite(g).all() else math.inf
-        result.append((name, err, gradient_bound(dtype, float(np.abs(ref).max()), floor)))
-    return result
-
-
-def _probs64(q: np.ndarray, k: np.ndarray, scale: float, causal: bool, window_size=(-1, -1)) -> np.ndarray:
-    """Float64 softmax probabilities (b, h, sq, sk) with k repeated to q's heads; dead rows 0."""
-    from fa2cupy.reference import _visible  # noqa: PLC0415
-
-    b, sq, h, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    kr = np.repeat(k, h // hkv, axis=2)
-    s = np.matmul(q.transpose(0, 2, 1, 3), kr.transpose(0, 2, 3, 1)) * scale
-    vis = _visible(sq, sk, causal, window_size)
-    if vis is not None:
-        s = np.where(vis, s, -np.inf)
-    m = s.max(axis=-1, keepdims=True)
-    dead = ~np.isfinite(m)
-    e = np.exp(s - np.where(dead, 0.0, m))
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(dead, 0.0, e / e.sum(axis=-1, keepdims=True))
-
-
-def reference_gradients(dout, q, k, v, out, softmax_scale: float | None = None, causal: bool = False,
-                        ref_out: np.ndarray | None = None, window_size=(-1, -1)):
-    """Float64 (dq, dk, dv) of attention for the ``out`` the backward is *given*.
-
-    FlashAttention-2's backward takes ``out`` as an input and uses it only in
-    ``D = rowsum(dO * out)``.  The kernel's out is the rounded forward result, not
-    the exact one, and where the softmax is peaked (large scale) ``dP - D`` cancels,
-    so that difference can dominate dq/dk while owing nothing to the backward.
-    This is :func:`fa2cupy.reference.attention_ref_backward` (exact out) plus the
-    exact first-order term for ``dD = rowsum(dO * (out - ref_out))``, which is
-    linear in D:  dq -= scale dD_i (P K)_i,  dk_j -= scale sum_i P_ij dD_i q_i
-    (summed over each kv head's query heads); dv does not depend on D.
-    All arrays float64-convertible, flash-attn layout; ``out`` is what the kernel
-    returned (rows with no visible key are 0 there and in the reference).
-    """
-    from fa2cupy.reference import attention_ref, attention_ref_backward  # noqa: PLC0415
-
-    dout, q, k, v, out = (np.asarray(x, dtype=np.float64) for x in (dout, q, k, v, out))
-    dq, dk, dv = attention_ref_backward(dout, q, k, v, softmax_scale=softmax_scale, causal=causal,
-                                        window_size=window_size)
-    if ref_out is None:
-        ref_out, _ = attention_ref(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size)
-    b, sq, h, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    dD = np.einsum("bqhd,bqhd->bhq", dout, out - np.asarray(ref_out, np.float64))
-    if not np.any(dD):
-        return dq, dk, dv
-    p = _probs64(q, k, scale, causal, window_size)                      # (b, h, sq, sk)
-    kr = np.repeat(k, h // hkv, axis=2).transpose(0, 2, 1, 3)          # (b, h, sk, d)
-    dq = dq - scale * (dD[..., None] * np.matmul(p, kr)).transpose(0, 2, 1, 3)
-    x = dD[..., None] * q.transpose(0, 2, 1, 3)                          # (b, h, sq, d)
-    ptx = np.matmul(p.transpose(0, 1, 3, 2), x)                          # (b, h, sk, d)
-    dk = dk - scale * ptx.reshape(b, hkv, h // hkv, sk, d).sum(axis=2).transpose(0, 2, 1, 3)
-    return dq, dk, dv
-
-
 def backward_work(case: Case) -> int:
     """b * h * sq * sk * d: the float64 reference backward's cost (~5 such einsums)."""
     return case.batch * case.nheads * case.seqlen_q * case.seqlen_k * case.headdim
@@ -451,26 +315,6 @@ def to_device(payload: np.ndarray, dtype: str, framework: str = "cupy"):
         if torch_available():
             return to_device(payload, dtype, "torch")
         raise RuntimeError(f"cannot make a bf16 CuPy array ({exc}); install ml_dtypes or torch") from exc
-
-
-def to_numpy64(x) -> np.ndarray:
-    """CuPy array / torch tensor / NumPy array (incl. bf16) -> float64 NumPy array."""
-    mod = type(x).__module__.split(".")[0]
-    if mod == "torch":
-        return x.detach().float().cpu().numpy().astype(np.float64)
-    if mod == "cupy":
-        if x.dtype.name == "bfloat16":
-            import cupy  # noqa: PLC0415
-
-            bits = cupy.ascontiguousarray(x).view(cupy.uint16).get()
-            return bf16_bits_to_float(bits).astype(np.float64)
-        return x.get().astype(np.float64)
-    if hasattr(x, "__array__") or isinstance(x, np.ndarray):
-        a = np.asarray(x)
-        if a.dtype.name == "bfloat16":
-            return bf16_bits_to_float(a.view(np.uint16)).astype(np.float64)
-        return a.astype(np.float64)
-    raise TypeError(f"cannot convert {type(x)!r} to NumPy")
 
 
 # --------------------------------------------------------------------------- #
@@ -1198,7 +1042,7 @@ import json, sys, time
 t0 = time.perf_counter()
 import cupy
 import fa2cupy
-from fa2cupy import benchmark as B
+from fa2cupy_bench import harness as B
 t_import = time.perf_counter() - t0
 spec = json.loads(sys.argv[1])
 cupy.cuda.runtime.free(cupy.cuda.runtime.malloc(1))   # create the context outside the timings
@@ -1220,7 +1064,10 @@ print("FA2CUPY_COLD " + json.dumps(res))
 
 
 def _package_root() -> str:
-    return str(Path(__file__).resolve().parent.parent)
+    """The folder holding the fa2cupy package: the repository root in a source checkout."""
+    import fa2cupy  # noqa: PLC0415 -- needs no CuPy
+
+    return str(Path(fa2cupy.__file__).resolve().parent.parent)
 
 
 def _run_cold_child(spec: dict[str, Any], cache_dir: str, timeout: float) -> dict[str, Any]:
@@ -1319,8 +1166,17 @@ def cuda_version_str(v: int | None) -> str | None:
     return f"{v // 1000}.{(v % 1000) // 10}"
 
 
+def _installed_version(name: str) -> str | None:
+    """A distribution's version from its metadata (None when not installed), without importing it."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def environment_info() -> dict[str, Any]:
-    """GPU / library versions for the JSON (every field best-effort)."""
+    """GPU / library versions for the JSON and ``fa2cupy info`` (every field best-effort: without a GPU or a driver
+    the versions are still there, and ``gpu_error`` says why there is no GPU)."""
     env: dict[str, Any] = {
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -1329,23 +1185,36 @@ def environment_info() -> dict[str, Any]:
     }
     try:
         import cupy  # noqa: PLC0415
-
-        env["cupy"] = cupy.__version__
-        rt = cupy.cuda.runtime
-        props = rt.getDeviceProperties(0)
-        name = props["name"]
-        env["gpu"] = name.decode() if isinstance(name, bytes) else str(name)
-        env["compute_capability"] = f"{props['major']}.{props['minor']}"
-        env["sm_count"] = int(props["multiProcessorCount"])
-        env["gpu_memory_gib"] = round(props["totalGlobalMem"] / 2**30, 1)
-        env["cuda_runtime"] = cuda_version_str(rt.runtimeGetVersion())
-        env["cuda_driver"] = cuda_version_str(rt.driverGetVersion())
-        try:
-            env["nvrtc"] = ".".join(map(str, cupy.cuda.nvrtc.getVersion()))
-        except Exception as exc:
-            env["nvrtc"] = f"error: {_first_line(exc)}"
     except Exception as exc:
         env["cupy_error"] = _first_line(exc)
+        cupy = None
+    if cupy is not None:
+        env["cupy"] = cupy.__version__
+        # Which wheel provides it (cupy-cuda12x, cupy-cuda13x); more than one is a broken install.
+        env["cupy_package"] = ", ".join(sorted(set(importlib.metadata.packages_distributions().get("cupy", []))))
+        rt = cupy.cuda.runtime
+        versions = {
+            "cuda_runtime": lambda: cuda_version_str(rt.runtimeGetVersion()),   # the CUDA CuPy was built for
+            "cuda_driver": lambda: cuda_version_str(rt.driverGetVersion()),     # None: no driver
+            "nvrtc": lambda: ".".join(map(str, cupy.cuda.nvrtc.getVersion())),
+        }
+        for key, version in versions.items():
+            try:
+                env[key] = version()
+            except Exception as exc:
+                env[key] = f"error: {_first_line(exc)}"
+        try:
+            props = rt.getDeviceProperties(0)
+            name = props["name"]
+            env["gpu"] = name.decode() if isinstance(name, bytes) else str(name)
+            env["compute_capability"] = f"{props['major']}.{props['minor']}"
+            env["sm_count"] = int(props["multiProcessorCount"])
+            env["gpu_memory_gib"] = round(props["totalGlobalMem"] / 2**30, 1)
+        except Exception as exc:
+            env["gpu_error"] = _first_line(exc)
+    jax = _installed_version("jax")
+    if jax is not None:
+        env["jax"] = jax
     torch = _torch()
     if torch is not None:
         env["torch"] = torch.__version__
