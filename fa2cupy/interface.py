@@ -188,11 +188,34 @@ def flash_attn_func(
     Raises:
         TypeError / ValueError naming the offending argument for bad shapes, dtypes, devices or layouts.
     """
+    result = _forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                      return_attn_probs, dropout_seed, dropout_offset, dropout_rng_state)
+    if return_attn_probs and dropout_p and dropout_rng_state is None:
+        # Only a caller of this function who asks for them gets the probabilities: seqlen_q x seqlen_k floats per
+        # head, recomputed here (the autograd wrappers use forward_with_lse, which never builds them).
+        out, lse, _ = result
+        return out, lse, _dropped_probs(q, k, lse, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                        dropout_p, dropout_seed, dropout_offset)
+    return result
+
+
+def forward_with_lse(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                     alibi_slopes=None, deterministic=False, *, dropout_seed=None, dropout_offset=0,
+                     dropout_rng_state=None):
+    """``(out, softmax_lse)`` of :func:`flash_attn_func` (same arguments), never the probabilities: the forward of
+    the autograd wrappers (fa2cupy.torch, fa2cupy.jax), which keep only O(seqlen) statistics for the backward."""
+    return _forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, True,
+                    dropout_seed, dropout_offset, dropout_rng_state)[:2]
+
+
+def _forward(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+             return_attn_probs, dropout_seed, dropout_offset, dropout_rng_state):
+    """flash_attn_func without the probabilities: out, or (out, lse, None) with return_attn_probs."""
     key = None
     if not forward._debug_poison and dropout_rng_state is None:
         options = (dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs)
         key, cached, ptrs = _cached_lookup("fwd", (q, k, v, alibi_slopes), options)
-        if cached is not None and (not dropout_p or not return_attn_probs):
+        if cached is not None:
             seed, offset = checks.check_dropout_rng(dropout_p, dropout_seed, dropout_offset)
             stream_ptr = arrays.caller_stream_ptr(cached.framework, cached.device)
             (out, out_ptr), (lse, lse_ptr) = cached.allocate()
@@ -272,12 +295,7 @@ def _flash_attn_checked(
                 result = result[..., : shape.headdim]
             if not return_attn_probs:
                 return result
-            probs = None
-            if dropout_p and state is None:  # (with dropout_rng_state the seed is not known here: no probabilities)
-                probs_view = _dropped_probs(qc, kc, lse, scale, causal, window_size, float(softcap), slopes,
-                                            float(dropout_p), seed, offset, stream.ptr)
-                probs = arrays.from_cupy(probs_view, framework)
-            return result, arrays.make_result(lse_native, lse, framework), probs
+            return result, arrays.make_result(lse_native, lse, framework), None
 
 
 def dropout_mask(batch, nheads, seqlen_q, seqlen_k, dropout_p, dropout_seed, dropout_offset=0):
@@ -299,26 +317,38 @@ def dropout_mask(batch, nheads, seqlen_q, seqlen_k, dropout_p, dropout_seed, dro
     return mask.view(cupy.bool_)
 
 
-def _dropped_probs(q, k, lse, scale, causal, window_size, softcap, slopes, dropout_p, seed, offset, stream_ptr):
-    """float32 ``P o Z / (1 - p)`` recomputed from the kernel's lse (return_attn_probs with dropout): q, k the
-    kernel-ready CuPy arrays, lse (batch, nheads, seqlen_q). Small sizes only: it materialises every score."""
+def _dropped_probs(q, k, lse, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, dropout_seed,
+                   dropout_offset):
+    """float32 ``P o Z / (1 - p)`` of a forward with dropout, recomputed from the caller's q, k and the kernel's lse
+    ``(batch, nheads, seqlen_q)`` (return_attn_probs); in the caller's framework, on its stream. Small sizes only:
+    it materialises every score."""
     from .reference import _visible
 
-    batch, sq, nheads, _ = q.shape
-    sk, nheads_kv = k.shape[1], k.shape[2]
-    kr = cupy.repeat(k.astype(cupy.float32), nheads // nheads_kv, axis=2)
-    s = cupy.einsum("bqhd,bkhd->bhqk", q.astype(cupy.float32), kr) * scale
-    if softcap > 0:
-        s = softcap * cupy.tanh(s / softcap)
-    if slopes is not None:
-        dist = cupy.abs(cupy.arange(sq)[:, None] + sk - sq - cupy.arange(sk)[None, :]).astype(cupy.float32)
-        s = s - cupy.broadcast_to(slopes.reshape(-1, nheads), (batch, nheads))[:, :, None, None] * dist
-    visible = _visible(sq, sk, causal, window_size)
-    p = cupy.exp(s - lse[..., None])
-    if visible is not None:
-        p = cupy.where(cupy.asarray(visible), p, 0.0)
-    keep = dropout_mask(batch, nheads, sq, sk, dropout_p, seed, offset)
-    return cupy.where(keep, p / (1.0 - dropout_p), 0.0).astype(cupy.float32)
+    softcap, dropout_p = float(softcap), float(dropout_p)
+    infos = [arrays.describe(x, name) for x, name in ((q, "q"), (k, "k"), (lse, "softmax_lse"))]
+    framework, device = infos[0].framework, _device_of(infos[0])
+    seed, offset = checks.check_dropout_rng(dropout_p, dropout_seed, dropout_offset)
+    with cupy.cuda.Device(device):
+        with arrays.caller_stream(framework, device):
+            qc, kc, lc = (arrays.to_cupy(x, info) for x, info in zip((q, k, lse), infos))
+            batch, sq, nheads, headdim = qc.shape
+            sk, nheads_kv = kc.shape[1], kc.shape[2]
+            scale = checks.default_scale(headdim) if softmax_scale is None else float(softmax_scale)
+            kr = cupy.repeat(kc.astype(cupy.float32), nheads // nheads_kv, axis=2)
+            s = cupy.einsum("bqhd,bkhd->bhqk", qc.astype(cupy.float32), kr) * scale
+            if softcap > 0:
+                s = softcap * cupy.tanh(s / softcap)
+            if alibi_slopes is not None:
+                slopes = arrays.to_cupy(alibi_slopes, arrays.describe(alibi_slopes, "alibi_slopes"))
+                dist = cupy.abs(cupy.arange(sq)[:, None] + sk - sq - cupy.arange(sk)[None, :]).astype(cupy.float32)
+                s = s - cupy.broadcast_to(slopes.reshape(-1, nheads), (batch, nheads))[:, :, None, None] * dist
+            visible = _visible(sq, sk, causal, window_size)
+            p = cupy.exp(s - lc[..., None])
+            if visible is not None:
+                p = cupy.where(cupy.asarray(visible), p, 0.0)
+            keep = dropout_mask(batch, nheads, sq, sk, dropout_p, seed, offset)
+            probs = cupy.where(keep, p / (1.0 - dropout_p), 0.0).astype(cupy.float32)
+            return arrays.from_cupy(probs, framework)
 
 
 def flash_attn_backward(
@@ -726,6 +756,17 @@ def _paged_varlen_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seq
 
 
 flash_attn_varlen_qkvpacked_func, flash_attn_varlen_kvpacked_func = packed.make_varlen_packed(flash_attn_varlen_func)
+
+
+def varlen_forward_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                            deterministic=False, block_table=None, *, dropout_seed=None, dropout_offset=0,
+                            dropout_rng_state=None):
+    """``(out, softmax_lse)`` of :func:`flash_attn_varlen_func` (same arguments): the autograd wrappers' forward."""
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, True,
+                                  block_table, dropout_seed=dropout_seed, dropout_offset=dropout_offset,
+                                  dropout_rng_state=dropout_rng_state)[:2]
 
 
 def merge_attention_states(outs, lses):

@@ -13,9 +13,10 @@ opaque nodes, and the pair is tied together with ``torch.library.register_autogr
 keeps only ``q, k, v, out, lse`` (O(seqlen) memory besides the inputs; no attention probabilities): the
 backward recomputes them tile by tile, as FlashAttention-2 does.
 
-The op bodies hand the tensors to :func:`fa2cupy.flash_attn_func` / :func:`fa2cupy.flash_attn_backward`
-directly: zero-copy, on torch's current stream, outputs from torch's caching allocator, so the ops also work
-under ``torch.cuda.graph`` capture (after a warm-up call has compiled the kernels).
+The op bodies hand the tensors to fa2cupy's forward (its ``(out, lse)`` entry point, which never builds attention
+probabilities) and to :func:`fa2cupy.flash_attn_backward` directly: zero-copy, on torch's current stream, outputs
+from torch's caching allocator, so the ops also work under ``torch.cuda.graph`` capture (after a warm-up call has
+compiled the kernels).
 
 This module imports torch; ``import fa2cupy`` does not import it.
 """
@@ -28,7 +29,7 @@ from typing import Optional
 import torch
 
 import fa2cupy
-from fa2cupy import checks, packed
+from fa2cupy import checks, interface, packed
 
 __all__ = [
     "flash_attn_func",
@@ -58,9 +59,11 @@ def _flash_attn_forward(
     """out ``(b, sq, h, d)`` contiguous in q's dtype and lse ``(b, h, sq)`` float32. ``deterministic`` is only
     carried to the backward (the forward is always deterministic)."""
     # detach(): the autograd wrapper already handles the graph; plain tensors take fa2cupy's cached fast path.
-    out, lse, _ = fa2cupy.flash_attn_func(
+    # forward_with_lse: (out, lse) only, never the seqlen^2 probabilities (with dropout the generic
+    # flash_attn_func(return_attn_probs=True) builds them for its callers).
+    out, lse = interface.forward_with_lse(
         q.detach(), k.detach(), v.detach(), dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-        window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes, return_attn_probs=True,
+        window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
         dropout_seed=_unsigned(dropout_seed), dropout_offset=_unsigned(dropout_offset)
     )
     # Odd head dims come back as a slice of a padded buffer; the fake implementation promises contiguous.
@@ -255,10 +258,10 @@ def _flash_attn_varlen_forward(
     dropout_offset: int, block_table: Optional[torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out ``(total_q, h, d)`` contiguous and lse ``(h, total_q)`` float32."""
-    out, lse, _ = fa2cupy.flash_attn_varlen_func(
+    out, lse = interface.varlen_forward_with_lse(
         q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
-        softcap=softcap, alibi_slopes=alibi_slopes, return_attn_probs=True, dropout_seed=_unsigned(dropout_seed),
+        softcap=softcap, alibi_slopes=alibi_slopes, dropout_seed=_unsigned(dropout_seed),
         dropout_offset=_unsigned(dropout_offset), block_table=block_table)
     return out.contiguous(), lse
 
