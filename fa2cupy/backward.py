@@ -148,22 +148,25 @@ def maps_writer(plan: BackwardPlan, q: int, k: int, v: int, dout: int):
     return None if plan.tensor_maps is None else plan.tensor_maps.writer((q, k, v, dout))
 
 
-def run_backward(plan: BackwardPlan, ptr: dict, stream_ptr: int) -> None:
-    """Launches a plan on the stream with handle ``stream_ptr``. ``ptr`` maps "q", "k", "v", "dout", "out", "lse",
-    "dq", "dk", "dv", "dsum" and (atomics only) "dq_accum" to device pointers, and optionally "cu_seqlens_q",
-    "cu_seqlens_k" (varlen), "alibi_slopes" and "rng_state", and the ints "dropout_seed" and "dropout_offset"."""
-    dq_accum = ptr.get("dq_accum", 0) if plan.convert is not None else 0
-    cu_q, cu_k, alibi = ptr.get("cu_seqlens_q", 0), ptr.get("cu_seqlens_k", 0), ptr.get("alibi_slopes", 0)
-    rng_state = ptr.get("rng_state", 0)
-    rng = dropout_words(ptr.get("dropout_seed", 0), ptr.get("dropout_offset", 0))
-    plan.preprocess(stream_ptr, (ptr["dout"], ptr["out"], ptr["dsum"], dq_accum, cu_q))
-    plan.main(stream_ptr, (ptr["q"], ptr["k"], ptr["v"], ptr["dout"], ptr["lse"], ptr["dsum"], dq_accum, ptr["dk"],
-                           ptr["dv"], cu_q, cu_k, alibi, rng_state) + rng,
-              maps_writer(plan, ptr["q"], ptr["k"], ptr["v"], ptr["dout"]))
+def run_backward(plan: BackwardPlan, pointers: dict, values: tuple, stream_ptr: int, framework: str = "cupy",
+                 device: int = 0) -> None:
+    """Launches a plan on the stream with handle ``stream_ptr``. ``pointers`` maps "dout", "q", "k", "v", "out",
+    "softmax_lse", "dq", "dk", "dv", "dsum" and (atomics only) "dq_accum" to device pointers, and optionally
+    "cu_seqlens_q", "cu_seqlens_k" (varlen), "alibi_slopes" and "dropout_rng_state"; ``values`` = (dropout seed,
+    dropout offset)."""
+    get = pointers.get
+    q, k, v, dout, lse = pointers["q"], pointers["k"], pointers["v"], pointers["dout"], pointers["softmax_lse"]
+    dsum, dq, dk, dv = pointers["dsum"], pointers["dq"], pointers["dk"], pointers["dv"]
+    dq_accum = get("dq_accum", 0) if plan.convert is not None else 0
+    cu_q, cu_k, alibi, rng_state = (get("cu_seqlens_q", 0), get("cu_seqlens_k", 0), get("alibi_slopes", 0),
+                                    get("dropout_rng_state", 0))
+    rng = dropout_words(*values)
+    plan.preprocess(stream_ptr, (dout, pointers["out"], dsum, dq_accum, cu_q))
+    plan.main(stream_ptr, (q, k, v, dout, lse, dsum, dq_accum, dk, dv, cu_q, cu_k, alibi, rng_state) + rng,
+              maps_writer(plan, q, k, v, dout))
     if plan.dq is not None:
-        plan.dq(stream_ptr, (ptr["q"], ptr["k"], ptr["v"], ptr["dout"], ptr["lse"], ptr["dsum"], ptr["dq"], cu_q,
-                             cu_k, alibi, rng_state) + rng)
+        plan.dq(stream_ptr, (q, k, v, dout, lse, dsum, dq, cu_q, cu_k, alibi, rng_state) + rng)
     else:
-        plan.convert(stream_ptr, (dq_accum, ptr["dq"], cu_q))
+        plan.convert(stream_ptr, (dq_accum, dq, cu_q))
     if plan.zero_tail is not None:
-        plan.zero_tail(stream_ptr, (ptr["dq"], ptr["dk"], ptr["dv"], cu_q, cu_k))
+        plan.zero_tail(stream_ptr, (dq, dk, dv, cu_q, cu_k))

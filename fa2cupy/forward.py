@@ -184,37 +184,47 @@ def plan_forward(
     return ForwardPlan(launch, config, tile_counter, maps)
 
 
-def run_forward(plan: ForwardPlan, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int,
-                stream_ptr: int, cu_seqlens_q: int = 0, cu_seqlens_k: int = 0, alibi_slopes: int = 0,
-                dropout_seed: int = 0, dropout_offset: int = 0, rng_state: int = 0, block_table: int = 0,
-                framework: str = "cupy", device: int = 0) -> None:
-    """Launches a plan on the stream with handle ``stream_ptr`` with raw device pointers (0 for an absent
-    cu_seqlens, alibi_slopes, rng_state or block_table) and the dropout seed and offset (ignored without dropout; a
-    non-zero ``rng_state`` points to uint32 {seed lo, seed hi, offset lo, offset hi} in device memory instead).
-    ``block_table`` is required by a plan made with ``paged`` and must be 0 otherwise.
+_NO_DROPOUT_WORDS = (0, 0, 0, 0)
+
+
+def run_forward(plan: ForwardPlan, pointers: dict, values: tuple, stream_ptr: int, framework: str = "cupy",
+                device: int = 0) -> None:
+    """Launches a plan on the stream with handle ``stream_ptr``. ``pointers`` maps "q", "k", "v", "out" and
+    "softmax_lse" to device pointers, and optionally "cu_seqlens_q", "cu_seqlens_k" (varlen), "alibi_slopes",
+    "dropout_rng_state" (uint32 {seed lo, seed hi, offset lo, offset hi} in device memory, read instead of
+    ``values``) and "block_table" (required by a plan made with ``paged``); absent or 0 where not given.
+    ``values`` = (dropout seed, dropout offset), ignored without dropout.
 
     A plan with a tile counter gets a fresh one, zeroed on the stream, from the caller's allocator (see
     :func:`arrays.new_empty_raw`, on the current ``device``): per launch, so that launches on different streams
     or replayed from CUDA graphs never share one (a graph captures the zeroing with the launch)."""
-    values = (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state,
-              block_table) + dropout_words(dropout_seed, dropout_offset)
-    write_maps = None if plan.tensor_maps is None else plan.tensor_maps.writer((q_ptr, k_ptr, v_ptr, out_ptr))
+    get = pointers.get
+    q, k, v, out = pointers["q"], pointers["k"], pointers["v"], pointers["out"]
+    seed, offset = values
+    args = (q, k, v, out, pointers["softmax_lse"], get("cu_seqlens_q", 0), get("cu_seqlens_k", 0),
+            get("alibi_slopes", 0), get("dropout_rng_state", 0), get("block_table", 0)) + (
+        dropout_words(seed, offset) if seed or offset else _NO_DROPOUT_WORDS)
+    write_maps = None if plan.tensor_maps is None else plan.tensor_maps.writer((q, k, v, out))
     if plan.tile_counter:
         counter, pointer = arrays.new_empty_raw((1,), "int32", framework, device)
         build.memset_async(pointer, 0, 4, stream_ptr)
-        plan.launch(stream_ptr, values + (pointer,), write_maps)
+        plan.launch(stream_ptr, args + (pointer,), write_maps)
         del counter  # (stream-ordered allocators: reused only by work queued after this launch)
     else:
-        plan.launch(stream_ptr, values, write_maps)
+        plan.launch(stream_ptr, args, write_maps)
 
 
-def dropout_mask(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, dropout_p: float, seed: int, offset: int,
-                 stream_ptr: int, out_ptr: int) -> None:
-    """Writes the keep mask (uint8 ``(batch, nheads, seqlen_q, seqlen_k)``, 1 = kept) that the kernels draw for
-    these dropout parameters into ``out_ptr``."""
+def plan_dropout_mask(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, dropout_p: float) -> build.Launch:
+    """The launch that writes the keep mask (uint8 ``(batch, nheads, seqlen_q, seqlen_k)``, 1 = kept) the kernels
+    draw for ``dropout_p``; per call the mask's pointer and the seed and offset (:func:`run_dropout_mask`)."""
     function = build.get_kernel("fwd", "fa2::dropout_keep_mask", 0)
     threshold, _ = dropout_scalars(dropout_p)
-    args = (np.uint64(out_ptr), np.int32(seqlen_q), np.int32(seqlen_k), np.int32(nheads), threshold) + tuple(
-        np.uint32(w) for w in dropout_words(seed, offset))
-    build.Launch(function, ((seqlen_k + 255) // 256, seqlen_q, batch * nheads), (256, 1, 1), 0, args, ())(
-        stream_ptr, ())
+    args = (np.uint64(0), np.int32(seqlen_q), np.int32(seqlen_k), np.int32(nheads), threshold) + (np.uint32(0),) * 4
+    return build.Launch(function, ((seqlen_k + 255) // 256, seqlen_q, batch * nheads), (256, 1, 1), 0, args,
+                        (0, 5, 6, 7, 8))
+
+
+def run_dropout_mask(plan: build.Launch, pointers: dict, values: tuple, stream_ptr: int, framework: str = "cupy",
+                     device: int = 0) -> None:
+    """Writes the keep mask into ``pointers["mask"]`` for ``values`` = (dropout seed, dropout offset)."""
+    plan(stream_ptr, (pointers["mask"],) + dropout_words(*values))

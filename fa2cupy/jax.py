@@ -39,7 +39,7 @@ import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
 import fa2cupy
-from fa2cupy import arrays, checks, interface, packed
+from fa2cupy import arrays, attention, checks, packed
 
 __all__ = [
     "flash_attn_func",
@@ -173,10 +173,10 @@ def _run_forward(outs, q, k, v, *extras_and_opts):
     *extras, opts = extras_and_opts
     cu_q, cu_k, table, slopes, state = _split_extras(extras, opts)
     if opts[6]:
-        out, lse = interface.varlen_forward_with_lse(q, k, v, cu_q, cu_k, *opts[6], alibi_slopes=slopes,
+        out, lse = attention.varlen_forward_with_lse(q, k, v, cu_q, cu_k, *opts[6], alibi_slopes=slopes,
                                                      block_table=table, **_kw(opts, state))
     else:  # (out, lse) only: the forward of the custom_vjp never builds attention probabilities
-        out, lse = interface.forward_with_lse(q, k, v, alibi_slopes=slopes, **_kw(opts, state))
+        out, lse = attention.forward_with_lse(q, k, v, alibi_slopes=slopes, **_kw(opts, state))
     stream = cupy.cuda.get_current_stream()
     _copy_into(outs[0], out, stream)
     _copy_into(outs[1], lse, stream)

@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 
 import fa2cupy
-from fa2cupy import checks, interface, packed
+from fa2cupy import attention, checks, packed
 
 __all__ = [
     "flash_attn_func",
@@ -61,7 +61,7 @@ def _flash_attn_forward(
     # detach(): the autograd wrapper already handles the graph; plain tensors take fa2cupy's cached fast path.
     # forward_with_lse: (out, lse) only, never the seqlen^2 probabilities (with dropout the generic
     # flash_attn_func(return_attn_probs=True) builds them for its callers).
-    out, lse = interface.forward_with_lse(
+    out, lse = attention.forward_with_lse(
         q.detach(), k.detach(), v.detach(), dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
         window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
         dropout_seed=_unsigned(dropout_seed), dropout_offset=_unsigned(dropout_offset)
@@ -258,7 +258,7 @@ def _flash_attn_varlen_forward(
     dropout_offset: int, block_table: Optional[torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out ``(total_q, h, d)`` contiguous and lse ``(h, total_q)`` float32."""
-    out, lse = interface.varlen_forward_with_lse(
+    out, lse = attention.varlen_forward_with_lse(
         q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
         softcap=softcap, alibi_slopes=alibi_slopes, dropout_seed=_unsigned(dropout_seed),

@@ -314,12 +314,12 @@ def test_fully_masked_rows_have_no_gradient():
 def test_cached_fast_path_matches_reference(deterministic):
     # Repeated calls with the same metadata launch the cached plan (no checks); the poison hook needs the checked
     # path, so it is off here. Each call has new data, so an unwritten gradient (stale memory) misses its reference.
-    import fa2cupy.interface
+    import fa2cupy.pipeline
 
     fa = _fa2cupy()
     rng = np.random.default_rng(5)
     with debug_poison("backward", False):
-        fa2cupy.interface._cached_calls.clear()
+        fa2cupy.pipeline._cached_calls.clear()
         for _ in range(3):
             q = make_input(rng, (2, 150, 4, 64), "bfloat16", transposed=True)
             k, v = (make_input(rng, (2, 230, 2, 64), "bfloat16") for _ in range(2))
@@ -327,7 +327,7 @@ def test_cached_fast_path_matches_reference(deterministic):
             out, lse, _ = fa.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
             grads = fa.flash_attn_backward(dout, q, k, v, out, lse, causal=True, deterministic=deterministic)
             check_gradients(dout, q, k, v, out, grads, None, True, "bfloat16")
-        assert sum(key[0] == "bwd" for key in fa2cupy.interface._cached_calls) == 1  # planned once, reused twice
+        assert sum(key[0] == "bwd" for key in fa2cupy.pipeline._cached_calls) == 1  # planned once, reused twice
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

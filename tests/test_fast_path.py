@@ -5,13 +5,12 @@ stores its per-call values. The GPU tests (tests/test_kvcache.py, test_decode.py
 from __future__ import annotations
 
 import ctypes
-import inspect
 
 import numpy as np
 import pytest
 
 import fa2cupy
-from fa2cupy import arrays, build, decode, forward, interface
+from fa2cupy import arrays, attention, build, decode, interface, pipeline
 
 
 class FakeArray:
@@ -36,6 +35,8 @@ def stubbed(monkeypatch):
     monkeypatch.setattr(arrays, "fast_meta", lambda x: (x.meta, x.ptr) if isinstance(x, FakeArray) else None)
     monkeypatch.setattr(arrays, "caller_stream_ptr", lambda framework, device: 7)
     monkeypatch.setattr(arrays, "new_empty_raw", lambda shape, dtype, framework, device: (("out", shape), 4096))
+    monkeypatch.setattr(arrays, "allocator", lambda shape, dtype, framework, device: lambda: (("out", shape), 4096))
+    monkeypatch.setattr(arrays, "stream_ptr_getter", lambda framework: lambda device: 7)
     monkeypatch.setattr(decode, "run_decode", lambda *args: launches.append(args))
     monkeypatch.setattr(interface, "_flash_attn_with_kvcache_checked", lambda *args: checked.append(args[-1]))
     monkeypatch.setattr(interface.cupy.cuda.runtime, "getDevice", lambda: 0)
@@ -100,22 +101,25 @@ def test_unknown_array_type_or_unhashable_option_is_not_cached(stubbed):
 
 
 @pytest.fixture
-def stubbed_forward(monkeypatch, stubbed):
-    """As ``stubbed``, for flash_attn_func / flash_attn_varlen_func: their launches and checked paths recorded."""
+def stubbed_pipeline(monkeypatch, stubbed):
+    """As ``stubbed``, for the pipeline's kinds (flash_attn_func, flash_attn_varlen_func, flash_attn_backward):
+    their launches (pointers by name, per-call values) and checked paths (with the key they were given)
+    recorded."""
     launches, checked = [], []
-    signature = inspect.signature(forward.run_forward)  # launches recorded by parameter name
-    monkeypatch.setattr(forward, "run_forward", lambda *a, **kw: launches.append(signature.bind(*a, **kw).arguments))
-    monkeypatch.setattr(interface, "_flash_attn_checked", lambda *args: checked.append(args[11]))
-    monkeypatch.setattr(interface, "_flash_attn_varlen_checked", lambda *args: checked.append(args[-1]))
+    for kind in (attention.FORWARD, attention.VARLEN_FORWARD, attention.BACKWARD):
+        monkeypatch.setattr(kind, "launch", lambda plan, pointers, values, *rest: launches.append((pointers, values)))
+    monkeypatch.setattr(pipeline, "_checked", lambda kind, given, options, values, key, pointers: checked.append(key)
+                        or kind.finish(["checked"] * 4, options))
+    monkeypatch.setattr(pipeline, "_cached_calls", {})
     return launches, checked
 
 
-def _remember_last(checked):
-    interface._cached_calls[checked[-1]] = interface._CachedCall(None, 0, "cupy", (((1,), "bf16"), ((1,), "f32")))
+def _remember_last(checked, names=("out", "softmax_lse")):
+    pipeline._cached_calls[checked[-1]] = pipeline._CachedCall(None, 0, "cupy", tuple((n, (1,), "bf16") for n in names))
 
 
-def test_optional_arrays_are_part_of_the_key_and_pass_pointer_0_when_absent(stubbed_forward):
-    launches, checked = stubbed_forward
+def test_optional_arrays_are_part_of_the_key_and_absent_from_the_pointers(stubbed_pipeline):
+    launches, checked = stubbed_pipeline
     q, k, v, slopes = (FakeArray(n, p) for n, p in (("q", 256), ("k", 512), ("v", 768), ("slopes", 1024)))
     fa2cupy.flash_attn_func(q, k, v)
     _remember_last(checked)
@@ -124,15 +128,50 @@ def test_optional_arrays_are_part_of_the_key_and_pass_pointer_0_when_absent(stub
     _remember_last(checked)
     fa2cupy.flash_attn_func(q, k, v)
     fa2cupy.flash_attn_func(q, k, v, alibi_slopes=slopes)
-    pointers = ("q_ptr", "k_ptr", "v_ptr", "alibi_slopes")
-    assert [tuple(call.get(n, 0) for n in pointers) for call in launches] == [(256, 512, 768, 0), (256, 512, 768, 1024)]
+    names = ("q", "k", "v", "alibi_slopes", "dropout_rng_state")
+    assert [tuple(pointers.get(n, 0) for n in names) for pointers, _ in launches] == [(256, 512, 768, 0, 0),
+                                                                                       (256, 512, 768, 1024, 0)]
+    assert all(pointers["out"] == pointers["softmax_lse"] == 4096 for pointers, _ in launches)  # the allocations
 
     cu_q, cu_k, table = FakeArray("cu_q", 1280), FakeArray("cu_k", 1536), FakeArray("table", 1792)
     fa2cupy.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 8, 8, block_table=table)
     _remember_last(checked)
     fa2cupy.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 8, 8, block_table=table)
-    pointers += ("cu_seqlens_q", "cu_seqlens_k", "block_table")
-    assert tuple(launches[-1].get(n, 0) for n in pointers) == (256, 512, 768, 0, 1280, 1536, 1792)
+    names += ("cu_seqlens_q", "cu_seqlens_k", "block_table")
+    assert tuple(launches[-1][0].get(n, 0) for n in names) == (256, 512, 768, 0, 0, 1280, 1536, 1792)
+
+
+def test_fast_path_checks_the_per_call_dropout_values(stubbed_pipeline):
+    # The seed and offset are not part of the key: a repeated call checks them itself, and passes them on.
+    launches, checked = stubbed_pipeline
+    q, k, v, lse = (FakeArray(n, p) for n, p in (("q", 256), ("k", 512), ("v", 768), ("lse", 1024)))
+    fa2cupy.flash_attn_func(q, k, v, dropout_p=0.1, dropout_seed=3)
+    _remember_last(checked)
+    fa2cupy.flash_attn_func(q, k, v, dropout_p=0.1, dropout_seed=5, dropout_offset=8)
+    assert launches[-1][1] == (5, 8)
+    with pytest.raises(ValueError, match=r"^dropout_seed must be an int in \[0, 2\*\*64\)"):
+        fa2cupy.flash_attn_func(q, k, v, dropout_p=0.1)
+    fa2cupy.flash_attn_backward(q, q, k, v, q, lse, dropout_p=0.1, dropout_seed=1)
+    _remember_last(checked, ("dq", "dk", "dv", "dsum"))
+    dq, dk, dv = fa2cupy.flash_attn_backward(q, q, k, v, q, lse, dropout_p=0.1, dropout_seed=2, dropout_offset=4)
+    assert launches[-1][1] == (2, 4) and launches[-1][0]["softmax_lse"] == 1024
+    assert len(checked) == 2
+
+
+def test_return_attn_probs_with_dropout_keeps_the_fast_path(stubbed_pipeline, monkeypatch):
+    # The probabilities of return_attn_probs=True are built from the caller's q, k and the kernel's lse, after the
+    # (cached) forward; forward_with_lse never builds them.
+    launches, checked = stubbed_pipeline
+    built = []
+    monkeypatch.setattr(attention, "_dropped_probs", lambda q, k, lse, *args: built.append(lse) or "probs")
+    q, k, v = (FakeArray(n, p) for n, p in (("q", 256), ("k", 512), ("v", 768)))
+    kw = dict(dropout_p=0.1, dropout_seed=3, return_attn_probs=True)
+    fa2cupy.flash_attn_func(q, k, v, **kw)
+    _remember_last(checked)
+    assert fa2cupy.flash_attn_func(q, k, v, **kw) == (("out", (1,)), ("out", (1,)), "probs")
+    assert len(launches) == 1 and built == ["checked", ("out", (1,))]
+    assert attention.forward_with_lse(q, k, v, dropout_p=0.1, dropout_seed=3) == (("out", (1,)), ("out", (1,)))
+    assert len(launches) == 2 and len(built) == 2 and len(checked) == 1
 
 
 def test_launch_writes_per_call_values_into_their_slots(monkeypatch):

@@ -366,12 +366,12 @@ def no_poison():
 
 @pytest.mark.parametrize("framework", ["cupy", "torch"])
 def test_cached_fast_path_matches_reference(framework, no_poison):
-    import fa2cupy.interface
+    import fa2cupy.pipeline
 
     cp = _cupy()
     rng = np.random.default_rng(7)
     shape, dtype = (2, 193, 4, 128), "bfloat16"
-    fa2cupy.interface._cached_calls.clear()
+    fa2cupy.pipeline._cached_calls.clear()
     for call in range(3):
         q, k, v = (make_input(rng, shape, dtype, transposed=True) for _ in range(3))
         if framework == "torch":
@@ -384,7 +384,7 @@ def test_cached_fast_path_matches_reference(framework, no_poison):
             out, lse, _ = _flash_attn_func()(q, k, v, causal=True, return_attn_probs=True)
         cp.cuda.runtime.deviceSynchronize()
         check_against_reference(q, k, v, out, lse, None, True, dtype)
-        assert len(fa2cupy.interface._cached_calls) == 1  # first call planned, later calls reused it
+        assert len(fa2cupy.pipeline._cached_calls) == 1  # first call planned, later calls reused it
 
 
 def test_torch_cuda_graph_capture(no_poison):

@@ -96,7 +96,7 @@ def test_dropout_forward_callback_never_builds_probabilities(monkeypatch, varlen
     import cupy
 
     import fa2cupy.jax as fj
-    from fa2cupy import interface
+    from fa2cupy import attention
 
     def generic(*args, **kwargs):
         raise AssertionError("the custom_vjp forward must not call the generic forward")
@@ -110,8 +110,8 @@ def test_dropout_forward_callback_never_builds_probabilities(monkeypatch, varlen
 
     monkeypatch.setattr(fa2cupy, "flash_attn_func", generic)
     monkeypatch.setattr(fa2cupy, "flash_attn_varlen_func", generic)
-    monkeypatch.setattr(interface, "forward_with_lse", entry)
-    monkeypatch.setattr(interface, "varlen_forward_with_lse", entry)
+    monkeypatch.setattr(attention, "forward_with_lse", entry)
+    monkeypatch.setattr(attention, "varlen_forward_with_lse", entry)
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda *args: None)
     monkeypatch.setattr(fj, "_copy_into", lambda dst, src, stream: dst.__setitem__(Ellipsis, src))
     state = np.arange(4, dtype=np.uint32)

@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import fa2cupy  # noqa: E402
-from fa2cupy import interface, paging, reference  # noqa: E402
+from fa2cupy import attention, paging, reference  # noqa: E402
 from fa2cupy.torch import flash_attn_func  # noqa: E402
 
 # ============================================================================== CPU: reference stand-ins
@@ -51,7 +51,7 @@ def cpu_kernels(monkeypatch):
     """Route the custom ops to the float64 reference on CPU tensors; returns the backward calls."""
     calls.clear()
     backward_calls.clear()
-    monkeypatch.setattr(interface, "forward_with_lse", _ref_forward)
+    monkeypatch.setattr(attention, "forward_with_lse", _ref_forward)
     monkeypatch.setattr(fa2cupy, "flash_attn_backward", _ref_backward, raising=False)
     return backward_calls
 
@@ -247,7 +247,7 @@ def _ref_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, soft
 def cpu_varlen_kernels(monkeypatch):
     calls.clear()
     backward_calls.clear()
-    monkeypatch.setattr(interface, "varlen_forward_with_lse", _ref_varlen_forward)
+    monkeypatch.setattr(attention, "varlen_forward_with_lse", _ref_varlen_forward)
     monkeypatch.setattr(fa2cupy, "flash_attn_varlen_backward", _ref_varlen_backward)
     return backward_calls
 

@@ -231,14 +231,14 @@ def test_varlen_cached_fast_path(framework):
     """Repeated varlen calls with the same metadata take the cached fast path (plan reused, no checks): it must honour
     new cu_seqlens values (they live on the GPU) and still zero the gradient rows past the last sequence, which here
     land in fresh, unpoisoned memory. Each call has new data, so a stale output cannot match its reference."""
-    import fa2cupy.interface
+    import fa2cupy.pipeline
 
     fa = fa2cupy_module()
     cp = _cupy()
     rng = np.random.default_rng(11)
     h, hkv, d, total = 4, 2, 64, 300
     with debug_poison("forward", False), debug_poison("backward", False):
-        fa2cupy.interface._cached_calls.clear()
+        fa2cupy.pipeline._cached_calls.clear()
         for lengths in ([100, 0, 150], [30, 200, 5], [1, 1, 250]):
             cu = cu_seqlens(lengths)  # the same shape each time; the rows past cu[-1] change
             q, k, v, dout = (_randn(rng, (total, n, d), "float16") for n in (h, hkv, hkv, h))
@@ -260,7 +260,7 @@ def test_varlen_cached_fast_path(framework):
                          selections=(rows, rows, rows))
             for g in grads:
                 assert np.all(_host(g)[int(cu[-1]):] == 0.0), "rows past the last sequence must be zero"
-        assert len(fa2cupy.interface._cached_calls) == 2  # one forward and one backward plan, reused twice each
+        assert len(fa2cupy.pipeline._cached_calls) == 2  # one forward and one backward plan, reused twice each
 
 
 @pytest.mark.parametrize("hopper", [False, True])
