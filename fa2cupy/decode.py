@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import arrays, build, configs
+from . import arrays, build, configs, device_errors
+from .checks import UNLIMITED_WINDOW, DecodeExtras  # noqa: F401 -- (decode.UNLIMITED_WINDOW, decode.DecodeExtras)
 from .forward import fast_divisor
 
 _LOG2E = 1.4426950408889634
@@ -36,45 +37,7 @@ def instantiations(family: str | None = None) -> list[str]:
                   | set(configs.decode_instantiations(family, extras=True)))
 
 
-#: A window side without a limit, as the kernels take it (kUnlimitedWindow in cuda/masks.cuh).
-UNLIMITED_WINDOW = 1 << 30
-
-
-@dataclass(frozen=True)
-class DecodeExtras:
-    """The optional features of a call, validated, as the kernels take them. The default is the plain decode."""
-
-    window_left: int = UNLIMITED_WINDOW  # keys before the diagonal a query sees (UNLIMITED_WINDOW: no limit)
-    window_right: int = UNLIMITED_WINDOW  # keys after it; causal is 0 here
-    softcap: float = 0.0
-    alibi: bool = False  # alibi_slopes given (float32 (batch, nheads) or (nheads,))
-    alibi_batch_stride: int = 0  # elements; 0 for (nheads,)
-    leftpad: bool = False  # cache_leftpad given
-    rotary_dim: int = 0  # 0: no rotary embedding
-    seqlen_ro: int = 0  # rows of rotary_cos / rotary_sin
-    rotary_interleaved: bool = True
-    rotary_advance: bool = False  # query t at position cache_seqlens + t (causal or local), else cache_seqlens
-
-    @property
-    def masked(self) -> bool:
-        return self.window_left != UNLIMITED_WINDOW or self.window_right != UNLIMITED_WINDOW
-
-    @property
-    def plain_causal(self) -> bool:
-        """The window is the causal mask (unlimited, 0), which the plain kernels handle."""
-        return self.window_left == UNLIMITED_WINDOW and self.window_right == 0
-
-    @property
-    def attention(self) -> bool:
-        """Whether the attention needs the Extras kernel (anything but no mask or the causal mask)."""
-        return (self.masked and not self.plain_causal) or self.softcap > 0 or self.alibi or self.leftpad
-
-    @property
-    def append(self) -> bool:
-        """Whether the append needs its Extras kernel (rotating the new keys, checking pads and positions)."""
-        return self.rotary_dim > 0 or self.leftpad
-
-
+#: The plain decode: no window, softcap, ALiBi, left padding or rotary.
 PLAIN = DecodeExtras()
 
 
@@ -324,41 +287,49 @@ def rotary_name_expression(dtype: str) -> str:
     return f"fa2::rotary_q<{configs.DTYPE_TAGS[dtype]}>"
 
 
-#: The per-call device pointers run_decode takes, in order (0 for an absent one).
-INPUTS = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "cache_batch_idx", "block_table", "rotary_cos",
-          "rotary_sin", "cache_leftpad", "alibi_slopes")
-
-
-def run_decode(plan: DecodePlan, inputs, out: int, lse: int, fixed_seqlen: int, stream_ptr: int, workspace: int,
-               errors: tuple, q_rotated: int = 0) -> None:
-    """Launches a plan on the stream ``stream_ptr``. ``inputs``: device pointers in :data:`INPUTS` order (the first
-    8 are enough without extras); ``out``/``lse`` (lse 0: not wanted); ``fixed_seqlen`` the int cache_seqlens
-    (used when the cache_seqlens pointer is 0); ``workspace`` from :meth:`DecodePlan.workspace`; ``errors`` the
-    (claim, report) pointers of fa2cupy.device_errors; ``q_rotated``: with rotary, a (batch, seqlen_q, nheads, d)
-    contiguous buffer of q's dtype that receives the rotated q, which the attention then reads."""
-    if len(inputs) < 12:
-        inputs = tuple(inputs) + (0,) * (12 - len(inputs))
-    q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, cos, sin, leftpad, slopes = inputs
-    claim, report = errors
+def run_decode(plan: DecodePlan, pointers: dict, values: tuple, stream_ptr: int, framework: str, device: int) -> None:
+    """Launches a plan on the stream ``stream_ptr``. ``pointers`` maps the array arguments of
+    flash_attn_with_kvcache ("q", "k_cache", "v_cache", and where given "k", "v", "cache_seqlens",
+    "cache_batch_idx", "block_table", "rotary_cos", "rotary_sin", "cache_leftpad", "alibi_slopes"; absent or 0
+    otherwise) and the outputs "out", "softmax_lse" (absent or 0: not wanted) and, with rotary, "q_rotated" (a
+    contiguous (batch, seqlen_q, nheads, d) buffer of q's dtype that receives the rotated q, which the attention
+    then reads) to device pointers. ``values`` = (fixed_seqlen,): the int cache_seqlens, used where the
+    cache_seqlens pointer is 0. The plan's workspace for this stream (:meth:`DecodePlan.workspace`) and the device's
+    error report words (fa2cupy.device_errors) are looked up here, in ``framework``'s allocator on ``device``."""
+    get = pointers.get
+    q, k_cache, v_cache, block_table = pointers["q"], pointers["k_cache"], pointers["v_cache"], get("block_table", 0)
+    cache_seqlens, cache_batch_idx = get("cache_seqlens", 0), get("cache_batch_idx", 0)
+    fixed_seqlen, = values
+    claim, report = device_errors.pointers(device)
+    workspace = plan.workspace(stream_ptr, framework, device)  # (zeroed on first use: before the append's launch)
     if plan.append is not None:
-        plan.append(stream_ptr, (k, v, k_cache, v_cache, block_table, cache_seqlens, cache_batch_idx, claim, report,
-                                 fixed_seqlen, cos, sin, leftpad))
+        plan.append(stream_ptr, (pointers["k"], pointers["v"], k_cache, v_cache, block_table, cache_seqlens,
+                                 cache_batch_idx, claim, report, fixed_seqlen, get("rotary_cos", 0),
+                                 get("rotary_sin", 0), get("cache_leftpad", 0)))
     if plan.rotary is not None:
-        plan.rotary(stream_ptr, (q, q_rotated, cos, sin, cache_seqlens, claim, report, fixed_seqlen))
+        q_rotated = pointers["q_rotated"]
+        plan.rotary(stream_ptr, (q, q_rotated, pointers["rotary_cos"], pointers["rotary_sin"], cache_seqlens, claim,
+                                 report, fixed_seqlen))
         q = q_rotated
     if workspace:
         partial_lse, partial_out = workspace + 4 * plan.partial_lse_offset, workspace + 4 * plan.partial_out_offset
     else:
         partial_lse = partial_out = 0
-    plan.attention(stream_ptr, (q, k_cache, v_cache, block_table, cache_seqlens, cache_batch_idx, out, lse,
-                                partial_out, partial_lse, workspace, claim, report, fixed_seqlen, slopes, leftpad))
+    plan.attention(stream_ptr, (q, k_cache, v_cache, block_table, cache_seqlens, cache_batch_idx, pointers["out"],
+                                get("softmax_lse", 0), partial_out, partial_lse, workspace, claim, report, fixed_seqlen,
+                                get("alibi_slopes", 0), get("cache_leftpad", 0)))
 
 
-def launch_merge(parts, lses, out, lse_out, stream) -> None:
-    """parts: (n, rows, d) contiguous CuPy array (fp16/bf16/fp32), lses: (n, rows) float32 contiguous; out: (rows, d)
-    contiguous 16-bit, lse_out: (rows,) float32. ``d`` a multiple of 8. Rows order is the caller's, the same in
-    parts and lses."""
-    n, rows, headdim = parts.shape
-    function = build.get_kernel("decode", merge_name_expression(parts.dtype.name, out.dtype.name), 0)
-    args = (parts, lses, out, lse_out, np.int32(n), np.int64(rows), np.int32(headdim))
-    function(((rows + 7) // 8, 1, 1), (256, 1, 1), args, shared_mem=0, stream=stream)
+def plan_merge(n: int, rows: int, headdim: int, parts_dtype: str, out_dtype: str) -> build.Launch:
+    """The merge of ``n`` partial results of ``rows`` rows each: parts (n, rows, d) contiguous (fp16/bf16/fp32),
+    lses (n, rows) float32 contiguous; out (rows, d) contiguous 16-bit, lse (rows,) float32. ``headdim`` (d) a
+    multiple of 8; the rows' order is the caller's, the same in parts and lses (:func:`run_merge`)."""
+    function = build.get_kernel("decode", merge_name_expression(parts_dtype, out_dtype), 0)
+    args = (np.uint64(0),) * 4 + (np.int32(n), np.int64(rows), np.int32(headdim))
+    return build.Launch(function, ((rows + 7) // 8, 1, 1), (256, 1, 1), 0, args, (0, 1, 2, 3))
+
+
+def run_merge(plan: build.Launch, pointers: dict, values: tuple, stream_ptr: int, framework: str = "cupy",
+              device: int = 0) -> None:
+    """Launches a merge plan: ``pointers`` maps "parts", "lses", "out" and "lse_rows" to device pointers."""
+    plan(stream_ptr, (pointers["parts"], pointers["lses"], pointers["out"], pointers["lse_rows"]))

@@ -24,8 +24,7 @@ HOPPER = True
 TILE_COUNTER = True
 
 _LOG2E = 1.4426950408889634
-#: Row strides travel as 32-bit ints (the kernel steps K/V rows with them); the interface copies anything wider.
-MAX_ROW_STRIDE = 1 << 24
+MAX_ROW_STRIDE = checks.MAX_ROW_STRIDE
 
 
 @dataclass(frozen=True)

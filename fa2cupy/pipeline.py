@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import cupy
 
-from . import arrays, forward
+from . import arrays, checks
 
 # --------------------------------------------------------------------------------------------- the kinds
 
@@ -242,7 +242,7 @@ def kernel_ready(x, headdim: int):
         return wide
     item = x.itemsize
     aligned = x.data.ptr % 16 == 0 and all(s % (8 * item) == 0 for s in x.strides[:-1])
-    if not aligned or abs(x.strides[-3]) // item >= forward.MAX_ROW_STRIDE:
+    if not aligned or abs(x.strides[-3]) // item >= checks.MAX_ROW_STRIDE:
         return cupy.ascontiguousarray(x)
     return x
 

@@ -62,18 +62,16 @@ def skip_unless_hopper(kernel: str) -> None:
 def planning_with(*patches):
     """Sets each (object, attribute, value) for the duration, so that plans choose kernels differently (A/B of two
     kernels for one call); the cached plans are dropped on both sides of the switch."""
-    from fa2cupy import interface, pipeline
+    from fa2cupy import pipeline
 
     patch = pytest.MonkeyPatch()
     for obj, name, value in patches:
         patch.setattr(obj, name, value)
-    interface._cached_calls.clear()
     pipeline._cached_calls.clear()
     try:
         yield
     finally:
         patch.undo()
-        interface._cached_calls.clear()
         pipeline._cached_calls.clear()
 
 

@@ -1,6 +1,7 @@
-"""The cached-dispatch fast path's host logic (CPU only, CUDA calls stubbed): what a repeated
-flash_attn_with_kvcache call hands to the launch, when it must fall back to the checked path, and how a Launch
-stores its per-call values. The GPU tests (tests/test_kvcache.py, test_decode.py) run the same path for real."""
+"""The pipeline's cached fast path, host logic only (CPU, CUDA calls stubbed): what a repeated call hands to its
+kind's launch (pointers by name, per-call values), when it must fall back to the checked path, and how a Launch
+stores its per-call values. The GPU tests (tests/test_kvcache.py, test_forward_gpu.py, ...) run the same path for
+real."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 import fa2cupy
-from fa2cupy import arrays, attention, build, decode, interface, pipeline
+from fa2cupy import arrays, attention, build, device_errors, kvcache, pipeline
 
 
 class FakeArray:
@@ -29,65 +30,72 @@ class FakePlan:
 
 @pytest.fixture
 def stubbed(monkeypatch):
-    """fast_meta, the stream, allocation and the launch stubbed; returns the list of run_decode calls and of
-    checked-path calls (each with the cache key it was given)."""
+    """fast_meta, the stream, allocation and the kernel launches stubbed; returns the list of launches (pointers by
+    name, per-call values) and of checked-path calls (each with the cache key it was given)."""
     launches, checked = [], []
     monkeypatch.setattr(arrays, "fast_meta", lambda x: (x.meta, x.ptr) if isinstance(x, FakeArray) else None)
-    monkeypatch.setattr(arrays, "caller_stream_ptr", lambda framework, device: 7)
-    monkeypatch.setattr(arrays, "new_empty_raw", lambda shape, dtype, framework, device: (("out", shape), 4096))
     monkeypatch.setattr(arrays, "allocator", lambda shape, dtype, framework, device: lambda: (("out", shape), 4096))
     monkeypatch.setattr(arrays, "stream_ptr_getter", lambda framework: lambda device: 7)
-    monkeypatch.setattr(decode, "run_decode", lambda *args: launches.append(args))
-    monkeypatch.setattr(interface, "_flash_attn_with_kvcache_checked", lambda *args: checked.append(args[-1]))
-    monkeypatch.setattr(interface.cupy.cuda.runtime, "getDevice", lambda: 0)
-    monkeypatch.setattr(interface.device_errors, "pointers", lambda device: (11, 12))
-    monkeypatch.setattr(interface.device_errors, "raise_pending", lambda: None)
-    monkeypatch.setattr(interface, "_cached_calls", {})
+    for kind in (kvcache.KVCACHE, attention.FORWARD, attention.VARLEN_FORWARD, attention.BACKWARD):
+        monkeypatch.setattr(kind, "launch", lambda plan, pointers, values, stream, framework, device:
+                            launches.append((pointers, values, stream)))
+    monkeypatch.setattr(pipeline, "_checked", lambda kind, given, options, values, key, pointers: checked.append(key)
+                        or kind.finish(["checked"] * 4, options))
+    monkeypatch.setattr(pipeline.cupy.cuda.runtime, "getDevice", lambda: 0)
+    monkeypatch.setattr(device_errors, "raise_pending", lambda: None)
+    monkeypatch.setattr(pipeline, "_cached_calls", {})
     return launches, checked
 
 
-def test_repeated_call_launches_with_pointers_in_input_order(stubbed):
+def _remember_last(checked, names=("out", "softmax_lse"), plan=None, values=None):
+    """Remembers the last checked call's key as a checked path would, with these allocations and fixed values."""
+    pipeline._cached_calls[checked[-1]] = pipeline._CachedCall(plan, 0, "cupy", tuple((n, (1,), "bf16") for n in names),
+                                                               values)
+
+
+def test_repeated_call_launches_with_pointers_by_name(stubbed):
     launches, checked = stubbed
     q, kc, vc = FakeArray("q", 256), FakeArray("kc", 512), FakeArray("vc", 768)
     lens, table = FakeArray("lens", 1024), FakeArray("table", 2048)
     fa2cupy.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table)
     assert len(checked) == 1 and not launches  # first call: the checked path, given the key to remember
-    interface._cached_calls[checked[0]] = interface._CachedCall(FakePlan(), 0, "torch", (((1, 1, 4, 64), "bf16"),))
+    _remember_last(checked, ("out",), FakePlan(), (0,))  # (an array cache_seqlens: fixed_seqlen is 0, fixed)
     out = fa2cupy.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table)
-    assert out == ("out", (1, 1, 4, 64)) and len(checked) == 1
-    (plan, inputs, out_ptr, lse_ptr, fixed, stream, workspace, errors, q_rotated), = launches
-    # decode.INPUTS order: q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, cos, sin,
-    # leftpad, alibi_slopes; absent ones are 0.
-    assert list(inputs) == [256, 512, 768, 0, 0, 1024, 0, 2048, 0, 0, 0, 0]
-    assert len(inputs) == len(decode.INPUTS)
-    assert (out_ptr, lse_ptr, fixed, stream, workspace, errors, q_rotated) == (4096, 0, 0, 7, 0, (11, 12), 0)
+    assert out == ("out", (1,)) and len(checked) == 1
+    (pointers, values, stream), = launches
+    # Absent arrays (k, v, cache_batch_idx, rotary, leftpad, alibi) are not among the pointers.
+    assert pointers == dict(q=256, k_cache=512, v_cache=768, cache_seqlens=1024, block_table=2048, out=4096)
+    assert set(pointers) - {"out"} <= set(kvcache.KVCACHE.arrays)
+    assert (values, stream) == ((0,), 7)
 
 
 def test_different_metadata_or_options_miss_the_cache(stubbed):
     launches, checked = stubbed
     q, kc, vc = FakeArray("q", 256), FakeArray("kc", 512), FakeArray("vc", 768)
     fa2cupy.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=5)
-    interface._cached_calls[checked[0]] = interface._CachedCall(FakePlan(), 0, "cupy", (((1,), "bf16"),))
+    _remember_last(checked, ("out",), FakePlan())  # (an int cache_seqlens: checked per call)
     fa2cupy.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=5, causal=True)  # another option
     fa2cupy.flash_attn_with_kvcache(FakeArray("q2", 256), kc, vc, cache_seqlens=5)  # another shape
     fa2cupy.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=5, k=FakeArray("k", 64), v=FakeArray("v", 64))
     assert not launches and len(checked) == 4
     assert len(set(checked)) == 4  # four different keys
     fa2cupy.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=6)  # an int cache_seqlens is checked, not keyed
-    assert len(launches) == 1 and launches[0][4] == 6
+    assert len(launches) == 1 and launches[0][1] == (6,)
+    with pytest.raises(ValueError, match=r"cache_seqlens \+ seqlen_new must lie in \[0, 100\]"):
+        fa2cupy.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=101)  # (checked on the fast path too)
 
 
 def test_misaligned_pointer_or_other_device_takes_the_checked_path(stubbed, monkeypatch):
     launches, checked = stubbed
     kc, vc = FakeArray("kc", 512), FakeArray("vc", 768)
     fa2cupy.flash_attn_with_kvcache(FakeArray("q", 256), kc, vc)
-    interface._cached_calls[checked[0]] = interface._CachedCall(FakePlan(), 0, "cupy", (((1,), "bf16"),))
+    _remember_last(checked, ("out",), FakePlan(), (100,))
     fa2cupy.flash_attn_with_kvcache(FakeArray("q", 256 + 8), kc, vc)  # same metadata, pointer not 16-aligned
     assert not launches and len(checked) == 2 and checked[1] == checked[0]
-    monkeypatch.setattr(interface.cupy.cuda.runtime, "getDevice", lambda: 1)
+    monkeypatch.setattr(pipeline.cupy.cuda.runtime, "getDevice", lambda: 1)
     fa2cupy.flash_attn_with_kvcache(FakeArray("q", 256), kc, vc)
     assert not launches and len(checked) == 3
-    monkeypatch.setattr(interface.cupy.cuda.runtime, "getDevice", lambda: 0)
+    monkeypatch.setattr(pipeline.cupy.cuda.runtime, "getDevice", lambda: 0)
     fa2cupy.flash_attn_with_kvcache(FakeArray("q", 256), kc, vc)
     assert len(launches) == 1
 
@@ -100,26 +108,8 @@ def test_unknown_array_type_or_unhashable_option_is_not_cached(stubbed):
     assert checked == [None, None] and not launches
 
 
-@pytest.fixture
-def stubbed_pipeline(monkeypatch, stubbed):
-    """As ``stubbed``, for the pipeline's kinds (flash_attn_func, flash_attn_varlen_func, flash_attn_backward):
-    their launches (pointers by name, per-call values) and checked paths (with the key they were given)
-    recorded."""
-    launches, checked = [], []
-    for kind in (attention.FORWARD, attention.VARLEN_FORWARD, attention.BACKWARD):
-        monkeypatch.setattr(kind, "launch", lambda plan, pointers, values, *rest: launches.append((pointers, values)))
-    monkeypatch.setattr(pipeline, "_checked", lambda kind, given, options, values, key, pointers: checked.append(key)
-                        or kind.finish(["checked"] * 4, options))
-    monkeypatch.setattr(pipeline, "_cached_calls", {})
-    return launches, checked
-
-
-def _remember_last(checked, names=("out", "softmax_lse")):
-    pipeline._cached_calls[checked[-1]] = pipeline._CachedCall(None, 0, "cupy", tuple((n, (1,), "bf16") for n in names))
-
-
-def test_optional_arrays_are_part_of_the_key_and_absent_from_the_pointers(stubbed_pipeline):
-    launches, checked = stubbed_pipeline
+def test_optional_arrays_are_part_of_the_key_and_absent_from_the_pointers(stubbed):
+    launches, checked = stubbed
     q, k, v, slopes = (FakeArray(n, p) for n, p in (("q", 256), ("k", 512), ("v", 768), ("slopes", 1024)))
     fa2cupy.flash_attn_func(q, k, v)
     _remember_last(checked)
@@ -129,9 +119,9 @@ def test_optional_arrays_are_part_of_the_key_and_absent_from_the_pointers(stubbe
     fa2cupy.flash_attn_func(q, k, v)
     fa2cupy.flash_attn_func(q, k, v, alibi_slopes=slopes)
     names = ("q", "k", "v", "alibi_slopes", "dropout_rng_state")
-    assert [tuple(pointers.get(n, 0) for n in names) for pointers, _ in launches] == [(256, 512, 768, 0, 0),
+    assert [tuple(pointers.get(n, 0) for n in names) for pointers, _, _ in launches] == [(256, 512, 768, 0, 0),
                                                                                        (256, 512, 768, 1024, 0)]
-    assert all(pointers["out"] == pointers["softmax_lse"] == 4096 for pointers, _ in launches)  # the allocations
+    assert all(pointers["out"] == pointers["softmax_lse"] == 4096 for pointers, _, _ in launches)  # the allocations
 
     cu_q, cu_k, table = FakeArray("cu_q", 1280), FakeArray("cu_k", 1536), FakeArray("table", 1792)
     fa2cupy.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 8, 8, block_table=table)
@@ -141,9 +131,9 @@ def test_optional_arrays_are_part_of_the_key_and_absent_from_the_pointers(stubbe
     assert tuple(launches[-1][0].get(n, 0) for n in names) == (256, 512, 768, 0, 0, 1280, 1536, 1792)
 
 
-def test_fast_path_checks_the_per_call_dropout_values(stubbed_pipeline):
+def test_fast_path_checks_the_per_call_dropout_values(stubbed):
     # The seed and offset are not part of the key: a repeated call checks them itself, and passes them on.
-    launches, checked = stubbed_pipeline
+    launches, checked = stubbed
     q, k, v, lse = (FakeArray(n, p) for n, p in (("q", 256), ("k", 512), ("v", 768), ("lse", 1024)))
     fa2cupy.flash_attn_func(q, k, v, dropout_p=0.1, dropout_seed=3)
     _remember_last(checked)
@@ -158,10 +148,10 @@ def test_fast_path_checks_the_per_call_dropout_values(stubbed_pipeline):
     assert len(checked) == 2
 
 
-def test_return_attn_probs_with_dropout_keeps_the_fast_path(stubbed_pipeline, monkeypatch):
+def test_return_attn_probs_with_dropout_keeps_the_fast_path(stubbed, monkeypatch):
     # The probabilities of return_attn_probs=True are built from the caller's q, k and the kernel's lse, after the
     # (cached) forward; forward_with_lse never builds them.
-    launches, checked = stubbed_pipeline
+    launches, checked = stubbed
     built = []
     monkeypatch.setattr(attention, "_dropped_probs", lambda q, k, lse, *args: built.append(lse) or "probs")
     q, k, v = (FakeArray(n, p) for n, p in (("q", 256), ("k", 512), ("v", 768)))

@@ -388,7 +388,7 @@ def test_paged_equals_contiguous_bitwise(dtype, page_size, num_splits):
 def test_evict_first_stream_changes_no_bit(page_size, num_splits, monkeypatch):
     # K/V copies under the L2 evict-first policy (which calls past the L2 size take) give the reference's answer
     # and the bits of copies under no policy; plans are rebuilt for each.
-    from fa2cupy import decode, interface
+    from fa2cupy import decode, pipeline
 
     cp = _cupy()
     rng = np.random.default_rng(7 + num_splits)
@@ -397,10 +397,10 @@ def test_evict_first_stream_changes_no_bit(page_size, num_splits, monkeypatch):
     results = []
     for evict_first in (True, False):
         monkeypatch.setattr(decode, "STREAM_EVICT_FIRST", evict_first)
-        interface._cached_calls.clear()
+        pipeline._cached_calls.clear()
         out, lse = run_and_check(case, num_splits=num_splits)
         results.append((_bits(cp.asnumpy(out)), cp.asnumpy(lse).view(np.uint32)))
-    interface._cached_calls.clear()
+    pipeline._cached_calls.clear()
     assert np.array_equal(results[0][0], results[1][0]) and np.array_equal(results[0][1], results[1][1])
 
 
@@ -469,14 +469,14 @@ def ring(request, monkeypatch):
     # configs.decode_config otherwise makes from the work items' lengths), and its warp-items twin wherever a call
     # has one split (decode.WARP_ITEMS forces what decode.uses_warp_items decides from the grid); plans are
     # rebuilt for them.
-    from fa2cupy import decode, interface
+    from fa2cupy import decode, pipeline
 
     deep, warp_items = request.param
     monkeypatch.setattr(decode, "DEEP_RING", deep)
     monkeypatch.setattr(decode, "WARP_ITEMS", warp_items)
-    interface._cached_calls.clear()
+    pipeline._cached_calls.clear()
     yield request.param
-    interface._cached_calls.clear()
+    pipeline._cached_calls.clear()
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -585,7 +585,7 @@ def test_split_merge_bitwise_whichever_block_merges(paged, pretend_sms, monkeypa
     # (the next launch on the stream starts from them, with no memset). A pretend 3-SM GPU makes blocks walk items
     # that merge.
     cp = _cupy()
-    from fa2cupy import decode, interface
+    from fa2cupy import decode, pipeline
 
     plans = []
     workspace = decode.DecodePlan.workspace
@@ -597,7 +597,7 @@ def test_split_merge_bitwise_whichever_block_merges(paged, pretend_sms, monkeypa
     monkeypatch.setattr(decode.DecodePlan, "workspace", spy)
     if pretend_sms:
         monkeypatch.setattr(decode, "_sm_count", lambda device: pretend_sms)
-    interface._cached_calls.clear()
+    pipeline._cached_calls.clear()
     try:
         rng = np.random.default_rng(31 + paged + 2 * bool(pretend_sms))
         seqlens = rng.integers(2000, 4097, size=2)
@@ -621,7 +621,7 @@ def test_split_merge_bitwise_whichever_block_merges(paged, pretend_sms, monkeypa
                 counters = cp.asnumpy(array[:plan.arrivals].view(cp.int32))
                 assert counters.size == plan.arrivals and not counters.any(), counters
     finally:
-        interface._cached_calls.clear()
+        pipeline._cached_calls.clear()
 
 
 @pytest.mark.parametrize("paged", [False, True])
@@ -630,7 +630,7 @@ def test_blocks_walking_several_items(paged, features, monkeypatch, ring):
     # More work items than the GPU holds blocks: the launch has fewer blocks, each walking items in grid strides
     # with its K/V ring running on into the next item. A pretend 3-SM GPU makes each block walk 8 to 24 items,
     # with rows of 0 to 10 key tiles (so some warps have none) and, with num_splits=3, a split merge per item.
-    from fa2cupy import decode, interface
+    from fa2cupy import decode, pipeline
 
     launches = []
     attention_grid = decode._attention_grid
@@ -642,7 +642,7 @@ def test_blocks_walking_several_items(paged, features, monkeypatch, ring):
 
     monkeypatch.setattr(decode, "_attention_grid", spy)
     monkeypatch.setattr(decode, "_sm_count", lambda device: 3)
-    interface._cached_calls.clear()  # plans made for the real SM count
+    pipeline._cached_calls.clear()  # plans made for the real SM count
     try:
         rng = np.random.default_rng(11 + paged + 2 * features)
         seqlens = rng.integers(0, 300, size=12)
@@ -658,7 +658,7 @@ def test_blocks_walking_several_items(paged, features, monkeypatch, ring):
                 else:
                     run_and_check(case, causal=causal, num_splits=splits)
     finally:
-        interface._cached_calls.clear()  # plans made for the pretend SM count
+        pipeline._cached_calls.clear()  # plans made for the pretend SM count
     assert launches and all(blocks == 3 < items for blocks, items in launches), launches
 
 
@@ -666,7 +666,7 @@ def test_blocks_walking_several_items(paged, features, monkeypatch, ring):
 def _warp_items_forced(pretend_sms=None):
     """decode.WARP_ITEMS forced on (and, given, a pretend SM count) with plans rebuilt for it; yields the list of
     the decode plans made meanwhile. (A context manager, not monkeypatch: Hypothesis tests cannot take it.)"""
-    from fa2cupy import decode, interface
+    from fa2cupy import decode, pipeline
 
     saved = decode.WARP_ITEMS, decode._sm_count, decode.plan_decode
     plans = []
@@ -678,12 +678,12 @@ def _warp_items_forced(pretend_sms=None):
     decode.WARP_ITEMS, decode.plan_decode = True, recording
     if pretend_sms is not None:
         decode._sm_count = lambda device: pretend_sms
-    interface._cached_calls.clear()
+    pipeline._cached_calls.clear()
     try:
         yield plans
     finally:
         decode.WARP_ITEMS, decode._sm_count, decode.plan_decode = saved
-        interface._cached_calls.clear()
+        pipeline._cached_calls.clear()
 
 
 @settings(max_examples=20)
