@@ -111,7 +111,8 @@ def main():
     for config in configs.WINDOW_FORWARD_CANDIDATES.get(args.headdim, ()):
         plan = forward.plan_forward(q.shape, k.shape, strides, "float16", args.headdim ** -0.5, True, arch,
                                     config=config, window_size=window)
-        pointers = dict(q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, out=out.data.ptr, softmax_lse=lse.data.ptr)
+        pointers = dict(forward.NO_POINTERS, q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, out=out.data.ptr,
+                        softmax_lse=lse.data.ptr)
         launch = lambda: forward.run_forward(plan, pointers, (0, 0), stream.ptr)  # noqa: E731
         time_candidate(f"forward {config.block_m}x{config.block_n} {config.warps} warps {config.min_blocks} "
                        f"blocks/SM", launch, (out,), (shipped,), 1e-2, cf, events)
@@ -125,7 +126,8 @@ def main():
                                       arch, config=config, window_size=window)
         dsum = cupy.empty(plan.dsum_shape, cupy.float32)
         dq_accum = cupy.empty(plan.dq_accum_shape, cupy.float32)
-        pointers = dict(q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, dout=dout.data.ptr, out=out.data.ptr,
+        pointers = dict(backward.NO_POINTERS, q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, dout=dout.data.ptr,
+                        out=out.data.ptr,
                         softmax_lse=lse.data.ptr, dq=grads[0].data.ptr, dk=grads[1].data.ptr, dv=grads[2].data.ptr,
                         dsum=dsum.data.ptr, dq_accum=dq_accum.data.ptr)
         time_candidate(f"backward {config.block_m}x{config.block_n} {config.warps} warps ({config.warps_keys} "

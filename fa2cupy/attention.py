@@ -10,6 +10,7 @@ through autograd use :mod:`fa2cupy.torch` or :mod:`fa2cupy.jax`, which call them
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import cupy
@@ -71,21 +72,25 @@ def _fold_negative_scale(call: _AttentionCall, ready: dict) -> None:
         ready["q"], call.scale = -ready["q"], -call.scale
 
 
+def _OUT_LSE_NONE(outs) -> tuple:
+    return outs[0], outs[1], None
+
+
+_GRADIENTS = operator.itemgetter(0, 1, 2)
+
+
 class _Attention(pipeline.Kind):
-    """What the attention kinds share: the dropout seed and offset checked per call, debug poisoning of their
-    outputs, their outputs sliced back to the caller's head dim. ``dropout_at``: where dropout_p is in the kind's
-    options."""
+    """What the attention kinds share: the dropout seed and offset checked per call, their outputs sliced back to
+    the caller's head dim. ``dropout_at``: where dropout_p is in the kind's options."""
 
     dropout_at = 0
-
-    def poisoning(self) -> bool:
-        return forward._debug_poison
 
     def fixed_values(self, call):
         return None if call.per_call_values else call.values
 
-    def fast_values(self, plan, pointers, options, values):
-        return checks.check_dropout_rng(options[self.dropout_at], *values)
+    def values_check(self, call, plan, options):
+        dropout_p, check_dropout_rng = options[self.dropout_at], checks.check_dropout_rng
+        return lambda values: check_dropout_rng(dropout_p, *values)
 
     def results(self, call, outs, views):
         return pipeline.returned_head_dim(outs, call.shape.headdim, call.padded)
@@ -102,6 +107,7 @@ class _Forward(_Attention):
     arrays = ("q", "k", "v", "alibi_slopes", "dropout_rng_state")
     returned = poisoned = ("out", "softmax_lse")
     launch = staticmethod(forward.run_forward)
+    no_pointers = forward.NO_POINTERS
 
     def check(self, infos, options, values):
         dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs = options
@@ -118,12 +124,12 @@ class _Forward(_Attention):
         _adapt_side_arrays(call, named, infos, ready, ("alibi_slopes", "dropout_rng_state"))
         return ready
 
-    def plan(self, call, ready, arch, device):
+    def plan(self, call, ready, arch, device, options):
         q, k, v = ready["q"], ready["k"], ready["v"]
         strides = (elem_strides(q), elem_strides(k), elem_strides(v), pipeline.c_strides(self._out_shape(call)))
         return forward.plan_forward(
             q.shape, k.shape, strides, call.shape.dtype, call.scale, call.causal, arch, window_size=call.window_size,
-            softcap=call.softcap, alibi_batch_stride=call.alibi_stride, dropout_p=call.dropout_p)
+            softcap=call.softcap, alibi_batch_stride=call.alibi_stride, dropout_p=call.dropout_p, options=options)
 
     @staticmethod
     def _out_shape(call) -> tuple:
@@ -134,8 +140,8 @@ class _Forward(_Attention):
         s = call.shape
         return (("out", self._out_shape(call), s.dtype), ("softmax_lse", (s.batch, s.nheads, s.seqlen_q), "float32"))
 
-    def finish(self, outs, options):
-        return (outs[0], outs[1], None) if options[-1] else outs[0]
+    def result(self, options):
+        return _OUT_LSE_NONE if options[-1] else pipeline.FIRST  # (return_attn_probs: probabilities added later)
 
 
 FORWARD = _Forward()
@@ -157,6 +163,7 @@ def flash_attn_func(
     dropout_seed=None,
     dropout_offset=0,
     dropout_rng_state=None,
+    kernel_options=None,
 ):
     """Exact attention ``softmax(q k^T * softmax_scale) v`` by FlashAttention-2, flash-attn 2.x compatible.
 
@@ -189,6 +196,8 @@ def flash_attn_func(
             (4,) = (seed lo, seed hi, offset lo, offset hi), gives them from GPU memory instead (``fa2cupy.jax``).
         deterministic: accepted for compatibility; the forward is always deterministic.
         return_attn_probs: also return the log-sum-exp (see Returns).
+        kernel_options: a :class:`fa2cupy.KernelOptions` (None: the defaults): which kernels run, beyond what the
+            arguments decide (for A/B timings, tests and debugging).
 
     Returns:
         ``out`` shaped and typed like q, in q's framework; with ``return_attn_probs=True`` the tuple
@@ -209,32 +218,32 @@ def flash_attn_func(
     result = pipeline.run(
         FORWARD, (q, k, v, alibi_slopes, dropout_rng_state),
         (dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs),
-        (dropout_seed, dropout_offset))
+        (dropout_seed, dropout_offset), kernel_options)
     if return_attn_probs and dropout_p and dropout_rng_state is None:
         # Only a caller of this function who asks for them gets the probabilities: seqlen_q x seqlen_k floats per
         # head, recomputed here (the autograd wrappers use forward_with_lse, which never builds them).
         out, lse, _ = result
         return out, lse, _dropped_probs(q, k, lse, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                        dropout_p, dropout_seed, dropout_offset)
+                                        dropout_p, dropout_seed, dropout_offset, kernel_options)
     return result
 
 
 def forward_with_lse(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                      alibi_slopes=None, deterministic=False, *, dropout_seed=None, dropout_offset=0,
-                     dropout_rng_state=None):
+                     dropout_rng_state=None, kernel_options=None):
     """``(out, softmax_lse)`` of :func:`flash_attn_func` (same arguments), never the probabilities: the forward of
     the autograd wrappers (fa2cupy.torch, fa2cupy.jax), which keep only O(seqlen) statistics for the backward."""
     return pipeline.run(
         FORWARD, (q, k, v, alibi_slopes, dropout_rng_state),
         (dropout_p, softmax_scale, causal, window_size, softcap, deterministic, True),
-        (dropout_seed, dropout_offset))[:2]
+        (dropout_seed, dropout_offset), kernel_options)[:2]
 
 
 flash_attn_qkvpacked_func, flash_attn_kvpacked_func = packed.make_packed(flash_attn_func)
 
 
 def _dropped_probs(q, k, lse, softmax_scale, causal, window_size, softcap, alibi_slopes, dropout_p, dropout_seed,
-                   dropout_offset):
+                   dropout_offset, kernel_options=None):
     """float32 ``P o Z / (1 - p)`` of a forward with dropout, recomputed from the caller's q, k and the kernel's lse
     ``(batch, nheads, seqlen_q)`` (return_attn_probs); in the caller's framework, on its stream. Small sizes only:
     it materialises every score."""
@@ -262,7 +271,7 @@ def _dropped_probs(q, k, lse, softmax_scale, causal, window_size, softcap, alibi
             p = cupy.exp(s - lc[..., None])
             if visible is not None:
                 p = cupy.where(cupy.asarray(visible), p, 0.0)
-            keep = dropout_mask(batch, nheads, sq, sk, dropout_p, seed, offset)
+            keep = dropout_mask(batch, nheads, sq, sk, dropout_p, seed, offset, kernel_options=kernel_options)
             probs = cupy.where(keep, p / (1.0 - dropout_p), 0.0).astype(cupy.float32)
             return arrays.from_cupy(probs, framework)
 
@@ -279,9 +288,7 @@ class _Backward(_Attention):
     arrays = ("dout", "q", "k", "v", "out", "softmax_lse", "alibi_slopes", "dropout_rng_state")
     returned = poisoned = ("dq", "dk", "dv")
     launch = staticmethod(backward.run_backward)
-
-    def poisoning(self) -> bool:
-        return backward._debug_poison
+    no_pointers = backward.NO_POINTERS
 
     def check(self, infos, options, values):
         softmax_scale, causal, window_size, deterministic, softcap, dropout_p = options
@@ -308,12 +315,13 @@ class _Backward(_Attention):
         strides.update(dq=pipeline.c_strides(dq), dk=pipeline.c_strides(dkv), dv=pipeline.c_strides(dkv))
         return strides
 
-    def plan(self, call, ready, arch, device):
+    def plan(self, call, ready, arch, device, options):
         q_shape, k_shape = self._plan_shapes(call, ready)
         return backward.plan_backward(
             q_shape, k_shape, self._strides(ready, call), call.shape.dtype, call.scale, call.causal,
             call.deterministic, arch, window_size=call.window_size, softcap=call.softcap,
-            alibi_batch_stride=call.alibi_stride, varlen_totals=call.totals, dropout_p=call.dropout_p)
+            alibi_batch_stride=call.alibi_stride, varlen_totals=call.totals, dropout_p=call.dropout_p,
+            options=options)
 
     def _plan_shapes(self, call, ready) -> tuple:
         return ready["q"].shape, ready["k"].shape
@@ -326,8 +334,8 @@ class _Backward(_Attention):
             layout += (("dq_accum", plan.dq_accum_shape, "float32"),)
         return layout
 
-    def finish(self, outs, options):
-        return outs[0], outs[1], outs[2]
+    def result(self, options):
+        return _GRADIENTS
 
 
 BACKWARD = _Backward()
@@ -335,7 +343,8 @@ BACKWARD = _Backward()
 
 def flash_attn_backward(
     dout, q, k, v, out, softmax_lse, softmax_scale=None, causal=False, window_size=(-1, -1), deterministic=False,
-    softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0, dropout_rng_state=None,
+    softcap=0.0, alibi_slopes=None, dropout_p=0.0, dropout_seed=None, dropout_offset=0, dropout_rng_state=None, *,
+    kernel_options=None,
 ):
     """Gradients of ``flash_attn_func`` (FlashAttention-2 Algorithm 2) w.r.t. q, k and v.
 
@@ -357,6 +366,7 @@ def flash_attn_backward(
             hence the last bits, can change between runs). True computes dQ in a separate kernel that walks the
             key tiles in a fixed order: bit-identical results run to run, at the cost of recomputing Q K^T and
             dO V^T once more (two extra matmuls of the five).
+        kernel_options: a :class:`fa2cupy.KernelOptions`, as for :func:`flash_attn_func`.
 
     Returns:
         ``(dq, dk, dv)`` in the inputs' framework and dtype; dq shaped like q, dk/dv like k/v (for MQA/GQA the
@@ -372,7 +382,7 @@ def flash_attn_backward(
     """
     return pipeline.run(BACKWARD, (dout, q, k, v, out, softmax_lse, alibi_slopes, dropout_rng_state),
                         (softmax_scale, causal, window_size, deterministic, softcap, dropout_p),
-                        (dropout_seed, dropout_offset))
+                        (dropout_seed, dropout_offset), kernel_options)
 
 
 # --------------------------------------------------------------------------------------------- varlen
@@ -422,7 +432,7 @@ class _VarlenForward(_Forward):
         _adapt_side_arrays(call, named, infos, ready, self.arrays[3:])
         return ready
 
-    def plan(self, call, ready, arch, device):
+    def plan(self, call, ready, arch, device, options):
         s, padded = call.shape, call.padded
         kv = ready["k"], ready["v"]
         kv_strides = tuple(map(elem_strides if call.paged else _varlen_strides, kv))
@@ -431,7 +441,7 @@ class _VarlenForward(_Forward):
             (_varlen_strides(ready["q"]),) + kv_strides + (_packed_strides(s.nheads, padded),), s.dtype, call.scale,
             call.causal, arch, window_size=call.window_size, softcap=call.softcap,
             alibi_batch_stride=call.alibi_stride, varlen_totals=call.totals, dropout_p=call.dropout_p,
-            paged=call.paged)
+            paged=call.paged, options=options)
 
     def allocations(self, call, plan):
         s, total_q = call.shape, call.totals[0]
@@ -462,6 +472,7 @@ def flash_attn_varlen_func(
     dropout_seed=None,
     dropout_offset=0,
     dropout_rng_state=None,
+    kernel_options=None,
 ):
     """Attention over packed sequences of different lengths, no padding work (flash-attn 2.x).
 
@@ -484,6 +495,7 @@ def flash_attn_varlen_func(
             ``j % page_size`` of page ``block_table[b, j // page_size]``; cu_seqlens_k counts each sequence's keys
             (``max_seqlen_k <= max_pages * page_size``). The forward kernel reads the pages in place. A page index
             outside ``[0, num_pages)`` is found on the GPU (ValueError at the next call, as for cu_seqlens).
+        kernel_options: a :class:`fa2cupy.KernelOptions`, as for :func:`flash_attn_func`.
 
     Returns:
         ``out`` ``(total_q, nheads, headdim)``; with ``return_attn_probs`` ``(out, softmax_lse, None)``, lse float32
@@ -505,7 +517,7 @@ def flash_attn_varlen_func(
         VARLEN_FORWARD, (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, block_table, dropout_rng_state),
         (max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
          return_attn_probs),
-        (dropout_seed, dropout_offset))
+        (dropout_seed, dropout_offset), kernel_options)
 
 
 flash_attn_varlen_qkvpacked_func, flash_attn_varlen_kvpacked_func = packed.make_varlen_packed(flash_attn_varlen_func)
@@ -514,13 +526,13 @@ flash_attn_varlen_qkvpacked_func, flash_attn_varlen_kvpacked_func = packed.make_
 def varlen_forward_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                             deterministic=False, block_table=None, *, dropout_seed=None, dropout_offset=0,
-                            dropout_rng_state=None):
+                            dropout_rng_state=None, kernel_options=None):
     """``(out, softmax_lse)`` of :func:`flash_attn_varlen_func` (same arguments): the autograd wrappers' forward."""
     device_errors.raise_pending()
     return pipeline.run(
         VARLEN_FORWARD, (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, block_table, dropout_rng_state),
         (max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, True),
-        (dropout_seed, dropout_offset))[:2]
+        (dropout_seed, dropout_offset), kernel_options)[:2]
 
 
 class _VarlenBackward(_Backward):
@@ -569,7 +581,7 @@ class _VarlenBackward(_Backward):
 VARLEN_BACKWARD = _VarlenBackward()
 
 
-def _paged_varlen_backward(given: tuple, options: tuple, values: tuple, block_table):
+def _paged_varlen_backward(given: tuple, options: tuple, values: tuple, block_table, kernel_options):
     """flash_attn_varlen_backward with paged K/V: each sequence's keys are gathered from their pages into packed K/V
     of batch * max_seqlen_k rows (an upper bound on the keys, so no host synchronisation is needed to size them),
     the packed backward runs on them (through the pipeline: its plan is reused call after call), and dk/dv are
@@ -589,7 +601,7 @@ def _paged_varlen_backward(given: tuple, options: tuple, values: tuple, block_ta
             c.update(k=paging.gather(cupy, k_pages, page, slot, inside),
                      v=paging.gather(cupy, v_pages, page, slot, inside), cu_seqlens_k=packed_cu_k)
             dq, dk, dv = pipeline.run(VARLEN_BACKWARD, tuple(c.get(n) for n in VARLEN_BACKWARD.arrays), options,
-                                      values)
+                                      values, kernel_options)
             grads = [dq] + [paging.sum_onto_pages(cupy, g, x.shape, page, slot, inside)
                             for g, x in ((dk, k_pages), (dv, v_pages))]
             return tuple(arrays.from_cupy(g, call.framework) for g in grads)
@@ -598,7 +610,7 @@ def _paged_varlen_backward(given: tuple, options: tuple, values: tuple, block_ta
 def flash_attn_varlen_backward(
     dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None,
     causal=False, window_size=(-1, -1), deterministic=False, softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-    dropout_seed=None, dropout_offset=0, dropout_rng_state=None, block_table=None,
+    dropout_seed=None, dropout_offset=0, dropout_rng_state=None, block_table=None, *, kernel_options=None,
 ):
     """Gradients of :func:`flash_attn_varlen_func` w.r.t. q, k and v.
 
@@ -611,6 +623,7 @@ def flash_attn_varlen_backward(
             :func:`flash_attn_backward`.
         block_table: as given to the forward (paged K/V). The pages the sequences use are gathered into packed
             K/V first (on the GPU, no host synchronisation), and dk/dv are summed back onto the pages.
+        kernel_options: a :class:`fa2cupy.KernelOptions`, as for :func:`flash_attn_func`.
 
     Returns:
         ``(dq, dk, dv)`` shaped like q, k, v. Rows outside every sequence (past ``cu_seqlens[-1]``) are zero, so
@@ -626,8 +639,8 @@ def flash_attn_varlen_backward(
     given = (dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, dropout_rng_state)
     options = (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, deterministic, softcap, dropout_p)
     if block_table is not None:
-        return _paged_varlen_backward(given, options, (dropout_seed, dropout_offset), block_table)
-    return pipeline.run(VARLEN_BACKWARD, given, options, (dropout_seed, dropout_offset))
+        return _paged_varlen_backward(given, options, (dropout_seed, dropout_offset), block_table, kernel_options)
+    return pipeline.run(VARLEN_BACKWARD, given, options, (dropout_seed, dropout_offset), kernel_options)
 
 
 # --------------------------------------------------------------------------------------------- dropout mask
@@ -662,20 +675,20 @@ class _DropoutMask(pipeline.Kind):
     def adapt(self, call, named, infos):
         return {}
 
-    def plan(self, call, ready, arch, device):
+    def plan(self, call, ready, arch, device, options):
         return forward.plan_dropout_mask(*call.dims, call.dropout_p)
 
     def allocations(self, call, plan):
         return (("mask", call.dims, "uint8"),)
 
-    def finish(self, outs, options):
-        return outs[0].view(cupy.bool_)
+    def result(self, options):
+        return lambda outs: outs[0].view(cupy.bool_)
 
 
 DROPOUT_MASK = _DropoutMask()
 
 
-def dropout_mask(batch, nheads, seqlen_q, seqlen_k, dropout_p, dropout_seed, dropout_offset=0):
+def dropout_mask(batch, nheads, seqlen_q, seqlen_k, dropout_p, dropout_seed, dropout_offset=0, *, kernel_options=None):
     """The dropout keep mask the kernels draw for these parameters: a CuPy bool array ``(batch, nheads, seqlen_q,
     seqlen_k)``, True where the score is kept, on the current device and CuPy's current stream. For tests and
     analysis at small sizes; the attention kernels never materialise it.
@@ -685,4 +698,4 @@ def dropout_mask(batch, nheads, seqlen_q, seqlen_k, dropout_p, dropout_seed, dro
         keep = fa2cupy.dropout_mask(2, 8, 128, 128, 0.1, dropout_seed=1234)  # ~90% True
     """
     return pipeline.run(DROPOUT_MASK, (), (batch, nheads, seqlen_q, seqlen_k, dropout_p),
-                        (dropout_seed, dropout_offset))
+                        (dropout_seed, dropout_offset), kernel_options)

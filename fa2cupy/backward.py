@@ -1,24 +1,20 @@
 """Backward kernel family (cuda/bwd.cu): launch plans for preprocess, dK/dV (+ atomic dQ), deterministic dQ and
 the dQ conversion, and their launch on raw pointers.
 
-Like the forward, a plan depends only on shapes, strides, dtype and options, so the interface caches it.
+Like the forward, a plan depends only on shapes, strides, dtype and options, so the call pipeline remembers it.
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import numpy as np
 
 from . import build, configs, tensor_maps
 from .forward import _LOG2E, dropout_scalars, dropout_words, error_pointers, kernel_variant
+from .options import DEFAULT, KernelOptions
 
-#: Tests set this to fill dq, dk and dv with NaN before the kernels run (see forward._debug_poison).
-_debug_poison = False
-#: Run the dK/dV step of calls without modifiers on the Hopper kernel (cuda/bwd_hopper.cu) on compute
-#: capability 9.0 where configs.hopper_backward_config picks it; tests and A/B timings set it False to run the
-#: mma.sync kernel there instead.
-HOPPER = True
 
 
 @dataclass(frozen=True)
@@ -54,7 +50,7 @@ def _strides3(strides) -> tuple:
 def plan_backward(
     q_shape, k_shape, strides: dict, dtype: str, softmax_scale: float, causal: bool, deterministic: bool, arch: int,
     config=None, window_size=(-1, -1), softcap: float = 0.0, alibi_batch_stride=None, varlen_totals=None,
-    dropout_p: float = 0.0,
+    dropout_p: float = 0.0, options: KernelOptions = DEFAULT,
 ) -> BackwardPlan:
     """Builds the launches for one backward problem.
 
@@ -62,14 +58,15 @@ def plan_backward(
     shapes, alignment, modifiers and varlen as in :func:`fa2cupy.forward.plan_forward` (varlen: lse, and the
     dsum/dq_accum workspaces, are ``(nheads, total_q[, d])``, and dq/dk/dv must be contiguous: their rows past the
     last sequence are zeroed). The scale may be negative here: the backward has no
-    running maximum, P = exp(scale * s - lse) is exact for any sign.
+    running maximum, P = exp(scale * s - lse) is exact for any sign. ``options``: the kernel choices (the Hopper
+    dK/dV kernel or not).
     """
     mask, mods, left, right = kernel_variant(causal, window_size, softcap, alibi_batch_stride is not None, dropout_p)
     batch, seqlen_q, nheads, headdim = q_shape
     seqlen_k, nheads_kv = k_shape[1], k_shape[2]
     tag = configs.DTYPE_TAGS[dtype]
     atomic = not deterministic
-    if config is None and HOPPER:
+    if config is None and options.hopper_backward:
         config = configs.hopper_backward_config(arch, headdim, mods, deterministic)
     shapes = dict(zip(("q", "k", "v", "dout"), tensor_maps.array_shapes(q_shape, k_shape, varlen_totals)))
     if (isinstance(config, configs.HopperBwdConfig)
@@ -148,20 +145,25 @@ def maps_writer(plan: BackwardPlan, q: int, k: int, v: int, dout: int):
     return None if plan.tensor_maps is None else plan.tensor_maps.writer((q, k, v, dout))
 
 
+#: The device pointers a backward launch takes, by name. A launch reads every one: its ``pointers`` start from
+#: NO_POINTERS (0 where an array is absent).
+POINTERS = ("q", "k", "v", "dout", "softmax_lse", "dsum", "dq_accum", "dk", "dv", "cu_seqlens_q", "cu_seqlens_k",
+            "alibi_slopes", "dropout_rng_state", "out", "dq")
+NO_POINTERS = dict.fromkeys(POINTERS, 0)
+_pointer_values = operator.itemgetter(*POINTERS)
+
+
 def run_backward(plan: BackwardPlan, pointers: dict, values: tuple, stream_ptr: int, framework: str = "cupy",
                  device: int = 0) -> None:
-    """Launches a plan on the stream with handle ``stream_ptr``. ``pointers`` maps "dout", "q", "k", "v", "out",
-    "softmax_lse", "dq", "dk", "dv", "dsum" and (atomics only) "dq_accum" to device pointers, and optionally
-    "cu_seqlens_q", "cu_seqlens_k" (varlen), "alibi_slopes" and "dropout_rng_state"; ``values`` = (dropout seed,
-    dropout offset)."""
-    get = pointers.get
-    q, k, v, dout, lse = pointers["q"], pointers["k"], pointers["v"], pointers["dout"], pointers["softmax_lse"]
-    dsum, dq, dk, dv = pointers["dsum"], pointers["dq"], pointers["dk"], pointers["dv"]
-    dq_accum = get("dq_accum", 0) if plan.convert is not None else 0
-    cu_q, cu_k, alibi, rng_state = (get("cu_seqlens_q", 0), get("cu_seqlens_k", 0), get("alibi_slopes", 0),
-                                    get("dropout_rng_state", 0))
+    """Launches a plan on the stream with handle ``stream_ptr``. ``pointers`` maps every name of :data:`POINTERS`
+    to a device pointer: "dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", "dsum" and (atomics only)
+    "dq_accum", and 0 where absent, "cu_seqlens_q", "cu_seqlens_k" (varlen), "alibi_slopes" and
+    "dropout_rng_state"; ``values`` = (dropout seed, dropout offset)."""
+    q, k, v, dout, lse, dsum, dq_accum, dk, dv, cu_q, cu_k, alibi, rng_state, out, dq = _pointer_values(pointers)
+    if plan.convert is None:
+        dq_accum = 0  # (deterministic: no accumulator)
     rng = dropout_words(*values)
-    plan.preprocess(stream_ptr, (dout, pointers["out"], dsum, dq_accum, cu_q))
+    plan.preprocess(stream_ptr, (dout, out, dsum, dq_accum, cu_q))
     plan.main(stream_ptr, (q, k, v, dout, lse, dsum, dq_accum, dk, dv, cu_q, cu_k, alibi, rng_state) + rng,
               maps_writer(plan, q, k, v, dout))
     if plan.dq is not None:

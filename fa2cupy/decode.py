@@ -1,10 +1,11 @@
 """Decode kernel family (cuda/decode.cu): split-KV decoding with GQA packing over contiguous or paged caches, and
 the (out, lse) merge (public as merge_attention_states). A plan depends on shapes, strides and options only; the
-interface caches it, so a decode step costs a dictionary look-up and one to three launches (append, rotary q,
-attention)."""
+call pipeline remembers it, so a decode step costs a dictionary look-up and one to three launches (append, rotary
+q, attention)."""
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -12,6 +13,7 @@ import numpy as np
 from . import arrays, build, configs, device_errors
 from .checks import UNLIMITED_WINDOW, DecodeExtras  # noqa: F401 -- (decode.UNLIMITED_WINDOW, decode.DecodeExtras)
 from .forward import fast_divisor
+from .options import DEFAULT, KernelOptions
 
 _LOG2E = 1.4426950408889634
 
@@ -92,38 +94,15 @@ def choose_num_splits(blocks: int, sms: int, max_seqlen_k: int, tile_keys: int) 
     return max(1, min(sms // blocks, most, configs.MAX_DECODE_SPLITS))
 
 
-#: Force the deep-ring row (True) or the table's row (False) where a row has a deep-ring twin, instead of the
-#: rule in configs.decode_config (A/B timings and tests flip it).
-DEEP_RING: bool | None = None
-#: Force warp items on (True, wherever there is one split and a warp-items twin) or off (False), instead of
-#: :func:`uses_warp_items`.
-WARP_ITEMS: bool | None = None
-#: Force programmatic launches of the decode kernels (True; sm_90 and later) or plain ones (False), instead of
-#: :data:`PROGRAMMATIC_MIN_SPLITS` (A/B timings).
-PROGRAMMATIC_LAUNCH: bool | None = None
-#: Force K/V copies under an L2 evict-first policy (True) or under none (False: evict-unchanged), instead of only for
-#: calls whose K/V bytes exceed the L2 size (tests and A/B timings).
-STREAM_EVICT_FIRST: bool | None = None
-#: On sm_90 and later, calls with this many splits or more launch their kernels with programmatic stream
-#: serialization: a kernel's launch overlaps the end of the kernel before it in the stream (the last split
-#: block's merge of the call before, where most SMs idle), and it waits for that kernel before reading memory.
-#: H100, bench/NOTES.md: 1 x 16k -1.8% from a graph, -3.7% eager; 1 x 1k -7%; but 8 x 1k (2 splits) +4-7%.
-PROGRAMMATIC_MIN_SPLITS = 4
-
-
-#: Longest work item (in key tiles) that warps stream alone: on longer ones the warps of a block drifting apart
-#: cost more than the per-item merge they save (H100, bench/NOTES.md: 64 x 1k -1.4%, 64 x 4k level, 64 x 16k +0.7%).
-WARP_ITEMS_MAX_TILES = 128
-
-
-def uses_warp_items(splits: int, items: int, sms: int, config: configs.DecodeConfig, keys_per_item: int) -> bool:
+def uses_warp_items(splits: int, items: int, sms: int, config: configs.DecodeConfig, keys_per_item: int,
+                    max_tiles: int = DEFAULT.decode_warp_items_max_tiles) -> bool:
     """Whether a launch's warps take whole work items alone: with one split, when the items fill the warps of
     one block per SM in equal rounds with at most 1/32 of them idle (a block per item would walk several,
     merging and meeting at a barrier per item; a half-empty last round of warps would cost more than that), and
-    items of at most WARP_ITEMS_MAX_TILES key tiles."""
+    items of at most ``max_tiles`` key tiles (KernelOptions.decode_warp_items_max_tiles)."""
     slots = sms * config.warps
     return (splits == 1 and _fills(_fewest_for_rounds(items, slots), slots)
-            and -(-keys_per_item // config.block_n) <= WARP_ITEMS_MAX_TILES)
+            and -(-keys_per_item // config.block_n) <= max_tiles)
 
 
 def _fewest_for_rounds(items: int, walkers: int) -> int:
@@ -143,16 +122,15 @@ def _opt_in_smem(config: configs.DecodeConfig, device: int) -> int:
     return config.persistent_smem_bytes if config.persistent_smem_bytes <= limit else config.smem_bytes
 
 
-def _attention_grid(function, config: configs.DecodeConfig, device: int, items: int) -> tuple[int, int]:
-    """(blocks, shared memory) of a decode launch over ``items`` work items: one block per item while they all
-    fit on the GPU at once; beyond that, blocks that walk several items each, so that an SM never waits for one
-    block to end before its next item's loads start (bench/NOTES.md, "decode: blocks that walk items"). Where
+def _attention_grid(function, config: configs.DecodeConfig, device: int, items: int, sms: int) -> tuple[int, int]:
+    """(blocks, shared memory) of a decode launch over ``items`` work items on ``sms`` SMs: one block per item while
+    they all fit on the GPU at once; beyond that, blocks that walk several items each, so that an SM never waits for
+    one block to end before its next item's loads start (docs/design.md, "decode: blocks that walk items"). Where
     fewer blocks take the same number of rounds and leave at most 1/32 of the SMs idle, that many: the last round
     is then full (64 x 1k: 128 blocks of 4 items each, 0.4-0.6% faster than 132 blocks of 3 or 4; with fewer
     blocks each SM's own bytes in flight bound the rate)."""
     from cupy_backends.cuda.api import driver
 
-    sms = _sm_count(device)
     if config.warp_items:  # a block takes `warps` items at a time (one per warp), walking as below
         per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(function.ptr, config.threads, config.smem_bytes)
         resident = sms * max(1, per_sm)
@@ -176,11 +154,12 @@ def _strides(array_strides, item):
 
 def plan_decode(q_shape, strides, dtype: str, *, nheads_kv: int, cache_rows: int, capacity: int, page_size: int,
                 max_pages: int, seqlen_new: int, max_seqlen_k: int, softmax_scale: float, causal: bool, arch: int,
-                device: int, num_splits: int, item: int, config=None, extras: DecodeExtras = PLAIN) -> DecodePlan:
+                device: int, num_splits: int, item: int, config=None, extras: DecodeExtras = PLAIN,
+                options: KernelOptions = DEFAULT) -> DecodePlan:
     """The launches of one flash_attn_with_kvcache call. ``strides`` maps q, k_cache, v_cache (and k, v when
     appending) to byte strides; ``page_size`` 0 means a contiguous cache; ``max_seqlen_k`` bounds the keys per row
     (for the split count); ``num_splits`` 0 chooses. ``extras``: the optional features; with them ``causal`` must
-    already be folded into ``extras.window_right`` (0)."""
+    already be folded into ``extras.window_right`` (0). ``options``: the kernel choices (the decode_* fields)."""
     batch, seqlen_q, nheads, headdim = q_shape
     group = nheads // nheads_kv
     paged = page_size > 0
@@ -193,15 +172,18 @@ def plan_decode(q_shape, strides, dtype: str, *, nheads_kv: int, cache_rows: int
         max_seqlen_k = min(max_seqlen_k, extras.window_left + seqlen_q + min(extras.window_right, max_seqlen_k))
     row_blocks = -(-seqlen_q * group // 16)
     blocks = batch * nheads_kv * row_blocks
+    sms = options.sm_count or _sm_count(device)
     tile = config or configs.decode_config(arch, headdim)  # a row and its deep-ring twin share the tile shape
     splits = min(num_splits, configs.MAX_DECODE_SPLITS) or choose_num_splits(
-        blocks, _sm_count(device), max_seqlen_k, tile.warps * tile.block_n)
+        blocks, sms, max_seqlen_k, tile.warps * tile.block_n)
     items = splits * blocks
     if config is None:
-        solo = (uses_warp_items(splits, items, _sm_count(device), tile, max_seqlen_k) if WARP_ITEMS is None
-                else WARP_ITEMS)
-        config = configs.decode_config(arch, headdim, keys_per_item=-(-max_seqlen_k // splits), deep=DEEP_RING,
-                                       warp_items=solo and splits == 1)
+        solo = options.decode_warp_items
+        if solo is None:
+            solo = uses_warp_items(splits, items, sms, tile, max_seqlen_k,
+                                   options.decode_warp_items_max_tiles)
+        config = configs.decode_config(arch, headdim, keys_per_item=-(-max_seqlen_k // splits),
+                                       deep=options.decode_deep_ring, warp_items=solo and splits == 1)
     if config.warp_items and splits != 1:
         raise ValueError(f"a warp-items decode config takes one split, not {splits}")
     name = config.name_expression(dtype, causal, paged, use_extras)
@@ -232,14 +214,17 @@ def plan_decode(q_shape, strides, dtype: str, *, nheads_kv: int, cache_rows: int
     for divisor in (splits, nheads_kv * row_blocks, nheads_kv, group, max(page_size, 1)):  # the FastDiv divisors
         magic, shift = fast_divisor(divisor)
         args += (np.uint32(magic), np.int32(shift))
-    programmatic = arch >= 90 and (splits >= PROGRAMMATIC_MIN_SPLITS if PROGRAMMATIC_LAUNCH is None
-                                   else PROGRAMMATIC_LAUNCH)
+    programmatic = options.decode_programmatic_launch
+    if programmatic is None:
+        programmatic = splits >= options.decode_programmatic_min_splits
+    programmatic = arch >= 90 and programmatic
     args += (np.int32(programmatic),)  # (the kernel works out its first copies before waiting only then)
     kv_bytes = 2 * batch * max_seqlen_k * nheads_kv * headdim * item  # (at most: the longest row's keys per row)
-    evict_first = (kv_bytes > build.device_attribute(device, "L2CacheSize") if STREAM_EVICT_FIRST is None
-                   else STREAM_EVICT_FIRST)
+    evict_first = options.decode_stream_evict_first
+    if evict_first is None:
+        evict_first = kv_bytes > build.device_attribute(device, "L2CacheSize")
     args += (np.int32(evict_first),)  # (K/V that cannot stay in L2 stream through it under evict-first)
-    grid, smem = _attention_grid(function, config, device, items)
+    grid, smem = _attention_grid(function, config, device, items, sms)
     attention = build.Launch(function, (grid, 1, 1), (config.threads, 1, 1), smem, args,
                              tuple(range(13)) + (seqlen_slot, extra_slot, extra_slot + 2), programmatic)
     q_span = (seqlen_q if extras.rotary_advance else 1) if extras.rotary_dim else 0
@@ -287,37 +272,46 @@ def rotary_name_expression(dtype: str) -> str:
     return f"fa2::rotary_q<{configs.DTYPE_TAGS[dtype]}>"
 
 
+#: The device pointers a decode launch takes, by name: flash_attn_with_kvcache's array arguments, then its
+#: outputs. A launch reads every one: its ``pointers`` start from NO_POINTERS (0 where an array is absent).
+POINTERS = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "cache_batch_idx", "block_table", "rotary_cos",
+            "rotary_sin", "cache_leftpad", "alibi_slopes", "out", "softmax_lse", "q_rotated")
+NO_POINTERS = dict.fromkeys(POINTERS, 0)
+# (what the attention launch reads, and what the append or the rotation add)
+_attention_pointers = operator.itemgetter("q", "k_cache", "v_cache", "block_table", "cache_seqlens", "cache_batch_idx",
+                                          "out", "softmax_lse", "alibi_slopes", "cache_leftpad")
+_append_pointers = operator.itemgetter("k", "v", "rotary_cos", "rotary_sin")
+
+
 def run_decode(plan: DecodePlan, pointers: dict, values: tuple, stream_ptr: int, framework: str, device: int) -> None:
-    """Launches a plan on the stream ``stream_ptr``. ``pointers`` maps the array arguments of
-    flash_attn_with_kvcache ("q", "k_cache", "v_cache", and where given "k", "v", "cache_seqlens",
-    "cache_batch_idx", "block_table", "rotary_cos", "rotary_sin", "cache_leftpad", "alibi_slopes"; absent or 0
-    otherwise) and the outputs "out", "softmax_lse" (absent or 0: not wanted) and, with rotary, "q_rotated" (a
-    contiguous (batch, seqlen_q, nheads, d) buffer of q's dtype that receives the rotated q, which the attention
-    then reads) to device pointers. ``values`` = (fixed_seqlen,): the int cache_seqlens, used where the
-    cache_seqlens pointer is 0. The plan's workspace for this stream (:meth:`DecodePlan.workspace`) and the device's
-    error report words (fa2cupy.device_errors) are looked up here, in ``framework``'s allocator on ``device``."""
-    get = pointers.get
-    q, k_cache, v_cache, block_table = pointers["q"], pointers["k_cache"], pointers["v_cache"], get("block_table", 0)
-    cache_seqlens, cache_batch_idx = get("cache_seqlens", 0), get("cache_batch_idx", 0)
+    """Launches a plan on the stream ``stream_ptr``. ``pointers`` maps every name of :data:`POINTERS` to a device
+    pointer: "q", "k_cache", "v_cache" and, 0 where not given, "k", "v", "cache_seqlens", "cache_batch_idx",
+    "block_table", "rotary_cos", "rotary_sin", "cache_leftpad", "alibi_slopes"; the outputs "out", "softmax_lse" (0:
+    not wanted) and, with rotary, "q_rotated" (a contiguous (batch, seqlen_q, nheads, d) buffer of q's dtype that
+    receives the rotated q, which the attention then reads). ``values`` = (fixed_seqlen,): the int cache_seqlens,
+    used where the cache_seqlens pointer is 0. The plan's workspace for this stream (:meth:`DecodePlan.workspace`)
+    and the device's error report words (fa2cupy.device_errors) are looked up here, in ``framework``'s allocator on
+    ``device``."""
+    q, k_cache, v_cache, block_table, cache_seqlens, cache_batch_idx, out, lse, slopes, leftpad = (
+        _attention_pointers(pointers))
     fixed_seqlen, = values
     claim, report = device_errors.pointers(device)
     workspace = plan.workspace(stream_ptr, framework, device)  # (zeroed on first use: before the append's launch)
-    if plan.append is not None:
-        plan.append(stream_ptr, (pointers["k"], pointers["v"], k_cache, v_cache, block_table, cache_seqlens,
-                                 cache_batch_idx, claim, report, fixed_seqlen, get("rotary_cos", 0),
-                                 get("rotary_sin", 0), get("cache_leftpad", 0)))
-    if plan.rotary is not None:
-        q_rotated = pointers["q_rotated"]
-        plan.rotary(stream_ptr, (q, q_rotated, pointers["rotary_cos"], pointers["rotary_sin"], cache_seqlens, claim,
-                                 report, fixed_seqlen))
-        q = q_rotated
+    if plan.append is not None or plan.rotary is not None:
+        k, v, cos, sin = _append_pointers(pointers)
+        if plan.append is not None:
+            plan.append(stream_ptr, (k, v, k_cache, v_cache, block_table, cache_seqlens, cache_batch_idx, claim,
+                                     report, fixed_seqlen, cos, sin, leftpad))
+        if plan.rotary is not None:
+            q_rotated = pointers["q_rotated"]
+            plan.rotary(stream_ptr, (q, q_rotated, cos, sin, cache_seqlens, claim, report, fixed_seqlen))
+            q = q_rotated
     if workspace:
         partial_lse, partial_out = workspace + 4 * plan.partial_lse_offset, workspace + 4 * plan.partial_out_offset
     else:
         partial_lse = partial_out = 0
-    plan.attention(stream_ptr, (q, k_cache, v_cache, block_table, cache_seqlens, cache_batch_idx, pointers["out"],
-                                get("softmax_lse", 0), partial_out, partial_lse, workspace, claim, report, fixed_seqlen,
-                                get("alibi_slopes", 0), get("cache_leftpad", 0)))
+    plan.attention(stream_ptr, (q, k_cache, v_cache, block_table, cache_seqlens, cache_batch_idx, out, lse,
+                                partial_out, partial_lse, workspace, claim, report, fixed_seqlen, slopes, leftpad))
 
 
 def plan_merge(n: int, rows: int, headdim: int, parts_dtype: str, out_dtype: str) -> build.Launch:

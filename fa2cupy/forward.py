@@ -1,27 +1,18 @@
 """Forward kernel family (cuda/fwd.cu): the launch plan (config, grid, scalar arguments) and the launch.
 
-A plan depends only on shapes, strides, dtype and options, never on data pointers, so the interface caches
-plans and a repeated call costs one dictionary look-up plus the launch itself.
+A plan depends only on shapes, strides, dtype and options, never on data pointers, so the call pipeline
+(fa2cupy.pipeline) remembers plans and a repeated call costs one dictionary look-up plus the launch itself.
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import numpy as np
 
 from . import arrays, build, checks, configs, device_errors, tensor_maps
-
-#: Tests set this to fill out and lse with NaN before every launch, so an element the kernel fails to write
-#: shows up as NaN instead of as whatever the allocator happened to hand back.
-_debug_poison = False
-
-#: Run calls without modifiers (paged K/V included) on the Hopper kernel (cuda/fwd_hopper.cu) on compute capability 9.0
-#: where configs.hopper_forward_config picks it. Tests and A/B timings set it False to run the mma.sync kernel
-#: there instead (and empty configs.HOPPER_MASKED_MIN_SEQLEN's lengths to take the Hopper kernel for every length).
-HOPPER = True
-#: Let the Hopper forward's blocks take masked work items from a tile counter (False: the grid stride, for A/B).
-TILE_COUNTER = True
+from .options import DEFAULT, KernelOptions
 
 _LOG2E = 1.4426950408889634
 MAX_ROW_STRIDE = checks.MAX_ROW_STRIDE
@@ -83,24 +74,25 @@ def error_pointers() -> tuple:
 
 
 def kernel_config(arch: int, headdim: int, dtype: str, mask: str, mods: bool = False, varlen: bool = False,
-                  seqlen_q: int | None = None):
-    """The forward kernel's row for a call: the Hopper forward's where it takes the call (and HOPPER is on), else
-    the mma.sync forward's."""
-    config = configs.hopper_forward_config(arch, headdim, dtype, mods, varlen, mask, seqlen_q) if HOPPER else None
+                  seqlen_q: int | None = None, options: KernelOptions = DEFAULT):
+    """The forward kernel's row for a call: the Hopper forward's where it takes the call (and the options let it),
+    else the mma.sync forward's."""
+    config = configs.hopper_forward_config(arch, headdim, dtype, mods, varlen, mask, seqlen_q,
+                                           options.hopper_masked_min_seqlen) if options.hopper_forward else None
     return config or configs.forward_config(arch, headdim, dtype, mask, varlen)
 
 
 def plan_forward(
     q_shape, k_shape, strides, dtype: str, softmax_scale: float, causal: bool, arch: int, config=None,
     window_size=(-1, -1), softcap: float = 0.0, alibi_batch_stride=None, varlen_totals=None, dropout_p: float = 0.0,
-    paged=None,
+    paged=None, options: KernelOptions = DEFAULT,
 ) -> ForwardPlan:
     """Builds (and compiles on first use) the launch for one problem.
 
     q_shape ``(batch, seqlen_q, nheads, d)``, k_shape ``(batch, seqlen_k, nheads_kv, d)``; ``strides`` holds the
     element strides of q, k, v and out (4 tuples of 4). ``d`` is a multiple of 8 (<= 256); every last-axis
     stride is 1, the others are multiples of 8 with row strides below ``MAX_ROW_STRIDE``; ``softmax_scale >= 0``
-    (the interface folds a negative scale into q). ``config`` overrides the tile table (tuning only).
+    (the entry points fold a negative scale into q). ``config`` overrides the tile table (tuning only).
     ``causal`` and ``window_size`` (validated) pick the mask, see :func:`checks.window_bounds`; ``softcap > 0`` and
     ``alibi_batch_stride`` (not None: slopes are passed, with this batch stride in elements) the score modifiers,
     ``dropout_p > 0`` dropout (the seed and offset are per-call arguments of :func:`run_forward`).
@@ -111,12 +103,13 @@ def plan_forward(
     k/v are then ``(num_pages, page_size, nheads_kv, d)`` (their batch strides are the page strides), the launch
     takes a block_table pointer (int32 ``(batch, max_pages)``), and key ``j`` of sequence ``b`` is row
     ``j % page_size`` of page ``block_table[b, j // page_size]``; ``k_shape[1]`` is then max_seqlen_k.
+    ``options``: the kernel choices (the Hopper forward or not, its tile counter and L2 grouping).
     """
     batch, seqlen_q, nheads, headdim = q_shape
     seqlen_k, nheads_kv = k_shape[1], k_shape[2]
     mask, mods, left, right = kernel_variant(causal, window_size, softcap, alibi_batch_stride is not None, dropout_p)
     if config is None:
-        config = kernel_config(arch, headdim, dtype, mask, mods, varlen_totals is not None, seqlen_q)
+        config = kernel_config(arch, headdim, dtype, mask, mods, varlen_totals is not None, seqlen_q, options)
     # The Hopper forward's tensor maps (padded calls, and varlen, whose Q, whole output tiles and, packed, whole K/V
     # tiles go by TMA; paged K/V have none), over the packed arrays' rows for varlen.
     shapes = tensor_maps.array_shapes(q_shape, k_shape, varlen_totals)
@@ -164,12 +157,12 @@ def plan_forward(
         import cupy
 
         items = grid[0] * nheads * batch
-        sms = build.device_attribute(cupy.cuda.runtime.getDevice(), "MultiProcessorCount")
+        sms = options.sm_count or build.device_attribute(cupy.cuda.runtime.getDevice(), "MultiProcessorCount")
         grid = (min(items, sms), 1, 1)
         # Items of different lengths (a mask) go to whichever block asks next, longest first within L2 groups.
-        tile_counter = TILE_COUNTER and mask != "none" and items > grid[0]
-        heads_per_group = configs.hopper_heads_per_group(seqlen_k, headdim, nheads // nheads_kv,
-                                                         nheads * batch) if tile_counter else 1
+        tile_counter = options.tile_counter and mask != "none" and items > grid[0]
+        heads_per_group = configs.hopper_heads_per_group(seqlen_k, headdim, nheads // nheads_kv, nheads * batch,
+                                                         options.hopper_l2_group_bytes) if tile_counter else 1
         scalars += (np.int32(batch), np.int32(heads_per_group), np.uint64(0))  # the tile counter: 0, the stride
         if tile_counter:
             variable.append(10 + len(scalars) - 1)  # a fresh counter per launch (run_forward)
@@ -185,25 +178,29 @@ def plan_forward(
 
 _NO_DROPOUT_WORDS = (0, 0, 0, 0)
 
+#: The device pointers a forward launch takes, by name, in the order of the kernel's first parameters. A launch
+#: reads every one: its ``pointers`` start from NO_POINTERS (0 where an array is absent).
+POINTERS = ("q", "k", "v", "out", "softmax_lse", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "dropout_rng_state",
+            "block_table")
+NO_POINTERS = dict.fromkeys(POINTERS, 0)
+_pointer_values = operator.itemgetter(*POINTERS)
+
 
 def run_forward(plan: ForwardPlan, pointers: dict, values: tuple, stream_ptr: int, framework: str = "cupy",
                 device: int = 0) -> None:
-    """Launches a plan on the stream with handle ``stream_ptr``. ``pointers`` maps "q", "k", "v", "out" and
-    "softmax_lse" to device pointers, and optionally "cu_seqlens_q", "cu_seqlens_k" (varlen), "alibi_slopes",
-    "dropout_rng_state" (uint32 {seed lo, seed hi, offset lo, offset hi} in device memory, read instead of
-    ``values``) and "block_table" (required by a plan made with ``paged``); absent or 0 where not given.
-    ``values`` = (dropout seed, dropout offset), ignored without dropout.
+    """Launches a plan on the stream with handle ``stream_ptr``. ``pointers`` maps every name of :data:`POINTERS`
+    to a device pointer: "q", "k", "v", "out", "softmax_lse", and 0 where absent, "cu_seqlens_q", "cu_seqlens_k"
+    (varlen), "alibi_slopes", "dropout_rng_state" (uint32 {seed lo, seed hi, offset lo, offset hi} in device
+    memory, read instead of ``values``) and "block_table" (required by a plan made with ``paged``). ``values`` =
+    (dropout seed, dropout offset), ignored without dropout.
 
     A plan with a tile counter gets a fresh one, zeroed on the stream, from the caller's allocator (see
     :func:`arrays.new_empty_raw`, on the current ``device``): per launch, so that launches on different streams
     or replayed from CUDA graphs never share one (a graph captures the zeroing with the launch)."""
-    get = pointers.get
-    q, k, v, out = pointers["q"], pointers["k"], pointers["v"], pointers["out"]
+    args = _pointer_values(pointers)
     seed, offset = values
-    args = (q, k, v, out, pointers["softmax_lse"], get("cu_seqlens_q", 0), get("cu_seqlens_k", 0),
-            get("alibi_slopes", 0), get("dropout_rng_state", 0), get("block_table", 0)) + (
-        dropout_words(seed, offset) if seed or offset else _NO_DROPOUT_WORDS)
-    write_maps = None if plan.tensor_maps is None else plan.tensor_maps.writer((q, k, v, out))
+    args += dropout_words(seed, offset) if seed or offset else _NO_DROPOUT_WORDS
+    write_maps = None if plan.tensor_maps is None else plan.tensor_maps.writer(args[:4])  # (q, k, v, out)
     if plan.tile_counter:
         counter, pointer = arrays.new_empty_raw((1,), "int32", framework, device)
         build.memset_async(pointer, 0, 4, stream_ptr)

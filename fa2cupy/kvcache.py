@@ -4,12 +4,16 @@ attention results over disjoint key sets. Thin functions over :func:`fa2cupy.pip
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass
 
 import cupy
 
-from . import arrays, checks, decode, device_errors, forward, pipeline
+from . import arrays, checks, decode, device_errors, pipeline
 from .pipeline import alibi_ready, kernel_ready
+
+
+_OUT_LSE = operator.itemgetter(0, 1)
 
 
 @dataclass
@@ -33,15 +37,21 @@ class _Kvcache(pipeline.Kind):
     returned = ("out", "softmax_lse")
     poisoned = ("out", "softmax_lse", "q_rotated")
     launch = staticmethod(decode.run_decode)
-
-    def poisoning(self) -> bool:
-        return forward._debug_poison
+    no_pointers = decode.NO_POINTERS
 
     def fixed_values(self, call):
         return None if call.int_cache_seqlens else call.values
 
-    def fast_values(self, plan, pointers, options, values):
-        return (checks.fixed_seqlen(values[0], plan.capacity, plan.seqlen_new, plan.rotary_span, plan.seqlen_ro),)
+    def values_check(self, call, plan, options):
+        capacity, new, span, rows = plan.capacity, plan.seqlen_new, plan.rotary_span, plan.seqlen_ro
+
+        def check(values):  # (values: (cache_seqlens,), an int here: the launch's fixed_seqlen as it is)
+            fixed = values[0]
+            if type(fixed) is int and 0 <= fixed <= capacity - new and (not span or fixed + span <= rows):
+                return values
+            return (checks.fixed_seqlen(fixed, capacity, new, span, rows),)  # (which raises, naming the argument)
+
+        return check
 
     def describe(self, named):
         if ("k" in named) != ("v" in named):  # before describing: a None among them is this error, not a type
@@ -77,14 +87,14 @@ class _Kvcache(pipeline.Kind):
             call.extras = dataclasses.replace(call.extras, alibi_batch_stride=stride)
         return ready
 
-    def plan(self, call, ready, arch, device):
+    def plan(self, call, ready, arch, device, options):
         kv, q = call.kv, ready["q"]
         return decode.plan_decode(
             q.shape, {n: x.strides for n, x in ready.items() if x.ndim == 4}, kv.dtype, nheads_kv=kv.nheads_kv,
             cache_rows=ready["k_cache"].shape[0], capacity=kv.capacity, page_size=kv.page_size,
             max_pages=kv.max_pages, seqlen_new=kv.seqlen_new, max_seqlen_k=kv.capacity, softmax_scale=call.scale,
             causal=kv.causal, arch=arch, device=device, num_splits=call.num_splits, item=q.itemsize,
-            extras=call.extras)
+            extras=call.extras, options=options)
 
     def allocations(self, call, plan):
         kv = call.kv
@@ -96,8 +106,8 @@ class _Kvcache(pipeline.Kind):
             layout += (("q_rotated", q_shape, kv.dtype),)
         return layout
 
-    def finish(self, outs, options):
-        return (outs[0], outs[1]) if options[-1] else outs[0]
+    def result(self, options):
+        return _OUT_LSE if options[-1] else pipeline.FIRST
 
 
 KVCACHE = _Kvcache()
@@ -123,6 +133,8 @@ def flash_attn_with_kvcache(
     alibi_slopes=None,
     num_splits=0,
     return_softmax_lse=False,
+    *,
+    kernel_options=None,
 ):
     """Attention of a few new query tokens over a KV cache, appending new keys/values in place (flash-attn 2.x).
 
@@ -166,6 +178,8 @@ def flash_attn_with_kvcache(
         num_splits: 0 picks the split-KV count from the GPU size and the problem; a positive count is honoured
             (up to 256; more is clamped, as flash-attn clamps at 128).
         return_softmax_lse: also return the float32 ``(batch, nheads, seqlen_q)`` log-sum-exp.
+        kernel_options: a :class:`fa2cupy.KernelOptions` (None: the defaults): which decode kernels and launch
+            policies run, beyond what the arguments decide (the ``decode_*`` fields).
 
     Returns:
         ``out`` like q, or ``(out, softmax_lse)``; a row with no key gives 0 (lse +inf).
@@ -191,7 +205,7 @@ def flash_attn_with_kvcache(
                   cache_leftpad, alibi_slopes),
         (type(cache_seqlens), softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits,
          return_softmax_lse),
-        (cache_seqlens,))
+        (cache_seqlens,), kernel_options)
 
 
 @dataclass
@@ -215,9 +229,6 @@ class _Merge(pipeline.Kind):
     cacheable = False
     launch = staticmethod(decode.run_merge)
 
-    def poisoning(self) -> bool:
-        return forward._debug_poison
-
     def describe(self, named):
         return {f"{group}[{i}]": arrays.describe(x, f"{group}[{i}]") for group in self.arrays
                 for i, x in enumerate(named[group])}
@@ -240,7 +251,7 @@ class _Merge(pipeline.Kind):
                             for i, x in enumerate(named["lses"])])
         return {"parts": parts.reshape(n, -1, padded), "lses": cupy.ascontiguousarray(stats).reshape(n, -1)}
 
-    def plan(self, call, ready, arch, device):
+    def plan(self, call, ready, arch, device, options):
         parts = ready["parts"]
         return decode.plan_merge(call.parts, parts.shape[1], call.padded, parts.dtype.name, call.dtype)
 
@@ -254,14 +265,14 @@ class _Merge(pipeline.Kind):
         out = pipeline.returned_head_dim(outs, call.out_shape[3], call.padded)
         return out + [arrays.from_cupy(lse, call.framework)]
 
-    def finish(self, outs, options):
-        return outs[0], outs[1]
+    def result(self, options):
+        return _OUT_LSE
 
 
 MERGE = _Merge()
 
 
-def merge_attention_states(outs, lses):
+def merge_attention_states(outs, lses, *, kernel_options=None):
     """Merges attention results computed over disjoint sets of keys into attention over their union.
 
     Runs on the inputs' device and the caller's current stream, as :func:`fa2cupy.flash_attn_func`; not
@@ -281,10 +292,12 @@ def merge_attention_states(outs, lses):
         ``(out, lse)`` in the inputs' framework: out shaped and typed like ``outs[0]``, lse float32
         ``(batch, nheads, seqlen_q)``.
 
+    ``kernel_options``: a :class:`fa2cupy.KernelOptions` (debug_poison fills the outputs with NaN first).
+
     Example::
 
         o1, l1, _ = fa2cupy.flash_attn_func(q, k[:, :512], v[:, :512], return_attn_probs=True)
         o2, l2, _ = fa2cupy.flash_attn_func(q, k[:, 512:], v[:, 512:], return_attn_probs=True)
         out, lse = fa2cupy.merge_attention_states([o1, o2], [l1, l2])  # == attention over all of k, v
     """
-    return pipeline.run(MERGE, (list(outs), list(lses)), ())
+    return pipeline.run(MERGE, (list(outs), list(lses)), (), (), kernel_options)

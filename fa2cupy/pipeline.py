@@ -15,17 +15,21 @@ and the result's shape. :func:`run` does the rest the same way for every kind:
   the kernels need them), planned, allocated, launched; the plan is remembered for the fast path when no input had
   to be copied.
 
-Pointers travel by name: a launch gets a dict from argument and output names to device pointers (an absent optional
-array is not in it), and each family's run function reads the ones it takes.
+Pointers travel by name: a launch gets a dict from argument and output names to device pointers (0 for an absent
+optional array), and each family's run function reads the ones it takes. The plan cache's key holds the kind, each
+array's metadata (None for an absent one), the options and the KernelOptions, which choose kernels too: two calls
+that differ only in their kernel options never share a plan.
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import cupy
 
 from . import arrays, checks
+from .options import DEFAULT, KernelOptions
 
 # --------------------------------------------------------------------------------------------- the kinds
 
@@ -45,36 +49,36 @@ class Kind:
     methods; an instance is a module-level constant.
 
     Attributes:
-        name: the plan cache's key starts with it.
+        name: what the kind is called (its kind of call, for tests and diagnostics; the plan cache's key starts
+            with the kind itself).
         arrays: the array arguments, in the order :func:`run` gets them (None for an absent optional one); they are
             also the names of their pointers at the launch.
         returned: the allocations handed back to the caller; the kind's allocations list them first, in this order.
-        poisoned: the allocations that debug poisoning fills with NaN before the launch.
+        poisoned: the allocations that KernelOptions.debug_poison fills with NaN before the launch.
         cacheable: whether repeated calls may take the fast path.
         launch: the kernel family's run function, ``launch(plan, pointers, values, stream_ptr, framework, device)``
             (a staticmethod): ``pointers`` maps the given arrays' and the allocations' names to device pointers.
+        no_pointers: every pointer name the launch reads, with 0 (the family's NO_POINTERS): a call's pointers start
+            from a copy of it, so an absent array or output is 0.
     """
 
     name = ""
     arrays: tuple = ()
+    no_pointers: dict = {}
     returned: tuple = ()
     poisoned: tuple = ()
     cacheable = True
     launch = None
 
-    def poisoning(self) -> bool:
-        """Whether outputs are filled with NaN before launches (then the call takes the checked path)."""
-        return False
-
     def fixed_values(self, call: Call):
-        """The launch's per-call values where every call with the same key has them (then the fast path takes them
-        as they are), else None (then it asks :meth:`fast_values`)."""
+        """The launch's per-call values where every call with the same key has them (the fast path then takes them
+        as they are), else None (it then checks each call's with :meth:`values_check`)."""
         return call.values
 
-    def fast_values(self, plan, pointers: dict, options: tuple, values: tuple) -> tuple:
-        """The launch's per-call values on the fast path (the checked path gets them from :meth:`check`),
-        validated as the checks would; ``pointers`` holds the given arrays' (absent ones are not in it)."""
-        return values
+    def values_check(self, call: Call, plan, options: tuple):
+        """``check(values) -> the launch's per-call values``, validated as the checks would, for the fast path of
+        calls whose values are not fixed."""
+        return _SAME
 
     def describe(self, named: dict) -> dict:
         """ArrayInfo of every given array by name (it raises for a non-array)."""
@@ -89,8 +93,8 @@ class Kind:
         launch stream current. Every given array must be in it: the fast path launches on all of their pointers."""
         raise NotImplementedError
 
-    def plan(self, call: Call, ready: dict, arch: int, device: int):
-        """The launch plan (it depends on metadata only, never on pointers)."""
+    def plan(self, call: Call, ready: dict, arch: int, device: int, options: KernelOptions):
+        """The launch plan (it depends on metadata and options only, never on pointers)."""
         raise NotImplementedError
 
     def allocations(self, call: Call, plan) -> tuple:
@@ -102,9 +106,19 @@ class Kind:
         head dim); ``views``: every allocation as a CuPy array by name."""
         return outs
 
-    def finish(self, outs: list, options: tuple):
-        """The call's result from its returned outputs (``outs``; on the fast path every allocation, in order)."""
-        return outs[0]
+    def result(self, options: tuple):
+        """``shape(outs) -> the call's result`` for these options: the result's shape made of the returned outputs
+        (``outs``: on the checked path the returned ones, on the fast path every allocation, in order). A cached call
+        keeps it; a C-level ``operator.itemgetter`` where it can be (it runs on every fast call)."""
+        return FIRST
+
+
+#: The result of most calls: the first returned output.
+FIRST = operator.itemgetter(0)
+
+
+def _SAME(values: tuple) -> tuple:  # (per-call values used as they are)
+    return values
 
 
 # --------------------------------------------------------------------------------------------- the pipeline
@@ -113,12 +127,14 @@ class Kind:
 class _CachedCall:
     """What a checked call left behind for identical later calls: the plan; each allocation's name and allocator
     (arrays.allocator: dtype and allocator resolved once), in allocation order; the launch's per-call values where
-    they are fixed (None: checked per call, see Kind.fixed_values); the caller's stream getter."""
+    they are fixed, else None and their check (Kind.fixed_values, Kind.values_check); the caller's stream getter;
+    the result's shape (Kind.result)."""
 
-    __slots__ = ("plan", "device", "framework", "allocations", "values", "stream")
+    __slots__ = ("plan", "device", "framework", "allocations", "values", "check", "stream", "result")
 
-    def __init__(self, plan, device: int, framework: str, layout, values=None):
+    def __init__(self, plan, device: int, framework: str, layout, values=None, check=None, result=None):
         self.plan, self.device, self.framework, self.values = plan, device, framework, values
+        self.check, self.result = check or _SAME, result or FIRST
         self.allocations = tuple((name, arrays.allocator(shape, dtype, framework, device))
                                  for name, shape, dtype in layout)
         self.stream = arrays.stream_ptr_getter(framework)
@@ -130,44 +146,57 @@ _cached_calls: dict = {}
 _MAX_CACHED_CALLS = 1024
 
 
-def run(kind: Kind, given: tuple, options: tuple, values: tuple = ()):
+def run(kind: Kind, given: tuple, options: tuple, values: tuple = (), kernel_options: KernelOptions | None = None):
     """Runs one call of ``kind``: ``given`` holds the array arguments in ``kind.arrays`` order (None where absent),
-    ``options`` the hashable scalar arguments that, with the arrays' metadata, decide the plan, and ``values`` the
-    per-call ones that do not (dropout seed and offset, an int cache length).
+    ``options`` the hashable scalar arguments that, with the arrays' metadata, decide the plan, ``values`` the
+    per-call ones that do not (dropout seed and offset, an int cache length), and ``kernel_options`` the
+    KernelOptions (None: the defaults), which choose kernels too and so are part of the key.
 
     The fast path's look-up is written out here, not called, as is all of its work: this is the host time of every
-    repeated call. Its key holds each array's metadata (arrays.fast_meta; None for an absent one) and the options;
-    a call whose arrays have no fast metadata (NumPy, JAX) or whose options cannot be hashed (say a list
-    window_size) takes the checked path uncached. A cached call is used only if every pointer is 16-byte aligned
-    and its device is the current one."""
+    repeated call. Its key holds each array's metadata (arrays.fast_meta; None for an absent one), the options and
+    the kernel options; a call whose arrays have no fast metadata (NumPy, JAX) or whose options cannot be hashed
+    (say a list window_size) takes the checked path uncached, as does a call with debug poisoning. A cached call
+    is used only if every pointer is 16-byte aligned and its device is the current one."""
+    if kernel_options is None:
+        kernel_options = DEFAULT
+    elif type(kernel_options) is not KernelOptions:
+        raise TypeError(f"kernel_options must be a fa2cupy.KernelOptions or None, got {type(kernel_options).__name__}")
+    elif kernel_options.debug_poison:  # (outputs filled on the checked path)
+        return _checked(kind, given, options, values, kernel_options, None, None)
     key = pointers = None
-    if kind.cacheable and not kind.poisoning():
+    if kind.cacheable:
         names, fast_meta = kind.arrays, arrays.fast_meta
-        metas, pointers, bits, i = [None] * len(given), {}, 0, 0
+        metas, pointers, bits, i = [None] * len(given), kind.no_pointers.copy(), 0, 0
         for x in given:
             if x is not None:
                 meta = fast_meta(x)
                 if meta is None:
-                    return _checked(kind, given, options, values, None, None)
-                metas[i] = meta[0]
-                pointers[names[i]] = pointer = meta[1]  # (an absent array is not among the pointers)
+                    return _checked(kind, given, options, values, kernel_options, None, None)
+                metas[i], pointer = meta
+                pointers[names[i]] = pointer
                 bits |= pointer
             i += 1
-        key = (kind.name, tuple(metas), options)
+        key = (kind, tuple(metas), options, kernel_options._token)
         try:
             cached = _cached_calls.get(key)
         except TypeError:  # an unhashable option
-            return _checked(kind, given, options, values, None, None)
+            return _checked(kind, given, options, values, kernel_options, None, None)
         if cached is not None and not bits & 15 and cupy.cuda.runtime.getDevice() == cached.device:
             framework, device, fixed = cached.framework, cached.device, cached.values
-            values = kind.fast_values(cached.plan, pointers, options, values) if fixed is None else fixed
+            values = cached.check(values) if fixed is None else fixed
             made = []
             for name, allocate in cached.allocations:
                 array, pointers[name] = allocate()
                 made.append(array)
             kind.launch(cached.plan, pointers, values, cached.stream(device), framework, device)
-            return kind.finish(made, options)
-    return _checked(kind, given, options, values, key, pointers)
+            return cached.result(made)
+    return _checked(kind, given, options, values, kernel_options, key, pointers)
+
+
+def forget_plans() -> None:
+    """Drops every remembered plan, so that the next calls plan anew: for what changes plans without being part of
+    their key (build.use_sources' other kernel sources, a test's stand-in for a device query)."""
+    _cached_calls.clear()
 
 
 def _remember(key, cached: _CachedCall) -> None:
@@ -176,7 +205,8 @@ def _remember(key, cached: _CachedCall) -> None:
     _cached_calls[key] = cached
 
 
-def _checked(kind: Kind, given: tuple, options: tuple, values: tuple, key, given_pointers):
+def _checked(kind: Kind, given: tuple, options: tuple, values: tuple, kernel_options: KernelOptions, key,
+             given_pointers):
     """The checked path (see the module docstring); remembers the plan under ``key`` when every input was used in
     place (its kernel-ready view has the given array's pointer)."""
     named = {name: x for name, x in zip(kind.arrays, given) if x is not None}
@@ -187,22 +217,24 @@ def _checked(kind: Kind, given: tuple, options: tuple, values: tuple, key, given
         stream = arrays.caller_stream(framework, device)
         with stream:  # copies made while adapting inputs belong on the caller's stream too
             ready = kind.adapt(call, named, infos)
-            plan = kind.plan(call, ready, arch(device), device)
+            plan = kind.plan(call, ready, arch(device), device, kernel_options)
             layout = kind.allocations(call, plan)
             made = [arrays.new_empty(shape, dtype, framework, device) for _, shape, dtype in layout]
-            pointers = {name: x.data.ptr for name, x in ready.items()}
-            poison = kind.poisoning()
+            pointers = kind.no_pointers.copy()
+            pointers.update((name, x.data.ptr) for name, x in ready.items())
+            poison = kernel_options.debug_poison
             for (name, _, _), (_, view) in zip(layout, made):
                 pointers[name] = view.data.ptr
                 if poison and name in kind.poisoned:
                     view.fill(float("nan"))
             kind.launch(plan, pointers, call.values, stream.ptr, framework, device)
             if key is not None and all(x.data.ptr == given_pointers[name] for name, x in ready.items()):
-                _remember(key, _CachedCall(plan, device, framework, tuple(layout), kind.fixed_values(call)))
+                _remember(key, _CachedCall(plan, device, framework, tuple(layout), kind.fixed_values(call),
+                                           kind.values_check(call, plan, options), kind.result(options)))
             outs = [arrays.make_result(native, view, framework)
                     for (name, _, _), (native, view) in zip(layout, made) if name in kind.returned]
             views = {name: view for (name, _, _), (_, view) in zip(layout, made)}
-            return kind.finish(kind.results(call, outs, views), options)
+            return kind.result(options)(kind.results(call, outs, views))
 
 
 # --------------------------------------------------------------------------------------------- helpers for kinds

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import fa2cupy
-from fa2cupy import arrays, attention, build, device_errors, kvcache, pipeline
+from fa2cupy import arrays, attention, build, decode, device_errors, kvcache, pipeline
+from fa2cupy.options import KernelOptions
 
 
 class FakeArray:
@@ -38,9 +39,9 @@ def stubbed(monkeypatch):
     monkeypatch.setattr(arrays, "stream_ptr_getter", lambda framework: lambda device: 7)
     for kind in (kvcache.KVCACHE, attention.FORWARD, attention.VARLEN_FORWARD, attention.BACKWARD):
         monkeypatch.setattr(kind, "launch", lambda plan, pointers, values, stream, framework, device:
-                            launches.append((pointers, values, stream)))
-    monkeypatch.setattr(pipeline, "_checked", lambda kind, given, options, values, key, pointers: checked.append(key)
-                        or kind.finish(["checked"] * 4, options))
+                            launches.append((pointers, values, stream, plan)))
+    monkeypatch.setattr(pipeline, "_checked", lambda kind, given, options, values, kernel_options, key, pointers:
+                        checked.append(key) or kind.result(options)(["checked"] * 4))
     monkeypatch.setattr(pipeline.cupy.cuda.runtime, "getDevice", lambda: 0)
     monkeypatch.setattr(device_errors, "raise_pending", lambda: None)
     monkeypatch.setattr(pipeline, "_cached_calls", {})
@@ -49,8 +50,10 @@ def stubbed(monkeypatch):
 
 def _remember_last(checked, names=("out", "softmax_lse"), plan=None, values=None):
     """Remembers the last checked call's key as a checked path would, with these allocations and fixed values."""
-    pipeline._cached_calls[checked[-1]] = pipeline._CachedCall(plan, 0, "cupy", tuple((n, (1,), "bf16") for n in names),
-                                                               values)
+    kind = checked[-1][0]
+    pipeline._cached_calls[checked[-1]] = pipeline._CachedCall(
+        plan, 0, "cupy", tuple((n, (1,), "bf16") for n in names), values,
+        kind.values_check(None, plan, checked[-1][2]), kind.result(checked[-1][2]))
 
 
 def test_repeated_call_launches_with_pointers_by_name(stubbed):
@@ -62,10 +65,11 @@ def test_repeated_call_launches_with_pointers_by_name(stubbed):
     _remember_last(checked, ("out",), FakePlan(), (0,))  # (an array cache_seqlens: fixed_seqlen is 0, fixed)
     out = fa2cupy.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table)
     assert out == ("out", (1,)) and len(checked) == 1
-    (pointers, values, stream), = launches
-    # Absent arrays (k, v, cache_batch_idx, rotary, leftpad, alibi) are not among the pointers.
-    assert pointers == dict(q=256, k_cache=512, v_cache=768, cache_seqlens=1024, block_table=2048, out=4096)
-    assert set(pointers) - {"out"} <= set(kvcache.KVCACHE.arrays)
+    (pointers, values, stream, _), = launches
+    # Every name the launch reads is there: absent arrays (k, v, cache_batch_idx, rotary, leftpad, alibi) and
+    # outputs (softmax_lse, q_rotated) are 0.
+    assert pointers == dict(decode.NO_POINTERS, q=256, k_cache=512, v_cache=768, cache_seqlens=1024, block_table=2048,
+                            out=4096)
     assert (values, stream) == ((0,), 7)
 
 
@@ -108,7 +112,7 @@ def test_unknown_array_type_or_unhashable_option_is_not_cached(stubbed):
     assert checked == [None, None] and not launches
 
 
-def test_optional_arrays_are_part_of_the_key_and_absent_from_the_pointers(stubbed):
+def test_optional_arrays_are_part_of_the_key_and_pass_pointer_0_when_absent(stubbed):
     launches, checked = stubbed
     q, k, v, slopes = (FakeArray(n, p) for n, p in (("q", 256), ("k", 512), ("v", 768), ("slopes", 1024)))
     fa2cupy.flash_attn_func(q, k, v)
@@ -119,16 +123,16 @@ def test_optional_arrays_are_part_of_the_key_and_absent_from_the_pointers(stubbe
     fa2cupy.flash_attn_func(q, k, v)
     fa2cupy.flash_attn_func(q, k, v, alibi_slopes=slopes)
     names = ("q", "k", "v", "alibi_slopes", "dropout_rng_state")
-    assert [tuple(pointers.get(n, 0) for n in names) for pointers, _, _ in launches] == [(256, 512, 768, 0, 0),
+    assert [tuple(pointers[n] for n in names) for pointers, *_ in launches] == [(256, 512, 768, 0, 0),
                                                                                        (256, 512, 768, 1024, 0)]
-    assert all(pointers["out"] == pointers["softmax_lse"] == 4096 for pointers, _, _ in launches)  # the allocations
+    assert all(pointers["out"] == pointers["softmax_lse"] == 4096 for pointers, *_ in launches)  # the allocations
 
     cu_q, cu_k, table = FakeArray("cu_q", 1280), FakeArray("cu_k", 1536), FakeArray("table", 1792)
     fa2cupy.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 8, 8, block_table=table)
     _remember_last(checked)
     fa2cupy.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 8, 8, block_table=table)
     names += ("cu_seqlens_q", "cu_seqlens_k", "block_table")
-    assert tuple(launches[-1][0].get(n, 0) for n in names) == (256, 512, 768, 0, 0, 1280, 1536, 1792)
+    assert tuple(launches[-1][0][n] for n in names) == (256, 512, 768, 0, 0, 1280, 1536, 1792)
 
 
 def test_fast_path_checks_the_per_call_dropout_values(stubbed):
@@ -162,6 +166,34 @@ def test_return_attn_probs_with_dropout_keeps_the_fast_path(stubbed, monkeypatch
     assert len(launches) == 1 and built == ["checked", ("out", (1,))]
     assert attention.forward_with_lse(q, k, v, dropout_p=0.1, dropout_seed=3) == (("out", (1,)), ("out", (1,)))
     assert len(launches) == 2 and len(built) == 2 and len(checked) == 1
+
+
+def test_kernel_options_are_part_of_the_key(stubbed):
+    # Two calls that differ only in their KernelOptions never share a cached plan: each is checked (and planned)
+    # once, and later calls launch the plan made with their own options. Equal options are one key.
+    launches, checked = stubbed
+    q, k, v = (FakeArray(n, p) for n, p in (("q", 256), ("k", 512), ("v", 768)))
+    mma = KernelOptions(hopper_forward=False)
+    fa2cupy.flash_attn_func(q, k, v)
+    _remember_last(checked, plan="planned with the defaults")
+    fa2cupy.flash_attn_func(q, k, v, kernel_options=mma)
+    assert len(checked) == 2 and checked[0] != checked[1] and not launches
+    _remember_last(checked, plan="planned without the Hopper forward")
+    fa2cupy.flash_attn_func(q, k, v, kernel_options=KernelOptions(hopper_forward=False))
+    fa2cupy.flash_attn_func(q, k, v)
+    fa2cupy.flash_attn_func(q, k, v, kernel_options=KernelOptions())  # the defaults, spelled out
+    assert [plan for *_, plan in launches] == ["planned without the Hopper forward", "planned with the defaults",
+                                               "planned with the defaults"]
+    for options in (KernelOptions(tile_counter=False), KernelOptions(decode_deep_ring=True)):
+        fa2cupy.flash_attn_func(q, k, v, kernel_options=options)  # any field makes another key
+    assert len(checked) == 4 and len(set(checked)) == 4
+    # Debug poisoning fills the outputs on the checked path: such calls never take the fast path.
+    poison = KernelOptions(debug_poison=True)
+    fa2cupy.flash_attn_func(q, k, v, kernel_options=poison)
+    fa2cupy.flash_attn_func(q, k, v, kernel_options=poison)
+    assert checked[-2:] == [None, None] and len(launches) == 3
+    with pytest.raises(TypeError, match=r"^kernel_options must be a fa2cupy.KernelOptions or None, got dict"):
+        fa2cupy.flash_attn_func(q, k, v, kernel_options={"hopper_forward": False})
 
 
 def test_launch_writes_per_call_values_into_their_slots(monkeypatch):

@@ -78,20 +78,22 @@ def test_ops_are_registered_with_schemas():
         "flash_attn_forward", "flash_attn_backward", "flash_attn_varlen_forward", "flash_attn_varlen_backward")}
     options = "float softmax_scale, bool causal, SymInt window_left, SymInt window_right, bool deterministic"
     dropout = "float dropout_p, SymInt dropout_seed, SymInt dropout_offset"
+    kernel = "SymInt kernel_options"
     varlen = "Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, "
-    assert (f"(Tensor q, Tensor k, Tensor v, {options}, float softcap, Tensor? alibi_slopes, {dropout}) -> "
+    assert (f"(Tensor q, Tensor k, Tensor v, {options}, float softcap, Tensor? alibi_slopes, {dropout}, {kernel}) -> "
             "(Tensor, Tensor)") in schema["flash_attn_forward"]
-    assert (f"Tensor lse, {options}, float softcap, {dropout}, Tensor? alibi_slopes) -> (Tensor, Tensor, Tensor)"
-            in schema["flash_attn_backward"])
+    assert (f"Tensor lse, {options}, float softcap, {dropout}, Tensor? alibi_slopes, {kernel}) -> "
+            "(Tensor, Tensor, Tensor)" in schema["flash_attn_backward"])
     assert (f"(Tensor q, Tensor k, Tensor v, {varlen}{options}, float softcap, Tensor? alibi_slopes, {dropout}, "
-            "Tensor? block_table) -> (Tensor, Tensor)") in schema["flash_attn_varlen_forward"]
-    assert (f"Tensor lse, {varlen}{options}, float softcap, {dropout}, Tensor? alibi_slopes, Tensor? block_table) "
-            "-> (Tensor, Tensor, Tensor)") in schema["flash_attn_varlen_backward"]
+            f"Tensor? block_table, {kernel}) -> (Tensor, Tensor)") in schema["flash_attn_varlen_forward"]
+    assert (f"Tensor lse, {varlen}{options}, float softcap, {dropout}, Tensor? alibi_slopes, Tensor? block_table, "
+            f"{kernel}) -> (Tensor, Tensor, Tensor)") in schema["flash_attn_varlen_backward"]
 
 
-#: The trailing arguments of the ops after (..., window_right, deterministic): no softcap, ALiBi or dropout.
-PLAIN_FWD = (0.0, None, 0.0, 0, 0)
-PLAIN_BWD = (0.0, 0.0, 0, 0, None)
+#: The trailing arguments of the ops after (..., window_right, deterministic): no softcap, ALiBi or dropout, the
+#: default kernel options (handle 0).
+PLAIN_FWD = (0.0, None, 0.0, 0, 0, 0)
+PLAIN_BWD = (0.0, 0.0, 0, 0, None, 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -324,6 +326,42 @@ def test_dropout_forward_never_builds_probabilities(cpu_kernels, cpu_varlen_kern
     assert not probabilities
     assert [c["dropout_p"] for c in calls] == [0.1]  # the forward ran once, through the (out, lse) entry point
     out.sum().backward()
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_kernel_options_reach_forward_and_backward(cpu_kernels, cpu_varlen_kernels, monkeypatch, varlen):
+    # The ops take a KernelOptions as its handle (an int; fa2cupy.options.handle) and hand it on, forward and
+    # backward alike.
+    from fa2cupy.options import KernelOptions
+    from fa2cupy.torch import flash_attn_varlen_func
+
+    seen = []
+
+    def recording(real):
+        def call(*args, kernel_options=None, **kwargs):
+            seen.append(kernel_options)
+            return real(*args, **kwargs)
+        return call
+
+    name = "varlen_forward_with_lse" if varlen else "forward_with_lse"
+    monkeypatch.setattr(attention, name, recording(getattr(attention, name)))
+    name = "flash_attn_varlen_backward" if varlen else "flash_attn_backward"
+    monkeypatch.setattr(fa2cupy, name, recording(getattr(fa2cupy, name)))
+    mma = KernelOptions(hopper_forward=False, hopper_backward=False)
+    q, k, v = _cpu_qkv(sq=6, sk=6, hkv=4)
+    if varlen:
+        cu = torch.tensor([0, 6, 12], dtype=torch.int32)
+        out = flash_attn_varlen_func(*(x.reshape(12, *x.shape[2:]) for x in (q, k, v)), cu, cu, 6, 6,
+                                     kernel_options=mma)
+    else:
+        out = flash_attn_func(q, k, v, kernel_options=mma)
+    out.sum().backward()
+    assert seen == [mma, mma]  # the forward's, the backward's
+    if not varlen:
+        flash_attn_func(q, k, v)
+        assert seen[-1] == KernelOptions()  # (None: the defaults)
+    with pytest.raises(TypeError, match=r"^kernel_options must be a fa2cupy.KernelOptions or None, got str"):
+        flash_attn_func(q, k, v, kernel_options="hopper")
 
 
 def test_saves_only_q_k_v_out_lse(cpu_kernels):

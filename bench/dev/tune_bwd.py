@@ -51,7 +51,7 @@ def main():
                 names = ("q", "k", "v", "dout", "out", "dq", "dk", "dv")
                 tensors = (q, k, v, dout, out, dq, dk, dv)
                 strides = {n: x.stride() for n, x in zip(names, tensors)}
-                ptrs = {n: x.data_ptr() for n, x in zip(names, tensors)}
+                ptrs = dict(backward.NO_POINTERS, **{n: x.data_ptr() for n, x in zip(names, tensors)})
                 ptrs.update(softmax_lse=lse.data_ptr(), dsum=dsum.data_ptr(), dq_accum=accum.data_ptr())
                 for cfg in configs.BACKWARD_CANDIDATES[d]:
                     key = f"{cfg.block_m}x{cfg.block_n}w{cfg.warps}k{cfg.warps_keys}-{cfg.warps_keys2}s{cfg.stages}"

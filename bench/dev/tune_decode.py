@@ -43,7 +43,7 @@ def decode_step(q, kc, vc, config, splits):
                               num_splits=splits, item=2, config=config)
     out = cupy.full(q.shape, cupy.nan, dtype=q.dtype)
     stream = cupy.cuda.get_current_stream().ptr
-    pointers = dict(q=q.data.ptr, k_cache=kc.data.ptr, v_cache=vc.data.ptr, out=out.data.ptr)
+    pointers = dict(decode.NO_POINTERS, q=q.data.ptr, k_cache=kc.data.ptr, v_cache=vc.data.ptr, out=out.data.ptr)
 
     def run():
         decode.run_decode(plan, pointers, (sk,), stream, "cupy", device)
