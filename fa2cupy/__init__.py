@@ -11,6 +11,7 @@ except ImportError as error:  # one clear message instead of a traceback from de
     ) from error
 
 from .device_errors import check_device_errors
+from .options import KernelOptions
 from .interface import (
     dropout_mask,
     flash_attn_backward,
@@ -38,5 +39,6 @@ __all__ = [
     "merge_attention_states",
     "dropout_mask",
     "check_device_errors",
+    "KernelOptions",
     "__version__",
 ]
