@@ -66,14 +66,15 @@ def plan_backward(
     seqlen_k, nheads_kv = k_shape[1], k_shape[2]
     tag = configs.DTYPE_TAGS[dtype]
     atomic = not deterministic
-    if config is None and options.hopper_backward:
-        config = configs.hopper_backward_config(arch, headdim, mods, deterministic)
     shapes = dict(zip(("q", "k", "v", "dout"), tensor_maps.array_shapes(q_shape, k_shape, varlen_totals)))
-    if (isinstance(config, configs.HopperBwdConfig)
-            and not all(tensor_maps.usable(shapes[n], strides[n]) for n in shapes)):
-        config = None  # (strides TMA cannot take, say negative ones: the mma.sync backward, with cp.async)
-    if config is None:
-        config = configs.backward_config(arch, headdim, dtype, mask, mods)
+    rows = configs.kernel_rows(arch, headdim, dtype, mask, mods, varlen_totals is not None, seqlen_q,
+                               deterministic, options)
+    config = config or rows.backward
+    if isinstance(config, configs.HopperBwdConfig) and not all(tensor_maps.usable(shapes[n], strides[n])
+                                                               for n in shapes):
+        # (strides TMA cannot take, say negative ones: the mma.sync backward, with cp.async)
+        config = configs.kernel_rows(arch, headdim, dtype, mask, mods, varlen_totals is not None, seqlen_q,
+                                     deterministic, options, tma=False).backward
     hopper = isinstance(config, configs.HopperBwdConfig)
     total_q, total_k = varlen_totals or (0, 0)
     stats = (np.int64(0), np.int64(total_q)) if varlen_totals else (np.int64(nheads * seqlen_q), np.int64(seqlen_q))
@@ -111,7 +112,7 @@ def plan_backward(
     dq = convert = None
     dq_accum_shape = None
     if deterministic:
-        dq_config = configs.backward_dq_config(arch, headdim, dtype, mask)
+        dq_config = rows.backward_dq
         dq = _launch(
             build.get_kernel("bwd", dq_config.name_expression(dtype, mask, mods), dq_config.smem_bytes),
             ((seqlen_q + dq_config.block_m - 1) // dq_config.block_m, nheads, batch),

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from .options import DEFAULT, KernelOptions
+
 #: Tile widths (template head dims). A head dim d (padded to a multiple of 8) runs on the smallest width >= d;
 #: the kernel zero-fills the columns between d and the width.
 HEADDIMS = (32, 64, 96, 128, 160, 192, 224, 256)
@@ -607,6 +609,46 @@ def backward_dq_config(arch: int, headdim: int, dtype: str, mask: str) -> BwdDqC
     if dtype not in DTYPE_TAGS:
         raise ValueError(f"dtype must be one of {tuple(DTYPE_TAGS)}, got {dtype}")
     return BACKWARD_DQ_TABLE[(arch_family(arch), tile_headdim(headdim))]
+
+
+@dataclass(frozen=True)
+class KernelRows:
+    """The tile-table rows one call runs on (:func:`kernel_rows`)."""
+
+    forward: FwdConfig | HopperFwdConfig
+    backward: BwdConfig | HopperBwdConfig  # the dK/dV kernel's (with atomic dQ, it adds dQ too)
+    backward_dq: BwdDqConfig | None  # deterministic: the separate dQ kernel's; else None
+
+
+def kernel_rows(arch: int, headdim: int, dtype: str, mask: str = "none", mods: bool = False, varlen: bool = False,
+                seqlen_q: int | None = None, deterministic: bool = False, options: KernelOptions = DEFAULT,
+                tma: bool = True) -> KernelRows:
+    """The one place that chooses the rows a call runs on, forward and backward: the Hopper (wgmma, TMA) kernels'
+    where they take the call, else the mma.sync kernels'.
+
+    Args:
+        arch: compute capability as an int (80, 86, 89, 90, ...); no GPU is needed.
+        headdim: the kernels' head dim (the call's, padded to a multiple of 8).
+        dtype: "float16" or "bfloat16".
+        mask: one of MASKS ("none", "causal", "window"), as forward.kernel_variant gives it (score modifiers run in
+            the "window" variant).
+        mods: softcap, ALiBi or dropout (the Hopper kernels have none).
+        varlen: packed sequences (paged K/V included).
+        seqlen_q: query rows (max_seqlen_q for varlen): masked calls shorter than the Hopper forward's minimum run the
+            mma.sync forward; None skips that rule.
+        deterministic: the backward's mode (the Hopper dK/dV kernel adds dQ with atomics only).
+        options: KernelOptions: hopper_forward, hopper_backward, hopper_masked_min_seqlen.
+        tma: whether the call's strides suit TMA (positive, 16-byte multiples): the Hopper kernels copy with it.
+    """
+    forward = backward = None
+    if tma and options.hopper_forward:
+        forward = hopper_forward_config(arch, headdim, dtype, mods, varlen, mask, seqlen_q,
+                                        options.hopper_masked_min_seqlen)
+    if tma and options.hopper_backward:
+        backward = hopper_backward_config(arch, headdim, mods, deterministic)
+    return KernelRows(forward or forward_config(arch, headdim, dtype, mask, varlen),
+                      backward or backward_config(arch, headdim, dtype, mask, mods),
+                      backward_dq_config(arch, headdim, dtype, mask) if deterministic else None)
 
 
 def backward_instantiations(family: str | None = None) -> list[str]:

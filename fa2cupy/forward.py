@@ -75,11 +75,9 @@ def error_pointers() -> tuple:
 
 def kernel_config(arch: int, headdim: int, dtype: str, mask: str, mods: bool = False, varlen: bool = False,
                   seqlen_q: int | None = None, options: KernelOptions = DEFAULT):
-    """The forward kernel's row for a call: the Hopper forward's where it takes the call (and the options let it),
-    else the mma.sync forward's."""
-    config = configs.hopper_forward_config(arch, headdim, dtype, mods, varlen, mask, seqlen_q,
-                                           options.hopper_masked_min_seqlen) if options.hopper_forward else None
-    return config or configs.forward_config(arch, headdim, dtype, mask, varlen)
+    """The forward kernel's row for a call (configs.kernel_rows): the Hopper forward's where it takes the call (and
+    the options let it), else the mma.sync forward's."""
+    return configs.kernel_rows(arch, headdim, dtype, mask, mods, varlen, seqlen_q, options=options).forward
 
 
 def plan_forward(
@@ -117,7 +115,8 @@ def plan_forward(
     if (isinstance(config, configs.HopperFwdConfig)
             and not all(tensor_maps.usable(shape, s) for shape, s, m in zip(shapes, strides, mapped) if m)):
         # (strides TMA cannot take, say negative ones: the mma.sync forward, which copies with cp.async)
-        config = configs.forward_config(arch, headdim, dtype, mask, varlen_totals is not None)
+        config = configs.kernel_rows(arch, headdim, dtype, mask, mods, varlen_totals is not None, seqlen_q,
+                                     options=options, tma=False).forward
     function = build.get_kernel(config.family, config.name_expression(dtype, mask, mods, varlen_totals is not None,
                                                                       paged is not None), config.smem_bytes)
     hopper = isinstance(config, configs.HopperFwdConfig)
