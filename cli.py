@@ -588,8 +588,13 @@ def _bench_decode(headdims, seqlens, batches, nheads, nheads_kv, dtype, out_dir,
 
 
 @main.command()
-def info() -> None:
-    """GPU, CUDA/NVRTC/CuPy versions, kernel cache folder and the forward tile table."""
+@click.option("--arch", type=int, default=None,
+              help="Only print the kernels each case runs on this compute capability (e.g. 90), no GPU needed.")
+def info(arch: int | None) -> None:
+    """GPU, CUDA/NVRTC/CuPy versions, kernel cache folder and the kernels each case runs on this GPU."""
+    if arch is not None:
+        click.echo(tile_table_text(arch))
+        return
     require_gpu()
     import cupy  # noqa: PLC0415
 

@@ -56,6 +56,15 @@ def test_info_rows_are_the_rows_the_planners_choose(arch):
     assert all(kernel == "mma.sync" for fwd, _, bwd, _ in rows.values() for kernel in (fwd, bwd)) == (arch != 90)
 
 
+def test_info_table_for_a_given_arch_without_a_gpu():
+    # `fa2cupy info --arch 90` prints the table of a compute capability whatever GPU (or none) is at hand.
+    from click.testing import CliRunner
+
+    result = CliRunner().invoke(cli.main, ["info", "--arch", "90"])
+    assert result.exit_code == 0, result.output
+    assert "kernels for sm_90" in result.output and "hopper (wgmma)" in result.output
+
+
 def test_kernel_rows():
     rows = configs.kernel_rows(90, 128, "bfloat16", "causal", seqlen_q=4096)
     assert rows.forward is configs.FORWARD_HOPPER_TABLE[128] and rows.backward is configs.BACKWARD_HOPPER_TABLE[128]
