@@ -64,7 +64,6 @@ def plan_backward(
     mask, mods, left, right = kernel_variant(causal, window_size, softcap, alibi_batch_stride is not None, dropout_p)
     batch, seqlen_q, nheads, headdim = q_shape
     seqlen_k, nheads_kv = k_shape[1], k_shape[2]
-    tag = configs.DTYPE_TAGS[dtype]
     atomic = not deterministic
     shapes = dict(zip(("q", "k", "v", "dout"), tensor_maps.array_shapes(q_shape, k_shape, varlen_totals)))
     rows = configs.kernel_rows(arch, headdim, dtype, mask, mods, varlen_totals is not None, seqlen_q,
@@ -78,25 +77,16 @@ def plan_backward(
     hopper = isinstance(config, configs.HopperBwdConfig)
     total_q, total_k = varlen_totals or (0, 0)
     stats = (np.int64(0), np.int64(total_q)) if varlen_totals else (np.int64(nheads * seqlen_q), np.int64(seqlen_q))
-    errors = error_pointers()
     threshold, keep_scale = dropout_scalars(dropout_p)
     sizes = stats + (np.int32(seqlen_q), np.int32(seqlen_k), np.int32(nheads), np.int32(nheads // nheads_kv),
                      np.int32(headdim), np.int32(left), np.int32(right), np.float32(softmax_scale),
                      np.float32(softmax_scale * _LOG2E), np.float32(softcap), np.int32(alibi_batch_stride or 0),
                      threshold)
     rng_at = len(sizes)  # the dropout seed and offset words come next: per-call values
-    sizes += (np.uint32(0),) * 4 + (keep_scale, np.int32(total_q), np.int32(total_k)) + errors
+    sizes += (np.uint32(0),) * 4 + (keep_scale, np.int32(total_q), np.int32(total_k)) + error_pointers()
 
     dq_pitch = config.dq_pitch(headdim)  # the fp32 dQ accumulator's floats per row, as the main kernel adds them
-    lanes = min(32, 1 << (headdim // 8 - 1).bit_length())  # the preprocess's lanes per row: 16-byte chunks each
-    pre = _launch(
-        build.get_kernel("bwd", f"fa2::bwd_preprocess<{tag}>", 0),
-        (-(-seqlen_q * lanes // 256), nheads, batch), (256, 1, 1), 0, 5,
-        _strides3(strides["dout"]) + _strides3(strides["out"]) + stats + (np.int32(seqlen_q), np.int32(headdim),
-                                                                          np.int32(dq_pitch), np.int32(lanes),
-                                                                          np.int32(total_q))
-        + errors,
-    )
+    pre = _preprocess_launch(q_shape, strides, dtype, stats, dq_pitch, total_q)
     smem = config.smem_bytes(atomic)
     main = _launch(
         build.get_kernel(config.family, config.name_expression(dtype, mask, atomic, mods, varlen_totals is not None), smem),
@@ -107,37 +97,66 @@ def plan_backward(
     )
     maps = None
     if hopper:
-        rows = {"q": config.block_m, "k": config.block_n, "v": config.block_n, "dout": config.block_m}
-        maps = tensor_maps.TileMaps([tensor_maps.layout(shapes[n], strides[n], rows[n]) for n in shapes])
-    dq = convert = None
-    dq_accum_shape = None
+        tile_rows = {"q": config.block_m, "k": config.block_n, "v": config.block_n, "dout": config.block_m}
+        maps = tensor_maps.TileMaps([tensor_maps.layout(shapes[n], strides[n], tile_rows[n]) for n in shapes])
+    dq = convert = dq_accum_shape = None
     if deterministic:
-        dq_config = rows.backward_dq
-        dq = _launch(
-            build.get_kernel("bwd", dq_config.name_expression(dtype, mask, mods), dq_config.smem_bytes),
-            ((seqlen_q + dq_config.block_m - 1) // dq_config.block_m, nheads, batch),
-            (dq_config.threads, 1, 1), dq_config.smem_bytes, 11,
-            sum((_strides3(strides[n]) for n in ("q", "k", "v", "dout", "dq")), ()) + sizes, rng_at=11 + 15 + rng_at,
-        )
+        dq = _dq_launch(rows.backward_dq, q_shape, strides, dtype, mask, mods, sizes, rng_at)
     else:
-        convert = _launch(
-            build.get_kernel("bwd", f"fa2::bwd_convert_dq<{tag}>", 0),
-            ((seqlen_q * (headdim // 8) + 255) // 256, nheads, batch), (256, 1, 1), 0, 3,
-            _strides3(strides["dq"]) + stats + (np.int32(seqlen_q), np.int32(headdim), np.int32(dq_pitch),
-                                                np.float32(softmax_scale), np.int32(total_q)) + errors,
-        )
+        convert = _convert_launch(q_shape, strides, dtype, stats, dq_pitch, softmax_scale, total_q)
         dq_accum_shape = (nheads, total_q, dq_pitch) if varlen_totals else (batch, nheads, seqlen_q, dq_pitch)
-    zero_tail = None
-    if varlen_totals:
-        q_row, kv_row = nheads * headdim, nheads_kv * headdim
-        if any(strides[n][1:] != (row, headdim, 1) for n, row in (("dq", q_row), ("dk", kv_row), ("dv", kv_row))):
-            raise ValueError("varlen gradients must be contiguous (total, heads, d) arrays")
-        chunks = max(total_q * q_row, total_k * kv_row) // 8
-        zero_tail = _launch(build.get_kernel("bwd", "fa2::bwd_zero_tail", 0), (min(64, -(-chunks // 256)), 3, 1),
-                            (256, 1, 1), 0, 5, (np.int32(batch), np.int32(total_q), np.int32(total_k),
-                                                np.int32(q_row), np.int32(kv_row)))
+    zero_tail = _zero_tail_launch(q_shape, k_shape, strides, varlen_totals) if varlen_totals else None
     dsum_shape = (nheads, total_q) if varlen_totals else (batch, nheads, seqlen_q)
     return BackwardPlan(pre, main, dq, convert, zero_tail, dsum_shape, dq_accum_shape, config, maps)
+
+
+def _preprocess_launch(q_shape, strides, dtype, stats, dq_pitch, total_q) -> build.Launch:
+    """dsum = rowsum(dout * out) (and the fp32 dQ accumulator's zeroing): one launch, its pointers first."""
+    batch, seqlen_q, nheads, headdim = q_shape
+    lanes = min(32, 1 << (headdim // 8 - 1).bit_length())  # the preprocess's lanes per row: 16-byte chunks each
+    return _launch(
+        build.get_kernel("bwd", f"fa2::bwd_preprocess<{configs.DTYPE_TAGS[dtype]}>", 0),
+        (-(-seqlen_q * lanes // 256), nheads, batch), (256, 1, 1), 0, 5,
+        _strides3(strides["dout"]) + _strides3(strides["out"]) + stats + (np.int32(seqlen_q), np.int32(headdim),
+                                                                          np.int32(dq_pitch), np.int32(lanes),
+                                                                          np.int32(total_q))
+        + error_pointers(),
+    )
+
+
+def _dq_launch(dq_config, q_shape, strides, dtype, mask, mods, sizes, rng_at) -> build.Launch:
+    """The deterministic dQ kernel's launch (its own pass over the keys)."""
+    batch, seqlen_q, nheads, _ = q_shape
+    return _launch(
+        build.get_kernel("bwd", dq_config.name_expression(dtype, mask, mods), dq_config.smem_bytes),
+        ((seqlen_q + dq_config.block_m - 1) // dq_config.block_m, nheads, batch),
+        (dq_config.threads, 1, 1), dq_config.smem_bytes, 11,
+        sum((_strides3(strides[n]) for n in ("q", "k", "v", "dout", "dq")), ()) + sizes, rng_at=11 + 15 + rng_at,
+    )
+
+
+def _convert_launch(q_shape, strides, dtype, stats, dq_pitch, softmax_scale, total_q) -> build.Launch:
+    """The atomic backward's last launch: the fp32 dQ accumulator, scaled, into dq's dtype and strides."""
+    batch, seqlen_q, nheads, headdim = q_shape
+    return _launch(
+        build.get_kernel("bwd", f"fa2::bwd_convert_dq<{configs.DTYPE_TAGS[dtype]}>", 0),
+        ((seqlen_q * (headdim // 8) + 255) // 256, nheads, batch), (256, 1, 1), 0, 3,
+        _strides3(strides["dq"]) + stats + (np.int32(seqlen_q), np.int32(headdim), np.int32(dq_pitch),
+                                            np.float32(softmax_scale), np.int32(total_q)) + error_pointers(),
+    )
+
+
+def _zero_tail_launch(q_shape, k_shape, strides, varlen_totals) -> build.Launch:
+    """Varlen: zeroes dq/dk/dv's rows past the last sequence (which must be contiguous)."""
+    batch, _, nheads, headdim = q_shape
+    total_q, total_k = varlen_totals
+    q_row, kv_row = nheads * headdim, k_shape[2] * headdim
+    if any(strides[n][1:] != (row, headdim, 1) for n, row in (("dq", q_row), ("dk", kv_row), ("dv", kv_row))):
+        raise ValueError("varlen gradients must be contiguous (total, heads, d) arrays")
+    chunks = max(total_q * q_row, total_k * kv_row) // 8
+    return _launch(build.get_kernel("bwd", "fa2::bwd_zero_tail", 0), (min(64, -(-chunks // 256)), 3, 1),
+                   (256, 1, 1), 0, 5, (np.int32(batch), np.int32(total_q), np.int32(total_k),
+                                       np.int32(q_row), np.int32(kv_row)))
 
 
 def maps_writer(plan: BackwardPlan, q: int, k: int, v: int, dout: int):

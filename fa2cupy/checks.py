@@ -169,8 +169,18 @@ def check_forward_args(
             frameworks/devices, or a non-finite/out-of-range option value.
         NotImplementedError: never for these options.
     """
-    # --- options first: they are independent of the arrays. Each has a fast path
-    # for the common spellings (this runs on every call; the numbers ABCs are slow).
+    # Options first: they are independent of the arrays.
+    _check_attention_options(dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs)
+    shape = _check_qkv(q, k, v)
+    if alibi_slopes is not None:
+        check_alibi(alibi_slopes, q, shape.batch, shape.nheads)
+    return shape
+
+
+def _check_attention_options(dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
+                             return_attn_probs) -> None:
+    """check_forward_args' scalar options. Each has a fast path for the common spellings (this runs on every
+    checked call; the numbers ABCs are slow)."""
     if causal is not True and causal is not False:
         _check_bool(causal, "causal")
     if deterministic is not True and deterministic is not False:
@@ -205,7 +215,9 @@ def check_forward_args(
         if not (math.isfinite(cap) and cap >= 0.0):
             raise ValueError(f"softcap must be a finite number >= 0, got {softcap!r}")
 
-    # --- arrays
+
+def _check_qkv(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo) -> AttnShape:
+    """check_forward_args' rules for q, k and v (layouts, shapes, grouping, dtypes, one framework and device)."""
     _check_layout(q, _AXES_Q)
     _check_layout(k, _AXES_KV)
     _check_layout(v, _AXES_KV)
@@ -266,8 +278,6 @@ def check_forward_args(
                 f"a copy if the last axis is strided"
             )
 
-    if alibi_slopes is not None:
-        check_alibi(alibi_slopes, q, batch, nheads)
     return AttnShape(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, q.dtype)
 
 

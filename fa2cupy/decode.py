@@ -164,38 +164,18 @@ def plan_decode(q_shape, strides, dtype: str, *, nheads_kv: int, cache_rows: int
     group = nheads // nheads_kv
     paged = page_size > 0
     use_extras = extras.attention
-    if extras.masked and not use_extras:  # the window is the causal mask: the plain causal kernel
-        causal = True
-    if use_extras:
-        causal = False
+    # A window that is the causal mask runs the plain causal kernel; the Extras kernel folds causal into its window.
+    causal = not use_extras and (causal or extras.masked)
     if extras.window_left != UNLIMITED_WINDOW:  # a row sees at most left + 1 + right keys: split only those
         max_seqlen_k = min(max_seqlen_k, extras.window_left + seqlen_q + min(extras.window_right, max_seqlen_k))
     row_blocks = -(-seqlen_q * group // 16)
-    blocks = batch * nheads_kv * row_blocks
     sms = options.sm_count or _sm_count(device)
-    tile = config or configs.decode_config(arch, headdim)  # a row and its deep-ring twin share the tile shape
-    splits = min(num_splits, configs.MAX_DECODE_SPLITS) or choose_num_splits(
-        blocks, sms, max_seqlen_k, tile.warps * tile.block_n)
-    items = splits * blocks
-    if config is None:
-        solo = options.decode_warp_items
-        if solo is None:
-            solo = uses_warp_items(splits, items, sms, tile, max_seqlen_k,
-                                   options.decode_warp_items_max_tiles)
-        config = configs.decode_config(arch, headdim, keys_per_item=-(-max_seqlen_k // splits),
-                                       deep=options.decode_deep_ring, warp_items=solo and splits == 1)
-    if config.warp_items and splits != 1:
-        raise ValueError(f"a warp-items decode config takes one split, not {splits}")
-    name = config.name_expression(dtype, causal, paged, use_extras)
-    function = build.get_kernel("decode", name, _opt_in_smem(config, device))
-    rows = batch * seqlen_q * nheads
-    if splits > 1:
-        arrivals = batch * nheads_kv * row_blocks
-        lse_offset = -(-arrivals // 4) * 4
-        out_offset = lse_offset + -(-splits * rows // 4) * 4
-        workspace = out_offset + splits * rows * headdim
-    else:
-        arrivals = lse_offset = out_offset = workspace = 0
+    splits, config = _splits_and_row(batch * nheads_kv * row_blocks, sms, max_seqlen_k, arch, headdim, num_splits,
+                                     config, options)
+    function = build.get_kernel("decode", config.name_expression(dtype, causal, paged, use_extras),
+                                _opt_in_smem(config, device))
+    workspace, arrivals, lse_offset, out_offset = _workspace_layout(splits, batch * nheads_kv * row_blocks,
+                                                                    batch * seqlen_q * nheads, headdim)
     pointer = np.uint64(0)  # placeholder of a per-call pointer slot
     # With rotary, the attention reads the rotated copy of q, contiguous.
     q_strides = (seqlen_q * nheads * headdim * item, nheads * headdim * item, headdim * item, item) \
@@ -224,41 +204,86 @@ def plan_decode(q_shape, strides, dtype: str, *, nheads_kv: int, cache_rows: int
     if evict_first is None:
         evict_first = kv_bytes > build.device_attribute(device, "L2CacheSize")
     args += (np.int32(evict_first),)  # (K/V that cannot stay in L2 stream through it under evict-first)
-    grid, smem = _attention_grid(function, config, device, items, sms)
+    grid, smem = _attention_grid(function, config, device, splits * batch * nheads_kv * row_blocks, sms)
     attention = build.Launch(function, (grid, 1, 1), (config.threads, 1, 1), smem, args,
                              tuple(range(13)) + (seqlen_slot, extra_slot, extra_slot + 2), programmatic)
     q_span = (seqlen_q if extras.rotary_advance else 1) if extras.rotary_dim else 0
-    rotary_args = (np.int32(extras.rotary_dim), np.int32(extras.seqlen_ro), np.int32(extras.rotary_interleaved))
-    append = None
-    if seqlen_new:
-        chunks = batch * seqlen_new * nheads_kv * headdim // 8
-        args = (pointer,) * 9
-        for name in ("k", "v", "k_cache", "v_cache"):
-            args += _strides(strides[name], item)
-        args += (np.int32(batch), np.int32(nheads_kv), np.int32(headdim))
-        seqlen_slot = len(args)
-        args += index
-        extra_slot = len(args)
-        args += (pointer,) * 3 + rotary_args + (np.int32(q_span),)
-        append_name = append_name_expression(paged, dtype if extras.append else None)
-        append = build.Launch(build.get_kernel("decode", append_name, 0),
-                              (max(1, min(-(-chunks // 1024), 64)), 1, 1), (256, 1, 1), 0, args,
-                              tuple(range(9)) + (seqlen_slot, extra_slot, extra_slot + 1, extra_slot + 2),
-                              programmatic)
-    rotary = None
-    if extras.rotary_dim:
-        chunks = batch * seqlen_q * nheads * headdim // 8
-        args = (pointer,) * 7 + _strides(strides["q"], item)
-        args += (np.int32(batch), np.int32(seqlen_q), np.int32(nheads), np.int32(headdim))
-        seqlen_slot = len(args)
-        args += (np.int32(0), np.int32(seqlen_new), np.int32(capacity)) + rotary_args
-        args += (np.int32(extras.rotary_advance),)
-        rotary = build.Launch(build.get_kernel("decode", rotary_name_expression(dtype), 0),
-                              (max(1, min(-(-chunks // 256), 132)), 1, 1), (256, 1, 1), 0, args,
-                              tuple(range(7)) + (seqlen_slot,), programmatic)
+    append = _append_launch(q_shape, nheads_kv, strides, dtype, item, paged, index, extras, q_span, seqlen_new,
+                            programmatic) if seqlen_new else None
+    rotary = _rotary_launch(q_shape, strides, dtype, item, seqlen_new, capacity, extras,
+                            programmatic) if extras.rotary_dim else None
     rotary_span = max(seqlen_new, q_span) if extras.rotary_dim else 0
     return DecodePlan(attention, append, rotary, splits, workspace, arrivals, lse_offset, out_offset, capacity,
                       seqlen_new, rotary_span, extras.seqlen_ro, config)
+
+
+def _splits_and_row(blocks: int, sms: int, max_seqlen_k: int, arch: int, headdim: int, num_splits: int, config,
+                    options: KernelOptions) -> tuple:
+    """(splits, the attention kernel's row) of a decode call of ``blocks`` blocks per split; ``config`` (tuning)
+    overrides the row."""
+    tile = config or configs.decode_config(arch, headdim)  # a row and its deep-ring twin share the tile shape
+    splits = min(num_splits, configs.MAX_DECODE_SPLITS) or choose_num_splits(
+        blocks, sms, max_seqlen_k, tile.warps * tile.block_n)
+    if config is None:
+        solo = options.decode_warp_items
+        if solo is None:
+            solo = uses_warp_items(splits, splits * blocks, sms, tile, max_seqlen_k,
+                                   options.decode_warp_items_max_tiles)
+        config = configs.decode_config(arch, headdim, keys_per_item=-(-max_seqlen_k // splits),
+                                       deep=options.decode_deep_ring, warp_items=solo and splits == 1)
+    if config.warp_items and splits != 1:
+        raise ValueError(f"a warp-items decode config takes one split, not {splits}")
+    return splits, config
+
+
+def _workspace_layout(splits: int, arrivals: int, rows: int, headdim: int) -> tuple:
+    """(floats, arrivals, partial lse offset, partial out offset) of the split-KV workspace (float32 units, each
+    part 16-byte aligned): the rows' arrival counters, then each split's lse and output rows; all 0 for one
+    split."""
+    if splits == 1:
+        return 0, 0, 0, 0
+    lse_offset = -(-arrivals // 4) * 4
+    out_offset = lse_offset + -(-splits * rows // 4) * 4
+    return out_offset + splits * rows * headdim, arrivals, lse_offset, out_offset
+
+
+def _rotary_args(extras: DecodeExtras) -> tuple:
+    return np.int32(extras.rotary_dim), np.int32(extras.seqlen_ro), np.int32(extras.rotary_interleaved)
+
+
+def _append_launch(q_shape, nheads_kv: int, strides: dict, dtype: str, item: int, paged: bool, index: tuple,
+                   extras: DecodeExtras, q_span: int, seqlen_new: int, programmatic: bool) -> build.Launch:
+    """The launch that writes the new keys and values into the cache (rotating the keys with rotary); variable
+    slots: the 9 pointers, fixed_seqlen, then rotary_cos, rotary_sin, cache_leftpad."""
+    batch, headdim = q_shape[0], q_shape[3]
+    chunks = batch * seqlen_new * nheads_kv * headdim // 8
+    args = (np.uint64(0),) * 9
+    for name in ("k", "v", "k_cache", "v_cache"):
+        args += _strides(strides[name], item)
+    args += (np.int32(batch), np.int32(nheads_kv), np.int32(headdim))
+    seqlen_slot = len(args)
+    args += index
+    extra_slot = len(args)
+    args += (np.uint64(0),) * 3 + _rotary_args(extras) + (np.int32(q_span),)
+    name = append_name_expression(paged, dtype if extras.append else None)
+    return build.Launch(build.get_kernel("decode", name, 0), (max(1, min(-(-chunks // 1024), 64)), 1, 1),
+                        (256, 1, 1), 0, args,
+                        tuple(range(9)) + (seqlen_slot, extra_slot, extra_slot + 1, extra_slot + 2), programmatic)
+
+
+def _rotary_launch(q_shape, strides: dict, dtype: str, item: int, seqlen_new: int, capacity: int,
+                   extras: DecodeExtras, programmatic: bool) -> build.Launch:
+    """The launch that rotates q into a contiguous temporary; variable slots: the 7 pointers, then fixed_seqlen."""
+    batch, seqlen_q, nheads, headdim = q_shape
+    chunks = batch * seqlen_q * nheads * headdim // 8
+    args = (np.uint64(0),) * 7 + _strides(strides["q"], item)
+    args += (np.int32(batch), np.int32(seqlen_q), np.int32(nheads), np.int32(headdim))
+    seqlen_slot = len(args)
+    args += (np.int32(0), np.int32(seqlen_new), np.int32(capacity)) + _rotary_args(extras)
+    args += (np.int32(extras.rotary_advance),)
+    return build.Launch(build.get_kernel("decode", rotary_name_expression(dtype), 0),
+                        (max(1, min(-(-chunks // 256), 132)), 1, 1), (256, 1, 1), 0, args,
+                        tuple(range(7)) + (seqlen_slot,), programmatic)
 
 
 def append_name_expression(paged: bool, extras_dtype: str | None = None) -> str:

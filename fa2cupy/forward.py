@@ -120,6 +120,31 @@ def plan_forward(
     function = build.get_kernel(config.family, config.name_expression(dtype, mask, mods, varlen_totals is not None,
                                                                       paged is not None), config.smem_bytes)
     hopper = isinstance(config, configs.HopperFwdConfig)
+    scalars, rng_slot = _forward_scalars(q_shape, k_shape, strides, softmax_scale, left, right, softcap,
+                                         alibi_batch_stride, varlen_totals, dropout_p, paged)
+    grid = ((seqlen_q + config.block_m - 1) // config.block_m, nheads, batch)
+    variable = list(range(10)) + list(range(rng_slot, rng_slot + 4))
+    tile_counter = False
+    if hopper:  # persistent blocks, one per SM at most, walking the work items
+        grid, tile_counter, persistent = _persistent_grid(grid, mask, seqlen_k, headdim, nheads // nheads_kv, options)
+        scalars += persistent
+        if tile_counter:
+            variable.append(10 + len(scalars) - 1)  # a fresh counter per launch (run_forward)
+    launch = build.Launch(function, grid, (config.threads, 1, 1), config.smem_bytes, (np.uint64(0),) * 10 + scalars,
+                          variable, blobs=4 if hopper else 0)
+    maps = None
+    if hopper:
+        rows = (config.block_m, config.block_n, config.block_n, config.block_m)
+        maps = tensor_maps.TileMaps([tensor_maps.layout(shape, s, r) if m else None
+                                     for shape, s, r, m in zip(shapes, strides, rows, mapped)])
+    return ForwardPlan(launch, config, tile_counter, maps)
+
+
+def _forward_scalars(q_shape, k_shape, strides, softmax_scale, left, right, softcap, alibi_batch_stride,
+                     varlen_totals, dropout_p, paged) -> tuple:
+    """The forward launch's fixed arguments after its 10 pointers, and the slot of its dropout seed/offset words."""
+    _, seqlen_q, nheads, headdim = q_shape
+    seqlen_k, nheads_kv = k_shape[1], k_shape[2]
     scalars = ()
     for batch_stride, row_stride, head_stride, _ in strides:
         scalars += (np.int64(batch_stride), np.int32(row_stride), np.int64(head_stride))
@@ -149,30 +174,22 @@ def plan_forward(
     scalars += (threshold, np.uint32(0), np.uint32(0), np.uint32(0), np.uint32(0), keep_scale,
                 np.int32(total_q), np.int32(total_k), np.int32(page_size), np.uint32(magic), np.int32(shift),
                 np.int32(max_pages), np.int32(num_pages)) + error_pointers()
-    grid = ((seqlen_q + config.block_m - 1) // config.block_m, nheads, batch)
-    variable = list(range(10)) + list(range(rng_slot, rng_slot + 4))
-    tile_counter = False
-    if hopper:  # persistent blocks, one per SM at most, walking the work items
-        import cupy
+    return scalars, rng_slot
 
-        items = grid[0] * nheads * batch
-        sms = options.sm_count or build.device_attribute(cupy.cuda.runtime.getDevice(), "MultiProcessorCount")
-        grid = (min(items, sms), 1, 1)
-        # Items of different lengths (a mask) go to whichever block asks next, longest first within L2 groups.
-        tile_counter = options.tile_counter and mask != "none" and items > grid[0]
-        heads_per_group = configs.hopper_heads_per_group(seqlen_k, headdim, nheads // nheads_kv, nheads * batch,
-                                                         options.hopper_l2_group_bytes) if tile_counter else 1
-        scalars += (np.int32(batch), np.int32(heads_per_group), np.uint64(0))  # the tile counter: 0, the stride
-        if tile_counter:
-            variable.append(10 + len(scalars) - 1)  # a fresh counter per launch (run_forward)
-    launch = build.Launch(function, grid, (config.threads, 1, 1), config.smem_bytes, (np.uint64(0),) * 10 + scalars,
-                          variable, blobs=4 if hopper else 0)
-    maps = None
-    if hopper:
-        rows = (config.block_m, config.block_n, config.block_n, config.block_m)
-        maps = tensor_maps.TileMaps([tensor_maps.layout(shape, s, r) if m else None
-                                     for shape, s, r, m in zip(shapes, strides, rows, mapped)])
-    return ForwardPlan(launch, config, tile_counter, maps)
+
+def _persistent_grid(grid, mask, seqlen_k, headdim, group, options) -> tuple:
+    """The Hopper forward's persistent blocks, one per SM at most, for the work items of ``grid``: (grid, whether
+    a tile counter hands out the items, the launch's trailing arguments (batch, heads per L2 group, counter))."""
+    import cupy
+
+    items = grid[0] * grid[1] * grid[2]
+    sms = options.sm_count or build.device_attribute(cupy.cuda.runtime.getDevice(), "MultiProcessorCount")
+    persistent = (min(items, sms), 1, 1)
+    # Items of different lengths (a mask) go to whichever block asks next, longest first within L2 groups.
+    tile_counter = options.tile_counter and mask != "none" and items > persistent[0]
+    heads_per_group = configs.hopper_heads_per_group(seqlen_k, headdim, group, grid[1] * grid[2],
+                                                     options.hopper_l2_group_bytes) if tile_counter else 1
+    return persistent, tile_counter, (np.int32(grid[2]), np.int32(heads_per_group), np.uint64(0))
 
 
 _NO_DROPOUT_WORDS = (0, 0, 0, 0)
