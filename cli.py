@@ -251,65 +251,52 @@ def check_header() -> str:
 # --------------------------------------------------------------------------- #
 
 
-def _rows_of(entries: Any) -> tuple[list[str], list[list[Any]]] | None:
-    """Best-effort (headers, rows) from a configs table: a dict {key: dataclass} (a
-    tuple key such as (family, width) becomes columns 'family', 'width'), or an
-    iterable of dataclasses / dicts.  None when the entries are of another kind."""
-    items = list(entries.items()) if isinstance(entries, dict) else [(None, e) for e in entries]
-    rows, headers = [], None
-    for key, val in items:
-        if dataclasses.is_dataclass(val):
-            val = dataclasses.asdict(val)
-        if not isinstance(val, dict):
-            return None
-        if key is None:
-            head = {}
-        elif isinstance(key, tuple) and len(key) == 2:
-            head = {"family": key[0], "width": key[1]}
-        else:
-            head = {"key": key}
-        d = head | val
-        headers = headers or list(d)
-        rows.append([d.get(h) for h in headers])
-    return (headers or [], rows)
+def _row_text(config) -> tuple[str, str]:
+    """(kernel, tile) of a tile-table row, as ``fa2cupy info`` prints them."""
+    from fa2cupy import configs  # noqa: PLC0415
+
+    if isinstance(config, configs.HopperFwdConfig):
+        return "hopper (wgmma)", (f"{config.block_m}x{config.block_n}, {config.consumer_wgs} consumer warpgroups, "
+                                  f"K/V ring {config.k_stages}/{config.v_stages}")
+    if isinstance(config, configs.HopperBwdConfig):
+        return "hopper (wgmma)", (f"{config.block_m}x{config.block_n}, 2 consumer warpgroups, "
+                                  f"{config.stages} stages")
+    slices = f", {config.dslices} head-dim slices" if getattr(config, "dslices", 1) > 1 else ""
+    stages = f"{config.stages} stage{'s' if config.stages > 1 else ''}"
+    return "mma.sync", f"{config.block_m}x{config.block_n}, {config.warps} warps, {stages}{slices}"
 
 
 def tile_table_text(arch: int | None) -> str:
+    """The kernel and tile each case runs on a GPU of compute capability ``arch`` (e.g. 90): for every head dim of
+    the tile table, causal or not, the forward's and the backward's row as fa2cupy's planners choose it
+    (configs.kernel_rows, default KernelOptions). Needs no GPU."""
+    if arch is None:
+        return "kernel table unavailable (no compute capability)"
     try:
         from fa2cupy import configs  # noqa: PLC0415
+
+        rows = []
+        for d in configs.HEADDIMS:
+            for causal in (False, True):
+                mask = "causal" if causal else "none"
+                chosen = configs.kernel_rows(arch, d, "bfloat16", mask)
+                shortest = configs.HOPPER_MASKED_MIN_SEQLEN.get(d, 0)
+                hopper_from = causal and isinstance(chosen.forward, configs.HopperFwdConfig) and shortest
+                rows.append([d, f"yes, seqlen_q >= {shortest}" if hopper_from else "yes" if causal else "no",
+                             *_row_text(chosen.forward), *_row_text(chosen.backward)])
+                if hopper_from:  # shorter masked calls: the mma.sync forward
+                    short = configs.kernel_rows(arch, d, "bfloat16", mask, seqlen_q=shortest - 1)
+                    rows.append([d, f"yes, seqlen_q < {shortest}", *_row_text(short.forward),
+                                 *_row_text(short.backward)])
+        table = B.format_table(("headdim", "causal", "forward", "forward tile (rows x keys)", "backward",
+                                "backward tile (rows x keys)"), rows, "rlllll")
     except Exception as exc:
-        return f"tile table unavailable ({B._first_line(exc)})"
-    parts = []
-    table = getattr(configs, "FORWARD_TABLE", None)
-    if table is not None:
-        try:
-            hr = _rows_of(table)
-            if hr is None:
-                parts.append("forward tile table:\n" + "\n".join(f"  {e}" for e in table))
-            else:
-                parts.append("forward tile table:\n" + B.format_table(hr[0], hr[1], "r" * len(hr[0])))
-        except Exception as exc:
-            parts.append(f"forward tile table unavailable ({B._first_line(exc)})")
-    fc = getattr(configs, "forward_config", None)
-    if fc is not None and arch is not None:
-        rows, headers = [], None
-        try:
-            for dtype in ("bfloat16",):
-                for d in (32, 64, 96, 128, 192, 256):
-                    for causal in (False, True):
-                        cfg = fc(arch, d, dtype, causal)
-                        fields = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else {"config": str(cfg)}
-                        for extra in ("threads", "smem_bytes"):
-                            if hasattr(cfg, extra):
-                                fields[extra] = getattr(cfg, extra)
-                        row = {"headdim": d, "causal": causal} | fields
-                        headers = headers or list(row)
-                        rows.append([row.get(h) for h in headers])
-            parts.append(f"selected for this GPU (sm_{arch}, bf16):\n"
-                         + B.format_table(headers, rows, "r" * len(headers)))
-        except Exception as exc:
-            parts.append(f"forward_config unavailable for sm_{arch} ({B._first_line(exc)})")
-    return "\n\n".join(parts) if parts else "tile table unavailable"
+        return f"kernel table unavailable for sm_{arch} ({B._first_line(exc)})"
+    return (f"kernels for sm_{arch} (float16 and bfloat16 alike; a head dim runs on the next width of the table):\n"
+            f"{table}\n"
+            "Calls with softcap, ALiBi or dropout run the mma.sync rows of their modifier variant (sliding windows "
+            "those of configs.FORWARD_MASKED_TABLE where it has one); the deterministic backward runs the mma.sync "
+            "backward and its dQ kernel.")
 
 
 # --------------------------------------------------------------------------- #
@@ -559,12 +546,17 @@ def info_rows(env: dict[str, Any], gpu: str | None, arch: int | None) -> list[tu
 
 
 @main.command()
-def info() -> None:
-    """Versions (fa2cupy, CuPy, NVRTC, CUDA, torch, JAX), kernel cache folder, GPU and its forward tile table.
+@click.option("--arch", "table_arch", type=int, default=None,
+              help="Only print the kernels each case runs on this compute capability (e.g. 90), no GPU needed.")
+def info(table_arch: int | None) -> None:
+    """Versions (fa2cupy, CuPy, NVRTC, CUDA, torch, JAX), kernel cache folder, GPU and the kernels each case runs.
 
     Without a GPU it prints what it can know without one and exits with status 2; without CuPy, one line naming
-    the install extras.
+    the install extras. ``--arch N`` prints the kernel table of compute capability N alone, without a GPU.
     """
+    if table_arch is not None:
+        click.echo(tile_table_text(table_arch))
+        return
     ok, gpu = probe_gpu()
     try:
         import cupy  # noqa: F401, PLC0415

@@ -30,7 +30,13 @@ import numpy as np
 sys.path.insert(0, ".")
 import fa2cupy  # noqa: E402
 from fa2cupy_bench import harness as B  # noqa: E402
-from fa2cupy import build, forward, interface, paging  # noqa: E402
+from fa2cupy import build, paging, pipeline  # noqa: E402
+from fa2cupy.options import KernelOptions  # noqa: E402
+
+#: Keyword arguments that every fa2cupy call here takes besides its own: the KernelOptions (--mma: the mma.sync
+#: forward where the Hopper one would run).
+CALL = {"kernel_options": None}
+MMA = KernelOptions(hopper_forward=False)
 
 
 def flops(lengths, heads, d, causal, bwd):
@@ -64,17 +70,17 @@ def equal_length_calls(rand, b, seqlen, h, d, causal):
     """The padded batch (b, seqlen) and the same tokens packed as b varlen sequences: forward and backward calls
     of each, on fresh random inputs."""
     q, k, v, do = (rand(b, seqlen, h, d) for _ in range(4))
-    out, lse, _ = fa2cupy.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+    out, lse, _ = fa2cupy.flash_attn_func(q, k, v, causal=causal, **CALL, return_attn_probs=True)
     cu = cupy.arange(0, b * seqlen + 1, seqlen, dtype=cupy.int32)
     qv, kv, vv, dov = (x.reshape(b * seqlen, h, d) for x in (q, k, v, do))
-    outv, lsev, _ = fa2cupy.flash_attn_varlen_func(qv, kv, vv, cu, cu, seqlen, seqlen, causal=causal,
+    outv, lsev, _ = fa2cupy.flash_attn_varlen_func(qv, kv, vv, cu, cu, seqlen, seqlen, causal=causal, **CALL,
                                                     return_attn_probs=True)
     return {
-        "padded fwd": lambda: fa2cupy.flash_attn_func(q, k, v, causal=causal),
-        "padded bwd": lambda: fa2cupy.flash_attn_backward(do, q, k, v, out, lse, causal=causal),
-        "varlen fwd": lambda: fa2cupy.flash_attn_varlen_func(qv, kv, vv, cu, cu, seqlen, seqlen, causal=causal),
+        "padded fwd": lambda: fa2cupy.flash_attn_func(q, k, v, causal=causal, **CALL),
+        "padded bwd": lambda: fa2cupy.flash_attn_backward(do, q, k, v, out, lse, causal=causal, **CALL),
+        "varlen fwd": lambda: fa2cupy.flash_attn_varlen_func(qv, kv, vv, cu, cu, seqlen, seqlen, causal=causal, **CALL),
         "varlen bwd": lambda: fa2cupy.flash_attn_varlen_backward(dov, qv, kv, vv, outv, lsev, cu, cu, seqlen, seqlen,
-                                                                 causal=causal),
+                                                                 causal=causal, **CALL),
     }
 
 
@@ -104,7 +110,7 @@ def main():
         return rng.standard_normal(shape, dtype=cupy.float32).astype(cupy.float16)
 
     if args.trees:
-        forward.HOPPER = not args.mma
+        CALL["kernel_options"] = MMA if args.mma else None
         return compare_trees(args, rand, events)
 
     for seqlen in (1024, 4096):
@@ -126,15 +132,16 @@ def main():
     total, longest = sum(lengths), max(lengths)
     cu = cupy.asarray(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
     qv, kv, vv, dov = (rand(total, h, d) for _ in range(4))
-    outv, lsev, _ = fa2cupy.flash_attn_varlen_func(qv, kv, vv, cu, cu, longest, longest, causal=causal,
+    outv, lsev, _ = fa2cupy.flash_attn_varlen_func(qv, kv, vv, cu, cu, longest, longest, causal=causal, **CALL,
                                                     return_attn_probs=True)
-    vf, vb = time_pair(lambda: fa2cupy.flash_attn_varlen_func(qv, kv, vv, cu, cu, longest, longest, causal=causal),
+    vf, vb = time_pair(lambda: fa2cupy.flash_attn_varlen_func(qv, kv, vv, cu, cu, longest, longest, causal=causal,
+                                                              **CALL),
                        lambda: fa2cupy.flash_attn_varlen_backward(dov, qv, kv, vv, outv, lsev, cu, cu, longest,
-                                                                  longest, causal=causal), events)
+                                                                  longest, causal=causal, **CALL), events)
     q, k, v, do = (rand(len(lengths), longest, h, d) for _ in range(4))
-    out, lse, _ = fa2cupy.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
-    pf, pb = time_pair(lambda: fa2cupy.flash_attn_func(q, k, v, causal=causal),
-                       lambda: fa2cupy.flash_attn_backward(do, q, k, v, out, lse, causal=causal), events)
+    out, lse, _ = fa2cupy.flash_attn_func(q, k, v, causal=causal, **CALL, return_attn_probs=True)
+    pf, pb = time_pair(lambda: fa2cupy.flash_attn_func(q, k, v, causal=causal, **CALL),
+                       lambda: fa2cupy.flash_attn_backward(do, q, k, v, out, lse, causal=causal, **CALL), events)
     real_f, real_b = flops(lengths, h, d, causal, False), flops(lengths, h, d, causal, True)
     print(f"mixed lengths ({len(lengths)} sequences, {total} tokens, longest {longest}) causal={causal}: "
           f"varlen {real_f / vf / 1e9:.0f} / {real_b / vb / 1e9:.0f} TFLOPs/s fwd/bwd on real tokens; padded "
@@ -143,22 +150,20 @@ def main():
     for page_size in (int(p) for p in args.paged.split(",") if p):
         # The mixed lengths again, each sequence's keys on pages of page_size rows in a shuffled pool.
         k_pages, v_pages, table_d = paged_pool(gen, lengths, page_size, kv, vv)
-        paged = fa2cupy.flash_attn_varlen_func(qv, k_pages, v_pages, cu, cu, longest, longest, causal=causal,
+        paged = fa2cupy.flash_attn_varlen_func(qv, k_pages, v_pages, cu, cu, longest, longest, causal=causal, **CALL,
                                                block_table=table_d)
-        packed = fa2cupy.flash_attn_varlen_func(qv, kv, vv, cu, cu, longest, longest, causal=causal)
+        packed = fa2cupy.flash_attn_varlen_func(qv, kv, vv, cu, cu, longest, longest, causal=causal, **CALL)
         same = bool(cupy.array_equal(paged, packed))
         pf = B.time_gpu(lambda: fa2cupy.flash_attn_varlen_func(qv, k_pages, v_pages, cu, cu, longest, longest,
-                                                               causal=causal, block_table=table_d),
+                                                               causal=causal, **CALL, block_table=table_d),
                         events, warmup=3, repeats=15).median_ms
-        vf = B.time_gpu(lambda: fa2cupy.flash_attn_varlen_func(qv, kv, vv, cu, cu, longest, longest, causal=causal),
+        vf = B.time_gpu(lambda: fa2cupy.flash_attn_varlen_func(qv, kv, vv, cu, cu, longest, longest, causal=causal,
+                                                               **CALL),
                         events, warmup=3, repeats=15).median_ms
-        forward.HOPPER = False  # the same paged call on the mma.sync forward (what GPUs other than Hopper run)
-        interface._cached_calls.clear()
+        # the same paged call on the mma.sync forward (what GPUs other than Hopper run)
         mf = B.time_gpu(lambda: fa2cupy.flash_attn_varlen_func(qv, k_pages, v_pages, cu, cu, longest, longest,
-                                                               causal=causal, block_table=table_d),
+                                                               causal=causal, block_table=table_d, kernel_options=MMA),
                         events, warmup=3, repeats=15).median_ms
-        forward.HOPPER = True
-        interface._cached_calls.clear()
         print(f"paged K/V, pages of {page_size}, mixed lengths causal={causal}: paged fwd {pf:.3f} ms, packed fwd "
               f"{vf:.3f} ms: paged speed / packed {vf / pf:.3f}x (bitwise equal: {same}); paged on the mma.sync "
               f"forward {mf:.3f} ms ({mf / pf:.2f}x the time)", flush=True)
@@ -183,14 +188,15 @@ def compare_trees(args, rand, events):
     for page_size in (int(p) for p in args.paged.split(",") if p):
         k_pages, v_pages, table = paged_pool(gen, lengths, page_size, kv, vv)
         calls[f"mixed, pages of {page_size}"] = (
-            "packed", lambda: fa2cupy.flash_attn_varlen_func(qv, kv, vv, cu, cu, longest, longest, causal=causal),
+            "packed", lambda: fa2cupy.flash_attn_varlen_func(qv, kv, vv, cu, cu, longest, longest, causal=causal,
+                                                             **CALL),
             "paged", lambda kp=k_pages, vp=v_pages, t=table: fa2cupy.flash_attn_varlen_func(
-                qv, kp, vp, cu, cu, longest, longest, causal=causal, block_table=t))
+                qv, kp, vp, cu, cu, longest, longest, causal=causal, **CALL, block_table=t))
     best = {}
     for _ in range(args.rounds):
         for name, path in trees:
             build.use_sources(path)
-            interface._cached_calls.clear()  # (its plans hold the previous tree's kernels)
+            pipeline.forget_plans()  # (the plans hold the previous tree's kernels)
             for case, (_, reference, _, compared) in calls.items():
                 rf = B.time_gpu(reference, events, warmup=3, repeats=15).median_ms
                 cf = B.time_gpu(compared, events, warmup=3, repeats=15).median_ms

@@ -139,8 +139,9 @@ def main():
     for config in candidates.WINDOW_FORWARD_CANDIDATES.get(args.headdim, ()):
         plan = forward.plan_forward(q.shape, k.shape, strides, "float16", args.headdim ** -0.5, True, arch,
                                     config=config, window_size=window)
-        launch = lambda: forward.run_forward(plan, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr,  # noqa: E731
-                                             lse.data.ptr, stream.ptr)
+        pointers = dict(forward.NO_POINTERS, q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, out=out.data.ptr,
+                        softmax_lse=lse.data.ptr)
+        launch = lambda: forward.run_forward(plan, pointers, (0, 0), stream.ptr)  # noqa: E731
         time_candidate(f"forward {config.block_m}x{config.block_n} {config.warps} warps {config.min_blocks} "
                        f"blocks/SM", launch, (out,), (shipped,), 1e-2, cf, events)
     out, lse, _ = fa2cupy.flash_attn_func(q, k, v, causal=True, window_size=window, return_attn_probs=True)
@@ -153,12 +154,13 @@ def main():
                                       arch, config=config, window_size=window)
         dsum = cupy.empty(plan.dsum_shape, cupy.float32)
         dq_accum = cupy.empty(plan.dq_accum_shape, cupy.float32)
-        pointers = dict(q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, dout=dout.data.ptr, out=out.data.ptr,
-                        lse=lse.data.ptr, dq=grads[0].data.ptr, dk=grads[1].data.ptr, dv=grads[2].data.ptr,
+        pointers = dict(backward.NO_POINTERS, q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, dout=dout.data.ptr,
+                        out=out.data.ptr,
+                        softmax_lse=lse.data.ptr, dq=grads[0].data.ptr, dk=grads[1].data.ptr, dv=grads[2].data.ptr,
                         dsum=dsum.data.ptr, dq_accum=dq_accum.data.ptr)
         time_candidate(f"backward {config.block_m}x{config.block_n} {config.warps} warps ({config.warps_keys} "
-                       f"along keys)", lambda: backward.run_backward(plan, pointers, stream.ptr), grads, shipped,
-                       5e-2, cb, events)
+                       f"along keys)", lambda: backward.run_backward(plan, pointers, (0, 0), stream.ptr), grads,
+                       shipped, 5e-2, cb, events)
 
 
 if __name__ == "__main__":

@@ -13,19 +13,23 @@ __version__ = "0.1.0"
 
 #: Public name -> the submodule that defines it, imported when the name is first used.
 _PUBLIC: dict[str, str] = {
-    "flash_attn_func": "interface",
-    "flash_attn_qkvpacked_func": "interface",
-    "flash_attn_kvpacked_func": "interface",
-    "flash_attn_backward": "interface",
-    "flash_attn_varlen_func": "interface",
-    "flash_attn_varlen_qkvpacked_func": "interface",
-    "flash_attn_varlen_kvpacked_func": "interface",
-    "flash_attn_varlen_backward": "interface",
-    "flash_attn_with_kvcache": "interface",
-    "merge_attention_states": "interface",
-    "dropout_mask": "interface",
+    "flash_attn_func": "attention",
+    "flash_attn_qkvpacked_func": "attention",
+    "flash_attn_kvpacked_func": "attention",
+    "flash_attn_backward": "attention",
+    "flash_attn_varlen_func": "attention",
+    "flash_attn_varlen_qkvpacked_func": "attention",
+    "flash_attn_varlen_kvpacked_func": "attention",
+    "flash_attn_varlen_backward": "attention",
+    "flash_attn_with_kvcache": "kvcache",
+    "merge_attention_states": "kvcache",
+    "dropout_mask": "attention",
     "check_device_errors": "device_errors",
+    "KernelOptions": "options",
 }
+
+#: Public names whose modules import no CuPy.
+_NO_CUPY = {"KernelOptions"}
 
 __all__ = [*_PUBLIC, "__version__"]
 
@@ -49,7 +53,8 @@ def __getattr__(name: str):
     module = _PUBLIC.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    _require_cupy(name)
+    if name not in _NO_CUPY:
+        _require_cupy(name)
     value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value  # later look-ups are plain attribute reads
     return value

@@ -557,18 +557,31 @@ def caller_stream(framework: str, device: int):
 
 def caller_stream_ptr(framework: str, device: int) -> int:
     """The raw handle of :func:`caller_stream`'s stream, without building stream objects (fast path)."""
-    global _torch_raw_stream
     if framework == "torch":
-        if _torch_raw_stream is None:
-            torch = sys.modules["torch"]
-            # what torch's own kernels launch on
-            _torch_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
-                lambda index: torch.cuda.current_stream(index).cuda_stream)
-        return _torch_raw_stream(device)
+        return (_torch_raw_stream or _torch_stream_getter())(device)
     return _cupy().cuda.get_current_stream(device).ptr
 
 
 _torch_raw_stream = None  # torch's current raw stream handle by device index
+
+
+def _torch_stream_getter():
+    global _torch_raw_stream
+    if _torch_raw_stream is None:
+        torch = sys.modules["torch"]
+        # what torch's own kernels launch on
+        _torch_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+            lambda index: torch.cuda.current_stream(index).cuda_stream)
+    return _torch_raw_stream
+
+
+def stream_ptr_getter(framework: str):
+    """``get(device) -> int``: :func:`caller_stream_ptr` for one framework, resolved once (the fast path keeps it
+    with a cached call)."""
+    if framework == "torch":
+        return _torch_raw_stream or _torch_stream_getter()
+    cuda = _cupy().cuda
+    return lambda device: cuda.get_current_stream(device).ptr
 
 
 # --------------------------------------------------------------------------- cached-dispatch fast path
@@ -612,3 +625,25 @@ def new_empty_raw(shape, dtype: str, framework: str, device: int):
         return t, t.data_ptr()
     arr = _cupy().empty(shape, dtype=_cupy_dtype(dtype))
     return arr, arr.data.ptr
+
+
+def allocator(shape, dtype: str, framework: str, device: int):
+    """``allocate() -> (array, device pointer)``: :func:`new_empty_raw` of one allocation with its dtype and the
+    framework's allocator resolved once (for the fast path, which keeps it with a cached call)."""
+    shape = tuple(shape)
+    if framework == "torch":
+        tdtype, tdevice = _torch_args(dtype, device)
+        empty = sys.modules["torch"].empty
+
+        def allocate():
+            t = empty(*shape, dtype=tdtype, device=tdevice)
+            return t, t.data_ptr()
+
+        return allocate
+    empty, cdtype = _cupy().empty, _cupy_dtype(dtype)
+
+    def allocate():
+        a = empty(shape, dtype=cdtype)
+        return a, a.data.ptr
+
+    return allocate

@@ -1,24 +1,20 @@
 """Backward kernel family (cuda/bwd.cu): launch plans for preprocess, dK/dV (+ atomic dQ), deterministic dQ and
 the dQ conversion, and their launch on raw pointers.
 
-Like the forward, a plan depends only on shapes, strides, dtype and options, so the interface caches it.
+Like the forward, a plan depends only on shapes, strides, dtype and options, so the call pipeline remembers it.
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import numpy as np
 
 from . import build, configs, tensor_maps
 from .forward import _LOG2E, dropout_scalars, dropout_words, error_pointers, kernel_variant
+from .options import DEFAULT, KernelOptions
 
-#: Tests set this to fill dq, dk and dv with NaN before the kernels run (see forward._debug_poison).
-_debug_poison = False
-#: Run the dK/dV step of calls without modifiers on the Hopper kernel (cuda/bwd_hopper.cu) on compute
-#: capability 9.0 where configs.hopper_backward_config picks it; tests and A/B timings set it False to run the
-#: mma.sync kernel there instead.
-HOPPER = True
 
 
 @dataclass(frozen=True)
@@ -54,7 +50,7 @@ def _strides3(strides) -> tuple:
 def plan_backward(
     q_shape, k_shape, strides: dict, dtype: str, softmax_scale: float, causal: bool, deterministic: bool, arch: int,
     config=None, window_size=(-1, -1), softcap: float = 0.0, alibi_batch_stride=None, varlen_totals=None,
-    dropout_p: float = 0.0,
+    dropout_p: float = 0.0, options: KernelOptions = DEFAULT,
 ) -> BackwardPlan:
     """Builds the launches for one backward problem.
 
@@ -62,43 +58,35 @@ def plan_backward(
     shapes, alignment, modifiers and varlen as in :func:`fa2cupy.forward.plan_forward` (varlen: lse, and the
     dsum/dq_accum workspaces, are ``(nheads, total_q[, d])``, and dq/dk/dv must be contiguous: their rows past the
     last sequence are zeroed). The scale may be negative here: the backward has no
-    running maximum, P = exp(scale * s - lse) is exact for any sign.
+    running maximum, P = exp(scale * s - lse) is exact for any sign. ``options``: the kernel choices (the Hopper
+    dK/dV kernel or not).
     """
     mask, mods, left, right = kernel_variant(causal, window_size, softcap, alibi_batch_stride is not None, dropout_p)
     batch, seqlen_q, nheads, headdim = q_shape
     seqlen_k, nheads_kv = k_shape[1], k_shape[2]
-    tag = configs.DTYPE_TAGS[dtype]
     atomic = not deterministic
-    if config is None and HOPPER:
-        config = configs.hopper_backward_config(arch, headdim, mods, deterministic)
     shapes = dict(zip(("q", "k", "v", "dout"), tensor_maps.array_shapes(q_shape, k_shape, varlen_totals)))
-    if (isinstance(config, configs.HopperBwdConfig)
-            and not all(tensor_maps.usable(shapes[n], strides[n]) for n in shapes)):
-        config = None  # (strides TMA cannot take, say negative ones: the mma.sync backward, with cp.async)
-    if config is None:
-        config = configs.backward_config(arch, headdim, dtype, mask, mods)
+    rows = configs.kernel_rows(arch, headdim, dtype, mask, mods, varlen_totals is not None, seqlen_q,
+                               deterministic, options)
+    config = config or rows.backward
+    if isinstance(config, configs.HopperBwdConfig) and not all(tensor_maps.usable(shapes[n], strides[n])
+                                                               for n in shapes):
+        # (strides TMA cannot take, say negative ones: the mma.sync backward, with cp.async)
+        config = configs.kernel_rows(arch, headdim, dtype, mask, mods, varlen_totals is not None, seqlen_q,
+                                     deterministic, options, tma=False).backward
     hopper = isinstance(config, configs.HopperBwdConfig)
     total_q, total_k = varlen_totals or (0, 0)
     stats = (np.int64(0), np.int64(total_q)) if varlen_totals else (np.int64(nheads * seqlen_q), np.int64(seqlen_q))
-    errors = error_pointers()
     threshold, keep_scale = dropout_scalars(dropout_p)
     sizes = stats + (np.int32(seqlen_q), np.int32(seqlen_k), np.int32(nheads), np.int32(nheads // nheads_kv),
                      np.int32(headdim), np.int32(left), np.int32(right), np.float32(softmax_scale),
                      np.float32(softmax_scale * _LOG2E), np.float32(softcap), np.int32(alibi_batch_stride or 0),
                      threshold)
     rng_at = len(sizes)  # the dropout seed and offset words come next: per-call values
-    sizes += (np.uint32(0),) * 4 + (keep_scale, np.int32(total_q), np.int32(total_k)) + errors
+    sizes += (np.uint32(0),) * 4 + (keep_scale, np.int32(total_q), np.int32(total_k)) + error_pointers()
 
     dq_pitch = config.dq_pitch(headdim)  # the fp32 dQ accumulator's floats per row, as the main kernel adds them
-    lanes = min(32, 1 << (headdim // 8 - 1).bit_length())  # the preprocess's lanes per row: 16-byte chunks each
-    pre = _launch(
-        build.get_kernel("bwd", f"fa2::bwd_preprocess<{tag}>", 0),
-        (-(-seqlen_q * lanes // 256), nheads, batch), (256, 1, 1), 0, 5,
-        _strides3(strides["dout"]) + _strides3(strides["out"]) + stats + (np.int32(seqlen_q), np.int32(headdim),
-                                                                          np.int32(dq_pitch), np.int32(lanes),
-                                                                          np.int32(total_q))
-        + errors,
-    )
+    pre = _preprocess_launch(q_shape, strides, dtype, stats, dq_pitch, total_q)
     smem = config.smem_bytes(atomic)
     main = _launch(
         build.get_kernel(config.family, config.name_expression(dtype, mask, atomic, mods, varlen_totals is not None), smem),
@@ -109,37 +97,66 @@ def plan_backward(
     )
     maps = None
     if hopper:
-        rows = {"q": config.block_m, "k": config.block_n, "v": config.block_n, "dout": config.block_m}
-        maps = tensor_maps.TileMaps([tensor_maps.layout(shapes[n], strides[n], rows[n]) for n in shapes])
-    dq = convert = None
-    dq_accum_shape = None
+        tile_rows = {"q": config.block_m, "k": config.block_n, "v": config.block_n, "dout": config.block_m}
+        maps = tensor_maps.TileMaps([tensor_maps.layout(shapes[n], strides[n], tile_rows[n]) for n in shapes])
+    dq = convert = dq_accum_shape = None
     if deterministic:
-        dq_config = configs.backward_dq_config(arch, headdim, dtype, mask)
-        dq = _launch(
-            build.get_kernel("bwd", dq_config.name_expression(dtype, mask, mods), dq_config.smem_bytes),
-            ((seqlen_q + dq_config.block_m - 1) // dq_config.block_m, nheads, batch),
-            (dq_config.threads, 1, 1), dq_config.smem_bytes, 11,
-            sum((_strides3(strides[n]) for n in ("q", "k", "v", "dout", "dq")), ()) + sizes, rng_at=11 + 15 + rng_at,
-        )
+        dq = _dq_launch(rows.backward_dq, q_shape, strides, dtype, mask, mods, sizes, rng_at)
     else:
-        convert = _launch(
-            build.get_kernel("bwd", f"fa2::bwd_convert_dq<{tag}>", 0),
-            ((seqlen_q * (headdim // 8) + 255) // 256, nheads, batch), (256, 1, 1), 0, 3,
-            _strides3(strides["dq"]) + stats + (np.int32(seqlen_q), np.int32(headdim), np.int32(dq_pitch),
-                                                np.float32(softmax_scale), np.int32(total_q)) + errors,
-        )
+        convert = _convert_launch(q_shape, strides, dtype, stats, dq_pitch, softmax_scale, total_q)
         dq_accum_shape = (nheads, total_q, dq_pitch) if varlen_totals else (batch, nheads, seqlen_q, dq_pitch)
-    zero_tail = None
-    if varlen_totals:
-        q_row, kv_row = nheads * headdim, nheads_kv * headdim
-        if any(strides[n][1:] != (row, headdim, 1) for n, row in (("dq", q_row), ("dk", kv_row), ("dv", kv_row))):
-            raise ValueError("varlen gradients must be contiguous (total, heads, d) arrays")
-        chunks = max(total_q * q_row, total_k * kv_row) // 8
-        zero_tail = _launch(build.get_kernel("bwd", "fa2::bwd_zero_tail", 0), (min(64, -(-chunks // 256)), 3, 1),
-                            (256, 1, 1), 0, 5, (np.int32(batch), np.int32(total_q), np.int32(total_k),
-                                                np.int32(q_row), np.int32(kv_row)))
+    zero_tail = _zero_tail_launch(q_shape, k_shape, strides, varlen_totals) if varlen_totals else None
     dsum_shape = (nheads, total_q) if varlen_totals else (batch, nheads, seqlen_q)
     return BackwardPlan(pre, main, dq, convert, zero_tail, dsum_shape, dq_accum_shape, config, maps)
+
+
+def _preprocess_launch(q_shape, strides, dtype, stats, dq_pitch, total_q) -> build.Launch:
+    """dsum = rowsum(dout * out) (and the fp32 dQ accumulator's zeroing): one launch, its pointers first."""
+    batch, seqlen_q, nheads, headdim = q_shape
+    lanes = min(32, 1 << (headdim // 8 - 1).bit_length())  # the preprocess's lanes per row: 16-byte chunks each
+    return _launch(
+        build.get_kernel("bwd", f"fa2::bwd_preprocess<{configs.DTYPE_TAGS[dtype]}>", 0),
+        (-(-seqlen_q * lanes // 256), nheads, batch), (256, 1, 1), 0, 5,
+        _strides3(strides["dout"]) + _strides3(strides["out"]) + stats + (np.int32(seqlen_q), np.int32(headdim),
+                                                                          np.int32(dq_pitch), np.int32(lanes),
+                                                                          np.int32(total_q))
+        + error_pointers(),
+    )
+
+
+def _dq_launch(dq_config, q_shape, strides, dtype, mask, mods, sizes, rng_at) -> build.Launch:
+    """The deterministic dQ kernel's launch (its own pass over the keys)."""
+    batch, seqlen_q, nheads, _ = q_shape
+    return _launch(
+        build.get_kernel("bwd", dq_config.name_expression(dtype, mask, mods), dq_config.smem_bytes),
+        ((seqlen_q + dq_config.block_m - 1) // dq_config.block_m, nheads, batch),
+        (dq_config.threads, 1, 1), dq_config.smem_bytes, 11,
+        sum((_strides3(strides[n]) for n in ("q", "k", "v", "dout", "dq")), ()) + sizes, rng_at=11 + 15 + rng_at,
+    )
+
+
+def _convert_launch(q_shape, strides, dtype, stats, dq_pitch, softmax_scale, total_q) -> build.Launch:
+    """The atomic backward's last launch: the fp32 dQ accumulator, scaled, into dq's dtype and strides."""
+    batch, seqlen_q, nheads, headdim = q_shape
+    return _launch(
+        build.get_kernel("bwd", f"fa2::bwd_convert_dq<{configs.DTYPE_TAGS[dtype]}>", 0),
+        ((seqlen_q * (headdim // 8) + 255) // 256, nheads, batch), (256, 1, 1), 0, 3,
+        _strides3(strides["dq"]) + stats + (np.int32(seqlen_q), np.int32(headdim), np.int32(dq_pitch),
+                                            np.float32(softmax_scale), np.int32(total_q)) + error_pointers(),
+    )
+
+
+def _zero_tail_launch(q_shape, k_shape, strides, varlen_totals) -> build.Launch:
+    """Varlen: zeroes dq/dk/dv's rows past the last sequence (which must be contiguous)."""
+    batch, _, nheads, headdim = q_shape
+    total_q, total_k = varlen_totals
+    q_row, kv_row = nheads * headdim, k_shape[2] * headdim
+    if any(strides[n][1:] != (row, headdim, 1) for n, row in (("dq", q_row), ("dk", kv_row), ("dv", kv_row))):
+        raise ValueError("varlen gradients must be contiguous (total, heads, d) arrays")
+    chunks = max(total_q * q_row, total_k * kv_row) // 8
+    return _launch(build.get_kernel("bwd", "fa2::bwd_zero_tail", 0), (min(64, -(-chunks // 256)), 3, 1),
+                   (256, 1, 1), 0, 5, (np.int32(batch), np.int32(total_q), np.int32(total_k),
+                                       np.int32(q_row), np.int32(kv_row)))
 
 
 def maps_writer(plan: BackwardPlan, q: int, k: int, v: int, dout: int):
@@ -148,22 +165,30 @@ def maps_writer(plan: BackwardPlan, q: int, k: int, v: int, dout: int):
     return None if plan.tensor_maps is None else plan.tensor_maps.writer((q, k, v, dout))
 
 
-def run_backward(plan: BackwardPlan, ptr: dict, stream_ptr: int) -> None:
-    """Launches a plan on the stream with handle ``stream_ptr``. ``ptr`` maps "q", "k", "v", "dout", "out", "lse",
-    "dq", "dk", "dv", "dsum" and (atomics only) "dq_accum" to device pointers, and optionally "cu_seqlens_q",
-    "cu_seqlens_k" (varlen), "alibi_slopes" and "rng_state", and the ints "dropout_seed" and "dropout_offset"."""
-    dq_accum = ptr.get("dq_accum", 0) if plan.convert is not None else 0
-    cu_q, cu_k, alibi = ptr.get("cu_seqlens_q", 0), ptr.get("cu_seqlens_k", 0), ptr.get("alibi_slopes", 0)
-    rng_state = ptr.get("rng_state", 0)
-    rng = dropout_words(ptr.get("dropout_seed", 0), ptr.get("dropout_offset", 0))
-    plan.preprocess(stream_ptr, (ptr["dout"], ptr["out"], ptr["dsum"], dq_accum, cu_q))
-    plan.main(stream_ptr, (ptr["q"], ptr["k"], ptr["v"], ptr["dout"], ptr["lse"], ptr["dsum"], dq_accum, ptr["dk"],
-                           ptr["dv"], cu_q, cu_k, alibi, rng_state) + rng,
-              maps_writer(plan, ptr["q"], ptr["k"], ptr["v"], ptr["dout"]))
+#: The device pointers a backward launch takes, by name. A launch reads every one: its ``pointers`` start from
+#: NO_POINTERS (0 where an array is absent).
+POINTERS = ("q", "k", "v", "dout", "softmax_lse", "dsum", "dq_accum", "dk", "dv", "cu_seqlens_q", "cu_seqlens_k",
+            "alibi_slopes", "dropout_rng_state", "out", "dq")
+NO_POINTERS = dict.fromkeys(POINTERS, 0)
+_pointer_values = operator.itemgetter(*POINTERS)
+
+
+def run_backward(plan: BackwardPlan, pointers: dict, values: tuple, stream_ptr: int, framework: str = "cupy",
+                 device: int = 0) -> None:
+    """Launches a plan on the stream with handle ``stream_ptr``. ``pointers`` maps every name of :data:`POINTERS`
+    to a device pointer: "dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", "dsum" and (atomics only)
+    "dq_accum", and 0 where absent, "cu_seqlens_q", "cu_seqlens_k" (varlen), "alibi_slopes" and
+    "dropout_rng_state"; ``values`` = (dropout seed, dropout offset)."""
+    q, k, v, dout, lse, dsum, dq_accum, dk, dv, cu_q, cu_k, alibi, rng_state, out, dq = _pointer_values(pointers)
+    if plan.convert is None:
+        dq_accum = 0  # (deterministic: no accumulator)
+    rng = dropout_words(*values)
+    plan.preprocess(stream_ptr, (dout, out, dsum, dq_accum, cu_q))
+    plan.main(stream_ptr, (q, k, v, dout, lse, dsum, dq_accum, dk, dv, cu_q, cu_k, alibi, rng_state) + rng,
+              maps_writer(plan, q, k, v, dout))
     if plan.dq is not None:
-        plan.dq(stream_ptr, (ptr["q"], ptr["k"], ptr["v"], ptr["dout"], ptr["lse"], ptr["dsum"], ptr["dq"], cu_q,
-                             cu_k, alibi, rng_state) + rng)
+        plan.dq(stream_ptr, (q, k, v, dout, lse, dsum, dq, cu_q, cu_k, alibi, rng_state) + rng)
     else:
-        plan.convert(stream_ptr, (dq_accum, ptr["dq"], cu_q))
+        plan.convert(stream_ptr, (dq_accum, dq, cu_q))
     if plan.zero_tail is not None:
-        plan.zero_tail(stream_ptr, (ptr["dq"], ptr["dk"], ptr["dv"], cu_q, cu_k))
+        plan.zero_tail(stream_ptr, (dq, dk, dv, cu_q, cu_k))

@@ -17,6 +17,8 @@ SUPPORTED_DTYPES = ("float16", "bfloat16")
 MAX_HEADDIM = 256
 #: batch and nheads index grid axes y and z, which CUDA caps at 65535 blocks.
 MAX_GRID_YZ = 65535
+#: Row strides travel as 32-bit ints (the kernels step K/V rows with them); the entry points copy anything wider.
+MAX_ROW_STRIDE = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -167,8 +169,18 @@ def check_forward_args(
             frameworks/devices, or a non-finite/out-of-range option value.
         NotImplementedError: never for these options.
     """
-    # --- options first: they are independent of the arrays. Each has a fast path
-    # for the common spellings (this runs on every call; the numbers ABCs are slow).
+    # Options first: they are independent of the arrays.
+    _check_attention_options(dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs)
+    shape = _check_qkv(q, k, v)
+    if alibi_slopes is not None:
+        check_alibi(alibi_slopes, q, shape.batch, shape.nheads)
+    return shape
+
+
+def _check_attention_options(dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
+                             return_attn_probs) -> None:
+    """check_forward_args' scalar options. Each has a fast path for the common spellings (this runs on every
+    checked call; the numbers ABCs are slow)."""
     if causal is not True and causal is not False:
         _check_bool(causal, "causal")
     if deterministic is not True and deterministic is not False:
@@ -203,7 +215,9 @@ def check_forward_args(
         if not (math.isfinite(cap) and cap >= 0.0):
             raise ValueError(f"softcap must be a finite number >= 0, got {softcap!r}")
 
-    # --- arrays
+
+def _check_qkv(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo) -> AttnShape:
+    """check_forward_args' rules for q, k and v (layouts, shapes, grouping, dtypes, one framework and device)."""
     _check_layout(q, _AXES_Q)
     _check_layout(k, _AXES_KV)
     _check_layout(v, _AXES_KV)
@@ -264,8 +278,6 @@ def check_forward_args(
                 f"a copy if the last axis is strided"
             )
 
-    if alibi_slopes is not None:
-        check_alibi(alibi_slopes, q, batch, nheads)
     return AttnShape(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, q.dtype)
 
 
@@ -549,3 +561,253 @@ def check_merge_args(outs, lses) -> tuple:
         if info.dtype != "float32":
             raise TypeError(f"{info.name} has dtype {info.dtype}; lses must be float32 (as flash_attn_func returns)")
     return len(outs), batch, seqlen_q, nheads, headdim, first.dtype
+
+
+# --------------------------------------------------------------------------------------------- kv-cache
+
+@dataclass(frozen=True)
+class DecodeExtras:
+    """The optional features of a call, validated, as the kernels take them. The default is the plain decode."""
+
+    window_left: int = UNLIMITED_WINDOW  # keys before the diagonal a query sees (UNLIMITED_WINDOW: no limit)
+    window_right: int = UNLIMITED_WINDOW  # keys after it; causal is 0 here
+    softcap: float = 0.0
+    alibi: bool = False  # alibi_slopes given (float32 (batch, nheads) or (nheads,))
+    alibi_batch_stride: int = 0  # elements; 0 for (nheads,)
+    leftpad: bool = False  # cache_leftpad given
+    rotary_dim: int = 0  # 0: no rotary embedding
+    seqlen_ro: int = 0  # rows of rotary_cos / rotary_sin
+    rotary_interleaved: bool = True
+    rotary_advance: bool = False  # query t at position cache_seqlens + t (causal or local), else cache_seqlens
+
+    @property
+    def masked(self) -> bool:
+        return self.window_left != UNLIMITED_WINDOW or self.window_right != UNLIMITED_WINDOW
+
+    @property
+    def plain_causal(self) -> bool:
+        """The window is the causal mask (unlimited, 0), which the plain kernels handle."""
+        return self.window_left == UNLIMITED_WINDOW and self.window_right == 0
+
+    @property
+    def attention(self) -> bool:
+        """Whether the attention needs the Extras kernel (anything but no mask or the causal mask)."""
+        return (self.masked and not self.plain_causal) or self.softcap > 0 or self.alibi or self.leftpad
+
+    @property
+    def append(self) -> bool:
+        """Whether the append needs its Extras kernel (rotating the new keys, checking pads and positions)."""
+        return self.rotary_dim > 0 or self.leftpad
+
+
+def cache_usable_in_place(x, name: str) -> None:
+    """Raises unless the CuPy array ``x`` (a cache, read and written in place) suits the kernels as it is."""
+    item = x.itemsize
+    if x.data.ptr % 16 or any(s % (8 * item) for s in x.strides[:3]) or x.strides[3] != item:
+        raise ValueError(
+            f"{name} must have a contiguous last axis, 16-byte aligned rows and strides that are multiples of 8 "
+            f"elements (it is updated and read in place, never copied); got strides {x.strides} bytes"
+        )
+    if abs(x.strides[1]) // item >= MAX_ROW_STRIDE:
+        raise ValueError(f"{name} has a row stride of {x.strides[1] // item} elements; at most "
+                         f"{MAX_ROW_STRIDE - 1} are supported")
+
+
+def fixed_seqlen(cache_seqlens, capacity: int, seqlen_new: int, rotary_span: int = 0, seqlen_ro: int = 0) -> int:
+    """The kernels' fixed_seqlen argument: an int cache_seqlens (checked here, on the host, where it is), the
+    whole cache for None, anything for an array (the kernels read and check the array). ``rotary_span``: with
+    rotary, how many positions from cache_seqlens on are rotated (they must lie below ``seqlen_ro``)."""
+    if cache_seqlens is None:
+        fixed = capacity - seqlen_new
+    elif isinstance(cache_seqlens, int):
+        if not 0 <= cache_seqlens <= capacity - seqlen_new:
+            raise ValueError(f"cache_seqlens + seqlen_new must lie in [0, {capacity}] (the cache capacity); got "
+                             f"cache_seqlens={cache_seqlens}, seqlen_new={seqlen_new}")
+        fixed = cache_seqlens
+    else:
+        return 0
+    if rotary_span and fixed + rotary_span > seqlen_ro:
+        raise ValueError(f"rotary_cos/rotary_sin have {seqlen_ro} rows but position {fixed + rotary_span - 1} "
+                         f"(cache_seqlens={fixed} plus the new tokens) is rotated; they need a row per position")
+    return fixed
+
+
+@dataclass(frozen=True)
+class KvcacheCall:
+    """A flash_attn_with_kvcache call's validated metadata (see check_kvcache_args)."""
+
+    batch: int
+    seqlen_q: int
+    nheads: int
+    nheads_kv: int
+    headdim: int
+    dtype: str
+    seqlen_new: int
+    page_size: int  # 0: contiguous cache
+    capacity: int
+    max_pages: int
+    fixed_seqlen: int
+    scale: float
+    causal: bool
+    extras: DecodeExtras
+
+
+def check_kvcache_args(infos: dict, cache_seqlens, *, softmax_scale=None, causal=False, window_size=(-1, -1),
+                       softcap=0.0, rotary_interleaved=True, num_splits=0) -> KvcacheCall:
+    """Validates a flash_attn_with_kvcache call from its arrays' descriptions (``infos``: argument name ->
+    ArrayInfo for each array given, cache_seqlens included when it is an array) and its scalar options; needs no
+    GPU. Raises TypeError / ValueError naming the argument and what is allowed."""
+    cap = _check_kvcache_options(infos, softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits)
+    batch, seqlen_q, nheads, nheads_kv, headdim, seqlen_new = _check_kvcache_arrays(infos)
+    page_size, max_pages, capacity = _check_kvcache_index(infos, cache_seqlens, batch)
+    # The mask, flash-attn's way: causal is the window's right side 0, and a side of at least the cache capacity
+    # is no limit (so it also decides whether q's rotary positions advance, below).
+    left, right = (int(w) for w in window_size)
+    right = 0 if causal else right
+    left, right = (-1 if w >= capacity else w for w in (left, right))
+    extras = dict(window_left=left if left >= 0 else UNLIMITED_WINDOW,
+                  window_right=right if right >= 0 else UNLIMITED_WINDOW, softcap=cap,
+                  leftpad="cache_leftpad" in infos, alibi=_check_kvcache_alibi(infos, batch, nheads))
+    rotary_span = 0
+    if "rotary_cos" in infos:
+        advance = left >= 0 or right >= 0  # (causal or local: query t is at position cache_seqlens + t)
+        rotary_dim, seqlen_ro = _check_rotary(infos, headdim, capacity)
+        extras.update(rotary_dim=rotary_dim, seqlen_ro=seqlen_ro, rotary_interleaved=bool(rotary_interleaved),
+                      rotary_advance=advance)
+        rotary_span = max(seqlen_new, seqlen_q if advance else 1)
+    fixed = fixed_seqlen(cache_seqlens, capacity, seqlen_new, rotary_span, extras.get("seqlen_ro", 0))
+    scale = default_scale(headdim) if softmax_scale is None else float(softmax_scale)
+    return KvcacheCall(batch, seqlen_q, nheads, nheads_kv, headdim, infos["q"].dtype, seqlen_new, page_size,
+                       capacity, max_pages, fixed, scale, bool(causal), DecodeExtras(**extras))
+
+
+def _check_kvcache_options(infos: dict, softmax_scale, causal, window_size, softcap, rotary_interleaved,
+                           num_splits) -> float:
+    """The scalar options and the arguments that come in pairs; returns the softcap as a float."""
+    if ("k" in infos) != ("v" in infos):
+        raise ValueError("k and v must be given together (new keys and values to append) or both be None")
+    if ("rotary_cos" in infos) != ("rotary_sin" in infos):
+        raise ValueError("rotary_cos and rotary_sin must be given together or both be None")
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 0:
+        raise ValueError(f"num_splits must be an int >= 0 (0 = choose automatically), got {num_splits!r}")
+    if causal is not True and causal is not False:
+        _check_bool(causal, "causal")
+    if rotary_interleaved is not True and rotary_interleaved is not False:
+        _check_bool(rotary_interleaved, "rotary_interleaved")
+    if type(window_size) is not tuple or window_size != (-1, -1):
+        _check_window(window_size)
+    cap = 0.0
+    if not (type(softcap) is float and softcap == 0.0):
+        cap = _real(softcap, "softcap")
+        if not (math.isfinite(cap) and cap >= 0.0):
+            raise ValueError(f"softcap must be a finite number >= 0 (0 = no softcap), got {softcap!r}")
+    if softmax_scale is not None:
+        scale = _real(softmax_scale, "softmax_scale")
+        if not math.isfinite(scale):
+            raise ValueError(f"softmax_scale must be None or a finite number, got {softmax_scale!r}")
+    return cap
+
+
+def _check_kvcache_arrays(infos: dict) -> tuple:
+    """q, the caches and the new keys/values: ``(batch, seqlen_q, nheads, nheads_kv, headdim, seqlen_new)``."""
+    q_info, kc_info, vc_info = infos["q"], infos["k_cache"], infos["v_cache"]
+    for info in (q_info, kc_info, vc_info):
+        if len(info.shape) != 4:
+            raise ValueError(f"{info.name} must be 4-D, got shape {info.shape}")
+    batch, seqlen_q, nheads, headdim = q_info.shape
+    if kc_info.shape != vc_info.shape:
+        raise ValueError(f"k_cache {kc_info.shape} and v_cache {vc_info.shape} must have the same shape")
+    nheads_kv = kc_info.shape[2]
+    if kc_info.shape[3] != headdim:
+        raise ValueError(f"k_cache has headdim {kc_info.shape[3]} but q has {headdim}")
+    if min(q_info.shape) < 1 or min(kc_info.shape) < 1:
+        raise ValueError(f"q {q_info.shape} and k_cache {kc_info.shape} must have no zero-length axis")
+    if headdim % 8 or headdim > 256:
+        raise ValueError(f"q has headdim={headdim}; flash_attn_with_kvcache needs a multiple of 8 up to 256 "
+                         f"(the caches are used in place, so they cannot be padded)")
+    if nheads % nheads_kv:
+        raise ValueError(f"q has nheads={nheads}, not a multiple of the caches' nheads_kv={nheads_kv}")
+    for info in [q_info, kc_info, vc_info] + [infos[n] for n in ("k", "v") if n in infos]:
+        if info.dtype not in SUPPORTED_DTYPES or info.dtype != q_info.dtype:
+            raise TypeError(f"{info.name} has dtype {info.dtype}; q, k_cache, v_cache, k and v must share one "
+                            f"dtype, float16 or bfloat16")
+    seqlen_new = 0
+    if "k" in infos:
+        for n in ("k", "v"):
+            shape = infos[n].shape
+            if len(shape) != 4 or shape[0] != batch or shape[2] != nheads_kv or shape[3] != headdim:
+                raise ValueError(f"{n} must be (batch, seqlen_new, nheads_kv, headdim) = ({batch}, *, {nheads_kv}, "
+                                 f"{headdim}), got {shape}")
+        if infos["k"].shape != infos["v"].shape:
+            raise ValueError(f"k {infos['k'].shape} and v {infos['v'].shape} must have the same shape")
+        seqlen_new = infos["k"].shape[1]
+    return batch, seqlen_q, nheads, nheads_kv, headdim, seqlen_new
+
+
+def _check_kvcache_index(infos: dict, cache_seqlens, batch: int) -> tuple:
+    """The arrays that say where each row's keys are (block_table, cache_batch_idx, cache_leftpad, cache_seqlens):
+    ``(page_size, max_pages, capacity)``; page_size and max_pages are 0 for a contiguous cache."""
+    kc_info = infos["k_cache"]
+    if "block_table" in infos:
+        bt = infos["block_table"]
+        if len(bt.shape) != 2 or bt.shape[0] != batch or bt.dtype != "int32":
+            raise ValueError(f"block_table must be int32 (batch, max_pages) = ({batch}, *), got {bt.dtype} {bt.shape}")
+        if "cache_batch_idx" in infos:
+            raise ValueError("cache_batch_idx cannot be combined with block_table (each row's pages say where it is)")
+        if "cache_leftpad" in infos:
+            raise ValueError("cache_leftpad cannot be combined with block_table (as in flash-attn, left-padded "
+                             "caches must be contiguous)")
+        if cache_seqlens is None:
+            raise ValueError("cache_seqlens is required with block_table")
+        page_size = kc_info.shape[1]
+        if page_size % 16:
+            raise ValueError(f"k_cache has page_size={page_size} (axis 1 of a paged cache); it must be a multiple "
+                             f"of 16")
+        max_pages, capacity = bt.shape[1], bt.shape[1] * page_size
+    else:
+        page_size, max_pages, capacity = 0, 0, kc_info.shape[1]
+    for name in ("cache_batch_idx", "cache_leftpad"):
+        info = infos.get(name)
+        if info is not None and (info.shape != (batch,) or info.dtype != "int32"):
+            raise ValueError(f"{name} must be int32 (batch,) = ({batch},), got {info.dtype} {info.shape}")
+    if not page_size and "cache_batch_idx" not in infos and kc_info.shape[0] < batch:
+        raise ValueError(f"k_cache has {kc_info.shape[0]} rows but q has batch={batch}; pass cache_batch_idx")
+    cs = infos.get("cache_seqlens")
+    if cs is not None and (cs.shape != (batch,) or cs.dtype != "int32"):
+        raise ValueError(f"cache_seqlens must be an int or int32 (batch,) = ({batch},), got {cs.dtype} {cs.shape}")
+    if isinstance(cache_seqlens, bool):
+        raise TypeError("cache_seqlens must be an int or an int32 array, not a bool")
+    return page_size, max_pages, capacity
+
+
+def _check_kvcache_alibi(infos: dict, batch: int, nheads: int) -> bool:
+    """Whether ALiBi slopes were given (float32 ``(nheads,)`` or ``(batch, nheads)``)."""
+    al = infos.get("alibi_slopes")
+    if al is None:
+        return False
+    if al.dtype != "float32":
+        raise TypeError(f"alibi_slopes must be float32, got {al.dtype}")
+    if al.shape not in ((nheads,), (batch, nheads)):
+        raise ValueError(f"alibi_slopes must be ({nheads},) or ({batch}, {nheads}) = (nheads,) or (batch, nheads), "
+                         f"got {al.shape}")
+    return True
+
+
+def _check_rotary(infos: dict, headdim: int, capacity: int) -> tuple:
+    """rotary_cos / rotary_sin ``(seqlen_ro, rotary_dim / 2)`` in q's dtype: ``(rotary_dim, seqlen_ro)``."""
+    cos, sin, dtype = infos["rotary_cos"], infos["rotary_sin"], infos["q"].dtype
+    for info in (cos, sin):
+        if info.dtype != dtype:
+            raise TypeError(f"{info.name} has dtype {info.dtype}; it must be q's dtype, {dtype}")
+        if len(info.shape) != 2 or info.shape[1] < 1:
+            raise ValueError(f"{info.name} must be 2-D (seqlen_ro, rotary_dim / 2), got shape {info.shape}")
+    if cos.shape != sin.shape:
+        raise ValueError(f"rotary_cos {cos.shape} and rotary_sin {sin.shape} must have the same shape")
+    seqlen_ro, rotary_dim = cos.shape[0], 2 * cos.shape[1]
+    if rotary_dim > headdim:
+        raise ValueError(f"rotary_cos has {cos.shape[1]} columns, so rotary_dim = {rotary_dim}; it must be at "
+                         f"most headdim = {headdim} (rotary_cos: (seqlen_ro, rotary_dim / 2))")
+    if seqlen_ro < capacity:
+        raise ValueError(f"rotary_cos/rotary_sin have {seqlen_ro} rows; they need at least one per cache slot, "
+                         f"{capacity} (the cache capacity), as in flash-attn")
+    return rotary_dim, seqlen_ro

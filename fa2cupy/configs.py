@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from .options import DEFAULT, KernelOptions
+
 #: Tile widths (template head dims). A head dim d (padded to a multiple of 8) runs on the smallest width >= d;
 #: the kernel zero-fills the columns between d and the width.
 HEADDIMS = (32, 64, 96, 128, 160, 192, 224, 256)
@@ -479,11 +481,11 @@ def forward_config(arch: int, headdim: int, dtype: str, mask: str, varlen: bool 
 
 
 #: Causal and windowed calls run on the Hopper forward from this many query rows on (seqlen_q, or max_seqlen_q with
-#: varlen; tests set them to 0 to run the Hopper kernel at every length). Below it, items of a few key tiles each
-#: leave its pipeline mostly filling and draining. H100 bf16 causal, hidden 2048, Hopper / mma.sync kernel time in one
-#: process (2026-11-27, after d=64 went to three consumer warpgroups): d=64 256 1.11x (mma.sync kept), 512 0.86x,
-#: 1024 1.00x; d=128 128 0.93x, 256 0.94x, 512 1.01x; windows d=64 (256, 0) over 512 0.79x, d=128 (128, 0) over 256
-#: 0.96x (bench/NOTES.md).
+#: varlen; KernelOptions.hopper_masked_min_seqlen replaces it, e.g. 0 for the Hopper kernel at every length). Below
+#: it, items of a few key tiles each leave its pipeline mostly filling and draining. H100 bf16 causal, hidden 2048,
+#: Hopper / mma.sync kernel time in one process, with three consumer warpgroups at d=64: d=64 256 1.11x (mma.sync
+#: kept), 512 0.86x, 1024 1.00x; d=128 128 0.93x, 256 0.94x, 512 1.01x; windows d=64 (256, 0) over 512 0.79x,
+#: d=128 (128, 0) over 256 0.96x (docs/design.md).
 HOPPER_MASKED_MIN_SEQLEN = {64: 512, 128: 128}
 
 #: The Hopper forward's persistent blocks take the work items of heads in groups whose K/V take at most this many
@@ -491,23 +493,29 @@ HOPPER_MASKED_MIN_SEQLEN = {64: 512, 128: 128}
 HOPPER_L2_GROUP_BYTES = 16 << 20
 
 
-def hopper_heads_per_group(seqlen_k: int, headdim: int, heads_per_kv: int, heads: int) -> int:
-    """(batch row, head) pairs per group of the Hopper forward's work items (see HOPPER_L2_GROUP_BYTES): whole
-    kv heads' worth of query heads, at least one kv head, at most ``heads`` (batch x nheads)."""
+def hopper_heads_per_group(seqlen_k: int, headdim: int, heads_per_kv: int, heads: int,
+                           group_bytes: int | None = None) -> int:
+    """(batch row, head) pairs per group of the Hopper forward's work items (see HOPPER_L2_GROUP_BYTES, or
+    ``group_bytes``): whole kv heads' worth of query heads, at least one kv head, at most ``heads`` (batch x
+    nheads)."""
     kv_bytes = 2 * seqlen_k * headdim * 2  # K and V of one kv head, 16-bit
-    return min(heads, max(1, HOPPER_L2_GROUP_BYTES // max(kv_bytes, 1)) * heads_per_kv)
+    group_bytes = HOPPER_L2_GROUP_BYTES if group_bytes is None else group_bytes
+    return min(heads, max(1, group_bytes // max(kv_bytes, 1)) * heads_per_kv)
 
 
 def hopper_forward_config(arch: int, headdim: int, dtype: str, mods: bool = False, varlen: bool = False,
-                          mask: str = "none", seqlen_q: int | None = None) -> HopperFwdConfig | None:
+                          mask: str = "none", seqlen_q: int | None = None,
+                          masked_min_seqlen: int | None = None) -> HopperFwdConfig | None:
     """The Hopper forward's row for this call, or None where the mma.sync forward runs it (another GPU, a head
-    dim other than 64 or 128, score modifiers, or a masked call shorter than HOPPER_MASKED_MIN_SEQLEN; ``seqlen_q``
-    None skips that last rule). Varlen calls, paged K/V included, run where padded ones would."""
+    dim other than 64 or 128, score modifiers, or a masked call shorter than HOPPER_MASKED_MIN_SEQLEN, or than
+    ``masked_min_seqlen`` where given; ``seqlen_q`` None skips that last rule). Varlen calls, paged K/V included,
+    run where padded ones would."""
     if dtype not in DTYPE_TAGS:
         raise ValueError(f"dtype must be one of {tuple(DTYPE_TAGS)}, got {dtype}")
     if arch != 90 or mods or headdim not in FORWARD_HOPPER_TABLE:
         return None
-    if mask != "none" and seqlen_q is not None and seqlen_q < HOPPER_MASKED_MIN_SEQLEN[headdim]:
+    shortest = HOPPER_MASKED_MIN_SEQLEN[headdim] if masked_min_seqlen is None else masked_min_seqlen
+    if mask != "none" and seqlen_q is not None and seqlen_q < shortest:
         return None
     return FORWARD_HOPPER_TABLE[headdim]
 
@@ -535,6 +543,46 @@ def backward_dq_config(arch: int, headdim: int, dtype: str, mask: str) -> BwdDqC
     if dtype not in DTYPE_TAGS:
         raise ValueError(f"dtype must be one of {tuple(DTYPE_TAGS)}, got {dtype}")
     return BACKWARD_DQ_TABLE[(arch_family(arch), tile_headdim(headdim))]
+
+
+@dataclass(frozen=True)
+class KernelRows:
+    """The tile-table rows one call runs on (:func:`kernel_rows`)."""
+
+    forward: FwdConfig | HopperFwdConfig
+    backward: BwdConfig | HopperBwdConfig  # the dK/dV kernel's (with atomic dQ, it adds dQ too)
+    backward_dq: BwdDqConfig | None  # deterministic: the separate dQ kernel's; else None
+
+
+def kernel_rows(arch: int, headdim: int, dtype: str, mask: str = "none", mods: bool = False, varlen: bool = False,
+                seqlen_q: int | None = None, deterministic: bool = False, options: KernelOptions = DEFAULT,
+                tma: bool = True) -> KernelRows:
+    """The one place that chooses the rows a call runs on, forward and backward: the Hopper (wgmma, TMA) kernels'
+    where they take the call, else the mma.sync kernels'.
+
+    Args:
+        arch: compute capability as an int (80, 86, 89, 90, ...); no GPU is needed.
+        headdim: the kernels' head dim (the call's, padded to a multiple of 8).
+        dtype: "float16" or "bfloat16".
+        mask: one of MASKS ("none", "causal", "window"), as forward.kernel_variant gives it (score modifiers run in
+            the "window" variant).
+        mods: softcap, ALiBi or dropout (the Hopper kernels have none).
+        varlen: packed sequences (paged K/V included).
+        seqlen_q: query rows (max_seqlen_q for varlen): masked calls shorter than the Hopper forward's minimum run the
+            mma.sync forward; None skips that rule.
+        deterministic: the backward's mode (the Hopper dK/dV kernel adds dQ with atomics only).
+        options: KernelOptions: hopper_forward, hopper_backward, hopper_masked_min_seqlen.
+        tma: whether the call's strides suit TMA (positive, 16-byte multiples): the Hopper kernels copy with it.
+    """
+    forward = backward = None
+    if tma and options.hopper_forward:
+        forward = hopper_forward_config(arch, headdim, dtype, mods, varlen, mask, seqlen_q,
+                                        options.hopper_masked_min_seqlen)
+    if tma and options.hopper_backward:
+        backward = hopper_backward_config(arch, headdim, mods, deterministic)
+    return KernelRows(forward or forward_config(arch, headdim, dtype, mask, varlen),
+                      backward or backward_config(arch, headdim, dtype, mask, mods),
+                      backward_dq_config(arch, headdim, dtype, mask) if deterministic else None)
 
 
 def backward_instantiations(family: str | None = None) -> list[str]:

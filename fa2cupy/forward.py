@@ -1,31 +1,21 @@
 """Forward kernel family (cuda/fwd.cu): the launch plan (config, grid, scalar arguments) and the launch.
 
-A plan depends only on shapes, strides, dtype and options, never on data pointers, so the interface caches
-plans and a repeated call costs one dictionary look-up plus the launch itself.
+A plan depends only on shapes, strides, dtype and options, never on data pointers, so the call pipeline
+(fa2cupy.pipeline) remembers plans and a repeated call costs one dictionary look-up plus the launch itself.
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import numpy as np
 
 from . import arrays, build, checks, configs, device_errors, tensor_maps
-
-#: Tests set this to fill out and lse with NaN before every launch, so an element the kernel fails to write
-#: shows up as NaN instead of as whatever the allocator happened to hand back.
-_debug_poison = False
-
-#: Run calls without modifiers (paged K/V included) on the Hopper kernel (cuda/fwd_hopper.cu) on compute capability 9.0
-#: where configs.hopper_forward_config picks it. Tests and A/B timings set it False to run the mma.sync kernel
-#: there instead (and empty configs.HOPPER_MASKED_MIN_SEQLEN's lengths to take the Hopper kernel for every length).
-HOPPER = True
-#: Let the Hopper forward's blocks take masked work items from a tile counter (False: the grid stride, for A/B).
-TILE_COUNTER = True
+from .options import DEFAULT, KernelOptions
 
 _LOG2E = 1.4426950408889634
-#: Row strides travel as 32-bit ints (the kernel steps K/V rows with them); the interface copies anything wider.
-MAX_ROW_STRIDE = 1 << 24
+MAX_ROW_STRIDE = checks.MAX_ROW_STRIDE
 
 
 @dataclass(frozen=True)
@@ -84,24 +74,23 @@ def error_pointers() -> tuple:
 
 
 def kernel_config(arch: int, headdim: int, dtype: str, mask: str, mods: bool = False, varlen: bool = False,
-                  seqlen_q: int | None = None):
-    """The forward kernel's row for a call: the Hopper forward's where it takes the call (and HOPPER is on), else
-    the mma.sync forward's."""
-    config = configs.hopper_forward_config(arch, headdim, dtype, mods, varlen, mask, seqlen_q) if HOPPER else None
-    return config or configs.forward_config(arch, headdim, dtype, mask, varlen)
+                  seqlen_q: int | None = None, options: KernelOptions = DEFAULT):
+    """The forward kernel's row for a call (configs.kernel_rows): the Hopper forward's where it takes the call (and
+    the options let it), else the mma.sync forward's."""
+    return configs.kernel_rows(arch, headdim, dtype, mask, mods, varlen, seqlen_q, options=options).forward
 
 
 def plan_forward(
     q_shape, k_shape, strides, dtype: str, softmax_scale: float, causal: bool, arch: int, config=None,
     window_size=(-1, -1), softcap: float = 0.0, alibi_batch_stride=None, varlen_totals=None, dropout_p: float = 0.0,
-    paged=None,
+    paged=None, options: KernelOptions = DEFAULT,
 ) -> ForwardPlan:
     """Builds (and compiles on first use) the launch for one problem.
 
     q_shape ``(batch, seqlen_q, nheads, d)``, k_shape ``(batch, seqlen_k, nheads_kv, d)``; ``strides`` holds the
     element strides of q, k, v and out (4 tuples of 4). ``d`` is a multiple of 8 (<= 256); every last-axis
     stride is 1, the others are multiples of 8 with row strides below ``MAX_ROW_STRIDE``; ``softmax_scale >= 0``
-    (the interface folds a negative scale into q). ``config`` overrides the tile table (tuning only).
+    (the entry points fold a negative scale into q). ``config`` overrides the tile table (tuning only).
     ``causal`` and ``window_size`` (validated) pick the mask, see :func:`checks.window_bounds`; ``softcap > 0`` and
     ``alibi_batch_stride`` (not None: slopes are passed, with this batch stride in elements) the score modifiers,
     ``dropout_p > 0`` dropout (the seed and offset are per-call arguments of :func:`run_forward`).
@@ -112,12 +101,13 @@ def plan_forward(
     k/v are then ``(num_pages, page_size, nheads_kv, d)`` (their batch strides are the page strides), the launch
     takes a block_table pointer (int32 ``(batch, max_pages)``), and key ``j`` of sequence ``b`` is row
     ``j % page_size`` of page ``block_table[b, j // page_size]``; ``k_shape[1]`` is then max_seqlen_k.
+    ``options``: the kernel choices (the Hopper forward or not, its tile counter and L2 grouping).
     """
     batch, seqlen_q, nheads, headdim = q_shape
     seqlen_k, nheads_kv = k_shape[1], k_shape[2]
     mask, mods, left, right = kernel_variant(causal, window_size, softcap, alibi_batch_stride is not None, dropout_p)
     if config is None:
-        config = kernel_config(arch, headdim, dtype, mask, mods, varlen_totals is not None, seqlen_q)
+        config = kernel_config(arch, headdim, dtype, mask, mods, varlen_totals is not None, seqlen_q, options)
     # The Hopper forward's tensor maps (padded calls, and varlen, whose Q, whole output tiles and, packed, whole K/V
     # tiles go by TMA; paged K/V have none), over the packed arrays' rows for varlen.
     shapes = tensor_maps.array_shapes(q_shape, k_shape, varlen_totals)
@@ -125,10 +115,36 @@ def plan_forward(
     if (isinstance(config, configs.HopperFwdConfig)
             and not all(tensor_maps.usable(shape, s) for shape, s, m in zip(shapes, strides, mapped) if m)):
         # (strides TMA cannot take, say negative ones: the mma.sync forward, which copies with cp.async)
-        config = configs.forward_config(arch, headdim, dtype, mask, varlen_totals is not None)
+        config = configs.kernel_rows(arch, headdim, dtype, mask, mods, varlen_totals is not None, seqlen_q,
+                                     options=options, tma=False).forward
     function = build.get_kernel(config.family, config.name_expression(dtype, mask, mods, varlen_totals is not None,
                                                                       paged is not None), config.smem_bytes)
     hopper = isinstance(config, configs.HopperFwdConfig)
+    scalars, rng_slot = _forward_scalars(q_shape, k_shape, strides, softmax_scale, left, right, softcap,
+                                         alibi_batch_stride, varlen_totals, dropout_p, paged)
+    grid = ((seqlen_q + config.block_m - 1) // config.block_m, nheads, batch)
+    variable = list(range(10)) + list(range(rng_slot, rng_slot + 4))
+    tile_counter = False
+    if hopper:  # persistent blocks, one per SM at most, walking the work items
+        grid, tile_counter, persistent = _persistent_grid(grid, mask, seqlen_k, headdim, nheads // nheads_kv, options)
+        scalars += persistent
+        if tile_counter:
+            variable.append(10 + len(scalars) - 1)  # a fresh counter per launch (run_forward)
+    launch = build.Launch(function, grid, (config.threads, 1, 1), config.smem_bytes, (np.uint64(0),) * 10 + scalars,
+                          variable, blobs=4 if hopper else 0)
+    maps = None
+    if hopper:
+        rows = (config.block_m, config.block_n, config.block_n, config.block_m)
+        maps = tensor_maps.TileMaps([tensor_maps.layout(shape, s, r) if m else None
+                                     for shape, s, r, m in zip(shapes, strides, rows, mapped)])
+    return ForwardPlan(launch, config, tile_counter, maps)
+
+
+def _forward_scalars(q_shape, k_shape, strides, softmax_scale, left, right, softcap, alibi_batch_stride,
+                     varlen_totals, dropout_p, paged) -> tuple:
+    """The forward launch's fixed arguments after its 10 pointers, and the slot of its dropout seed/offset words."""
+    _, seqlen_q, nheads, headdim = q_shape
+    seqlen_k, nheads_kv = k_shape[1], k_shape[2]
     scalars = ()
     for batch_stride, row_stride, head_stride, _ in strides:
         scalars += (np.int64(batch_stride), np.int32(row_stride), np.int64(head_stride))
@@ -158,63 +174,69 @@ def plan_forward(
     scalars += (threshold, np.uint32(0), np.uint32(0), np.uint32(0), np.uint32(0), keep_scale,
                 np.int32(total_q), np.int32(total_k), np.int32(page_size), np.uint32(magic), np.int32(shift),
                 np.int32(max_pages), np.int32(num_pages)) + error_pointers()
-    grid = ((seqlen_q + config.block_m - 1) // config.block_m, nheads, batch)
-    variable = list(range(10)) + list(range(rng_slot, rng_slot + 4))
-    tile_counter = False
-    if hopper:  # persistent blocks, one per SM at most, walking the work items
-        import cupy
-
-        items = grid[0] * nheads * batch
-        sms = build.device_attribute(cupy.cuda.runtime.getDevice(), "MultiProcessorCount")
-        grid = (min(items, sms), 1, 1)
-        # Items of different lengths (a mask) go to whichever block asks next, longest first within L2 groups.
-        tile_counter = TILE_COUNTER and mask != "none" and items > grid[0]
-        heads_per_group = configs.hopper_heads_per_group(seqlen_k, headdim, nheads // nheads_kv,
-                                                         nheads * batch) if tile_counter else 1
-        scalars += (np.int32(batch), np.int32(heads_per_group), np.uint64(0))  # the tile counter: 0, the stride
-        if tile_counter:
-            variable.append(10 + len(scalars) - 1)  # a fresh counter per launch (run_forward)
-    launch = build.Launch(function, grid, (config.threads, 1, 1), config.smem_bytes, (np.uint64(0),) * 10 + scalars,
-                          variable, blobs=4 if hopper else 0)
-    maps = None
-    if hopper:
-        rows = (config.block_m, config.block_n, config.block_n, config.block_m)
-        maps = tensor_maps.TileMaps([tensor_maps.layout(shape, s, r) if m else None
-                                     for shape, s, r, m in zip(shapes, strides, rows, mapped)])
-    return ForwardPlan(launch, config, tile_counter, maps)
+    return scalars, rng_slot
 
 
-def run_forward(plan: ForwardPlan, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int,
-                stream_ptr: int, cu_seqlens_q: int = 0, cu_seqlens_k: int = 0, alibi_slopes: int = 0,
-                dropout_seed: int = 0, dropout_offset: int = 0, rng_state: int = 0, block_table: int = 0,
-                framework: str = "cupy", device: int = 0) -> None:
-    """Launches a plan on the stream with handle ``stream_ptr`` with raw device pointers (0 for an absent
-    cu_seqlens, alibi_slopes, rng_state or block_table) and the dropout seed and offset (ignored without dropout; a
-    non-zero ``rng_state`` points to uint32 {seed lo, seed hi, offset lo, offset hi} in device memory instead).
-    ``block_table`` is required by a plan made with ``paged`` and must be 0 otherwise.
+def _persistent_grid(grid, mask, seqlen_k, headdim, group, options) -> tuple:
+    """The Hopper forward's persistent blocks, one per SM at most, for the work items of ``grid``: (grid, whether
+    a tile counter hands out the items, the launch's trailing arguments (batch, heads per L2 group, counter))."""
+    import cupy
+
+    items = grid[0] * grid[1] * grid[2]
+    sms = options.sm_count or build.device_attribute(cupy.cuda.runtime.getDevice(), "MultiProcessorCount")
+    persistent = (min(items, sms), 1, 1)
+    # Items of different lengths (a mask) go to whichever block asks next, longest first within L2 groups.
+    tile_counter = options.tile_counter and mask != "none" and items > persistent[0]
+    heads_per_group = configs.hopper_heads_per_group(seqlen_k, headdim, group, grid[1] * grid[2],
+                                                     options.hopper_l2_group_bytes) if tile_counter else 1
+    return persistent, tile_counter, (np.int32(grid[2]), np.int32(heads_per_group), np.uint64(0))
+
+
+_NO_DROPOUT_WORDS = (0, 0, 0, 0)
+
+#: The device pointers a forward launch takes, by name, in the order of the kernel's first parameters. A launch
+#: reads every one: its ``pointers`` start from NO_POINTERS (0 where an array is absent).
+POINTERS = ("q", "k", "v", "out", "softmax_lse", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "dropout_rng_state",
+            "block_table")
+NO_POINTERS = dict.fromkeys(POINTERS, 0)
+_pointer_values = operator.itemgetter(*POINTERS)
+
+
+def run_forward(plan: ForwardPlan, pointers: dict, values: tuple, stream_ptr: int, framework: str = "cupy",
+                device: int = 0) -> None:
+    """Launches a plan on the stream with handle ``stream_ptr``. ``pointers`` maps every name of :data:`POINTERS`
+    to a device pointer: "q", "k", "v", "out", "softmax_lse", and 0 where absent, "cu_seqlens_q", "cu_seqlens_k"
+    (varlen), "alibi_slopes", "dropout_rng_state" (uint32 {seed lo, seed hi, offset lo, offset hi} in device
+    memory, read instead of ``values``) and "block_table" (required by a plan made with ``paged``). ``values`` =
+    (dropout seed, dropout offset), ignored without dropout.
 
     A plan with a tile counter gets a fresh one, zeroed on the stream, from the caller's allocator (see
     :func:`arrays.new_empty_raw`, on the current ``device``): per launch, so that launches on different streams
     or replayed from CUDA graphs never share one (a graph captures the zeroing with the launch)."""
-    values = (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state,
-              block_table) + dropout_words(dropout_seed, dropout_offset)
-    write_maps = None if plan.tensor_maps is None else plan.tensor_maps.writer((q_ptr, k_ptr, v_ptr, out_ptr))
+    args = _pointer_values(pointers)
+    seed, offset = values
+    args += dropout_words(seed, offset) if seed or offset else _NO_DROPOUT_WORDS
+    write_maps = None if plan.tensor_maps is None else plan.tensor_maps.writer(args[:4])  # (q, k, v, out)
     if plan.tile_counter:
         counter, pointer = arrays.new_empty_raw((1,), "int32", framework, device)
         build.memset_async(pointer, 0, 4, stream_ptr)
-        plan.launch(stream_ptr, values + (pointer,), write_maps)
+        plan.launch(stream_ptr, args + (pointer,), write_maps)
         del counter  # (stream-ordered allocators: reused only by work queued after this launch)
     else:
-        plan.launch(stream_ptr, values, write_maps)
+        plan.launch(stream_ptr, args, write_maps)
 
 
-def dropout_mask(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, dropout_p: float, seed: int, offset: int,
-                 stream_ptr: int, out_ptr: int) -> None:
-    """Writes the keep mask (uint8 ``(batch, nheads, seqlen_q, seqlen_k)``, 1 = kept) that the kernels draw for
-    these dropout parameters into ``out_ptr``."""
+def plan_dropout_mask(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, dropout_p: float) -> build.Launch:
+    """The launch that writes the keep mask (uint8 ``(batch, nheads, seqlen_q, seqlen_k)``, 1 = kept) the kernels
+    draw for ``dropout_p``; per call the mask's pointer and the seed and offset (:func:`run_dropout_mask`)."""
     function = build.get_kernel("fwd", "fa2::dropout_keep_mask", 0)
     threshold, _ = dropout_scalars(dropout_p)
-    args = (np.uint64(out_ptr), np.int32(seqlen_q), np.int32(seqlen_k), np.int32(nheads), threshold) + tuple(
-        np.uint32(w) for w in dropout_words(seed, offset))
-    build.Launch(function, ((seqlen_k + 255) // 256, seqlen_q, batch * nheads), (256, 1, 1), 0, args, ())(
-        stream_ptr, ())
+    args = (np.uint64(0), np.int32(seqlen_q), np.int32(seqlen_k), np.int32(nheads), threshold) + (np.uint32(0),) * 4
+    return build.Launch(function, ((seqlen_k + 255) // 256, seqlen_q, batch * nheads), (256, 1, 1), 0, args,
+                        (0, 5, 6, 7, 8))
+
+
+def run_dropout_mask(plan: build.Launch, pointers: dict, values: tuple, stream_ptr: int, framework: str = "cupy",
+                     device: int = 0) -> None:
+    """Writes the keep mask into ``pointers["mask"]`` for ``values`` = (dropout seed, dropout offset)."""
+    plan(stream_ptr, (pointers["mask"],) + dropout_words(*values))

@@ -39,7 +39,7 @@ import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
 import fa2cupy
-from fa2cupy import arrays, checks, packed
+from fa2cupy import arrays, attention, checks, options, packed
 
 __all__ = [
     "flash_attn_func",
@@ -144,7 +144,8 @@ def _xla_stream(ctx) -> int:
 # ------------------------------------------------------------------------------------------ the callbacks
 #
 # A call's static options are one hashable tuple, opts = (scale, causal, left, right, softcap, has_alibi, varlen,
-# dropout_p, paged), varlen being None or (max_seqlen_q, max_seqlen_k). Its array inputs are q, k, v, then
+# dropout_p, paged, kernel_options), varlen being None or (max_seqlen_q, max_seqlen_k) and kernel_options a
+# fa2cupy.KernelOptions. Its array inputs are q, k, v, then
 # cu_seqlens_q and cu_seqlens_k (varlen), then the block_table (paged), then the ALiBi slopes (has_alibi), then the
 # dropout rng state (dropout_p > 0: uint32 (4,) drawn from the caller's key, read by the kernels from GPU memory):
 # the "extras" below.
@@ -165,7 +166,7 @@ def _split_extras(extras, opts):
 def _kw(opts, state):
     scale, causal, left, right, softcap = opts[:5]
     return dict(softmax_scale=scale, causal=causal, window_size=(left, right), softcap=softcap, dropout_p=opts[7],
-                dropout_rng_state=state)
+                dropout_rng_state=state, kernel_options=opts[9])
 
 
 def _run_forward(outs, q, k, v, *extras_and_opts):
@@ -173,11 +174,10 @@ def _run_forward(outs, q, k, v, *extras_and_opts):
     *extras, opts = extras_and_opts
     cu_q, cu_k, table, slopes, state = _split_extras(extras, opts)
     if opts[6]:
-        out, lse, _ = fa2cupy.flash_attn_varlen_func(q, k, v, cu_q, cu_k, *opts[6], alibi_slopes=slopes,
-                                                     return_attn_probs=True, block_table=table, **_kw(opts, state))
-    else:
-        out, lse = fa2cupy.flash_attn_func(q, k, v, alibi_slopes=slopes, return_attn_probs=True,
-                                           **_kw(opts, state))[:2]
+        out, lse = attention.varlen_forward_with_lse(q, k, v, cu_q, cu_k, *opts[6], alibi_slopes=slopes,
+                                                     block_table=table, **_kw(opts, state))
+    else:  # (out, lse) only: the forward of the custom_vjp never builds attention probabilities
+        out, lse = attention.forward_with_lse(q, k, v, alibi_slopes=slopes, **_kw(opts, state))
     stream = cupy.cuda.get_current_stream()
     _copy_into(outs[0], out, stream)
     _copy_into(outs[1], lse, stream)
@@ -244,7 +244,7 @@ def _warm_up(kind, shape: checks.AttnShape, opts, deterministic) -> None:
     the problem.
     """
     group = shape.nheads // shape.nheads_kv
-    key = (kind, shape.headdim, shape.dtype, group, opts[:6] + opts[7:8], deterministic)
+    key = (kind, shape.headdim, shape.dtype, group, opts[:6] + opts[7:8] + opts[9:], deterministic)
     if key in _warmed:
         return
     _warmed.add(key)
@@ -263,7 +263,7 @@ def _warm_up(kind, shape: checks.AttnShape, opts, deterministic) -> None:
             def make(*dims):
                 return rnd.standard_normal(dims, dtype=cupy.float32).astype(dtype)
 
-            padded = opts[:6] + (None,) + opts[7:8] + (False,)
+            padded = opts[:6] + (None,) + opts[7:8] + (False,) + opts[9:]
             extras = ((cupy.ones(group, cupy.float32),) if opts[5] else ()) + (
                 (cupy.zeros(4, cupy.uint32),) if opts[7] else ())
             q, k, v = make(1, sq, group, shape.headdim), make(1, sk, 1, shape.headdim), make(1, sk, 1, shape.headdim)
@@ -380,6 +380,7 @@ def flash_attn_func(
     return_attn_probs=False,
     *,
     dropout_rng=None,
+    kernel_options=None,
 ):
     """Differentiable FlashAttention-2 on JAX GPU arrays, flash-attn 2.x compatible.
 
@@ -399,10 +400,18 @@ def flash_attn_func(
         dropout_p, dropout_rng: dropout on the probabilities with its mask drawn from ``dropout_rng``, a JAX PRNG
             key (required with dropout; split it per step as usual); the backward regenerates the same mask.
         return_attn_probs: also return ``softmax_lse``.
+        kernel_options: a :class:`fa2cupy.KernelOptions` for the forward and the backward (a static option).
 
     Returns:
         ``out`` like q; with ``return_attn_probs=True``, ``(out, softmax_lse, None)``, ``softmax_lse`` float32
         ``(batch, nheads, seqlen_q)`` under ``jax.lax.stop_gradient`` (not differentiable, as in flash-attn).
+
+    The kernels run on the arrays' device, on XLA's stream (inside its custom calls).
+
+    Example::
+
+        loss = lambda q, k, v: fa2cupy.jax.flash_attn_func(q, k, v, causal=True).astype(jnp.float32).sum()
+        dq, dk, dv = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
     Raises:
         TypeError / ValueError / NotImplementedError with the messages of :func:`fa2cupy.flash_attn_func`,
@@ -420,7 +429,7 @@ def flash_attn_func(
     scale = 1.0 / math.sqrt(shape.headdim) if softmax_scale is None else float(softmax_scale)
     # hashable: a static argument of the jit
     opts = (scale, bool(causal), int(window_size[0]), int(window_size[1]), float(softcap), alibi_info is not None,
-            None, p, False)
+            None, p, False, options.resolve(kernel_options))
     _warm_up("fwd", shape, opts, bool(deterministic))
     out, lse = _attention_jit(q, k, v, extras, opts, bool(deterministic))
     if return_attn_probs:
@@ -447,9 +456,11 @@ def flash_attn_varlen_func(
     block_table=None,
     *,
     dropout_rng=None,
+    kernel_options=None,
 ):
     """Differentiable :func:`fa2cupy.flash_attn_varlen_func` on JAX GPU arrays (same arguments and results;
-    ``max_seqlen_q``/``max_seqlen_k`` are static ints; dropout with ``dropout_rng`` as in :func:`flash_attn_func`).
+    ``max_seqlen_q``/``max_seqlen_k`` are static ints; dropout with ``dropout_rng`` and ``kernel_options`` as in
+    :func:`flash_attn_func`).
     Gradients flow to q, k and v (with block_table, to the page pools k and v); rows outside every sequence get
     zero gradients."""
     p, rng_extras = _dropout_extras(dropout_p, dropout_rng)
@@ -465,7 +476,7 @@ def flash_attn_varlen_func(
         return_attn_probs=return_attn_probs, block_table=_info("block_table", table[0]) if table else None)
     scale = 1.0 / math.sqrt(shape.headdim) if softmax_scale is None else float(softmax_scale)
     opts = (scale, bool(causal), int(window_size[0]), int(window_size[1]), float(softcap), alibi_info is not None,
-            (int(max_seqlen_q), int(max_seqlen_k)), p, bool(table))
+            (int(max_seqlen_q), int(max_seqlen_k)), p, bool(table), options.resolve(kernel_options))
     _warm_up("fwd", shape, opts, bool(deterministic))
     out, lse = _attention_jit(q, k, v, (cu_q, cu_k) + table + slopes + rng_extras, opts, bool(deterministic))
     if return_attn_probs:

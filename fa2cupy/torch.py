@@ -3,7 +3,8 @@
 The forward and backward are registered as PyTorch custom operators (``torch.library.custom_op``):
 
 * ``torch.ops.fa2cupy.flash_attn_forward(q, k, v, softmax_scale, causal, window_left, window_right,
-  deterministic, softcap, alibi_slopes) -> (out, lse)``
+  deterministic, softcap, alibi_slopes, dropout_p, dropout_seed, dropout_offset, kernel_options) -> (out, lse)``,
+  ``kernel_options`` an int standing for a :class:`fa2cupy.KernelOptions` (fa2cupy.options.handle; 0: defaults)
 * ``torch.ops.fa2cupy.flash_attn_backward(dout, q, k, v, out, lse, <the same options>) -> (dq, dk, dv)``
 * ``torch.ops.fa2cupy.flash_attn_varlen_forward`` / ``flash_attn_varlen_backward``: the same for packed
   sequences, with ``cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k`` after q, k, v
@@ -13,9 +14,10 @@ opaque nodes, and the pair is tied together with ``torch.library.register_autogr
 keeps only ``q, k, v, out, lse`` (O(seqlen) memory besides the inputs; no attention probabilities): the
 backward recomputes them tile by tile, as FlashAttention-2 does.
 
-The op bodies hand the tensors to :func:`fa2cupy.flash_attn_func` / :func:`fa2cupy.flash_attn_backward`
-directly: zero-copy, on torch's current stream, outputs from torch's caching allocator, so the ops also work
-under ``torch.cuda.graph`` capture (after a warm-up call has compiled the kernels).
+The op bodies hand the tensors to fa2cupy's forward (its ``(out, lse)`` entry point, which never builds attention
+probabilities) and to :func:`fa2cupy.flash_attn_backward` directly: zero-copy, on torch's current stream, outputs
+from torch's caching allocator, so the ops also work under ``torch.cuda.graph`` capture (after a warm-up call has
+compiled the kernels).
 
 This module imports torch; ``import fa2cupy`` does not import it.
 """
@@ -28,7 +30,7 @@ from typing import Optional
 import torch
 
 import fa2cupy
-from fa2cupy import checks, packed
+from fa2cupy import attention, checks, options, packed
 
 __all__ = [
     "flash_attn_func",
@@ -53,15 +55,19 @@ def _contiguous_last_axis(t: torch.Tensor) -> torch.Tensor:
 def _flash_attn_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float, causal: bool, window_left: int,
     window_right: int, deterministic: bool, softcap: float, alibi_slopes: Optional[torch.Tensor], dropout_p: float,
-    dropout_seed: int, dropout_offset: int
+    dropout_seed: int, dropout_offset: int, kernel_options: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out ``(b, sq, h, d)`` contiguous in q's dtype and lse ``(b, h, sq)`` float32. ``deterministic`` is only
-    carried to the backward (the forward is always deterministic)."""
+    carried to the backward (the forward is always deterministic). ``kernel_options``: a KernelOptions' handle
+    (fa2cupy.options.handle; 0 is the defaults)."""
     # detach(): the autograd wrapper already handles the graph; plain tensors take fa2cupy's cached fast path.
-    out, lse, _ = fa2cupy.flash_attn_func(
+    # forward_with_lse: (out, lse) only, never the seqlen^2 probabilities (with dropout the generic
+    # flash_attn_func(return_attn_probs=True) builds them for its callers).
+    out, lse = attention.forward_with_lse(
         q.detach(), k.detach(), v.detach(), dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-        window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes, return_attn_probs=True,
-        dropout_seed=_unsigned(dropout_seed), dropout_offset=_unsigned(dropout_offset)
+        window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
+        dropout_seed=_unsigned(dropout_seed), dropout_offset=_unsigned(dropout_offset),
+        kernel_options=options.from_handle(kernel_options)
     )
     # Odd head dims come back as a slice of a padded buffer; the fake implementation promises contiguous.
     return out.contiguous(), lse
@@ -69,7 +75,7 @@ def _flash_attn_forward(
 
 @_flash_attn_forward.register_fake
 def _flash_attn_forward_fake(q, k, v, softmax_scale, causal, window_left, window_right, deterministic, softcap,
-                             alibi_slopes, dropout_p, dropout_seed, dropout_offset):
+                             alibi_slopes, dropout_p, dropout_seed, dropout_offset, kernel_options):
     b, sq, h, d = q.shape
     out = q.new_empty((b, sq, h, d))
     lse = q.new_empty((b, h, sq), dtype=torch.float32)
@@ -97,6 +103,7 @@ def _flash_attn_backward(
     dropout_seed: int,
     dropout_offset: int,
     alibi_slopes: Optional[torch.Tensor],
+    kernel_options: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv: contiguous, shaped and typed like q, k, v."""
     dq, dk, dv = fa2cupy.flash_attn_backward(
@@ -115,13 +122,15 @@ def _flash_attn_backward(
         dropout_p=dropout_p,
         dropout_seed=_unsigned(dropout_seed),
         dropout_offset=_unsigned(dropout_offset),
+        kernel_options=options.from_handle(kernel_options),
     )
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @_flash_attn_backward.register_fake
 def _flash_attn_backward_fake(dout, q, k, v, out, lse, softmax_scale, causal, window_left, window_right,
-                              deterministic, softcap, dropout_p, dropout_seed, dropout_offset, alibi_slopes):
+                              deterministic, softcap, dropout_p, dropout_seed, dropout_offset, alibi_slopes,
+                              kernel_options):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -130,10 +139,10 @@ def _flash_attn_backward_fake(dout, q, k, v, out, lse, softmax_scale, causal, wi
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, softmax_scale, causal, window_left, window_right, deterministic, softcap, alibi_slopes, dropout_p,
-     dropout_seed, dropout_offset) = inputs
+     dropout_seed, dropout_offset, kernel_options) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)  # nothing else: O(seqlen) memory on top of q, k, v, out
-    ctx.alibi_slopes = alibi_slopes  # not differentiated (as in flash-attn)
+    ctx.alibi_slopes, ctx.kernel_options = alibi_slopes, kernel_options  # (the slopes: not differentiated)
     # The backward regenerates the forward's dropout mask from the same seed and offset.
     ctx.options = (softmax_scale, causal, window_left, window_right, deterministic, softcap, dropout_p, dropout_seed,
                    dropout_offset)
@@ -144,8 +153,8 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, dlse):
     del dlse  # lse is non-differentiable
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = _flash_attn_backward(dout, q, k, v, out, lse, *ctx.options, ctx.alibi_slopes)
-    return (dq, dk, dv) + (None,) * 10
+    dq, dk, dv = _flash_attn_backward(dout, q, k, v, out, lse, *ctx.options, ctx.alibi_slopes, ctx.kernel_options)
+    return (dq, dk, dv) + (None,) * 11
 
 
 torch.library.register_autograd("fa2cupy::flash_attn_forward", _backward, setup_context=_setup_context)
@@ -202,6 +211,8 @@ def flash_attn_func(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    *,
+    kernel_options=None,
 ):
     """Differentiable FlashAttention-2 on PyTorch CUDA tensors, flash-attn 2.x compatible.
 
@@ -220,10 +231,19 @@ def flash_attn_func(
         dropout_p: dropout on the attention probabilities, with the seed and offset drawn from torch's CUDA
             generator (``torch.manual_seed`` reproduces it); the backward regenerates the same mask.
         return_attn_probs: also return ``softmax_lse`` (see Returns).
+        kernel_options: a :class:`fa2cupy.KernelOptions` for the forward and the backward (None: the defaults).
 
     Returns:
         ``out`` like q; with ``return_attn_probs=True``, ``(out, softmax_lse, None)`` with ``softmax_lse``
         float32 ``(batch, nheads, seqlen_q)``, which is not differentiable (as in flash-attn).
+
+    Runs on the tensors' device and torch's current stream, the backward too.
+
+    Example::
+
+        q, k, v = (torch.randn(2, 1024, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+        fa2cupy.torch.flash_attn_func(q, k, v, causal=True).sum().backward()  # q.grad, k.grad, v.grad
     """
     p = _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
     if causal is not True and causal is not False:
@@ -235,7 +255,7 @@ def flash_attn_func(
     left, right = (int(w) for w in window_size)
     seed, offset = _draw_dropout_rng(q.device) if p > 0 else (0, 0)
     out, lse = _flash_attn_forward(q, k, v, float(softmax_scale), bool(causal), left, right, bool(deterministic),
-                                   float(softcap), alibi_slopes, p, seed, offset)
+                                   float(softcap), alibi_slopes, p, seed, offset, options.handle(kernel_options))
     if return_attn_probs:
         return out, lse, None
     return out
@@ -252,21 +272,22 @@ def _flash_attn_varlen_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, causal: bool, window_left: int, window_right: int,
     deterministic: bool, softcap: float, alibi_slopes: Optional[torch.Tensor], dropout_p: float, dropout_seed: int,
-    dropout_offset: int, block_table: Optional[torch.Tensor]
+    dropout_offset: int, block_table: Optional[torch.Tensor], kernel_options: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out ``(total_q, h, d)`` contiguous and lse ``(h, total_q)`` float32."""
-    out, lse, _ = fa2cupy.flash_attn_varlen_func(
+    out, lse = attention.varlen_forward_with_lse(
         q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
-        softcap=softcap, alibi_slopes=alibi_slopes, return_attn_probs=True, dropout_seed=_unsigned(dropout_seed),
-        dropout_offset=_unsigned(dropout_offset), block_table=block_table)
+        softcap=softcap, alibi_slopes=alibi_slopes, dropout_seed=_unsigned(dropout_seed),
+        dropout_offset=_unsigned(dropout_offset), block_table=block_table,
+        kernel_options=options.from_handle(kernel_options))
     return out.contiguous(), lse
 
 
 @_flash_attn_varlen_forward.register_fake
 def _flash_attn_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                     causal, window_left, window_right, deterministic, softcap, alibi_slopes,
-                                    dropout_p, dropout_seed, dropout_offset, block_table):
+                                    dropout_p, dropout_seed, dropout_offset, block_table, kernel_options):
     total, h, d = q.shape
     return q.new_empty((total, h, d)), q.new_empty((h, total), dtype=torch.float32)
 
@@ -277,7 +298,7 @@ def _flash_attn_varlen_backward(
     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
     softmax_scale: float, causal: bool, window_left: int, window_right: int, deterministic: bool, softcap: float,
     dropout_p: float, dropout_seed: int, dropout_offset: int, alibi_slopes: Optional[torch.Tensor],
-    block_table: Optional[torch.Tensor]
+    block_table: Optional[torch.Tensor], kernel_options: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv like q, k, v (rows outside every sequence are zero: fa2cupy.flash_attn_varlen_backward)."""
     dq, dk, dv = fa2cupy.flash_attn_varlen_backward(
@@ -285,23 +306,25 @@ def _flash_attn_varlen_backward(
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale, causal=causal,
         window_size=(window_left, window_right), deterministic=deterministic, softcap=softcap,
         alibi_slopes=alibi_slopes, dropout_p=dropout_p, dropout_seed=_unsigned(dropout_seed),
-        dropout_offset=_unsigned(dropout_offset), block_table=block_table)
+        dropout_offset=_unsigned(dropout_offset), block_table=block_table,
+        kernel_options=options.from_handle(kernel_options))
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @_flash_attn_varlen_backward.register_fake
 def _flash_attn_varlen_backward_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                      softmax_scale, causal, window_left, window_right, deterministic, softcap,
-                                     dropout_p, dropout_seed, dropout_offset, alibi_slopes, block_table):
+                                     dropout_p, dropout_seed, dropout_offset, alibi_slopes, block_table,
+                                     kernel_options):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_varlen_context(ctx, inputs, output):
     (q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, window_left, window_right, deterministic, softcap,
-     alibi_slopes, dropout_p, dropout_seed, dropout_offset, block_table) = inputs
+     alibi_slopes, dropout_p, dropout_seed, dropout_offset, block_table, kernel_options) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-    ctx.alibi_slopes, ctx.block_table = alibi_slopes, block_table
+    ctx.alibi_slopes, ctx.block_table, ctx.kernel_options = alibi_slopes, block_table, kernel_options
     ctx.options = (max_q, max_k, softmax_scale, causal, window_left, window_right, deterministic, softcap, dropout_p,
                    dropout_seed, dropout_offset)
     ctx.mark_non_differentiable(lse)
@@ -311,8 +334,8 @@ def _varlen_backward(ctx, dout, dlse):
     del dlse
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
     dq, dk, dv = _flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.options, ctx.alibi_slopes,
-                                             ctx.block_table)
-    return (dq, dk, dv) + (None,) * 15
+                                             ctx.block_table, ctx.kernel_options)
+    return (dq, dk, dv) + (None,) * 16
 
 
 torch.library.register_autograd("fa2cupy::flash_attn_varlen_forward", _varlen_backward,
@@ -322,10 +345,11 @@ torch.library.register_autograd("fa2cupy::flash_attn_varlen_forward", _varlen_ba
 def flash_attn_varlen_func(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
     causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-    return_attn_probs=False, block_table=None,
+    return_attn_probs=False, block_table=None, *, kernel_options=None,
 ):
-    """Differentiable :func:`fa2cupy.flash_attn_varlen_func` on PyTorch CUDA tensors (same arguments and results);
-    gradients flow to q, k and v (with block_table, to the page pools k and v)."""
+    """Differentiable :func:`fa2cupy.flash_attn_varlen_func` on PyTorch CUDA tensors (same arguments and results,
+    ``kernel_options`` as for :func:`flash_attn_func`); gradients flow to q, k and v (with block_table, to the page
+    pools k and v)."""
     p = _reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
     if causal is not True and causal is not False:
         checks._check_bool(causal, "causal")
@@ -335,7 +359,8 @@ def flash_attn_varlen_func(
     seed, offset = _draw_dropout_rng(q.device) if p > 0 else (0, 0)
     out, lse = _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                                           float(softmax_scale), bool(causal), left, right, bool(deterministic),
-                                          float(softcap), alibi_slopes, p, seed, offset, block_table)
+                                          float(softcap), alibi_slopes, p, seed, offset, block_table,
+                                          options.handle(kernel_options))
     if return_attn_probs:
         return out, lse, None
     return out

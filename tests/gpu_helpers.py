@@ -1,4 +1,6 @@
-"""Helpers shared by the GPU test modules (test_forward_gpu, test_backward_gpu, test_kvcache).
+"""Helpers shared by the GPU test modules (test_forward_gpu, test_backward_gpu, test_kvcache, ...): the calls they
+make go through :func:`fa2cupy_module`, which passes the KernelOptions set by :func:`kernel_options` (debug
+poisoning, the kernel under test).
 
 Imports of CuPy, torch and ml_dtypes are deferred to first use, so collecting these modules on a machine without
 a GPU (CI) imports nothing heavy.
@@ -7,7 +9,9 @@ a GPU (CI) imports nothing heavy.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import inspect
 
 import numpy as np
 import pytest
@@ -38,17 +42,71 @@ def torch_cuda():
     return torch
 
 
+#: The KernelOptions that calls made through fa2cupy_module() pass, innermost kernel_options() block last (None:
+#: fa2cupy's defaults). Test modules that poison their outputs push debug_poison for the whole module.
+_options_stack: list = [None]
+
+
+def current_options():
+    """The KernelOptions the helpers' calls pass now (fa2cupy's defaults outside every kernel_options block)."""
+    from fa2cupy.options import KernelOptions
+
+    return _options_stack[-1] or KernelOptions()
+
+
 @contextlib.contextmanager
-def debug_poison(module: str, value: bool = True):
-    """Sets ``fa2cupy.<module>._debug_poison`` (the hook that fills outputs with NaN before each launch, so an
-    element a kernel fails to write shows up) for the duration; a missing hook fails (raising=True: it is part
-    of the contract)."""
-    patch = pytest.MonkeyPatch()
-    patch.setattr(importlib.import_module(f"fa2cupy.{module}"), "_debug_poison", value, raising=True)
+def kernel_options(**changes):
+    """For the duration, calls made through :func:`fa2cupy_module` pass the current KernelOptions with these
+    fields changed (say ``hopper_forward=False`` to run the mma.sync forward where the Hopper one would run): the
+    options are part of the plan cache's key, so no plan made with other options is reused. Yields the options."""
+    import dataclasses
+
+    _options_stack.append(dataclasses.replace(current_options(), **changes))
     try:
-        yield
+        yield _options_stack[-1]
     finally:
-        patch.undo()
+        _options_stack.pop()
+
+
+def options_for_test(monkeypatch, **changes):
+    """:func:`kernel_options` for the rest of a test (or fixture): undone by ``monkeypatch`` at its end."""
+    import dataclasses
+    import sys
+
+    monkeypatch.setattr(sys.modules[__name__], "_options_stack",
+                        _options_stack + [dataclasses.replace(current_options(), **changes)])
+
+
+def debug_poison(value: bool = True):
+    """``kernel_options(debug_poison=value)``: every output and gradient filled with NaN before each launch, so an
+    element a kernel fails to write shows up (such calls take the checked path; False for the fast path)."""
+    return kernel_options(debug_poison=value)
+
+
+class _WithOptions:
+    """A module whose public functions that take ``kernel_options`` pass the helpers' current options when the
+    call gives none; other attributes as they are."""
+
+    def __init__(self, module):
+        self._module = module
+
+    def __getattr__(self, name):
+        value = getattr(self._module, name)
+        if name.startswith("_") or not callable(value) or isinstance(value, type):
+            return value
+        try:
+            takes_options = "kernel_options" in inspect.signature(value).parameters
+        except (TypeError, ValueError):
+            takes_options = False
+        if not takes_options:
+            return value
+
+        @functools.wraps(value)
+        def call(*args, **kwargs):
+            kwargs.setdefault("kernel_options", _options_stack[-1])
+            return value(*args, **kwargs)
+
+        return call
 
 
 def skip_unless_hopper(kernel: str) -> None:
@@ -58,27 +116,28 @@ def skip_unless_hopper(kernel: str) -> None:
 
 
 @contextlib.contextmanager
-def planning_with(*patches):
-    """Sets each (object, attribute, value) for the duration, so that plans choose kernels differently (A/B of two
-    kernels for one call); the cached plans are dropped on both sides of the switch."""
-    from fa2cupy import interface
+def checked_calls():
+    """Yields a list that collects, for the duration, the kind name ("fwd", "bwd", "kvcache", ...) of every call
+    that takes the pipeline's checked path (validation and a plan look-up that missed); a repeated call that takes
+    the cached fast path adds nothing."""
+    from fa2cupy import pipeline
 
-    patch = pytest.MonkeyPatch()
-    for obj, name, value in patches:
-        patch.setattr(obj, name, value)
-    interface._cached_calls.clear()
-    try:
-        yield
-    finally:
-        patch.undo()
-        interface._cached_calls.clear()
+    names, checked = [], pipeline._checked
+
+    def counting(kind, *args):
+        names.append(kind.name)
+        return checked(kind, *args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pipeline, "_checked", counting)
+        yield names
 
 
-def fa2cupy_module():
-    """fa2cupy, imported on first use (it imports CuPy)."""
-    import fa2cupy
-
-    return fa2cupy
+def fa2cupy_module(wrapper: str | None = None):
+    """fa2cupy (or with ``wrapper`` "torch" / "jax", fa2cupy.torch / fa2cupy.jax), imported on first use (it imports
+    CuPy), whose public functions pass the current :func:`kernel_options` unless a call gives its own."""
+    module = importlib.import_module("fa2cupy" if wrapper is None else f"fa2cupy.{wrapper}")
+    return _WithOptions(module)
 
 
 def cu_seqlens(lengths) -> np.ndarray:
@@ -88,7 +147,7 @@ def cu_seqlens(lengths) -> np.ndarray:
 
 @pytest.fixture(autouse=True, scope="module")
 def poison_forward_and_backward():
-    """Import it into a test module to poison every forward and backward output with NaN for the whole module
-    (module scope: Hypothesis rejects function-scoped fixtures around @given)."""
-    with debug_poison("forward"), debug_poison("backward"):
+    """Import it into a test module to poison every output and gradient of the calls made through fa2cupy_module()
+    with NaN for the whole module (module scope: Hypothesis rejects function-scoped fixtures around @given)."""
+    with debug_poison():
         yield

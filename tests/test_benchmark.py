@@ -401,16 +401,17 @@ def test_records_name_the_kernel_that_runs(monkeypatch):
     # A record's "config" is the kernel the call runs on: the Hopper forward's row where it takes the call (on
     # compute capability 9.0, masked calls from a length on), else the mma.sync forward's tiles.
     from fa2cupy import configs, forward
+    from fa2cupy.options import KernelOptions
 
     monkeypatch.setattr(B, "gpu_arch", lambda: 90)
     hopper = B._kernel_config(B.Case(32, 512, 512, 32, 32, 64, True))
     assert hopper["family"] == "fwd_hopper" and hopper["block_m"] == 64 * hopper["consumer_wgs"]
     short = B._kernel_config(B.Case(1, configs.HOPPER_MASKED_MIN_SEQLEN[64] - 1, 100, 32, 32, 64, True))
     assert short["family"] == "fwd"
-    monkeypatch.setattr(forward, "HOPPER", False)
-    assert B._kernel_config(B.Case(1, 4096, 4096, 16, 16, 128, False))["family"] == "fwd"
+    assert B._kernel_config(B.Case(1, 4096, 4096, 16, 16, 128, False))["family"] == "fwd_hopper"
+    mma = KernelOptions(hopper_forward=False)  # (what the record names is forward.kernel_config's row)
+    assert forward.kernel_config(90, 128, "bfloat16", "none", seqlen_q=4096, options=mma).family == "fwd"
     monkeypatch.setattr(B, "gpu_arch", lambda: 80)
-    monkeypatch.setattr(forward, "HOPPER", True)
     assert B._kernel_config(B.Case(1, 4096, 4096, 16, 16, 128, False))["family"] == "fwd"
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from fa2cupy.arrays import ArrayInfo
 from fa2cupy.checks import check_merge_args
+from fa2cupy.options import KernelOptions
 
 
 def _info(name, shape, dtype="bfloat16"):
@@ -133,24 +134,24 @@ def test_blocks_walk_items_only_when_the_grid_is_over_full(monkeypatch):
         ptr = 0
 
     # Every item resident at once: one block per item, the compact layout.
-    assert decode._attention_grid(Function, config, 0, 128) == (128, config.smem_bytes)
-    assert decode._attention_grid(Function, config, 0, 132) == (132, config.smem_bytes)
+    assert decode._attention_grid(Function, config, 0, 128, 132) == (128, config.smem_bytes)
+    assert decode._attention_grid(Function, config, 0, 132, 132) == (132, config.smem_bytes)
     # 64 x 1k (512 items): blocks walking items, with the merge area after the rings: 128 blocks of 4 items (the
     # same 4 rounds as 132 blocks of 3 or 4, with a full last round).
-    assert decode._attention_grid(Function, config, 0, 512) == (128, config.persistent_smem_bytes)
+    assert decode._attention_grid(Function, config, 0, 512, 132) == (128, config.persistent_smem_bytes)
     assert config.persistent_smem_bytes in asked
     # Fewer blocks only while at most 1/32 of the SMs would idle: 133 items keep 132 walkers (67 blocks of 2 would
     # leave half the GPU idle), 1000 items keep 132 (125 blocks of 8 would idle 7 SMs).
-    assert decode._attention_grid(Function, config, 0, 133) == (132, config.persistent_smem_bytes)
-    assert decode._attention_grid(Function, config, 0, 1000) == (132, config.persistent_smem_bytes)
-    assert decode._attention_grid(Function, config, 0, 1024) == (128, config.persistent_smem_bytes)
+    assert decode._attention_grid(Function, config, 0, 133, 132) == (132, config.persistent_smem_bytes)
+    assert decode._attention_grid(Function, config, 0, 1000, 132) == (132, config.persistent_smem_bytes)
+    assert decode._attention_grid(Function, config, 0, 1024, 132) == (128, config.persistent_smem_bytes)
     assert decode._opt_in_smem(config, 0) == config.persistent_smem_bytes
     # A part whose blocks cannot have the walking layout (99 KB, d=256): one block per item, however many.
     attributes["MaxSharedMemoryPerBlockOptin"] = 101376
     wide = configs.decode_config(86, 256)
     assert wide.smem_bytes <= 101376 < wide.persistent_smem_bytes
     assert decode._opt_in_smem(wide, 0) == wide.smem_bytes
-    assert decode._attention_grid(Function, wide, 0, 10_000) == (10_000, wide.smem_bytes)
+    assert decode._attention_grid(Function, wide, 0, 10_000, 132) == (10_000, wide.smem_bytes)
 
 
 def _h100_like_planner(monkeypatch):
@@ -166,47 +167,41 @@ def _h100_like_planner(monkeypatch):
                         lambda device, name: {"L2CacheSize": 50 * 2**20, "MultiProcessorCount": 132}[name])
     monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
     monkeypatch.setattr(decode, "_opt_in_smem", lambda config, device: config.smem_bytes)
-    monkeypatch.setattr(decode, "_attention_grid", lambda function, config, device, items: (items, 1024))
+    monkeypatch.setattr(decode, "_attention_grid", lambda function, config, device, items, sms: (items, 1024))
     strides = {name: (0, 0, 0, 2) for name in ("q", "k_cache", "v_cache", "k", "v")}
 
-    def plan(batch, arch, num_splits=0, seqlen_k=16384):
+    def plan(batch, arch, num_splits=0, seqlen_k=16384, **options):
         return decode.plan_decode((batch, 1, 32, 128), strides, "bfloat16", nheads_kv=8, cache_rows=batch,
                                   capacity=seqlen_k, page_size=0, max_pages=0, seqlen_new=1, max_seqlen_k=seqlen_k,
                                   softmax_scale=0.1, causal=False, arch=arch, device=0, num_splits=num_splits,
-                                  item=2)
+                                  item=2, options=KernelOptions(**options))
     return plan
 
 
 def test_programmatic_launches_where_splits_merge(monkeypatch):
     # plan_decode (device queries and kernel builds stubbed: an H100-like part): on sm_90, calls of
-    # PROGRAMMATIC_MIN_SPLITS splits or more launch every kernel (append included) programmatically, others plainly;
-    # never before sm_90; decode.PROGRAMMATIC_LAUNCH forces either way.
-    from fa2cupy import build, decode
-
-    class Function:
-        ptr = 0
-
+    # KernelOptions.decode_programmatic_min_splits splits or more launch every kernel (append included)
+    # programmatically, others plainly; never before sm_90; KernelOptions.decode_programmatic_launch forces either way.
     plan = _h100_like_planner(monkeypatch)
+    fewest = KernelOptions().decode_programmatic_min_splits
 
     def programmatic(p):
         return p.attention._config is not None, p.append._config is not None
 
-    assert plan(1, 90).splits >= decode.PROGRAMMATIC_MIN_SPLITS and programmatic(plan(1, 90)) == (True, True)
-    assert programmatic(plan(1, 90, num_splits=decode.PROGRAMMATIC_MIN_SPLITS - 1)) == (False, False)
+    assert plan(1, 90).splits >= fewest and programmatic(plan(1, 90)) == (True, True)
+    assert programmatic(plan(1, 90, num_splits=fewest - 1)) == (False, False)
+    assert programmatic(plan(1, 90, num_splits=fewest - 1, decode_programmatic_min_splits=fewest - 1)) == (True, True)
     assert plan(64, 90).splits == 1 and programmatic(plan(64, 90)) == (False, False)
     assert programmatic(plan(1, 80)) == (False, False)
-    monkeypatch.setattr(decode, "PROGRAMMATIC_LAUNCH", True)
-    assert programmatic(plan(64, 90)) == (True, True) and programmatic(plan(1, 80)) == (False, False)
-    monkeypatch.setattr(decode, "PROGRAMMATIC_LAUNCH", False)
-    assert programmatic(plan(1, 90)) == (False, False)
+    assert programmatic(plan(64, 90, decode_programmatic_launch=True)) == (True, True)
+    assert programmatic(plan(1, 80, decode_programmatic_launch=True)) == (False, False)
+    assert programmatic(plan(1, 90, decode_programmatic_launch=False)) == (False, False)
 
 
 def test_kv_streams_under_evict_first_only_past_l2(monkeypatch):
     # The attention kernel's last argument: K/V copies under an L2 evict-first policy only for calls whose K/V
     # bytes exceed L2 (50 MiB here; 2 x b x sk x 8 heads x 128 x 2 bytes), where they cannot stay in L2 anyway;
-    # a cache that fits keeps its residency. decode.STREAM_EVICT_FIRST forces either way.
-    from fa2cupy import decode
-
+    # a cache that fits keeps its residency. KernelOptions.decode_stream_evict_first forces either way.
     plan = _h100_like_planner(monkeypatch)
 
     def evict_first(p):
@@ -217,15 +212,14 @@ def test_kv_streams_under_evict_first_only_past_l2(monkeypatch):
     assert evict_first(plan(64, 90, seqlen_k=1024)) == 1        # 256 MiB
     assert evict_first(plan(1, 90, seqlen_k=4096)) == 0         # 16 MiB
     assert evict_first(plan(1, 80, seqlen_k=65536)) == 1        # (the policy is sm_80's too)
-    monkeypatch.setattr(decode, "STREAM_EVICT_FIRST", False)
-    assert evict_first(plan(1, 90, seqlen_k=16384)) == 0
-    monkeypatch.setattr(decode, "STREAM_EVICT_FIRST", True)
-    assert evict_first(plan(8, 90, seqlen_k=1024)) == 1
+    assert evict_first(plan(1, 90, seqlen_k=16384, decode_stream_evict_first=False)) == 0
+    assert evict_first(plan(8, 90, seqlen_k=1024, decode_stream_evict_first=True)) == 1
 
 
 def test_deep_ring_twin_for_short_streams():
     # configs.decode_config picks the deep-ring twin (sm_90, d=128) for work items of 2..16 key tiles per warp
-    # (4 warps x 32 keys: 256..2048 keys); `deep` (decode.DEEP_RING in plan_decode) forces it either way.
+    # (4 warps x 32 keys: 256..2048 keys); `deep` (KernelOptions.decode_deep_ring in plan_decode) forces it either
+    # way.
     from fa2cupy import configs, decode
 
     base, twin = configs.decode_config(90, 128), configs.DECODE_DEEP_TABLE[("sm90", 128)]
@@ -250,15 +244,17 @@ def test_deep_ring_twin_for_short_streams():
 
 def test_warp_items_twin_for_grids_of_a_work_item_per_warp():
     # decode.uses_warp_items: one split, items that fill the GPU's warps (132 SMs x 4 on an H100) in equal rounds
-    # with at most 1/32 of them idle (64 x 1k: 512 items), and items of at most WARP_ITEMS_MAX_TILES tiles;
-    # configs.decode_config then gives the warp-items twin where one exists.
+    # with at most 1/32 of them idle (64 x 1k: 512 items), and items of at most
+    # KernelOptions.decode_warp_items_max_tiles tiles; configs.decode_config then gives the warp-items twin where
+    # one exists.
     from fa2cupy import configs, decode
 
     solo = configs.DECODE_WARP_TABLE[("sm90", 128)]
-    longest = decode.WARP_ITEMS_MAX_TILES * solo.block_n
+    longest = KernelOptions().decode_warp_items_max_tiles * solo.block_n
     assert decode.uses_warp_items(1, 512, 132, solo, 1024)          # 64 x 1k
     assert decode.uses_warp_items(1, 4096, 132, solo, longest)
     assert not decode.uses_warp_items(1, 512, 132, solo, longest + 1)  # long streams: blocks split items
+    assert decode.uses_warp_items(1, 512, 132, solo, longest + 1, max_tiles=longest // solo.block_n + 1)
     assert not decode.uses_warp_items(1, 511, 132, solo, 1024)      # some SMs would stream fewer items than warps
     assert decode.uses_warp_items(1, 1024, 132, solo, 1024)         # 128 x 1k: two equal rounds of 512 warps
     assert not decode.uses_warp_items(1, 768, 132, solo, 1024)      # 96 x 1k: a second round of 240 items
@@ -289,9 +285,9 @@ def test_warp_items_grid(monkeypatch):
     class Function:
         ptr = 0
 
-    assert decode._attention_grid(Function, solo, 0, 512) == (128, solo.smem_bytes)   # 64 x 1k: one round
-    assert decode._attention_grid(Function, solo, 0, 510) == (128, solo.smem_bytes)
-    assert decode._attention_grid(Function, solo, 0, 528) == (132, solo.smem_bytes)
-    assert decode._attention_grid(Function, solo, 0, 1024) == (128, solo.smem_bytes)  # 128 x 1k: 2 items per warp
-    assert decode._attention_grid(Function, solo, 0, 600) == (132, solo.smem_bytes)   # 75 blocks would idle 57 SMs
-    assert decode._attention_grid(Function, solo, 0, 4096) == (128, solo.smem_bytes)
+    assert decode._attention_grid(Function, solo, 0, 512, 132) == (128, solo.smem_bytes)   # 64 x 1k: one round
+    assert decode._attention_grid(Function, solo, 0, 510, 132) == (128, solo.smem_bytes)
+    assert decode._attention_grid(Function, solo, 0, 528, 132) == (132, solo.smem_bytes)
+    assert decode._attention_grid(Function, solo, 0, 1024, 132) == (128, solo.smem_bytes)  # 128 x 1k: 2 items per warp
+    assert decode._attention_grid(Function, solo, 0, 600, 132) == (132, solo.smem_bytes)   # 75 blocks would idle 57 SMs
+    assert decode._attention_grid(Function, solo, 0, 4096, 132) == (128, solo.smem_bytes)

@@ -1,17 +1,18 @@
-"""The cached-dispatch fast path's host logic (CPU only, CUDA calls stubbed): what a repeated
-flash_attn_with_kvcache call hands to the launch, when it must fall back to the checked path, and how a Launch
-stores its per-call values. The GPU tests (tests/test_kvcache.py, test_decode.py) run the same path for real."""
+"""The pipeline's cached fast path, host logic only (CPU, CUDA calls stubbed): what a repeated call hands to its
+kind's launch (pointers by name, per-call values), when it must fall back to the checked path, and how a Launch
+stores its per-call values. The GPU tests (tests/test_kvcache.py, test_forward_gpu.py, ...) run the same path for
+real."""
 
 from __future__ import annotations
 
 import ctypes
-import inspect
 
 import numpy as np
 import pytest
 
 import fa2cupy
-from fa2cupy import arrays, build, decode, forward, interface
+from fa2cupy import arrays, attention, build, decode, device_errors, kvcache, pipeline
+from fa2cupy.options import KernelOptions
 
 
 class FakeArray:
@@ -30,63 +31,75 @@ class FakePlan:
 
 @pytest.fixture
 def stubbed(monkeypatch):
-    """fast_meta, the stream, allocation and the launch stubbed; returns the list of run_decode calls and of
-    checked-path calls (each with the cache key it was given)."""
+    """fast_meta, the stream, allocation and the kernel launches stubbed; returns the list of launches (pointers by
+    name, per-call values) and of checked-path calls (each with the cache key it was given)."""
     launches, checked = [], []
     monkeypatch.setattr(arrays, "fast_meta", lambda x: (x.meta, x.ptr) if isinstance(x, FakeArray) else None)
-    monkeypatch.setattr(arrays, "caller_stream_ptr", lambda framework, device: 7)
-    monkeypatch.setattr(arrays, "new_empty_raw", lambda shape, dtype, framework, device: (("out", shape), 4096))
-    monkeypatch.setattr(decode, "run_decode", lambda *args: launches.append(args))
-    monkeypatch.setattr(interface, "_flash_attn_with_kvcache_checked", lambda *args: checked.append(args[-1]))
-    monkeypatch.setattr(interface.cupy.cuda.runtime, "getDevice", lambda: 0)
-    monkeypatch.setattr(interface.device_errors, "pointers", lambda device: (11, 12))
-    monkeypatch.setattr(interface.device_errors, "raise_pending", lambda: None)
-    monkeypatch.setattr(interface, "_cached_calls", {})
+    monkeypatch.setattr(arrays, "allocator", lambda shape, dtype, framework, device: lambda: (("out", shape), 4096))
+    monkeypatch.setattr(arrays, "stream_ptr_getter", lambda framework: lambda device: 7)
+    for kind in (kvcache.KVCACHE, attention.FORWARD, attention.VARLEN_FORWARD, attention.BACKWARD):
+        monkeypatch.setattr(kind, "launch", lambda plan, pointers, values, stream, framework, device:
+                            launches.append((pointers, values, stream, plan)))
+    monkeypatch.setattr(pipeline, "_checked", lambda kind, given, options, values, kernel_options, key, pointers:
+                        checked.append(key) or kind.result(options)(["checked"] * 4))
+    monkeypatch.setattr(pipeline.cupy.cuda.runtime, "getDevice", lambda: 0)
+    monkeypatch.setattr(device_errors, "raise_pending", lambda: None)
+    monkeypatch.setattr(pipeline, "_cached_calls", {})
     return launches, checked
 
 
-def test_repeated_call_launches_with_pointers_in_input_order(stubbed):
+def _remember_last(checked, names=("out", "softmax_lse"), plan=None, values=None):
+    """Remembers the last checked call's key as a checked path would, with these allocations and fixed values."""
+    kind = checked[-1][0]
+    pipeline._cached_calls[checked[-1]] = pipeline._CachedCall(
+        plan, 0, "cupy", tuple((n, (1,), "bf16") for n in names), values,
+        kind.values_check(None, plan, checked[-1][2]), kind.result(checked[-1][2]))
+
+
+def test_repeated_call_launches_with_pointers_by_name(stubbed):
     launches, checked = stubbed
     q, kc, vc = FakeArray("q", 256), FakeArray("kc", 512), FakeArray("vc", 768)
     lens, table = FakeArray("lens", 1024), FakeArray("table", 2048)
     fa2cupy.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table)
     assert len(checked) == 1 and not launches  # first call: the checked path, given the key to remember
-    interface._cached_calls[checked[0]] = interface._CachedCall(FakePlan(), 0, "torch", (((1, 1, 4, 64), "bf16"),))
+    _remember_last(checked, ("out",), FakePlan(), (0,))  # (an array cache_seqlens: fixed_seqlen is 0, fixed)
     out = fa2cupy.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table)
-    assert out == ("out", (1, 1, 4, 64)) and len(checked) == 1
-    (plan, inputs, out_ptr, lse_ptr, fixed, stream, workspace, errors, q_rotated), = launches
-    # decode.INPUTS order: q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, cos, sin,
-    # leftpad, alibi_slopes; absent ones are 0.
-    assert list(inputs) == [256, 512, 768, 0, 0, 1024, 0, 2048, 0, 0, 0, 0]
-    assert len(inputs) == len(decode.INPUTS)
-    assert (out_ptr, lse_ptr, fixed, stream, workspace, errors, q_rotated) == (4096, 0, 0, 7, 0, (11, 12), 0)
+    assert out == ("out", (1,)) and len(checked) == 1
+    (pointers, values, stream, _), = launches
+    # Every name the launch reads is there: absent arrays (k, v, cache_batch_idx, rotary, leftpad, alibi) and
+    # outputs (softmax_lse, q_rotated) are 0.
+    assert pointers == dict(decode.NO_POINTERS, q=256, k_cache=512, v_cache=768, cache_seqlens=1024, block_table=2048,
+                            out=4096)
+    assert (values, stream) == ((0,), 7)
 
 
 def test_different_metadata_or_options_miss_the_cache(stubbed):
     launches, checked = stubbed
     q, kc, vc = FakeArray("q", 256), FakeArray("kc", 512), FakeArray("vc", 768)
     fa2cupy.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=5)
-    interface._cached_calls[checked[0]] = interface._CachedCall(FakePlan(), 0, "cupy", (((1,), "bf16"),))
+    _remember_last(checked, ("out",), FakePlan())  # (an int cache_seqlens: checked per call)
     fa2cupy.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=5, causal=True)  # another option
     fa2cupy.flash_attn_with_kvcache(FakeArray("q2", 256), kc, vc, cache_seqlens=5)  # another shape
     fa2cupy.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=5, k=FakeArray("k", 64), v=FakeArray("v", 64))
     assert not launches and len(checked) == 4
     assert len(set(checked)) == 4  # four different keys
     fa2cupy.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=6)  # an int cache_seqlens is checked, not keyed
-    assert len(launches) == 1 and launches[0][4] == 6
+    assert len(launches) == 1 and launches[0][1] == (6,)
+    with pytest.raises(ValueError, match=r"cache_seqlens \+ seqlen_new must lie in \[0, 100\]"):
+        fa2cupy.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=101)  # (checked on the fast path too)
 
 
 def test_misaligned_pointer_or_other_device_takes_the_checked_path(stubbed, monkeypatch):
     launches, checked = stubbed
     kc, vc = FakeArray("kc", 512), FakeArray("vc", 768)
     fa2cupy.flash_attn_with_kvcache(FakeArray("q", 256), kc, vc)
-    interface._cached_calls[checked[0]] = interface._CachedCall(FakePlan(), 0, "cupy", (((1,), "bf16"),))
+    _remember_last(checked, ("out",), FakePlan(), (100,))
     fa2cupy.flash_attn_with_kvcache(FakeArray("q", 256 + 8), kc, vc)  # same metadata, pointer not 16-aligned
     assert not launches and len(checked) == 2 and checked[1] == checked[0]
-    monkeypatch.setattr(interface.cupy.cuda.runtime, "getDevice", lambda: 1)
+    monkeypatch.setattr(pipeline.cupy.cuda.runtime, "getDevice", lambda: 1)
     fa2cupy.flash_attn_with_kvcache(FakeArray("q", 256), kc, vc)
     assert not launches and len(checked) == 3
-    monkeypatch.setattr(interface.cupy.cuda.runtime, "getDevice", lambda: 0)
+    monkeypatch.setattr(pipeline.cupy.cuda.runtime, "getDevice", lambda: 0)
     fa2cupy.flash_attn_with_kvcache(FakeArray("q", 256), kc, vc)
     assert len(launches) == 1
 
@@ -99,23 +112,8 @@ def test_unknown_array_type_or_unhashable_option_is_not_cached(stubbed):
     assert checked == [None, None] and not launches
 
 
-@pytest.fixture
-def stubbed_forward(monkeypatch, stubbed):
-    """As ``stubbed``, for flash_attn_func / flash_attn_varlen_func: their launches and checked paths recorded."""
-    launches, checked = [], []
-    signature = inspect.signature(forward.run_forward)  # launches recorded by parameter name
-    monkeypatch.setattr(forward, "run_forward", lambda *a, **kw: launches.append(signature.bind(*a, **kw).arguments))
-    monkeypatch.setattr(interface, "_flash_attn_checked", lambda *args: checked.append(args[11]))
-    monkeypatch.setattr(interface, "_flash_attn_varlen_checked", lambda *args: checked.append(args[-1]))
-    return launches, checked
-
-
-def _remember_last(checked):
-    interface._cached_calls[checked[-1]] = interface._CachedCall(None, 0, "cupy", (((1,), "bf16"), ((1,), "f32")))
-
-
-def test_optional_arrays_are_part_of_the_key_and_pass_pointer_0_when_absent(stubbed_forward):
-    launches, checked = stubbed_forward
+def test_optional_arrays_are_part_of_the_key_and_pass_pointer_0_when_absent(stubbed):
+    launches, checked = stubbed
     q, k, v, slopes = (FakeArray(n, p) for n, p in (("q", 256), ("k", 512), ("v", 768), ("slopes", 1024)))
     fa2cupy.flash_attn_func(q, k, v)
     _remember_last(checked)
@@ -124,15 +122,78 @@ def test_optional_arrays_are_part_of_the_key_and_pass_pointer_0_when_absent(stub
     _remember_last(checked)
     fa2cupy.flash_attn_func(q, k, v)
     fa2cupy.flash_attn_func(q, k, v, alibi_slopes=slopes)
-    pointers = ("q_ptr", "k_ptr", "v_ptr", "alibi_slopes")
-    assert [tuple(call.get(n, 0) for n in pointers) for call in launches] == [(256, 512, 768, 0), (256, 512, 768, 1024)]
+    names = ("q", "k", "v", "alibi_slopes", "dropout_rng_state")
+    assert [tuple(pointers[n] for n in names) for pointers, *_ in launches] == [(256, 512, 768, 0, 0),
+                                                                                       (256, 512, 768, 1024, 0)]
+    assert all(pointers["out"] == pointers["softmax_lse"] == 4096 for pointers, *_ in launches)  # the allocations
 
     cu_q, cu_k, table = FakeArray("cu_q", 1280), FakeArray("cu_k", 1536), FakeArray("table", 1792)
     fa2cupy.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 8, 8, block_table=table)
     _remember_last(checked)
     fa2cupy.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 8, 8, block_table=table)
-    pointers += ("cu_seqlens_q", "cu_seqlens_k", "block_table")
-    assert tuple(launches[-1].get(n, 0) for n in pointers) == (256, 512, 768, 0, 1280, 1536, 1792)
+    names += ("cu_seqlens_q", "cu_seqlens_k", "block_table")
+    assert tuple(launches[-1][0][n] for n in names) == (256, 512, 768, 0, 0, 1280, 1536, 1792)
+
+
+def test_fast_path_checks_the_per_call_dropout_values(stubbed):
+    # The seed and offset are not part of the key: a repeated call checks them itself, and passes them on.
+    launches, checked = stubbed
+    q, k, v, lse = (FakeArray(n, p) for n, p in (("q", 256), ("k", 512), ("v", 768), ("lse", 1024)))
+    fa2cupy.flash_attn_func(q, k, v, dropout_p=0.1, dropout_seed=3)
+    _remember_last(checked)
+    fa2cupy.flash_attn_func(q, k, v, dropout_p=0.1, dropout_seed=5, dropout_offset=8)
+    assert launches[-1][1] == (5, 8)
+    with pytest.raises(ValueError, match=r"^dropout_seed must be an int in \[0, 2\*\*64\)"):
+        fa2cupy.flash_attn_func(q, k, v, dropout_p=0.1)
+    fa2cupy.flash_attn_backward(q, q, k, v, q, lse, dropout_p=0.1, dropout_seed=1)
+    _remember_last(checked, ("dq", "dk", "dv", "dsum"))
+    dq, dk, dv = fa2cupy.flash_attn_backward(q, q, k, v, q, lse, dropout_p=0.1, dropout_seed=2, dropout_offset=4)
+    assert launches[-1][1] == (2, 4) and launches[-1][0]["softmax_lse"] == 1024
+    assert len(checked) == 2
+
+
+def test_return_attn_probs_with_dropout_keeps_the_fast_path(stubbed, monkeypatch):
+    # The probabilities of return_attn_probs=True are built from the caller's q, k and the kernel's lse, after the
+    # (cached) forward; forward_with_lse never builds them.
+    launches, checked = stubbed
+    built = []
+    monkeypatch.setattr(attention, "_dropped_probs", lambda q, k, lse, *args: built.append(lse) or "probs")
+    q, k, v = (FakeArray(n, p) for n, p in (("q", 256), ("k", 512), ("v", 768)))
+    kw = dict(dropout_p=0.1, dropout_seed=3, return_attn_probs=True)
+    fa2cupy.flash_attn_func(q, k, v, **kw)
+    _remember_last(checked)
+    assert fa2cupy.flash_attn_func(q, k, v, **kw) == (("out", (1,)), ("out", (1,)), "probs")
+    assert len(launches) == 1 and built == ["checked", ("out", (1,))]
+    assert attention.forward_with_lse(q, k, v, dropout_p=0.1, dropout_seed=3) == (("out", (1,)), ("out", (1,)))
+    assert len(launches) == 2 and len(built) == 2 and len(checked) == 1
+
+
+def test_kernel_options_are_part_of_the_key(stubbed):
+    # Two calls that differ only in their KernelOptions never share a cached plan: each is checked (and planned)
+    # once, and later calls launch the plan made with their own options. Equal options are one key.
+    launches, checked = stubbed
+    q, k, v = (FakeArray(n, p) for n, p in (("q", 256), ("k", 512), ("v", 768)))
+    mma = KernelOptions(hopper_forward=False)
+    fa2cupy.flash_attn_func(q, k, v)
+    _remember_last(checked, plan="planned with the defaults")
+    fa2cupy.flash_attn_func(q, k, v, kernel_options=mma)
+    assert len(checked) == 2 and checked[0] != checked[1] and not launches
+    _remember_last(checked, plan="planned without the Hopper forward")
+    fa2cupy.flash_attn_func(q, k, v, kernel_options=KernelOptions(hopper_forward=False))
+    fa2cupy.flash_attn_func(q, k, v)
+    fa2cupy.flash_attn_func(q, k, v, kernel_options=KernelOptions())  # the defaults, spelled out
+    assert [plan for *_, plan in launches] == ["planned without the Hopper forward", "planned with the defaults",
+                                               "planned with the defaults"]
+    for options in (KernelOptions(tile_counter=False), KernelOptions(decode_deep_ring=True)):
+        fa2cupy.flash_attn_func(q, k, v, kernel_options=options)  # any field makes another key
+    assert len(checked) == 4 and len(set(checked)) == 4
+    # Debug poisoning fills the outputs on the checked path: such calls never take the fast path.
+    poison = KernelOptions(debug_poison=True)
+    fa2cupy.flash_attn_func(q, k, v, kernel_options=poison)
+    fa2cupy.flash_attn_func(q, k, v, kernel_options=poison)
+    assert checked[-2:] == [None, None] and len(launches) == 3
+    with pytest.raises(TypeError, match=r"^kernel_options must be a fa2cupy.KernelOptions or None, got dict"):
+        fa2cupy.flash_attn_func(q, k, v, kernel_options={"hopper_forward": False})
 
 
 def test_launch_writes_per_call_values_into_their_slots(monkeypatch):

@@ -19,9 +19,9 @@ lse is computed in fp32 from fp32 weights: allowed |lse - ref| <= 1e-3 * (1 + |r
 Rows that see no key (causal with seqlen_q > seqlen_k) must give out == 0 exactly
 and lse == +inf, whatever the poison left there.
 
-``fa2cupy.forward._debug_poison`` is switched on for every test here: the library
-then fills out and lse with NaN before the launch, so any element the kernel
-fails to write shows up as NaN.
+``KernelOptions(debug_poison=True)`` is switched on for every test here (the calls go
+through gpu_helpers.fa2cupy_module): the library then fills out and lse with NaN
+before the launch, so any element the kernel fails to write shows up as NaN.
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
 from fa2cupy.reference import attention_ref
-from gpu_helpers import UNIT_ROUNDOFF, cupy_module as _cupy, debug_poison, np_dtype as _np_dtype, torch_cuda as _torch
+from gpu_helpers import (
+    UNIT_ROUNDOFF, checked_calls, cupy_module as _cupy, debug_poison, fa2cupy_module, np_dtype as _np_dtype,
+    torch_cuda as _torch)
 
 pytestmark = pytest.mark.gpu
 
@@ -50,14 +52,12 @@ HEAD_GROUPS = [(1, 1), (2, 2), (4, 4), (3, 1), (4, 1), (8, 1), (4, 2), (6, 3), (
 def poison_outputs():
     # Module scope: Hypothesis rejects function-scoped fixtures around @given, and
     # the switch is the same for every example anyway.
-    with debug_poison("forward"):
+    with debug_poison():
         yield
 
 
 def _flash_attn_func():
-    import fa2cupy
-
-    return fa2cupy.flash_attn_func
+    return fa2cupy_module().flash_attn_func
 
 
 
@@ -360,31 +360,29 @@ def no_poison():
     # The cached fast path is only taken when the poison hook is off (the hook needs the checked path).
     # Stale outputs still cannot pass: each call below uses new data, so an element the kernel failed to
     # write would hold the previous call's result and miss the new reference.
-    with debug_poison("forward", False):
+    with debug_poison(False):
         yield
 
 
 @pytest.mark.parametrize("framework", ["cupy", "torch"])
 def test_cached_fast_path_matches_reference(framework, no_poison):
-    import fa2cupy.interface
-
     cp = _cupy()
     rng = np.random.default_rng(7)
     shape, dtype = (2, 193, 4, 128), "bfloat16"
-    fa2cupy.interface._cached_calls.clear()
-    for call in range(3):
-        q, k, v = (make_input(rng, shape, dtype, transposed=True) for _ in range(3))
-        if framework == "torch":
-            torch = _torch()
-            out, lse, _ = _flash_attn_func()(*(torch.from_dlpack(x) for x in (q, k, v)), causal=True,
-                                            return_attn_probs=True)
-            assert isinstance(out, torch.Tensor)
-            out, lse = cp.from_dlpack(out), cp.from_dlpack(lse)
-        else:
-            out, lse, _ = _flash_attn_func()(q, k, v, causal=True, return_attn_probs=True)
-        cp.cuda.runtime.deviceSynchronize()
-        check_against_reference(q, k, v, out, lse, None, True, dtype)
-        assert len(fa2cupy.interface._cached_calls) == 1  # first call planned, later calls reused it
+    with checked_calls() as checked:
+        for call in range(3):
+            q, k, v = (make_input(rng, shape, dtype, transposed=True) for _ in range(3))
+            if framework == "torch":
+                torch = _torch()
+                out, lse, _ = _flash_attn_func()(*(torch.from_dlpack(x) for x in (q, k, v)), causal=True,
+                                                return_attn_probs=True)
+                assert isinstance(out, torch.Tensor)
+                out, lse = cp.from_dlpack(out), cp.from_dlpack(lse)
+            else:
+                out, lse, _ = _flash_attn_func()(q, k, v, causal=True, return_attn_probs=True)
+            cp.cuda.runtime.deviceSynchronize()
+            check_against_reference(q, k, v, out, lse, None, True, dtype)
+    assert checked.count("fwd") <= 1  # planned by the first call at most, reused by the later ones
 
 
 def test_torch_cuda_graph_capture(no_poison):

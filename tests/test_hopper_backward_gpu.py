@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, note
 from hypothesis import strategies as st
 
-from gpu_helpers import debug_poison, planning_with, skip_unless_hopper
+from gpu_helpers import debug_poison, fa2cupy_module, kernel_options, skip_unless_hopper
 from test_backward_gpu import run_case
 from test_varlen_mods_gpu import run_varlen_case
 
@@ -26,16 +26,14 @@ def _hopper_gpu():
 
 @pytest.fixture(autouse=True, scope="module")
 def poison_outputs():
-    with debug_poison("backward"):
+    with debug_poison():
         yield
 
 
 def _kernel(hopper: bool):
     """Runs the calls inside with the Hopper dK/dV kernel (True) or the mma.sync one (False) where the Hopper
     kernel would be picked."""
-    from fa2cupy import backward
-
-    return planning_with((backward, "HOPPER", hopper))
+    return kernel_options(hopper_backward=hopper)
 
 
 def test_hopper_kernel_is_the_one_planned():
@@ -70,10 +68,11 @@ def test_arrays_tma_cannot_copy_run_the_mma_sync_backward():
     _hopper_gpu()
     import numpy as np
 
-    import fa2cupy
     from fa2cupy import backward, configs
     from gpu_helpers import cupy_module
     from test_backward_gpu import check_gradients
+
+    fa2cupy = fa2cupy_module()
 
     names = ("q", "k", "v", "dout", "out", "dq", "dk", "dv")
     strides = dict.fromkeys(names, (256 * 8 * 128, 8 * 128, 128, 1))
@@ -99,7 +98,7 @@ def test_arrays_tma_cannot_copy_run_the_mma_sync_backward():
 def test_preprocess_clears_the_padded_accumulator_rows(d):
     """bwd_preprocess gives D = rowsum(dO * O) and clears every float of the Hopper kernel's dQ accumulator rows, their
     pad (d + 4 floats a row, never read) included: a 32-byte sector left partly unwritten costs the L2 a DRAM read
-    before its write-back (bench/NOTES.md, session 38)."""
+    before its write-back (docs/design.md)."""
     _hopper_gpu()
     import cupy
     import numpy as np
@@ -207,10 +206,11 @@ def test_varlen_keeps_another_sequence_out(d):
     _hopper_gpu()
     import numpy as np
 
-    import fa2cupy
     from fa2cupy.reference import attention_ref_backward
     from gpu_helpers import cupy_module
     from test_varlen_mods_gpu import _host, _randn
+
+    fa2cupy = fa2cupy_module()
 
     cp = cupy_module()
     rng = np.random.default_rng(9)

@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, note
 from hypothesis import strategies as st
 
-from gpu_helpers import cupy_module as _cupy, debug_poison, planning_with, skip_unless_hopper
+from fa2cupy.options import KernelOptions
+from gpu_helpers import cupy_module as _cupy, debug_poison, fa2cupy_module, kernel_options, skip_unless_hopper
 from test_forward_gpu import run_case
 # (imported here, not inside a Hypothesis test: importing it applies @given, which Hypothesis refuses while a test
 # runs, as a nested @given)
@@ -29,17 +30,14 @@ def _hopper_gpu():
 
 @pytest.fixture(autouse=True, scope="module")
 def poison_outputs():
-    with debug_poison("forward"):
+    with debug_poison():
         yield
 
 
-def _kernel(hopper: bool):
+def _kernel(hopper: bool, **options):
     """Runs the calls inside on the Hopper kernel (True: whatever the length of a masked call) or on the mma.sync
-    forward (False)."""
-    from fa2cupy import configs, forward
-
-    return planning_with((forward, "HOPPER", hopper),
-                         (configs, "HOPPER_MASKED_MIN_SEQLEN", dict.fromkeys(configs.HOPPER_MASKED_MIN_SEQLEN, 0)))
+    forward (False), with these other KernelOptions fields."""
+    return kernel_options(hopper_forward=hopper, hopper_masked_min_seqlen=0, **options)
 
 
 def test_hopper_kernel_is_the_one_planned():
@@ -59,6 +57,12 @@ def test_hopper_kernel_is_the_one_planned():
     assert isinstance(plan.config, configs.FwdConfig)  # no Hopper row for d = 96
     plan = forward.plan_forward((1, 64, 8, 128), (1, 64, 8, 128), strides, "bfloat16", 0.1, True, 90, softcap=5.0)
     assert isinstance(plan.config, configs.FwdConfig)  # modifiers stay on the mma.sync kernel
+    plan = forward.plan_forward((1, 64, 8, 128), (1, 64, 8, 128), strides, "bfloat16", 0.1, True, 90,
+                                options=KernelOptions(hopper_masked_min_seqlen=0))
+    assert isinstance(plan.config, configs.HopperFwdConfig)  # a short causal call, when the options say so
+    plan = forward.plan_forward((1, 64, 8, 128), (1, 64, 8, 128), strides, "bfloat16", 0.1, False, 90,
+                                options=KernelOptions(hopper_forward=False))
+    assert isinstance(plan.config, configs.FwdConfig)
 
 
 def test_arrays_tma_cannot_copy_run_the_mma_sync_forward():
@@ -76,8 +80,7 @@ def test_arrays_tma_cannot_copy_run_the_mma_sync_forward():
     plan = forward.plan_forward((1, 64, 8, 128), (1, 64, 8, 128), reversed_rows, "bfloat16", 0.1, False, 90)
     assert isinstance(plan.config, configs.FwdConfig) and plan.tensor_maps is None
 
-    import fa2cupy
-
+    fa2cupy = fa2cupy_module()
     rng = np.random.default_rng(7)
     q, k, v = (cp.asarray(rng.standard_normal((2, 300, 4, 128)), dtype=cp.float16)[:, ::-1] for _ in range(3))
     out = fa2cupy.flash_attn_func(q, k, v, causal=True)
@@ -159,10 +162,10 @@ def varlen_hopper_cases(draw):
 def test_varlen_matches_reference_on_both_kernels(c, hopper):
     _hopper_gpu()
     note(repr(c))
-    import fa2cupy
     from fa2cupy.reference import attention_ref_varlen
     from gpu_helpers import cu_seqlens
 
+    fa2cupy = fa2cupy_module()
     cp = _cupy()
     rng = np.random.default_rng(c["seed"])
     cu_q, cu_k = cu_seqlens(c["lengths_q"]), cu_seqlens(c["lengths_k"])
@@ -183,9 +186,9 @@ def test_varlen_keeps_another_sequence_out(d):
     """Whole K/V tiles of a varlen call go by TMA and a sequence's last, ragged tile by zero-filling copies: an
     infinite or NaN row of the next sequence never reaches this one's output (P = 0 there, and 0 * inf is NaN)."""
     _hopper_gpu()
-    import fa2cupy
     from fa2cupy.reference import attention_ref
 
+    fa2cupy = fa2cupy_module()
     cp = _cupy()
     rng = np.random.default_rng(5)
     lengths = (200, 300)  # the first sequence ends inside a 128-key tile, the second's rows follow in the array
@@ -214,22 +217,6 @@ def _planned():
         yield plans
 
 
-@contextlib.contextmanager
-def _pretend_sms(sms):
-    """Plans made inside see a GPU of ``sms`` SMs (None: the real one), so few persistent blocks walk many items."""
-    from fa2cupy import build
-
-    patch = pytest.MonkeyPatch()
-    if sms is not None:
-        real = build.device_attribute
-        patch.setattr(build, "device_attribute",
-                      lambda device, name: sms if name == "MultiProcessorCount" else real(device, name))
-    try:
-        yield
-    finally:
-        patch.undo()
-
-
 @pytest.mark.parametrize("sms", [3, None])
 @pytest.mark.parametrize(
     "b,s,h,hkv,d,causal,window,group_bytes",
@@ -245,18 +232,16 @@ def test_tile_counter_matches_grid_stride_bitwise(sms, b, s, h, hkv, d, causal, 
     """Blocks that take masked work items from the tile counter (longest first within L2 groups) compute each item
     exactly as blocks walking the grid stride do: the same bits, and the float64 reference's answer."""
     _hopper_gpu()
-    import fa2cupy
-    from fa2cupy import configs, forward
     from test_forward_gpu import check_against_reference, make_input
 
+    fa2cupy = fa2cupy_module()
     cp = _cupy()
     rng = np.random.default_rng(s + h + d)
     q, k, v = (make_input(rng, (b, s, n, d), "bfloat16") for n in (h, hkv, hkv))
     results = {}
     for counter in (False, True):
-        with _kernel(True), _pretend_sms(sms), _planned() as plans, pytest.MonkeyPatch.context() as patch:
-            patch.setattr(forward, "TILE_COUNTER", counter)
-            patch.setattr(configs, "HOPPER_L2_GROUP_BYTES", group_bytes)
+        with _kernel(True, sm_count=sms, tile_counter=counter, hopper_l2_group_bytes=group_bytes), \
+                _planned() as plans:  # (poisoned calls: planned every time)
             results[counter] = fa2cupy.flash_attn_func(q, k, v, causal=causal, window_size=window,
                                                        return_attn_probs=True)[:2]
         assert [p.tile_counter for p in plans] == [counter]
@@ -270,16 +255,18 @@ def test_tile_counter_under_torch_cuda_graph():
     """A CUDA graph captures the counter's zeroing with the launch: every replay hands out all work items."""
     _hopper_gpu()
     torch = pytest.importorskip("torch")
-    import fa2cupy
+    from fa2cupy import pipeline
     from test_forward_gpu import check_against_reference
 
+    fa2cupy = fa2cupy_module()
     cp = _cupy()
     dev = torch.device("cuda", torch.cuda.current_device())
     shape = (2, 2048, 8, 128)  # 256 causal work items: more than the SMs, so the plan takes the counter
     static = [torch.randn(shape, device=dev, dtype=torch.bfloat16) for _ in range(3)]
     side = torch.cuda.Stream(device=dev)
     side.wait_stream(torch.cuda.current_stream(dev))
-    with _kernel(True), debug_poison("forward", False), _planned() as plans:  # (the fast path, as users run it)
+    pipeline.forget_plans()  # (so that the warm-up call plans, and the plan it makes can be looked at)
+    with _kernel(True), debug_poison(False), _planned() as plans:  # (the fast path, as users run it)
         with torch.cuda.stream(side):  # warm-up outside capture: compile and plan
             fa2cupy.flash_attn_func(*static, causal=True)
         assert [p.tile_counter for p in plans] == [True]
@@ -304,11 +291,10 @@ def test_tile_counter_matches_grid_stride_varlen(sms, causal, window):
     """Varlen with the tile counter: items past a sequence's end (here most of the short sequences') are passed
     over by the producer alone, and every real item is computed as under the grid stride."""
     _hopper_gpu()
-    import fa2cupy
-    from fa2cupy import forward
     from fa2cupy.reference import attention_ref_varlen
     from gpu_helpers import cu_seqlens
 
+    fa2cupy = fa2cupy_module()
     cp = _cupy()
     rng = np.random.default_rng(7)
     lengths = [1500, 0, 1, 130, 700, 2100, 64, 900]
@@ -317,8 +303,7 @@ def test_tile_counter_matches_grid_stride_varlen(sms, causal, window):
     q, k, v = (_randn(rng, (total, n, 64), "bfloat16") for n in (8, 2, 2))
     results = {}
     for counter in (False, True):
-        with _kernel(True), _pretend_sms(sms), _planned() as plans, pytest.MonkeyPatch.context() as patch:
-            patch.setattr(forward, "TILE_COUNTER", counter)
+        with _kernel(True, sm_count=sms, tile_counter=counter), _planned() as plans:
             results[counter] = fa2cupy.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths),
                                                               causal=causal, window_size=window,
                                                               return_attn_probs=True)[:2]

@@ -88,6 +88,75 @@ def test_bad_shapes_and_dtypes():
         jax.eval_shape(lambda q: flash_attn_func(q, q, q), _sds(1, 4, 2, 64, dtype=jnp.float32))
 
 
+@pytest.mark.parametrize("varlen", [False, True])
+def test_dropout_forward_callback_never_builds_probabilities(monkeypatch, varlen):
+    # The custom_vjp's forward callback gets (out, lse) from fa2cupy's forward_with_lse entry points; the generic
+    # flash_attn_func(return_attn_probs=True) (which with dropout may build seqlen^2 probabilities) is never called.
+    # Run on NumPy stand-ins for XLA's buffers, with the stream and the copy into XLA's outputs stubbed.
+    import cupy
+
+    import fa2cupy.jax as fj
+    from fa2cupy import attention
+
+    def generic(*args, **kwargs):
+        raise AssertionError("the custom_vjp forward must not call the generic forward")
+
+    used = []
+
+    def entry(q, *args, dropout_p=0.0, dropout_rng_state=None, **kwargs):
+        used.append((dropout_p, dropout_rng_state))
+        lse_shape = (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1])
+        return np.ones(q.shape, q.dtype), np.ones(lse_shape, np.float32)
+
+    monkeypatch.setattr(fa2cupy, "flash_attn_func", generic)
+    monkeypatch.setattr(fa2cupy, "flash_attn_varlen_func", generic)
+    monkeypatch.setattr(attention, "forward_with_lse", entry)
+    monkeypatch.setattr(attention, "varlen_forward_with_lse", entry)
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda *args: None)
+    monkeypatch.setattr(fj, "_copy_into", lambda dst, src, stream: dst.__setitem__(Ellipsis, src))
+    state = np.arange(4, dtype=np.uint32)
+    if varlen:
+        q, cu = np.zeros((6, 2, 8), np.float16), np.array([0, 2, 6], np.int32)
+        extras, lse = (cu, cu, state), np.zeros((2, 6), np.float32)
+    else:
+        q = np.zeros((1, 6, 2, 8), np.float16)
+        extras, lse = (state,), np.zeros((1, 2, 6), np.float32)
+    out = np.zeros_like(q)
+    opts = (0.3, True, -1, 0, 0.0, False, (4, 4) if varlen else None, 0.1, False, None)
+    fj._run_forward((out, lse), q, q, q, *extras, opts)
+    assert len(used) == 1 and used[0][0] == 0.1 and used[0][1] is state
+    assert out.all() and lse.all()
+
+
+def test_kernel_options_are_a_static_option_handed_on(monkeypatch):
+    # kernel_options travel in the custom calls' static options (hashable) and reach fa2cupy's entry points.
+    import cupy
+
+    import fa2cupy.jax as fj
+    from fa2cupy import attention
+    from fa2cupy.options import KernelOptions
+
+    seen = []
+
+    def entry(q, *args, kernel_options=None, **kwargs):
+        seen.append(kernel_options)
+        return np.ones(q.shape, q.dtype), np.ones((q.shape[0], q.shape[2], q.shape[1]), np.float32)
+
+    monkeypatch.setattr(attention, "forward_with_lse", entry)
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda *args: None)
+    monkeypatch.setattr(fj, "_copy_into", lambda dst, src, stream: dst.__setitem__(Ellipsis, src))
+    mma = KernelOptions(hopper_forward=False)
+    q = np.zeros((1, 6, 2, 8), np.float16)
+    opts = (0.3, True, -1, 0, 0.0, False, None, 0.0, False, mma)
+    fj._run_forward((np.zeros_like(q), np.zeros((1, 2, 6), np.float32)), q, q, q, opts)
+    assert seen == [mma]
+    traced = jax.make_jaxpr(lambda q: flash_attn_func(q, q, q, kernel_options=mma))(jnp.zeros((1, 4, 2, 64),
+                                                                                             jnp.float16))
+    assert "buffer_callback" in str(traced)
+    with pytest.raises(TypeError, match=r"^kernel_options must be a fa2cupy.KernelOptions or None, got int"):
+        jax.eval_shape(lambda q: flash_attn_func(q, q, q, kernel_options=1), _sds(1, 4, 2, 64))
+
+
 # ============================================================================== GPU
 
 

@@ -39,7 +39,9 @@ from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
 from fa2cupy.reference import apply_rotary_ref, attention_ref
-from gpu_helpers import UNIT_ROUNDOFF, cupy_module as _cupy, debug_poison, np_dtype as _np_dtype
+from gpu_helpers import (
+    UNIT_ROUNDOFF, cupy_module as _cupy, debug_poison, fa2cupy_module, kernel_options, np_dtype as _np_dtype,
+    options_for_test)
 
 pytestmark = pytest.mark.gpu
 
@@ -51,16 +53,14 @@ NUM_SPLITS = [0, 1, 3, 7]
 
 @pytest.fixture(autouse=True, scope="module")
 def poison_outputs():
-    # Same hook as tests/test_forward_gpu.py: if the kvcache path honours it, any output element the kernels
-    # fail to write is NaN and caught below.
-    with debug_poison("forward"):
+    # Same poisoning as tests/test_forward_gpu.py: any output element the kernels fail to write is NaN and caught
+    # below.
+    with debug_poison():
         yield
 
 
 def _kvcache():
-    import fa2cupy
-
-    return fa2cupy.flash_attn_with_kvcache
+    return fa2cupy_module().flash_attn_with_kvcache
 
 
 def _randn(rng, shape, dtype):
@@ -385,22 +385,18 @@ def test_paged_equals_contiguous_bitwise(dtype, page_size, num_splits):
 
 @pytest.mark.parametrize("page_size", [None, 16, 64])
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_evict_first_stream_changes_no_bit(page_size, num_splits, monkeypatch):
+def test_evict_first_stream_changes_no_bit(page_size, num_splits):
     # K/V copies under the L2 evict-first policy (which calls past the L2 size take) give the reference's answer
-    # and the bits of copies under no policy; plans are rebuilt for each.
-    from fa2cupy import decode, interface
-
+    # and the bits of copies under no policy (KernelOptions.decode_stream_evict_first forces either).
     cp = _cupy()
     rng = np.random.default_rng(7 + num_splits)
     case = build_case(rng, batch=2, seqlen_q=1, nheads=32, nheads_kv=8, headdim=128, dtype="bfloat16",
                       capacity=2048, seqlens=[2047, 900], seqlen_new=1, page_size=page_size)
     results = []
     for evict_first in (True, False):
-        monkeypatch.setattr(decode, "STREAM_EVICT_FIRST", evict_first)
-        interface._cached_calls.clear()
-        out, lse = run_and_check(case, num_splits=num_splits)
+        with kernel_options(decode_stream_evict_first=evict_first):
+            out, lse = run_and_check(case, num_splits=num_splits)
         results.append((_bits(cp.asnumpy(out)), cp.asnumpy(lse).view(np.uint32)))
-    interface._cached_calls.clear()
     assert np.array_equal(results[0][0], results[1][0]) and np.array_equal(results[0][1], results[1][1])
 
 
@@ -424,10 +420,8 @@ def test_decode_loop_appends_one_token_per_step(paged, form, cached_dispatch, mo
     # Real decode: the same cache arrays across steps, cache_seqlens advancing by one each step. With
     # cached_dispatch the output poisoning is off, so from the second step on the call takes the cached fast
     # path (plan reused, nothing re-validated on the host but an int cache_seqlens).
-    import fa2cupy.forward
-
     if cached_dispatch:
-        monkeypatch.setattr(fa2cupy.forward, "_debug_poison", False)
+        options_for_test(monkeypatch, debug_poison=False)
     cp = _cupy()
     rng = np.random.default_rng(3)
     batch, h, hkv, d, dtype, ps, steps = 2, 8, 2, 64, "float16", 16, 5
@@ -465,18 +459,13 @@ def test_decode_loop_appends_one_token_per_step(paged, form, cached_dispatch, mo
 @pytest.fixture(params=[(False, False), (True, False), (None, True), (True, True)],
                 ids=["table_ring", "deep_ring", "warp_items", "warp_items_deep_ring"])
 def ring(request, monkeypatch):
-    # Both ring depths of the d=128 row wherever the test's calls use it (decode.DEEP_RING forces the choice that
-    # configs.decode_config otherwise makes from the work items' lengths), and its warp-items twin wherever a call
-    # has one split (decode.WARP_ITEMS forces what decode.uses_warp_items decides from the grid); plans are
-    # rebuilt for them.
-    from fa2cupy import decode, interface
-
+    # Both ring depths of the d=128 row wherever the test's calls use it (KernelOptions.decode_deep_ring forces the
+    # choice that configs.decode_config otherwise makes from the work items' lengths), and its warp-items twin
+    # wherever a call has one split (KernelOptions.decode_warp_items forces what decode.uses_warp_items decides from
+    # the grid).
     deep, warp_items = request.param
-    monkeypatch.setattr(decode, "DEEP_RING", deep)
-    monkeypatch.setattr(decode, "WARP_ITEMS", warp_items)
-    interface._cached_calls.clear()
-    yield request.param
-    interface._cached_calls.clear()
+    options_for_test(monkeypatch, decode_deep_ring=deep, decode_warp_items=warp_items)
+    return request.param
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -540,8 +529,7 @@ def test_decode_step_under_torch_cuda_graph(num_splits):
     # On sm_90 the kernels are captured with programmatic launches (build.Launch), so the graph holds those
     # dependencies, and a replay follows the previous one's split merge.
     torch = pytest.importorskip("torch")
-    import fa2cupy
-
+    fa2cupy = fa2cupy_module()
     gen = torch.Generator(device="cuda").manual_seed(5)
 
     def randn(*shape):
@@ -556,7 +544,7 @@ def test_decode_step_under_torch_cuda_graph(num_splits):
         return fa2cupy.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=lens,
                                                num_splits=num_splits)
 
-    with debug_poison("forward", False):  # (the fast path, which graphs capture, skips the poison hook)
+    with debug_poison(False):  # (the fast path, which graphs capture, takes no poisoning)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # compile and plan outside the capture
@@ -585,7 +573,7 @@ def test_split_merge_bitwise_whichever_block_merges(paged, pretend_sms, monkeypa
     # (the next launch on the stream starts from them, with no memset). A pretend 3-SM GPU makes blocks walk items
     # that merge.
     cp = _cupy()
-    from fa2cupy import decode, interface
+    from fa2cupy import decode
 
     plans = []
     workspace = decode.DecodePlan.workspace
@@ -595,33 +583,28 @@ def test_split_merge_bitwise_whichever_block_merges(paged, pretend_sms, monkeypa
         return workspace(plan, stream_ptr, framework, device)
 
     monkeypatch.setattr(decode.DecodePlan, "workspace", spy)
-    if pretend_sms:
-        monkeypatch.setattr(decode, "_sm_count", lambda device: pretend_sms)
-    interface._cached_calls.clear()
-    try:
-        rng = np.random.default_rng(31 + paged + 2 * bool(pretend_sms))
-        seqlens = rng.integers(2000, 4097, size=2)
-        case = build_case(rng, batch=2, seqlen_q=1, nheads=32, nheads_kv=8, headdim=128, dtype="bfloat16",
-                          capacity=4096, seqlens=seqlens, seqlen_new=0, page_size=64 if paged else None)
-        q = cp.asarray(case["q"])
-        k_cache, v_cache = cp.asarray(case["phys_k"]), cp.asarray(case["phys_v"])
-        kwargs = dict(cache_seqlens=cp.asarray(case["seqlens"]), return_softmax_lse=True)
-        if paged:
-            kwargs["block_table"] = cp.asarray(case["block_table"])
-        for splits in (16, 5):
-            first_out, first_lse = (cp.asnumpy(x) for x in run_and_check(case, num_splits=splits))
-            for _ in range(40):
-                out, lse = _kvcache()(q, k_cache, v_cache, num_splits=splits, **kwargs)
-                assert np.array_equal(_bits(cp.asnumpy(out)), _bits(first_out))
-                assert np.array_equal(cp.asnumpy(lse).view(np.uint32), first_lse.view(np.uint32))
-            cp.cuda.runtime.deviceSynchronize()
-        assert plans and all(plan.splits > 1 for plan in plans)
-        for plan in {id(plan): plan for plan in plans}.values():
-            for array, _ in plan.workspaces.values():
-                counters = cp.asnumpy(array[:plan.arrivals].view(cp.int32))
-                assert counters.size == plan.arrivals and not counters.any(), counters
-    finally:
-        interface._cached_calls.clear()
+    options_for_test(monkeypatch, sm_count=pretend_sms)
+    rng = np.random.default_rng(31 + paged + 2 * bool(pretend_sms))
+    seqlens = rng.integers(2000, 4097, size=2)
+    case = build_case(rng, batch=2, seqlen_q=1, nheads=32, nheads_kv=8, headdim=128, dtype="bfloat16",
+                      capacity=4096, seqlens=seqlens, seqlen_new=0, page_size=64 if paged else None)
+    q = cp.asarray(case["q"])
+    k_cache, v_cache = cp.asarray(case["phys_k"]), cp.asarray(case["phys_v"])
+    kwargs = dict(cache_seqlens=cp.asarray(case["seqlens"]), return_softmax_lse=True)
+    if paged:
+        kwargs["block_table"] = cp.asarray(case["block_table"])
+    for splits in (16, 5):
+        first_out, first_lse = (cp.asnumpy(x) for x in run_and_check(case, num_splits=splits))
+        for _ in range(40):
+            out, lse = _kvcache()(q, k_cache, v_cache, num_splits=splits, **kwargs)
+            assert np.array_equal(_bits(cp.asnumpy(out)), _bits(first_out))
+            assert np.array_equal(cp.asnumpy(lse).view(np.uint32), first_lse.view(np.uint32))
+        cp.cuda.runtime.deviceSynchronize()
+    assert plans and all(plan.splits > 1 for plan in plans)
+    for plan in {id(plan): plan for plan in plans}.values():
+        for array, _ in plan.workspaces.values():
+            counters = cp.asnumpy(array[:plan.arrivals].view(cp.int32))
+            assert counters.size == plan.arrivals and not counters.any(), counters
 
 
 @pytest.mark.parametrize("paged", [False, True])
@@ -630,60 +613,51 @@ def test_blocks_walking_several_items(paged, features, monkeypatch, ring):
     # More work items than the GPU holds blocks: the launch has fewer blocks, each walking items in grid strides
     # with its K/V ring running on into the next item. A pretend 3-SM GPU makes each block walk 8 to 24 items,
     # with rows of 0 to 10 key tiles (so some warps have none) and, with num_splits=3, a split merge per item.
-    from fa2cupy import decode, interface
+    # (The module's calls are poisoned, so each is planned: the spy sees every launch's grid.)
+    from fa2cupy import decode
 
     launches = []
     attention_grid = decode._attention_grid
 
-    def spy(function, config, device, items):
-        blocks, smem = attention_grid(function, config, device, items)
+    def spy(function, config, device, items, sms):
+        blocks, smem = attention_grid(function, config, device, items, sms)
         launches.append((blocks, items))
         return blocks, smem
 
     monkeypatch.setattr(decode, "_attention_grid", spy)
-    monkeypatch.setattr(decode, "_sm_count", lambda device: 3)
-    interface._cached_calls.clear()  # plans made for the real SM count
-    try:
-        rng = np.random.default_rng(11 + paged + 2 * features)
-        seqlens = rng.integers(0, 300, size=12)
-        seqlens[:3] = [0, 299, 1]
-        case = build_case(rng, batch=12, seqlen_q=2, nheads=8, nheads_kv=2, headdim=128, dtype="bfloat16",
-                          capacity=300, seqlens=seqlens, seqlen_new=1, page_size=16 if paged else None)
-        f = make_features(rng, case, window=(64, 3), softcap=5.0, alibi="batch",
-                          leftpad=None if paged else "random") if features else None
-        for causal in (False, True):
-            for splits in (0, 1, 3):
-                if features:
-                    run_features(case, f, causal=causal, num_splits=splits)
-                else:
-                    run_and_check(case, causal=causal, num_splits=splits)
-    finally:
-        interface._cached_calls.clear()  # plans made for the pretend SM count
+    options_for_test(monkeypatch, sm_count=3)
+    rng = np.random.default_rng(11 + paged + 2 * features)
+    seqlens = rng.integers(0, 300, size=12)
+    seqlens[:3] = [0, 299, 1]
+    case = build_case(rng, batch=12, seqlen_q=2, nheads=8, nheads_kv=2, headdim=128, dtype="bfloat16",
+                      capacity=300, seqlens=seqlens, seqlen_new=1, page_size=16 if paged else None)
+    f = make_features(rng, case, window=(64, 3), softcap=5.0, alibi="batch",
+                      leftpad=None if paged else "random") if features else None
+    for causal in (False, True):
+        for splits in (0, 1, 3):
+            if features:
+                run_features(case, f, causal=causal, num_splits=splits)
+            else:
+                run_and_check(case, causal=causal, num_splits=splits)
     assert launches and all(blocks == 3 < items for blocks, items in launches), launches
 
 
 @contextlib.contextmanager
 def _warp_items_forced(pretend_sms=None):
-    """decode.WARP_ITEMS forced on (and, given, a pretend SM count) with plans rebuilt for it; yields the list of
-    the decode plans made meanwhile. (A context manager, not monkeypatch: Hypothesis tests cannot take it.)"""
-    from fa2cupy import decode, interface
+    """Warp items forced on (KernelOptions.decode_warp_items; and, given, a pretend SM count); yields the list of
+    the decode plans made meanwhile (the module's calls are poisoned, so each is planned). (A context manager, not
+    monkeypatch: Hypothesis tests cannot take it.)"""
+    from fa2cupy import decode
 
-    saved = decode.WARP_ITEMS, decode._sm_count, decode.plan_decode
-    plans = []
+    plans, plan_decode = [], decode.plan_decode
 
     def recording(*args, **kwargs):
-        plans.append(saved[2](*args, **kwargs))
+        plans.append(plan_decode(*args, **kwargs))
         return plans[-1]
 
-    decode.WARP_ITEMS, decode.plan_decode = True, recording
-    if pretend_sms is not None:
-        decode._sm_count = lambda device: pretend_sms
-    interface._cached_calls.clear()
-    try:
+    with kernel_options(decode_warp_items=True, sm_count=pretend_sms), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(decode, "plan_decode", recording)
         yield plans
-    finally:
-        decode.WARP_ITEMS, decode._sm_count, decode.plan_decode = saved
-        interface._cached_calls.clear()
 
 
 @settings(max_examples=20)
@@ -746,7 +720,7 @@ def test_block_table_written_by_the_kernel_before(page_size):
 
     want_out, want_lse = run(values)  # poisoned outputs: every element written
     check_outputs(case, want_out, want_lse, None, False)
-    with debug_poison("forward", False):  # (no fill kernel between the writer and the decode kernel)
+    with debug_poison(False):  # (no fill kernel between the writer and the decode kernel)
         run(values)  # the plan and its split workspace exist before the timed pair
         for _ in range(5):
             table = cp.asarray(old_table)
@@ -1171,9 +1145,7 @@ def test_windows(dtype, paged, window, causal):
 def test_small_window_over_a_long_cache_is_cheap(monkeypatch):
     # 4 x 64k keys (1 GB of K/V), a 256-key window: the kernel reads a few tiles per row, not the cache. Ten calls
     # back to back between the events (cached dispatch, no output poisoning), so the full attention is GPU-bound.
-    import fa2cupy.forward
-
-    monkeypatch.setattr(fa2cupy.forward, "_debug_poison", False)
+    options_for_test(monkeypatch, debug_poison=False)
     cp = _cupy()
     rng = np.random.default_rng(8)
     b, h, hkv, d, capacity, window = 4, 32, 8, 128, 65536, 256
@@ -1276,9 +1248,7 @@ def test_rotary_with_leftpad_uses_the_slot_as_position():
 @pytest.mark.parametrize("paged", [False, True])
 def test_features_in_a_cached_decode_loop(paged, monkeypatch):
     # The cached fast path (no output poisoning) replays the plan with its rotary buffer and extra pointers.
-    import fa2cupy.forward
-
-    monkeypatch.setattr(fa2cupy.forward, "_debug_poison", False)
+    options_for_test(monkeypatch, debug_poison=False)
     cp = _cupy()
     rng = np.random.default_rng(10)
     batch, h, hkv, d, dtype = 2, 8, 2, 64, "bfloat16"

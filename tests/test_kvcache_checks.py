@@ -9,7 +9,7 @@ import pytest
 
 from fa2cupy import decode
 from fa2cupy.arrays import ArrayInfo
-from fa2cupy.interface import _check_kvcache_args
+from fa2cupy.checks import check_kvcache_args
 
 UNLIMITED = decode.UNLIMITED_WINDOW
 
@@ -45,7 +45,7 @@ def base(b=2, sq=3, h=8, hkv=2, d=64, capacity=100, new=2, dtype="float16", page
 
 
 def check(infos, cache_seqlens="array", **kw):
-    return _check_kvcache_args(infos, object() if cache_seqlens == "array" else cache_seqlens, **kw)
+    return check_kvcache_args(infos, object() if cache_seqlens == "array" else cache_seqlens, **kw)
 
 
 def rotary(infos, rows=100, cols=16, dtype="float16"):

@@ -23,7 +23,7 @@ from fa2cupy import testing as B
 from fa2cupy import paging
 from fa2cupy.reference import attention_ref_varlen
 from gpu_helpers import (  # noqa: F401 -- poison_forward_and_backward is an autouse fixture
-    UNIT_ROUNDOFF, cu_seqlens, cupy_module as _cupy, fa2cupy_module, np_dtype as _np_dtype, planning_with,
+    UNIT_ROUNDOFF, cu_seqlens, cupy_module as _cupy, fa2cupy_module, kernel_options, np_dtype as _np_dtype,
     poison_forward_and_backward, torch_cuda as _torch)
 
 pytestmark = pytest.mark.gpu
@@ -39,13 +39,11 @@ def _forward_kernel(kernel: str):
     """Plans calls on one forward kernel: "hopper", the Hopper forward wherever it takes the call, whatever its
     length (short masked calls otherwise run the mma.sync forward; skipped off compute capability 9.0), or "mma",
     the mma.sync forward alone."""
-    from fa2cupy import configs, forward
-
     if kernel == "mma":
-        return planning_with((forward, "HOPPER", False))
+        return kernel_options(hopper_forward=False)
     if int(_cupy().cuda.Device().compute_capability) != 90:
         pytest.skip("the Hopper forward runs on compute capability 9.0 only")
-    return planning_with((configs, "HOPPER_MASKED_MIN_SEQLEN", dict.fromkeys(configs.HOPPER_MASKED_MIN_SEQLEN, 0)))
+    return kernel_options(hopper_masked_min_seqlen=0)
 
 
 def _randn(rng, shape, dtype):
@@ -242,9 +240,7 @@ def test_bad_page_is_reported(kernel):
 
 def test_paged_torch_autograd():
     torch = _torch()
-    import fa2cupy.torch as ft
-
-    fa = fa2cupy_module()
+    ft, fa = fa2cupy_module("torch"), fa2cupy_module()
     q, dout, k_pages, v_pages, table, cu_q, cu_k = small_case(8, [33, 64], [80, 47], 16, 4, 2, 128, "bfloat16")
     as_torch = lambda x: torch.from_dlpack(_cupy().asarray(x))  # noqa: E731
     qt, kt, vt = (as_torch(x).requires_grad_() for x in (q, k_pages, v_pages))
@@ -266,9 +262,7 @@ def test_paged_jax_jit_grad():
         pytest.skip("JAX has no GPU")
     import jax.numpy as jnp
 
-    import fa2cupy.jax as fj
-
-    fa = fa2cupy_module()
+    fj, fa = fa2cupy_module("jax"), fa2cupy_module()
     cp = _cupy()
     q, dout, k_pages, v_pages, table, cu_q, cu_k = small_case(9, [20, 45], [64, 30], 32, 2, 1, 64, "float16")
     jq, jk, jv, jt, jd, jcq, jck = (jnp.asarray(x) for x in (q, k_pages, v_pages, table, dout, cu_q, cu_k))

@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import fa2cupy  # noqa: E402
-from fa2cupy import paging, reference  # noqa: E402
+from fa2cupy import attention, paging, reference  # noqa: E402
 from fa2cupy.torch import flash_attn_func  # noqa: E402
 
 # ============================================================================== CPU: reference stand-ins
@@ -26,31 +26,34 @@ def _np(t):
     return t.detach().to(torch.float64).cpu().numpy()
 
 
-def _ref_forward(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), return_attn_probs=False, **_):
+def _ref_forward(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), **_):
+    """(out, lse) as fa2cupy's forward_with_lse returns them (dropout, which the reference would need a mask for,
+    is not applied: these tests check the plumbing)."""
+    calls.append(dict(forward="forward_with_lse", dropout_p=dropout_p))
     out, lse = reference.attention_ref(_np(q), _np(k), _np(v), softmax_scale, causal, window_size)
-    out = torch.from_numpy(out).to(q.dtype)
-    lse = torch.from_numpy(lse).to(torch.float32)
-    return (out, lse, None) if return_attn_probs else out
+    return torch.from_numpy(out).to(q.dtype), torch.from_numpy(lse).to(torch.float32)
 
 
 def _ref_backward(dout, q, k, v, out, softmax_lse, softmax_scale=None, causal=False, window_size=(-1, -1),
                   deterministic=False, **_):
-    calls.append(dict(dout=dout, q=q, k=k, v=v, out=out, lse=softmax_lse, softmax_scale=softmax_scale,
-                      causal=causal, window_size=window_size, deterministic=deterministic))
+    backward_calls.append(dict(dout=dout, q=q, k=k, v=v, out=out, lse=softmax_lse, softmax_scale=softmax_scale,
+                               causal=causal, window_size=window_size, deterministic=deterministic))
     grads = reference.attention_ref_backward(_np(dout), _np(q), _np(k), _np(v), softmax_scale, causal, window_size)
     return tuple(torch.from_numpy(g).to(x.dtype) for g, x in zip(grads, (q, k, v)))
 
 
-calls: list = []
+calls: list = []  # the forward stand-ins' calls
+backward_calls: list = []  # the backward stand-ins' calls
 
 
 @pytest.fixture
 def cpu_kernels(monkeypatch):
-    """Route the custom ops to the float64 reference on CPU tensors."""
+    """Route the custom ops to the float64 reference on CPU tensors; returns the backward calls."""
     calls.clear()
-    monkeypatch.setattr(fa2cupy, "flash_attn_func", _ref_forward)
+    backward_calls.clear()
+    monkeypatch.setattr(attention, "forward_with_lse", _ref_forward)
     monkeypatch.setattr(fa2cupy, "flash_attn_backward", _ref_backward, raising=False)
-    return calls
+    return backward_calls
 
 
 def _cpu_qkv(b=2, sq=5, sk=7, h=4, hkv=2, d=16, dtype=torch.float32, seed=0):
@@ -75,20 +78,22 @@ def test_ops_are_registered_with_schemas():
         "flash_attn_forward", "flash_attn_backward", "flash_attn_varlen_forward", "flash_attn_varlen_backward")}
     options = "float softmax_scale, bool causal, SymInt window_left, SymInt window_right, bool deterministic"
     dropout = "float dropout_p, SymInt dropout_seed, SymInt dropout_offset"
+    kernel = "SymInt kernel_options"
     varlen = "Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, "
-    assert (f"(Tensor q, Tensor k, Tensor v, {options}, float softcap, Tensor? alibi_slopes, {dropout}) -> "
+    assert (f"(Tensor q, Tensor k, Tensor v, {options}, float softcap, Tensor? alibi_slopes, {dropout}, {kernel}) -> "
             "(Tensor, Tensor)") in schema["flash_attn_forward"]
-    assert (f"Tensor lse, {options}, float softcap, {dropout}, Tensor? alibi_slopes) -> (Tensor, Tensor, Tensor)"
-            in schema["flash_attn_backward"])
+    assert (f"Tensor lse, {options}, float softcap, {dropout}, Tensor? alibi_slopes, {kernel}) -> "
+            "(Tensor, Tensor, Tensor)" in schema["flash_attn_backward"])
     assert (f"(Tensor q, Tensor k, Tensor v, {varlen}{options}, float softcap, Tensor? alibi_slopes, {dropout}, "
-            "Tensor? block_table) -> (Tensor, Tensor)") in schema["flash_attn_varlen_forward"]
-    assert (f"Tensor lse, {varlen}{options}, float softcap, {dropout}, Tensor? alibi_slopes, Tensor? block_table) "
-            "-> (Tensor, Tensor, Tensor)") in schema["flash_attn_varlen_backward"]
+            f"Tensor? block_table, {kernel}) -> (Tensor, Tensor)") in schema["flash_attn_varlen_forward"]
+    assert (f"Tensor lse, {varlen}{options}, float softcap, {dropout}, Tensor? alibi_slopes, Tensor? block_table, "
+            f"{kernel}) -> (Tensor, Tensor, Tensor)") in schema["flash_attn_varlen_backward"]
 
 
-#: The trailing arguments of the ops after (..., window_right, deterministic): no softcap, ALiBi or dropout.
-PLAIN_FWD = (0.0, None, 0.0, 0, 0)
-PLAIN_BWD = (0.0, 0.0, 0, 0, None)
+#: The trailing arguments of the ops after (..., window_right, deterministic): no softcap, ALiBi or dropout, the
+#: default kernel options (handle 0).
+PLAIN_FWD = (0.0, None, 0.0, 0, 0, 0)
+PLAIN_BWD = (0.0, 0.0, 0, 0, None, 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -217,18 +222,19 @@ def _packed_keys(k, v, cu_k, max_k, block_table):
     return paging.gather(np, _np(k), page, slot, inside), paging.gather(np, _np(v), page, slot, inside), packed_cu
 
 
-def _ref_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False, window_size=(-1, -1),
-                        return_attn_probs=False, block_table=None, **_):
+def _ref_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=None, causal=False,
+                        window_size=(-1, -1), block_table=None, **_):
+    """(out, lse) as fa2cupy's varlen_forward_with_lse returns them (no dropout applied, as in _ref_forward)."""
+    calls.append(dict(forward="varlen_forward_with_lse", dropout_p=dropout_p))
     kp, vp, packed_cu = _packed_keys(k, v, cu_k, max_k, block_table)
     out, lse = reference.attention_ref_varlen(_np(q), kp, vp, cu_q.numpy(), packed_cu, softmax_scale, causal,
                                               window_size)
-    out, lse = torch.from_numpy(out).to(q.dtype), torch.from_numpy(lse).to(torch.float32)
-    return (out, lse, None) if return_attn_probs else out
+    return torch.from_numpy(out).to(q.dtype), torch.from_numpy(lse).to(torch.float32)
 
 
 def _ref_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False,
                          window_size=(-1, -1), block_table=None, **_):
-    calls.append(dict(k=k, block_table=block_table, max_seqlen_k=max_k))
+    backward_calls.append(dict(k=k, block_table=block_table, max_seqlen_k=max_k))
     kp, vp, packed_cu = _packed_keys(k, v, cu_k, max_k, block_table)
     dq, dk, dv = reference.attention_ref_varlen_backward(_np(dout), _np(q), kp, vp, cu_q.numpy(), packed_cu,
                                                          softmax_scale, causal, window_size)
@@ -242,9 +248,10 @@ def _ref_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, soft
 @pytest.fixture
 def cpu_varlen_kernels(monkeypatch):
     calls.clear()
-    monkeypatch.setattr(fa2cupy, "flash_attn_varlen_func", _ref_varlen_forward)
+    backward_calls.clear()
+    monkeypatch.setattr(attention, "varlen_forward_with_lse", _ref_varlen_forward)
     monkeypatch.setattr(fa2cupy, "flash_attn_varlen_backward", _ref_varlen_backward)
-    return calls
+    return backward_calls
 
 
 @pytest.mark.parametrize("paged", [False, True])
@@ -288,6 +295,73 @@ def test_varlen_gradients_reach_packed_or_paged_keys(cpu_varlen_kernels, paged):
                     landed[table[b, j // page_size], j % page_size] = torch.from_numpy(want[cu_k[b] + j])
             want = landed.numpy()
         np.testing.assert_allclose(_np(got), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("form", ["dense", "qkvpacked", "varlen"])
+def test_dropout_forward_never_builds_probabilities(cpu_kernels, cpu_varlen_kernels, monkeypatch, form):
+    # With dropout, fa2cupy.flash_attn_func(return_attn_probs=True) builds the float32 (batch, nheads, seqlen_q,
+    # seqlen_k) probabilities for its caller: seqlen^2 memory and time on every training step if the autograd
+    # forward asked for them. It must get (out, lse) from fa2cupy's forward_with_lse entry points instead.
+    from fa2cupy.torch import flash_attn_qkvpacked_func, flash_attn_varlen_func
+
+    probabilities = []
+
+    def generic(*args, return_attn_probs=False, dropout_p=0.0, **kw):  # the public functions: record the request
+        if return_attn_probs and dropout_p:
+            probabilities.append(kw)
+        raise AssertionError("the autograd forward must not call the generic forward")
+
+    monkeypatch.setattr(fa2cupy, "flash_attn_func", generic)
+    monkeypatch.setattr(fa2cupy, "flash_attn_varlen_func", generic)
+    monkeypatch.setattr(fa2cupy.torch, "_draw_dropout_rng", lambda device: (5, 6))  # (torch's CUDA generator)
+    q, k, v = _cpu_qkv(sq=6, sk=6, hkv=4)
+    if form == "dense":
+        out = flash_attn_func(q, k, v, dropout_p=0.1, causal=True)
+    elif form == "qkvpacked":
+        out = flash_attn_qkvpacked_func(torch.stack([q, k, v], dim=2), dropout_p=0.1, causal=True)
+    else:
+        cu = torch.tensor([0, 6, 12], dtype=torch.int32)
+        out = flash_attn_varlen_func(*(x.reshape(12, *x.shape[2:]) for x in (q, k, v)), cu, cu, 6, 6, dropout_p=0.1,
+                                     causal=True)
+    assert not probabilities
+    assert [c["dropout_p"] for c in calls] == [0.1]  # the forward ran once, through the (out, lse) entry point
+    out.sum().backward()
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_kernel_options_reach_forward_and_backward(cpu_kernels, cpu_varlen_kernels, monkeypatch, varlen):
+    # The ops take a KernelOptions as its handle (an int; fa2cupy.options.handle) and hand it on, forward and
+    # backward alike.
+    from fa2cupy.options import KernelOptions
+    from fa2cupy.torch import flash_attn_varlen_func
+
+    seen = []
+
+    def recording(real):
+        def call(*args, kernel_options=None, **kwargs):
+            seen.append(kernel_options)
+            return real(*args, **kwargs)
+        return call
+
+    name = "varlen_forward_with_lse" if varlen else "forward_with_lse"
+    monkeypatch.setattr(attention, name, recording(getattr(attention, name)))
+    name = "flash_attn_varlen_backward" if varlen else "flash_attn_backward"
+    monkeypatch.setattr(fa2cupy, name, recording(getattr(fa2cupy, name)))
+    mma = KernelOptions(hopper_forward=False, hopper_backward=False)
+    q, k, v = _cpu_qkv(sq=6, sk=6, hkv=4)
+    if varlen:
+        cu = torch.tensor([0, 6, 12], dtype=torch.int32)
+        out = flash_attn_varlen_func(*(x.reshape(12, *x.shape[2:]) for x in (q, k, v)), cu, cu, 6, 6,
+                                     kernel_options=mma)
+    else:
+        out = flash_attn_func(q, k, v, kernel_options=mma)
+    out.sum().backward()
+    assert seen == [mma, mma]  # the forward's, the backward's
+    if not varlen:
+        flash_attn_func(q, k, v)
+        assert seen[-1] == KernelOptions()  # (None: the defaults)
+    with pytest.raises(TypeError, match=r"^kernel_options must be a fa2cupy.KernelOptions or None, got str"):
+        flash_attn_func(q, k, v, kernel_options="hopper")
 
 
 def test_saves_only_q_k_v_out_lse(cpu_kernels):
@@ -454,6 +528,44 @@ def test_gpu_saved_tensors_are_q_k_v_out_lse():
     assert saved[4].shape == (2, 4, 128) and saved[4].dtype == torch.float32
     extra = sum(t.numel() * t.element_size() for t in saved[3:])
     assert extra == out.numel() * 2 + 2 * 4 * 128 * 4  # out + lse: no seqlen^2 probabilities
+
+
+@gpu
+@needs_torch_cuda
+def test_gpu_dropout_training_step_memory_is_linear_in_seqlen():
+    # A training step with dropout at seqlen 8k allocates what its outputs and workspaces need, O(seqlen): no
+    # (batch, nheads, seqlen_q, seqlen_k) probabilities (1 GiB here, 128x the bound) through torch's allocator or
+    # CuPy's pool. The pool keeps freed blocks, so its total after the step bounds whatever went through it.
+    import cupy
+
+    b, s, h, d = 1, 8192, 4, 128
+    q, k, v = _gpu_qkv(b=b, sq=s, sk=s, h=h, hkv=h, d=d, dtype=torch.bfloat16)
+    dout = torch.randn(q.shape, device="cuda", dtype=q.dtype)
+
+    def step():
+        for x in (q, k, v):
+            x.grad = None
+        out = flash_attn_func(q, k, v, dropout_p=0.1, causal=True)
+        torch.cuda.synchronize()
+        forward_peak = torch.cuda.max_memory_allocated() - base
+        out.backward(dout)
+        torch.cuda.synchronize()
+        return forward_peak, torch.cuda.max_memory_allocated() - base
+
+    base = torch.cuda.memory_allocated()
+    step()  # compiles and plans (the kernel cache's and the device-error report's memory are made once)
+    pool = cupy.get_default_memory_pool()
+    pool.free_all_blocks()
+    for x in (q, k, v):
+        x.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    forward_peak, step_peak = step()
+    linear = b * s * h * d * 2  # one (b, s, h, d) bf16 array: 8 MiB
+    assert forward_peak <= 2 * linear, forward_peak  # out and lse (and a tile counter)
+    assert step_peak <= 8 * linear, step_peak  # + dq, dk, dv, the fp32 dQ accumulator and row sums
+    assert pool.total_bytes() <= 1 << 20, pool.total_bytes()  # torch callers' memory all comes from torch
 
 
 @gpu

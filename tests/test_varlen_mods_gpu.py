@@ -10,7 +10,7 @@ far below u.
 Also: a varlen call equals the padded call of each sequence on its own bitwise (same tiles, same arithmetic);
 rows past ``cu_seqlens[-1]`` are not written (they stay poisoned and are not compared); cu_seqlens values that do
 not fit the arrays are reported by the kernels as a ValueError naming them, and nothing plausible is returned.
-Every output is poisoned with NaN before the launch (``_debug_poison``).
+Every output is poisoned with NaN before the launch (``KernelOptions(debug_poison=True)``, through the helpers).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from fa2cupy.reference import (
     attention_ref_varlen_backward,
 )
 from gpu_helpers import (  # noqa: F401 -- poison_forward_and_backward is an autouse fixture
-    UNIT_ROUNDOFF, cu_seqlens, cupy_module as _cupy, debug_poison, fa2cupy_module, np_dtype as _np_dtype,
-    planning_with, poison_forward_and_backward, skip_unless_hopper, torch_cuda as _torch)
+    UNIT_ROUNDOFF, checked_calls, cu_seqlens, cupy_module as _cupy, debug_poison, fa2cupy_module, kernel_options,
+    np_dtype as _np_dtype, poison_forward_and_backward, skip_unless_hopper, torch_cuda as _torch)
 
 pytestmark = pytest.mark.gpu
 
@@ -231,14 +231,11 @@ def test_varlen_cached_fast_path(framework):
     """Repeated varlen calls with the same metadata take the cached fast path (plan reused, no checks): it must honour
     new cu_seqlens values (they live on the GPU) and still zero the gradient rows past the last sequence, which here
     land in fresh, unpoisoned memory. Each call has new data, so a stale output cannot match its reference."""
-    import fa2cupy.interface
-
     fa = fa2cupy_module()
     cp = _cupy()
     rng = np.random.default_rng(11)
     h, hkv, d, total = 4, 2, 64, 300
-    with debug_poison("forward", False), debug_poison("backward", False):
-        fa2cupy.interface._cached_calls.clear()
+    with debug_poison(False), checked_calls() as checked:
         for lengths in ([100, 0, 150], [30, 200, 5], [1, 1, 250]):
             cu = cu_seqlens(lengths)  # the same shape each time; the rows past cu[-1] change
             q, k, v, dout = (_randn(rng, (total, n, d), "float16") for n in (h, hkv, hkv, h))
@@ -260,7 +257,8 @@ def test_varlen_cached_fast_path(framework):
                          selections=(rows, rows, rows))
             for g in grads:
                 assert np.all(_host(g)[int(cu[-1]):] == 0.0), "rows past the last sequence must be zero"
-        assert len(fa2cupy.interface._cached_calls) == 2  # one forward and one backward plan, reused twice each
+        # one forward and one backward plan (made by the first call, or an earlier test), reused by the later calls
+        assert checked.count("varlen_fwd") <= 1 and checked.count("varlen_bwd") <= 1
 
 
 @pytest.mark.parametrize("hopper", [False, True])
@@ -268,8 +266,6 @@ def test_varlen_cached_fast_path(framework):
 def test_varlen_equals_padded_bitwise(causal, hopper):
     """Each sequence of a varlen call gives bitwise what a batch-1 call on that sequence alone gives, on one forward
     kernel (the masked calls' length rule would otherwise put the short sequences' own calls on the other one)."""
-    from fa2cupy import configs, forward
-
     if hopper:
         skip_unless_hopper("forward")
     fa = fa2cupy_module()
@@ -278,8 +274,7 @@ def test_varlen_equals_padded_bitwise(causal, hopper):
     lengths = [130, 0, 1, 257, 64]
     cu = cu_seqlens(lengths)
     q, k, v = (_randn(rng, (int(cu[-1]), 4, 128), "bfloat16") for _ in range(3))
-    with planning_with((forward, "HOPPER", hopper),
-                       (configs, "HOPPER_MASKED_MIN_SEQLEN", dict.fromkeys(configs.HOPPER_MASKED_MIN_SEQLEN, 0))):
+    with kernel_options(hopper_forward=hopper, hopper_masked_min_seqlen=0):
         out = fa.flash_attn_varlen_func(q, k, v, cp.asarray(cu), cp.asarray(cu), max(lengths), max(lengths),
                                         causal=causal)
         for b, n in enumerate(lengths):
@@ -330,8 +325,7 @@ def test_varlen_packed_forms_are_views():
 @pytest.mark.parametrize("mods", ["softcap", "alibi", "varlen"])
 def test_torch_gradients(mods):
     torch = _torch()
-    from fa2cupy import torch as fat
-
+    fat = fa2cupy_module("torch")
     g = torch.Generator(device="cpu").manual_seed(11)
     dtype = torch.bfloat16
     if mods == "varlen":
@@ -457,8 +451,7 @@ def test_varlen_dropout_mask_is_per_sequence():
 
 def test_torch_dropout_uses_torch_generator():
     torch = _torch()
-    import fa2cupy
-    from fa2cupy import torch as fat
+    fa2cupy, fat = fa2cupy_module(), fa2cupy_module("torch")
 
     g = torch.Generator(device="cpu").manual_seed(2)
     q, k, v = (torch.randn((2, 90, 4, 64), generator=g).to("cuda", torch.float16).requires_grad_() for _ in range(3))

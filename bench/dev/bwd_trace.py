@@ -18,7 +18,7 @@ import numpy as np
 
 sys.path.insert(0, ".")
 import fa2cupy  # noqa: E402
-from fa2cupy import backward, build, configs  # noqa: E402
+from fa2cupy import build, configs  # noqa: E402
 
 POINTS, BLOCKS = 8, 16384  # kBwdTracePoints, kBwdTraceBlocks
 PHASES = (("start -> K/V in", 0, 1), ("K/V in -> first step's tiles in", 1, 2), ("first step", 2, 3),
@@ -47,7 +47,6 @@ def main():
         q, k, v, dout = (rng.standard_normal(shape, dtype=cupy.float32).astype(cupy.float16) for _ in range(4))
         causal = mask != "none"
         out, lse, _ = fa2cupy.flash_attn_func(q, k, v, causal=causal, window_size=window, return_attn_probs=True)
-        backward.HOPPER = True
         fa2cupy.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, window_size=window)  # warm-up
         trace = module.get_global("fa2_bwd_trace")
         marks = cupy.ndarray((BLOCKS, POINTS), cupy.int64, trace)

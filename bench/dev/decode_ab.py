@@ -16,7 +16,8 @@ Variants: ``base`` (the shipped plan), ``deep``/``shallow`` (the deep-ring twin 
 off), ``block``/``solo``/``solodeep``/``soloshallow`` (warp items forced off, or on with either ring), ``solost3``
 (warp items with 3 ring stages), ``walkN`` (N blocks wherever blocks walk items), ``wN`` (N warps per block),
 ``st3`` (3 ring stages), ``bn16`` / ``bn16st3`` / ``bn16st4`` (16-key tiles, 2-4 ring stages), ``nopdl`` /
-``pdl`` (plain or programmatic launches whatever the split count, instead of decode.PROGRAMMATIC_MIN_SPLITS),
+``pdl`` (plain or programmatic launches whatever the split count, instead of from
+KernelOptions.decode_programmatic_min_splits splits on),
 ``ef`` / ``noef`` (K/V copies under L2 evict-first or under none whatever the call's size),
 ``splitsN`` (N splits wherever the rule splits: 33 at 1 x 16k is 264 items that 132 walking blocks take two at a
 time, every SM streaming).
@@ -30,22 +31,29 @@ import sys
 sys.path.insert(0, ".")
 import fa2cupy  # noqa: E402
 from fa2cupy_bench import harness as B  # noqa: E402
-from fa2cupy import build, configs, decode, interface  # noqa: E402
+from fa2cupy import build, configs, decode, pipeline  # noqa: E402
+from fa2cupy.options import KernelOptions  # noqa: E402
 
 H, HKV, D = 32, 8, 128  # the decode bar's query heads, KV heads and head dim
+#: The functions a variant may replace (experiments on the planner's code, not options), as shipped.
 _originals = {"_attention_grid": decode._attention_grid, "decode_config": configs.decode_config,
-              "DEEP_RING": decode.DEEP_RING, "WARP_ITEMS": decode.WARP_ITEMS,
-              "PROGRAMMATIC_LAUNCH": decode.PROGRAMMATIC_LAUNCH, "choose_num_splits": decode.choose_num_splits,
-              "STREAM_EVICT_FIRST": decode.STREAM_EVICT_FIRST}
+              "choose_num_splits": decode.choose_num_splits, "plan_decode": decode.plan_decode}
+OPTIONS = [KernelOptions()]  # the variant in use: its KernelOptions
+PLANS = []  # the decode plans made since the variant was set
 
 
 def _walk_blocks(blocks):
     """_attention_grid with ``blocks`` blocks wherever blocks walk items (the shipped rule picks 128 of 132 for
     64 x 1k; 132 is the rule before it)."""
-    def grid(function, config, device, items):
-        count, smem = _originals["_attention_grid"](function, config, device, items)
+    def grid(function, config, device, items, sms):
+        count, smem = _originals["_attention_grid"](function, config, device, items, sms)
         return (min(blocks, items), smem) if count < items else (count, smem)
     return grid
+
+
+def _recording_plan_decode(*args, **kwargs):
+    PLANS.append(_originals["plan_decode"](*args, **kwargs))
+    return PLANS[-1]
 
 
 def _row(**fields):
@@ -55,23 +63,24 @@ def _row(**fields):
     return config
 
 
-VARIANTS = {"base": {}}  # variant -> module attributes of decode (or configs.decode_config) to set
+# variant -> KernelOptions fields (lower case) and functions of decode (or configs.decode_config) to set
+VARIANTS = {"base": {}}
 for _n in (132, 128, 120):
     VARIANTS[f"walk{_n}"] = {"_attention_grid": _walk_blocks(_n)}
-VARIANTS["deep"] = {"DEEP_RING": True}  # the deep-ring twin wherever a row has one
-VARIANTS["shallow"] = {"DEEP_RING": False}  # the table's rows only
-VARIANTS["block"] = {"WARP_ITEMS": False}  # no warp items: blocks split every item across their warps
-VARIANTS["solo"] = {"WARP_ITEMS": True}  # warp items wherever there is one split
-VARIANTS["solodeep"] = {"WARP_ITEMS": True, "DEEP_RING": True}
-VARIANTS["soloshallow"] = {"WARP_ITEMS": True, "DEEP_RING": False}
-VARIANTS["solost3"] = {"WARP_ITEMS": True, "DEEP_RING": False, "decode_config": _row(stages=3)}
+VARIANTS["deep"] = {"decode_deep_ring": True}  # the deep-ring twin wherever a row has one
+VARIANTS["shallow"] = {"decode_deep_ring": False}  # the table's rows only
+VARIANTS["block"] = {"decode_warp_items": False}  # no warp items: blocks split every item across their warps
+VARIANTS["solo"] = {"decode_warp_items": True}  # warp items wherever there is one split
+VARIANTS["solodeep"] = {"decode_warp_items": True, "decode_deep_ring": True}
+VARIANTS["soloshallow"] = {"decode_warp_items": True, "decode_deep_ring": False}
+VARIANTS["solost3"] = {"decode_warp_items": True, "decode_deep_ring": False, "decode_config": _row(stages=3)}
 for _w in (2, 3, 5, 6):
     VARIANTS[f"w{_w}"] = {"decode_config": _row(warps=_w)}
 VARIANTS["st3"] = {"decode_config": _row(stages=3)}
-VARIANTS["nopdl"] = {"PROGRAMMATIC_LAUNCH": False}  # plain launches (no programmatic stream serialization)
-VARIANTS["pdl"] = {"PROGRAMMATIC_LAUNCH": True}  # programmatic launches whatever the split count
-VARIANTS["ef"] = {"STREAM_EVICT_FIRST": True}  # K/V under L2 evict-first whatever their size
-VARIANTS["noef"] = {"STREAM_EVICT_FIRST": False}  # K/V under no policy (evict-unchanged) whatever their size
+VARIANTS["nopdl"] = {"decode_programmatic_launch": False}  # plain launches (no programmatic stream serialization)
+VARIANTS["pdl"] = {"decode_programmatic_launch": True}  # programmatic launches whatever the split count
+VARIANTS["ef"] = {"decode_stream_evict_first": True}  # K/V under L2 evict-first whatever their size
+VARIANTS["noef"] = {"decode_stream_evict_first": False}  # K/V under no policy (evict-unchanged) whatever their size
 VARIANTS["bn16"] = {"decode_config": _row(block_n=16)}  # 16-key tiles: two walking blocks per SM fit
 for _n in (32, 33, 66):  # a fixed split count wherever the rule would split
     VARIANTS[f"splits{_n}"] = {"choose_num_splits": lambda blocks, sms, keys, tile, n=_n: n if blocks < sms else 1}
@@ -92,16 +101,21 @@ def bar_inputs(torch, gen, b, sk):
 
 
 def use(variant: str) -> None:
-    """Sets the variant's module attributes (of decode, or configs.decode_config), or its source tree, and drops
-    the cached plans."""
-    attributes = dict(_originals)
+    """Sets the variant's KernelOptions (OPTIONS, which the calls pass) and functions (of decode, or
+    configs.decode_config), or its source tree; then drops the remembered plans, which the functions and the
+    kernels they hold are not part of the key of."""
+    attributes = dict(_originals, plan_decode=_recording_plan_decode)
     for part in variant.split("+"):  # a tree's name may add variants: "new+pdl" is tree "new" with "pdl"
         attributes.update(VARIANTS.get(part, {}))
+    fields = {field.name for field in dataclasses.fields(KernelOptions)}
+    OPTIONS[0] = KernelOptions(**{name: value for name, value in attributes.items() if name in fields})
     for name, value in attributes.items():
-        setattr(configs if name == "decode_config" else decode, name, value)
+        if name in _originals:
+            setattr(configs if name == "decode_config" else decode, name, value)
     if TREES:
         build.use_sources(TREES[variant])
-    interface._cached_calls.clear()  # plans are built for the attributes in force
+    pipeline.forget_plans()
+    PLANS.clear()
 
 
 def main():
@@ -129,10 +143,11 @@ def main():
             k_pages, v_pages, table = B.paged_copy(torch, gen, kc, vc, args.paged, shuffled=not args.in_order)
 
             def call():
-                return fa2cupy.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=lens, block_table=table)
+                return fa2cupy.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=lens, block_table=table,
+                                                       kernel_options=OPTIONS[0])
         else:
             def call():
-                return fa2cupy.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)
+                return fa2cupy.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, kernel_options=OPTIONS[0])
 
         reference, eager, queued, graph, label = None, {}, {}, {}, {}
         for name in names:
@@ -144,7 +159,7 @@ def main():
             if not err < 2e-2:
                 print(f"{case} {name}: WRONG (max|diff| {err:.2e} vs {names[0]})", flush=True)
                 continue
-            plan = next(iter(interface._cached_calls.values())).plan
+            plan = PLANS[-1]
             label[name] = (f"splits={plan.splits} grid={plan.attention.grid[0]}"
                            f"{' warp' if plan.config.warp_items else ''}{' deep' if plan.config.deep_ring else ''}")
             eager[name], queued[name], graph[name] = [], [], []

@@ -54,18 +54,19 @@ def main():
     if int(cupy.cuda.Device().compute_capability) == 90:
         # A causal call on the Hopper forward that zeroes a tile counter per launch (its two work items on a
         # pretend one-SM GPU, so the call stays tiny): the host time the counter adds to a cached call.
-        from fa2cupy import build, configs, interface
+        from fa2cupy import forward
+        from fa2cupy.options import KernelOptions
 
-        real = build.device_attribute
-        build.device_attribute = lambda device, name: 1 if name == "MultiProcessorCount" else real(device, name)
-        configs.HOPPER_MASKED_MIN_SEQLEN.update(dict.fromkeys(configs.HOPPER_MASKED_MIN_SEQLEN, 0))
+        options = KernelOptions(hopper_masked_min_seqlen=0, sm_count=1)
+        real_plan, plans = forward.plan_forward, []
+        forward.plan_forward = lambda *a, **kw: plans.append(real_plan(*a, **kw)) or plans[-1]
         qh = torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16)
         qhc = cupy.from_dlpack(qh)
         for name, args in (("torch causal, tile counter", (qh, qh, qh)), ("cupy causal, tile counter",
                                                                          (qhc, qhc, qhc))):
-            profile(name, lambda: fa2cupy.flash_attn_func(*args, causal=True))
-        assert sum(getattr(c.plan, "tile_counter", False) for c in interface._cached_calls.values()) == 2
-        build.device_attribute = real
+            profile(name, lambda: fa2cupy.flash_attn_func(*args, causal=True, kernel_options=options))
+        forward.plan_forward = real_plan
+        assert plans and all(plan.tile_counter for plan in plans)
     # Decode step: b1, one query, 32/8 heads, d128, a 1k cache (the GPU work is ~3 us: this is host time).
     qd = torch.randn(1, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
     kc = torch.randn(1, 1024, 8, 128, device="cuda", dtype=torch.bfloat16)

@@ -74,8 +74,9 @@ def main():
         stream = cupy.cuda.get_current_stream()
         for _ in range(3):
             trace.memset_async(0, BLOCKS * ITEMS * POINTS * 8, stream)
-            forward.run_forward(plan, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr, stream.ptr,
-                                cu_ptr, cu_ptr)
+            pointers = dict(forward.NO_POINTERS, q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, out=out.data.ptr,
+                            softmax_lse=lse.data.ptr, cu_seqlens_q=cu_ptr, cu_seqlens_k=cu_ptr)
+            forward.run_forward(plan, pointers, (0, 0), stream.ptr)
         stream.synchronize()
         host = np.zeros(BLOCKS * ITEMS * POINTS, np.int64)
         trace.copy_to_host(host.ctypes.data, host.nbytes)

@@ -24,12 +24,9 @@ IMPLS = ("fa2cupy", "sdpa_flash", "sdpa_cudnn")
 
 
 def plot_function():
-    """The harness's plot function (bench/harness.py, else fa2cupy/benchmark.py where the harness is in the
-    package)."""
-    try:
-        from bench.harness import plot_results
-    except ImportError:
-        from fa2cupy.benchmark import plot_results
+    """The harness's plot function (bench/harness.py)."""
+    from bench.harness import plot_results
+
     return plot_results
 
 

@@ -36,6 +36,10 @@ import numpy as np  # noqa: E402
 
 import cli  # noqa: E402
 from fa2cupy_bench import harness as B  # noqa: E402
+from fa2cupy.options import KernelOptions  # noqa: E402
+
+#: The KernelOptions every call of the checks below passes (a group sets it: the kernels it sanitizes).
+KERNEL_OPTIONS = KernelOptions()
 
 CASES = (
     B.Case(1, 64, 64, 2, 2, 64, False, "fp16"),      # exactly one tile
@@ -73,19 +77,16 @@ DECODE_CASES = (
 )
 
 
-def run_decode_cases(deep=None, warp_items=None) -> int:
-    """DECODE_CASES with decode.DEEP_RING set to ``deep`` and decode.WARP_ITEMS to ``warp_items`` (plans rebuilt
-    for them; with warp items, every case takes one split); how many failed."""
-    from fa2cupy import decode, interface
-
-    decode.DEEP_RING, decode.WARP_ITEMS = deep, warp_items
-    interface._cached_calls.clear()
+def run_decode_cases(deep=None, warp_items=None, sms=None) -> int:
+    """DECODE_CASES with KernelOptions.decode_deep_ring ``deep``, decode_warp_items ``warp_items`` (with warp items,
+    every case takes one split) and sm_count ``sms``; how many failed."""
+    global KERNEL_OPTIONS
+    KERNEL_OPTIONS = KernelOptions(decode_deep_ring=deep, decode_warp_items=warp_items, sm_count=sms)
     try:
         return sum(not check_decode(i, *case[:-1], 1 if warp_items else case[-1])
                    for i, case in enumerate(DECODE_CASES))
     finally:
-        decode.DEEP_RING = decode.WARP_ITEMS = None
-        interface._cached_calls.clear()
+        KERNEL_OPTIONS = KernelOptions()
 
 
 def check_decode(i, batch, sq, h, hkv, d, cap, new, causal, page, splits) -> bool:
@@ -118,7 +119,7 @@ def check_decode(i, batch, sq, h, hkv, d, cap, new, causal, page, splits) -> boo
     else:
         kc_in, vc_in = kc, vc
     out = fa2cupy.flash_attn_with_kvcache(q, kc_in, vc_in, k=kn, v=vn, cache_seqlens=cp.asarray(lens),
-                                          causal=causal, num_splits=splits, **extra)
+                                          causal=causal, num_splits=splits, kernel_options=KERNEL_OPTIONS, **extra)
     worst = 0.0
     for b in range(batch):
         n = int(lens[b]) + new
@@ -154,8 +155,9 @@ def check_window(i, sq, sk, h, hkv, d, causal, window) -> bool:
     rng = np.random.default_rng(200 + i)
     q, k, v, dout = (cp.asarray(rng.standard_normal(s, dtype=np.float32)).astype(cp.float16)
                      for s in ((1, sq, h, d), (1, sk, hkv, d), (1, sk, hkv, d), (1, sq, h, d)))
-    out, lse, _ = fa2cupy.flash_attn_func(q, k, v, causal=causal, window_size=window, return_attn_probs=True)
-    grads = fa2cupy.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, window_size=window)
+    kw = dict(causal=causal, window_size=window, kernel_options=KERNEL_OPTIONS)
+    out, lse, _ = fa2cupy.flash_attn_func(q, k, v, return_attn_probs=True, **kw)
+    grads = fa2cupy.flash_attn_backward(dout, q, k, v, out, lse, **kw)
     host = [cp.asnumpy(x).astype(np.float64) for x in (q, k, v, dout, out)]
     ref, _ = attention_ref(*host[:3], causal=causal, window_size=window)
     ok = np.abs(host[4] - ref).max() <= testing.out_bound("fp16", np.abs(ref).max())
@@ -207,12 +209,13 @@ def check_varlen(i, lengths, h, hkv, d, causal, window, softcap, alibi, det) -> 
                      for s in ((total, h, d), (total, hkv, d), (total, hkv, d), (total, h, d)))
     slopes = cp.asarray(rng.uniform(0, 0.3, (len(lengths), h)).astype(np.float32)) if alibi else None
     kw = dict(causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes)
+    ref_kw = dict(kw, alibi_slopes=None if slopes is None else cp.asnumpy(slopes))
+    kw["kernel_options"] = KERNEL_OPTIONS
     cu_d = cp.asarray(cu)
     m = max(lengths)
     out, lse, _ = fa2cupy.flash_attn_varlen_func(q, k, v, cu_d, cu_d, m, m, return_attn_probs=True, **kw)
     grads = fa2cupy.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_d, cu_d, m, m, deterministic=det, **kw)
     host = [cp.asnumpy(x).astype(np.float64) for x in (q, k, v, dout, out)]
-    ref_kw = dict(kw, alibi_slopes=None if slopes is None else cp.asnumpy(slopes))
     ref, _ = attention_ref_varlen(*host[:3], cu, cu, **ref_kw)
     rows = slice(0, int(cu[-1]))
     ok = np.abs(host[4][rows] - ref[rows]).max() <= testing.out_bound("fp16", np.abs(ref).max())
@@ -244,7 +247,7 @@ def check_dropout(i, b, sq, sk, h, hkv, d, causal, p, det) -> bool:
     rng = np.random.default_rng(400 + i)
     q, k, v, dout = (cp.asarray(rng.standard_normal(s, dtype=np.float32)).astype(cp.float16)
                      for s in ((b, sq, h, d), (b, sk, hkv, d), (b, sk, hkv, d), (b, sq, h, d)))
-    kw = dict(causal=causal, dropout_p=p, dropout_seed=1000 + i, dropout_offset=8)
+    kw = dict(causal=causal, dropout_p=p, dropout_seed=1000 + i, dropout_offset=8, kernel_options=KERNEL_OPTIONS)
     out, lse, _ = fa2cupy.flash_attn_func(q, k, v, return_attn_probs=True, **kw)
     grads = fa2cupy.flash_attn_backward(dout, q, k, v, out, lse, deterministic=det, **kw)
     mask = cp.asnumpy(fa2cupy.dropout_mask(b, h, sq, sk, p, 1000 + i, 8))
@@ -291,7 +294,7 @@ def check_paged(i, lengths_q, lengths_k, h, hkv, d, page_size, window) -> bool:
     q, dout, k, v, k_pages, v_pages, table, cu_qd, cu_kd = (
         cp.asarray(x) for x in (q, dout, k, v, k_pages, v_pages, table, cu_q, cu_k))
     mq, mk = max(lengths_q), max(lengths_k)
-    kw = dict(causal=True, window_size=window, deterministic=True)
+    kw = dict(causal=True, window_size=window, deterministic=True, kernel_options=KERNEL_OPTIONS)
     out_p, lse_p, _ = fa2cupy.flash_attn_varlen_func(q, k_pages, v_pages, cu_qd, cu_kd, mq, mk, block_table=table,
                                                      return_attn_probs=True, **kw)
     out, lse, _ = fa2cupy.flash_attn_varlen_func(q, k, v, cu_qd, cu_kd, mq, mk, return_attn_probs=True, **kw)
@@ -309,7 +312,24 @@ def check_paged(i, lengths_q, lengths_k, h, hkv, d, page_size, window) -> bool:
     return ok
 
 
+def check_forward(i, case) -> bool:
+    """cli.run_check_case's forward check (the float64 reference, ``fa2cupy check``'s bounds) with KERNEL_OPTIONS."""
+    import fa2cupy
+    from fa2cupy.reference import attention_ref
+
+    host = B.host_inputs(case, i)
+    dev = {n: B.to_device(p, case.dtype, "cupy") for n, (p, _) in host.items()}
+    out, lse, _ = fa2cupy.flash_attn_func(dev["q"], dev["k"], dev["v"], causal=case.causal, return_attn_probs=True,
+                                          kernel_options=KERNEL_OPTIONS)
+    ref_out, ref_lse = attention_ref(host["q"][1], host["k"][1], host["v"][1], causal=case.causal)
+    r = cli.compare(case, B.to_numpy64(out), B.to_numpy64(lse), np.asarray(ref_out, np.float64),
+                    np.asarray(ref_lse, np.float64))
+    print(f"{KERNEL_OPTIONS.sm_count} SMs:", cli.check_row(i, r), flush=True)
+    return r.passed
+
+
 def main(groups) -> int:
+    global KERNEL_OPTIONS
     ok, msg = cli.probe_gpu()
     if not ok:
         print(msg)
@@ -341,15 +361,11 @@ def main(groups) -> int:
             bad += not check_paged(i, *case)
             total += 1
     if "paged_mma" in groups:  # the paged cases on the mma.sync forward (on sm_90 the Hopper one takes most)
-        from fa2cupy import forward, interface
-
-        forward.HOPPER = False
-        interface._cached_calls.clear()
+        KERNEL_OPTIONS = KernelOptions(hopper_forward=False)
         for i, case in enumerate(PAGED_CASES):
             bad += not check_paged(i, *case)
             total += 1
-        forward.HOPPER = True
-        interface._cached_calls.clear()
+        KERNEL_OPTIONS = KernelOptions()
     if "dropout" in groups:
         for i, case in enumerate(DROPOUT_CASES):
             bad += not check_dropout(i, *case)
@@ -359,18 +375,13 @@ def main(groups) -> int:
     if "decode_deep" in groups:  # the decode cases with the deep ring wherever a row has one (d=128, sm_90)
         bad, total = bad + run_decode_cases(deep=True), total + len(DECODE_CASES)
     if "decode_walk" in groups:  # the decode cases on a pretend 2-SM GPU: blocks walk several items, both rings
-        from fa2cupy import decode
-
-        decode._sm_count = lambda device: 2
         for deep in (False, True):
-            bad, total = bad + run_decode_cases(deep=deep), total + len(DECODE_CASES)
+            bad, total = bad + run_decode_cases(deep=deep, sms=2), total + len(DECODE_CASES)
     if "decode_warp" in groups:  # one split, warps streaming whole items (d=128, sm_90), on 1 and 2 pretend SMs
-        from fa2cupy import decode
-
         for sms in (1, 2):
-            decode._sm_count = lambda device, sms=sms: sms
             for deep in (False, True):
-                bad, total = bad + run_decode_cases(deep=deep, warp_items=True), total + len(DECODE_CASES)
+                bad += run_decode_cases(deep=deep, warp_items=True, sms=sms)
+                total += len(DECODE_CASES)
     if "bwd_hopper" in groups:  # the d=64/128 backward and window cases (the Hopper dK/dV kernel's, on sm_90)
         for j, (case, det) in enumerate(BWD_CASES, start=len(CASES)):
             if case.headdim in (64, 128) and not det:
@@ -390,18 +401,10 @@ def main(groups) -> int:
             bad += not check_varlen(i, *case)
             total += 1
     if "fwd_hopper" in groups:
-        from fa2cupy import build, configs, interface
-
-        configs.HOPPER_MASKED_MIN_SEQLEN.update(dict.fromkeys(configs.HOPPER_MASKED_MIN_SEQLEN, 0))  # short too
-        real_attribute = build.device_attribute
-        for sms in (1, 2):
-            build.device_attribute = lambda device, name, sms=sms: (
-                sms if name == "MultiProcessorCount" else real_attribute(device, name))
-            interface._cached_calls.clear()
+        for sms in (1, 2):  # (masked calls of every length on the Hopper forward too)
+            KERNEL_OPTIONS = KernelOptions(hopper_masked_min_seqlen=0, sm_count=sms)
             for i, case in enumerate(c for c in CASES if c.headdim in (64, 128)):
-                r = cli.run_check_case(case, seed=i, backward=False)
-                print(f"{sms} SMs:", cli.check_row(i, r), flush=True)
-                bad += not r.passed
+                bad += not check_forward(i, case)
                 total += 1
             for i, case in enumerate(c for c in WINDOW_CASES if c[4] in (64, 128)):
                 bad += not check_window(i, *case)
@@ -412,8 +415,7 @@ def main(groups) -> int:
             for i, case in enumerate(c for c in PAGED_CASES if c[4] in (64, 128)):  # paged K/V
                 bad += not check_paged(i, *case)
                 total += 1
-        build.device_attribute = real_attribute
-        interface._cached_calls.clear()
+        KERNEL_OPTIONS = KernelOptions()
     print(f"{total - bad}/{total} passed")
     return 1 if bad else 0
 

@@ -88,8 +88,9 @@ def main():
         outs = {}
         for name, plans in variants.items():
             out = cupy.full(shape, 0x7FC0, cupy.uint16)  # NaN
-            forward.run_forward(plans[case], q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr,
-                                stream.ptr)
+            pointers = dict(forward.NO_POINTERS, q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, out=out.data.ptr,
+                            softmax_lse=lse.data.ptr)
+            forward.run_forward(plans[case], pointers, (0, 0), stream.ptr)
             outs[name] = out
         widen = lambda bits: (bits.astype(cupy.uint32) << 16).view(cupy.float32)  # noqa: E731
         first = widen(next(iter(outs.values())))
@@ -103,16 +104,18 @@ def main():
                 print(f"profiled: {case} {name} (diff {diffs[name]:.1e})", flush=True)
                 cupy.cuda.runtime.deviceSynchronize()
                 cupy.cuda.profiler.start()
-                forward.run_forward(variants[name][case], q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr,
-                                    lse.data.ptr, stream.ptr)
+                pointers = dict(forward.NO_POINTERS, q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, out=out.data.ptr,
+                                softmax_lse=lse.data.ptr)
+                forward.run_forward(variants[name][case], pointers, (0, 0), stream.ptr)
                 cupy.cuda.runtime.deviceSynchronize()
                 cupy.cuda.profiler.stop()
             continue
         for r in range(args.rounds):
             for name in (names if r % 2 == 0 else names[::-1]):
                 plan = variants[name][case]
-                launch = lambda: forward.run_forward(plan, q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr,  # noqa
-                                                     lse.data.ptr, stream.ptr)
+                pointers = dict(forward.NO_POINTERS, q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, out=out.data.ptr,
+                                softmax_lse=lse.data.ptr)
+                launch = lambda: forward.run_forward(plan, pointers, (0, 0), stream.ptr)  # noqa: E731
                 for _ in range(3):
                     launch()
                 B.sustain(launch, stream.synchronize, args.sustain)

@@ -53,13 +53,13 @@ def main():
                 names = ("q", "k", "v", "dout", "out", "dq", "dk", "dv")
                 tensors = (q, k, v, dout, out, dq, dk, dv)
                 strides = {n: x.stride() for n, x in zip(names, tensors)}
-                ptrs = {n: x.data_ptr() for n, x in zip(names, tensors)}
-                ptrs.update(lse=lse.data_ptr(), dsum=dsum.data_ptr(), dq_accum=accum.data_ptr())
+                ptrs = dict(backward.NO_POINTERS, **{n: x.data_ptr() for n, x in zip(names, tensors)})
+                ptrs.update(softmax_lse=lse.data_ptr(), dsum=dsum.data_ptr(), dq_accum=accum.data_ptr())
                 for cfg in candidates.BACKWARD_CANDIDATES[d]:
                     key = f"{cfg.block_m}x{cfg.block_n}w{cfg.warps}k{cfg.warps_keys}-{cfg.warps_keys2}s{cfg.stages}"
                     plan = backward.plan_backward(q.shape, k.shape, strides, "bfloat16", d ** -0.5, causal, False,
                                                   arch, config=cfg)
-                    launch = lambda: backward.run_backward(plan, ptrs, stream.ptr)  # noqa: E731
+                    launch = lambda: backward.run_backward(plan, ptrs, (0, 0), stream.ptr)  # noqa: E731
                     for g in (dq, dk, dv):
                         g.fill_(float("nan"))
                     launch()

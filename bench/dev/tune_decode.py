@@ -14,7 +14,7 @@ import cupy
 
 sys.path.insert(0, ".")
 from fa2cupy_bench import harness as B  # noqa: E402
-from fa2cupy import configs, decode, device_errors  # noqa: E402
+from fa2cupy import configs, decode  # noqa: E402
 
 import candidates  # noqa: E402  (bench/dev/, this script's folder)
 
@@ -34,7 +34,7 @@ def decode_caches(rng, b, sk, layout="bshd"):
     return q, kc, vc
 
 
-def decode_step(q, kc, vc, config, splits, errors):
+def decode_step(q, kc, vc, config, splits):
     """(plan, run, out): the plan of one decode step over full caches with a given tile row and split count (0 =
     heuristic), and a closure that launches it into out (NaN before the first launch) on the current stream."""
     b, sk = kc.shape[:2]
@@ -46,11 +46,10 @@ def decode_step(q, kc, vc, config, splits, errors):
                               num_splits=splits, item=2, config=config)
     out = cupy.full(q.shape, cupy.nan, dtype=q.dtype)
     stream = cupy.cuda.get_current_stream().ptr
-    inputs = [q.data.ptr, kc.data.ptr, vc.data.ptr, 0, 0, 0, 0, 0]
-    workspace = plan.workspace(stream, "cupy", device)
+    pointers = dict(decode.NO_POINTERS, q=q.data.ptr, k_cache=kc.data.ptr, v_cache=vc.data.ptr, out=out.data.ptr)
 
     def run():
-        decode.run_decode(plan, inputs, out.data.ptr, 0, sk, stream, workspace, errors)
+        decode.run_decode(plan, pointers, (sk,), stream, "cupy", device)
 
     return plan, run, out
 
@@ -64,11 +63,9 @@ def main():
                              "contiguous, viewed as (b, s, h, d) through strides)")
     parser.add_argument("--shipped-only", action="store_true", help="time only the shipped tile row")
     args = parser.parse_args()
-    device = cupy.cuda.runtime.getDevice()
     shipped = configs.decode_config(int(cupy.cuda.Device().compute_capability), D)
     configs_timed = [shipped] + ([] if args.shipped_only
                                  else [c for c in candidates.DECODE_CANDIDATES if c != shipped])
-    errors = device_errors.pointers(device)
     events = B.CupyEvents()
     rng = cupy.random.default_rng(0)
     for case, layout in ((c, lay) for c in args.cases.split(",") for lay in args.layouts.split(",")):
@@ -78,7 +75,7 @@ def main():
         reference = None
         for config in configs_timed:
             for splits in map(int, args.splits.split(",")):
-                plan, run, out = decode_step(q, kc, vc, config, splits, errors)
+                plan, run, out = decode_step(q, kc, vc, config, splits)
                 run()
                 cupy.cuda.runtime.deviceSynchronize()
                 if reference is None:

@@ -68,8 +68,9 @@ def main():
                     key = f"{cfg.block_m}x{cfg.block_n}w{cfg.warps}s{cfg.stages}{'q' if cfg.q_in_regs else ''}"
                     plan = forward.plan_forward(q.shape, k.shape, tuple(x.stride() for x in (q, k, v, out)),
                                                 "bfloat16", d ** -0.5, causal, arch, config=cfg)
-                    launch = lambda: forward.run_forward(plan, q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                                                         out.data_ptr(), lse.data_ptr(), stream.ptr)
+                    pointers = dict(forward.NO_POINTERS, q=q.data_ptr(), k=k.data_ptr(), v=v.data_ptr(),
+                                    out=out.data_ptr(), softmax_lse=lse.data_ptr())
+                    launch = lambda: forward.run_forward(plan, pointers, (0, 0), stream.ptr)  # noqa: E731
                     out.fill_(float("nan"))
                     launch()
                     torch.cuda.synchronize()

@@ -1,0 +1,116 @@
+"""KernelOptions (CPU): checked fields, equality and hashing (they are part of the plan cache's key; that two calls
+differing only in their options never share a plan is tests/test_fast_path.py's), and the planners honouring each
+field that chooses a forward or backward kernel (device queries and kernel builds stubbed). The decode fields:
+tests/test_decode.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from fa2cupy import options
+from fa2cupy.options import DEFAULT, KernelOptions
+
+
+def test_defaults_are_the_shipped_choices():
+    assert KernelOptions() == DEFAULT and hash(KernelOptions()) == hash(DEFAULT)
+    assert DEFAULT.hopper_forward and DEFAULT.hopper_backward and DEFAULT.tile_counter and not DEFAULT.debug_poison
+    assert DEFAULT.hopper_masked_min_seqlen is None and DEFAULT.sm_count is None
+    assert options.resolve(None) is DEFAULT
+    mma = KernelOptions(hopper_forward=False)
+    assert options.resolve(mma) is mma and mma != DEFAULT and hash(mma) != hash(DEFAULT)
+    assert dataclasses.replace(mma, hopper_forward=True) == DEFAULT
+    assert len({DEFAULT, KernelOptions(), mma, KernelOptions(hopper_forward=False)}) == 2
+
+
+def test_every_field_is_documented():
+    doc = KernelOptions.__doc__
+    for field in dataclasses.fields(KernelOptions):
+        if field.init:
+            assert f"{field.name} (" in doc, f"KernelOptions.{field.name} is not described in the docstring"
+
+
+@pytest.mark.parametrize("changes,error,message", [
+    (dict(hopper_forward=1), TypeError, r"^KernelOptions.hopper_forward must be True or False, got 1$"),
+    (dict(debug_poison=None), TypeError, r"^KernelOptions.debug_poison must be True or False, got None$"),
+    (dict(decode_deep_ring="yes"), TypeError, r"^KernelOptions.decode_deep_ring must be True or False or None"),
+    (dict(hopper_masked_min_seqlen=2.0), TypeError, r"^KernelOptions.hopper_masked_min_seqlen must be an int >= 0 "
+                                                    r"or None, got 2.0$"),
+    (dict(hopper_masked_min_seqlen=-1), ValueError, r"^KernelOptions.hopper_masked_min_seqlen must be an int >= 0"),
+    (dict(decode_warp_items_max_tiles=None), TypeError, r"^KernelOptions.decode_warp_items_max_tiles must be an int "
+                                                        r">= 0, got None$"),
+    (dict(sm_count=True), TypeError, r"^KernelOptions.sm_count must be an int >= 0 or None, got True$"),
+])
+def test_bad_fields_are_named(changes, error, message):
+    with pytest.raises(error, match=message):
+        KernelOptions(**changes)
+
+
+def test_resolve_and_handles():
+    with pytest.raises(TypeError, match=r"^kernel_options must be a fa2cupy.KernelOptions or None, got dict$"):
+        options.resolve({"hopper_forward": False})
+    assert options.handle(None) == options.handle(DEFAULT) == 0
+    mma = KernelOptions(hopper_forward=False)
+    number = options.handle(mma)
+    assert number > 0 and options.handle(KernelOptions(hopper_forward=False)) == number
+    assert options.from_handle(number) == mma and options.from_handle(0) is DEFAULT
+
+
+@pytest.fixture
+def planner(monkeypatch):
+    """plan_forward and plan_backward with device queries and kernel builds stubbed (a 132-SM GPU)."""
+    import cupy
+
+    from fa2cupy import build, device_errors
+
+    class Function:
+        ptr = 0
+
+    monkeypatch.setattr(build, "get_kernel", lambda *args: Function())
+    monkeypatch.setattr(build, "device_attribute", lambda device, name: {"MultiProcessorCount": 132}[name])
+    monkeypatch.setattr(device_errors, "pointers", lambda device: (11, 12))
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
+
+
+def _forward_plan(seqlen, causal, arch=90, d=128, **fields):
+    from fa2cupy import forward
+
+    strides = ((seqlen * 8 * d, 8 * d, d, 1),) * 4
+    return forward.plan_forward((2, seqlen, 8, d), (2, seqlen, 8, d), strides, "bfloat16", 0.1, causal, arch,
+                                options=KernelOptions(**fields))
+
+
+def test_forward_planner_honours_the_options(planner):
+    from fa2cupy import configs
+
+    assert _forward_plan(2048, False).config.family == "fwd_hopper"
+    assert _forward_plan(2048, False, hopper_forward=False).config.family == "fwd"
+    assert _forward_plan(2048, False, arch=80).config.family == "fwd"  # (no Hopper kernel there)
+    short = configs.HOPPER_MASKED_MIN_SEQLEN[128] - 1
+    assert _forward_plan(short, True).config.family == "fwd"  # a short causal call: the mma.sync forward
+    assert _forward_plan(short, True, hopper_masked_min_seqlen=0).config.family == "fwd_hopper"
+    assert _forward_plan(4096, True, hopper_masked_min_seqlen=8192).config.family == "fwd"
+    # The Hopper forward's persistent grid: one block per SM (sm_count pretends another GPU), a tile counter for
+    # masked calls with more items than blocks (tile_counter False: the grid stride).
+    plan = _forward_plan(2048, True)
+    assert plan.launch.grid == (132, 1, 1) and plan.tile_counter
+    assert _forward_plan(2048, True, sm_count=3).launch.grid == (3, 1, 1)
+    assert not _forward_plan(2048, True, tile_counter=False).tile_counter
+    assert not _forward_plan(2048, False).tile_counter  # (no mask: items of one length)
+    # The L2 groups of heads (the argument after the batch count, before the counter's slot).
+    groups = [int(_forward_plan(2048, True, hopper_l2_group_bytes=n).launch._slots[-2]) for n in (None, 1)]
+    assert groups[0] == configs.hopper_heads_per_group(2048, 128, 1, 16) and groups[1] == 1
+
+
+def test_backward_planner_honours_the_options(planner):
+    from fa2cupy import backward
+
+    strides = dict.fromkeys(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), (256 * 8 * 128, 8 * 128, 128, 1))
+
+    def family(**fields):
+        return backward.plan_backward((1, 256, 8, 128), (1, 256, 8, 128), strides, "bfloat16", 0.1, True, False, 90,
+                                      options=KernelOptions(**fields)).config.family
+
+    assert family() == "bwd_hopper" and family(hopper_backward=False) == "bwd"
+    assert family(hopper_forward=False) == "bwd_hopper"  # (each field chooses its own kernel)

@@ -1,0 +1,95 @@
+"""The one chooser of a call's kernel rows (configs.kernel_rows), which the planners and ``fa2cupy info`` use: the
+Hopper rows where they run, the mma.sync rows elsewhere; and ``fa2cupy info``'s table of them, without a GPU."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from fa2cupy import configs
+from fa2cupy.options import KernelOptions
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # cli.py lives in the repository root
+
+import cli  # noqa: E402
+
+
+def _table(arch):
+    """{(headdim, causal column): (forward, forward tile, backward, backward tile)} from tile_table_text."""
+    lines = cli.tile_table_text(arch).splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("headdim"))
+    rows = {}
+    for line in lines[header + 2:]:
+        cells = [c.strip() for c in line.split("  ") if c.strip()]
+        if not cells or not cells[0].isdigit():
+            break
+        rows[(int(cells[0]), cells[1])] = tuple(cells[2:])
+    return rows
+
+
+def test_info_shows_the_hopper_rows_that_run_on_sm90():
+    # fa2cupy info printed configs.forward_config(arch, d, dtype, causal) with a bool where the mask belongs: the
+    # mma.sync forward row for causal and non-causal alike, and never the Hopper rows that run at head dims 64 and
+    # 128 on compute capability 9.0, nor any backward row.
+    rows = _table(90)
+    for d in (64, 128):
+        assert rows[(d, "no")][0] == rows[(d, "no")][2] == "hopper (wgmma)"
+        shortest = configs.HOPPER_MASKED_MIN_SEQLEN[d]
+        assert rows[(d, f"yes, seqlen_q >= {shortest}")][0] == "hopper (wgmma)"
+        assert rows[(d, f"yes, seqlen_q < {shortest}")][0] == "mma.sync"  # short causal calls: the mma.sync forward
+    for d in (32, 96, 160, 256):
+        assert rows[(d, "no")][0] == rows[(d, "yes")][0] == "mma.sync"
+    assert {d for d, _ in rows} == set(configs.HEADDIMS)
+
+
+@pytest.mark.parametrize("arch", [80, 86, 89, 90, 120])
+def test_info_rows_are_the_rows_the_planners_choose(arch):
+    rows = _table(arch)
+    for (d, causal), (fwd, fwd_tile, bwd, bwd_tile) in rows.items():
+        mask = "none" if causal == "no" else "causal"
+        seqlen_q = configs.HOPPER_MASKED_MIN_SEQLEN[d] - 1 if "<" in causal else None
+        chosen = configs.kernel_rows(arch, d, "bfloat16", mask, seqlen_q=seqlen_q)
+        assert (fwd, fwd_tile, bwd, bwd_tile) == cli._row_text(chosen.forward) + cli._row_text(chosen.backward)
+        assert f"{chosen.forward.block_m}x{chosen.forward.block_n}" in fwd_tile
+    assert all(kernel == "mma.sync" for fwd, _, bwd, _ in rows.values() for kernel in (fwd, bwd)) == (arch != 90)
+
+
+def test_info_table_for_a_given_arch_without_a_gpu():
+    # `fa2cupy info --arch 90` prints the table of a compute capability whatever GPU (or none) is at hand.
+    from click.testing import CliRunner
+
+    result = CliRunner().invoke(cli.main, ["info", "--arch", "90"])
+    assert result.exit_code == 0, result.output
+    assert "kernels for sm_90" in result.output and "hopper (wgmma)" in result.output
+
+
+def test_kernel_rows():
+    rows = configs.kernel_rows(90, 128, "bfloat16", "causal", seqlen_q=4096)
+    assert rows.forward is configs.FORWARD_HOPPER_TABLE[128] and rows.backward is configs.BACKWARD_HOPPER_TABLE[128]
+    assert rows.backward_dq is None
+    # Each thing that takes a call off the Hopper kernels: another GPU, another head dim, score modifiers, the
+    # deterministic backward (dQ by its own kernel), a short masked forward, strides TMA cannot take, the options.
+    assert configs.kernel_rows(80, 128, "bfloat16", "causal").forward == configs.forward_config(80, 128, "bfloat16",
+                                                                                                "causal")
+    assert configs.kernel_rows(90, 96, "float16").forward.family == "fwd"
+    mods = configs.kernel_rows(90, 64, "bfloat16", "window", mods=True)
+    assert mods.forward == configs.forward_config(90, 64, "bfloat16", "window") and mods.backward.family == "bwd"
+    det = configs.kernel_rows(90, 64, "bfloat16", "causal", deterministic=True)
+    assert det.forward.family == "fwd_hopper" and det.backward.family == "bwd"
+    assert det.backward_dq == configs.backward_dq_config(90, 64, "bfloat16", "causal")
+    assert configs.kernel_rows(90, 64, "bfloat16", "causal", seqlen_q=511).forward.family == "fwd"
+    assert configs.kernel_rows(90, 64, "bfloat16", "causal", seqlen_q=512).forward.family == "fwd_hopper"
+    no_tma = configs.kernel_rows(90, 64, "bfloat16", tma=False)
+    assert no_tma.forward.family == "fwd" and no_tma.backward.family == "bwd"
+    mma = configs.kernel_rows(90, 64, "bfloat16", options=KernelOptions(hopper_forward=False))
+    assert mma.forward.family == "fwd" and mma.backward.family == "bwd_hopper"
+    mma = configs.kernel_rows(90, 64, "bfloat16", options=KernelOptions(hopper_backward=False))
+    assert mma.forward.family == "fwd_hopper" and mma.backward.family == "bwd"
+    short = configs.kernel_rows(90, 64, "bfloat16", "causal", seqlen_q=1,
+                                options=KernelOptions(hopper_masked_min_seqlen=0))
+    assert short.forward.family == "fwd_hopper"
+    # The varlen causal forward takes the masked row where the table has one (mma.sync at d=64 on sm_90).
+    varlen = configs.kernel_rows(90, 64, "bfloat16", "causal", varlen=True, options=KernelOptions(hopper_forward=False))
+    assert varlen.forward == configs.FORWARD_MASKED_TABLE[("sm90", 64)]
