@@ -13,6 +13,8 @@ kernels off), so that each row's "plain" is the same call without dropout on the
   variant  no dropout, on the kernel that dropout runs on (the modifier variant, switched on by ALiBi slopes of
            zero, which then change nothing): drop / variant is dropout's own cost, variant / plain the variant's
            (run-time window bounds, the modifier rows of the tile table)
+  drop-t128  (forward, where the table gives the modifier variant a tile of its own: d=64 on sm_90, 128 x 96)
+           dropout_p = P on the plain kernels' tile (128 x 128), a candidate row for the table
   softcap  (with --softcap) softcap 30, no dropout: the other calls of the modifier variant, whose code dropout's
            changes share
   base     with --baseline DIR (a copy of an older cuda/, e.g. ``git archive 9573e27 cuda | tar -x -C /tmp/base``):
@@ -56,16 +58,20 @@ def use_mma_sync_kernels() -> None:
     interface._cached_calls.clear()
 
 
-class Sources:
-    """A set of kernel sources (None: the package's own) and the plans made from them, so that rows built from
-    different sources can be timed in alternating rounds: activate() makes its kernels and plans the ones calls use."""
+class Setup:
+    """Kernel sources (None: the package's own) and the modifier variant's forward tile rows (configs'
+    FORWARD_MASKED_TABLE; None: as shipped), with the plans made under them, so that rows built under different
+    setups are timed in alternating rounds: activate() makes its kernels, rows and plans the ones calls use."""
 
-    def __init__(self, directory):
+    def __init__(self, directory=None, masked_rows=None):
+        from fa2cupy import configs
+
         self.directory = directory
+        self.masked_rows = dict(configs.FORWARD_MASKED_TABLE if masked_rows is None else masked_rows)
         self.plans: dict = {}
 
     def activate(self, active: list) -> None:
-        from fa2cupy import build, interface
+        from fa2cupy import build, configs, interface
 
         if active and active[0] is self:
             return
@@ -73,7 +79,10 @@ class Sources:
             active[0].plans = dict(interface._cached_calls)
         interface._cached_calls.clear()
         interface._cached_calls.update(self.plans)
-        build.use_sources(self.directory)
+        configs.FORWARD_MASKED_TABLE.clear()
+        configs.FORWARD_MASKED_TABLE.update(self.masked_rows)
+        if not active or active[0].directory != self.directory:
+            build.use_sources(self.directory)
         active[:] = [self]
 
 
@@ -89,15 +98,17 @@ def flops(batch: int, seqlen: int, nheads: int, d: int, causal: bool, direction:
     return f * (2.5 if direction == "bwd" else 1.0)
 
 
-def kernels_needed(cases, dtypes, p: float, arch: int) -> list[tuple[str, str, int]]:
-    """(family, name expression, shared memory) of every kernel the rows run, for the parallel compile."""
+def kernels_needed(cases, dtypes, p: float, arch: int, plain: bool = True) -> list[tuple[str, str, int]]:
+    """(family, name expression, shared memory) of every kernel the rows run (with `plain`, the plain kernels too),
+    for the parallel compile."""
     from fa2cupy import configs, forward
 
     needed = set()
     for d, seqlen, _, causal in cases:
         for dtype in dtypes:
             tag = configs.DTYPE_TAGS[dtype]
-            for dropout_p, alibi in ((0.0, False), (p, False), (0.0, True)):  # (softcap: the variant's kernel)
+            # no dropout, dropout, and the variant (whose kernel the softcap rows share)
+            for dropout_p, alibi in ((0.0, False), (p, False), (0.0, True)) if plain else ((p, False),):
                 mask, mods, _, _ = forward.kernel_variant(causal, (-1, -1), 0.0, alibi, dropout_p)
                 fc = forward.kernel_config(arch, d, dtype, mask, mods, False, seqlen)
                 needed.add((fc.family, fc.name_expression(dtype, mask, mods), fc.smem_bytes))
@@ -108,13 +119,25 @@ def kernels_needed(cases, dtypes, p: float, arch: int) -> list[tuple[str, str, i
     return sorted(needed)
 
 
-def compile_all(sources: Sources, needed, active) -> None:
-    """Compiles `needed` from `sources` with NVRTC in threads (it releases the GIL): the first calls then find them."""
+def compile_all(setup: Setup, needed, active) -> None:
+    """Compiles `needed` under `setup` with NVRTC in threads (it releases the GIL): the first calls then find them.
+    (A failure here only costs time: the calls compile what they miss.)"""
+    import cupy
+
     from fa2cupy import build
 
-    sources.activate(active)
-    with ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as pool:
-        list(pool.map(lambda k: build.get_kernel(*k), needed))
+    setup.activate(active)
+    device = cupy.cuda.runtime.getDevice()
+
+    def compile_one(kernel):
+        cupy.cuda.runtime.setDevice(device)  # (makes the device's context current in this thread)
+        build.get_kernel(*kernel)
+
+    try:
+        with ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as pool:
+            list(pool.map(compile_one, needed))
+    except Exception as error:  # noqa: BLE001
+        print(f"(compiling ahead failed, the calls compile instead: {type(error).__name__}: {error})", flush=True)
 
 
 def time_rows(rows: dict, rounds: int, reps: int) -> dict:
@@ -137,11 +160,12 @@ def time_rows(rows: dict, rounds: int, reps: int) -> dict:
     return {name: statistics.median(ms) for name, ms in samples.items()}
 
 
-def run_case(case, dtype: str, p: float, sources: list[Sources], active: list, rounds: int, reps: int,
+def run_case(case, dtype: str, p: float, setups: dict, active: list, rounds: int, reps: int,
              softcap: bool) -> dict:
     import cupy
 
     import fa2cupy
+    from fa2cupy import configs
 
     d, seqlen, batch, causal = case
     nheads = HIDDEN // d
@@ -149,28 +173,31 @@ def run_case(case, dtype: str, p: float, sources: list[Sources], active: list, r
     q, k, v, dout = (cupy.asarray(rng.standard_normal((batch, seqlen, nheads, d), dtype=np.float32)).astype(dtype)
                      for _ in range(4))
     zeros = cupy.zeros((nheads,), dtype=cupy.float32)
-    sources[0].activate(active)
+    new = setups["new"]
+    new.activate(active)
     out, lse, _ = fa2cupy.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
     drop = dict(dropout_p=p, dropout_seed=1234, dropout_offset=0)
-    kinds = {"plain": {}, "drop": drop, "variant": dict(alibi_slopes=zeros)}
+    rows = {"plain": (new, {}), "drop": (new, drop), "variant": (new, dict(alibi_slopes=zeros))}
     if softcap:
-        kinds["softcap"] = dict(softcap=30.0)
+        rows["softcap"] = (new, dict(softcap=30.0))
+    if "base" in setups:
+        rows["base"] = (setups["base"], drop)
+        if softcap:
+            rows["softcap-base"] = (setups["base"], dict(softcap=30.0))
+    family = configs.arch_family(int(cupy.cuda.Device().compute_capability))
+    retiled = (family, configs.tile_headdim(d)) in new.masked_rows  # the variant has a forward tile of its own
     result = {}
     for direction in ("fwd", "bwd"):
-        rows = {}
-        for name, kw in kinds.items():
-            rows[name] = (sources[0], kw)
-        if len(sources) > 1:
-            rows["base"] = (sources[1], drop)
-            if softcap:
-                rows["softcap-base"] = (sources[1], kinds["softcap"])
+        chosen = dict(rows)
+        if direction == "fwd" and retiled:
+            chosen["drop-t128"] = (setups["t128"], drop)
         calls = {}
-        for name, (src, kw) in rows.items():
+        for name, (setup, kw) in chosen.items():
             if direction == "fwd":
                 call = (lambda kw=kw: fa2cupy.flash_attn_func(q, k, v, causal=causal, **kw))
             else:  # (the undropped out and lse stand in for each row's own: the kernels' time does not depend on them)
                 call = (lambda kw=kw: fa2cupy.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, **kw))
-            calls[name] = ((lambda src=src: src.activate(active)), call)
+            calls[name] = ((lambda setup=setup: setup.activate(active)), call)
         ms = time_rows(calls, rounds, reps)
         f = flops(batch, seqlen, nheads, d, causal, direction)
         result[direction] = {name: {"ms": t, "tflops": f / (t * 1e-3) / 1e12} for name, t in ms.items()}
@@ -178,18 +205,21 @@ def run_case(case, dtype: str, p: float, sources: list[Sources], active: list, r
 
 
 def print_table(results, direction: str) -> None:
-    """TFLOPs/s of each row and the ratios that matter: drop/plain (the bar), variant/plain, drop/variant, and with
-    a baseline base/plain (the same call on the older kernels) and softcap/softcap-base."""
-    rows = results[0]["result"][direction]
-    names = [n for n in ("plain", "drop", "variant", "base", "softcap", "softcap-base") if n in rows]
-    ratios = [(a, b) for a, b in (("drop", "plain"), ("variant", "plain"), ("drop", "variant"), ("base", "plain"),
-                                  ("softcap", "softcap-base")) if a in rows and b in rows]
-    print(f"{direction:<4} {'case':<26}" + "".join(f"{n:>13}" for n in names) + "".join(
+    """TFLOPs/s of each row and the ratios that matter: drop/plain (the bar), variant/plain, drop/variant, and
+    where timed drop-t128/plain, base/plain (the same call on the older kernels) and softcap/softcap-base."""
+    present = {n for rec in results for n in rec["result"][direction]}
+    names = [n for n in ("plain", "drop", "variant", "drop-t128", "base", "softcap", "softcap-base") if n in present]
+    ratios = [(a, b) for a, b in (("drop", "plain"), ("variant", "plain"), ("drop", "variant"),
+                                  ("drop-t128", "plain"), ("base", "plain"), ("softcap", "softcap-base"))
+              if a in present and b in present]
+    print(f"{direction:<4} {'case':<26}" + "".join(f"{n:>11}" for n in names) + "".join(
         f"{a + '/' + b:>22}" for a, b in ratios))
     for rec in results:
         r = rec["result"][direction]
-        line = f"{'':<4} {rec['label']:<26}" + "".join(f"{r[n]['tflops']:>13.1f}" for n in names)
-        line += "".join(f"{r[a]['tflops'] / r[b]['tflops']:>22.3f}" for a, b in ratios)
+        line = f"{'':<4} {rec['label']:<26}" + "".join(
+            f"{r[n]['tflops']:>11.1f}" if n in r else f"{'-':>11}" for n in names)
+        line += "".join(f"{r[a]['tflops'] / r[b]['tflops']:>22.3f}" if a in r and b in r else f"{'-':>22}"
+                        for a, b in ratios)
         bar = r["drop"]["tflops"] / r["plain"]["tflops"]
         print(line + ("" if bar >= 0.85 else "  (< 0.85)" if bar >= 0.8 else "  (BELOW 0.8)"))
 
@@ -208,19 +238,23 @@ def main() -> int:
 
     import cupy
 
-    from fa2cupy import forward
+    from fa2cupy import configs, forward
 
     device = cupy.cuda.Device()
     arch = int(device.compute_capability)
     use_mma_sync_kernels()
     dtypes = [DTYPES[args.dtype]] if args.dtype != "both" else list(DTYPES.values())
     cases = [parse_case(c) for c in args.cases.split(",")]
-    sources, active = [Sources(None)], []
+    active = []
+    setups = {"new": Setup()}
+    # the candidate: the modifier variant on the plain kernels' forward tile (no rows of its own for this GPU)
+    family = configs.arch_family(arch)
+    setups["t128"] = Setup(None, {key: row for key, row in configs.FORWARD_MASKED_TABLE.items() if key[0] != family})
     if args.baseline:
-        sources.append(Sources(str(Path(args.baseline).resolve())))
-    needed = kernels_needed(cases, dtypes, args.p, arch)
-    for src in sources:
-        compile_all(src, needed, active)
+        setups["base"] = Setup(str(Path(args.baseline).resolve()), setups["new"].masked_rows)
+    for name, setup in setups.items():
+        setup.activate(active)
+        compile_all(setup, kernels_needed(cases, dtypes, args.p, arch, plain=name == "new"), active)
     print(f"{cupy.cuda.runtime.getDeviceProperties(device.id)['name'].decode()}, sm_{arch}, dropout_p {args.p} "
           f"(realised {forward.realised_dropout_p(args.p):.6f}), hidden {HIDDEN}, mma.sync kernels, "
           f"{args.rounds} rounds x {args.reps} calls per row", flush=True)
@@ -229,7 +263,7 @@ def main() -> int:
         for case, text in zip(cases, args.cases.split(",")):
             d, seqlen, batch, causal = case
             label = f"{text} b{batch} h{HIDDEN // d} {SHORT[dtype]}"
-            result = run_case(case, dtype, args.p, sources, active, args.rounds, args.reps, args.softcap)
+            result = run_case(case, dtype, args.p, setups, active, args.rounds, args.reps, args.softcap)
             results.append({"label": label, "case": text, "dtype": dtype, "batch": batch, "result": result})
             print(f"  {label}: fwd drop/plain {result['fwd']['drop']['tflops'] / result['fwd']['plain']['tflops']:.3f}"
                   f", bwd {result['bwd']['drop']['tflops'] / result['bwd']['plain']['tflops']:.3f}", flush=True)
