@@ -276,6 +276,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 key0 + Tr::kBlockN > mask_it.seqlen_k ||
                 (Tr::kMask != kMaskNone && key0 + Tr::kBlockN - 1 > m0 + mask_it.diag() + mask_it.right()) ||
                 (Tr::kMask == kMaskWindow && key0 < m0 + kM - 1 + mask_it.diag() - mask_it.left());
+            // P^T and dS^T of key tile kt and query tile nt (this thread's two rows, two columns each) to shared memory.
+            const auto store_p_ds = [&](int kt, int nt, const float (&p)[4], const float (&ds)[4]) {
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int r = warp_key0 + kt * 16 + (lane >> 2) + half * 8;
+                    const int c = warp_q0 + nt * 8 + (lane & 3) * 2;
+                    st_shared_u32(PTile::at(smem_p, r, c), Mma::pack(p[2 * half], p[2 * half + 1]));
+                    st_shared_u32(PTile::at(smem_ds, r, c), Mma::pack(ds[2 * half], ds[2 * half + 1]));
+                }
+            };
             // The modifier variant: one version of the element-wise step per (modifiers, dropout) pair, chosen once
             // per query tile, so a call does no modifier or dropout work it does not need.
             const auto elementwise = [&](auto modify, auto drop) {
@@ -324,13 +334,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                         }
                         if constexpr (kModify) ds[e] *= dcap;
                     }
-#pragma unroll
-                    for (int half = 0; half < 2; ++half) {
-                        const int r = warp_key0 + kt * 16 + (lane >> 2) + half * 8;
-                        const int c = warp_q0 + nt * 8 + (lane & 3) * 2;
-                        st_shared_u32(PTile::at(smem_p, r, c), Mma::pack(p[2 * half], p[2 * half + 1]));
-                        st_shared_u32(PTile::at(smem_ds, r, c), Mma::pack(ds[2 * half], ds[2 * half + 1]));
-                    }
+                    store_p_ds(kt, nt, p, ds);
                 };
                 if constexpr (kDrop) {  // by blocks of one call's 32 keys x 32 queries (or the 16 the warp spans)
                     constexpr int kKeyTilesPer = kKeyBlocks ? 2 : 1, kQueryTilesPer = kQueryBlocks ? 4 : 2;
@@ -364,14 +368,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 }
             };
             if constexpr (Tr::kMods) {
-                const bool modify = mods.on();
-                if (dropout.on()) {
-                    if (modify) elementwise(Bool<true>{}, Bool<true>{});
-                    else elementwise(Bool<false>{}, Bool<true>{});
-                } else {
-                    if (modify) elementwise(Bool<true>{}, Bool<false>{});
-                    else elementwise(Bool<false>{}, Bool<false>{});
-                }
+                with_modifiers(mods.on(), dropout.on(), elementwise);
             } else {  // (the plain kernels' loop, written out: through the lambda, ptxas allocates its registers
                       // differently, and the plain kernels keep the code they had)
 #pragma unroll
@@ -388,13 +385,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                             if (need_mask && !mask_it.visible(m0 + qc, key)) p[e] = 0.f;
                             ds[e] = p[e] * (dpt[kt][nt][e] - dsum_s[qc]);
                         }
-#pragma unroll
-                        for (int half = 0; half < 2; ++half) {
-                            const int r = warp_key0 + kt * 16 + (lane >> 2) + half * 8;
-                            const int c = warp_q0 + nt * 8 + (lane & 3) * 2;
-                            st_shared_u32(PTile::at(smem_p, r, c), Mma::pack(p[2 * half], p[2 * half + 1]));
-                            st_shared_u32(PTile::at(smem_ds, r, c), Mma::pack(ds[2 * half], ds[2 * half + 1]));
-                        }
+                        store_p_ds(kt, nt, p, ds);
                     }
                 }
             }
@@ -685,17 +676,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                         for (int nt = 0; nt < kNT; ++nt) step(mt, nt, none, 0u);
                 }
             };
-            if constexpr (Tr::kMods) {
-                if (dropout.on()) {
-                    if (modify) elementwise(Bool<true>{}, Bool<true>{});
-                    else elementwise(Bool<false>{}, Bool<true>{});
-                } else {
-                    if (modify) elementwise(Bool<true>{}, Bool<false>{});
-                    else elementwise(Bool<false>{}, Bool<false>{});
-                }
-            } else {
+            if constexpr (Tr::kMods)
+                with_modifiers(modify, dropout.on(), elementwise);
+            else
                 elementwise(Bool<false>{}, Bool<false>{});
-            }
             // dQ += dS K_j, dS straight from the accumulators as A fragments.
             mma_c_b<typename Tr::Elem, KVTile>(acc_dq, dp, k_slot, lane);
         }

@@ -401,6 +401,19 @@ struct ScoreMods {
     }
 };
 
+// step(Bool<modify>{}, Bool<drop>{}): the modifier kernels' run-time switches (score modifiers on, dropout on),
+// uniform over a launch, as compile-time ones, so that each case runs code with only its own work in it.
+template <class Step>
+FA2_DEVICE void with_modifiers(bool modify, bool drop, Step&& step) {
+    if (drop) {
+        if (modify) step(Bool<true>{}, Bool<true>{});
+        else step(Bool<false>{}, Bool<true>{});
+    } else {
+        if (modify) step(Bool<true>{}, Bool<false>{});
+        else step(Bool<false>{}, Bool<false>{});
+    }
+}
+
 // The ALiBi slope of (batch, head): slopes (nheads,) have batch_stride 0; no slopes (nullptr) mean slope 0.
 FA2_DEVICE float alibi_slope(const float* slopes, int batch_stride, int batch, int head) {
     return slopes != nullptr ? slopes[batch * batch_stride + head] : 0.f;
