@@ -276,45 +276,116 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 key0 + Tr::kBlockN > mask_it.seqlen_k ||
                 (Tr::kMask != kMaskNone && key0 + Tr::kBlockN - 1 > m0 + mask_it.diag() + mask_it.right()) ||
                 (Tr::kMask == kMaskWindow && key0 < m0 + kM - 1 + mask_it.diag() - mask_it.left());
-            const bool drop = Tr::kMods && dropout.on();
+            // P^T and dS^T of key tile kt and query tile nt (this thread's two rows, two columns each) to shared memory.
+            const auto store_p_ds = [&](int kt, int nt, const float (&p)[4], const float (&ds)[4]) {
 #pragma unroll
-            for (int kt = 0; kt < kKT; ++kt) {
-                const int key_lo = key0 + warp_key0 + kt * 16 + (lane >> 2);  // this thread's keys: key_lo, +8
-                u32 rnd[2][4];  // Dropout numbers of query rows q and q + 1 (with q + 8, q + 9), refreshed per n8 pair
+                for (int half = 0; half < 2; ++half) {
+                    const int r = warp_key0 + kt * 16 + (lane >> 2) + half * 8;
+                    const int c = warp_q0 + nt * 8 + (lane & 3) * 2;
+                    st_shared_u32(PTile::at(smem_p, r, c), Mma::pack(p[2 * half], p[2 * half + 1]));
+                    st_shared_u32(PTile::at(smem_ds, r, c), Mma::pack(ds[2 * half], ds[2 * half + 1]));
+                }
+            };
+            // The modifier variant: one version of the element-wise step per (modifiers, dropout) pair, chosen once
+            // per query tile, so a call does no modifier or dropout work it does not need.
+            const auto elementwise = [&](auto modify, auto drop) {
+                constexpr bool kModify = decltype(modify)::value, kDrop = decltype(drop)::value;
+                // Dropout: this thread's keys (rows of S^T) are key member b = 2 (kt % 2) + half of the key block
+                // of kt / 2 (kKT even), or of the warp's 16 keys, at bytes ((key0 + warp_key0) >> 3 & 2) + half;
+                // its queries are query member a = nt % 4 of the 32-query block of nt / 4 (when the warp's queries
+                // span a multiple of 32), or of a 16-query span that starts at word ((m0 + warp_q0) >> 3) & 2.
+                constexpr bool kKeyBlocks = kKT % 2 == 0, kQueryBlocks = Tr::kQCols % 32 == 0 && kM % 32 == 0;
+                static_assert(kKeyBlocks || kKT == 1, "a warp's keys span 16 or a multiple of 32");
+                static_assert(kQueryBlocks || kQT == 2, "a warp's queries span 16 or a multiple of 32");
+                const int key_base = (key0 + warp_key0) & ~31, q_base = (m0 + warp_q0) & ~31;
+                const u32 key_byte0 = kKeyBlocks ? 0u : (u32)(key0 + warp_key0) >> 3 & 2u;
+                const bool q_upper = !kQueryBlocks && ((m0 + warp_q0) & 16);
+                Dropout::Fixed keys[kKeyBlocks ? kKT / 2 : 1];
+                if constexpr (kDrop) {
 #pragma unroll
-                for (int nt = 0; nt < kQT; ++nt) {
-                    if (drop && nt % 2 == 0) {
-                        const int q = m0 + warp_q0 + nt * 8 + (lane & 3) * 2;
-                        dropout.numbers(rnd[0], q, key_lo & ~1);
-                        dropout.numbers(rnd[1], q + 1, key_lo & ~1);
-                    }
+                    for (int kb = 0; kb < (kKeyBlocks ? kKT / 2 : 1); ++kb)
+                        keys[kb] = dropout.fix_key(Dropout::group(key_base + kb * 32, lane >> 2));
+                }
+                const float keep_scale = dropout.scale;
+                // P^T and dS^T of key tile kt (rows of S^T) and query tile nt; `flags` (dropout) holds the drop
+                // flags of nt's query member in the byte of the key member.
+                const auto step = [&](int kt, int nt, const u32 (&flags)[2], u32 byte0) {
+                    const int key_lo = key0 + warp_key0 + kt * 16 + (lane >> 2);  // this thread's keys: key_lo, +8
                     float p[4], ds[4];
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const int key = key_lo + (e >> 1) * 8;
                         const int qc = warp_q0 + nt * 8 + (lane & 3) * 2 + (e & 1);
                         float dcap = 1.f;  // d logit / d(scale * s): the softcap's 1 - tanh^2
-                        if constexpr (Tr::kMods)
+                        if constexpr (kModify)
                             p[e] = fast_exp2(mods.logit(st[kt][nt][e], m0 + qc, key, dcap) * kLog2e - lse_s[qc]);
                         else
                             p[e] = fast_exp2(st[kt][nt][e] * scale_log2 - lse_s[qc]);
                         if (need_mask && !mask_it.visible(m0 + qc, key)) p[e] = 0.f;
-                        if (drop) {
-                            // dV takes the dropped P; dS = P o (Z o dP / (1 - p) - D) (dP of the dropped output).
-                            const bool kept = dropout.keep(rnd[e & 1], (nt & 1) * 4 + (key_lo & 1) + (e >> 1) * 2);
-                            ds[e] = p[e] * ((kept ? dpt[kt][nt][e] * dropout.scale : 0.f) - dsum_s[qc]) * dcap;
-                            p[e] = kept ? p[e] * dropout.scale : 0.f;
+                        if constexpr (kDrop) {
+                            // dV takes the dropped P; dS = P o (Z o dP / (1 - p) - D) (dP of the dropped output):
+                            // z = 1 / (1 - p) where kept, 0 where dropped.
+                            const float z = __uint_as_float(__float_as_uint(keep_scale) &
+                                                            ~Dropout::drop_mask(flags[e & 1], byte0 + (e >> 1)));
+                            ds[e] = p[e] * (dpt[kt][nt][e] * z - dsum_s[qc]);
+                            p[e] *= z;
                         } else {
                             ds[e] = p[e] * (dpt[kt][nt][e] - dsum_s[qc]);
-                            if constexpr (Tr::kMods) ds[e] *= dcap;
                         }
+                        if constexpr (kModify) ds[e] *= dcap;
                     }
+                    store_p_ds(kt, nt, p, ds);
+                };
+                if constexpr (kDrop) {  // by blocks of one call's 32 keys x 32 queries (or the 16 the warp spans)
+                    constexpr int kKeyTilesPer = kKeyBlocks ? 2 : 1, kQueryTilesPer = kQueryBlocks ? 4 : 2;
 #pragma unroll
-                    for (int half = 0; half < 2; ++half) {
-                        const int r = warp_key0 + kt * 16 + (lane >> 2) + half * 8;
-                        const int c = warp_q0 + nt * 8 + (lane & 3) * 2;
-                        st_shared_u32(PTile::at(smem_p, r, c), Mma::pack(p[2 * half], p[2 * half + 1]));
-                        st_shared_u32(PTile::at(smem_ds, r, c), Mma::pack(ds[2 * half], ds[2 * half + 1]));
+                    for (int kb = 0; kb < kKT / kKeyTilesPer; ++kb)
+#pragma unroll
+                        for (int qb = 0; qb < kQT / kQueryTilesPer; ++qb) {
+                            u32 flags[kQueryTilesPer][2];  // [query member][query parity]
+#pragma unroll
+                            for (int e1 = 0; e1 < 2; ++e1) {
+                                u32 w[4];
+                                dropout.words_fixed_key(w, keys[kb],
+                                                        Dropout::group(q_base + qb * 32, (lane & 3) * 2 + e1));
+#pragma unroll
+                                for (int a = 0; a < kQueryTilesPer; ++a)
+                                    flags[a][e1] = dropout.drop_flags(kQueryBlocks || !q_upper ? w[a] : w[2 + a]);
+                            }
+#pragma unroll
+                            for (int k2 = 0; k2 < kKeyTilesPer; ++k2)
+#pragma unroll
+                                for (int q2 = 0; q2 < kQueryTilesPer; ++q2)
+                                    step(kb * kKeyTilesPer + k2, qb * kQueryTilesPer + q2, flags[q2],
+                                         kKeyBlocks ? 2 * k2 : key_byte0);
+                        }
+                } else {
+                    const u32 none[2] = {0u, 0u};
+#pragma unroll
+                    for (int kt = 0; kt < kKT; ++kt)
+#pragma unroll
+                        for (int nt = 0; nt < kQT; ++nt) step(kt, nt, none, 0u);
+                }
+            };
+            if constexpr (Tr::kMods) {
+                with_modifiers(mods.on(), dropout.on(), elementwise);
+            } else {  // (the plain kernels' loop, written out: through the lambda, ptxas allocates its registers
+                      // differently, and the plain kernels keep the code they had)
+#pragma unroll
+                for (int kt = 0; kt < kKT; ++kt) {
+                    const int key_lo = key0 + warp_key0 + kt * 16 + (lane >> 2);  // this thread's keys: key_lo, +8
+#pragma unroll
+                    for (int nt = 0; nt < kQT; ++nt) {
+                        float p[4], ds[4];
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int key = key_lo + (e >> 1) * 8;
+                            const int qc = warp_q0 + nt * 8 + (lane & 3) * 2 + (e & 1);
+                            p[e] = fast_exp2(st[kt][nt][e] * scale_log2 - lse_s[qc]);
+                            if (need_mask && !mask_it.visible(m0 + qc, key)) p[e] = 0.f;
+                            ds[e] = p[e] * (dpt[kt][nt][e] - dsum_s[qc]);
+                        }
+                        store_p_ds(kt, nt, p, ds);
                     }
                 }
             }
@@ -492,13 +563,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const i64 row0_g = q_start() + row0;
 
     const WindowMask<Tr::kMask> mask{seqlen_q, seqlen_k, window_left, window_right};
-    const ScoreMods mods = Tr::kMods ? make_score_mods(scale, softcap, alibi_slope(alibi_slopes, alibi_batch_stride,
-                                                                              batch, head), seqlen_q, seqlen_k)
-                                     : ScoreMods{};
+    // The score modifiers, rebuilt where they are used from the kernel parameters and the slope (one register
+    // across the loop, not five).
+    const float slope = Tr::kMods ? alibi_slope(alibi_slopes, alibi_batch_stride, batch, head) : 0.f;
+    const auto mods_now = [&] { return make_score_mods(scale, softcap, slope, sq(), sk()); };
     if constexpr (Tr::kMods) load_rng_state(rng_state, seed_lo, seed_hi, offset_lo, offset_hi);
     const Dropout dropout = Tr::kMods ? make_dropout(dropout_threshold, seed_lo, seed_hi, offset_lo, offset_hi,
                                                      batch, nheads, head, dropout_scale)
                                       : Dropout{};
+    const bool modify = Tr::kMods && mods_now().on();  // (else the scale stays folded into the exponent)
+    const auto drop_rows = dropout.template fix_rows<kMT>(row0 + warp_row0, lane);  // (unused without dropout)
     int n_first, n_blocks;
     mask.template key_tiles<Tr::kBlockN>(row0, Tr::kBlockM, n_first, n_blocks);
 
@@ -557,32 +631,55 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             const int col0 = (n_first + n_block) * Tr::kBlockN;
             const WindowMask<Tr::kMask> mask_it{sq(), sk(), window_left, window_right};
             const bool need_mask = mask_it.tile_needs_mask(row0, Tr::kBlockM, col0, Tr::kBlockN);
-            const bool drop = Tr::kMods && dropout.on();
-#pragma unroll
-            for (int mt = 0; mt < kMT; ++mt) {
-                u32 rnd[4];  // Dropout numbers of this thread's rows x the keys of n8 tiles nt, nt + 1 (nt even)
-#pragma unroll
-                for (int nt = 0; nt < kNT; ++nt) {
-                    if (drop && nt % 2 == 0)
-                        dropout.numbers(rnd, row0 + warp_row0 + mt * 16 + (lane >> 2), col0 + nt * 8 + (lane & 3) * 2);
+            // One version of the element-wise step per (modifiers, dropout) pair, chosen once per key tile.
+            const auto elementwise = [&](auto modify, auto drop) {
+                constexpr bool kModify = decltype(modify)::value, kDrop = decltype(drop)::value;
+                // dS of row tile mt, key tile nt; `flags` (dropout): row_flags()'s [mt] for nt's 32 keys, whose
+                // byte `byte` holds nt's flags.
+                const auto step = [&](int mt, int nt, const u32 (&flags)[2][2], u32 byte) {
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const int r = mt * 2 + (e >> 1);
                         const int row = row0 + warp_row0 + mt * 16 + (lane >> 2) + (e >> 1) * 8;
                         const int key = col0 + nt * 8 + (lane & 3) * 2 + (e & 1);
                         float dcap = 1.f, p;
-                        if constexpr (Tr::kMods)
-                            p = fast_exp2(mods.logit(s[mt][nt][e], row, key, dcap) * kLog2e - row_lse[r]);
+                        if constexpr (kModify)
+                            p = fast_exp2(mods_now().logit(s[mt][nt][e], row, key, dcap) * kLog2e - row_lse[r]);
                         else
                             p = fast_exp2(s[mt][nt][e] * scale_log2 - row_lse[r]);
                         if (need_mask && !mask_it.visible(row, key)) p = 0.f;
                         float dpv = dp[mt][nt][e];
-                        if (drop)
-                            dpv = dropout.keep(rnd, (e >> 1) * 4 + (nt & 1) * 2 + (e & 1)) ? dpv * dropout.scale : 0.f;
+                        if constexpr (kDrop)  // Z o dP / (1 - p), the dP of the dropped output
+                            dpv *= __uint_as_float(__float_as_uint(dropout.scale) &
+                                                   ~Dropout::drop_mask(flags[e >> 1][e & 1], byte));
                         dp[mt][nt][e] = p * (dpv - row_dsum[r]) * dcap;  // dS
                     }
+                };
+                if constexpr (kDrop) {  // by 32-key blocks (or the 16 keys of a tile, half of one)
+                    constexpr int kBlocks = kNT % 4 == 0 ? kNT / 4 : 1, kTilesPer = kNT % 4 == 0 ? 4 : kNT;
+                    static_assert(kNT % 4 == 0 || kNT == 2, "dropout takes key tiles of 16 or multiples of 32");
+#pragma unroll
+                    for (int kb = 0; kb < kBlocks; ++kb) {
+                        u32 flags[kMT][2][2];
+                        dropout.row_flags(flags, drop_rows, row0 + warp_row0, (col0 & ~31) + kb * 32, lane);
+#pragma unroll
+                        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                            for (int n2 = 0; n2 < kTilesPer; ++n2)
+                                step(mt, kb * kTilesPer + n2, flags[mt], kNT % 4 == 0 ? n2 : ((col0 >> 3) & 2) + n2);
+                    }
+                } else {
+                    const u32 none[2][2] = {{0u, 0u}, {0u, 0u}};
+#pragma unroll
+                    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                        for (int nt = 0; nt < kNT; ++nt) step(mt, nt, none, 0u);
                 }
-            }
+            };
+            if constexpr (Tr::kMods)
+                with_modifiers(modify, dropout.on(), elementwise);
+            else
+                elementwise(Bool<false>{}, Bool<false>{});
             // dQ += dS K_j, dS straight from the accumulators as A fragments.
             mma_c_b<typename Tr::Elem, KVTile>(acc_dq, dp, k_slot, lane);
         }

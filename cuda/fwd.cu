@@ -127,13 +127,19 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
                                                   v_row_stride, rows, headdim, tid);
     };
 
-    const ScoreMods mods = Tr::kMods ? make_score_mods(scale, softcap, alibi_slope(alibi_slopes, alibi_batch_stride,
-                                                                              batch, head), seqlen_q, seqlen_k)
-                                     : ScoreMods{};
+    // The score modifiers, rebuilt where they are used from the kernel parameters and the slope: the loop then holds
+    // one register for them, not five (the dropout path needs the others at the 255-register cap).
+    const float slope = Tr::kMods ? alibi_slope(alibi_slopes, alibi_batch_stride, batch, head) : 0.f;
+    const auto mods_now = [&] { return make_score_mods(scale, softcap, slope, sq(), sk()); };
     if constexpr (Tr::kMods) load_rng_state(rng_state, seed_lo, seed_hi, offset_lo, offset_hi);
     const Dropout dropout = Tr::kMods ? make_dropout(dropout_threshold, seed_lo, seed_hi, offset_lo, offset_hi,
                                                      batch, nheads, head, dropout_scale)
                                       : Dropout{};
+    // Uniform over the launch: softcap or ALiBi turn the scores into final logits (else, dropout alone, the scale
+    // stays folded into the exponent as in the plain kernels), and dropout drops entries of P.
+    const bool modify = Tr::kMods && mods_now().on(), drop = Tr::kMods && dropout.on();
+    static_assert(!Tr::kMods || Tr::kBlockN % 32 == 0, "dropout draws its numbers for 32 keys at a time");
+    const auto drop_rows = dropout.template fix_rows<kMT>(row0 + warp_row0, lane);  // (unused without dropout)
 
     float acc_o[kMT][kDT][4];
     zero_fragments(acc_o);
@@ -198,23 +204,17 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
                 },
                 [&](u32(&b)[4], int np, int kk) { KVTile::load_b_nk(b, k_slot, np * 16, kk * 16, lane); });
             // Only tiles that straddle the diagonal or the end of the keys pay for masking.
-            if constexpr (Tr::kMods) mods.apply(s, row0 + warp_row0, col0, lane);
+            if (modify) mods_now().apply(s, row0 + warp_row0, col0, lane);
             if (mask_now().tile_needs_mask(row0, Tr::kBlockM, col0, Tr::kBlockN))
                 mask_now().apply(s, row0 + warp_row0, col0, lane);
 
-            // Lines 9-10: new row max, P = exp(S - m), rescale of the running output. With modifiers the scores
-            // are already final logits: scale 1.
-            softmax.update(s, acc_o, Tr::kMods ? kLog2e : scale_log2);
-            // Dropout after the row sums: the softmax normaliser counts every key, the output only the kept ones.
-            if (Tr::kMods && dropout.on()) dropout.apply_rows(s, row0 + warp_row0, col0, lane);
+            // Lines 9-10: new row max, P = exp(S - m), rescale of the running output. Modified scores are already
+            // final logits: scale 1.
+            softmax.update(s, acc_o, modify ? kLog2e : scale_log2);
 
             // Line 10 (cont.): O += P V_j, P straight from the accumulators (c_to_a). Written out rather than
             // mma_c_b: at the 255-register cap of the d=64 128x128 row, ptxas spills 36 bytes with the call.
-#pragma unroll
-            for (int kk = 0; kk < kNT / 2; ++kk) {
-                u32 a[kMT][4];
-#pragma unroll
-                for (int mt = 0; mt < kMT; ++mt) c_to_a<typename Tr::Elem>(a[mt], s[mt][2 * kk], s[mt][2 * kk + 1]);
+            const auto pv_step = [&](const u32 (&a)[kMT][4], int kk) {
 #pragma unroll
                 for (int dp = 0; dp < kDT / 2; ++dp) {
                     u32 b[4];
@@ -225,6 +225,36 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
                         Mma::run(acc_o[mt][2 * dp + 1], a[mt], b[2], b[3]);
                     }
                 }
+            };
+            if constexpr (Tr::kMods) {
+                // P packed first (half the registers of the fp32 scores) while dropout draws its numbers.
+                u32 a[kNT / 2][kMT][4];
+#pragma unroll
+                for (int kk = 0; kk < kNT / 2; ++kk)
+#pragma unroll
+                    for (int mt = 0; mt < kMT; ++mt)
+                        c_to_a<typename Tr::Elem>(a[kk][mt], s[mt][2 * kk], s[mt][2 * kk + 1]);
+                // Dropout after the row sums: the softmax normaliser counts every key, the output only the kept
+                // ones. (A uniform branch: calls without dropout skip it.)
+                if (drop) {
+#pragma unroll
+                    for (int kb = 0; kb < kNT / 4; ++kb) {
+                        u32 flags[kMT][2][2];
+                        dropout.row_flags(flags, drop_rows, row0 + warp_row0, col0 + kb * 32, lane);
+                        Dropout::apply_a(a[2 * kb], flags, 0);
+                        Dropout::apply_a(a[2 * kb + 1], flags, 1);
+                    }
+                }
+#pragma unroll
+                for (int kk = 0; kk < kNT / 2; ++kk) pv_step(a[kk], kk);
+            } else {
+#pragma unroll
+                for (int kk = 0; kk < kNT / 2; ++kk) {
+                    u32 a[kMT][4];
+#pragma unroll
+                    for (int mt = 0; mt < kMT; ++mt) c_to_a<typename Tr::Elem>(a[mt], s[mt][2 * kk], s[mt][2 * kk + 1]);
+                    pv_step(a, kk);
+                }
             }
         }
         cp_async_wait<0>();  // only empty groups remain, but leave nothing in flight into shared memory
@@ -232,12 +262,12 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
 
     // Line 12: O = diag(l)^-1 O and L = m + log(l), written once.
     float row_lse[kMT * 2];
-    softmax.finalize(acc_o, row_lse, Tr::kMods ? 1.f : scale);
+    softmax.finalize(acc_o, row_lse, modify ? 1.f : scale);
 
     // Stage this warp's output rows through its own (no longer needed) Q rows so the global stores are
     // 16-byte and row-contiguous. Only this warp ever read these rows.
     QTile::template store_warp_rows<typename Tr::Elem>(
-        smem_q, acc_o, Tr::kMods && dropout.on() ? dropout.scale : 1.f, warp_row0,
+        smem_q, acc_o, drop ? dropout.scale : 1.f, warp_row0,
         o + batch * o_batch_stride + head * o_head_stride + (i64)(q_start() + row0 + warp_row0) * o_row_stride,
         o_row_stride, mask_now().seqlen_q - row0 - warp_row0, headdim, lane);
     if ((lane & 3) == 0) {

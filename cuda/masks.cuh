@@ -159,16 +159,26 @@ struct SeqBounds {
     }
 };
 
-// Dropout on P (FA2 with dropout): Philox4x32-10 (Salmon et al. 2011), counter-based, so the forward and both
-// backward kernels regenerate the same keep mask from (seed, offset) whatever their tiling. The random 16-bit
-// number of score (i, j) of sequence entry bh = batch * nheads + head is element
-//     (i >> 3 & 1) * 4 + (j & 1) + (j >> 3 & 1) * 2
-// of the eight 16-bit halves of philox(key = seed ^ (offset_hi << 32), counter = (i & ~8, j & ~9, bh, offset_lo)):
-// one call covers rows {i, i + 8} x keys {j, j + 1, j + 8, j + 9}, exactly what one thread of an m16n8 C fragment
-// pair holds in the forward. A score is kept iff its number is below `threshold` = round((1 - p) * 65536).
-FA2_DEVICE void philox_4x32_10(u32 (&c)[4], u32 k0, u32 k1) {
+// Dropout on P (FA2 with dropout): Philox4x32-7 (Salmon et al. 2011; seven rounds pass BigCrush, and
+// FlashAttention-2 draws its mask with seven too), counter-based, so the forward and both backward kernels
+// regenerate the same keep mask from (seed, offset) whatever their tiling. Score (i, j) of sequence entry
+// bh = batch * nheads + head has the random 8-bit number
+//     byte (j >> 3) & 3 of word (i >> 3) & 3 of philox(key = (seed_lo, seed_hi ^ offset_hi),
+//         counter = (bh, (i >> 5) << 3 | (i & 7), offset_lo, (j >> 5) << 3 | (j & 7)))
+// so one call covers the queries {x, x + 8, x + 16, x + 24} x the keys {y, y + 8, y + 16, y + 24} of a 32 x 32
+// block that share their residues mod 8. A thread holds such a grid whole in the forward's C fragments (rows
+// g + 8 r, columns 2 t + e + 8 c, with g = lane / 4, t = lane % 4) and in the backward's transposed ones (keys as
+// rows) alike, wherever its fragment spans 32 rows and 32 columns: no number is drawn to be thrown away (a 16-row
+// or 16-column span uses half a call). A score is kept iff its number is below `threshold` = round((1 - p) * 256),
+// 1..255: the keep probability is threshold / 256 exactly, and the kept scores are scaled by its inverse,
+// 256 / threshold, so the output stays an unbiased estimate (p is realised in steps of 1/256:
+// fa2cupy.forward.dropout_threshold). The query and key enter the counter in the words that Philox's first round
+// only XORs in (bh and offset, the same for a whole block, take its multiplies), so a kernel that holds one of them
+// fixed along its loop computes the first rounds' share of it once (Dropout::Fixed).
+template <int Rounds>
+FA2_DEVICE void philox_4x32(u32 (&c)[4], u32 k0, u32 k1) {
 #pragma unroll
-    for (int round = 0; round < 10; ++round) {
+    for (int round = 0; round < Rounds; ++round) {
         const u32 hi0 = __umulhi(0xD2511F53u, c[0]), lo0 = 0xD2511F53u * c[0];
         const u32 hi1 = __umulhi(0xCD9E8D57u, c[2]), lo1 = 0xCD9E8D57u * c[2];
         const u32 n0 = hi1 ^ c[1] ^ k0, n2 = hi0 ^ c[3] ^ k1;
@@ -178,43 +188,140 @@ FA2_DEVICE void philox_4x32_10(u32 (&c)[4], u32 k0, u32 k1) {
 }
 
 struct Dropout {
-    u32 threshold;            // keep iff the 16-bit number < threshold; 0 switches dropout off (keep all)
-    u32 key0, key1, offset;   // Philox key (the seed, offset's high word folded in) and the counter's last word
+    u32 threshold;            // keep iff the 8-bit number < threshold (1..255); 0 switches dropout off (keep all)
+    u32 key0, key1, offset;   // Philox key (the seed, offset's high word folded in) and the counter's offset word
     u32 bh;                   // batch * nheads + head
-    float scale;              // 1 / (1 - p), applied to the kept P
+    float scale;              // 256 / threshold, applied to the kept P
 
+    static constexpr u32 kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;  // Philox4x32's multipliers
     FA2_DEVICE bool on() const { return threshold != 0; }
-    // The eight 16-bit numbers of rows {i_lo, i_lo + 8} x keys {k_lo, k_lo + 1, k_lo + 8, k_lo + 9}.
-    FA2_DEVICE void numbers(u32 (&r)[4], int i_lo, int k_lo) const {
-        r[0] = (u32)i_lo, r[1] = (u32)k_lo, r[2] = bh, r[3] = offset;
-        philox_4x32_10(r, key0, key1);
+    // Round r's key words.
+    FA2_DEVICE u32 ka(int r) const { return key0 + (u32)r * 0x9E3779B9u; }
+    FA2_DEVICE u32 kb(int r) const { return key1 + (u32)r * 0xBB67AE85u; }
+    // A query's or key's counter word: its 32-block and residue mod 8; of x = base + r, base a multiple of 32 and
+    // r < 8, in one instruction.
+    static FA2_DEVICE u32 group(int x) { return (u32)(x >> 5 << 3 | (x & 7)); }
+    static FA2_DEVICE u32 group(int base, int r) { return (u32)base >> 2 | (u32)r; }
+    // The four Philox words of the call that covers score (i, j): the definition above, one call per score.
+    FA2_DEVICE void words(u32 (&w)[4], int i, int j) const {
+        w[0] = bh, w[1] = group(i), w[2] = offset, w[3] = group(j);
+        philox_4x32<7>(w, key0, key1);
     }
-    FA2_DEVICE bool keep(const u32 (&r)[4], int index) const {
-        return ((r[index >> 1] >> ((index & 1) * 16)) & 0xFFFFu) < threshold;
+
+    // The same words in two parts, for kernels that draw along a loop over keys with their queries fixed (the
+    // forward, the dQ kernel) or over queries with their keys fixed (the dK/dV kernel). Written out, round r of the
+    // call maps (c0, c1, c2, c3) to (hi(M1 c2) ^ c1 ^ ka(r), lo(M1 c2), hi(M0 c0) ^ c3 ^ kb(r), lo(M0 c0)), so
+    // with counter (bh, q, offset, k) a word that depends on only one of q and k stays so until round 3: those parts
+    // (three words, key words folded in) are made once per query (fix_query) or key (fix_key), and a call from them
+    // costs 22 instructions (10 wide multiplies, 12 XORs) instead of 28 and its set-up. Queries and keys come as
+    // their counter words (group()).
+    struct Fixed { u32 v0, v1, v2; };
+    FA2_DEVICE Fixed fix_query(u32 qg) const {
+        const u32 x0 = __umulhi(kM1, offset) ^ qg ^ ka(0);                     // round 0, word 0
+        const u32 g0 = __umulhi(kM0, x0), e0 = kM0 * x0;                       // round 1: y3 = e0
+        const u32 y2 = g0 ^ kM0 * bh ^ kb(1);
+        const u32 f1 = __umulhi(kM1, y2), d1 = kM1 * y2;                       // round 2: z1 = d1
+        return {f1 ^ ka(2), d1 ^ ka(3), e0 ^ kb(2)};
+    }
+    FA2_DEVICE void words_fixed_query(u32 (&w)[4], const Fixed& q, u32 kg) const {
+        const u32 x2 = __umulhi(kM0, bh) ^ kg ^ kb(0);                         // round 0, word 2
+        const u32 g1 = __umulhi(kM1, x2), e1 = kM1 * x2;                       // round 1: y1 = e1
+        const u32 y0 = g1 ^ kM1 * offset ^ ka(1);
+        const u32 f0 = __umulhi(kM0, y0), d0 = kM0 * y0;                       // round 2: z3 = d0
+        finish(w, q.v0 ^ e1, q.v1, f0 ^ q.v2, d0 ^ kb(3));
+    }
+    FA2_DEVICE Fixed fix_key(u32 kg) const {
+        const u32 x2 = __umulhi(kM0, bh) ^ kg ^ kb(0);
+        const u32 g1 = __umulhi(kM1, x2), e1 = kM1 * x2;
+        const u32 y0 = g1 ^ kM1 * offset ^ ka(1);
+        const u32 f0 = __umulhi(kM0, y0), d0 = kM0 * y0;
+        return {e1 ^ ka(2), d0 ^ kb(3), f0 ^ kb(2)};
+    }
+    FA2_DEVICE void words_fixed_key(u32 (&w)[4], const Fixed& k, u32 qg) const {
+        const u32 x0 = __umulhi(kM1, offset) ^ qg ^ ka(0);
+        const u32 g0 = __umulhi(kM0, x0), e0 = kM0 * x0;
+        const u32 y2 = g0 ^ kM0 * bh ^ kb(1);
+        const u32 f1 = __umulhi(kM1, y2), d1 = kM1 * y2;
+        finish(w, f1 ^ k.v0, d1 ^ ka(3), k.v2 ^ e0, k.v1);
+    }
+    // Rounds 3-6 from round 2's words z0 and z2 and the key-folded (z1 ^ ka(3)) and (z3 ^ kb(3)).
+    FA2_DEVICE void finish(u32 (&w)[4], u32 z0, u32 z1a, u32 z2, u32 z3b) const {
+        w[0] = __umulhi(kM1, z2) ^ z1a, w[1] = kM1 * z2, w[2] = __umulhi(kM0, z0) ^ z3b, w[3] = kM0 * z0;
+#pragma unroll
+        for (int round = 4; round < 7; ++round) {
+            const u32 hi0 = __umulhi(kM0, w[0]), lo0 = kM0 * w[0];
+            const u32 hi1 = __umulhi(kM1, w[2]), lo1 = kM1 * w[2];
+            w[0] = hi1 ^ w[1] ^ ka(round), w[1] = lo1, w[2] = hi0 ^ w[3] ^ kb(round), w[3] = lo0;
+        }
+    }
+
+    // Bit 7 of each byte of the result is set iff that byte of w, as a number, is >= threshold: its score is
+    // dropped. Four compares in three instructions: (w | 0x80) - (threshold & 0x7F) never borrows across bytes
+    // and leaves bit 7 set iff the low seven bits compare >=; where the top bits differ, w's top bit decides
+    // (w & u where the threshold's top bit is set, w | u where it is clear: one three-input LOP3).
+    FA2_DEVICE u32 drop_flags(u32 w) const {
+        const u32 spread = threshold * 0x01010101u, u = (w | 0x80808080u) - (spread & 0x7F7F7F7Fu);
+        return (w & u) | ((w | u) & ~spread);
+    }
+    // All ones where the score whose flag is bit 7 of byte `byte` of `flags` is dropped, else 0.
+    static FA2_DEVICE u32 drop_mask(u32 flags, u32 byte) { return prmt_b32(flags, 0u, (8u | byte) * 0x1111u); }
+    // The same for a packed pair: 0xFFFF in its low half where the score of bit 7 of byte `byte` of lo_flags is
+    // dropped, in its high half where that of byte `byte` of hi_flags is.
+    static FA2_DEVICE u32 pair_drop_mask(u32 lo_flags, u32 hi_flags, u32 byte) {
+        return prmt_b32(lo_flags, hi_flags, (8u | byte) * 0x0011u | (12u | byte) * 0x1100u);
     }
     // Score (i, j) on its own (the mask-reporting kernel; the attention kernels share calls as described above).
     FA2_DEVICE bool keep_one(int i, int j) const {
-        u32 r[4];
-        numbers(r, i & ~8, j & ~9);
-        return keep(r, ((i >> 3) & 1) * 4 + (j & 1) + ((j >> 3) & 1) * 2);
+        u32 w[4];
+        words(w, i, j);
+        return !on() || (w[(i >> 3) & 3] >> ((j >> 3) & 3) * 8 & 0xFFu) < threshold;
     }
-    // p: one warp's P in C-fragment layout (rows = queries from row0, 16-aligned; columns = keys from col0,
-    // 16-aligned): dropped entries become 0 (the 1 / (1 - p) is applied to the output once).
-    template <int MTiles, int NTiles>
-    FA2_DEVICE void apply_rows(float (&p)[MTiles][NTiles][4], int row0, int col0, int lane) const {
-        static_assert(NTiles % 2 == 0, "keys come in 16-key pairs of n8 tiles");
+
+    // The queries of a thread's C-fragment rows (rows = queries row0 + g + 8 r over MTiles m16 tiles, row0 a multiple
+    // of 16, of 32 when MTiles is even): fixed once, before the loop over keys. A 16-row tile on its own (MTiles
+    // odd) covers half of each call's rows.
+    template <int MTiles>
+    struct Rows { Fixed part[(MTiles + 1) / 2]; };
+    template <int MTiles>
+    FA2_DEVICE Rows<MTiles> fix_rows(int row0, int lane) const {
+        Rows<MTiles> rows;
+#pragma unroll
+        for (int p = 0; p < (MTiles + 1) / 2; ++p)
+            rows.part[p] = fix_query(group(row0 + (MTiles % 2 ? 16 : 32) * p + (lane >> 2)));
+        return rows;
+    }
+    // Their drop flags for keys key0 + 2 (lane & 3) + e + 8 c (key0 a multiple of 32; bytes c = 0..3):
+    // flags[mt][h][e] for row row0 + 16 mt + 8 h + g.
+    template <int MTiles>
+    FA2_DEVICE void row_flags(u32 (&flags)[MTiles][2][2], const Rows<MTiles>& rows, int row0, int key0,
+                              int lane) const {
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+#pragma unroll
+            for (int p = 0; p < (MTiles + 1) / 2; ++p) {
+                u32 w[4];
+                words_fixed_query(w, rows.part[p], group(key0, (lane & 3) * 2 + e));
+                if constexpr (MTiles % 2 == 0) {  // row tiles 2 p, 2 p + 1: one call's four rows
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) flags[2 * p + r / 2][r % 2][e] = drop_flags(w[r]);
+                } else {  // row tile p: rows 8 h of the call's first or second 16
+                    const bool upper = (row0 + 16 * p) & 16;
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) flags[p][h][e] = drop_flags(upper ? w[2 + h] : w[h]);
+                }
+            }
+    }
+    // a: one warp's P as the A fragments of O += P V (c_to_a), a[mt] = keys 16 kk .. 16 kk + 15 of a 32-key block
+    // (kk 0 or 1) for row tile mt; flags: row_flags() of that block. Dropped entries become 0 (256 / threshold is
+    // applied to the output once).
+    template <int MTiles>
+    static FA2_DEVICE void apply_a(u32 (&a)[MTiles][4], const u32 (&flags)[MTiles][2][2], int kk) {
 #pragma unroll
         for (int mt = 0; mt < MTiles; ++mt)
 #pragma unroll
-            for (int nt = 0; nt < NTiles; nt += 2) {
-                u32 r[4];
-                numbers(r, row0 + mt * 16 + (lane >> 2), col0 + nt * 8 + (lane & 3) * 2);
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int half = e >> 1, col = e & 1;
-                    if (!keep(r, half * 4 + col)) p[mt][nt][e] = 0.f;
-                    if (!keep(r, half * 4 + 2 + col)) p[mt][nt + 1][e] = 0.f;
-                }
+            for (int i = 0; i < 4; ++i) {  // a[mt][i]: row half i & 1, n8 tile 2 kk + (i >> 1), keys e = 0, 1
+                const int h = i & 1;
+                a[mt][i] &= ~pair_drop_mask(flags[mt][h][0], flags[mt][h][1], 2 * kk + (i >> 1));
             }
     }
 };
@@ -259,6 +366,10 @@ struct ScoreMods {
     float slope;        // ALiBi slope of this (batch, head), 0 for none
     int diag;           // seqlen_k - seqlen_q
 
+    // Whether the scores change at all (softcap or ALiBi): the kernels skip the modifiers, and keep the softmax
+    // scale folded into the exponent, where they do not.
+    FA2_DEVICE bool on() const { return cap > 0.f || slope != 0.f; }
+
     // The final logit of raw score s at (row, col); dcap receives d(logit) / d(scale * s) from the softcap,
     // 1 - tanh^2 (1 without a softcap): the backward's dS picks it up.
     FA2_DEVICE float logit(float s, int row, int col, float& dcap) const {
@@ -289,6 +400,19 @@ struct ScoreMods {
                 }
     }
 };
+
+// step(Bool<modify>{}, Bool<drop>{}): the modifier kernels' run-time switches (score modifiers on, dropout on),
+// uniform over a launch, as compile-time ones, so that each case runs code with only its own work in it.
+template <class Step>
+FA2_DEVICE void with_modifiers(bool modify, bool drop, Step&& step) {
+    if (drop) {
+        if (modify) step(Bool<true>{}, Bool<true>{});
+        else step(Bool<false>{}, Bool<true>{});
+    } else {
+        if (modify) step(Bool<true>{}, Bool<false>{});
+        else step(Bool<false>{}, Bool<false>{});
+    }
+}
 
 // The ALiBi slope of (batch, head): slopes (nheads,) have batch_stride 0; no slopes (nullptr) mean slope 0.
 FA2_DEVICE float alibi_slope(const float* slopes, int batch_stride, int batch, int head) {

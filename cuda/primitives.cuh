@@ -23,6 +23,12 @@ constexpr int kElemBytes<f32> = 4;
 
 #define FA2_DEVICE __device__ __forceinline__
 
+// A compile-time flag as a value: generic lambdas take it to instantiate one body per case (if constexpr inside).
+template <bool B>
+struct Bool {
+    static constexpr bool value = B;
+};
+
 constexpr float kLog2e = 1.4426950408889634f;  // log2(e): exp(x) = exp2(x * kLog2e)
 
 FA2_DEVICE u32 smem_u32(const void* ptr) {
@@ -160,6 +166,13 @@ FA2_DEVICE float fast_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
+}
+// prmt.b32: result byte n is byte (selector >> 4 n) & 7 of the pair {a (bytes 0-3), b (4-7)}, or, where bit 3 of
+// that nibble is set, that byte's top bit repeated eight times (__byte_perm drops the bit, and with it this mode).
+FA2_DEVICE u32 prmt_b32(u32 a, u32 b, u32 selector) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "r"(selector));
+    return r;
 }
 // A value every lane of the warp holds alike, passed through a broadcast from lane 0 so that ptxas knows it is
 // warp-uniform: a value loaded from memory it takes for divergent, and then keeps what derives from it (loop

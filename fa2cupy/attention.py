@@ -188,8 +188,9 @@ def flash_attn_func(
         softcap: ``> 0`` passes the scaled scores through ``softcap * tanh(s / softcap)`` (Gemma 2, Grok).
         alibi_slopes: float32 ``(nheads,)`` or ``(batch, nheads)``: adds the ALiBi bias ``-slope * |i + seqlen_k -
             seqlen_q - j|`` to the (capped) scores.
-        dropout_p: in [0, 1): each entry of P is dropped with this probability and the kept ones scaled by
-            ``1 / (1 - dropout_p)`` (Philox in the kernel; see :func:`dropout_mask`).
+        dropout_p: in [0, 1): each entry of P is dropped with this probability, realised as the nearest multiple
+            of 1/256 (0 below 1/512: ``fa2cupy.forward.realised_dropout_p``), and the kept ones scaled by
+            ``1 / (1 - p)`` of that realised p (Philox in the kernel; see :func:`dropout_mask`).
         dropout_seed, dropout_offset: with ``dropout_p > 0``, the Philox seed (required) and offset, ints in
             [0, 2**64): the same pair gives the same mask, bit for bit, and flash_attn_backward needs the same pair.
             (``fa2cupy.torch`` draws them from torch's CUDA generator.) ``dropout_rng_state``, a device uint32 array
@@ -272,7 +273,7 @@ def _dropped_probs(q, k, lse, softmax_scale, causal, window_size, softcap, alibi
             if visible is not None:
                 p = cupy.where(cupy.asarray(visible), p, 0.0)
             keep = dropout_mask(batch, nheads, sq, sk, dropout_p, seed, offset, kernel_options=kernel_options)
-            probs = cupy.where(keep, p / (1.0 - dropout_p), 0.0).astype(cupy.float32)
+            probs = cupy.where(keep, p / (1.0 - forward.realised_dropout_p(dropout_p)), 0.0).astype(cupy.float32)
             return arrays.from_cupy(probs, framework)
 
 

@@ -43,12 +43,29 @@ def kernel_variant(causal: bool, window_size, softcap: float, alibi: bool,
     return ("window" if mods else mask), mods, left, right
 
 
-def dropout_scalars(dropout_p: float) -> tuple:
-    """(keep threshold, 1 / (1 - p)) as kernel arguments: a score is kept iff its 16-bit Philox number is below
-    the threshold, round((1 - p) * 65536) (at least 1); threshold 0 switches dropout off."""
+def dropout_threshold(dropout_p: float) -> int:
+    """The kernels' keep threshold for ``dropout_p``: a score is kept iff its 8-bit Philox number (cuda/masks.cuh,
+    Dropout) is below it, so the keep probability is threshold / 256 exactly. round((1 - p) * 256), at least 1;
+    0 (dropout off) where that is 256, for p < 1/512."""
     if dropout_p <= 0:
-        return np.uint32(0), np.float32(1.0)
-    return np.uint32(max(1, min(65536, round((1.0 - dropout_p) * 65536)))), np.float32(1.0 / (1.0 - dropout_p))
+        return 0
+    threshold = max(1, round((1.0 - dropout_p) * 256))
+    return 0 if threshold >= 256 else threshold
+
+
+def realised_dropout_p(dropout_p: float) -> float:
+    """The dropout probability the kernels realise for ``dropout_p``: a multiple of 1/256, the nearest to it (0 for
+    p < 1/512). The kept scores are scaled by 1 / (1 - this), so the output stays an unbiased estimate; references
+    and probabilities reported to the caller use it."""
+    threshold = dropout_threshold(dropout_p)
+    return 1.0 - threshold / 256 if threshold else 0.0
+
+
+def dropout_scalars(dropout_p: float) -> tuple:
+    """(keep threshold, 256 / threshold) as kernel arguments (:func:`dropout_threshold`): the scale of the kept
+    scores is the exact inverse of the keep probability; threshold 0 switches dropout off (scale 1)."""
+    threshold = dropout_threshold(dropout_p)
+    return np.uint32(threshold), np.float32(256.0 / threshold if threshold else 1.0)
 
 
 def dropout_words(seed: int, offset: int) -> tuple[int, int, int, int]:

@@ -371,49 +371,77 @@ def dropout_cases(draw):
     )
 
 
+def _check_dropout_call(b, sq, sk, h, hkv, d, dtype, p, causal, softcap, deterministic, dropout_seed,
+                        dropout_offset, seed):
+    """Output, gradients and return_attn_probs of one dropout call against the reference that applies the mask
+    fa2cupy.dropout_mask reports, with the dropout probability the kernels realise (steps of 1/256)."""
+    from fa2cupy.forward import realised_dropout_p
+
+    fa = fa2cupy_module()
+    cp = _cupy()
+    rng = np.random.default_rng(seed)
+    q, k, v = _randn(rng, (b, sq, h, d), dtype), _randn(rng, (b, sk, hkv, d), dtype), _randn(rng, (b, sk, hkv, d),
+                                                                                             dtype)
+    dout = _randn(rng, (b, sq, h, d), dtype)
+    rng_kw = dict(dropout_seed=dropout_seed, dropout_offset=dropout_offset)
+    kw = dict(causal=causal, softcap=softcap)
+    out, lse, probs = fa.flash_attn_func(q, k, v, dropout_p=p, return_attn_probs=True, **kw, **rng_kw)
+    mask = cp.asnumpy(fa.dropout_mask(b, h, sq, sk, p, dropout_seed, dropout_offset))
+    realised = realised_dropout_p(p)
+    qh, kh, vh, doh = (_host(x) for x in (q, k, v, dout))
+    ref_out, ref_lse = attention_ref(qh, kh, vh, dropout_p=realised, dropout_mask=mask, **kw)
+    for bi in range(b):
+        _check_out(out[bi], lse[bi], ref_out[bi], ref_lse[bi], v * (1 / (1 - realised)), dtype)
+    grads = fa.flash_attn_backward(dout, q, k, v, out, lse, deterministic=deterministic, dropout_p=p, **kw,
+                                   **rng_kw)
+    refs = attention_ref_backward(doh, qh, kh, vh, out=_host(out), dropout_p=realised, dropout_mask=mask, **kw)
+    _check_grads(grads, refs, dtype, 1 / math.sqrt(d) / (1 - realised), d, doh, qh, kh, vh)
+    # return_attn_probs: P o Z / (1 - p) as the output was made of (float32, recomputed from the kernel's lse)
+    from fa2cupy.reference import attention_probs_ref as _probs64
+    p_ref = _probs64(qh, kh, 1 / math.sqrt(d), causal) if softcap == 0 else None
+    if p_ref is not None:
+        expect = np.where(mask, p_ref, 0.0) / (1 - realised)
+        assert np.abs(_host(probs) - expect).max() <= 1e-3 * max(1.0, float(np.abs(expect).max()))
+
+
 @settings(max_examples=EXAMPLES, deadline=None)
 @given(dropout_cases())
 def test_dropout_matches_reference_with_the_reported_mask(c):
     """The kernels' output and gradients equal the reference that applies the mask fa2cupy.dropout_mask reports."""
-    fa = fa2cupy_module()
-    cp = _cupy()
-    rng = np.random.default_rng(c["seed"])
-    b, sq, sk, h, hkv, d, dtype, p = (c[n] for n in ("batch", "seqlen_q", "seqlen_k", "nheads", "nheads_kv",
-                                                     "headdim", "dtype", "dropout_p"))
-    q, k, v = _randn(rng, (b, sq, h, d), dtype), _randn(rng, (b, sk, hkv, d), dtype), _randn(rng, (b, sk, hkv, d),
-                                                                                             dtype)
-    dout = _randn(rng, (b, sq, h, d), dtype)
-    rng_kw = dict(dropout_seed=c["dropout_seed"], dropout_offset=c["dropout_offset"])
-    kw = dict(causal=c["causal"], softcap=c["softcap"])
-    out, lse, probs = fa.flash_attn_func(q, k, v, dropout_p=p, return_attn_probs=True, **kw, **rng_kw)
-    mask = cp.asnumpy(fa.dropout_mask(b, h, sq, sk, p, c["dropout_seed"], c["dropout_offset"]))
-    qh, kh, vh, doh = (_host(x) for x in (q, k, v, dout))
-    ref_out, ref_lse = attention_ref(qh, kh, vh, dropout_p=p, dropout_mask=mask, **kw)
-    for bi in range(b):
-        _check_out(out[bi], lse[bi], ref_out[bi], ref_lse[bi], v * (1 / (1 - p)), dtype)
-    grads = fa.flash_attn_backward(dout, q, k, v, out, lse, deterministic=c["deterministic"], dropout_p=p, **kw,
-                                   **rng_kw)
-    refs = attention_ref_backward(doh, qh, kh, vh, out=_host(out), dropout_p=p, dropout_mask=mask, **kw)
-    _check_grads(grads, refs, dtype, 1 / math.sqrt(d) / (1 - p), d, doh, qh, kh, vh)
-    # return_attn_probs: P o Z / (1 - p) as the output was made of (float32, recomputed from the kernel's lse)
-    from fa2cupy.reference import attention_probs_ref as _probs64
-    p_ref = _probs64(qh, kh, 1 / math.sqrt(d), c["causal"]) if c["softcap"] == 0 else None
-    if p_ref is not None:
-        expect = np.where(mask, p_ref, 0.0) / (1 - p)
-        assert np.abs(_host(probs) - expect).max() <= 1e-3 * max(1.0, float(np.abs(expect).max()))
+    _check_dropout_call(*(c[n] for n in ("batch", "seqlen_q", "seqlen_k", "nheads", "nheads_kv", "headdim", "dtype",
+                                         "dropout_p", "causal", "softcap", "deterministic", "dropout_seed",
+                                         "dropout_offset", "seed")))
+
+
+@pytest.mark.parametrize("family, headdim", [("native", 160), ("native", 256), ("sm86", 192), ("sm86", 224)])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_dropout_on_every_warp_tiling(family, headdim, deterministic, monkeypatch):
+    """Dropout on the rows whose warps span 16 rows or keys, where each uses half of a Philox call (the test above
+    covers the 32-row ones): the forward's 16-row warps (d >= 160), the dK/dV kernel's 16-key (d=160 on sm_90) and
+    16-query warps (d=256 on sm_90, the sm86 rows' 16-row blocks at d=224), the dQ kernel's 16-key tiles (sm86 rows
+    above d=128). ``sm86`` plans the call with that family's rows on this GPU."""
+    from fa2cupy import configs
+
+    if family == "sm86":
+        monkeypatch.setattr(configs, "arch_family", lambda arch: "sm86")  # (poisoned calls are never cached)
+    _check_dropout_call(1, 77, 100, 2, 1, headdim, "bfloat16" if headdim % 64 else "float16", 0.3,
+                        headdim % 64 == 32, 0.0, deterministic, 2**63 + headdim, 2**33 + 5, headdim)
 
 
 def test_dropout_keep_rate_and_reproducibility():
+    from fa2cupy.forward import realised_dropout_p
+
     fa = fa2cupy_module()
     cp = _cupy()
     for p in (0.1, 0.3, 0.75):
         mask = fa.dropout_mask(4, 8, 512, 512, p, 1234, 0)
         n = mask.size
         rate = float(mask.mean())
-        keep = round((1 - p) * 65536) / 65536
+        keep = round((1 - p) * 256) / 256
+        assert keep == 1 - realised_dropout_p(p)
         sigma = math.sqrt(keep * (1 - keep) / n)
         assert abs(rate - keep) <= 5 * sigma, (p, rate, keep)
-        assert abs(keep - (1 - p)) <= 2**-16
+        assert abs(keep - (1 - p)) <= 2**-9
         # neighbours are not copies of each other (a broken counter would repeat whole blocks)
         assert float((mask[..., ::2] == mask[..., 1::2]).mean()) < 1 - 0.1 * min(p, 1 - p)
     rng = np.random.default_rng(9)
@@ -430,6 +458,8 @@ def test_dropout_keep_rate_and_reproducibility():
 
 def test_varlen_dropout_mask_is_per_sequence():
     """Sequence b of a varlen call drops what batch entry b of a padded call with the same seed drops."""
+    from fa2cupy.forward import realised_dropout_p
+
     fa = fa2cupy_module()
     cp = _cupy()
     rng = np.random.default_rng(4)
@@ -443,15 +473,16 @@ def test_varlen_dropout_mask_is_per_sequence():
             continue
         s = slice(int(cu[bi]), int(cu[bi + 1]))
         mask = cp.asnumpy(fa.dropout_mask(len(lengths), 2, n, n, 0.4, 99, 5))[bi : bi + 1]
-        ref, _ = attention_ref(_host(q[None, s]), _host(k[None, s]), _host(v[None, s]), causal=True, dropout_p=0.4,
-                               dropout_mask=mask)
-        tol = 4 * UNIT_ROUNDOFF["float16"] * float(np.abs(_host(v)).max()) / 0.6 + 1e-6
+        ref, _ = attention_ref(_host(q[None, s]), _host(k[None, s]), _host(v[None, s]), causal=True,
+                               dropout_p=realised_dropout_p(0.4), dropout_mask=mask)
+        tol = 4 * UNIT_ROUNDOFF["float16"] * float(np.abs(_host(v)).max()) / (1 - realised_dropout_p(0.4)) + 1e-6
         assert np.abs(_host(out[s]) - ref[0]).max() <= tol
 
 
 def test_torch_dropout_uses_torch_generator():
     torch = _torch()
     fa2cupy, fat = fa2cupy_module(), fa2cupy_module("torch")
+    from fa2cupy.forward import realised_dropout_p
 
     g = torch.Generator(device="cpu").manual_seed(2)
     q, k, v = (torch.randn((2, 90, 4, 64), generator=g).to("cuda", torch.float16).requires_grad_() for _ in range(3))
@@ -464,10 +495,11 @@ def test_torch_dropout_uses_torch_generator():
     seed, offset = (x & (2**64 - 1) for x in state)
     mask = _cupy().asnumpy(fa2cupy.dropout_mask(2, 4, 90, 90, 0.3, seed, offset))
     host = lambda t: t.detach().float().cpu().numpy().astype(np.float64)  # noqa: E731
-    ref, _ = attention_ref(host(q), host(k), host(v), causal=True, dropout_p=0.3, dropout_mask=mask)
-    assert np.abs(host(out) - ref).max() <= 4 * 2**-11 * np.abs(host(v)).max() / 0.7 + 1e-6
+    p = realised_dropout_p(0.3)  # the kernels' keep probability is a multiple of 1/256
+    ref, _ = attention_ref(host(q), host(k), host(v), causal=True, dropout_p=p, dropout_mask=mask)
+    assert np.abs(host(out) - ref).max() <= 4 * 2**-11 * np.abs(host(v)).max() / (1 - p) + 1e-6
     dout = torch.randn(out.shape, generator=g).to("cuda", torch.float16)
     out.backward(dout)
-    refs = attention_ref_backward(host(dout), host(q), host(k), host(v), causal=True, out=host(out), dropout_p=0.3,
+    refs = attention_ref_backward(host(dout), host(q), host(k), host(v), causal=True, out=host(out), dropout_p=p,
                                   dropout_mask=mask)
-    _check_grads((q.grad, k.grad, v.grad), refs, "float16", 1 / 8 / 0.7, 64, host(dout), host(q), host(k), host(v))
+    _check_grads((q.grad, k.grad, v.grad), refs, "float16", 1 / 8 / (1 - p), 64, host(dout), host(q), host(k), host(v))

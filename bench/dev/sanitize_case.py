@@ -20,7 +20,8 @@ work items, decode_warp with one split and warps that stream whole items (both r
 fwd_hopper runs the forward, window, varlen and paged cases of head dim 64 and 128 without modifiers (the Hopper
 kernel's, on sm_90) with 1 and 2 pretend SMs, so that each persistent block walks many work items; bwd_hopper runs
 the d=64 and d=128 backward and window cases in the default mode (the Hopper dK/dV kernel's, on sm_90); paged_mma
-runs the paged cases on the mma.sync forward (which sm_90 otherwise uses only with modifiers or other head dims).
+runs the paged cases on the mma.sync forward (which sm_90 otherwise uses only with modifiers or other head dims);
+dropout runs forward + backward with dropout on every warp tiling of its Philox draw (and one case on the sm86 rows).
 
     python3 bench/dev/sanitize_case.py [fwd|bwd|...|paged_mma|decode|decode_deep|decode_walk|decode_warp|fwd_hopper|bwd_hopper ...]
 """
@@ -229,39 +230,50 @@ def check_varlen(i, lengths, h, hkv, d, causal, window, softcap, alibi, det) -> 
     return bool(ok)
 
 
-# (b, sq, sk, h, hkv, d, causal, dropout_p, deterministic): forward + backward with dropout.
+# (b, sq, sk, h, hkv, d, causal, dropout_p, deterministic, softcap): forward + backward with dropout. The head dims
+# reach every warp tiling of the dropout draw (16 or 32 rows and keys per warp, both backward kernels), the softcap
+# the kernels' path with modifiers and dropout together; DROPOUT_SM86 runs its case on the sm86 rows (16-key dQ
+# tiles, 16-row dK/dV blocks).
 DROPOUT_CASES = (
-    (1, 70, 90, 2, 1, 64, True, 0.3, False),
-    (2, 33, 33, 2, 2, 128, False, 0.5, True),
+    (1, 70, 90, 2, 1, 64, True, 0.3, False, 0.0),
+    (2, 33, 33, 2, 2, 128, False, 0.5, True, 0.0),
+    (1, 77, 100, 2, 1, 160, True, 0.3, True, 0.0),    # 16-row forward warps, 16-key dK/dV warps
+    (1, 50, 130, 2, 2, 256, False, 0.2, False, 0.0),  # 16-query dK/dV warps
+    (1, 65, 65, 4, 2, 64, True, 0.1, True, 5.0),      # softcap and dropout
 )
+DROPOUT_SM86 = ((1, 45, 70, 2, 1, 224, False, 0.4, True, 0.0),)
 
 
-def check_dropout(i, b, sq, sk, h, hkv, d, causal, p, det) -> bool:
-    """Dropout forward and backward against the reference applying fa2cupy.dropout_mask's mask."""
+def check_dropout(i, b, sq, sk, h, hkv, d, causal, p, det, softcap=0.0) -> bool:
+    """Dropout forward and backward against the reference applying fa2cupy.dropout_mask's mask, with the dropout
+    probability the kernels realise (a multiple of 1/256)."""
     import cupy as cp
 
     import fa2cupy
     from fa2cupy import testing
+    from fa2cupy.forward import realised_dropout_p
     from fa2cupy.reference import attention_ref, attention_ref_backward
 
     rng = np.random.default_rng(400 + i)
     q, k, v, dout = (cp.asarray(rng.standard_normal(s, dtype=np.float32)).astype(cp.float16)
                      for s in ((b, sq, h, d), (b, sk, hkv, d), (b, sk, hkv, d), (b, sq, h, d)))
-    kw = dict(causal=causal, dropout_p=p, dropout_seed=1000 + i, dropout_offset=8, kernel_options=KERNEL_OPTIONS)
+    kw = dict(causal=causal, softcap=softcap, dropout_p=p, dropout_seed=1000 + i, dropout_offset=8,
+              kernel_options=KERNEL_OPTIONS)
     out, lse, _ = fa2cupy.flash_attn_func(q, k, v, return_attn_probs=True, **kw)
     grads = fa2cupy.flash_attn_backward(dout, q, k, v, out, lse, deterministic=det, **kw)
     mask = cp.asnumpy(fa2cupy.dropout_mask(b, h, sq, sk, p, 1000 + i, 8))
     host = [cp.asnumpy(x).astype(np.float64) for x in (q, k, v, dout, out)]
-    ref, _ = attention_ref(*host[:3], causal=causal, dropout_p=p, dropout_mask=mask)
-    ok = np.abs(host[4] - ref).max() <= testing.out_bound("fp16", np.abs(ref).max()) / (1 - p)
-    refs = attention_ref_backward(host[3], *host[:3], causal=causal, out=host[4], dropout_p=p, dropout_mask=mask)
-    floor = testing.gradient_floor(d ** -0.5 / (1 - p), d, np.abs(host[3]).max(), np.abs(host[2]).max(),
+    pr = realised_dropout_p(p)
+    ref, _ = attention_ref(*host[:3], causal=causal, softcap=softcap, dropout_p=pr, dropout_mask=mask)
+    ok = np.abs(host[4] - ref).max() <= testing.out_bound("fp16", np.abs(ref).max()) / (1 - pr)
+    refs = attention_ref_backward(host[3], *host[:3], causal=causal, softcap=softcap, out=host[4], dropout_p=pr,
+                                  dropout_mask=mask)
+    floor = testing.gradient_floor(d ** -0.5 / (1 - pr), d, np.abs(host[3]).max(), np.abs(host[2]).max(),
                                    np.abs(host[0]).max())
     for g, r in zip(grads, refs):
-        ok &= np.abs(cp.asnumpy(g).astype(np.float64) - r).max() <= testing.gradient_bound("fp16", np.abs(r).max(),
-                                                                                          floor)
-    print(f"dropout {i}: b{b} sq{sq} sk{sk} h{h}/{hkv} d{d} causal={causal} p={p} deterministic={det}: "
-          f"{'ok' if ok else 'FAIL'}", flush=True)
+        ok &= np.abs(cp.asnumpy(g).astype(np.float64) - r).max() <= testing.gradient_bound("fp16", np.abs(r).max(), floor)
+    print(f"dropout {i}: b{b} sq{sq} sk{sk} h{h}/{hkv} d{d} causal={causal} p={p} deterministic={det} "
+          f"softcap={softcap}: {'ok' if ok else 'FAIL'}", flush=True)
     return bool(ok)
 
 
@@ -370,6 +382,16 @@ def main(groups) -> int:
         for i, case in enumerate(DROPOUT_CASES):
             bad += not check_dropout(i, *case)
             total += 1
+        from fa2cupy import configs, interface
+
+        real_family = configs.arch_family
+        configs.arch_family = lambda arch: "sm86"  # (the sm86 rows fit any sm_80+ GPU's shared memory)
+        interface._cached_calls.clear()
+        for i, case in enumerate(DROPOUT_SM86, start=len(DROPOUT_CASES)):
+            bad += not check_dropout(i, *case)
+            total += 1
+        configs.arch_family = real_family
+        interface._cached_calls.clear()
     if "decode" in groups:
         bad, total = bad + run_decode_cases(), total + len(DECODE_CASES)
     if "decode_deep" in groups:  # the decode cases with the deep ring wherever a row has one (d=128, sm_90)
