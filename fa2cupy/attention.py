@@ -92,8 +92,13 @@ class _Attention(pipeline.Kind):
         dropout_p, check_dropout_rng = options[self.dropout_at], checks.check_dropout_rng
         return lambda values: check_dropout_rng(dropout_p, *values)
 
+    #: How many of the returned outputs (the first ones) have the head dim as their last axis: sliced back to the
+    #: caller's where the kernels ran on a padded one (the log-sum-exp is not).
+    head_dim_outputs = 1
+
     def results(self, call, outs, views):
-        return pipeline.returned_head_dim(outs, call.shape.headdim, call.padded)
+        n = self.head_dim_outputs
+        return pipeline.returned_head_dim(outs[:n], call.shape.headdim, call.padded) + outs[n:]
 
 
 # --------------------------------------------------------------------------------------------- forward
@@ -288,6 +293,7 @@ class _Backward(_Attention):
     dropout_at = 5
     arrays = ("dout", "q", "k", "v", "out", "softmax_lse", "alibi_slopes", "dropout_rng_state")
     returned = poisoned = ("dq", "dk", "dv")
+    head_dim_outputs = 3
     launch = staticmethod(backward.run_backward)
     no_pointers = backward.NO_POINTERS
 

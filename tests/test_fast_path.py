@@ -256,3 +256,19 @@ def test_programmatic_launch_passes_its_config_to_cuLaunchKernelEx(monkeypatch):
     driver.status = 1  # CUDA_ERROR_INVALID_VALUE
     with pytest.raises(RuntimeError, match=r"cuLaunchKernelEx failed: CUDA_ERROR_INVALID_VALUE \(1\)"):
         launch(0x1234, (0xABC0,))
+
+
+@pytest.mark.parametrize("kind, returned", [
+    (attention.FORWARD, [(1, 130, 2, 40), (1, 2, 130)]),  # out (head dim padded 33 -> 40), softmax_lse
+    (attention.BACKWARD, [(1, 130, 2, 40), (1, 70, 1, 40), (1, 70, 1, 40)]),  # dq, dk, dv
+    (attention.VARLEN_FORWARD, [(130, 2, 40), (2, 130)]),
+])
+def test_results_slice_the_head_dim_alone(kind, returned):
+    """Where the kernels ran on a padded head dim, the outputs that have one are sliced back to the caller's; the
+    log-sum-exp, whose last axis is seqlen_q, is returned whole."""
+    from fa2cupy import checks
+
+    call = type("Call", (), {"shape": checks.AttnShape(1, 130, 70, 2, 1, 33, "float16"), "padded": 40})()
+    outs = kind.results(call, [np.zeros(s) for s in returned], {})
+    expect = [s[:-1] + (33,) if s[-1] == 40 else s for s in returned]
+    assert [x.shape for x in outs] == expect
