@@ -168,6 +168,17 @@ def _unsigned(x: int) -> int:
     return int(x) & 0xFFFFFFFFFFFFFFFF
 
 
+@torch.compiler.assume_constant_result
+def _interned_handle(kernel_options) -> int:
+    return options.handle(kernel_options)
+
+
+def _options_handle(kernel_options) -> int:
+    """:func:`fa2cupy.options.handle` in a form torch.compile traces without a graph break: None (the defaults) is 0
+    outright, and a KernelOptions is looked up once, while tracing (its handle is a constant of the graph)."""
+    return 0 if kernel_options is None else _interned_handle(kernel_options)
+
+
 def _draw_dropout_rng(device: torch.device) -> tuple[int, int]:
     """(seed, offset) for one dropout call from torch's default CUDA generator of ``device``, advancing its offset
     (as torch's own dropout does), so torch.manual_seed makes fa2cupy's dropout reproducible. Signed int64s."""
@@ -255,7 +266,7 @@ def flash_attn_func(
     left, right = (int(w) for w in window_size)
     seed, offset = _draw_dropout_rng(q.device) if p > 0 else (0, 0)
     out, lse = _flash_attn_forward(q, k, v, float(softmax_scale), bool(causal), left, right, bool(deterministic),
-                                   float(softcap), alibi_slopes, p, seed, offset, options.handle(kernel_options))
+                                   float(softcap), alibi_slopes, p, seed, offset, _options_handle(kernel_options))
     if return_attn_probs:
         return out, lse, None
     return out
@@ -360,7 +371,7 @@ def flash_attn_varlen_func(
     out, lse = _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                                           float(softmax_scale), bool(causal), left, right, bool(deterministic),
                                           float(softcap), alibi_slopes, p, seed, offset, block_table,
-                                          options.handle(kernel_options))
+                                          _options_handle(kernel_options))
     if return_attn_probs:
         return out, lse, None
     return out

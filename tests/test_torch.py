@@ -364,6 +364,23 @@ def test_kernel_options_reach_forward_and_backward(cpu_kernels, cpu_varlen_kerne
         flash_attn_func(q, k, v, kernel_options="hopper")
 
 
+@pytest.mark.parametrize("with_options", [False, True])
+def test_compiles_without_graph_breaks(cpu_kernels, with_options):
+    # torch.compile(fullgraph=True) traces the wrapper, the kernel_options argument included (None and a
+    # KernelOptions alike), and the compiled step matches the eager one.
+    from fa2cupy.options import KernelOptions
+
+    torch._dynamo.reset()
+    kw = dict(kernel_options=KernelOptions(hopper_forward=False)) if with_options else {}
+    q, k, v = _cpu_qkv()
+
+    def step(q, k, v):
+        return flash_attn_func(q, k, v, causal=True, **kw).sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(q, k, v), step(q, k, v))
+
+
 def test_saves_only_q_k_v_out_lse(cpu_kernels):
     q, k, v = _cpu_qkv()
     saved = []
