@@ -22,10 +22,18 @@
 // Bad index values are found on the device, where the values are: the first thread to find one claims the report
 // (atomicExch on a device word) and writes it to pinned host memory that the host reads without synchronising
 // (fa2cupy/device_errors.py); every output row computed while a report is pending is NaN, never a wrong number.
-#include "primitives.cuh"
-#include "errors.cuh"
-#include "softmax.cuh"
-#include "masks.cuh"
+#include "common/types.cuh"
+#include "common/fast_div.cuh"
+#include "common/hints.cuh"
+#include "common/math.cuh"
+#include "common/errors.cuh"
+#include "sm80/memory.cuh"
+#include "sm80/mma.cuh"
+#include "sm80/smem_tile.cuh"
+#include "sm80/tile_mma.cuh"
+#include "sm90/grid_dependencies.cuh"
+#include "attention/softmax.cuh"
+#include "attention/masks.cuh"
 
 namespace fa2 {
 

@@ -2,8 +2,9 @@
 
 Each (kernel family, template instantiation, device) is compiled once per process on first use; CuPy also keeps
 the compiled binary in its on-disk cache (``CUPY_CACHE_DIR``, default ``~/.cupy/kernel_cache``), keyed by the
-source text and options. The local ``#include "..."`` files are inlined here before compiling so that the key
-covers every header: editing ``cuda/softmax.cuh`` can never load a stale binary.
+source text and options. The local ``#include "..."`` files (paths relative to cuda/, e.g. ``sm90/wgmma.cuh``) are
+inlined here before compiling so that the key covers every header: editing ``cuda/attention/softmax.cuh`` can
+never load a stale binary.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ NVRTC_OPTIONS = ("-std=c++17", "-default-device")
 #: Kernel families built for one architecture's own instruction set (wgmma needs sm_90a, which no other GPU runs).
 ARCH_SPECIFIC = {"fwd_hopper": "90a", "bwd_hopper": "90a"}
 
+#: Each kernel family's source file in cuda/; its headers (common/, sm80/, sm90/, attention/, hopper/) are inlined.
+FAMILY_SOURCES = {"fwd": "fwd.cu", "bwd": "bwd.cu", "decode": "decode.cu", "fwd_hopper": "hopper/fwd.cu",
+                  "bwd_hopper": "hopper/bwd.cu"}
+
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 
 
@@ -36,25 +41,36 @@ def kernel_dir() -> Path:
         return _source_dir
     here = Path(__file__).resolve().parent
     for candidate in (here / "cuda", here.parent / "cuda"):
-        if (candidate / "primitives.cuh").is_file():
+        if (candidate / "common" / "types.cuh").is_file():
             return candidate
     raise FileNotFoundError(f"fa2cupy kernel sources not found in {here / 'cuda'} or {here.parent / 'cuda'}")
 
 
 @functools.lru_cache(maxsize=None)
 def source(family: str) -> str:
-    """The self-contained source of one kernel family (``"fwd"`` -> cuda/fwd.cu with its headers inlined)."""
+    """The self-contained source of one kernel family (``"fwd_hopper"`` -> cuda/hopper/fwd.cu with its headers
+    inlined, each once). An include names a path relative to cuda/ or to the including file's folder. (A copy of
+    cuda/ from before the hopper/ folder, for A/B timings, holds every family as ``<family>.cu``.)"""
     root = kernel_dir()
-    seen: set[str] = set()
+    seen: set[Path] = set()
 
-    def expand(name: str) -> str:
-        if name in seen:  # every header is #pragma once
+    def expand(path: Path) -> str:
+        if path in seen:  # every header is #pragma once
             return ""
-        seen.add(name)
-        text = (root / name).read_text()
-        return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
+        seen.add(path)
 
-    return expand(f"{family}.cu")
+        def include(match) -> str:
+            for candidate in (root / match.group(1), path.parent / match.group(1)):
+                if candidate.is_file():
+                    return expand(candidate.resolve())
+            raise FileNotFoundError(f'{path.relative_to(root)}: #include "{match.group(1)}" not found in {root}')
+
+        return _INCLUDE.sub(include, path.read_text())
+
+    main = root / FAMILY_SOURCES[family]
+    if not main.is_file() and (root / f"{family}.cu").is_file():
+        main = root / f"{family}.cu"
+    return expand(main.resolve())
 
 
 def cache_dir() -> str:
@@ -170,9 +186,9 @@ class Launch:
 
     ``programmatic`` (sm_90 and later): launched with programmatic stream serialization (cuLaunchKernelEx), so that
     the kernel's launch overlaps the end of the kernel before it in the stream; the kernel must wait for it first
-    (cuda/primitives.cuh: wait_for_prior_grids).
+    (cuda/sm90/grid_dependencies.cuh: wait_for_prior_grids).
 
-    ``blobs``: that many 128-byte parameters after ``args`` (tensor maps, cuda/primitives.cuh: TensorMap), zeros
+    ``blobs``: that many 128-byte parameters after ``args`` (tensor maps, cuda/sm90/tma.cuh: TensorMap), zeros
     until a call's ``write_blobs`` rewrites them: it gets their host addresses (64-byte aligned) under the launch's
     lock, before the launch copies them.
     """

@@ -11,7 +11,9 @@ import dataclasses
 import itertools
 import os
 import re
+import shutil
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -240,7 +242,23 @@ def test_decode_shared_memory_matches_the_kernel():
 def test_source_inlines_headers_once(family):
     text = build.source(family)
     assert '#include "' not in text
-    assert text.count("struct SmemTile") == 1
+    headers = sorted(build.kernel_dir().rglob("*.cuh"))
+    assert len(headers) > 10
+    for header in headers:  # (a header's opening comment, up to its #pragma once, marks its text)
+        opening = header.read_text().split("#pragma once")[0]
+        assert len(opening) > 40 and text.count(opening) <= 1, header
+    assert text.count((build.kernel_dir() / "common" / "types.cuh").read_text().split("#pragma once")[0]) == 1
+
+
+def test_every_kernel_source_is_shipped():
+    # The files build.py names exist, and pyproject.toml's package data (globs in cuda/) takes every source file.
+    root = build.kernel_dir()
+    for family, path in build.FAMILY_SOURCES.items():
+        assert (root / path).is_file(), family
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    globs = re.search(r'^"fa2cupy\.cuda" = \[(.*)\]$', pyproject, re.MULTILINE)[1]
+    shipped = {p for pattern in re.findall(r'"([^"]+)"', globs) for p in root.glob(pattern)}
+    assert shipped == set(root.rglob("*.cu")) | set(root.rglob("*.cuh"))
 
 
 def test_use_sources_builds_from_another_copy(tmp_path):
@@ -248,10 +266,9 @@ def test_use_sources_builds_from_another_copy(tmp_path):
     source to it and forgets what was built, and None switches back."""
     own = build.source("fwd")
     copy = tmp_path / "cuda"
-    copy.mkdir()
-    for f in build.kernel_dir().iterdir():
-        copy.joinpath(f.name).write_text(f.read_text())
-    copy.joinpath("primitives.cuh").write_text("// another copy\n" + copy.joinpath("primitives.cuh").read_text())
+    shutil.copytree(build.kernel_dir(), copy)
+    types = copy / "common" / "types.cuh"
+    types.write_text("// another copy\n" + types.read_text())
     try:
         build.use_sources(copy)
         assert build.kernel_dir() == copy.resolve()
@@ -259,3 +276,15 @@ def test_use_sources_builds_from_another_copy(tmp_path):
     finally:
         build.use_sources(None)
     assert build.source("fwd") == own
+
+
+def test_use_sources_reads_a_flat_copy(tmp_path):
+    """A copy of cuda/ from before its folders (every family as <family>.cu beside one header) still builds: the A/B
+    timings compare kernels across the change of layout."""
+    (tmp_path / "primitives.cuh").write_text("#pragma once\n// the old header\n")
+    (tmp_path / "fwd_hopper.cu").write_text('#include "primitives.cuh"\n// the old kernel\n')
+    try:
+        build.use_sources(tmp_path)
+        assert build.source("fwd_hopper") == "#pragma once\n// the old header\n\n// the old kernel\n"
+    finally:
+        build.use_sources(None)

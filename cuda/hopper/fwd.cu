@@ -21,9 +21,19 @@
 // for the grid stride) and the tensor maps of q, k, v and o (fa2cupy/tensor_maps.py; paged calls have no K or V
 // map), so one launch plan serves both; padded and varlen calls without modifiers, varlen with paged
 // K/V too (softcap, ALiBi and dropout stay on flash_fwd).
-#include "primitives.cuh"
-#include "softmax.cuh"
-#include "masks.cuh"
+#include "common/types.cuh"
+#include "common/hints.cuh"
+#include "common/warp.cuh"
+#include "sm80/memory.cuh"
+#include "sm80/mma.cuh"
+#include "sm80/tile_mma.cuh"
+#include "sm90/mbarrier.cuh"
+#include "sm90/warpgroup.cuh"
+#include "sm90/tma.cuh"
+#include "sm90/wgmma.cuh"
+#include "sm90/slabs.cuh"
+#include "attention/softmax.cuh"
+#include "attention/masks.cuh"
 
 namespace fa2 {
 

@@ -16,8 +16,18 @@
 // all 128 keys, after the two exchange dS^T) or by keys (head dim 64, where 32 columns would be half a swizzled
 // slab: each its own 64 keys over all columns, the two partial sums added in shared memory). Padded and varlen
 // calls without score modifiers, head dims 64 and 128; the rest runs bwd_dkdv.
-#include "primitives.cuh"
-#include "masks.cuh"
+#include "common/types.cuh"
+#include "common/math.cuh"
+#include "common/warp.cuh"
+#include "sm80/memory.cuh"
+#include "sm80/mma.cuh"
+#include "sm80/tile_mma.cuh"
+#include "sm90/mbarrier.cuh"
+#include "sm90/warpgroup.cuh"
+#include "sm90/tma.cuh"
+#include "sm90/wgmma.cuh"
+#include "sm90/slabs.cuh"
+#include "attention/masks.cuh"
 
 namespace fa2 {
 

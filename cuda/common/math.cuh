@@ -1,0 +1,27 @@
+// Scalar math: the fast exp2 of the softmax and the 16-bit float unpacking of loaded data.
+#pragma once
+#include "common/types.cuh"
+
+namespace fa2 {
+
+FA2_DEVICE float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// Unpacks two 16-bit floats (lo, hi) of one register to fp32.
+template <class E>
+FA2_DEVICE float2 unpack2(u32 v);
+template <>
+FA2_DEVICE float2 unpack2<bf16>(u32 v) {
+    return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
+}
+template <>
+FA2_DEVICE float2 unpack2<f16>(u32 v) {
+    float lo, hi;
+    asm("{ .reg .f16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }" : "=f"(lo), "=f"(hi) : "r"(v));
+    return make_float2(lo, hi);
+}
+
+}  // namespace fa2
