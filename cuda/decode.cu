@@ -24,6 +24,7 @@
 // (fa2cupy/device_errors.py); every output row computed while a report is pending is NaN, never a wrong number.
 #include "common/types.cuh"
 #include "common/fast_div.cuh"
+#include "common/clock.cuh"
 #include "common/hints.cuh"
 #include "common/math.cuh"
 #include "common/errors.cuh"
@@ -343,10 +344,8 @@ __device__ unsigned long long FA2_DECODE_TRACE_ARRAY[8192 * kTracePoints * 2];
 FA2_DEVICE void decode_mark(int point, int item) {
     const unsigned id = item;
     if (threadIdx.x != 0 || id >= 8192) return;
-    unsigned long long now;
-    unsigned sm;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    const unsigned long long now = global_timer();
+    const unsigned sm = sm_id();
     unsigned long long* slot = FA2_DECODE_TRACE_ARRAY + (unsigned long long)id * kTracePoints * 2;
     slot[2 * point] = now;
     slot[2 * point + 1] = clock64();

@@ -17,6 +17,7 @@
 // slab: each its own 64 keys over all columns, the two partial sums added in shared memory). Padded and varlen
 // calls without score modifiers, head dims 64 and 128; the rest runs bwd_dkdv.
 #include "common/types.cuh"
+#include "common/clock.cuh"
 #include "common/math.cuh"
 #include "common/warp.cuh"
 #include "sm80/memory.cuh"
@@ -30,6 +31,11 @@
 #include "attention/masks.cuh"
 
 namespace fa2 {
+
+// Named barrier ids of the Hopper backward (0 is __syncthreads'): the consumer warpgroups meet at kBwdConsumers (with
+// dQ_i split by keys each warpgroup alone, at kBwdConsumers + its index), and at kBwdDqHandoff once warpgroup 0's
+// part of a staged dQ_i is in, for warpgroup 1 to add its own.
+enum HopperBwdBarrier : int { kBwdConsumers = 1, kBwdDqHandoff = 3 };
 
 template <int HeadDim, int BlockM, int Stages, bool DqByKeys, class Elem_, int Mask, bool Varlen = false>
 struct HopperBwdTraits {
@@ -95,9 +101,7 @@ FA2_DEVICE void bwd_mark(int point) {
     if (block >= kBwdTraceBlocks) return;
     fa2_bwd_trace[block * kBwdTracePoints + point] = clock64();
     if (point == 0) {  // and the SM, at point 7
-        int sm;
-        asm volatile("mov.u32 %0, %%smid;\n" : "=r"(sm));
-        fa2_bwd_trace[block * kBwdTracePoints + 7] = sm;
+        fa2_bwd_trace[block * kBwdTracePoints + 7] = sm_id();
     }
 }
 #else
@@ -192,7 +196,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     };
 
     if (warp >= Tr::kConsumerWarps) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Tr::kProducerRegisters));
+        warpgroup_release_registers<Tr::kProducerRegisters>();
         // Producer: tiles into swizzled slabs (zeros from row `valid` on), each thread its chunks (SlabLoader).
         const int ptid = threadIdx.x - Tr::kConsumerThreads;
         const SlabLoader<Tr::kProducerThreads, Tr::kHeadDim> loader(ptid);
@@ -279,29 +283,28 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         if (steps.count >= 1) reduce_step(steps.count - 1);
         bulk_wait<0>();
         if (ptid == 0) bwd_mark(6);  // the producer's end
-        asm volatile("cp.async.wait_all;\n" ::: "memory");  // leave nothing in flight into shared memory
+        cp_async_wait_all();  // leave nothing in flight into shared memory
         return;
     }
 
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Tr::kConsumerRegisters));
+    warpgroup_claim_registers<Tr::kConsumerRegisters>();
     // Warpgroup wg owns keys 64 wg .. 64 wg + 63 of the tile (warp w of it 16 of them) for S^T, dP^T, dK and dV,
     // and dQ_i's columns dq_col0 .. + kDqCols over keys dq_key0 .. + kDqKeys.
     const int wg = warp_uniform(warp >> 2), w4 = warp & 3, ctid = threadIdx.x;
     const int dq_key0 = Tr::kDqByKeys ? 64 * wg : 0, dq_col0 = Tr::kDqByKeys ? 0 : Tr::kDqCols * wg;
-    // The threads that meet once dS^T is in and at the dK/dV write, and their index: both warpgroups (barrier 1),
-    // or with dQ_i split by keys each warpgroup alone (barrier 1 + wg), as each then reads only its own rows of
-    // dS^T, K and V. The staged dQ_i goes to the producer (dq_staged), which hands the tile back once
+    // The threads that meet once dS^T is in and at the dK/dV write, and their index: both warpgroups (barrier
+    // kBwdConsumers), or with dQ_i split by keys each warpgroup alone (kBwdConsumers + wg), as each then reads only
+    // its own rows of dS^T, K and V. The staged dQ_i goes to the producer (dq_staged), which hands the tile back once
     // its reduction has read it (dq_free). By keys the two partial dQ_i meet in one staging tile (a pair, by the
-    // step's parity): warpgroup 0 stores its part of each 64-row half, both meet (barrier kDqHandoff), then
+    // step's parity): warpgroup 0 stores its part of each 64-row half, both meet (barrier kBwdDqHandoff), then
     // warpgroup 1 adds its own and hands the tile on.
     constexpr int kSyncThreads = Tr::kDqByKeys ? 128 : Tr::kConsumerThreads;
-    constexpr int kDqHandoff = 3;
     const int sync_tid = Tr::kDqByKeys ? ctid - 128 * wg : ctid;
     const auto consumers_sync = [&] {
         if constexpr (Tr::kDqByKeys)
-            named_barrier_sync(1 + wg, 128);
+            named_barrier_sync(kBwdConsumers + wg, 128);
         else
-            asm volatile("bar.sync 1, %0;\n" ::"n"(Tr::kConsumerThreads) : "memory");
+            named_barrier_sync<kBwdConsumers, Tr::kConsumerThreads>();
     };
     const u32 k_rows = KVTile::at(smem_k, 64 * wg, 0), v_rows = KVTile::at(smem_v, 64 * wg, 0);
     float acc_dk[1][kDT][4], acc_dv[1][kDT][4];
@@ -424,7 +427,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 // The producer's reduction has read this tile's last dQ (kDqTiles steps back).
                 if (!adds && it >= Tr::kDqTiles) mbar_wait(dq_free(dq_t), ((it / Tr::kDqTiles) - 1) & 1);
             }
-            if (adds) named_barrier_sync(kDqHandoff, Tr::kConsumerThreads);  // warpgroup 0's part is in
+            if (adds) named_barrier_sync(kBwdDqHandoff, Tr::kConsumerThreads);  // warpgroup 0's part is in
 
             // dQ_i into the staging tile, for the producer's bulk reduction (one per step).
 #pragma unroll
@@ -442,7 +445,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                     }
                     st_shared_v2_f32(at, x, y);
                 }
-            if (Tr::kDqByKeys && !adds) named_barrier_sync(kDqHandoff, Tr::kConsumerThreads);  // (stored)
+            if (Tr::kDqByKeys && !adds) named_barrier_sync(kBwdDqHandoff, Tr::kConsumerThreads);  // (stored)
         }
         if (Tr::kDqByKeys && !adds) continue;  // (by keys warpgroup 1 stores the sums)
         fence_proxy_async_smem();  // dQ_i to the producer, which issues its reduction

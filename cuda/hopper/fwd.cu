@@ -37,6 +37,11 @@
 
 namespace fa2 {
 
+// Named barrier ids of the Hopper forward (0 is __syncthreads'): consumer warpgroup w waits for its turn to issue at
+// kFwdTurn0 + w, where the warpgroup before it hands the turn on (kFwdTurnThreads: the two warpgroups' threads); the
+// producer warpgroup's threads meet at the id after the last warpgroup's (HopperFwdTraits::kProducerBarrier).
+enum HopperFwdBarrier : int { kFwdTurn0 = 1, kFwdTurn1 = 2, kFwdTurn2 = 3, kFwdTurnThreads = 256 };
+
 template <int HeadDim, int BlockN, int KStages, int VStages, int QBuffers, int ConsumerWGs, class Elem_, int Mask,
           bool Varlen = false, bool Paged = false>
 struct HopperFwdTraits {
@@ -73,8 +78,8 @@ struct HopperFwdTraits {
                          kConsumerRegisters = ConsumerWGs == 2 ? 224 : 160;
     static_assert(kProducerRegisters + ConsumerWGs * kConsumerRegisters <= 65536 / 128,
                   "the register file of one block");
-    // Named barriers: 1 .. ConsumerWGs the consumers' turns, then the producer's own.
-    static constexpr int kProducerBarrier = ConsumerWGs + 1;
+    // Named barriers: the consumers' turns (HopperFwdBarrier), then the producer's own.
+    static constexpr int kProducerBarrier = kFwdTurn0 + ConsumerWGs;
     using QTile = SwizzledSlabs<kBlockM, HeadDim>;
     using KVTile = SwizzledSlabs<BlockN, HeadDim>;
     // With two, the next item's Q loads while the consumers work on this one; with one, only once they have
@@ -210,7 +215,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     };
 
     if (warp >= Tr::kConsumerWarps) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(Tr::kProducerRegisters));
+        warpgroup_release_registers<Tr::kProducerRegisters>();
         if constexpr (Tr::kTma) {
             // Producer, padded calls: the first thread issues every copy (a slab of 64 columns per box), the
             // others leave. Q lands on q_full, a tile's K and V together on full, each barrier expecting the bytes.
@@ -312,7 +317,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             const int* slot = item_slots + Tr::kSlotWords * buffer;
             const int seqlen = slot[1], q_start = slot[3], m_block = slot[4], head = slot[5], b = slot[6];
             // (read before rewritten)
-            asm volatile("bar.sync %0, %1;\n" ::"n"(Tr::kProducerBarrier), "n"(Tr::kProducerThreads) : "memory");
+            named_barrier_sync<Tr::kProducerBarrier, Tr::kProducerThreads>();
             const int row0 = m_block * Tr::kBlockM;
             if (seqlen - row0 >= Tr::kBlockM) {  // a whole tile: the first thread's TMA store
                 if (ptid == 0) {
@@ -333,7 +338,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 *reinterpret_cast<uint4*>(to) = make_uint4(x[0], x[1], x[2], x[3]);
             }
             // (every thread's reads done before the first thread's TMA copy of the next Q lands there)
-            asm volatile("bar.sync %0, %1;\n" ::"n"(Tr::kProducerBarrier), "n"(Tr::kProducerThreads) : "memory");
+            named_barrier_sync<Tr::kProducerBarrier, Tr::kProducerThreads>();
         };
         // The next Q buffer once the consumers hand it back, with the rows of the item it held written out.
         const auto free_buffer = [&] {
@@ -356,7 +361,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         const auto next_item = [&](int item, int ticket) {
             if (tile_counter == nullptr) return item + (int)gridDim.x;
             if (ptid == 0) item_slots[Tr::kSlotWords * Tr::kQBuffers + exchange] = ticket;
-            asm volatile("bar.sync %0, %1;\n" ::"n"(Tr::kProducerBarrier), "n"(Tr::kProducerThreads) : "memory");
+            named_barrier_sync<Tr::kProducerBarrier, Tr::kProducerThreads>();
             const int next = warp_uniform(item_slots[Tr::kSlotWords * Tr::kQBuffers + exchange]);
             exchange ^= 1;
             return next;
@@ -469,7 +474,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             ++items_loaded;
             item = next_item(item, ticket);
         }
-        asm volatile("cp.async.wait_all;\n" ::: "memory");  // leave nothing in flight into shared memory
+        cp_async_wait_all();  // leave nothing in flight into shared memory
         if (ptid == 0) bulk_wait<0>();  // (every row out before the block can leave)
         return;
     }
@@ -479,7 +484,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // P_j, and the warpgroups take turns to issue (named barriers 1, 2 and 3), so that one's softmax runs under
     // the others' products. (ptxas puts the wait for P_{j-1} V_{j-1} ahead of the softmax; held below it, so that
     // the softmax also ran under the warpgroup's own product, the kernel was 2.5-7.5% slower: bench/NOTES.md.)
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(Tr::kConsumerRegisters));
+    warpgroup_claim_registers<Tr::kConsumerRegisters>();
     // The warpgroup as warp_uniform(): from `warp >> 2` ptxas kept every branch on the warpgroup divergent (a
     // WARPSYNC or BSSY/BSYNC pair around each; 464 more instructions, 3-7% slower) and serialised any wgmma in
     // such a branch.
@@ -488,22 +493,22 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // whole: with S's accumulators written by different wgmma in a branch, ptxas serialises every wgmma.)
     constexpr bool kHalves = Tr::kBlockN == 128;
     constexpr int kHalfKeys = Tr::kBlockN / 2, kLow = 1, kHigh = 2, kBoth = kLow | kHigh;
-    // Warpgroup w waits at barrier 1 + w for the one before it and hands the turn on at the next one's.
+    // Warpgroup w waits at barrier kFwdTurn0 + w for the one before it and hands the turn on at the next one's.
     const auto turn_wait = [&] {
         if (wg == 0)
-            asm volatile("bar.sync 1, 256;\n" ::: "memory");
+            named_barrier_sync<kFwdTurn0, kFwdTurnThreads>();
         else if (Tr::kConsumerWGs == 2 || wg == 1)
-            asm volatile("bar.sync 2, 256;\n" ::: "memory");
+            named_barrier_sync<kFwdTurn1, kFwdTurnThreads>();
         else
-            asm volatile("bar.sync 3, 256;\n" ::: "memory");
+            named_barrier_sync<kFwdTurn2, kFwdTurnThreads>();
     };
     const auto turn_pass = [&] {
         if (wg == 0)
-            asm volatile("bar.arrive 2, 256;\n" ::: "memory");
+            named_barrier_arrive<kFwdTurn1, kFwdTurnThreads>();
         else if (Tr::kConsumerWGs == 2 || wg == 2)
-            asm volatile("bar.arrive 1, 256;\n" ::: "memory");
+            named_barrier_arrive<kFwdTurn0, kFwdTurnThreads>();
         else
-            asm volatile("bar.arrive 3, 256;\n" ::: "memory");
+            named_barrier_arrive<kFwdTurn2, kFwdTurnThreads>();
     };
     if (wg == Tr::kConsumerWGs - 1) turn_pass();  // warpgroup 0 issues first
     u32 tiles = 0;  // K/V tiles taken (K's next is tile `tiles`)

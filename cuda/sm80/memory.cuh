@@ -56,6 +56,8 @@ template <int N>
 FA2_DEVICE void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
+// Waits for every cp.async this thread issued, committed or not.
+FA2_DEVICE void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 FA2_DEVICE void st_shared_u32(u32 addr, u32 v) { asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v)); }
 FA2_DEVICE void st_shared_v2_f32(u32 addr, float a, float b) {

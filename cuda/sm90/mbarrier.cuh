@@ -3,6 +3,7 @@
 // ordinary shared-memory writes visible to wgmma and TMA.
 #pragma once
 #include "common/types.cuh"
+#include "sm80/memory.cuh"
 
 namespace fa2 {
 
@@ -40,7 +41,7 @@ FA2_DEVICE void fence_proxy_async_smem() { asm volatile("fence.proxy.async.share
 // that the threads waiting on `bar` read them with wgmma without a fence of their own. The thread waits for the
 // copies here: for the rare tile (a varlen sequence's ragged one) beside tiles that come by TMA.
 FA2_DEVICE void cp_async_fenced_arrive(u32 bar) {
-    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    cp_async_wait_all();
     fence_proxy_async_smem();
     mbar_arrive(bar);
 }
