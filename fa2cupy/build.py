@@ -147,13 +147,16 @@ def use_sources(directory) -> None:
     clear_memory_cache()
 
 
-def compile_for_arch(family: str, name_expressions, arch: str, log: bool = False, ptx_only: bool = False):
+def compile_for_arch(family: str, name_expressions, arch: str, log: bool = False, ptx_only: bool = False,
+                     front_end_only: bool = False, options: tuple = ()):
     """Compile with NVRTC for an explicit arch (e.g. "80", "90a") without needing a GPU.
 
     Returns (cubin bytes, NVRTC log, {name expression: mangled name}); with ``log=True`` the log holds ptxas's
     per-kernel register/spill report. ``ptx_only`` stops at PTX for the virtual arch (compute_XX; no ptxas, about
-    half the time) and returns the PTX in place of the cubin. Used by the CPU compile test; raises RuntimeError
-    with NVRTC's log on failure.
+    half the time) and returns the PTX in place of the cubin; ``front_end_only`` stops after the C++ front end
+    (every template instantiated and checked for the arch's preprocessor branch, no code generated: a few
+    milliseconds) and returns no binary. ``options`` are more NVRTC options (``-DFA2_FWD_TRACE``, ...). Used by the
+    CPU compile test; raises RuntimeError with NVRTC's log on failure.
     """
     from cupy_backends.cuda.libs import nvrtc
 
@@ -161,14 +164,16 @@ def compile_for_arch(family: str, name_expressions, arch: str, log: bool = False
     try:
         for expr in name_expressions:
             nvrtc.addNameExpression(prog, expr)
-        target = f"-arch=compute_{arch}" if ptx_only else f"-arch=sm_{arch}"
-        options = NVRTC_OPTIONS + (target,) + (("-Xptxas=-v",) if log and not ptx_only else ())
+        virtual = ptx_only or front_end_only
+        target = f"-arch=compute_{arch}" if virtual else f"-arch=sm_{arch}"
+        options = NVRTC_OPTIONS + (target,) + tuple(options) + (("-Xptxas=-v",) if log and not virtual else ()) + (
+            ("-fdevice-syntax-only",) if front_end_only else ())
         try:
             nvrtc.compileProgram(prog, options)
         except nvrtc.NVRTCError as error:
             raise RuntimeError(f"NVRTC failed for sm_{arch}:\n{nvrtc.getProgramLog(prog)}") from error
         lowered = {expr: nvrtc.getLoweredName(prog, expr) for expr in name_expressions}
-        binary = nvrtc.getPTX(prog) if ptx_only else nvrtc.getCUBIN(prog)
+        binary = b"" if front_end_only else nvrtc.getPTX(prog) if ptx_only else nvrtc.getCUBIN(prog)
         return binary, nvrtc.getProgramLog(prog), lowered
     finally:
         nvrtc.destroyProgram(prog)
