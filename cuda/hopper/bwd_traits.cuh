@@ -67,7 +67,7 @@ struct HopperBwdTraits {
     static_assert(Stages >= 2, "a ring of at least two query tiles");
 };
 
-// Diagnostics for bench/bwd_trace.py: built with FA2_BWD_TRACE, thread 0 of the block, of the consumers and of the
+// Diagnostics for bench/dev/bwd_trace.py: built with FA2_BWD_TRACE, thread 0 of the block, of the consumers and of the
 // producer record clock64 (and the SM) at numbered points of each of the first kBwdTraceBlocks blocks; otherwise
 // the marks compile away.
 #ifdef FA2_BWD_TRACE

@@ -86,7 +86,7 @@ FA2_DEVICE u32 ring_phase(u32 t) {
     return (t / Slots) & 1;
 }
 
-// Diagnostics for bench/hopper_trace.py: built with FA2_FWD_TRACE, lane 0 of warpgroup 0's and warpgroup 1's first
+// Diagnostics for bench/dev/hopper_trace.py: built with FA2_FWD_TRACE, lane 0 of warpgroup 0's and warpgroup 1's first
 // warps and the producer's first thread record clock64 at numbered points of each of their block's first
 // kTraceItems work items (the consumers count items they see, the producer items it loads; points 10 wg + 0..9 the
 // consumers', 20..23 the producer's); otherwise the marks compile away.

@@ -14,7 +14,7 @@ namespace fa2 {
 // head-dim-specific XOR swizzles (a swizzle needs >= 8 chunks per row; head dim 32 has 4).
 // Swizzle (Cols a multiple of 64): unpadded rows, 16-byte chunk c of row r stored at chunk c ^ (r % 8), just as
 // conflict-free for ldmatrix; a warp's cp.async fill of two 256-byte rows is then one contiguous 512-byte span,
-// which the padded pitch splits: streaming K/V from HBM into padded rows ran 4% slower (bench/read_ceiling.py).
+// which the padded pitch splits: streaming K/V from HBM into padded rows ran 4% slower (docs/design.md).
 template <int Rows, int Cols, bool Swizzle = false>
 struct SmemTile {
     static_assert(Cols % 16 == 0, "tile columns must be a multiple of 16 elements");
