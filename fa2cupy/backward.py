@@ -15,7 +15,7 @@ from .forward import _LOG2E, dropout_scalars, dropout_words, error_pointers, ker
 
 #: Tests set this to fill dq, dk and dv with NaN before the kernels run (see forward._debug_poison).
 _debug_poison = False
-#: Run the dK/dV step of calls without modifiers on the Hopper kernel (cuda/bwd_hopper.cu) on compute
+#: Run the dK/dV step of calls without modifiers on the Hopper kernel (cuda/hopper/bwd.cu) on compute
 #: capability 9.0 where configs.hopper_backward_config picks it; tests and A/B timings set it False to run the
 #: mma.sync kernel there instead.
 HOPPER = True

@@ -36,7 +36,7 @@ def instantiations(family: str | None = None) -> list[str]:
                   | set(configs.decode_instantiations(family, extras=True)))
 
 
-#: A window side without a limit, as the kernels take it (kUnlimitedWindow in cuda/masks.cuh).
+#: A window side without a limit, as the kernels take it (kUnlimitedWindow in cuda/attention/masks.cuh).
 UNLIMITED_WINDOW = 1 << 30
 
 

@@ -16,7 +16,7 @@ from . import arrays, build, checks, configs, device_errors, tensor_maps
 #: shows up as NaN instead of as whatever the allocator happened to hand back.
 _debug_poison = False
 
-#: Run calls without modifiers (paged K/V included) on the Hopper kernel (cuda/fwd_hopper.cu) on compute capability 9.0
+#: Run calls without modifiers (paged K/V included) on the Hopper kernel (cuda/hopper/fwd.cu) on compute capability 9.0
 #: where configs.hopper_forward_config picks it. Tests and A/B timings set it False to run the mma.sync kernel
 #: there instead (and empty configs.HOPPER_MASKED_MIN_SEQLEN's lengths to take the Hopper kernel for every length).
 HOPPER = True
@@ -68,7 +68,7 @@ def dropout_words(seed: int, offset: int) -> tuple[int, int, int, int]:
 
 def fast_divisor(d: int) -> tuple[int, int]:
     """(magic, shift) with ``n // d == (umulhi(n, magic) + n) >> shift`` for 0 <= n < 2**31 (FastDiv in
-    cuda/primitives.cuh; Granlund & Montgomery 1994: shift = ceil(log2 d), magic = 2**32 (2**shift - d) // d + 1)."""
+    common/fast_div.cuh; Granlund & Montgomery 1994: shift = ceil(log2 d), magic = 2**32 (2**shift - d) // d + 1)."""
     if not 1 <= d < 1 << 31:
         raise ValueError(f"divisor must be in [1, 2**31), got {d}")
     shift = (d - 1).bit_length()
