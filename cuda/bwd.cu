@@ -12,8 +12,13 @@
 // The main kernel computes transposed scores, S^T = K Q^T and dP^T = V dO^T, so keys are the mma row index
 // throughout: P^T and dS^T are then A operands of dV += P^T dO and dK += dS^T Q, and every warp keeps the same
 // key rows of dK and dV in registers for the whole walk over the query tiles.
-#include "primitives.cuh"
-#include "masks.cuh"
+#include "common/types.cuh"
+#include "common/math.cuh"
+#include "sm80/memory.cuh"
+#include "sm80/mma.cuh"
+#include "sm80/smem_tile.cuh"
+#include "sm80/tile_mma.cuh"
+#include "attention/masks.cuh"
 
 namespace fa2 {
 

@@ -22,38 +22,25 @@
 // Bad index values are found on the device, where the values are: the first thread to find one claims the report
 // (atomicExch on a device word) and writes it to pinned host memory that the host reads without synchronising
 // (fa2cupy/device_errors.py); every output row computed while a report is pending is NaN, never a wrong number.
-#include "primitives.cuh"
-#include "errors.cuh"
-#include "softmax.cuh"
-#include "masks.cuh"
+#include "common/types.cuh"
+#include "common/fast_div.cuh"
+#include "common/clock.cuh"
+#include "common/hints.cuh"
+#include "common/math.cuh"
+#include "common/errors.cuh"
+#include "sm80/memory.cuh"
+#include "sm80/mma.cuh"
+#include "sm80/smem_tile.cuh"
+#include "sm80/tile_mma.cuh"
+#include "sm90/grid_dependencies.cuh"
+#include "attention/softmax.cuh"
+#include "attention/masks.cuh"
+#include "decode/traits.cuh"
+#include "decode/merge.cuh"
+#include "decode/items.cuh"
+#include "decode/loads.cuh"
 
 namespace fa2 {
-
-constexpr int cmax(int a, int b) { return a > b ? a : b; }
-
-FA2_DEVICE bool is_inf(float x) { return x == pos_inf() || x == -pos_inf(); }
-
-// lse of the union of n parts (lse_at(i) for part i): parts with lse +-inf saw no key and count for nothing; no
-// part with a key gives +inf; a NaN lse (poisoned input) gives NaN.
-template <class LseAt>
-FA2_DEVICE float merged_lse(int n, LseAt lse_at) {
-    float m = -pos_inf();
-    for (int i = 0; i < n; ++i) {
-        const float l = lse_at(i);
-        if (!is_inf(l)) m = fmaxf(m, l);
-    }
-    float total = 0.f;
-    for (int i = 0; i < n; ++i) {
-        const float l = lse_at(i);
-        if (!is_inf(l)) total += __expf(l - m);
-    }
-    return total == 0.f ? pos_inf() : m + __logf(total);
-}
-
-// Weight of a part with lse `part` in a union with lse `whole` (0 for parts without keys, NaN stays NaN).
-FA2_DEVICE float part_weight(float part, float whole) {
-    return is_inf(part) || whole == pos_inf() ? 0.f : __expf(part - whole);
-}
 
 // Loads 8 consecutive elements as fp32 (16-bit types: one 16-byte load; fp32: two).
 template <class E>
@@ -113,23 +100,6 @@ __global__ void __launch_bounds__(256, 1)
     }
 }
 
-
-// ---------------------------------------------------------------------------------------------------------------
-// The index values of one call, shared by the append and the attention kernels.
-struct CacheIndex {
-    const int* block_table;      // (batch, max_pages) or null (contiguous cache)
-    const int* cache_seqlens;    // (batch,) or null: every row holds fixed_seqlen
-    const int* cache_batch_idx;  // (batch,) or null: batch row b uses cache row b
-    int fixed_seqlen, seqlen_new;
-    int capacity;    // keys a row can hold: cache length, or max_pages * page_size
-    int cache_rows;  // rows of a contiguous cache, or pages of a paged one
-    int page_size, max_pages;
-
-    FA2_DEVICE int cached(int b) const { return cache_seqlens != nullptr ? cache_seqlens[b] : fixed_seqlen; }
-    FA2_DEVICE bool seqlen_ok(int len) const { return len >= 0 && len <= capacity - seqlen_new; }
-    FA2_DEVICE int cache_row(int b) const { return cache_batch_idx != nullptr ? cache_batch_idx[b] : b; }
-    FA2_DEVICE bool row_ok(int row) const { return row >= 0 && row < cache_rows; }
-};
 
 // ---------------------------------------------------------------------------------------------------------------
 // Rotary embedding (RoPE) with flash-attn's conventions: position p rotates pair i of the first rotary_dim columns
@@ -317,83 +287,6 @@ __global__ void __launch_bounds__(256)
     }
 }
 
-// ---------------------------------------------------------------------------------------------------------------
-// Diagnostics for bench/decode_trace.py: built with FA2_DECODE_TRACE, thread 0 of each block records %globaltimer
-// and clock64 at numbered points of each work item's life (and the block and its SM in the last slots); otherwise
-// the marks compile away.
-constexpr int kTracePoints = 24;
-#ifndef FA2_DECODE_TRACE_STRIDE  // key tiles 0, S, 2S, ... 9S get marks 2..11
-#define FA2_DECODE_TRACE_STRIDE 1
-#endif
-#ifdef FA2_DECODE_TRACE
-#ifndef FA2_DECODE_TRACE_ARRAY  // (another name for a second traced build in the same process)
-#define FA2_DECODE_TRACE_ARRAY fa2_decode_trace
-#endif
-extern "C" {
-__device__ unsigned long long FA2_DECODE_TRACE_ARRAY[8192 * kTracePoints * 2];
-}
-FA2_DEVICE void decode_mark(int point, int item) {
-    const unsigned id = item;
-    if (threadIdx.x != 0 || id >= 8192) return;
-    unsigned long long now;
-    unsigned sm;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    unsigned long long* slot = FA2_DECODE_TRACE_ARRAY + (unsigned long long)id * kTracePoints * 2;
-    slot[2 * point] = now;
-    slot[2 * point + 1] = clock64();
-    slot[2 * (kTracePoints - 1)] = sm;
-    slot[2 * (kTracePoints - 1) + 1] = blockIdx.x;
-}
-#else
-FA2_DEVICE void decode_mark(int, int) {}
-#endif
-
-// Extras: the sliding window (causal folded in as its right side 0; instantiated with Causal = false), softcap,
-// ALiBi and cache_leftpad, all switched by run-time values; without it the kernel compiles to the plain decode.
-// DeepRing: each warp keeps Stages key tiles in flight while it waits for the next (every slot refilled right
-// after its tile's math) instead of Stages - 1 (refilled before the next tile's math): for streams of a few tiles
-// per warp, where the rounds that every block starts together dominate (bench/NOTES.md).
-// WarpItems: each warp streams whole work items of its own (no split across warps, so no block merge and no block
-// barrier: a warp writes its rows itself), for grids with a work item per warp and more, where a block's per-item
-// merge and barrier were the SM's time without loads in flight. One split only.
-template <int HeadDim, int BlockN, int Stages, int Warps, bool L2Prefetch, class Elem_, bool Causal, bool Paged,
-          bool Extras = false, bool DeepRing = false, bool WarpItems = false>
-struct DecodeTraits {
-    using Elem = Elem_;
-    static constexpr bool kL2Prefetch = L2Prefetch;  // cp.async with the L2::256B hint for K/V
-    static constexpr int kHeadDim = HeadDim, kBlockN = BlockN, kStages = Stages, kWarps = Warps;
-    static constexpr int kThreads = 32 * Warps;
-    static constexpr bool kCausal = Causal, kPaged = Paged, kExtras = Extras, kDeepRing = DeepRing;
-    static constexpr bool kWarpItems = WarpItems;
-    static_assert(!(Causal && Extras), "with Extras, causal is the window's right side 0");
-    using QTile = SmemTile<16, HeadDim>;
-    using KVTile = SmemTile<BlockN, HeadDim, HeadDim % 64 == 0>;  // swizzled rows where the head dim allows
-    static constexpr int kQBytes = 2 * QTile::kBytes;  // the item's Q tile and the next item's (per warp: WarpItems)
-    static constexpr int kQAreaBytes = (WarpItems ? Warps : 1) * kQBytes;
-    static constexpr int kRingBytes = 2 * Stages * KVTile::kBytes;  // K and V ring of one warp
-    // The block's merge: every warp's fp32 output rows (a pitch of HeadDim + 8 floats: conflict-free float2
-    // stores) and lse. (The splits' merges need no dynamic shared memory.)
-    static constexpr int kMergePitch = HeadDim + 8;
-    static constexpr int kMergeBytes = WarpItems ? 0 : Warps * 16 * (kMergePitch + 1) * 4;
-    // A block with one item merges in its rings' memory; a block walking several items keeps the next item's
-    // first tiles in flight in its rings while it merges, so its merge area comes after them.
-    static constexpr int kSmemBytes = kQAreaBytes + cmax(Warps * kRingBytes, kMergeBytes);
-    static constexpr int kPersistentSmemBytes = kQAreaBytes + Warps * kRingBytes + kMergeBytes;
-    static_assert(Stages >= 2, "the K/V ring needs at least two stages");
-    static_assert(BlockN % 16 == 0 && BlockN <= 64, "key tiles of 16..64 keys (a tile spans BlockN / 16 pages)");
-};
-
-// One work item of decode_attention: a split of the keys of (batch row b, kv head, block of 16 packed rows).
-struct DecodeItem {
-    int split, group, b;  // group: kv head + nheads_kv * row block
-    int kv_head, row0;
-    int cached, cache_row, pad;  // the index values read for row b
-    int seqlen_k, key_begin, key_end;
-    int first_tile, my_tiles;  // the warp's first key tile of the item's keys, and how many it takes
-    bool poisoned;
-};
-
 // q: (batch, seqlen_q, nheads, d); k/v cache: (batch_cache, capacity, nheads_kv, d) or paged (pages, page_size,
 // nheads_kv, d) with block_table (batch, max_pages); row b attends to its first cache_seqlens[b] + seqlen_new keys
 // (the append kernel has written the new ones). out: (batch, seqlen_q, nheads, d) contiguous; lse_out: (batch,
@@ -482,44 +375,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // of the block sees (under the causal mask, none past the last row's limit), in BlockN tiles, and this warp's
     // share of them (warp items: the warp takes them all).
     auto item_check = [&](DecodeItem& it) {
-        const bool reporter = (solo ? lane : threadIdx.x) == 0 && it.split == 0 && it.group == 0;  // one per row
-        it.poisoned = false;  // a bad value of this item's (a report pending from elsewhere: pending_report)
-        if (!index.seqlen_ok(it.cached)) {
-            it.poisoned = true;
-            if (reporter) report_bad_value(error_claim, error_host, kBadCacheSeqlen, it.b, 0, it.cached);
-        }
-        if (!Tr::kPaged && !index.row_ok(it.cache_row)) {
-            it.poisoned = true;
-            if (reporter) report_bad_value(error_claim, error_host, kBadCacheBatchIdx, it.b, 0, it.cache_row);
-        }
-        // left pad: key j of the row is cache slot pad + j (Extras only; 0 folds away otherwise)
-        if (Tr::kExtras && !it.poisoned && (it.pad < 0 || it.pad > it.cached)) {
-            it.poisoned = true;
-            if (reporter) report_bad_value(error_claim, error_host, kBadCacheLeftpad, it.b, 0, it.pad);
-        }
-        it.seqlen_k = it.poisoned ? 0 : it.cached + seqlen_new - it.pad;
-        const int last_query = min(seqlen_q - 1, by_heads_per_kv.div(min(rows, it.row0 + 16) - 1));
-        if constexpr (Tr::kExtras) {
-            // Only the keys some row of the block sees, from a tile boundary (paged tiles must start on a multiple
-            // of 16 keys), are streamed: a small window over a long cache costs a few tiles, not the cache.
-            const WindowMask<kMaskWindow> window{seqlen_q, it.seqlen_k, window_left, window_right};
-            const int first_query = by_heads_per_kv.div(it.row0);
-            it.key_begin = window.key_begin(first_query) / Tr::kBlockN * Tr::kBlockN;
-            it.key_end = window.key_end(first_query, last_query - first_query + 1);
-        } else {
-            it.key_begin = 0;
-            it.key_end = it.seqlen_k;
-            if (Tr::kCausal) it.key_end = min(it.key_end, it.seqlen_k - seqlen_q + last_query + 1);
-        }
-        // The splits' warps take the key tiles in turn (split s, warp w: tiles s * W + w, + num_splits * W, ...):
-        // one tile order for every item, with no per-split key ranges to work out (as fast as contiguous ranges
-        // per split, bench/NOTES.md).
-        const int n_tiles =
-            it.key_end > it.key_begin ? (it.key_end - it.key_begin + Tr::kBlockN - 1) / Tr::kBlockN : 0;
-        it.first_tile = it.split * kTileStride + tile_warp;
-        it.my_tiles = n_tiles > it.first_tile  // (x / kTileStride) / num_splits = x / tile_stride
-                          ? by_splits.div((n_tiles - it.first_tile + tile_stride - 1) / kTileStride)
-                          : 0;
+        check_item<Tr>(it, index, lane, error_claim, error_host, seqlen_new, seqlen_q, rows, by_heads_per_kv, by_splits,
+                       window_left, window_right, tile_warp, tile_stride);
     };
     // First key of the warp's j-th tile of an item.
     auto tile_first = [&](const DecodeItem& it, int j) {
@@ -535,9 +392,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // Paged: a tile starts on a multiple of 16 keys and pages hold multiples of 16, so it spans at most BlockN / 16
     // pages. A tile's first key and (paged) the index of its first page and the key's slot there, worked out once.
     constexpr int kTilePages = Tr::kPaged ? Tr::kBlockN / 16 : 1;
-    struct TileStart {
-        int first, page, offset;
-    };
+    using TileStart = DecodeTileStart;
     auto tile_start = [&](int first) {
         TileStart t{first, 0, 0};
         if constexpr (Tr::kPaged) {
@@ -549,36 +404,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // The block_table entries of the pages the tile reaches in batch row b (0 past max_pages); `early`: read before
     // wait_for_prior_grids, as guesses.
     auto tile_entries = [&](int b, const TileStart& t, int (&entries)[kTilePages], bool early) {
-#pragma unroll
-        for (int p = 0; p < kTilePages; ++p) {
-            const int page_idx = t.page + p;
-            const int* entry = block_table + (i64)b * max_pages + page_idx;
-            const bool reached = page_idx < max_pages && (p == 0 || t.offset + Tr::kBlockN > p * page_size);
-            entries[p] = !reached ? 0 : early ? ld_relaxed_gpu(entry) : *entry;
-        }
+        read_tile_entries<Tr>(block_table, max_pages, page_size, b, t, entries, early);
     };
     // Paged: a tile's entries kept where the tile uses the page (else 0) and checked; true if one was out of range
     // (reported unless `guessed`, and read as zeros).
     auto check_pages = [&](const DecodeItem& it, const TileStart& t, int (&pages)[kTilePages], bool guessed) -> bool {
-        bool bad_page = false;
-#pragma unroll
-        for (int p = 0; p < kTilePages; ++p) {
-            const int page_idx = t.page + p;
-            const bool used = p == 0 ? t.first < it.key_end
-                                     : t.offset + Tr::kBlockN > p * page_size &&
-                                           page_idx * page_size < it.key_end && page_idx < max_pages;
-            if (!used) pages[p] = 0;
-        }
-#pragma unroll
-        for (int p = 0; p < kTilePages; ++p) {
-            if (!index.row_ok(pages[p])) {
-                if (!bad_page && !guessed)
-                    report_bad_value(error_claim, error_host, kBadBlockTable, it.b, t.page + p, pages[p]);
-                bad_page = true;
-                pages[p] = 0;
-            }
-        }
-        return bad_page;
+        return check_tile_pages<Tr>(index, error_claim, error_host, page_size, max_pages, it, t, pages, guessed);
     };
 
     // A key tile's copies, worked out apart from issuing them (the first item's are worked out before the wait):
@@ -589,31 +420,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // (Head dims up to 128: the larger ones' kernels sit at the register cap, where the walk's pointers spilled.)
     constexpr bool kWalk = 32 % kDT == 0 && Tr::kHeadDim <= 128;
     constexpr int kRowStep = kWalk ? 32 / kDT : 1;
-    struct KVPlan {
-        const u16* k[kTilePages];
-        const u16* v[kTilePages];
-        int rows_in;       // tile rows with keys: 0 for a lane past the head dim, or if a page was bad
-        int first_offset;  // (paged) the tile's first key's slot in its first page
-    };
+    using KVPlan = DecodeKVPlan<kTilePages>;
     auto plan_kv = [&](const DecodeItem& it, const TileStart& t, const int (&pages)[kTilePages], bool bad_page) {
-        KVPlan plan;
-        const int r0 = lane / kDT, c = (lane % kDT) * 8, first = t.first;
-        plan.first_offset = t.offset;
-#pragma unroll
-        for (int p = 0; p < kTilePages; ++p) {
-            // Row r0's slot in page p (paged: negative or past the page for rows of another page, never read
-            // through page p), or in the contiguous cache row.
-            const int slot0 = Tr::kPaged ? plan.first_offset + r0 - p * page_size : it.pad + first + r0;
-            const i64 k_row = (Tr::kPaged ? pages[p] : it.cache_row) * k_batch_stride;
-            const i64 v_row = (Tr::kPaged ? pages[p] : it.cache_row) * v_batch_stride;
-            plan.k[p] = k_cache + k_row + (i64)slot0 * k_row_stride + it.kv_head * k_head_stride + c;
-            plan.v[p] = v_cache + v_row + (i64)slot0 * v_row_stride + it.kv_head * v_head_stride + c;
-        }
-        plan.rows_in = bad_page || c >= headdim ? 0 : it.key_end - first;
-        return plan;
+        return plan_kv_tile<Tr>(lane, page_size, k_batch_stride, v_batch_stride, k_cache, v_cache, k_row_stride,
+                                v_row_stride, k_head_stride, v_head_stride, headdim, it, t, pages, bad_page);
     };
     // A call whose K/V are larger than L2 streams them under evict-first: they cannot stay in L2 anyway, and so
-    // they do not push out what can (1 x 16k: the queued call 28.0 -> 27.55 us in session 31's probe). Other calls
+    // they do not push out what can (1 x 16k: the queued call 28.0 -> 27.55 us, docs/design.md). Other calls
     // copy under evict-unchanged, as if with no policy.
     const u64 stream_policy = stream_larger_than_l2 ? l2_evict_first() : l2_evict_unchanged();
     auto copy_kv = [&](u32 dst, const u16* src, bool ok) {
@@ -625,30 +438,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // `whole` (Const<1>): every row of the tile has a key and the lane's column is inside the head dim (the guessed
     // first tiles): no per-row check.
     auto issue_kv = [&](KVPlan plan, int slot, auto whole) {
-        const u32 k_dst = smem_k + slot * KVTile::kBytes, v_dst = smem_v + slot * KVTile::kBytes;
-        const int r0 = lane / kDT, c = (lane % kDT) * 8;
-        const int k_step = kRowStep * k_row_stride, v_step = kRowStep * v_row_stride;
-#pragma unroll
-        for (int i = 0; i < Tr::kBlockN / kRowStep; ++i) {
-            const int r = r0 + i * kRowStep;
-            const bool ok = decltype(whole)::value || r < plan.rows_in;
-            const u16* k_at = plan.k[0];
-            const u16* v_at = plan.v[0];
-#pragma unroll
-            for (int p = 1; p < kTilePages; ++p) {
-                if (plan.first_offset + r >= p * page_size) {
-                    k_at = plan.k[p];
-                    v_at = plan.v[p];
-                }
-            }
-            copy_kv(KVTile::at(k_dst, r, c), ok ? k_at : k_cache, ok);
-            copy_kv(KVTile::at(v_dst, r, c), ok ? v_at : v_cache, ok);
-#pragma unroll
-            for (int p = 0; p < kTilePages; ++p) {
-                plan.k[p] += k_step;
-                plan.v[p] += v_step;
-            }
-        }
+        issue_kv_tile<Tr>(smem_k, smem_v, lane, k_row_stride, v_row_stride, page_size, copy_kv, k_cache, v_cache, plan,
+                          slot, whole);
     };
     // Keeps a plan's values computed where this stands (before the wait: see keep_here).
     auto keep_plan_here = [&](KVPlan& plan) {
@@ -737,12 +528,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     constexpr bool kPlanQ = kQPerThread <= 2;
     // This thread's chunk i of an item's Q rows: its source (null: zero-filled) and where it lands.
     auto q_src = [&](const DecodeItem& it, int i) -> const u16* {
-        const int idx = (solo ? lane : threadIdx.x) + i * kQLoaders;
-        const int r = idx / kDT, c = (idx % kDT) * 8, packed = it.row0 + r;
-        const bool ok = (kQChunks % kQLoaders == 0 || idx < kQChunks) && packed < rows && c < headdim;
-        int query, head;
-        query_head(it.kv_head, packed, query, head);
-        return ok ? q + it.b * q_batch_stride + (i64)query * q_row_stride + head * q_head_stride + c : nullptr;
+        return q_chunk_source<Tr>(query_head, lane, rows, headdim, q, q_batch_stride, q_row_stride, q_head_stride, it,
+                                  i);
     };
     auto copy_q = [&](int i, const u16* src, int buffer) {
         const int idx = (solo ? lane : threadIdx.x) + i * kQLoaders;
@@ -750,9 +537,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         cp_async_16(QTile::at(smem_q + buffer * QTile::kBytes, idx / kDT, (idx % kDT) * 8), src ? src : q,
                     src != nullptr);
     };
-    struct QPlan {
-        const u16* src[kQPerThread];
-    };
+    using QPlan = DecodeQPlan<kQPerThread>;
     auto plan_q = [&](const DecodeItem& it) {
         QPlan plan;
 #pragma unroll

@@ -3,9 +3,13 @@
 // One thread block per (query tile, head, batch). The query tile is split across warps by rows, so every
 // warp owns complete rows: the softmax statistics never need an inter-warp reduction (FA2 §3.3). K and V tiles
 // stream through a ring of shared-memory stages filled by cp.async while the previous tile is computed.
-#include "primitives.cuh"
-#include "softmax.cuh"
-#include "masks.cuh"
+#include "common/types.cuh"
+#include "sm80/memory.cuh"
+#include "sm80/mma.cuh"
+#include "sm80/smem_tile.cuh"
+#include "sm80/tile_mma.cuh"
+#include "attention/softmax.cuh"
+#include "attention/masks.cuh"
 
 namespace fa2 {
 

@@ -2,8 +2,9 @@
 
 Each (kernel family, template instantiation, device) is compiled once per process on first use; CuPy also keeps
 the compiled binary in its on-disk cache (``CUPY_CACHE_DIR``, default ``~/.cupy/kernel_cache``), keyed by the
-source text and options. The local ``#include "..."`` files are inlined here before compiling so that the key
-covers every header: editing ``cuda/softmax.cuh`` can never load a stale binary.
+source text and options. The local ``#include "..."`` files (paths relative to cuda/, e.g. ``sm90/wgmma.cuh``) are
+inlined here before compiling so that the key covers every header: editing ``cuda/attention/softmax.cuh`` can
+never load a stale binary.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ NVRTC_OPTIONS = ("-std=c++17", "-default-device")
 #: Kernel families built for one architecture's own instruction set (wgmma needs sm_90a, which no other GPU runs).
 ARCH_SPECIFIC = {"fwd_hopper": "90a", "bwd_hopper": "90a"}
 
+#: Each kernel family's source file in cuda/; its headers (common/, sm80/, sm90/, attention/, hopper/) are inlined.
+FAMILY_SOURCES = {"fwd": "fwd.cu", "bwd": "bwd.cu", "decode": "decode.cu", "fwd_hopper": "hopper/fwd.cu",
+                  "bwd_hopper": "hopper/bwd.cu"}
+
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 
 
@@ -36,25 +41,36 @@ def kernel_dir() -> Path:
         return _source_dir
     here = Path(__file__).resolve().parent
     for candidate in (here / "cuda", here.parent / "cuda"):
-        if (candidate / "primitives.cuh").is_file():
+        if (candidate / "common" / "types.cuh").is_file():
             return candidate
     raise FileNotFoundError(f"fa2cupy kernel sources not found in {here / 'cuda'} or {here.parent / 'cuda'}")
 
 
 @functools.lru_cache(maxsize=None)
 def source(family: str) -> str:
-    """The self-contained source of one kernel family (``"fwd"`` -> cuda/fwd.cu with its headers inlined)."""
+    """The self-contained source of one kernel family (``"fwd_hopper"`` -> cuda/hopper/fwd.cu with its headers
+    inlined, each once). An include names a path relative to cuda/ or to the including file's folder. (A copy of
+    cuda/ from before the hopper/ folder, for A/B timings, holds every family as ``<family>.cu``.)"""
     root = kernel_dir()
-    seen: set[str] = set()
+    seen: set[Path] = set()
 
-    def expand(name: str) -> str:
-        if name in seen:  # every header is #pragma once
+    def expand(path: Path) -> str:
+        if path in seen:  # every header is #pragma once
             return ""
-        seen.add(name)
-        text = (root / name).read_text()
-        return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
+        seen.add(path)
 
-    return expand(f"{family}.cu")
+        def include(match) -> str:
+            for candidate in (root / match.group(1), path.parent / match.group(1)):
+                if candidate.is_file():
+                    return expand(candidate.resolve())
+            raise FileNotFoundError(f'{path.relative_to(root)}: #include "{match.group(1)}" not found in {root}')
+
+        return _INCLUDE.sub(include, path.read_text())
+
+    main = root / FAMILY_SOURCES[family]
+    if not main.is_file() and (root / f"{family}.cu").is_file():
+        main = root / f"{family}.cu"
+    return expand(main.resolve())
 
 
 def cache_dir() -> str:
@@ -131,13 +147,16 @@ def use_sources(directory) -> None:
     clear_memory_cache()
 
 
-def compile_for_arch(family: str, name_expressions, arch: str, log: bool = False, ptx_only: bool = False):
+def compile_for_arch(family: str, name_expressions, arch: str, log: bool = False, ptx_only: bool = False,
+                     front_end_only: bool = False, options: tuple = ()):
     """Compile with NVRTC for an explicit arch (e.g. "80", "90a") without needing a GPU.
 
     Returns (cubin bytes, NVRTC log, {name expression: mangled name}); with ``log=True`` the log holds ptxas's
     per-kernel register/spill report. ``ptx_only`` stops at PTX for the virtual arch (compute_XX; no ptxas, about
-    half the time) and returns the PTX in place of the cubin. Used by the CPU compile test; raises RuntimeError
-    with NVRTC's log on failure.
+    half the time) and returns the PTX in place of the cubin; ``front_end_only`` stops after the C++ front end
+    (every template instantiated and checked for the arch's preprocessor branch, no code generated: a few
+    milliseconds) and returns no binary. ``options`` are more NVRTC options (``-DFA2_FWD_TRACE``, ...). Used by the
+    CPU compile test; raises RuntimeError with NVRTC's log on failure.
     """
     from cupy_backends.cuda.libs import nvrtc
 
@@ -145,14 +164,16 @@ def compile_for_arch(family: str, name_expressions, arch: str, log: bool = False
     try:
         for expr in name_expressions:
             nvrtc.addNameExpression(prog, expr)
-        target = f"-arch=compute_{arch}" if ptx_only else f"-arch=sm_{arch}"
-        options = NVRTC_OPTIONS + (target,) + (("-Xptxas=-v",) if log and not ptx_only else ())
+        virtual = ptx_only or front_end_only
+        target = f"-arch=compute_{arch}" if virtual else f"-arch=sm_{arch}"
+        options = NVRTC_OPTIONS + (target,) + tuple(options) + (("-Xptxas=-v",) if log and not virtual else ()) + (
+            ("-fdevice-syntax-only",) if front_end_only else ())
         try:
             nvrtc.compileProgram(prog, options)
         except nvrtc.NVRTCError as error:
             raise RuntimeError(f"NVRTC failed for sm_{arch}:\n{nvrtc.getProgramLog(prog)}") from error
         lowered = {expr: nvrtc.getLoweredName(prog, expr) for expr in name_expressions}
-        binary = nvrtc.getPTX(prog) if ptx_only else nvrtc.getCUBIN(prog)
+        binary = b"" if front_end_only else nvrtc.getPTX(prog) if ptx_only else nvrtc.getCUBIN(prog)
         return binary, nvrtc.getProgramLog(prog), lowered
     finally:
         nvrtc.destroyProgram(prog)
@@ -170,9 +191,9 @@ class Launch:
 
     ``programmatic`` (sm_90 and later): launched with programmatic stream serialization (cuLaunchKernelEx), so that
     the kernel's launch overlaps the end of the kernel before it in the stream; the kernel must wait for it first
-    (cuda/primitives.cuh: wait_for_prior_grids).
+    (cuda/sm90/grid_dependencies.cuh: wait_for_prior_grids).
 
-    ``blobs``: that many 128-byte parameters after ``args`` (tensor maps, cuda/primitives.cuh: TensorMap), zeros
+    ``blobs``: that many 128-byte parameters after ``args`` (tensor maps, cuda/sm90/tma.cuh: TensorMap), zeros
     until a call's ``write_blobs`` rewrites them: it gets their host addresses (64-byte aligned) under the launch's
     lock, before the launch copies them.
     """

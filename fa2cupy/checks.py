@@ -87,7 +87,7 @@ def _check_window(window_size) -> None:
         )
 
 
-#: A window side without a limit, as the kernels take it (kUnlimitedWindow in cuda/masks.cuh).
+#: A window side without a limit, as the kernels take it (kUnlimitedWindow in cuda/attention/masks.cuh).
 UNLIMITED_WINDOW = 1 << 30
 
 

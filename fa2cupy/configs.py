@@ -17,12 +17,12 @@ HEADDIMS = (32, 64, 96, 128, 160, 192, 224, 256)
 #: Element type tags of the kernels, by canonical dtype name.
 DTYPE_TAGS = {"float16": "fa2::f16", "bfloat16": "fa2::bf16"}
 
-#: Attention masks (enum MaskKind in cuda/masks.cuh), each its own kernel instantiation so that a kernel pays only
+#: Attention masks (MaskKind in cuda/attention/masks.cuh), each its own kernel instantiation so that a kernel pays only
 #: for its own mask: none, causal (bounds folded in at compile time), window (sliding window, bounds at run time).
 MASKS = ("none", "causal", "window")
 MASK_TAGS = {"none": "fa2::kMaskNone", "causal": "fa2::kMaskCausal", "window": "fa2::kMaskWindow"}
 
-#: Kernel variants shipped per table row: (mask, score modifiers). Softcap and ALiBi (ScoreMods in cuda/masks.cuh)
+#: Kernel variants shipped per table row: (mask, score modifiers). Softcap and ALiBi (ScoreMods, attention/masks.cuh)
 #: are switched on at run time inside one extra variant built on the window mask (which also expresses "none" and
 #: "causal" with unlimited sides), so the plain kernels stay as they were and each row costs one more kernel, not
 #: one per combination.
@@ -70,7 +70,7 @@ class FwdConfig:
 
 @dataclass(frozen=True)
 class HopperFwdConfig:
-    """Template arguments of ``fa2::HopperFwdTraits`` (cuda/fwd_hopper.cu, sm_90a only): wgmma, a producer
+    """Template arguments of ``fa2::HopperFwdTraits`` (cuda/hopper/fwd.cu, sm_90a only): wgmma, a producer
     warpgroup and consumer warpgroups of 64 rows each, persistent blocks; a work item is 64 query rows per
     consumer warpgroup."""
 
@@ -81,7 +81,7 @@ class HopperFwdConfig:
     q_buffers: int  # 2: the next work item's Q loads during this one
     consumer_wgs: int = 2  # 2 or 3 (three fit the registers at d=64 only)
 
-    family = "fwd_hopper"  # cuda/fwd_hopper.cu
+    family = "fwd_hopper"  # cuda/hopper/fwd.cu
 
     @property
     def block_m(self) -> int:
@@ -218,7 +218,7 @@ class BwdConfig:
 
 @dataclass(frozen=True)
 class HopperBwdConfig:
-    """Template arguments of ``fa2::HopperBwdTraits`` (cuda/bwd_hopper.cu, sm_90a only): the dK/dV kernel on wgmma,
+    """Template arguments of ``fa2::HopperBwdTraits`` (cuda/hopper/bwd.cu, sm_90a only): the dK/dV kernel on wgmma,
     a producer warpgroup and two consumer warpgroups of 64 keys; 128 keys per block, ``block_m`` query rows per step,
     dQ added to the fp32 accumulator (atomic mode only); padded and varlen."""
 
@@ -230,7 +230,7 @@ class HopperBwdConfig:
     block_n = 128
     dslices = 1
     threads = 3 * 128
-    family = "bwd_hopper"  # cuda/bwd_hopper.cu
+    family = "bwd_hopper"  # cuda/hopper/bwd.cu
 
     @staticmethod
     def dq_pitch(headdim: int) -> int:

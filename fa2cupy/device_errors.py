@@ -2,7 +2,7 @@
 memory, and reading them on the host would cost a synchronisation per call, which a decode loop (or a CUDA graph)
 cannot afford.
 
-So the kernels check them (cuda/errors.cuh ``report_bad_value``): the first thread to find a bad value claims a
+So the kernels check them (cuda/common/errors.cuh ``report_bad_value``): the first thread to find a bad value claims a
 per-device word with atomicExch and writes what, where and which value into pinned host memory mapped into the
 GPU's address space; while a report is pending, the kernels write NaN rows and the append writes nothing. The host
 reads that memory without synchronising: the next call raises, or :func:`check_device_errors` waits for the GPU
@@ -16,7 +16,7 @@ import ctypes
 
 import numpy as np
 
-#: What the kernels report (enum BadValue in cuda/errors.cuh).
+#: What the kernels report (enum BadValue in cuda/common/errors.cuh).
 (_BAD_CACHE_SEQLEN, _BAD_CACHE_BATCH_IDX, _BAD_BLOCK_TABLE, _BAD_CU_SEQLENS_Q, _BAD_CU_SEQLENS_K,
  _BAD_ROTARY_POSITION, _BAD_CACHE_LEFTPAD, _BAD_VARLEN_PAGE) = 1, 2, 3, 4, 5, 6, 7, 8
 

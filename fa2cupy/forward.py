@@ -44,7 +44,7 @@ def kernel_variant(causal: bool, window_size, softcap: float, alibi: bool,
 
 
 def dropout_threshold(dropout_p: float) -> int:
-    """The kernels' keep threshold for ``dropout_p``: a score is kept iff its 8-bit Philox number (cuda/masks.cuh,
+    """The kernels' keep threshold for ``dropout_p``: a score is kept iff its 8-bit Philox number (cuda/attention/masks.cuh,
     Dropout) is below it, so the keep probability is threshold / 256 exactly. round((1 - p) * 256), at least 1;
     0 (dropout off) where that is 256, for p < 1/512."""
     if dropout_p <= 0:
@@ -75,7 +75,7 @@ def dropout_words(seed: int, offset: int) -> tuple[int, int, int, int]:
 
 def fast_divisor(d: int) -> tuple[int, int]:
     """(magic, shift) with ``n // d == (umulhi(n, magic) + n) >> shift`` for 0 <= n < 2**31 (FastDiv in
-    cuda/primitives.cuh; Granlund & Montgomery 1994: shift = ceil(log2 d), magic = 2**32 (2**shift - d) // d + 1)."""
+    common/fast_div.cuh; Granlund & Montgomery 1994: shift = ceil(log2 d), magic = 2**32 (2**shift - d) // d + 1)."""
     if not 1 <= d < 1 << 31:
         raise ValueError(f"divisor must be in [1, 2**31), got {d}")
     shift = (d - 1).bit_length()

@@ -1,10 +1,10 @@
-"""Tensor maps for the Hopper forward's TMA copies (cuda/fwd_hopper.cu, padded calls).
+"""Tensor maps for the Hopper forward's TMA copies (cuda/hopper/fwd.cu, padded calls).
 
 A tensor map (CUtensorMap, 128 opaque bytes) describes one array to the tensor memory accelerator: its address,
 sizes, strides, the box a copy moves and the shared-memory swizzle. The driver encodes it on the host
 (``cuTensorMapEncodeTiled``); the kernel takes it by value as a ``__grid_constant__`` parameter. The maps here view a
 ``(batch, seqlen, nheads, headdim)`` array as four dimensions, innermost first: the head dim, the head, the row, the
-batch row; a box is 64 columns (128 bytes, the 128-byte swizzle of cuda/primitives.cuh's SwizzledSlabs) by one head
+batch row; a box is 64 columns (128 bytes, the 128-byte swizzle of cuda/sm90/slabs.cuh's SwizzledSlabs) by one head
 by a tile's rows. Rows past ``seqlen`` read as zeros and are not written.
 """
 

@@ -1,8 +1,10 @@
-"""Every shipped kernel instantiation compiles with NVRTC for sm_80 and sm_90 (the Hopper forward, which uses
-wgmma, for sm_90a), and none spills registers on the arch family it is shipped for.
+"""Every shipped kernel instantiation compiles with NVRTC for sm_80 and sm_90 (the Hopper kernels, which use wgmma,
+for sm_90a), and none spills registers on the arch family it is shipped for.
 
 On an arch its table rows are shipped for, an instantiation is compiled to machine code (ptxas, with the spill
-check); on the other arch, where it never runs, to PTX (NVRTC's front end and optimiser, no ptxas: half the time).
+check); on the other arch, where it never runs, through NVRTC's front end (every template instantiated and checked
+in that arch's preprocessor branch; its code generation is the home arch's, checked there). All of a run's compiles
+go to one thread pool at once, the costliest first, so that both cores of a CI machine stay busy to the end.
 
 Runs on a CPU-only machine: NVRTC (pip's nvidia-cuda-nvrtc-cu12) is all it needs.
 """
@@ -11,7 +13,9 @@ import dataclasses
 import itertools
 import os
 import re
+import shutil
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -53,32 +57,108 @@ FAMILIES = {
     "decode": decode.instantiations,
 }
 
+# The sm_90a families: (family, their shipped instantiations, how many, their table rows with the byte count a
+# launch asks for, the kernel template's name).
+HOPPER_FAMILIES = {
+    "fwd_hopper": (configs.hopper_forward_instantiations,  # padded, varlen, varlen with paged K/V
+                   len(configs.FORWARD_HOPPER_TABLE) * len(configs.DTYPE_TAGS) * len(configs.MASKS) * 3,
+                   lambda: [(c, c.smem_bytes) for c in configs.FORWARD_HOPPER_TABLE.values()], "fa2::flash_fwd_hopper<"),
+    "bwd_hopper": (configs.hopper_backward_instantiations,
+                   len(configs.BACKWARD_HOPPER_TABLE) * len(configs.DTYPE_TAGS) * len(configs.MASKS) * 2,
+                   lambda: [(c, c.smem_bytes()) for c in configs.BACKWARD_HOPPER_TABLE.values()],
+                   "fa2::bwd_dkdv_hopper<"),
+}
+
+#: Seconds of one CPU core per instantiation compiled to machine code, roughly: the pool's order, costliest first.
+_COST = {"fwd": 0.2, "bwd": 0.3, "decode": 0.45, "fwd_hopper": 0.5, "bwd_hopper": 0.5}
+
+
+def _machine_names(family: str, arch: str) -> set[str]:
+    """The instantiations of `family` compiled to machine code for `arch`: its table families' rows."""
+    if family in HOPPER_FAMILIES:
+        return set(HOPPER_FAMILIES[family][0]())
+    return set().union(*(FAMILIES[family](f) for f, a in FAMILY_ARCH.items() if a == arch))
+
+
+def _jobs(targets):
+    """(family, arch, names, front end only) of every compile that (family, arch) in `targets` need: machine code for
+    the instantiations shipped for the arch, in chunks of 4; the front end for the family's others, in one go."""
+    jobs = []
+    for family, arch in sorted(targets):
+        machine = sorted(_machine_names(family, arch))
+        jobs += [(family, arch, machine[i : i + 4], False) for i in range(0, len(machine), 4)]
+        if family in FAMILIES:
+            others = sorted(set(FAMILIES[family]()) - set(machine))
+            if others:
+                jobs.append((family, arch, others, True))
+    return jobs
+
+
+@dataclasses.dataclass
+class Compiled:
+    """What the compiles of one (family, arch) gave."""
+
+    machine: list = dataclasses.field(default_factory=list)    # names compiled to machine code
+    front_end: list = dataclasses.field(default_factory=list)  # names compiled through the front end only
+    binaries: list = dataclasses.field(default_factory=list)   # the machine-code compiles' cubins
+    logs: list = dataclasses.field(default_factory=list)       # and their NVRTC logs
+    reports: dict = dataclasses.field(default_factory=dict)    # mangled name -> (spill bytes, stack bytes)
+    lowered: dict = dataclasses.field(default_factory=dict)    # name expression -> mangled name
+
+
+_SPILL_TESTS = ("test_instantiations_compile_without_spills", "test_hopper_kernels_compile_without_spills")
+
+
+@pytest.fixture(scope="module")
+def compiled(request) -> dict[tuple[str, str], Compiled]:
+    """{(family, arch): Compiled} for the spill tests this run selected, compiled in one pool (NVRTC releases the
+    GIL: its threads use every core of the CI machine), the costliest chunks first."""
+    targets = set()
+    for item in request.session.items:
+        if getattr(item, "originalname", None) in _SPILL_TESTS:
+            params = item.callspec.params
+            targets.add((params["family"], params.get("arch", "90a")))
+    jobs = _jobs(targets)
+    order = sorted(range(len(jobs)), key=lambda i: 0 if jobs[i][3] else -_COST[jobs[i][0]] * len(jobs[i][2]))
+
+    def run(i):
+        family, arch, names, front_end = jobs[i]
+        return build.compile_for_arch(family, names, arch, log=True, front_end_only=front_end)
+
+    with ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as pool:
+        results = dict(zip(order, pool.map(run, order)))
+    out: dict[tuple[str, str], Compiled] = {}
+    for i, (family, arch, names, front_end) in enumerate(jobs):
+        binary, log, lowered = results[i]
+        entry = out.setdefault((family, arch), Compiled())
+        entry.lowered.update(lowered)
+        if front_end:
+            entry.front_end += names
+            continue
+        entry.machine += names
+        entry.binaries.append(binary)
+        entry.logs.append(log)
+        entry.reports.update(_ptxas_reports(log))
+    return out
+
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("arch", ["80", "90"])
-def test_instantiations_compile_without_spills(family, arch):
+def test_instantiations_compile_without_spills(family, arch, compiled):
     instantiations = FAMILIES[family]
     names = instantiations()
     assert len(names) >= (len(decode.MERGE_DTYPES) if family == "decode" else 2 * 2 * len(configs.HEADDIMS))
-    shipped_here = [f for f, a in FAMILY_ARCH.items() if a == arch]
-    machine = set().union(*(instantiations(f) for f in shipped_here))
-    # NVRTC releases the GIL: compiling chunks of the list in threads uses every core of the CI machine.
-    jobs = [(chunk, ptx_only) for ptx_only, group in ((False, sorted(machine)), (True, sorted(set(names) - machine)))
-            for chunk in (group[i : i + 8] for i in range(0, len(group), 8))]
-    with ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as pool:
-        results = list(pool.map(
-            lambda job: build.compile_for_arch(family, job[0], arch, log=True, ptx_only=job[1]), jobs))
-    assert all(len(binary) > 0 for binary, _, _ in results)
-    assert sum(len(chunk) for chunk, _ in jobs) == len(set(names))
-    reports = {}
-    lowered = {}
-    for _, log, names_lowered in results:
-        reports.update(_ptxas_reports(log))
-        lowered.update(names_lowered)
+    result = compiled[(family, arch)]
+    # every instantiation once: machine code where its table rows are shipped, the front end elsewhere
+    machine = _machine_names(family, arch)
+    assert sorted(result.machine) == sorted(machine) and machine
+    assert sorted(result.front_end) == sorted(set(names) - machine)
+    assert set(result.lowered) == set(names)
+    assert all(len(binary) > 0 for binary in result.binaries)
     checked = 0
-    for table_family in shipped_here:
+    for table_family in [f for f, a in FAMILY_ARCH.items() if a == arch]:
         for name in instantiations(table_family):
-            spill, stack = reports[lowered[name]]
+            spill, stack = result.reports[result.lowered[name]]
             assert (spill, stack) == (0, 0), f"{name} spills {spill} bytes on sm_{arch}"
             checked += 1
     assert checked > 0
@@ -96,38 +176,34 @@ def _probe_ptx(family: str, probes: list[str], arch: str) -> str:
         nvrtc.destroyProgram(prog)
 
 
-# The sm_90a families: (family, their shipped instantiations, how many, their table rows with the byte count a
-# launch asks for, the kernel template's name).
-HOPPER_FAMILIES = {
-    "fwd_hopper": (configs.hopper_forward_instantiations,  # padded, varlen, varlen with paged K/V
-                   len(configs.FORWARD_HOPPER_TABLE) * len(configs.DTYPE_TAGS) * len(configs.MASKS) * 3,
-                   lambda: [(c, c.smem_bytes) for c in configs.FORWARD_HOPPER_TABLE.values()], "fa2::flash_fwd_hopper<"),
-    "bwd_hopper": (configs.hopper_backward_instantiations,
-                   len(configs.BACKWARD_HOPPER_TABLE) * len(configs.DTYPE_TAGS) * len(configs.MASKS) * 2,
-                   lambda: [(c, c.smem_bytes()) for c in configs.BACKWARD_HOPPER_TABLE.values()],
-                   "fa2::bwd_dkdv_hopper<"),
-}
-
-
 @pytest.mark.parametrize("family", sorted(HOPPER_FAMILIES))
-def test_hopper_kernels_compile_without_spills(family):
+def test_hopper_kernels_compile_without_spills(family, compiled):
     instantiations, count, _, _ = HOPPER_FAMILIES[family]
     names = instantiations()
     assert len(names) == count
-    with ThreadPoolExecutor(max(2, os.cpu_count() or 2)) as pool:
-        results = list(pool.map(lambda chunk: build.compile_for_arch(family, chunk, "90a", log=True),
-                                [names[i : i + 4] for i in range(0, len(names), 4)]))
-    reports, lowered = {}, {}
-    for binary, log, names_lowered in results:
-        assert len(binary) > 0
-        reports.update(_ptxas_reports(log))
-        lowered.update(names_lowered)
+    result = compiled[(family, "90a")]
+    assert sorted(result.machine) == sorted(names) and not result.front_end
+    assert all(len(binary) > 0 for binary in result.binaries)
+    for log in result.logs:
         # ptxas's performance advisories (C75xx): C7512 is "wgmma serialized due to insufficient register
         # resources", which the unmasked backward had at 232 registers before its mask test was simplified (each
         # HGMMA then waited for the last).
         assert "C75" not in log, [line for line in log.splitlines() if "C75" in line]
     for name in names:
-        assert reports[lowered[name]] == (0, 0), f"{name} spills on sm_90a"
+        assert result.reports[result.lowered[name]] == (0, 0), f"{name} spills on sm_90a"
+
+
+@pytest.mark.parametrize(("family", "define", "arch"), [("fwd_hopper", "FA2_FWD_TRACE", "90a"),
+                                                        ("bwd_hopper", "FA2_BWD_TRACE", "90a"),
+                                                        ("decode", "FA2_DECODE_TRACE", "90")])
+def test_trace_builds_compile(family, define, arch):
+    # bench/dev's trace scripts build one instantiation with their define (build.install_traced): it must compile,
+    # and then hold the array the script reads.
+    names = (HOPPER_FAMILIES[family][0] if family in HOPPER_FAMILIES else FAMILIES[family])()[:1]
+    ptx, _, _ = build.compile_for_arch(family, names, arch, ptx_only=True, options=(f"-D{define}",))
+    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    array = {"FA2_FWD_TRACE": "fa2_fwd_trace", "FA2_BWD_TRACE": "fa2_bwd_trace", "FA2_DECODE_TRACE": "fa2_decode_trace"}
+    assert f" {array[define]}[" in ptx
 
 
 @pytest.mark.parametrize("family", sorted(HOPPER_FAMILIES))
@@ -243,7 +319,23 @@ def test_decode_shared_memory_matches_the_kernel(monkeypatch):
 def test_source_inlines_headers_once(family):
     text = build.source(family)
     assert '#include "' not in text
-    assert text.count("struct SmemTile") == 1
+    headers = sorted(build.kernel_dir().rglob("*.cuh"))
+    assert len(headers) > 10
+    for header in headers:  # (a header's opening comment, up to its #pragma once, marks its text)
+        opening = header.read_text().split("#pragma once")[0]
+        assert len(opening) > 40 and text.count(opening) <= 1, header
+    assert text.count((build.kernel_dir() / "common" / "types.cuh").read_text().split("#pragma once")[0]) == 1
+
+
+def test_every_kernel_source_is_shipped():
+    # The files build.py names exist, and pyproject.toml's package data (globs in cuda/) takes every source file.
+    root = build.kernel_dir()
+    for family, path in build.FAMILY_SOURCES.items():
+        assert (root / path).is_file(), family
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    globs = re.search(r'^"fa2cupy\.cuda" = \[(.*)\]$', pyproject, re.MULTILINE)[1]
+    shipped = {p for pattern in re.findall(r'"([^"]+)"', globs) for p in root.glob(pattern)}
+    assert shipped == set(root.rglob("*.cu")) | set(root.rglob("*.cuh"))
 
 
 def test_use_sources_builds_from_another_copy(tmp_path):
@@ -251,10 +343,9 @@ def test_use_sources_builds_from_another_copy(tmp_path):
     source to it and forgets what was built, and None switches back."""
     own = build.source("fwd")
     copy = tmp_path / "cuda"
-    copy.mkdir()
-    for f in build.kernel_dir().iterdir():
-        copy.joinpath(f.name).write_text(f.read_text())
-    copy.joinpath("primitives.cuh").write_text("// another copy\n" + copy.joinpath("primitives.cuh").read_text())
+    shutil.copytree(build.kernel_dir(), copy)
+    types = copy / "common" / "types.cuh"
+    types.write_text("// another copy\n" + types.read_text())
     try:
         build.use_sources(copy)
         assert build.kernel_dir() == copy.resolve()
@@ -262,3 +353,15 @@ def test_use_sources_builds_from_another_copy(tmp_path):
     finally:
         build.use_sources(None)
     assert build.source("fwd") == own
+
+
+def test_use_sources_reads_a_flat_copy(tmp_path):
+    """A copy of cuda/ from before its folders (every family as <family>.cu beside one header) still builds: the A/B
+    timings compare kernels across the change of layout."""
+    (tmp_path / "primitives.cuh").write_text("#pragma once\n// the old header\n")
+    (tmp_path / "fwd_hopper.cu").write_text('#include "primitives.cuh"\n// the old kernel\n')
+    try:
+        build.use_sources(tmp_path)
+        assert build.source("fwd_hopper") == "#pragma once\n// the old header\n\n// the old kernel\n"
+    finally:
+        build.use_sources(None)

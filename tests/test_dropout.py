@@ -1,4 +1,4 @@
-"""Dropout's keep mask: the Philox4x32-7 draw that cuda/masks.cuh (Dropout) documents, written out in NumPy.
+"""Dropout's keep mask: the Philox4x32-7 draw that cuda/attention/masks.cuh (Dropout) documents, written out in NumPy.
 
 CPU: the NumPy Philox4x32 reproduces Random123's known-answer vectors (7 and 10 rounds), and fa2cupy.forward's keep
 threshold realises p in steps of 1/256 with a scale that is the exact inverse of the keep probability.
@@ -32,7 +32,7 @@ def philox4x32(counter, key, rounds: int) -> tuple:
 
 def keep_mask(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, dropout_p: float, seed: int,
               offset: int) -> np.ndarray:
-    """The keep mask as cuda/masks.cuh defines it: score (i, j) of bh = batch * nheads + head has the number byte
+    """The keep mask as cuda/attention/masks.cuh defines it: score (i, j) of bh = batch * nheads + head has the number byte
     (j >> 3) & 3 of word (i >> 3) & 3 of Philox4x32-7 with key (seed lo, seed hi ^ offset hi) and counter
     (bh, (i >> 5) << 3 | (i & 7), offset lo, (j >> 5) << 3 | (j & 7)), and is kept iff that number is below
     forward.dropout_threshold(p) (every score when the threshold is 0). bool (batch, nheads, seqlen_q, seqlen_k)."""

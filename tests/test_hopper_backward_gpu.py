@@ -1,4 +1,4 @@
-"""The Hopper backward (cuda/bwd_hopper.cu's dK/dV kernel) on a GPU of compute capability 9.0: it is the kernel the
+"""The Hopper backward (cuda/hopper/bwd.cu's dK/dV kernel) on a GPU of compute capability 9.0: it is the kernel the
 library plans there for padded and varlen calls without modifiers at head dims 64 and 128 in the default (atomic dQ)
 mode, its
 gradients match the float64 reference on every mask, grouping, length and layout it takes, and the mma.sync

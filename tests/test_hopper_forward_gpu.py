@@ -1,4 +1,4 @@
-"""The Hopper forward (cuda/fwd_hopper.cu) on a GPU of compute capability 9.0: it is the kernel the library picks
+"""The Hopper forward (cuda/hopper/fwd.cu) on a GPU of compute capability 9.0: it is the kernel the library picks
 there, it matches the float64 reference on every mask, grouping, length and stride pattern it takes, padded and
 varlen, and the mma.sync forward it replaces for those calls still matches the reference on the same GPU.
 

@@ -1,6 +1,6 @@
 """CPU tests of the paged varlen helpers: the page/slot map of packed key rows (fa2cupy.paging, run here with
 NumPy, on the GPU with CuPy), the gather and the gradient sum onto pages, and the fast divisor the forward kernel
-uses for page indices (FastDiv in cuda/primitives.cuh)."""
+uses for page indices (FastDiv in cuda/common/fast_div.cuh)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Where the Hopper backward's dK/dV blocks spend their SM cycles: builds bwd_dkdv_hopper with FA2_BWD_TRACE
-(cuda/bwd_hopper.cu's bwd_mark: the block's thread 0 at its start, the consumers' first thread as K/V land, as the
+(hopper/bwd_traits.cuh's bwd_mark: the block's thread 0 at its start, the consumers' first thread as K/V land, as the
 first step's tiles land, after the first and the last step and after the dK/dV stores, the producer's first thread
 at its end, and the SM) and prints, per case, the median cycles of each phase over blocks, and the gap between a
 block's end and the next block's start on the same SM. Head dim 128 (dQ by columns: the consumers' first thread

@@ -1,5 +1,5 @@
 """Where a decode launch spends its time, item by item: builds decode_attention with FA2_DECODE_TRACE (thread 0
-of each block records %globaltimer at numbered points of each work item, cuda/decode.cu's decode_mark) and prints,
+of each block records %globaltimer at numbered points of each work item, decode/traits.cuh's decode_mark) and prints,
 per case, how long each phase takes (median and max over items, microseconds) and, where blocks walk several
 items, each item's span by its place in its block and the gap between items. Same shape as the decode bar
 (hq=32 hkv=8 d=128, seqlen_q=1, full caches).

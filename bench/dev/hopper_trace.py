@@ -1,6 +1,6 @@
 """Where the Hopper forward's work items spend their SM cycles: builds flash_fwd_hopper with FA2_FWD_TRACE (lane 0
 of each consumer warpgroup's first warp and the producer's first thread record clock64 at numbered points of
-each of their block's first 64 items, cuda/fwd_hopper.cu's fwd_mark) and prints, per case, the median cycles of
+each of their block's first 64 items, cuda/hopper/fwd_traits.cuh's fwd_mark) and prints, per case, the median cycles of
 each phase over items (the first item of each block left out), per consumer warpgroup, and each point's median
 offset from the same item's "Q in" (readable whatever order a changed kernel puts the points in).
 

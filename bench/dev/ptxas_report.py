@@ -1,6 +1,7 @@
 """Registers and spills of shipped kernel instantiations, from ptxas via NVRTC (no GPU needed).
 
     python bench/dev/ptxas_report.py fwd 90 kMaskWindow bf16     # family, arch, substrings every name must contain
+    python bench/dev/ptxas_report.py fwd_hopper 90a kMaskCausal   # the Hopper families, for sm_90a
 
 Prints one line per kernel: registers, spill-store bytes, name. Check a kernel change here before spending
 device time: the forward and backward rows sit at the 255-register cap, and a few more live values spill.
@@ -16,7 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from fa2cupy import build, configs, decode  # noqa: E402
 
 FAMILIES = {"fwd": configs.forward_instantiations, "bwd": configs.backward_instantiations,
-            "decode": decode.instantiations}
+            "decode": decode.instantiations, "fwd_hopper": lambda _: configs.hopper_forward_instantiations(),
+            "bwd_hopper": lambda _: configs.hopper_backward_instantiations()}
 
 
 def main(family: str, arch: str, *filters: str) -> None:

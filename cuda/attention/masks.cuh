@@ -2,8 +2,9 @@
 // query tile can see at all (so invisible tiles are skipped, not computed and masked), and which scores inside
 // a partially visible tile become -inf.
 #pragma once
-#include "primitives.cuh"
-#include "errors.cuh"
+#include "common/types.cuh"
+#include "common/fast_div.cuh"
+#include "common/errors.cuh"
 
 namespace fa2 {
 

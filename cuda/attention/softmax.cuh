@@ -5,7 +5,9 @@
 // but row sums stay per-thread partials until the end: every lane of a quad scales its partial by the same
 // factor, so one quad reduction at the end gives the exact sum (saves two shuffles per row per tile).
 #pragma once
-#include "primitives.cuh"
+#include "common/types.cuh"
+#include "common/math.cuh"
+#include "common/warp.cuh"
 
 namespace fa2 {
 

@@ -3,7 +3,7 @@
 // and which value into pinned host memory mapped into the GPU's address space. fa2cupy/device_errors.py reads it
 // and raises a ValueError naming the argument at the next call (or at fa2cupy.check_device_errors()).
 #pragma once
-#include "primitives.cuh"
+#include "common/types.cuh"
 
 namespace fa2 {
 

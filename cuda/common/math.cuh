@@ -1,0 +1,34 @@
+// Scalar math: the fast exp2 of the softmax, byte permutes, and the 16-bit float unpacking of loaded data.
+#pragma once
+#include "common/types.cuh"
+
+namespace fa2 {
+
+FA2_DEVICE float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+// prmt.b32: result byte n is byte (selector >> 4 n) & 7 of the pair {a (bytes 0-3), b (4-7)}, or, where bit 3 of
+// that nibble is set, that byte's top bit repeated eight times (__byte_perm drops the bit, and with it this mode).
+FA2_DEVICE u32 prmt_b32(u32 a, u32 b, u32 selector) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "r"(selector));
+    return r;
+}
+
+// Unpacks two 16-bit floats (lo, hi) of one register to fp32.
+template <class E>
+FA2_DEVICE float2 unpack2(u32 v);
+template <>
+FA2_DEVICE float2 unpack2<bf16>(u32 v) {
+    return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
+}
+template <>
+FA2_DEVICE float2 unpack2<f16>(u32 v) {
+    float lo, hi;
+    asm("{ .reg .f16 l, h; mov.b32 {l, h}, %2; cvt.f32.f16 %0, l; cvt.f32.f16 %1, h; }" : "=f"(lo), "=f"(hi) : "r"(v));
+    return make_float2(lo, hi);
+}
+
+}  // namespace fa2

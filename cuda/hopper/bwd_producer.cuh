@@ -1,0 +1,119 @@
+// The Hopper backward's producer warpgroup: K and V of the block's keys once, then each step's Q, dO and row
+// statistics into a ring of slots ahead of the consumers (TMA from one thread; a varlen sequence's ragged tiles by
+// every producer thread's cp.async), and each step's staged dQ_i out to the fp32 accumulator in one bulk reduction.
+#pragma once
+#include "common/types.cuh"
+#include "common/math.cuh"
+#include "sm80/memory.cuh"
+#include "sm90/mbarrier.cuh"
+#include "sm90/tma.cuh"
+#include "sm90/slabs.cuh"
+#include "attention/masks.cuh"
+#include "hopper/bwd_traits.cuh"
+
+namespace fa2 {
+
+template <class Tr, class BlockSteps>
+FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs& args,
+                             const WindowMask<Tr::kMask>& mask, const BlockSteps& block_steps, const int& kv_head,
+                             const int& batch, const int& key0, const int& q_start, const int& k_start) {
+    using KVTile = typename Tr::KVTile;
+    using QTile = typename Tr::QTile;
+    using Steps = HopperBwdSteps<Tr::kBlockM>;
+    constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kS = Tr::kStages;
+    // Tiles into swizzled slabs (zeros from row `valid` on), each thread its chunks (SlabLoader).
+    const int ptid = threadIdx.x - Tr::kConsumerThreads;
+    const SlabLoader<Tr::kProducerThreads, Tr::kHeadDim> loader(ptid);
+    const auto load_tile = [&](auto tile, u32 dst, const u16* src, int row_stride, int valid) {
+        loader.template load<decltype(tile)>(dst, src, row_stride, valid);
+    };
+    const int map_batch = Tr::kVarlen ? 0 : batch;  // (varlen: the maps span the packed arrays' rows)
+    if (Tr::kTma || args.seqlen_k - key0 >= kN) {  // (varlen: the first thread arrives for all)
+        if (ptid == 0) {
+            mbar_arrive_expect_tx<Tr::kCopyArrivals>(smem.kv_full, 2 * KVTile::kBytes);
+            tma_load_tile<KVTile>(smem.k, args.tmap_k, kv_head, k_start + key0, map_batch, smem.kv_full);
+            tma_load_tile<KVTile>(smem.v, args.tmap_v, kv_head, k_start + key0, map_batch, smem.kv_full);
+        }
+    } else {
+        load_tile(KVTile{}, smem.k,
+                  args.k + batch * args.k_batch_stride + (i64)(k_start + key0) * args.k_row_stride +
+                      kv_head * args.k_head_stride,
+                  args.k_row_stride, args.seqlen_k - key0);
+        load_tile(KVTile{}, smem.v,
+                  args.v + batch * args.v_batch_stride + (i64)(k_start + key0) * args.v_row_stride +
+                      kv_head * args.v_head_stride,
+                  args.v_row_stride, args.seqlen_k - key0);
+        cp_async_fenced_arrive(smem.kv_full);  // (fenced: the consumers read it unfenced)
+    }
+    const Steps steps = block_steps();
+    // Step j's dQ_j, once staged, goes out in one bulk reduction of its rows before seqlen_q, from its first
+    // query row's accumulator row on (the first thread), and the staging tile back to the consumers once read.
+    // Taken two steps late, after the load that the consumers' release of step j's slot let through, so the
+    // consumers never wait for it. The step's rows are worked out here (carried from its load, they spilled at
+    // head dim 64 beside the statistics loaded a step ahead); the accumulator row is an int, as rows of 272
+    // bytes or more fit in device memory.
+    const auto reduce_step = [&](int j) {
+        if (ptid != 0) return;
+        const int head = kv_head * args.heads_per_kv + j / steps.m_count, m0 = steps.m0(j);
+        const int row = int(batch * args.stat_batch_stride + head * args.stat_head_stride + q_start + m0);
+        const int t = j % Tr::kDqTiles;
+        mbar_wait(smem.dq_staged(t), (j / Tr::kDqTiles) & 1);
+        bulk_reduce_add_f32(args.dq_accum + (i64)row * Tr::kDqPitch, smem.dq + t * Tr::kDqBytes,
+                            min(kM, args.seqlen_q - m0) * Tr::kDqPitch * 4);
+        bulk_commit();
+        bulk_wait_read<0>();
+        mbar_arrive(smem.dq_free(t));
+    };
+    // Thread ptid < kM's row statistics of a step, lse (+inf past seqlen_q, so that P = 0: plain loads, which a
+    // zero-filling copy cannot give) and D, loaded a step ahead: their wait falls under the wait for the slot,
+    // not on the way to the step's full barrier (nothing reads them before the step's stores).
+    float lse_next = 0.f, dsum_next = 0.f;
+    const auto load_stats = [&](int head, int m0) {
+        if (ptid >= kM) return;
+        lse_next = pos_inf(), dsum_next = 0.f;
+        if (m0 + ptid < args.seqlen_q) {
+            const int row = int(batch * args.stat_batch_stride + head * args.stat_head_stride + q_start + m0 + ptid);
+            lse_next = args.lse[row], dsum_next = args.dsum[row];
+        }
+    };
+    load_stats(kv_head * args.heads_per_kv, steps.m_begin * kM);
+    for (int it = 0, head = kv_head * args.heads_per_kv, m0 = steps.m_begin * kM; it < steps.count; ++it) {
+        const int s = it % kS;
+        mbar_wait(smem.empty(s), ((it / kS) & 1) ^ 1);
+        if (Tr::kTma || args.seqlen_q - m0 >= kM) {  // (varlen: the first thread arrives for all)
+            if (ptid == 0) {
+                mbar_arrive_expect_tx<Tr::kCopyArrivals>(smem.full(s), 2 * QTile::kBytes);
+                tma_load_tile<QTile>(smem.q + s * QTile::kBytes, args.tmap_q, head, q_start + m0, map_batch,
+                                     smem.full(s));
+                tma_load_tile<QTile>(smem.dout + s * QTile::kBytes, args.tmap_do, head, q_start + m0, map_batch,
+                                     smem.full(s));
+            }
+        } else {
+            load_tile(QTile{}, smem.q + s * QTile::kBytes,
+                      args.q + batch * args.q_batch_stride + (i64)(q_start + m0) * args.q_row_stride +
+                          head * args.q_head_stride,
+                      args.q_row_stride, args.seqlen_q - m0);
+            load_tile(QTile{}, smem.dout + s * QTile::kBytes,
+                      args.dout + batch * args.do_batch_stride + (i64)(q_start + m0) * args.do_row_stride +
+                          head * args.do_head_stride,
+                      args.do_row_stride, args.seqlen_q - m0);
+            cp_async_fenced_arrive(smem.full(s));
+        }
+        if (ptid < kM) {
+            smem.stats[s * kM + ptid] = lse_next * kLog2e;
+            smem.stats[(kS + s) * kM + ptid] = dsum_next;
+            mbar_arrive(smem.full(s));  // (release: the stores above)
+        }
+        if (it >= 2) reduce_step(it - 2);
+        m0 += kM;  // step it + 1's query head and first row
+        if (m0 == (steps.m_begin + steps.m_count) * kM) m0 = steps.m_begin * kM, ++head;
+        if (it + 1 < steps.count) load_stats(head, m0);
+    }
+    if (steps.count >= 2) reduce_step(steps.count - 2);
+    if (steps.count >= 1) reduce_step(steps.count - 1);
+    bulk_wait<0>();
+    if (ptid == 0) bwd_mark(6);  // the producer's end
+    cp_async_wait_all();  // leave nothing in flight into shared memory
+}
+
+}  // namespace fa2

@@ -1,0 +1,183 @@
+// The Hopper backward's compile-time configuration (HopperBwdTraits), the shared memory a block lays out (K and V,
+// the rings of Q, dO and their row statistics, dS^T, the dQ staging tiles and the barriers), the kernel arguments its
+// parts read, and the diagnostics hook of bench/dev/bwd_trace.py.
+#pragma once
+#include "common/types.cuh"
+#include "common/clock.cuh"
+#include "sm80/memory.cuh"
+#include "sm90/mbarrier.cuh"
+#include "sm90/tma.cuh"
+#include "sm90/slabs.cuh"
+
+namespace fa2 {
+
+// Named barrier ids of the Hopper backward (0 is __syncthreads'): the consumer warpgroups meet at kBwdConsumers (with
+// dQ_i split by keys each warpgroup alone, at kBwdConsumers + its index), and at kBwdDqHandoff once warpgroup 0's
+// part of a staged dQ_i is in, for warpgroup 1 to add its own.
+enum HopperBwdBarrier : int { kBwdConsumers = 1, kBwdDqHandoff = 3 };
+
+template <int HeadDim, int BlockM, int Stages, bool DqByKeys, class Elem_, int Mask, bool Varlen = false>
+struct HopperBwdTraits {
+    using Elem = Elem_;
+    static constexpr int kHeadDim = HeadDim, kBlockM = BlockM, kBlockN = 128, kStages = Stages, kMask = Mask;
+    // dQ_i split by keys (each warpgroup all columns over its 64 keys) or by columns (half of them over all keys).
+    static constexpr bool kDqByKeys = DqByKeys;
+    // Varlen: sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q/dO/lse/dQ and cu_seqlens_k[b] .. of
+    // k/v/dK/dV; seqlen_q/seqlen_k are the maxima, and key blocks past a sequence's end return at once.
+    static constexpr bool kVarlen = Varlen;
+    // Padded calls move K, V, Q and dO with the tensor memory accelerator (tensor maps, one producer thread issuing
+    // the copies; rows past the sequence read as zeros). Varlen calls move whole tiles of a sequence so too, and a
+    // sequence's last, ragged tile with every producer thread's cp.async, whose zeros past its rows keep another
+    // sequence's rows (which may hold anything) out of the products.
+    static constexpr bool kTma = !Varlen;
+    // Two consumer warpgroups and a producer warpgroup, whose registers go to the consumers (setmaxnreg): a
+    // consumer holds dK and dV (64 keys x the head dim each) and S^T, dP^T (64 x BlockM) at once.
+    static constexpr int kConsumerWarps = 8, kConsumerThreads = 256, kProducerThreads = 128, kThreads = 384;
+    // Arrivals a tile's copies make on its barrier: the first producer thread's (TMA), or every producer thread's
+    // (varlen: their cp.async, or the first thread's for all with a whole tile's TMA copies).
+    static constexpr int kCopyArrivals = kTma ? 1 : kProducerThreads;
+    // (By keys, with 128 query rows a step, the consumers need 232: the producer then works in 40.)
+    static constexpr int kProducerRegisters = DqByKeys ? 40 : 56, kConsumerRegisters = DqByKeys ? 232 : 224;
+    static_assert(kProducerRegisters + 2 * kConsumerRegisters <= 3 * 168, "the register file of one block");
+    using KVTile = SwizzledSlabs<kBlockN, HeadDim>;
+    using QTile = SwizzledSlabs<kBlockM, HeadDim>;   // Q and dO
+    using DsTile = SwizzledSlabs<kBlockN, kBlockM>;  // dS^T, keys x queries: dQ's A operand read MN-major
+    // Each warpgroup's share of dQ_i: its columns and keys. By columns, with HeadDim 128, one 64-column slab of K.
+    static constexpr int kDqCols = DqByKeys ? HeadDim : HeadDim / 2, kDqKeys = DqByKeys ? kBlockN / 2 : kBlockN;
+    // The fp32 dQ tile staged for the bulk reduction, one row per query, padded against bank conflicts; the
+    // accumulator's rows have the same pitch (kDqPitch floats, the pad never read), so that one operation adds the
+    // whole step. By keys a pair, by the step's parity, so that warpgroup 0 stores the next step's part while this
+    // one's is reduced (by columns one tile, which both warpgroups wait for: a second does not fit beside the rest
+    // at head dim 128).
+    static constexpr int kDqPitch = HeadDim + 4, kDqBytes = kBlockM * kDqPitch * 4, kDqTiles = DqByKeys ? 2 : 1;
+    // dS^T: by columns double-buffered, so a warpgroup writes the next one while the other may still read this
+    // one; by keys each warpgroup reads only its own rows, after its own wait.
+    static constexpr int kDsTiles = DqByKeys ? 1 : 2;
+    // kv_full, then full[] and empty[] per ring slot, then dq_staged[] and dq_free[] per staging tile (the
+    // consumers hand the staged dQ_i to the producer, which issues its reduction and hands the tile back once
+    // it has read it; a pair by keys, as a tile's barriers may then not run a phase ahead of the other's).
+    static constexpr int kBarriers = 1 + 2 * Stages + 2 * kDqTiles;
+    // 1 KB of slack: the swizzled slabs start on 1024-byte boundaries.
+    static constexpr int kSmemBytes = 1024 + 2 * KVTile::kBytes + 2 * Stages * QTile::kBytes +
+                                      kDsTiles * DsTile::kBytes + kDqTiles * kDqBytes + 2 * Stages * kBlockM * 4 +
+                                      8 * kBarriers;
+    static_assert(kDqCols % 64 == 0, "each warpgroup's dQ columns are whole 64-column slabs");
+    // 128 query rows per step (dQ_i in two wgmma row halves) only by keys: by columns the accumulators do not fit.
+    static_assert(BlockM == 64 || (BlockM == 128 && DqByKeys), "64 query rows per step, or 128 with dQ by keys");
+    static_assert(Stages >= 2, "a ring of at least two query tiles");
+};
+
+// Diagnostics for bench/dev/bwd_trace.py: built with FA2_BWD_TRACE, thread 0 of the block, of the consumers and of the
+// producer record clock64 (and the SM) at numbered points of each of the first kBwdTraceBlocks blocks; otherwise
+// the marks compile away.
+#ifdef FA2_BWD_TRACE
+constexpr int kBwdTracePoints = 8, kBwdTraceBlocks = 16384;
+extern "C" {
+__device__ long long fa2_bwd_trace[kBwdTraceBlocks * kBwdTracePoints];
+}
+FA2_DEVICE void bwd_mark(int point) {
+    const u32 block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    if (block >= kBwdTraceBlocks) return;
+    fa2_bwd_trace[block * kBwdTracePoints + point] = clock64();
+    if (point == 0) {  // and the SM, at point 7
+        fa2_bwd_trace[block * kBwdTracePoints + 7] = sm_id();
+    }
+}
+#else
+FA2_DEVICE void bwd_mark(int) {}
+#endif
+
+// The block's shared memory: K and V (swizzled slabs, 1024-byte aligned), kS slots of Q and of dO, the dS^T tiles,
+// the fp32 dQ staging tiles, the row statistics (lse in the log2 domain [kS][kM], then D [kS][kM]) and the barriers.
+// kv_full: K and V landed (128 cp.async arrivals, or with TMA the first thread's arrival, for all 128 in varlen, and
+// the copies' bytes); full[s]: Q and dO landed in slot s (likewise) and its lse and D are stored (kM arrivals);
+// empty[s]: the 256 consumer threads are done with slot s (each arrives for its own reads of lse and D: one arrival
+// per warp after __syncwarp left racecheck a hazard between the other lanes' reads and the producer's next stores);
+// dq_staged[t]: the warps that store the last of dQ_i (by keys warpgroup 1's, adding to warpgroup 0's part) are done
+// with staging tile t; dq_free[t]: the producer's reduction has read it.
+template <class Tr>
+struct HopperBwdSmem {
+    using KVTile = typename Tr::KVTile;
+    using QTile = typename Tr::QTile;
+    using DsTile = typename Tr::DsTile;
+    static constexpr int kM = Tr::kBlockM, kS = Tr::kStages;
+    u32 k, v, q, dout, ds, dq, bars, kv_full;
+    float* stats;
+
+    FA2_DEVICE explicit HopperBwdSmem(unsigned char* raw) {
+        k = (smem_u32(raw) + 1023) & ~1023u;
+        v = k + KVTile::kBytes;
+        q = v + KVTile::kBytes;                              // kS tiles
+        dout = q + kS * QTile::kBytes;                       // kS tiles
+        ds = dout + kS * QTile::kBytes;                      // kDsTiles tiles
+        dq = ds + Tr::kDsTiles * DsTile::kBytes;             // fp32 staging, kDqTiles tiles
+        const u32 stats_at = dq + Tr::kDqTiles * Tr::kDqBytes;  // lse [kS][kM], then D [kS][kM]
+        bars = stats_at + 2 * kS * kM * 4;
+        stats = reinterpret_cast<float*>(raw + (stats_at - smem_u32(raw)));
+        kv_full = bars;
+    }
+    FA2_DEVICE u32 full(int s) const { return bars + 8 * (1 + s); }
+    FA2_DEVICE u32 empty(int s) const { return bars + 8 * (1 + kS + s); }
+    FA2_DEVICE u32 dq_staged(int t) const { return bars + 8 * (1 + 2 * kS + t); }
+    FA2_DEVICE u32 dq_free(int t) const { return bars + 8 * (1 + 2 * kS + Tr::kDqTiles + t); }
+
+    // By one thread, before the block's first barrier.
+    FA2_DEVICE void init_barriers() const {
+        mbar_init(kv_full, Tr::kCopyArrivals);
+        for (int s = 0; s < kS; ++s) {
+            mbar_init(full(s), Tr::kCopyArrivals + kM);
+            mbar_init(empty(s), Tr::kConsumerThreads);
+        }
+        for (int t = 0; t < Tr::kDqTiles; ++t) {
+            mbar_init(dq_staged(t), Tr::kDqByKeys ? Tr::kConsumerWarps / 2 : Tr::kConsumerWarps);
+            mbar_init(dq_free(t), 1);
+        }
+    }
+};
+
+// The kernel arguments the producer and consumers read (bwd_dkdv_hopper's, restrict-qualified alike; a varlen
+// sequence's lengths in place of the maxima; the tensor maps by reference: the copies name a __grid_constant__
+// parameter by its address).
+struct HopperBwdArgs {
+    const u16* __restrict__ q;
+    const u16* __restrict__ k;
+    const u16* __restrict__ v;
+    const u16* __restrict__ dout;
+    const float* __restrict__ lse;
+    const float* __restrict__ dsum;
+    float* __restrict__ dq_accum;
+    u16* __restrict__ dk;
+    u16* __restrict__ dv;
+    i64 q_batch_stride;
+    int q_row_stride;
+    i64 q_head_stride, k_batch_stride;
+    int k_row_stride;
+    i64 k_head_stride, v_batch_stride;
+    int v_row_stride;
+    i64 v_head_stride, do_batch_stride;
+    int do_row_stride;
+    i64 do_head_stride, dk_batch_stride;
+    int dk_row_stride;
+    i64 dk_head_stride, dv_batch_stride;
+    int dv_row_stride;
+    i64 dv_head_stride, stat_batch_stride, stat_head_stride;
+    const int& seqlen_q;  // (the kernel's, a varlen sequence's lengths once its bounds are read)
+    const int& seqlen_k;
+    int heads_per_kv;
+    float scale, scale_log2;
+    const TensorMap& tmap_q;
+    const TensorMap& tmap_k;
+    const TensorMap& tmap_v;
+    const TensorMap& tmap_do;
+};
+
+// A block's steps: every query head of its group in turn, each over the query tiles with a row that sees one of the
+// block's keys (m_count of them from tile m_begin).
+template <int BlockM>
+struct HopperBwdSteps {
+    int m_begin, m_count, count;
+    // Step j's first query row (the producer's loads walk them in order instead, a division per step fewer).
+    FA2_DEVICE int m0(int j) const { return (m_begin + j % m_count) * BlockM; }
+};
+
+}  // namespace fa2

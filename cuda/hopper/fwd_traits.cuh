@@ -1,0 +1,182 @@
+// The Hopper forward's compile-time configuration (HopperFwdTraits), the shared memory a block lays out (Q buffers,
+// K and V rings, their mbarriers, the work items' words), the kernel arguments its parts read, and the diagnostics
+// hook of bench/dev/hopper_trace.py.
+#pragma once
+#include "common/types.cuh"
+#include "sm80/memory.cuh"
+#include "sm90/mbarrier.cuh"
+#include "sm90/tma.cuh"
+#include "sm90/slabs.cuh"
+#include "attention/masks.cuh"
+
+namespace fa2 {
+
+// Named barrier ids of the Hopper forward (0 is __syncthreads'): consumer warpgroup w waits for its turn to issue at
+// kFwdTurn0 + w, where the warpgroup before it hands the turn on (kFwdTurnThreads: the two warpgroups' threads); the
+// producer warpgroup's threads meet at the id after the last warpgroup's (HopperFwdTraits::kProducerBarrier).
+enum HopperFwdBarrier : int { kFwdTurn0 = 1, kFwdTurn1 = 2, kFwdTurn2 = 3, kFwdTurnThreads = 256 };
+
+template <int HeadDim, int BlockN, int KStages, int VStages, int QBuffers, int ConsumerWGs, class Elem_, int Mask,
+          bool Varlen = false, bool Paged = false>
+struct HopperFwdTraits {
+    using Elem = Elem_;
+    // Consumer warpgroups of 64 rows each, taking turns to issue: with three (d=64, where a tile's products are
+    // half as long as at d=128 and its softmax as long), each one's softmax runs under two others' products.
+    static constexpr int kConsumerWGs = ConsumerWGs;
+    static_assert(ConsumerWGs == 2 || ConsumerWGs == 3, "two or three consumer warpgroups");
+    // K and V have rings of their own: a K slot goes back once S = Q K^T has landed, a V slot only after P V, a
+    // step later, so V needs the deeper ring for the same lead.
+    static constexpr int kHeadDim = HeadDim, kBlockM = 64 * ConsumerWGs, kBlockN = BlockN, kKStages = KStages,
+                         kVStages = VStages, kMask = Mask;
+    // Varlen: sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q/o/lse and cu_seqlens_k[b] .. of k/v;
+    // seqlen_q/seqlen_k are the maxima, and work items past a sequence's end are passed over.
+    static constexpr bool kVarlen = Varlen;
+    // Paged K/V (varlen only): k/v are (num_pages, page_size, nheads_kv, d), their batch strides the page strides,
+    // and key j of sequence b is row j % page_size of page block_table[b][j / page_size]. Only the producer's
+    // addresses differ: the tiles, and so the results, are those of packed K/V.
+    static constexpr bool kPaged = Paged;
+    static_assert(Varlen || !Paged, "paged K/V comes with varlen");
+    // Padded calls move their tiles with the tensor memory accelerator (tensor maps of q, k, v and o: one thread
+    // issues a tile's copies, rows past the sequence read as zeros and are not written); varlen calls, whose
+    // tiles end inside the packed arrays, so too for Q, whole output tiles and, with packed K/V, whole K/V tiles,
+    // and the rest (a sequence's ragged tiles, paged K/V) with cp.async from all the producer's threads and their
+    // stores.
+    static constexpr bool kTma = !Varlen;
+    // Arrivals a tile's copies make on its barrier: the first producer thread's (TMA), or every producer thread's
+    // (varlen: their cp.async, or the first thread's for all with a whole tile's TMA copies).
+    static constexpr int kProducerThreads = 128, kCopyArrivals = kTma ? 1 : kProducerThreads;
+    // The consumer warpgroups and a producer warpgroup, whose registers go to the consumers (setmaxnreg).
+    static constexpr int kConsumerWarps = 4 * ConsumerWGs, kThreads = 128 * (ConsumerWGs + 1);
+    // (Three consumers need 160 each: at 152 ptxas serialised their wgmmas. 32 + 3 x 160 fills the register file.)
+    static constexpr int kProducerRegisters = ConsumerWGs == 2 ? 56 : 32,
+                         kConsumerRegisters = ConsumerWGs == 2 ? 224 : 160;
+    static_assert(kProducerRegisters + ConsumerWGs * kConsumerRegisters <= 65536 / 128,
+                  "the register file of one block");
+    // Named barriers: the consumers' turns (HopperFwdBarrier), then the producer's own.
+    static constexpr int kProducerBarrier = kFwdTurn0 + ConsumerWGs;
+    using QTile = SwizzledSlabs<kBlockM, HeadDim>;
+    using KVTile = SwizzledSlabs<BlockN, HeadDim>;
+    // With two, the next item's Q loads while the consumers work on this one; with one, only once they have
+    // issued this one's last S.
+    static constexpr int kQBuffers = QBuffers;
+    // full[] per K slot (a tile's K and V land together), k_empty[], v_empty[], q_full[], q_empty[].
+    static constexpr int kBarriers = 2 * KStages + VStages + 2 * kQBuffers;
+    // After the barriers: the work item of each Q buffer with its sequence's bounds and coordinates (producer ->
+    // consumers: item, seqlen_q, seqlen_k, first query row, query tile, head, batch row, so that the consumers
+    // work out none of them between items; the producer reads them again to write the item's output rows out)
+    // and two words in which the producer's first thread hands the next item to the others.
+    static constexpr int kSlotWords = 7, kItemSlots = kSlotWords * kQBuffers + 2;
+    // 1 KB of slack: the swizzled slabs must start on 1024-byte boundaries.
+    static constexpr int kSmemBytes =
+        1024 + kQBuffers * QTile::kBytes + (KStages + VStages) * KVTile::kBytes + 8 * kBarriers + 4 * kItemSlots;
+    static_assert(HeadDim == 64 || HeadDim == 128, "wgmma tiles of N = 64 or 128");
+    static_assert(BlockN == 64 || BlockN == 128, "wgmma tiles of N = 64 or 128");
+    static_assert(KStages >= 2 && VStages >= KStages, "V's ring at least as deep as K's, K's at least two");
+};
+
+// The t-th K/V tile a block handles (counted over all its items) sits in slot t % Slots of a ring, in the slot's
+// (t / Slots)-th fill, whose parity is the mbarrier phase to wait for. (One count of tiles serves both rings, one
+// of items the Q buffers.)
+template <int Slots>
+FA2_DEVICE int ring_slot(u32 t) {
+    return t % Slots;
+}
+template <int Slots>
+FA2_DEVICE u32 ring_phase(u32 t) {
+    return (t / Slots) & 1;
+}
+
+// Diagnostics for bench/dev/hopper_trace.py: built with FA2_FWD_TRACE, lane 0 of warpgroup 0's and warpgroup 1's first
+// warps and the producer's first thread record clock64 at numbered points of each of their block's first
+// kTraceItems work items (the consumers count items they see, the producer items it loads; points 10 wg + 0..9 the
+// consumers', 20..23 the producer's); otherwise the marks compile away.
+#ifdef FA2_FWD_TRACE
+constexpr int kTracePoints = 24, kTraceItems = 64, kTraceBlocks = 160;
+extern "C" {
+__device__ long long fa2_fwd_trace[kTraceBlocks * kTraceItems * kTracePoints];
+}
+FA2_DEVICE void fwd_mark(int point, int seq) {
+    if (seq < kTraceItems && blockIdx.x < kTraceBlocks)
+        fa2_fwd_trace[(blockIdx.x * kTraceItems + seq) * kTracePoints + point] = clock64();
+}
+#else
+FA2_DEVICE void fwd_mark(int, int) {}
+#endif
+
+// The block's shared memory: the Q buffers, then K's and V's rings of tiles (swizzled slabs, 1024-byte aligned), then
+// the barriers: full[s] (the K and V of the tile in K slot s landed: the producer's 128 threads' cp.async arrivals,
+// or the first thread's arrival for all with the TMA copies' bytes expected; one wait per tile), k_empty[s] and
+// v_empty[s] (the consumer warps are done with K slot s, V slot s), q_full[b] and q_empty[b] likewise for the Q
+// buffers; then the words of the items (HopperFwdTraits::kItemSlots).
+template <class Tr>
+struct HopperFwdSmem {
+    using QTile = typename Tr::QTile;
+    using KVTile = typename Tr::KVTile;
+    static constexpr int kKS = Tr::kKStages, kVS = Tr::kVStages;
+    u32 q, k, v, bars;
+    int* item_slots;
+
+    FA2_DEVICE explicit HopperFwdSmem(unsigned char* raw) {
+        q = (smem_u32(raw) + 1023) & ~1023u;
+        k = q + Tr::kQBuffers * QTile::kBytes;
+        v = k + kKS * KVTile::kBytes;
+        bars = v + kVS * KVTile::kBytes;
+        item_slots = reinterpret_cast<int*>(raw + (bars + 8 * Tr::kBarriers - smem_u32(raw)));
+    }
+    FA2_DEVICE u32 full(int s) const { return bars + 8 * s; }
+    FA2_DEVICE u32 k_empty(int s) const { return bars + 8 * (kKS + s); }
+    FA2_DEVICE u32 v_empty(int s) const { return bars + 8 * (2 * kKS + s); }
+    FA2_DEVICE u32 q_full(int b) const { return bars + 8 * (2 * kKS + kVS + b); }
+    FA2_DEVICE u32 q_empty(int b) const { return bars + 8 * (2 * kKS + kVS + Tr::kQBuffers + b); }
+
+    // By one thread, before the block's first barrier.
+    FA2_DEVICE void init_barriers() const {
+        for (int s = 0; s < kKS; ++s) {
+            mbar_init(full(s), Tr::kCopyArrivals);
+            mbar_init(k_empty(s), Tr::kConsumerWarps);
+        }
+        for (int s = 0; s < kVS; ++s) mbar_init(v_empty(s), Tr::kConsumerWarps);
+        for (int b = 0; b < Tr::kQBuffers; ++b) {
+            // the first producer thread's one arrival for its Q copies (their bytes expected) and the item it wrote
+            // in item_slots[kSlotWords b ..]
+            mbar_init(q_full(b), 1);
+            mbar_init(q_empty(b), Tr::kConsumerWarps);
+        }
+    }
+};
+
+// The kernel arguments the producer and consumers read (flash_fwd_hopper's, restrict-qualified alike; the tensor maps
+// by reference: the copies name a __grid_constant__ parameter by its address).
+struct HopperFwdArgs {
+    const u16* __restrict__ k;
+    const u16* __restrict__ v;
+    u16* __restrict__ o;
+    float* __restrict__ lse;
+    const int* __restrict__ cu_seqlens_q;
+    const int* __restrict__ cu_seqlens_k;
+    const int* __restrict__ block_table;
+    i64 k_batch_stride;
+    int k_row_stride;
+    i64 k_head_stride;
+    i64 v_batch_stride;
+    int v_row_stride;
+    i64 v_head_stride;
+    i64 o_batch_stride;
+    int o_row_stride;
+    i64 o_head_stride;
+    i64 lse_batch_stride, lse_head_stride;
+    int seqlen_q, seqlen_k, nheads, heads_per_kv, window_left, window_right;
+    float scale, scale_log2;
+    int total_q, total_k, page_size;
+    u32 page_magic;
+    int page_shift, max_pages, num_pages;
+    int* error_claim;
+    long long* error_host;
+    int* __restrict__ tile_counter;
+    const TensorMap& tmap_q;
+    const TensorMap& tmap_k;
+    const TensorMap& tmap_v;
+    const TensorMap& tmap_o;
+};
+
+}  // namespace fa2

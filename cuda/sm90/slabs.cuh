@@ -1,0 +1,73 @@
+// The 128-byte-swizzled slabs wgmma and TMA read and write (sm_90): layout, stmatrix stores of accumulators and the
+// producer's cp.async fills.
+#pragma once
+#include "common/types.cuh"
+#include "common/hints.cuh"
+#include "sm80/memory.cuh"
+
+namespace fa2 {
+
+// A tile of Rows x Cols 16-bit elements as the 128-byte-swizzle slabs wgmma reads (Cols a multiple of 64):
+// slab s holds columns 64s..64s+63 of every row, row r at r * 128 bytes, its chunk c (8 columns) at c ^ (r % 8).
+template <int Rows, int Cols>
+struct SwizzledSlabs {
+    static_assert(Cols % 64 == 0 && Rows % 8 == 0, "whole 64-column slabs of 8-row atoms");
+    static constexpr int kSlabs = Cols / 64, kRowBytes = 128, kSlabBytes = Rows * kRowBytes,
+                         kBytes = kSlabs * kSlabBytes;
+    static FA2_DEVICE u32 at(u32 base, int r, int c) {
+        return base + (c >> 6) * kSlabBytes + r * kRowBytes + ((((c >> 3) & 7) ^ (r & 7)) << 4);
+    }
+};
+
+// The converse (sm_90): register i of each lane holds two b16 of matrix i in the mma C-fragment layout (row
+// lane / 4, columns 2 (lane % 4) and the next), and lanes 8i..8i+7 give the addresses of matrix i's rows.
+FA2_DEVICE void stmatrix_x4(u32 addr, const u32 (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]),
+                 "r"(r[1]), "r"(r[2]), "r"(r[3])
+                 : "memory");
+}
+
+// A producer warpgroup's share of copying tiles of Cols-wide rows into SwizzledSlabs (cp.async): thread `ptid` of
+// Threads copies one 16-byte column chunk of every kRowStep-th row, a multiple of 8 rows apart, so its swizzled
+// position within a row is the same for all of them and its addresses advance by constants.
+template <int Threads, int Cols>
+struct SlabLoader {
+    static constexpr int kChunksPerRow = Cols / 8, kRowStep = Threads / kChunksPerRow;
+    static_assert(kRowStep % 8 == 0, "a thread's rows share one swizzle phase");
+    int first_row, column;
+    FA2_DEVICE explicit SlabLoader(int ptid) : first_row(ptid / kChunksPerRow), column(ptid % kChunksPerRow * 8) {}
+    // Tile's rows of `src` (row_stride elements apart) into the tile at `dst`, zeros from row `valid` on.
+    template <class Tile>
+    FA2_DEVICE void load(u32 dst, const u16* src, int row_stride, int valid) const {
+        constexpr int kRows = Tile::kBytes / (Cols * 2);
+        u32 to = Tile::at(dst, first_row, column);
+        const u16* from = src + (i64)first_row * row_stride + column;
+        const i64 step = (i64)kRowStep * row_stride;
+#pragma unroll 4  // (4 copies in flight per thread)
+        for (int row = first_row; row < kRows; row += kRowStep, to += kRowStep * Tile::kRowBytes, from += step)
+            cp_async_16(to, row < valid ? from : src, row < valid);
+    }
+    // Paged K/V: a tile's rows gathered from pages. Lane j of producer warp w holds the address of row 32 w + j
+    // (null: zero-filled), and the warp copies its 32 rows 4 at a time, 8 lanes a row, each row's address handed
+    // round by a shuffle: so every copy instruction reads 128 contiguous bytes of each of 4 rows (whole lines, as
+    // the packed loader's 256 of 2). Copies of fewer bytes from more rows cost the LSU a pass per line: 32 bytes of
+    // 16 rows an instruction held paged calls at ~0.85x packed speed, one row per copy with its page worked out
+    // each time (~40 instructions a copy) at ~0.6x.
+    template <class Tile>
+    FA2_DEVICE void load_paged_rows(u32 dst, const u16* row, const u16* any, int warp, int lane) const {
+        static_assert(Tile::kBytes / (Cols * 2) == Threads && Threads % 32 == 0, "a warp's 32 rows");
+        const int chunk = lane % 8;
+#pragma unroll
+        for (int g = 0; g < 8; ++g) {
+            const u16* src = reinterpret_cast<const u16*>(
+                __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(row), 4 * g + lane / 8));
+            const bool ok = src != nullptr;
+            src = opaque((ok ? src : any) + 8 * chunk);  // (each copy's source: this register plus a constant)
+#pragma unroll
+            for (int s = 0; s < Cols / 64; ++s)
+                cp_async_16(Tile::at(dst, 32 * warp + 4 * g + lane / 8, 64 * s + 8 * chunk), src + 64 * s, ok);
+        }
+    }
+};
+
+}  // namespace fa2
