@@ -4,6 +4,7 @@
 #pragma once
 #include "common/types.cuh"
 #include "common/fast_div.cuh"
+#include "common/math.cuh"
 #include "common/errors.cuh"
 
 namespace fa2 {
