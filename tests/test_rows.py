@@ -75,7 +75,11 @@ def test_kernel_rows():
                                                                                                 "causal")
     assert configs.kernel_rows(90, 96, "float16").forward.family == "fwd"
     mods = configs.kernel_rows(90, 64, "bfloat16", "window", mods=True)
-    assert mods.forward == configs.forward_config(90, 64, "bfloat16", "window") and mods.backward.family == "bwd"
+    assert mods.forward == configs.forward_config(90, 64, "bfloat16", "window", mods=True)
+    assert mods.backward.family == "bwd"
+    # The modifier variant keeps the plain rows' tile (128 x 128 at d=64 on sm_90), the window mask alone its own.
+    assert mods.forward == configs.FORWARD_TABLE[("sm90", 64)]
+    assert configs.forward_config(90, 64, "bfloat16", "window") == configs.FORWARD_MASKED_TABLE[("sm90", 64)]
     det = configs.kernel_rows(90, 64, "bfloat16", "causal", deterministic=True)
     assert det.forward.family == "fwd_hopper" and det.backward.family == "bwd"
     assert det.backward_dq == configs.backward_dq_config(90, 64, "bfloat16", "causal")
