@@ -862,7 +862,7 @@ MODE_RUNNERS: dict[str, Callable[..., dict[str, Any]]] = {
 # Decode (flash_attn_with_kvcache): KV-cache bandwidth
 # --------------------------------------------------------------------------- #
 
-#: The decode grid of issue 4: batch x cache length with batch * length <= 1M tokens.
+#: The decode grid: batch x cache length with batch * length <= 1M tokens.
 DECODE_BATCHES: tuple[int, ...] = (1, 8, 64)
 DECODE_SEQLENS: tuple[int, ...] = (1024, 4096, 16384, 65536)
 DECODE_MAX_TOKENS = 1 << 20
@@ -979,7 +979,7 @@ def bench_decode_case(batch: int, seqlen_k: int, *, nheads: int = 32, nheads_kv:
     # CPU), and taking turns gives every implementation the same chances.
     # Each also queued: 8 calls back to back per pair of events, enqueued behind a spinning kernel, so the GPU time
     # per eager call, launch included, without the host's dispatch (which the plain eager timing of small caches
-    # measures) or the events' own cost (~3 us a call on both sides, bench/NOTES.md).
+    # measures) or the events' own cost (~3 us a call on both sides).
     best_ms: dict[str, float] = {}
     for _ in range(rounds):
         for name, fn, context in runners:

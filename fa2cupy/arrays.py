@@ -620,7 +620,7 @@ def new_empty_raw(shape, dtype: str, framework: str, device: int):
     theirs), with ``device`` already current."""
     if framework == "torch":
         tdtype, tdevice = _torch_args(dtype, device)
-        # (sizes as separate arguments: torch parses them ~1 us faster than a tuple, bench/NOTES.md)
+        # (sizes as separate arguments: torch parses them ~1 us faster than a tuple)
         t = sys.modules["torch"].empty(*shape, dtype=tdtype, device=tdevice)
         return t, t.data_ptr()
     arr = _cupy().empty(shape, dtype=_cupy_dtype(dtype))

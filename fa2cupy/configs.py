@@ -113,7 +113,7 @@ class HopperFwdConfig:
 #: The Hopper forward, by head dim: used on compute capability 9.0 for padded and varlen calls (paged K/V too)
 #: without score modifiers (every other case runs FORWARD_TABLE's mma.sync kernels). At d=64 a tile's products
 #: take half as long as at d=128 and its softmax as long, so three consumer warpgroups (192-row items) take turns:
-#: 12-14% faster than two at 2k-16k (H100, same process; bench/NOTES.md); d=128 has no registers for a third.
+#: 12-14% faster than two at 2k-16k (H100, same process; docs/design.md); d=128 has no registers for a third.
 FORWARD_HOPPER_TABLE: dict[int, HopperFwdConfig] = {
     64: HopperFwdConfig(64, 128, 4, 4, 2, 3),
     128: HopperFwdConfig(128, 128, 2, 3, 2),
@@ -125,7 +125,7 @@ def _fwd(headdim, block_m, block_n, warps, stages=2, min_blocks=1, q_in_regs=Fal
 
 
 # (arch family, tile head dim) -> config. Starting points are FA2's own choices (shared/FACTS.md), adjusted
-# so that no entry spills registers (bench/NOTES.md has the ptxas figures and the H100 measurements).
+# so that no entry spills registers (docs/design.md has the ptxas figures and the H100 measurements).
 FORWARD_TABLE: dict[tuple[str, int], FwdConfig] = {
     ("sm80", 32): _fwd(32, 128, 128, 4, min_blocks=2),
     ("sm80", 64): _fwd(64, 128, 64, 4, min_blocks=2),
@@ -263,7 +263,7 @@ class HopperBwdConfig:
 #: without score modifiers in the default (atomic dQ) mode; every other case runs BACKWARD_TABLE's mma.sync kernels.
 #: Head dim 64 takes 128 query rows per step (the per-step waits and hand-offs over twice the work) and splits dQ_i
 #: by keys (by columns each warpgroup's 32 would be half a swizzled slab), the two partial sums added in shared
-#: memory before the one reduction per row (bench/NOTES.md, session 22).
+#: memory before the one reduction per row (docs/design.md).
 BACKWARD_HOPPER_TABLE: dict[int, HopperBwdConfig] = {
     64: HopperBwdConfig(64, 128, 2, True),
     128: HopperBwdConfig(128, 64, 2, False),
@@ -420,7 +420,7 @@ class DecodeConfig:
 
 
 # Decode is memory-bound: what matters is bytes in flight per SM (warps x ring depth x tile) against the smem
-# that buys them. H100 (bench/dev/tune_decode.py, bench/NOTES.md): 4 warps x 2 stages x 32-key tiles with the L2
+# that buys them. H100 (bench/dev/tune_decode.py, docs/design.md): 4 warps x 2 stages x 32-key tiles with the L2
 # 256-byte prefetch hint was the best or within 1% of it at every measured point; the hint alone is worth 2%.
 # (4 warps x 5 stages x 16-key tiles: 1% faster at 64x1k, 1.6-5% slower at 8x64k and 8x1k.)
 _DEC = {d: DecodeConfig(d, 32, 2, 4, True) if d <= 128 else DecodeConfig(d, 16, 2, 2, True) for d in HEADDIMS}
@@ -431,7 +431,7 @@ DECODE_TABLE: dict[tuple[str, int], DecodeConfig] = {
     **{("sm90", d): c for d, c in _DEC.items()},
 }
 #: The same rows with the deep ring, for short streams: work items of DEEP_RING_TILES key tiles per warp. H100
-#: (bench/dev/decode_ab.py, bench/NOTES.md): 2-8% faster at 1x4k, 8x1k, 1x16k, 8x4k, 64x1k, where the rounds that every
+#: (bench/dev/decode_ab.py, docs/design.md): 2-8% faster at 1x4k, 8x1k, 1x16k, 8x4k, 64x1k, where the rounds that every
 #: block starts together are most of the stream; 0.2-1.7% slower on long streams (1x64k, 8x64k, 64x16k) and on
 #: single-tile ones (1x1k). Measured at d=128 only, so only that row has one.
 DECODE_DEEP_TABLE: dict[tuple[str, int], DecodeConfig] = {
@@ -440,7 +440,7 @@ DECODE_DEEP_TABLE: dict[tuple[str, int], DecodeConfig] = {
 DEEP_RING_TILES = range(2, 17)
 #: The same rows with warp items (each warp streams whole work items alone, writing its rows itself: no block
 #: merge, no block barrier), for one split over items that fill the GPU's warps (decode.uses_warp_items). H100
-#: (bench/NOTES.md): 64x1k -1.1..-1.8%, 128x2k and 256x1k -1.2%, 64x4k level, 64x16k +0.7% (so not used there).
+#: (docs/design.md): 64x1k -1.1..-1.8%, 128x2k and 256x1k -1.2%, 64x4k level, 64x16k +0.7% (so not used there).
 DECODE_WARP_TABLE: dict[tuple[str, int], DecodeConfig] = {
     ("sm90", 128): replace(_DEC[128], warp_items=True),
 }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every `-m gpu` test under tests/ in four pytest processes side by side on one GPU: the float64 references are
-# CPU work, so the suite (~11 min in one process on an H100) takes ~3.5 min this way (session 44: 546 passed in
-# 204 s), and it fits a device call beside the benchmark. Each group's log is printed in turn; exit 1 if any failed.
+# CPU work, so the suite (~11 min in one process on an H100) takes ~3.5 min this way, and it
+# fits a device call beside the benchmark. Each group's log is printed in turn; exit 1 if any failed.
 #
 #   bash bench/dev/gpu_tests.sh        # LIMIT=seconds per process (default 280), PYTHON=interpreter
 #

@@ -14,8 +14,8 @@
 #   PROFILE=1        also profile host dispatch (bench/dev/dispatch_profile.py) -> profile.log
 #   SUSTAIN=S        also the bench (and with BWD=1 the backward's) again with --sustain S: each implementation
 #                    timed at its own steady clock -> bench_sustain.log
-#   WINDOW=1         also issue 5's window bar alone: bench/window_speed.py --rounds 3 -> window.log
-#   MASKS=1          also issue 5's speed bars: bench/window_speed.py --candidates ((4096, 0) window over 64k vs
+#   WINDOW=1         also the window bar alone: bench/window_speed.py --rounds 3 -> window.log
+#   MASKS=1          also the mask speed bars: bench/window_speed.py --candidates ((4096, 0) window over 64k vs
 #                    full causal, and the window tile candidates)
 #                    and bench/varlen_speed.py --causal --paged 16,256 (varlen vs padded, paged vs packed)
 #                    -> masks.log
@@ -29,7 +29,7 @@
 #                    bench/out/device-bwd (not returned) unless BWD_FILES=1 puts them in $OUT.
 #   TESTS_TIMEOUT / CHECK_TIMEOUT / BENCH_TIMEOUT / BWD_TIMEOUT / SANITIZE_TIMEOUT   seconds per
 #       step (defaults 300/180/200/180/240; with BWD=1 or SANITIZE=1 use QUICK=1 or skip something else)
-#   The GPU tests and every timing in one call (340 s on an H200, session 45; 600 s is a call's limit):
+#   The GPU tests and every timing in one call (about 6 minutes on an H200):
 #       QUICK=1 SKIP_CHECK=1 BWD=1 SUSTAIN=1 WINDOW=1 BENCH_ARGS=--no-plot bash bench/dev/run_device.sh
 #
 # The tests step runs every `-m gpu` test under tests/ in four pytest processes side by side
@@ -135,11 +135,11 @@ if [ -n "${SUSTAIN:-}" ]; then  # the same timings, each implementation at its o
   fi
 fi
 
-if [ "${WINDOW:-0}" = 1 ]; then  # issue 5's window bar: (4096, 0) over 64k against causal, steady clocks
+if [ "${WINDOW:-0}" = 1 ]; then  # the window bar: (4096, 0) over 64k against causal, steady clocks
   step window "${WINDOW_TIMEOUT:-90}" "$OUT/window.log" "$PY" bench/window_speed.py --rounds 3
 fi
 
-if [ "${DECODE:-0}" = 1 ]; then  # decode KV bandwidth vs SDPA flash / cuDNN (issue 4's grid)
+if [ "${DECODE:-0}" = 1 ]; then  # decode KV bandwidth vs SDPA flash / cuDNN (the decode grid)
   step bench_decode "${DECODE_TIMEOUT:-240}" "$OUT/bench_decode.log" \
     "$PY" cli.py bench --mode decode --out "$OUT" ${DECODE_ARGS:-}
 fi
@@ -156,7 +156,7 @@ if [ "${TUNE_BWD:-0}" = 1 ]; then  # every backward tile candidate of bench/dev/
   step tune_bwd "${TUNE_TIMEOUT:-240}" "$OUT/tune_bwd.log" "$PY" bench/dev/tune_bwd.py --seqlens "${TUNE_SEQLENS:-2048,8192}"
 fi
 
-if [ "${MASKS:-0}" = 1 ]; then  # issue 5's bars: window speed-up, varlen vs padded, paged vs packed
+if [ "${MASKS:-0}" = 1 ]; then  # the mask bars: window speed-up, varlen vs padded, paged vs packed
   step masks "${MASKS_TIMEOUT:-240}" "$OUT/masks.log" \
     bash -c "'$PY' bench/window_speed.py --candidates && '$PY' bench/varlen_speed.py --causal --paged 16,256"
 fi

@@ -3,7 +3,7 @@ unpacked by `git archive` beside the edited ones), timed in turns within one pro
 machine's spread fall on every variant alike. Each variant keeps its best round's median; outputs are compared
 with the first variant's. ``--sustain S`` runs each variant back to back for S seconds before its timed calls: at the
 power cap a variant timed straight after a lighter case runs at a higher clock (a 64k window forward read 9.7% apart
-between two trees without it, 0.5% with 2 s; bench/NOTES.md, session 43).
+between two trees without it, 0.5% with 2 s: docs/design.md, "How figures are measured").
 
     python bench/dev/tree_ab.py --trees base=ab_trees/base/cuda new=cuda new1q=cuda@128,3,3,1 [--cases fwd128:causal:2048 ...]
     ncu --clock-control none --profile-from-start off -k regex:flash_fwd \
@@ -14,7 +14,7 @@ between two trees without it, 0.5% with 2 s; bench/NOTES.md, session 43).
 A tree may name a Hopper row after an @ (HopperFwdConfig's fields after the head dim, for d=128 or, as
 ``@64:128,4,4,2,3``, another head dim; consumer_wgs may be left out: 2), which then runs every case of that head dim;
 otherwise each tree plans with this package's tables. Make the trees on the
-machine that sends the command: the device's repository copy has the session's first commit as git HEAD.
+machine that sends the command: a remote machine's copy of the repository may not have the commit to unpack.
 
 A case is ``fwd<d>:<mask>:<seqlen>`` with mask none, causal or window<left> (left, 0); bf16, 16k tokens per
 batch (at least one sequence), hidden 2048.
