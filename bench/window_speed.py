@@ -44,13 +44,18 @@ def launches(q, k, v, dout, window):
     dq_accum = cupy.empty(plan.dq_accum_shape, cupy.float32)
     stream = cupy.cuda.get_current_stream().ptr
     keep = SimpleNamespace(plan=plan, out=out, lse=lse, grads=grads, dsum=dsum, dq_accum=dq_accum)
-    p = lambda x: x.data.ptr  # noqa: E731
-    pre = lambda: plan.preprocess(stream, (p(dout), p(out), p(dsum), p(dq_accum), 0))  # noqa: E731
-    maps = backward.maps_writer(plan, p(q), p(k), p(v), p(dout))
-    # As backward.run_backward passes them, without varlen, ALiBi or dropout.
-    main = lambda: plan.main(stream, (p(q), p(k), p(v), p(dout), p(lse), p(dsum), p(dq_accum), p(grads[1]),  # noqa
-                                      p(grads[2]), 0, 0, 0, 0) + backward.dropout_words(0, 0), maps)
-    conv = lambda: plan.convert(stream, (p(dq_accum), p(grads[0]), 0))  # noqa: E731
+    # Each launch's per-call fields by name (build.Launch.per_call), as backward.run_backward fills them; 0 where
+    # not given: no varlen, ALiBi or dropout.
+    fields = {name: x.data.ptr for name, x in (("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out), ("lse", lse),
+                                               ("dsum", dsum), ("dq_accum", dq_accum), ("dq", grads[0]),
+                                               ("dk", grads[1]), ("dv", grads[2]))}
+
+    def call(launch, *maps):
+        values = tuple(fields.get(name.rpartition(".")[2], 0) for name in launch.per_call)
+        return lambda: launch(stream, values, *maps)
+
+    pre, conv = call(plan.preprocess), call(plan.convert)
+    main = call(plan.main, backward.maps_writer(plan, fields["q"], fields["k"], fields["v"], fields["dout"]))
     return keep, pre, main, conv
 
 

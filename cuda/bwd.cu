@@ -13,6 +13,7 @@
 // throughout: P^T and dS^T are then A operands of dV += P^T dO and dK += dS^T Q, and every warp keeps the same
 // key rows of dK and dV in registers for the whole walk over the query tiles.
 #include "common/types.cuh"
+#include "common/params.cuh"
 #include "common/math.cuh"
 #include "sm80/memory.cuh"
 #include "sm80/mma.cuh"
@@ -89,23 +90,26 @@ struct BwdTraits {
 // floats, a multiple of 4) when the main kernel adds into it.
 template <class Elem>
 __global__ void __launch_bounds__(256)
-    bwd_preprocess(const u16* __restrict__ dout, const u16* __restrict__ out, float* __restrict__ dsum,
-                   float* __restrict__ dq_accum, const int* __restrict__ cu_seqlens_q, i64 do_batch_stride,
-                   int do_row_stride, i64 do_head_stride, i64 o_batch_stride, int o_row_stride, i64 o_head_stride,
-                   i64 stat_batch_stride, i64 stat_head_stride, int seqlen_q, int headdim, int dq_pitch, int lanes,
-                   int total_q, int* error_claim, long long* error_host) {
+    bwd_preprocess(const __grid_constant__ BwdParams kernel_params) {
+    const BwdParams params = kernel_params;  // (read through a local copy: common/params.cuh)
+    const u16* __restrict__ dout = params.dout;
+    const u16* __restrict__ out = params.out;
+    float* __restrict__ dsum = params.dsum;
+    float* __restrict__ dq_accum = params.dq_accum;
+    int seqlen_q = params.max_seqlen_q, seqlen_k_unused = 0;
     const int head = blockIdx.y, batch = blockIdx.z;
-    int seqlen_k_unused = 0;
-    const SeqBounds seq(cu_seqlens_q, nullptr, batch, total_q, 0, error_claim, error_host, seqlen_q,
-                        seqlen_k_unused);
+    const SeqBounds seq(params.cu_seqlens_q, nullptr, batch, params.total_q, 0, params.error_claim, params.error_host,
+                        seqlen_q, seqlen_k_unused);
+    const int lanes = params.lanes;
     const int row = blockIdx.x * (256 / lanes) + threadIdx.x / lanes, sub = threadIdx.x & (lanes - 1);
     const bool valid = row < seqlen_q;  // (no return: the row's lanes meet in the shuffles below)
     const i64 row_g = seq.q_start + row;
-    const u16* do_row = dout + batch * do_batch_stride + row_g * do_row_stride + head * do_head_stride;
-    const u16* o_row = out + batch * o_batch_stride + row_g * o_row_stride + head * o_head_stride;
-    const i64 stat = batch * stat_batch_stride + head * stat_head_stride + row_g;
+    const u16* do_row =
+        dout + batch * params.do_batch_stride + row_g * params.do_row_stride + head * params.do_head_stride;
+    const u16* o_row = out + batch * params.o_batch_stride + row_g * params.o_row_stride + head * params.o_head_stride;
+    const i64 stat = batch * params.stat_batch_stride + head * params.stat_head_stride + row_g;
     float acc = 0.f;
-    for (int c = sub * 8; valid && c < headdim; c += lanes * 8) {
+    for (int c = sub * 8; valid && c < params.headdim; c += lanes * 8) {
         u32 a[4], b[4];
         ld_global_v4(do_row + c, a);
         ld_global_v4(o_row + c, b);
@@ -117,9 +121,9 @@ __global__ void __launch_bounds__(256)
     }
     // The accumulator row, all dq_pitch floats of it: its pad too (never read), as a 32-byte sector left partly
     // unwritten costs the L2 a read of it from DRAM before its write-back.
-    for (int c = sub * 4; valid && dq_accum != nullptr && c < dq_pitch; c += lanes * 4) {
+    for (int c = sub * 4; valid && dq_accum != nullptr && c < params.dq_pitch; c += lanes * 4) {
         const u32 zero[4] = {0u, 0u, 0u, 0u};
-        st_global_v4(dq_accum + stat * dq_pitch + c, zero);
+        st_global_v4(dq_accum + stat * params.dq_pitch + c, zero);
     }
     for (int offset = lanes / 2; offset > 0; offset >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
     if (valid && sub == 0) dsum[stat] = acc;
@@ -127,20 +131,23 @@ __global__ void __launch_bounds__(256)
 
 // ---------------------------------------------------------------------------------------------------------------
 template <class Tr>
-__global__ void __launch_bounds__(Tr::kThreads, 1)
-    bwd_dkdv(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
-             const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
-             float* __restrict__ dq_accum, u16* __restrict__ dk, u16* __restrict__ dv,
-             const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
-             const float* __restrict__ alibi_slopes, const u32* __restrict__ rng_state, i64 q_batch_stride,
-             int q_row_stride, i64 q_head_stride,
-             i64 k_batch_stride, int k_row_stride, i64 k_head_stride, i64 v_batch_stride, int v_row_stride,
-             i64 v_head_stride, i64 do_batch_stride, int do_row_stride, i64 do_head_stride, i64 dk_batch_stride,
-             int dk_row_stride, i64 dk_head_stride, i64 dv_batch_stride, int dv_row_stride, i64 dv_head_stride,
-             i64 stat_batch_stride, i64 stat_head_stride, int max_seqlen_q, int max_seqlen_k, int nheads, int heads_per_kv,
-             int headdim, int window_left, int window_right, float scale, float scale_log2, float softcap,
-             int alibi_batch_stride, u32 dropout_threshold, u32 seed_lo, u32 seed_hi, u32 offset_lo, u32 offset_hi,
-             float dropout_scale, int total_q, int total_k, int* error_claim, long long* error_host) {
+__global__ void __launch_bounds__(Tr::kThreads, 1) bwd_dkdv(const __grid_constant__ BwdParams kernel_params) {
+    const BwdParams& params = kernel_params;  // (read in place: common/params.cuh)
+    const u16* __restrict__ q = params.q;
+    const u16* __restrict__ k = params.k;
+    const u16* __restrict__ v = params.v;
+    const u16* __restrict__ dout = params.dout;
+    const float* __restrict__ lse = params.lse;
+    const float* __restrict__ dsum = params.dsum;
+    float* __restrict__ dq_accum = params.dq_accum;
+    u16* __restrict__ dk = params.dk;
+    u16* __restrict__ dv = params.dv;
+    const int* __restrict__ cu_seqlens_q = params.cu_seqlens_q;
+    const int* __restrict__ cu_seqlens_k = params.cu_seqlens_k;
+    const float* __restrict__ alibi_slopes = params.alibi_slopes;
+    const u32* __restrict__ rng_state = params.rng_state;
+    u32 seed_lo = (u32)params.seed, seed_hi = (u32)(params.seed >> 32);
+    u32 offset_lo = (u32)params.offset, offset_hi = (u32)(params.offset >> 32);
     using KVTile = typename Tr::KVTile;
     using QTile = typename Tr::QTile;
     using PTile = typename Tr::PTile;
@@ -167,11 +174,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const int key0 = n_block * Tr::kBlockN;
     __shared__ int seq_info[4];  // this sequence's lengths and first rows, see share_seq_bounds
     if constexpr (Tr::kVarlen)
-        share_seq_bounds(seq_info, cu_seqlens_q, cu_seqlens_k, batch, total_q, total_k, error_claim, error_host,
-                         max_seqlen_q, max_seqlen_k);
+        share_seq_bounds(seq_info, cu_seqlens_q, cu_seqlens_k, batch, params.total_q, params.total_k,
+                         params.error_claim, params.error_host, params.max_seqlen_q, params.max_seqlen_k);
     // Inside the loop: the kernel parameters for padded calls (no register, no load), shared memory for varlen.
-    const auto sq = [&] { return Tr::kVarlen ? seq_info[0] : max_seqlen_q; };
-    const auto sk = [&] { return Tr::kVarlen ? seq_info[1] : max_seqlen_k; };
+    const auto sq = [&] { return Tr::kVarlen ? seq_info[0] : params.max_seqlen_q; };
+    const auto sk = [&] { return Tr::kVarlen ? seq_info[1] : params.max_seqlen_k; };
     const auto q_start = [&] { return Tr::kVarlen ? seq_info[2] : 0; };
     const auto k_start = [&] { return Tr::kVarlen ? seq_info[3] : 0; };
     const int seqlen_q = sq(), seqlen_k = sk();
@@ -183,45 +190,46 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const int warp_d0 = col0 + (warp % Tr::kWarpsOther2) * Tr::kDCols;    // phase 2 and the epilogue
 
     // Only the query tiles with a row whose window reaches this key tile are visited.
-    const WindowMask<Tr::kMask> mask{seqlen_q, seqlen_k, window_left, window_right};
+    const WindowMask<Tr::kMask> mask{seqlen_q, seqlen_k, params.window_left, params.window_right};
     // ALiBi slopes differ per query head: the walk over the group's heads rebuilds the modifiers per head.
     if constexpr (Tr::kMods) load_rng_state(rng_state, seed_lo, seed_hi, offset_lo, offset_hi);
     auto mods_of = [&](int head) {
-        return make_score_mods(scale, softcap, alibi_slope(alibi_slopes, alibi_batch_stride, batch, head),
-                               sq(), sk());
+        return make_score_mods(params.scale, params.softcap,
+                               alibi_slope(alibi_slopes, params.alibi_batch_stride, batch, head), sq(), sk());
     };
     int m_begin, m_count;
     mask.template query_tiles<kM>(key0, Tr::kBlockN, m_begin, m_count);
-    const int n_iters = heads_per_kv * m_count;
+    const int n_iters = params.heads_per_kv * m_count;
 
     // K_j and V_j: loaded once (Algorithm 2 line 6).
     const i64 key0_g = k_start() + key0;
-    KVTile::template load_async<Tr::kThreads>(smem_k, k + batch * k_batch_stride + key0_g * k_row_stride +
-                                                          kv_head * k_head_stride,
-                                              k_row_stride, seqlen_k - key0, headdim, tid);
-    KVTile::template load_async<Tr::kThreads>(smem_v, v + batch * v_batch_stride + key0_g * v_row_stride +
-                                                          kv_head * v_head_stride,
-                                              v_row_stride, seqlen_k - key0, headdim, tid);
+    KVTile::template load_async<Tr::kThreads>(smem_k, k + batch * params.k_batch_stride + key0_g * params.k_row_stride +
+                                                          kv_head * params.k_head_stride,
+                                              params.k_row_stride, seqlen_k - key0, params.headdim, tid);
+    KVTile::template load_async<Tr::kThreads>(smem_v, v + batch * params.v_batch_stride + key0_g * params.v_row_stride +
+                                                          kv_head * params.v_head_stride,
+                                              params.v_row_stride, seqlen_k - key0, params.headdim, tid);
 
     auto m_start = [&](int it) { return (m_begin + it % m_count) * kM; };
 
     // Query tile `it` of the flattened (query head of the group, m block) loop into ring slot `slot`.
     auto load_q_tile = [&](int it, int slot) {
-        const int head = kv_head * heads_per_kv + it / m_count;
+        const int head = kv_head * params.heads_per_kv + it / m_count;
         const int m0 = m_start(it);
         const i64 m0_g = q_start() + m0;
         QTile::template load_async<Tr::kThreads>(
-            smem_q + slot * QTile::kBytes, q + batch * q_batch_stride + m0_g * q_row_stride + head * q_head_stride,
-            q_row_stride, sq() - m0, headdim, tid);
+            smem_q + slot * QTile::kBytes,
+            q + batch * params.q_batch_stride + m0_g * params.q_row_stride + head * params.q_head_stride,
+            params.q_row_stride, sq() - m0, params.headdim, tid);
         QTile::template load_async<Tr::kThreads>(
             smem_do + slot * QTile::kBytes,
-            dout + batch * do_batch_stride + m0_g * do_row_stride + head * do_head_stride, do_row_stride,
-            sq() - m0, headdim, tid);
+            dout + batch * params.do_batch_stride + m0_g * params.do_row_stride + head * params.do_head_stride,
+            params.do_row_stride, sq() - m0, params.headdim, tid);
         // The row statistics go through plain loads: rows past seqlen_q need lse = +inf (so P = 0), which a
         // zero-filling cp.async cannot produce. The slot is free (all threads passed the barrier after its
         // last use) and the next barrier publishes these stores.
         for (int r = tid; r < kM; r += Tr::kThreads) {
-            const i64 stat = batch * stat_batch_stride + head * stat_head_stride + m0_g + r;
+            const i64 stat = batch * params.stat_batch_stride + head * params.stat_head_stride + m0_g + r;
             const bool ok = m0 + r < sq();
             smem_lse[slot * kM + r] = ok ? lse[stat] * kLog2e : pos_inf();
             smem_dsum[slot * kM + r] = ok ? dsum[stat] : 0.f;
@@ -251,11 +259,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         const u32 q_s = smem_q + slot * QTile::kBytes, do_s = smem_do + slot * QTile::kBytes;
         const float* lse_s = smem_lse + slot * kM;
         const float* dsum_s = smem_dsum + slot * kM;
-        const int head = kv_head * heads_per_kv + it / m_count;
+        const int head = kv_head * params.heads_per_kv + it / m_count;
         const int m0 = m_start(it);
         const ScoreMods mods = Tr::kMods ? mods_of(head) : ScoreMods{};
-        const Dropout dropout = Tr::kMods ? make_dropout(dropout_threshold, seed_lo, seed_hi, offset_lo, offset_hi,
-                                                         batch, nheads, head, dropout_scale)
+        const Dropout dropout = Tr::kMods ? make_dropout(params.dropout_threshold, seed_lo, seed_hi, offset_lo,
+                                                         offset_hi, batch, params.nheads, head, params.dropout_scale)
                                           : Dropout{};
 
         {  // Phase 1: S^T = K_j Q_i^T and dP^T = V_j dO_i^T (lines 9 and 12) for this warp's keys x queries.
@@ -276,7 +284,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             // mask.tile_needs_mask(m0, kM, key0, Tr::kBlockN) spelled out on the kernel parameters: ptxas can
             // reload those, while the mask's copies stay live; at d=64 causal that is 12 registers and 5% of the
             // backward's speed (bench/NOTES.md).
-            const WindowMask<Tr::kMask> mask_it{sq(), sk(), window_left, window_right};
+            const WindowMask<Tr::kMask> mask_it{sq(), sk(), params.window_left, params.window_right};
             const bool need_mask =
                 key0 + Tr::kBlockN > mask_it.seqlen_k ||
                 (Tr::kMask != kMaskNone && key0 + Tr::kBlockN - 1 > m0 + mask_it.diag() + mask_it.right()) ||
@@ -325,7 +333,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                         if constexpr (kModify)
                             p[e] = fast_exp2(mods.logit(st[kt][nt][e], m0 + qc, key, dcap) * kLog2e - lse_s[qc]);
                         else
-                            p[e] = fast_exp2(st[kt][nt][e] * scale_log2 - lse_s[qc]);
+                            p[e] = fast_exp2(st[kt][nt][e] * params.scale_log2 - lse_s[qc]);
                         if (need_mask && !mask_it.visible(m0 + qc, key)) p[e] = 0.f;
                         if constexpr (kDrop) {
                             // dV takes the dropped P; dS = P o (Z o dP / (1 - p) - D) (dP of the dropped output):
@@ -374,25 +382,34 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             };
             if constexpr (Tr::kMods) {
                 with_modifiers(mods.on(), dropout.on(), elementwise);
-            } else {  // (the plain kernels' loop, written out: through the lambda, ptxas allocates its registers
-                      // differently, and the plain kernels keep the code they had)
+            } else {
+                // The plain kernels' loop (not `elementwise`: through it ptxas allocates the registers otherwise),
+                // one copy for the tiles that need masking and one for those that do not (the compiler split it so
+                // on its own when the bounds were kernel arguments; a loop for both held more registers, up to
+                // spills at d=160).
+                const auto plain = [&](auto masked) {
 #pragma unroll
-                for (int kt = 0; kt < kKT; ++kt) {
-                    const int key_lo = key0 + warp_key0 + kt * 16 + (lane >> 2);  // this thread's keys: key_lo, +8
+                    for (int kt = 0; kt < kKT; ++kt) {
+                        const int key_lo = key0 + warp_key0 + kt * 16 + (lane >> 2);  // this thread's keys: +0, +8
 #pragma unroll
-                    for (int nt = 0; nt < kQT; ++nt) {
-                        float p[4], ds[4];
+                        for (int nt = 0; nt < kQT; ++nt) {
+                            float p[4], ds[4];
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int key = key_lo + (e >> 1) * 8;
-                            const int qc = warp_q0 + nt * 8 + (lane & 3) * 2 + (e & 1);
-                            p[e] = fast_exp2(st[kt][nt][e] * scale_log2 - lse_s[qc]);
-                            if (need_mask && !mask_it.visible(m0 + qc, key)) p[e] = 0.f;
-                            ds[e] = p[e] * (dpt[kt][nt][e] - dsum_s[qc]);
+                            for (int e = 0; e < 4; ++e) {
+                                const int key = key_lo + (e >> 1) * 8;
+                                const int qc = warp_q0 + nt * 8 + (lane & 3) * 2 + (e & 1);
+                                p[e] = fast_exp2(st[kt][nt][e] * params.scale_log2 - lse_s[qc]);
+                                if (decltype(masked)::value && !mask_it.visible(m0 + qc, key)) p[e] = 0.f;
+                                ds[e] = p[e] * (dpt[kt][nt][e] - dsum_s[qc]);
+                            }
+                            store_p_ds(kt, nt, p, ds);
                         }
-                        store_p_ds(kt, nt, p, ds);
                     }
-                }
+                };
+                if (need_mask)
+                    plain(Bool<true>{});
+                else
+                    plain(Bool<false>{});
             }
         }
         __syncthreads();  // P^T and dS^T complete
@@ -442,7 +459,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 }
             }
             float* scratch = smem_dq + warp * 16 * Tr::kDqPitch;
-            float* dq_head = dq_accum + (batch * stat_batch_stride + head * stat_head_stride + q_start()) * headdim;
+            const i64 dq_row0 = batch * params.stat_batch_stride + head * params.stat_head_stride + q_start();
+            float* dq_head = dq_accum + dq_row0 * params.headdim;
             const int col0_w = col0 + col_w * Tr::kDqCols;
 #pragma unroll
             for (int mt = 0; mt < kDqMT; ++mt) {
@@ -464,10 +482,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                     const int idx = lane + i * 32;
                     const int r = idx / (Tr::kDqCols / 4), c = (idx % (Tr::kDqCols / 4)) * 4;
                     if ((kChunks % 32 == 0 || idx < kChunks) && row0_w + r < sq() &&
-                        col0_w + c < col0 + Tr::kSliceD && col0_w + c < headdim) {
+                        col0_w + c < col0 + Tr::kSliceD && col0_w + c < params.headdim) {
                         u32 v4[4];
                         ld_shared_v4(smem_u32(scratch + r * Tr::kDqPitch + c), v4);
-                        red_add_f32x4(dq_head + (i64)(row0_w + r) * headdim + col0_w + c, v4);
+                        red_add_f32x4(dq_head + (i64)(row0_w + r) * params.headdim + col0_w + c, v4);
                     }
                 }
                 __syncwarp();  // the scratch is rewritten by the next row tile
@@ -487,21 +505,24 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             for (int half = 0; half < 2; ++half) {
                 const int r = warp_key2 + kt * 16 + (lane >> 2) + half * 8, c = warp_d0 + dt * 8 + (lane & 3) * 2;
                 st_shared_u32(KVTile::at(smem_k, r, c),
-                              Mma::pack(acc_dk[kt][dt][2 * half] * scale, acc_dk[kt][dt][2 * half + 1] * scale));
+                              Mma::pack(acc_dk[kt][dt][2 * half] * params.scale,
+                                        acc_dk[kt][dt][2 * half + 1] * params.scale));
                 st_shared_u32(KVTile::at(smem_v, r, c), Mma::pack(acc_dv[kt][dt][2 * half], acc_dv[kt][dt][2 * half + 1]));
             }
     __syncthreads();
-    u16* dk_head = dk + batch * dk_batch_stride + (i64)k_start() * dk_row_stride + kv_head * dk_head_stride;
-    u16* dv_head = dv + batch * dv_batch_stride + (i64)k_start() * dv_row_stride + kv_head * dv_head_stride;
+    u16* dk_head = dk + batch * params.dk_batch_stride + (i64)k_start() * params.dk_row_stride +
+                   kv_head * params.dk_head_stride;
+    u16* dv_head = dv + batch * params.dv_batch_stride + (i64)k_start() * params.dv_row_stride +
+                   kv_head * params.dv_head_stride;
     constexpr int kChunksPerRow = Tr::kSliceD / 8;
     for (int idx = tid; idx < Tr::kBlockN * kChunksPerRow; idx += Tr::kThreads) {
         const int r = idx / kChunksPerRow, c = col0 + (idx % kChunksPerRow) * 8;
-        if (key0 + r < sk() && c < headdim) {
+        if (key0 + r < sk() && c < params.headdim) {
             u32 chunk[4];
             ld_shared_v4(KVTile::at(smem_k, r, c), chunk);
-            st_global_v4(dk_head + (i64)(key0 + r) * dk_row_stride + c, chunk);
+            st_global_v4(dk_head + (i64)(key0 + r) * params.dk_row_stride + c, chunk);
             ld_shared_v4(KVTile::at(smem_v, r, c), chunk);
-            st_global_v4(dv_head + (i64)(key0 + r) * dv_row_stride + c, chunk);
+            st_global_v4(dv_head + (i64)(key0 + r) * params.dv_row_stride + c, chunk);
         }
     }
 }
@@ -525,18 +546,21 @@ struct BwdDqTraits {
 
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
-    bwd_dq(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
-           const u16* __restrict__ dout, const float* __restrict__ lse, const float* __restrict__ dsum,
-           u16* __restrict__ dq, const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
-           const float* __restrict__ alibi_slopes, const u32* __restrict__ rng_state, i64 q_batch_stride,
-           int q_row_stride, i64 q_head_stride,
-           i64 k_batch_stride, int k_row_stride, i64 k_head_stride, i64 v_batch_stride, int v_row_stride,
-           i64 v_head_stride, i64 do_batch_stride, int do_row_stride, i64 do_head_stride, i64 dq_batch_stride,
-           int dq_row_stride, i64 dq_head_stride, i64 stat_batch_stride, i64 stat_head_stride, int max_seqlen_q,
-           int max_seqlen_k, int nheads, int heads_per_kv, int headdim, int window_left, int window_right, float scale,
-           float scale_log2, float softcap, int alibi_batch_stride, u32 dropout_threshold, u32 seed_lo, u32 seed_hi,
-           u32 offset_lo, u32 offset_hi, float dropout_scale, int total_q, int total_k, int* error_claim,
-           long long* error_host) {
+    bwd_dq(const __grid_constant__ BwdParams kernel_params) {
+    const BwdParams params = kernel_params;  // (read through a local copy: common/params.cuh)
+    const u16* __restrict__ q = params.q;
+    const u16* __restrict__ k = params.k;
+    const u16* __restrict__ v = params.v;
+    const u16* __restrict__ dout = params.dout;
+    const float* __restrict__ lse = params.lse;
+    const float* __restrict__ dsum = params.dsum;
+    u16* __restrict__ dq = params.dq;
+    const int* __restrict__ cu_seqlens_q = params.cu_seqlens_q;
+    const int* __restrict__ cu_seqlens_k = params.cu_seqlens_k;
+    const float* __restrict__ alibi_slopes = params.alibi_slopes;
+    const u32* __restrict__ rng_state = params.rng_state;
+    u32 seed_lo = (u32)params.seed, seed_hi = (u32)(params.seed >> 32);
+    u32 offset_lo = (u32)params.offset, offset_hi = (u32)(params.offset >> 32);
     using QTile = typename Tr::QTile;
     using KVTile = typename Tr::KVTile;
     using Mma = fa2::Mma<typename Tr::Elem>;
@@ -550,31 +574,33 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int m_block = gridDim.x - 1 - blockIdx.x;
-    const int head = blockIdx.y, batch = blockIdx.z, kv_head = head / heads_per_kv;
+    const int head = blockIdx.y, batch = blockIdx.z, kv_head = head / params.heads_per_kv;
     const int row0 = m_block * Tr::kBlockM, warp_row0 = warp * kMT * 16;
     __shared__ int seq_info[4];  // this sequence's lengths and first rows, see share_seq_bounds
     if (cu_seqlens_q != nullptr)  // padded calls read the kernel parameters (see the accessors below)
-        share_seq_bounds(seq_info, cu_seqlens_q, cu_seqlens_k, batch, total_q, total_k, error_claim, error_host,
-                     max_seqlen_q, max_seqlen_k);
+        share_seq_bounds(seq_info, cu_seqlens_q, cu_seqlens_k, batch, params.total_q, params.total_k,
+                         params.error_claim, params.error_host, params.max_seqlen_q, params.max_seqlen_k);
     // Inside the loop: the kernel parameters for padded calls (no register, no load), shared memory for varlen.
-    const auto sq = [&] { return cu_seqlens_q != nullptr ? seq_info[0] : max_seqlen_q; };
-    const auto sk = [&] { return cu_seqlens_q != nullptr ? seq_info[1] : max_seqlen_k; };
+    const auto sq = [&] { return cu_seqlens_q != nullptr ? seq_info[0] : params.max_seqlen_q; };
+    const auto sk = [&] { return cu_seqlens_q != nullptr ? seq_info[1] : params.max_seqlen_k; };
     const auto q_start = [&] { return cu_seqlens_q != nullptr ? seq_info[2] : 0; };
     const auto k_start = [&] { return cu_seqlens_q != nullptr ? seq_info[3] : 0; };
     const int seqlen_q = sq(), seqlen_k = sk();
     if (row0 >= seqlen_q) return;  // varlen: past this sequence's queries
-    const u16* k_head = k + batch * k_batch_stride + (i64)k_start() * k_row_stride + kv_head * k_head_stride;
-    const u16* v_head = v + batch * v_batch_stride + (i64)k_start() * v_row_stride + kv_head * v_head_stride;
+    const u16* k_head = k + batch * params.k_batch_stride + (i64)k_start() * params.k_row_stride +
+                        kv_head * params.k_head_stride;
+    const u16* v_head = v + batch * params.v_batch_stride + (i64)k_start() * params.v_row_stride +
+                        kv_head * params.v_head_stride;
     const i64 row0_g = q_start() + row0;
 
-    const WindowMask<Tr::kMask> mask{seqlen_q, seqlen_k, window_left, window_right};
+    const WindowMask<Tr::kMask> mask{seqlen_q, seqlen_k, params.window_left, params.window_right};
     // The score modifiers, rebuilt where they are used from the kernel parameters and the slope (one register
     // across the loop, not five).
-    const float slope = Tr::kMods ? alibi_slope(alibi_slopes, alibi_batch_stride, batch, head) : 0.f;
-    const auto mods_now = [&] { return make_score_mods(scale, softcap, slope, sq(), sk()); };
+    const float slope = Tr::kMods ? alibi_slope(alibi_slopes, params.alibi_batch_stride, batch, head) : 0.f;
+    const auto mods_now = [&] { return make_score_mods(params.scale, params.softcap, slope, sq(), sk()); };
     if constexpr (Tr::kMods) load_rng_state(rng_state, seed_lo, seed_hi, offset_lo, offset_hi);
-    const Dropout dropout = Tr::kMods ? make_dropout(dropout_threshold, seed_lo, seed_hi, offset_lo, offset_hi,
-                                                     batch, nheads, head, dropout_scale)
+    const Dropout dropout = Tr::kMods ? make_dropout(params.dropout_threshold, seed_lo, seed_hi, offset_lo, offset_hi,
+                                                     batch, params.nheads, head, params.dropout_scale)
                                       : Dropout{};
     const bool modify = Tr::kMods && mods_now().on();  // (else the scale stays folded into the exponent)
     const auto drop_rows = dropout.template fix_rows<kMT>(row0 + warp_row0, lane);  // (unused without dropout)
@@ -584,10 +610,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     auto load_kv = [&](int n_block, int slot) {  // n_block counts from n_first
         const i64 first = (i64)(n_first + n_block) * Tr::kBlockN;
         const int rows = sk() - (int)first;
-        KVTile::template load_async<Tr::kThreads>(smem_k + slot * KVTile::kBytes, k_head + first * k_row_stride,
-                                                  k_row_stride, rows, headdim, tid);
-        KVTile::template load_async<Tr::kThreads>(smem_v + slot * KVTile::kBytes, v_head + first * v_row_stride,
-                                                  v_row_stride, rows, headdim, tid);
+        KVTile::template load_async<Tr::kThreads>(smem_k + slot * KVTile::kBytes, k_head + first * params.k_row_stride,
+                                                  params.k_row_stride, rows, params.headdim, tid);
+        KVTile::template load_async<Tr::kThreads>(smem_v + slot * KVTile::kBytes, v_head + first * params.v_row_stride,
+                                                  params.v_row_stride, rows, params.headdim, tid);
     };
 
     // Row statistics of this thread's rows (g and g+8 of each m16 tile), log2 domain for the exponent.
@@ -595,7 +621,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 #pragma unroll
     for (int r = 0; r < kMT * 2; ++r) {
         const int row = row0 + warp_row0 + (r / 2) * 16 + (lane >> 2) + (r % 2) * 8;
-        const i64 stat = batch * stat_batch_stride + head * stat_head_stride + q_start() + row;
+        const i64 stat = batch * params.stat_batch_stride + head * params.stat_head_stride + q_start() + row;
         row_lse[r] = row < seqlen_q ? lse[stat] * kLog2e : pos_inf();
         row_dsum[r] = row < seqlen_q ? dsum[stat] : 0.f;
     }
@@ -605,11 +631,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
     if (n_blocks > 0) {
         QTile::template load_async<Tr::kThreads>(
-            smem_q, q + batch * q_batch_stride + row0_g * q_row_stride + head * q_head_stride, q_row_stride,
-            seqlen_q - row0, headdim, tid);
+            smem_q, q + batch * params.q_batch_stride + row0_g * params.q_row_stride + head * params.q_head_stride,
+            params.q_row_stride, seqlen_q - row0, params.headdim, tid);
         QTile::template load_async<Tr::kThreads>(
-            smem_do, dout + batch * do_batch_stride + row0_g * do_row_stride + head * do_head_stride,
-            do_row_stride, seqlen_q - row0, headdim, tid);
+            smem_do,
+            dout + batch * params.do_batch_stride + row0_g * params.do_row_stride + head * params.do_head_stride,
+            params.do_row_stride, seqlen_q - row0, params.headdim, tid);
         load_kv(0, 0);
         cp_async_commit();
         for (int n_block = 0; n_block < n_blocks; ++n_block) {
@@ -634,10 +661,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                     KVTile::load_b_nk(bv, v_slot, np * 16, kk * 16, lane);
                 });
             const int col0 = (n_first + n_block) * Tr::kBlockN;
-            const WindowMask<Tr::kMask> mask_it{sq(), sk(), window_left, window_right};
+            const WindowMask<Tr::kMask> mask_it{sq(), sk(), params.window_left, params.window_right};
             const bool need_mask = mask_it.tile_needs_mask(row0, Tr::kBlockM, col0, Tr::kBlockN);
             // One version of the element-wise step per (modifiers, dropout) pair, chosen once per key tile.
-            const auto elementwise = [&](auto modify, auto drop) {
+            // `check`: Const<0> no tile mask, <1> every element's, <2> where need_mask (see bwd_dkdv's plain loop).
+            const auto elementwise = [&](auto modify, auto drop, auto check) {
                 constexpr bool kModify = decltype(modify)::value, kDrop = decltype(drop)::value;
                 // dS of row tile mt, key tile nt; `flags` (dropout): row_flags()'s [mt] for nt's 32 keys, whose
                 // byte `byte` holds nt's flags.
@@ -651,8 +679,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                         if constexpr (kModify)
                             p = fast_exp2(mods_now().logit(s[mt][nt][e], row, key, dcap) * kLog2e - row_lse[r]);
                         else
-                            p = fast_exp2(s[mt][nt][e] * scale_log2 - row_lse[r]);
-                        if (need_mask && !mask_it.visible(row, key)) p = 0.f;
+                            p = fast_exp2(s[mt][nt][e] * params.scale_log2 - row_lse[r]);
+                        constexpr int kCheck = decltype(check)::value;
+                        if ((kCheck == 1 || (kCheck == 2 && need_mask)) && !mask_it.visible(row, key)) p = 0.f;
                         float dpv = dp[mt][nt][e];
                         if constexpr (kDrop)  // Z o dP / (1 - p), the dP of the dropped output
                             dpv *= __uint_as_float(__float_as_uint(dropout.scale) &
@@ -682,9 +711,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 }
             };
             if constexpr (Tr::kMods)
-                with_modifiers(modify, dropout.on(), elementwise);
+                with_modifiers(modify, dropout.on(), [&](auto m, auto d) { elementwise(m, d, Const<2>{}); });
+            else if (need_mask)
+                elementwise(Bool<false>{}, Bool<false>{}, Const<1>{});
             else
-                elementwise(Bool<false>{}, Bool<false>{});
+                elementwise(Bool<false>{}, Bool<false>{}, Const<0>{});
             // dQ += dS K_j, dS straight from the accumulators as A fragments.
             mma_c_b<typename Tr::Elem, KVTile>(acc_dq, dp, k_slot, lane);
         }
@@ -692,29 +723,32 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     }
     // dQ = scale * dS K through this warp's own Q rows (only this warp read them).
     QTile::template store_warp_rows<typename Tr::Elem>(
-        smem_q, acc_dq, scale, warp_row0,
-        dq + batch * dq_batch_stride + head * dq_head_stride + (q_start() + row0 + warp_row0) * dq_row_stride,
-        dq_row_stride, sq() - row0 - warp_row0, headdim, lane);
+        smem_q, acc_dq, params.scale, warp_row0,
+        dq + batch * params.dq_batch_stride + head * params.dq_head_stride +
+            (q_start() + row0 + warp_row0) * params.dq_row_stride,
+        params.dq_row_stride, sq() - row0 - warp_row0, params.headdim, lane);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
 // dQ = scale * dq_accum in the input dtype; one thread per 8 columns of one row.
 template <class Elem>
 __global__ void __launch_bounds__(256)
-    bwd_convert_dq(const float* __restrict__ dq_accum, u16* __restrict__ dq, const int* __restrict__ cu_seqlens_q,
-                   i64 dq_batch_stride, int dq_row_stride, i64 dq_head_stride, i64 stat_batch_stride,
-                   i64 stat_head_stride, int seqlen_q, int headdim, int dq_pitch, float scale, int total_q,
-                   int* error_claim, long long* error_host) {
-    const int chunks = headdim / 8;
+    bwd_convert_dq(const __grid_constant__ BwdParams kernel_params) {
+    const BwdParams params = kernel_params;  // (read through a local copy: common/params.cuh)
+    const float* __restrict__ dq_accum = params.dq_accum;
+    u16* __restrict__ dq = params.dq;
+    int seqlen_q = params.max_seqlen_q, seqlen_k_unused = 0;
+    const int chunks = params.headdim / 8;
     const int idx = blockIdx.x * 256 + threadIdx.x;
     const int row = idx / chunks, c = (idx % chunks) * 8;
     const int head = blockIdx.y, batch = blockIdx.z;
-    int seqlen_k_unused = 0;
-    const SeqBounds seq(cu_seqlens_q, nullptr, batch, total_q, 0, error_claim, error_host, seqlen_q,
-                        seqlen_k_unused);
+    const SeqBounds seq(params.cu_seqlens_q, nullptr, batch, params.total_q, 0, params.error_claim, params.error_host,
+                        seqlen_q, seqlen_k_unused);
     if (row >= seqlen_q) return;
     const i64 row_g = seq.q_start + row;
-    const float* src = dq_accum + (batch * stat_batch_stride + head * stat_head_stride + row_g) * dq_pitch + c;
+    const float* src =
+        dq_accum + (batch * params.stat_batch_stride + head * params.stat_head_stride + row_g) * params.dq_pitch + c;
+    const float scale = params.scale;
     u32 lo[4], hi[4], packed[4];
     ld_global_v4(src, lo);
     ld_global_v4(src + 4, hi);
@@ -723,7 +757,8 @@ __global__ void __launch_bounds__(256)
         packed[i] = Mma<Elem>::pack(__uint_as_float(lo[2 * i]) * scale, __uint_as_float(lo[2 * i + 1]) * scale);
         packed[2 + i] = Mma<Elem>::pack(__uint_as_float(hi[2 * i]) * scale, __uint_as_float(hi[2 * i + 1]) * scale);
     }
-    st_global_v4(dq + batch * dq_batch_stride + row_g * dq_row_stride + head * dq_head_stride + c, packed);
+    st_global_v4(dq + batch * params.dq_batch_stride + row_g * params.dq_row_stride + head * params.dq_head_stride + c,
+                 packed);
 }
 
 // Varlen: dq rows past cu_seqlens_q[batch] and dk/dv rows past cu_seqlens_k[batch] belong to no sequence, so no
@@ -732,13 +767,14 @@ __global__ void __launch_bounds__(256)
 // contiguous (total, heads, d) array of row_elems[y] 16-bit elements per row (a multiple of 8); a grid-stride loop
 // of 16-byte stores covers the tail, which is empty in the common case (the arrays hold exactly the sequences).
 __global__ void __launch_bounds__(256)
-    bwd_zero_tail(u16* __restrict__ dq, u16* __restrict__ dk, u16* __restrict__ dv, const int* __restrict__ cu_seqlens_q,
-                  const int* __restrict__ cu_seqlens_k, int batch, int total_q, int total_k, int q_row_elems,
-                  int kv_row_elems) {
+    bwd_zero_tail(const __grid_constant__ BwdParams kernel_params) {
+    const BwdParams params = kernel_params;  // (read through a local copy: common/params.cuh)
     const int which = blockIdx.y;
-    u16* grad = which == 0 ? dq : which == 1 ? dk : dv;
-    const int total = which == 0 ? total_q : total_k, row_elems = which == 0 ? q_row_elems : kv_row_elems;
-    int end = (which == 0 ? cu_seqlens_q : cu_seqlens_k)[batch];  // a bad value is reported by the other kernels
+    u16* grad = which == 0 ? params.dq : which == 1 ? params.dk : params.dv;
+    const int total = which == 0 ? params.total_q : params.total_k;
+    const int row_elems = which == 0 ? params.q_row_elems : params.kv_row_elems;
+    // (a bad value is reported by the other kernels)
+    int end = (which == 0 ? params.cu_seqlens_q : params.cu_seqlens_k)[params.batch];
     end = end < 0 ? 0 : end > total ? total : end;
     const i64 chunk_end = (i64)total * row_elems / 8;
     const u32 zero[4] = {0u, 0u, 0u, 0u};

@@ -23,6 +23,7 @@
 // (atomicExch on a device word) and writes it to pinned host memory that the host reads without synchronising
 // (fa2cupy/device_errors.py); every output row computed while a report is pending is NaN, never a wrong number.
 #include "common/types.cuh"
+#include "common/params.cuh"
 #include "common/fast_div.cuh"
 #include "common/clock.cuh"
 #include "common/hints.cuh"
@@ -75,8 +76,14 @@ struct Load8<f32> {
 // whatever (batch, seqlen, heads) order the caller uses, identically for parts and lses.
 template <class In, class Out>
 __global__ void __launch_bounds__(256, 1)
-    merge_states(const void* __restrict__ parts, const float* __restrict__ lses, u16* __restrict__ out,
-                 float* __restrict__ lse_out, int n, i64 rows, int headdim) {
+    merge_states(const __grid_constant__ MergeParams kernel_params) {
+    const MergeParams params = kernel_params;  // (read through a local copy: common/params.cuh)
+    const void* __restrict__ parts = params.parts;
+    const float* __restrict__ lses = params.lses;
+    u16* __restrict__ out = params.out;
+    float* __restrict__ lse_out = params.lse_out;
+    const int n = params.n, headdim = params.headdim;
+    const i64 rows = params.rows;
     const int lane = threadIdx.x & 31;
     const i64 row = (i64)blockIdx.x * 8 + (threadIdx.x >> 5);
     if (row >= rows) return;
@@ -165,88 +172,88 @@ FA2_DEVICE void rotate_chunk(u32 (&chunk)[4], const u16* row, int c, int pos, co
 // at their slots cache_seqlens[b] + t (flash-attn: the position is the slot, left pad included).
 template <bool Paged, bool Extras = false, class Elem = f16>
 __global__ void __launch_bounds__(256)
-    kvcache_append(const u16* __restrict__ k_new, const u16* __restrict__ v_new, u16* __restrict__ k_cache,
-                   u16* __restrict__ v_cache, const int* __restrict__ block_table,
-                   const int* __restrict__ cache_seqlens, const int* __restrict__ cache_batch_idx, int* error_claim,
-                   long long* error_host, i64 kn_batch_stride, int kn_row_stride, i64 kn_head_stride,
-                   i64 vn_batch_stride, int vn_row_stride, i64 vn_head_stride, i64 k_batch_stride, int k_row_stride,
-                   i64 k_head_stride, i64 v_batch_stride, int v_row_stride, i64 v_head_stride, int batch,
-                   int nheads_kv, int headdim, int fixed_seqlen, int seqlen_new, int capacity, int cache_rows,
-                   int page_size, int max_pages, const u16* __restrict__ rotary_cos,
-                   const u16* __restrict__ rotary_sin, const int* __restrict__ cache_leftpad, int rotary_dim,
-                   int seqlen_ro, int rotary_interleaved, int q_span) {
+    kvcache_append(const __grid_constant__ DecodeParams kernel_params) {
+    const DecodeParams params = kernel_params;  // (read through a local copy: common/params.cuh)
+    const u16* __restrict__ k_new = params.k_new;
+    const u16* __restrict__ v_new = params.v_new;
+    u16* __restrict__ k_cache = params.k_cache;
+    u16* __restrict__ v_cache = params.v_cache;
+    const int* __restrict__ block_table = params.block_table;
+    const int* __restrict__ cache_seqlens = params.cache_seqlens;
+    const int* __restrict__ cache_batch_idx = params.cache_batch_idx;
+    const int* __restrict__ cache_leftpad = params.cache_leftpad;
     wait_for_prior_grids();
     allow_next_grid();
-    const CacheIndex index{block_table, cache_seqlens, cache_batch_idx, fixed_seqlen, seqlen_new,
-                           capacity,    cache_rows,    page_size,       max_pages};
+    const CacheIndex index{block_table, cache_seqlens, cache_batch_idx, (int)params.fixed_seqlen, params.seqlen_new,
+                           params.capacity,    params.cache_rows,    params.page_size,       params.max_pages};
     const bool reporter = blockIdx.x == 0;
     bool bad = false;
-    for (int b = threadIdx.x; b < batch; b += blockDim.x) {
+    for (int b = threadIdx.x; b < params.batch; b += blockDim.x) {
         const int len = index.cached(b);
         if (!index.seqlen_ok(len)) {
             bad = true;
-            if (reporter) report_bad_value(error_claim, error_host, kBadCacheSeqlen, b, 0, len);
+            if (reporter) report_bad_value(params.error_claim, params.error_host, kBadCacheSeqlen, b, 0, len);
         }
         if (!Paged && !index.row_ok(index.cache_row(b))) {
             bad = true;
-            if (reporter) report_bad_value(error_claim, error_host, kBadCacheBatchIdx, b, 0, index.cache_row(b));
+            if (reporter) report_bad_value(params.error_claim, params.error_host, kBadCacheBatchIdx, b, 0, index.cache_row(b));
         }
         if constexpr (Extras) {
             if (index.seqlen_ok(len)) {
                 const int pad = cache_leftpad != nullptr ? cache_leftpad[b] : 0;
                 if (pad < 0 || pad > len) {
                     bad = true;
-                    if (reporter) report_bad_value(error_claim, error_host, kBadCacheLeftpad, b, 0, pad);
+                    if (reporter) report_bad_value(params.error_claim, params.error_host, kBadCacheLeftpad, b, 0, pad);
                 }
-                const int last = len + max(seqlen_new, q_span) - 1;
-                if (rotary_dim > 0 && last >= seqlen_ro) {
+                const int last = len + max(params.seqlen_new, params.q_span) - 1;
+                if (params.rotary_dim > 0 && last >= params.seqlen_ro) {
                     bad = true;
-                    if (reporter) report_bad_value(error_claim, error_host, kBadRotaryPosition, b, 0, last);
+                    if (reporter) report_bad_value(params.error_claim, params.error_host, kBadRotaryPosition, b, 0, last);
                 }
             }
         }
     }
     if (Paged) {  // every page a row reads or writes, not only the appended ones: the attention reads them all
-        for (int b = 0; b < batch; ++b) {
+        for (int b = 0; b < params.batch; ++b) {
             const int len = index.cached(b);
             if (!index.seqlen_ok(len)) continue;
-            const int used = (len + seqlen_new + page_size - 1) / page_size;
+            const int used = (len + params.seqlen_new + params.page_size - 1) / params.page_size;
             for (int p = threadIdx.x; p < used; p += blockDim.x) {
-                const int page = block_table[(i64)b * max_pages + p];
+                const int page = block_table[(i64)b * params.max_pages + p];
                 if (!index.row_ok(page)) {
                     bad = true;
-                    if (reporter) report_bad_value(error_claim, error_host, kBadBlockTable, b, p, page);
+                    if (reporter) report_bad_value(params.error_claim, params.error_host, kBadBlockTable, b, p, page);
                 }
             }
         }
     }
     if (__syncthreads_or(bad)) return;
 
-    const Rotary rot{rotary_cos, rotary_sin, rotary_dim, seqlen_ro, rotary_interleaved != 0};
-    const int chunks_per_row = headdim / 8;
-    const i64 chunks = (i64)batch * seqlen_new * nheads_kv * chunks_per_row;
+    const Rotary rot{params.rotary_cos, params.rotary_sin, params.rotary_dim, params.seqlen_ro, params.rotary_interleaved != 0};
+    const int chunks_per_row = params.headdim / 8;
+    const i64 chunks = (i64)params.batch * params.seqlen_new * params.nheads_kv * chunks_per_row;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < chunks; i += (i64)gridDim.x * blockDim.x) {
         const int c = (int)(i % chunks_per_row) * 8;
-        const int head = (int)(i / chunks_per_row % nheads_kv);
-        const int t = (int)(i / ((i64)chunks_per_row * nheads_kv) % seqlen_new);
-        const int b = (int)(i / ((i64)chunks_per_row * nheads_kv * seqlen_new));
+        const int head = (int)(i / chunks_per_row % params.nheads_kv);
+        const int t = (int)(i / ((i64)chunks_per_row * params.nheads_kv) % params.seqlen_new);
+        const int b = (int)(i / ((i64)chunks_per_row * params.nheads_kv * params.seqlen_new));
         const int pos = index.cached(b) + t;
         i64 row_base;
         int slot;
         if (Paged) {
-            row_base = block_table[(i64)b * max_pages + pos / page_size];
-            slot = pos % page_size;
+            row_base = block_table[(i64)b * params.max_pages + pos / params.page_size];
+            slot = pos % params.page_size;
         } else {
             row_base = index.cache_row(b);
             slot = pos;
         }
         u32 chunk[4];
-        const u16* k_row = k_new + b * kn_batch_stride + (i64)t * kn_row_stride + head * kn_head_stride;
+        const u16* k_row = k_new + b * params.k_new_batch_stride + (i64)t * params.k_new_row_stride + head * params.k_new_head_stride;
         ld_global_v4(k_row + c, chunk);
         if constexpr (Extras) rotate_chunk<Elem>(chunk, k_row, c, pos, rot);
-        st_global_v4(k_cache + row_base * k_batch_stride + (i64)slot * k_row_stride + head * k_head_stride + c, chunk);
-        ld_global_v4(v_new + b * vn_batch_stride + (i64)t * vn_row_stride + head * vn_head_stride + c, chunk);
-        st_global_v4(v_cache + row_base * v_batch_stride + (i64)slot * v_row_stride + head * v_head_stride + c, chunk);
+        st_global_v4(k_cache + row_base * params.k_batch_stride + (i64)slot * params.k_row_stride + head * params.k_head_stride + c, chunk);
+        ld_global_v4(v_new + b * params.v_new_batch_stride + (i64)t * params.v_new_row_stride + head * params.v_new_head_stride + c, chunk);
+        st_global_v4(v_cache + row_base * params.v_batch_stride + (i64)slot * params.v_row_stride + head * params.v_head_stride + c, chunk);
     }
 }
 
@@ -256,30 +263,30 @@ __global__ void __launch_bounds__(256)
 // reported, its rows are written as zeros, and the attention kernel, launched after this one, returns NaN.
 template <class Elem>
 __global__ void __launch_bounds__(256)
-    rotary_q(const u16* __restrict__ q, u16* __restrict__ q_out, const u16* __restrict__ rotary_cos,
-             const u16* __restrict__ rotary_sin, const int* __restrict__ cache_seqlens, int* error_claim,
-             long long* error_host, i64 q_batch_stride, int q_row_stride, i64 q_head_stride, int batch,
-             int seqlen_q, int nheads, int headdim, int fixed_seqlen, int seqlen_new, int capacity, int rotary_dim,
-             int seqlen_ro, int rotary_interleaved, int advance) {
+    rotary_q(const __grid_constant__ DecodeParams kernel_params) {
+    const DecodeParams params = kernel_params;  // (read through a local copy: common/params.cuh)
+    const u16* __restrict__ q = params.q;
+    u16* __restrict__ q_out = params.q_rotated;
+    const int* __restrict__ cache_seqlens = params.cache_seqlens;
     wait_for_prior_grids();
     allow_next_grid();
-    const CacheIndex index{nullptr, cache_seqlens, nullptr, fixed_seqlen, seqlen_new, capacity, 0, 0, 0};
-    const Rotary rot{rotary_cos, rotary_sin, rotary_dim, seqlen_ro, rotary_interleaved != 0};
-    const int chunks_per_row = headdim / 8;
-    const i64 chunks = (i64)batch * seqlen_q * nheads * chunks_per_row;
+    const CacheIndex index{nullptr, cache_seqlens, nullptr, (int)params.fixed_seqlen, params.seqlen_new, params.capacity, 0, 0, 0};
+    const Rotary rot{params.rotary_cos, params.rotary_sin, params.rotary_dim, params.seqlen_ro, params.rotary_interleaved != 0};
+    const int chunks_per_row = params.headdim / 8;
+    const i64 chunks = (i64)params.batch * params.seqlen_q * params.nheads * chunks_per_row;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < chunks; i += (i64)gridDim.x * blockDim.x) {
         const int c = (int)(i % chunks_per_row) * 8;
-        const int head = (int)(i / chunks_per_row % nheads);
-        const int t = (int)(i / ((i64)chunks_per_row * nheads) % seqlen_q);
-        const int b = (int)(i / ((i64)chunks_per_row * nheads * seqlen_q));
-        const int len = index.cached(b), pos = len + (advance ? t : 0);
+        const int head = (int)(i / chunks_per_row % params.nheads);
+        const int t = (int)(i / ((i64)chunks_per_row * params.nheads) % params.seqlen_q);
+        const int b = (int)(i / ((i64)chunks_per_row * params.nheads * params.seqlen_q));
+        const int len = index.cached(b), pos = len + (params.rotary_advance ? t : 0);
         u32 chunk[4] = {0u, 0u, 0u, 0u};
         if (!index.seqlen_ok(len)) {
-            report_bad_value(error_claim, error_host, kBadCacheSeqlen, b, 0, len);
-        } else if (pos >= seqlen_ro) {
-            report_bad_value(error_claim, error_host, kBadRotaryPosition, b, 0, pos);
+            report_bad_value(params.error_claim, params.error_host, kBadCacheSeqlen, b, 0, len);
+        } else if (pos >= params.seqlen_ro) {
+            report_bad_value(params.error_claim, params.error_host, kBadRotaryPosition, b, 0, pos);
         } else {
-            const u16* row = q + b * q_batch_stride + (i64)t * q_row_stride + head * q_head_stride;
+            const u16* row = q + b * params.q_batch_stride + (i64)t * params.q_row_stride + head * params.q_head_stride;
             ld_global_v4(row + c, chunk);
             rotate_chunk<Elem>(chunk, row, c, pos, rot);
         }
@@ -303,20 +310,21 @@ __global__ void __launch_bounds__(256)
 // of a block read neighbouring kv heads of the same tokens).
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
-    decode_attention(const u16* __restrict__ q, const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
-                     const int* __restrict__ block_table, const int* __restrict__ cache_seqlens,
-                     const int* __restrict__ cache_batch_idx, u16* __restrict__ out, float* __restrict__ lse_out,
-                     float* __restrict__ partial_out, float* __restrict__ partial_lse, int* __restrict__ arrivals,
-                     int* error_claim, long long* error_host, i64 q_batch_stride, int q_row_stride,
-                     i64 q_head_stride, i64 k_batch_stride, int k_row_stride, i64 k_head_stride, i64 v_batch_stride,
-                     int v_row_stride, i64 v_head_stride, int batch, int seqlen_q, int nheads, int heads_per_kv,
-                     int headdim, int fixed_seqlen, int seqlen_new, int capacity, int cache_rows, int page_size,
-                     int max_pages, float scale, float scale_log2, const float* __restrict__ alibi_slopes,
-                     i64 alibi_batch_stride, const int* __restrict__ cache_leftpad, int window_left,
-                     int window_right, float softcap, int num_splits, u32 splits_magic, int splits_shift,
-                     u32 groups_magic, int groups_shift, u32 heads_kv_magic, int heads_kv_shift,
-                     u32 heads_per_kv_magic, int heads_per_kv_shift, u32 page_size_magic, int page_size_shift,
-                     int programmatic, int stream_larger_than_l2) {
+    decode_attention(const __grid_constant__ DecodeParams kernel_params) {
+    const DecodeParams params = kernel_params;  // (read through a local copy: common/params.cuh)
+    const u16* __restrict__ q = params.q;
+    const u16* __restrict__ k_cache = params.k_cache;
+    const u16* __restrict__ v_cache = params.v_cache;
+    const int* __restrict__ block_table = params.block_table;
+    const int* __restrict__ cache_seqlens = params.cache_seqlens;
+    const int* __restrict__ cache_batch_idx = params.cache_batch_idx;
+    const int* __restrict__ cache_leftpad = params.cache_leftpad;
+    const float* __restrict__ alibi_slopes = params.alibi_slopes;
+    u16* __restrict__ out = params.out;
+    float* __restrict__ lse_out = params.lse_out;
+    float* __restrict__ partial_out = params.partial_out;
+    float* __restrict__ partial_lse = params.partial_lse;
+    int* __restrict__ arrivals = params.arrivals;
     using QTile = typename Tr::QTile;
     using KVTile = typename Tr::KVTile;
     using Mma = fa2::Mma<typename Tr::Elem>;
@@ -325,7 +333,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // Warp items: a warp's tiles are all of its item's; otherwise the block's warps take the item's tiles in turn.
     constexpr bool solo = Tr::kWarpItems;
     constexpr int kTileStride = solo ? 1 : kW;
-    const int tile_stride = num_splits * kTileStride;  // between a warp's tiles of an item
+    const int tile_stride = params.num_splits * kTileStride;  // between a warp's tiles of an item
 
     extern __shared__ __align__(128) unsigned char smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -338,23 +346,23 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const u32 smem_v = smem_k + kS * KVTile::kBytes;
 
     // Run-time divisors of the index arithmetic, as multiplications (the launch's start waits on them).
-    const FastDiv by_heads_per_kv{heads_per_kv_magic, heads_per_kv_shift};
-    const FastDiv by_page_size{page_size_magic, page_size_shift};
-    const int nheads_kv = by_heads_per_kv.div(nheads);
-    const int rows = seqlen_q * heads_per_kv;  // packed rows r = query * heads_per_kv + head-in-group
+    const FastDiv by_heads_per_kv{params.heads_per_kv_magic, params.heads_per_kv_shift};
+    const FastDiv by_page_size{params.page_size_magic, params.page_size_shift};
+    const int nheads_kv = by_heads_per_kv.div(params.nheads);
+    const int rows = params.seqlen_q * params.heads_per_kv;  // packed rows r = query * heads_per_kv + head-in-group
     const int groups = nheads_kv * ((rows + 15) / 16);
-    const FastDiv by_splits{splits_magic, splits_shift}, by_groups{groups_magic, groups_shift};
-    const FastDiv by_heads_kv{heads_kv_magic, heads_kv_shift};
-    const int items = num_splits * groups * batch;
+    const FastDiv by_splits{params.splits_magic, params.splits_shift}, by_groups{params.groups_magic, params.groups_shift};
+    const FastDiv by_heads_kv{params.heads_kv_magic, params.heads_kv_shift};
+    const int items = params.num_splits * groups * params.batch;
     const unsigned walkers = solo ? gridDim.x * kW : gridDim.x;  // blocks, or warps, that take items
     const bool persistent = (int)walkers < items;
     unsigned char* merge_area = smem + Tr::kQAreaBytes + (persistent ? kW * Tr::kRingBytes : 0);
-    const CacheIndex index{block_table, cache_seqlens, cache_batch_idx, fixed_seqlen, seqlen_new,
-                           capacity,    cache_rows,    page_size,       max_pages};
+    const CacheIndex index{block_table, cache_seqlens, cache_batch_idx, (int)params.fixed_seqlen, params.seqlen_new,
+                           params.capacity,    params.cache_rows,    params.page_size,       params.max_pages};
     // An item's place in the grid (index arithmetic only: no memory access, so also before the wait).
     auto item_coords = [&](int item, DecodeItem& it) {
         const int split_major = by_splits.div(item);
-        it.split = item - split_major * num_splits;
+        it.split = item - split_major * params.num_splits;
         it.b = by_groups.div(split_major);
         it.group = split_major - it.b * groups;
         const int row_block = by_heads_kv.div(it.group);
@@ -375,8 +383,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // of the block sees (under the causal mask, none past the last row's limit), in BlockN tiles, and this warp's
     // share of them (warp items: the warp takes them all).
     auto item_check = [&](DecodeItem& it) {
-        check_item<Tr>(it, index, lane, error_claim, error_host, seqlen_new, seqlen_q, rows, by_heads_per_kv, by_splits,
-                       window_left, window_right, tile_warp, tile_stride);
+        check_item<Tr>(it, index, lane, params.error_claim, params.error_host, params.seqlen_new, params.seqlen_q, rows, by_heads_per_kv, by_splits,
+                       params.window_left, params.window_right, tile_warp, tile_stride);
     };
     // First key of the warp's j-th tile of an item.
     auto tile_first = [&](const DecodeItem& it, int j) {
@@ -386,7 +394,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // Packed row `packed` of an item of kv head `kv_head`: its query (new token) and its query head.
     auto query_head = [&](int kv_head, int packed, int& query, int& head) {
         query = by_heads_per_kv.div(packed);
-        head = kv_head * heads_per_kv + packed - query * heads_per_kv;
+        head = kv_head * params.heads_per_kv + packed - query * params.heads_per_kv;
     };
 
     // Paged: a tile starts on a multiple of 16 keys and pages hold multiples of 16, so it spans at most BlockN / 16
@@ -397,19 +405,19 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         TileStart t{first, 0, 0};
         if constexpr (Tr::kPaged) {
             t.page = by_page_size.div(first);
-            t.offset = first - t.page * page_size;
+            t.offset = first - t.page * params.page_size;
         }
         return t;
     };
     // The block_table entries of the pages the tile reaches in batch row b (0 past max_pages); `early`: read before
     // wait_for_prior_grids, as guesses.
     auto tile_entries = [&](int b, const TileStart& t, int (&entries)[kTilePages], bool early) {
-        read_tile_entries<Tr>(block_table, max_pages, page_size, b, t, entries, early);
+        read_tile_entries<Tr>(block_table, params.max_pages, params.page_size, b, t, entries, early);
     };
     // Paged: a tile's entries kept where the tile uses the page (else 0) and checked; true if one was out of range
     // (reported unless `guessed`, and read as zeros).
     auto check_pages = [&](const DecodeItem& it, const TileStart& t, int (&pages)[kTilePages], bool guessed) -> bool {
-        return check_tile_pages<Tr>(index, error_claim, error_host, page_size, max_pages, it, t, pages, guessed);
+        return check_tile_pages<Tr>(index, params.error_claim, params.error_host, params.page_size, params.max_pages, it, t, pages, guessed);
     };
 
     // A key tile's copies, worked out apart from issuing them (the first item's are worked out before the wait):
@@ -422,13 +430,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     constexpr int kRowStep = kWalk ? 32 / kDT : 1;
     using KVPlan = DecodeKVPlan<kTilePages>;
     auto plan_kv = [&](const DecodeItem& it, const TileStart& t, const int (&pages)[kTilePages], bool bad_page) {
-        return plan_kv_tile<Tr>(lane, page_size, k_batch_stride, v_batch_stride, k_cache, v_cache, k_row_stride,
-                                v_row_stride, k_head_stride, v_head_stride, headdim, it, t, pages, bad_page);
+        return plan_kv_tile<Tr>(lane, params.page_size, params.k_batch_stride, params.v_batch_stride, k_cache, v_cache, params.k_row_stride,
+                                params.v_row_stride, params.k_head_stride, params.v_head_stride, params.headdim, it, t, pages, bad_page);
     };
     // A call whose K/V are larger than L2 streams them under evict-first: they cannot stay in L2 anyway, and so
     // they do not push out what can (1 x 16k: the queued call 28.0 -> 27.55 us, docs/design.md). Other calls
     // copy under evict-unchanged, as if with no policy.
-    const u64 stream_policy = stream_larger_than_l2 ? l2_evict_first() : l2_evict_unchanged();
+    const u64 stream_policy = params.stream_larger_than_l2 ? l2_evict_first() : l2_evict_unchanged();
     auto copy_kv = [&](u32 dst, const u16* src, bool ok) {
         if constexpr (Tr::kL2Prefetch)
             cp_async_16_prefetch256(dst, src, ok, stream_policy);
@@ -438,7 +446,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // `whole` (Const<1>): every row of the tile has a key and the lane's column is inside the head dim (the guessed
     // first tiles): no per-row check.
     auto issue_kv = [&](KVPlan plan, int slot, auto whole) {
-        issue_kv_tile<Tr>(smem_k, smem_v, lane, k_row_stride, v_row_stride, page_size, copy_kv, k_cache, v_cache, plan,
+        issue_kv_tile<Tr>(smem_k, smem_v, lane, params.k_row_stride, params.v_row_stride, params.page_size, copy_kv, k_cache, v_cache, plan,
                           slot, whole);
     };
     // Keeps a plan's values computed where this stands (before the wait: see keep_here).
@@ -479,15 +487,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             if constexpr (Tr::kPaged) {
 #pragma unroll
                 for (int p = 0; p < kTilePages; ++p) {
-                    k_page_off[p] = pages[p] * k_batch_stride;
-                    v_page_off[p] = pages[p] * v_batch_stride;
+                    k_page_off[p] = pages[p] * params.k_batch_stride;
+                    v_page_off[p] = pages[p] * params.v_batch_stride;
                 }
             }
             constexpr int kChunks = Tr::kBlockN * kDT;
 #pragma unroll 4
             for (int i = 0; i < kChunks / 32; ++i) {
                 const int idx = lane + i * 32, r = idx / kDT, c = (idx % kDT) * 8;
-                const bool ok = first + r < it.key_end && c < headdim && !bad_page;
+                const bool ok = first + r < it.key_end && c < params.headdim && !bad_page;
                 i64 k_off, v_off;
                 if constexpr (Tr::kPaged) {
                     int offset = first_offset + r;
@@ -495,22 +503,22 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                     v_off = v_page_off[0];
 #pragma unroll
                     for (int p = 1; p < kTilePages; ++p) {
-                        if (offset >= page_size) {
-                            offset -= page_size;
+                        if (offset >= params.page_size) {
+                            offset -= params.page_size;
                             k_off = k_page_off[p];
                             v_off = v_page_off[p];
                         }
                     }
-                    k_off += (i64)offset * k_row_stride;
-                    v_off += (i64)offset * v_row_stride;
+                    k_off += (i64)offset * params.k_row_stride;
+                    v_off += (i64)offset * params.v_row_stride;
                 } else {
                     const int key = ok ? it.pad + first + r : 0;
-                    k_off = it.cache_row * k_batch_stride + (i64)key * k_row_stride;
-                    v_off = it.cache_row * v_batch_stride + (i64)key * v_row_stride;
+                    k_off = it.cache_row * params.k_batch_stride + (i64)key * params.k_row_stride;
+                    v_off = it.cache_row * params.v_batch_stride + (i64)key * params.v_row_stride;
                 }
                 const u32 k_dst = smem_k + slot * KVTile::kBytes, v_dst = smem_v + slot * KVTile::kBytes;
-                copy_kv(KVTile::at(k_dst, r, c), k_cache + k_off + it.kv_head * k_head_stride + c, ok);
-                copy_kv(KVTile::at(v_dst, r, c), v_cache + v_off + it.kv_head * v_head_stride + c, ok);
+                copy_kv(KVTile::at(k_dst, r, c), k_cache + k_off + it.kv_head * params.k_head_stride + c, ok);
+                copy_kv(KVTile::at(v_dst, r, c), v_cache + v_off + it.kv_head * params.v_head_stride + c, ok);
             }
         }
         return bad_page;
@@ -528,7 +536,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     constexpr bool kPlanQ = kQPerThread <= 2;
     // This thread's chunk i of an item's Q rows: its source (null: zero-filled) and where it lands.
     auto q_src = [&](const DecodeItem& it, int i) -> const u16* {
-        return q_chunk_source<Tr>(query_head, lane, rows, headdim, q, q_batch_stride, q_row_stride, q_head_stride, it,
+        return q_chunk_source<Tr>(query_head, lane, rows, params.headdim, q, params.q_batch_stride, params.q_row_stride, params.q_head_stride, it,
                                   i);
     };
     auto copy_q = [&](int i, const u16* src, int buffer) {
@@ -576,11 +584,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     guess.b = guess.cache_row = cur.b;
     guess.kv_head = cur.kv_head;
     guess.pad = guess.key_begin = 0;
-    guess.key_end = capacity;
+    guess.key_end = params.capacity;
     guess.first_tile = cur.split * kTileStride + tile_warp;
     const bool speculate = !Tr::kExtras && cache_seqlens != nullptr && cache_batch_idx == nullptr &&
-                           (Tr::kPaged || cur.b < cache_rows) &&
-                           tile_first(guess, kAhead - 1) + Tr::kBlockN <= capacity;
+                           (Tr::kPaged || cur.b < params.cache_rows) &&
+                           tile_first(guess, kAhead - 1) + Tr::kBlockN <= params.capacity;
     // Launched programmatically (`programmatic`, sm_90), a block waits at wait_for_prior_grids for the kernel
     // before to finish, often for microseconds: the first item's copies are worked out before the wait (Q's and the
     // guessed tiles' addresses; paged, the guessed tiles' block_table entries are read for them), so that after it
@@ -588,7 +596,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // call's first copies went out ~500 instructions after it). Launched plainly, working out first only delayed
     // the index loads (8 x 1k +8% on the H100): there the loads go first.
     constexpr bool kPlanEarly = FA2_GRID_DEPENDENCIES != 0;  // (older GPUs: never launched programmatically)
-    const bool plan_early = kPlanEarly && programmatic != 0;
+    const bool plan_early = kPlanEarly && params.programmatic != 0;
     // Paged, early: the kernel before may still be writing block_table, so the entries read before the wait are
     // guesses, read again after it; if any differs, the copies land and the tiles load again.
     TileStart guess_starts[kAhead];  // (worked out once, for the reads before and after the wait and the plans)
@@ -640,7 +648,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     decode_mark(22, blockIdx.x);
     allow_next_grid();
     // The error word, read first and looked at once the first item's loads are out (pending_report).
-    const int error_word = *static_cast<volatile int*>(error_claim);
+    const int error_word = *static_cast<volatile int*>(params.error_claim);
     item_loads(cur);
     if (plan_early) {
         if (Tr::kPaged && speculate) {
@@ -722,16 +730,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         else
             __syncthreads();  // ... for every thread, and every warp is past the previous item's merge
         decode_mark(1, item);
-        const i64 total_rows = (i64)batch * seqlen_q * nheads;
+        const i64 total_rows = (i64)params.batch * params.seqlen_q * params.nheads;
         auto out_row = [&](int packed) {  // index of packed row `packed` in (batch, seqlen_q, nheads) order
             int query, head;
             query_head(cur.kv_head, packed, query, head);
-            return ((i64)cur.b * seqlen_q + query) * nheads + head;
+            return ((i64)cur.b * params.seqlen_q + query) * params.nheads + head;
         };
         auto lse_index = [&](int packed) {  // ... and in lse_out's (batch, nheads, seqlen_q) order
             int query, head;
             query_head(cur.kv_head, packed, query, head);
-            return ((i64)cur.b * nheads + head) * seqlen_q + query;
+            return ((i64)cur.b * params.nheads + head) * params.seqlen_q + query;
         };
         // (block merge) Where each of the item's rows goes in out and lse_out, worked out now: the index arithmetic,
         // with its divisions, stays off the merge at the end, which every call waits for.
@@ -783,7 +791,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         zero_fragments(acc_o);
         OnlineSoftmax<1, kNT> softmax;
         softmax.init();
-        const WindowMask<kMaskWindow> window{seqlen_q, cur.seqlen_k, window_left, window_right};
+        const WindowMask<kMaskWindow> window{params.seqlen_q, cur.seqlen_k, params.window_left, params.window_right};
         // Extras: each thread's two rows (packed row g and g + 8) belong to their own query heads, so each has its
         // own ALiBi slope and score modifiers.
         ScoreMods mods[2];
@@ -794,9 +802,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 int query, head;
                 query_head(cur.kv_head, packed, query, head);
                 const float slope = alibi_slopes != nullptr && packed < rows
-                                        ? alibi_slopes[cur.b * alibi_batch_stride + head]
+                                        ? alibi_slopes[cur.b * params.alibi_batch_stride + head]
                                         : 0.f;
-                mods[half] = make_score_mods(scale, softcap, slope, seqlen_q, cur.seqlen_k);
+                mods[half] = make_score_mods(params.scale, params.softcap, slope, params.seqlen_q, cur.seqlen_k);
             }
         }
 
@@ -837,7 +845,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                             float unused;
                             const float x = mods[half].logit(s[0][nt][2 * half + e], query, key, unused);
                             s[0][nt][2 * half + e] =
-                                key >= cur.key_end || dist > window_right || dist < -window_left ? -pos_inf() : x;
+                                key >= cur.key_end || dist > params.window_right || dist < -params.window_left ? -pos_inf() : x;
                         }
                     }
                 }
@@ -846,7 +854,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 for (int half = 0; half < 2; ++half) {
                     const int query = by_heads_per_kv.div(cur.row0 + (lane >> 2) + half * 8);
                     const int limit =
-                        Tr::kCausal ? min(cur.key_end, cur.seqlen_k - seqlen_q + query + 1) : cur.key_end;
+                        Tr::kCausal ? min(cur.key_end, cur.seqlen_k - params.seqlen_q + query + 1) : cur.key_end;
 #pragma unroll
                     for (int nt = 0; nt < kNT; ++nt) {
                         const int key = first + nt * 8 + (lane & 3) * 2;
@@ -855,7 +863,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                     }
                 }
             }
-            softmax.update(s, acc_o, Tr::kExtras ? kLog2e : scale_log2);
+            softmax.update(s, acc_o, Tr::kExtras ? kLog2e : params.scale_log2);
             mma_c_b<typename Tr::Elem, KVTile>(acc_o, s, v_slot, lane);
             if (j == 0) start_next();  // next's index values have arrived by now
             if constexpr (deep) {
@@ -870,7 +878,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         if (!has_next) cp_async_wait<0>();  // (empty groups only; the merge may reuse the rings)
         decode_mark(12, item);
         float row_lse[2];
-        softmax.finalize(acc_o, row_lse, Tr::kExtras ? 1.f : scale);
+        softmax.finalize(acc_o, row_lse, Tr::kExtras ? 1.f : params.scale);
         if constexpr (solo) {
             // The warp's rows are final (one split): each lane holds rows lane / 4 and lane / 4 + 8, two columns
             // of every 8-column tile.
@@ -879,11 +887,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             for (int half = 0; half < 2; ++half) {
                 const int packed = cur.row0 + (lane >> 2) + half * 8;
                 if (packed >= rows) continue;
-                u32* dst = reinterpret_cast<u32*>(out + out_row(packed) * headdim);
+                u32* dst = reinterpret_cast<u32*>(out + out_row(packed) * params.headdim);
 #pragma unroll
                 for (int dt = 0; dt < kDT; ++dt) {
                     const int c = dt * 8 + (lane & 3) * 2;
-                    if (c < headdim)
+                    if (c < params.headdim)
                         dst[c / 2] = poisoned ? Mma::pack(quiet_nan(), quiet_nan())
                                               : Mma::pack(acc_o[0][dt][2 * half], acc_o[0][dt][2 * half + 1]);
                 }
@@ -929,7 +937,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             constexpr int kPairs = Tr::kHeadDim / 2;
             for (int idx = threadIdx.x; idx < real_rows * kPairs; idx += Tr::kThreads) {
                 const int r = idx / kPairs, c = (idx % kPairs) * 2;
-                if (c >= headdim) continue;
+                if (c >= params.headdim) continue;
                 float lse = block_lse[r];
                 float2 o = make_float2(0.f, 0.f);
 #pragma unroll
@@ -942,21 +950,21 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 }
                 if (poisoned) o.x = o.y = lse = quiet_nan();
                 const i64 row = block_row[r];
-                if (num_splits == 1) {
-                    reinterpret_cast<u32*>(out + row * headdim)[c / 2] = Mma::pack(o.x, o.y);
+                if (params.num_splits == 1) {
+                    reinterpret_cast<u32*>(out + row * params.headdim)[c / 2] = Mma::pack(o.x, o.y);
                     if (c == 0 && lse_out != nullptr) lse_out[block_lse_row[r]] = lse;
                 } else {
                     // Read back by the last block within microseconds: kept in L2 ahead of the K/V stream, which
                     // had pushed them out before the last block came (1 x 16k: 0.5-1 us a call, with where the
                     // workspace lies in memory).
                     const u64 keep = l2_evict_last();
-                    st_global_f32x2(partial_out + (cur.split * total_rows + row) * headdim + c, o.x, o.y, keep);
+                    st_global_f32x2(partial_out + (cur.split * total_rows + row) * params.headdim + c, o.x, o.y, keep);
                     if (c == 0) st_global_f32(partial_lse + cur.split * total_rows + row, lse, keep);
                 }
             }
             decode_mark(14, item);
 
-            if (num_splits > 1) {
+            if (params.num_splits > 1) {
                 // Split-KV through global memory: the last of the item's split blocks to arrive merges every split's
                 // partial. Release: the barrier puts the block's partial writes before thread 0's fence, which
                 // publishes them with its arrival; acquire: the last arriver's fence after the atomic, then the
@@ -968,7 +976,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                     fence_acq_rel_gpu();
                     // The last arrival wraps the counter back to 0 (left as it was found) in the same atomic: no
                     // store for the acquire fence below to wait for.
-                    last_to_arrive = atomicInc(counter, num_splits - 1) == (unsigned)num_splits - 1;
+                    last_to_arrive = atomicInc(counter, params.num_splits - 1) == (unsigned)params.num_splits - 1;
                     if (last_to_arrive) fence_acq_rel_gpu();
                 }
                 __syncthreads();
@@ -980,27 +988,27 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                     constexpr int kChunk = 16, kQuads = Tr::kHeadDim / 4;
                     for (int t = threadIdx.x; t < real_rows * kQuads; t += Tr::kThreads) {
                         const int r = t / kQuads, c = (t % kQuads) * 4;
-                        if (c >= headdim) continue;
+                        if (c >= params.headdim) continue;
                         const i64 row = block_row[r];
                         float max_lse = -pos_inf(), sum = 0.f;
                         float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-                        for (int first = 0; first < num_splits; first += kChunk) {
+                        for (int first = 0; first < params.num_splits; first += kChunk) {
                             float l[kChunk];
                             float4 x[kChunk];
                             // Every split's lse and partial in flight at once (in program order: see
                             // ld_relaxed_gpu), before any of the math on them.
                             const float* lse_at = partial_lse + (i64)first * total_rows + row;
-                            const float* out_at = partial_out + ((i64)first * total_rows + row) * headdim + c;
+                            const float* out_at = partial_out + ((i64)first * total_rows + row) * params.headdim + c;
 #pragma unroll
                             for (int k = 0; k < kChunk; ++k) {
                                 x[k] = make_float4(0.f, 0.f, 0.f, 0.f);
                                 l[k] = pos_inf();
-                                if (first + k < num_splits) {
+                                if (first + k < params.num_splits) {
                                     x[k] = ld_relaxed_gpu_v4(out_at);
                                     l[k] = ld_relaxed_gpu(lse_at);
                                 }
                                 lse_at += total_rows;
-                                out_at += total_rows * headdim;
+                                out_at += total_rows * params.headdim;
                             }
                             // A part with lse +-inf saw no key and weighs 0; a NaN lse (a poisoned split) makes NaN.
                             float chunk_max = max_lse;
@@ -1019,7 +1027,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                             max_lse = chunk_max;
                         }
                         const float inv = sum == 0.f ? 0.f : 1.f / sum;
-                        u32* dst = reinterpret_cast<u32*>(out + row * headdim + c);
+                        u32* dst = reinterpret_cast<u32*>(out + row * params.headdim + c);
                         dst[0] = Mma::pack(o.x * inv, o.y * inv);
                         dst[1] = Mma::pack(o.z * inv, o.w * inv);
                         if (c == 0 && lse_out != nullptr)

@@ -4,6 +4,7 @@
 // warp owns complete rows: the softmax statistics never need an inter-warp reduction (FA2 §3.3). K and V tiles
 // stream through a ring of shared-memory stages filled by cp.async while the previous tile is computed.
 #include "common/types.cuh"
+#include "common/params.cuh"
 #include "sm80/memory.cuh"
 #include "sm80/mma.cuh"
 #include "sm80/smem_tile.cuh"
@@ -43,29 +44,29 @@ struct FwdTraits {
     static_assert(Varlen || !Paged, "paged K/V comes with varlen");
 };
 
-// q, o: (batch, seqlen_q, nheads, d) and k, v: (batch, seqlen_k, nheads_kv, d) with arbitrary strides in
-// elements on the first three axes and a contiguous last axis; lse[batch * lse_batch_stride + head *
-// lse_head_stride + row] float32. `headdim` is the real head dim (a multiple of 8, <= kHeadDim); the rest of the
-// tile is zero-filled. Varlen (cu_seqlens_q non-null): sequence `batch` is rows cu_seqlens_q[batch] ..
+// FwdParams (common/params.cuh): q, o: (batch, seqlen_q, nheads, d) and k, v: (batch, seqlen_k, nheads_kv, d) with
+// arbitrary strides in elements on the first three axes and a contiguous last axis; lse[batch * lse_batch_stride +
+// head * lse_head_stride + row] float32. `headdim` is the real head dim (a multiple of 8, <= kHeadDim); the rest of
+// the tile is zero-filled. Varlen (cu_seqlens_q non-null): sequence `batch` is rows cu_seqlens_q[batch] ..
 // cu_seqlens_q[batch + 1] of q/o/lse (and likewise of k/v with cu_seqlens_k; total_q/total_k rows in all),
-// seqlen_q/seqlen_k are then the maxima the grid was sized for, and blocks past a sequence's end exit at once. Mods: softcap > 0 and
-// alibi_slopes[batch * alibi_batch_stride + head] (non-null) modify the scores, and dropout_threshold != 0 drops
-// entries of P (Dropout in masks.cuh), the kept ones scaled by dropout_scale, with the seed and offset from the
-// arguments or, when rng_state is non-null, from device memory.
+// max_seqlen_q/max_seqlen_k are the maxima the grid was sized for, and blocks past a sequence's end exit at once.
+// Mods: softcap > 0 and alibi_slopes[batch * alibi_batch_stride + head] (non-null) modify the scores, and
+// dropout_threshold != 0 drops entries of P (Dropout in masks.cuh), the kept ones scaled by dropout_scale, with the
+// seed and offset from the parameters or, when rng_state is non-null, from device memory.
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
-    flash_fwd(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, u16* __restrict__ o,
-              float* __restrict__ lse, const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
-              const float* __restrict__ alibi_slopes, const u32* __restrict__ rng_state,
-              const int* __restrict__ block_table, i64 q_batch_stride,
-              int q_row_stride, i64 q_head_stride,
-              i64 k_batch_stride, int k_row_stride, i64 k_head_stride, i64 v_batch_stride, int v_row_stride,
-              i64 v_head_stride, i64 o_batch_stride, int o_row_stride, i64 o_head_stride, i64 lse_batch_stride,
-              i64 lse_head_stride, int max_seqlen_q, int max_seqlen_k, int nheads, int heads_per_kv, int headdim,
-              int window_left, int window_right, float scale, float scale_log2, float softcap,
-              int alibi_batch_stride, u32 dropout_threshold, u32 seed_lo, u32 seed_hi, u32 offset_lo,
-              u32 offset_hi, float dropout_scale, int total_q, int total_k, int page_size, u32 page_magic,
-              int page_shift, int max_pages, int num_pages, int* error_claim, long long* error_host) {
+    flash_fwd(const __grid_constant__ FwdParams kernel_params) {
+    const FwdParams params = kernel_params;  // (read through a local copy: common/params.cuh)
+    const u16* __restrict__ q = params.q;
+    const u16* __restrict__ k = params.k;
+    const u16* __restrict__ v = params.v;
+    u16* __restrict__ o = params.o;
+    float* __restrict__ lse = params.lse;
+    const int* __restrict__ cu_seqlens_q = params.cu_seqlens_q;
+    const int* __restrict__ cu_seqlens_k = params.cu_seqlens_k;
+    const float* __restrict__ alibi_slopes = params.alibi_slopes;
+    const u32* __restrict__ rng_state = params.rng_state;
+    const int* __restrict__ block_table = params.block_table;
     using QTile = typename Tr::QTile;
     using KVTile = typename Tr::KVTile;
     using Mma = fa2::Mma<typename Tr::Elem>;
@@ -81,30 +82,33 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
     // blocks start earliest and the tail of the grid is short ones.
     const int m_block = gridDim.x - 1 - blockIdx.x;
     const int head = blockIdx.y, batch = blockIdx.z;
-    const int kv_head = head / heads_per_kv;  // MQA/GQA by index: K/V are never replicated
+    const int kv_head = head / params.heads_per_kv;  // MQA/GQA by index: K/V are never replicated
     const int row0 = m_block * Tr::kBlockM;
     const int warp_row0 = warp * kMT * 16;  // first row of this warp within the tile
 
     __shared__ int seq_info[4];  // this sequence's lengths and first rows, see share_seq_bounds
     if constexpr (Tr::kVarlen)
-        share_seq_bounds(seq_info, cu_seqlens_q, cu_seqlens_k, batch, total_q, total_k, error_claim, error_host,
-                         max_seqlen_q, max_seqlen_k);
+        share_seq_bounds(seq_info, cu_seqlens_q, cu_seqlens_k, batch, params.total_q, params.total_k,
+                         params.error_claim, params.error_host, params.max_seqlen_q, params.max_seqlen_k);
     // Inside the loop: the kernel parameters for padded calls (no register, no load), shared memory for varlen.
-    const auto sq = [&] { return Tr::kVarlen ? seq_info[0] : max_seqlen_q; };
-    const auto sk = [&] { return Tr::kVarlen ? seq_info[1] : max_seqlen_k; };
+    const auto sq = [&] { return Tr::kVarlen ? seq_info[0] : params.max_seqlen_q; };
+    const auto sk = [&] { return Tr::kVarlen ? seq_info[1] : params.max_seqlen_k; };
     const auto q_start = [&] { return Tr::kVarlen ? seq_info[2] : 0; };
     // Paged K/V (varlen only): k/v are (num_pages, page_size, nheads_kv, d) with page strides k/v_batch_stride,
     // and key j of sequence `batch` is row j % page_size of page block_table[batch][j / page_size].
     constexpr bool paged = Tr::kPaged;
     const int seqlen_q = sq(), seqlen_k = sk(), k_start = Tr::kVarlen && !paged ? seq_info[3] : 0;
     if (row0 >= seqlen_q) return;  // varlen: past this sequence's queries
-    auto mask_now = [&] { return WindowMask<Tr::kMask>{sq(), sk(), window_left, window_right}; };
-    const u16* q_tile = q + batch * q_batch_stride + (i64)(q_start() + row0) * q_row_stride + head * q_head_stride;
-    const u16* k_head = k + (paged ? 0 : batch * k_batch_stride) + (i64)k_start * k_row_stride + kv_head * k_head_stride;
-    const u16* v_head = v + (paged ? 0 : batch * v_batch_stride) + (i64)k_start * v_row_stride + kv_head * v_head_stride;
+    auto mask_now = [&] { return WindowMask<Tr::kMask>{sq(), sk(), params.window_left, params.window_right}; };
+    const u16* q_tile =
+        q + batch * params.q_batch_stride + (i64)(q_start() + row0) * params.q_row_stride + head * params.q_head_stride;
+    const u16* k_head = k + (paged ? 0 : batch * params.k_batch_stride) + (i64)k_start * params.k_row_stride +
+                        kv_head * params.k_head_stride;
+    const u16* v_head = v + (paged ? 0 : batch * params.v_batch_stride) + (i64)k_start * params.v_row_stride +
+                        kv_head * params.v_head_stride;
 
     // Only key tiles inside the window of some row of this tile are visited: invisible tiles are skipped.
-    const WindowMask<Tr::kMask> mask{seqlen_q, seqlen_k, window_left, window_right};
+    const WindowMask<Tr::kMask> mask{seqlen_q, seqlen_k, params.window_left, params.window_right};
     int n_first, n_blocks;
     mask.template key_tiles<Tr::kBlockN>(row0, Tr::kBlockM, n_first, n_blocks);
 
@@ -112,32 +116,35 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
         const i64 first = (i64)(n_first + n_block) * Tr::kBlockN;
         const int rows = mask_now().seqlen_k - (int)first;
         if constexpr (paged) {
-            const PagedKeys keys{block_table + (i64)batch * max_pages, {page_magic, page_shift}, page_size,
-                                 num_pages};
+            const PagedKeys keys{block_table + (i64)batch * params.max_pages, {params.page_magic, params.page_shift},
+                                 params.page_size, params.num_pages};
             KVTile::template load_async_pair_rows<Tr::kThreads, Tr::kPagedRowsByLanes>(
-                smem_k + slot * KVTile::kBytes, smem_v + slot * KVTile::kBytes, k_head, v_head, headdim, tid,
+                smem_k + slot * KVTile::kBytes, smem_v + slot * KVTile::kBytes, k_head, v_head, params.headdim, tid,
                 [&](int r, int& page, int& slot) {  // (a bad entry is reported, and its rows read as zeros)
-                    return r < rows && keys.locate((int)first + r, page, slot, batch, error_claim, error_host);
+                    return r < rows &&
+                           keys.locate((int)first + r, page, slot, batch, params.error_claim, params.error_host);
                 },
                 [&](int page, int slot, const u16*& k_row, const u16*& v_row) {
-                    k_row = k_head + page * k_batch_stride + (i64)slot * k_row_stride;
-                    v_row = v_head + page * v_batch_stride + (i64)slot * v_row_stride;
+                    k_row = k_head + page * params.k_batch_stride + (i64)slot * params.k_row_stride;
+                    v_row = v_head + page * params.v_batch_stride + (i64)slot * params.v_row_stride;
                 });
             return;
         }
-        KVTile::template load_async<Tr::kThreads>(smem_k + slot * KVTile::kBytes, k_head + first * k_row_stride,
-                                                  k_row_stride, rows, headdim, tid);
-        KVTile::template load_async<Tr::kThreads>(smem_v + slot * KVTile::kBytes, v_head + first * v_row_stride,
-                                                  v_row_stride, rows, headdim, tid);
+        KVTile::template load_async<Tr::kThreads>(smem_k + slot * KVTile::kBytes, k_head + first * params.k_row_stride,
+                                                  params.k_row_stride, rows, params.headdim, tid);
+        KVTile::template load_async<Tr::kThreads>(smem_v + slot * KVTile::kBytes, v_head + first * params.v_row_stride,
+                                                  params.v_row_stride, rows, params.headdim, tid);
     };
 
     // The score modifiers, rebuilt where they are used from the kernel parameters and the slope: the loop then holds
     // one register for them, not five (the dropout path needs the others at the 255-register cap).
-    const float slope = Tr::kMods ? alibi_slope(alibi_slopes, alibi_batch_stride, batch, head) : 0.f;
-    const auto mods_now = [&] { return make_score_mods(scale, softcap, slope, sq(), sk()); };
+    const float slope = Tr::kMods ? alibi_slope(alibi_slopes, params.alibi_batch_stride, batch, head) : 0.f;
+    const auto mods_now = [&] { return make_score_mods(params.scale, params.softcap, slope, sq(), sk()); };
+    u32 seed_lo = (u32)params.seed, seed_hi = (u32)(params.seed >> 32);
+    u32 offset_lo = (u32)params.offset, offset_hi = (u32)(params.offset >> 32);
     if constexpr (Tr::kMods) load_rng_state(rng_state, seed_lo, seed_hi, offset_lo, offset_hi);
-    const Dropout dropout = Tr::kMods ? make_dropout(dropout_threshold, seed_lo, seed_hi, offset_lo, offset_hi,
-                                                     batch, nheads, head, dropout_scale)
+    const Dropout dropout = Tr::kMods ? make_dropout(params.dropout_threshold, seed_lo, seed_hi, offset_lo, offset_hi,
+                                                     batch, params.nheads, head, params.dropout_scale)
                                       : Dropout{};
     // Uniform over the launch: softcap or ALiBi turn the scores into final logits (else, dropout alone, the scale
     // stays folded into the exponent as in the plain kernels), and dropout drops entries of P.
@@ -152,7 +159,8 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
 
     if (n_blocks > 0) {
         // Prologue: Q and the first Stages-1 K/V tiles in flight (Q rides in the first commit group).
-        QTile::template load_async<Tr::kThreads>(smem_q, q_tile, q_row_stride, seqlen_q - row0, headdim, tid);
+        QTile::template load_async<Tr::kThreads>(smem_q, q_tile, params.q_row_stride, seqlen_q - row0, params.headdim,
+                                                 tid);
 #pragma unroll
         for (int s = 0; s < Tr::kStages - 1; ++s) {
             if (s < n_blocks) load_kv(s, s);
@@ -214,7 +222,7 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
 
             // Lines 9-10: new row max, P = exp(S - m), rescale of the running output. Modified scores are already
             // final logits: scale 1.
-            softmax.update(s, acc_o, modify ? kLog2e : scale_log2);
+            softmax.update(s, acc_o, modify ? kLog2e : params.scale_log2);
 
             // Line 10 (cont.): O += P V_j, P straight from the accumulators (c_to_a). Written out rather than
             // mma_c_b: at the 255-register cap of the d=64 128x128 row, ptxas spills 36 bytes with the call.
@@ -266,16 +274,17 @@ __global__ void __launch_bounds__(Tr::kThreads, Tr::kMinBlocks)
 
     // Line 12: O = diag(l)^-1 O and L = m + log(l), written once.
     float row_lse[kMT * 2];
-    softmax.finalize(acc_o, row_lse, modify ? 1.f : scale);
+    softmax.finalize(acc_o, row_lse, modify ? 1.f : params.scale);
 
     // Stage this warp's output rows through its own (no longer needed) Q rows so the global stores are
     // 16-byte and row-contiguous. Only this warp ever read these rows.
     QTile::template store_warp_rows<typename Tr::Elem>(
         smem_q, acc_o, drop ? dropout.scale : 1.f, warp_row0,
-        o + batch * o_batch_stride + head * o_head_stride + (i64)(q_start() + row0 + warp_row0) * o_row_stride,
-        o_row_stride, mask_now().seqlen_q - row0 - warp_row0, headdim, lane);
+        o + batch * params.o_batch_stride + head * params.o_head_stride +
+            (i64)(q_start() + row0 + warp_row0) * params.o_row_stride,
+        params.o_row_stride, mask_now().seqlen_q - row0 - warp_row0, params.headdim, lane);
     if ((lane & 3) == 0) {
-        float* lse_head = lse + batch * lse_batch_stride + head * lse_head_stride + q_start();
+        float* lse_head = lse + batch * params.lse_batch_stride + head * params.lse_head_stride + q_start();
 #pragma unroll
         for (int r = 0; r < kMT * 2; ++r) {
             const int row = row0 + warp_row0 + (r / 2) * 16 + (lane >> 2) + (r % 2) * 8;
@@ -290,14 +299,13 @@ namespace fa2 {
 
 // Dropout's keep mask as the attention kernels draw it (Dropout in masks.cuh): mask[bh][i][j] = 1 where score
 // (i, j) of batch * nheads + head = bh is kept. For fa2cupy.dropout_mask (tests, return_attn_probs).
-__global__ void __launch_bounds__(256)
-    dropout_keep_mask(unsigned char* __restrict__ mask, int seqlen_q, int seqlen_k, int nheads, u32 threshold,
-                      u32 seed_lo, u32 seed_hi, u32 offset_lo, u32 offset_hi) {
+__global__ void __launch_bounds__(256) dropout_keep_mask(const __grid_constant__ DropoutMaskParams params) {
     const int j = blockIdx.x * blockDim.x + threadIdx.x, i = blockIdx.y, bh = blockIdx.z;
-    if (j >= seqlen_k) return;
-    const Dropout dropout = make_dropout(threshold, seed_lo, seed_hi, offset_lo, offset_hi, bh / nheads, nheads,
-                                         bh % nheads, 1.f);
-    mask[((i64)bh * seqlen_q + i) * seqlen_k + j] = dropout.keep_one(i, j) ? 1 : 0;
+    if (j >= params.seqlen_k) return;
+    const Dropout dropout = make_dropout(params.threshold, (u32)params.seed, (u32)(params.seed >> 32),
+                                         (u32)params.offset, (u32)(params.offset >> 32), bh / params.nheads,
+                                         params.nheads, bh % params.nheads, 1.f);
+    params.mask[((i64)bh * params.seqlen_q + i) * params.seqlen_k + j] = dropout.keep_one(i, j) ? 1 : 0;
 }
 
 }  // namespace fa2

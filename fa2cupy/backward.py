@@ -9,17 +9,16 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 
-import numpy as np
-
-from . import build, configs, tensor_maps
-from .forward import _LOG2E, dropout_scalars, dropout_words, error_pointers, kernel_variant
+from . import build, configs, params, tensor_maps
+from .forward import _LOG2E, dropout_scalars, error_pointers, kernel_variant, stride_fields
 from .options import DEFAULT, KernelOptions
-
 
 
 @dataclass(frozen=True)
 class BackwardPlan:
-    preprocess: build.Launch  # each launch's variable slots: its leading pointer arguments (see run_backward)
+    # Each launch holds a params.BwdParams (a BwdHopperParams for the Hopper dK/dV kernel); per call, the pointers its
+    # kernel reads and, for the main and dQ kernels, the dropout seed and offset (see run_backward).
+    preprocess: build.Launch
     main: build.Launch
     dq: build.Launch | None  # deterministic=True: dQ by its own kernel
     convert: build.Launch | None  # deterministic=False: fp32 accumulator -> dq
@@ -28,23 +27,8 @@ class BackwardPlan:
     dq_accum_shape: tuple | None  # (batch, nheads, seqlen_q, d [+ 4]) float32 workspace, atomics only
     config: configs.BwdConfig | configs.HopperBwdConfig
     # The Hopper dK/dV kernel's tensor maps of q, k, v and dout (the tiles it moves with TMA: all of a padded call's,
-    # a varlen call's whole ones): encoded into the main launch's last four parameters for each call's pointers.
+    # a varlen call's whole ones): encoded into the main launch's struct (its tmap_* fields) for each call's pointers.
     tensor_maps: tensor_maps.TileMaps | None = None
-
-
-def _launch(function, grid, block, smem_bytes: int, pointers: int, scalars: tuple, rng_at=None,
-            blobs: int = 0) -> build.Launch:
-    """A launch whose first ``pointers`` arguments are per-call device pointers, then fixed ``scalars``; with
-    ``rng_at``, the four argument slots from there (dropout seed and offset words) are per-call values too; then
-    ``blobs`` tensor maps (build.Launch)."""
-    variable = list(range(pointers)) + ([] if rng_at is None else list(range(rng_at, rng_at + 4)))
-    return build.Launch(function, grid, block, smem_bytes, (np.uint64(0),) * pointers + scalars, variable,
-                        blobs=blobs)
-
-
-def _strides3(strides) -> tuple:
-    batch_stride, row_stride, head_stride, _ = strides
-    return (np.int64(batch_stride), np.int32(row_stride), np.int64(head_stride))
 
 
 def plan_backward(
@@ -76,91 +60,88 @@ def plan_backward(
                                      deterministic, options, tma=False).backward
     hopper = isinstance(config, configs.HopperBwdConfig)
     total_q, total_k = varlen_totals or (0, 0)
-    stats = (np.int64(0), np.int64(total_q)) if varlen_totals else (np.int64(nheads * seqlen_q), np.int64(seqlen_q))
+    stats = (0, total_q) if varlen_totals else (nheads * seqlen_q, seqlen_q)
     threshold, keep_scale = dropout_scalars(dropout_p)
-    sizes = stats + (np.int32(seqlen_q), np.int32(seqlen_k), np.int32(nheads), np.int32(nheads // nheads_kv),
-                     np.int32(headdim), np.int32(left), np.int32(right), np.float32(softmax_scale),
-                     np.float32(softmax_scale * _LOG2E), np.float32(softcap), np.int32(alibi_batch_stride or 0),
-                     threshold)
-    rng_at = len(sizes)  # the dropout seed and offset words come next: per-call values
-    sizes += (np.uint32(0),) * 4 + (keep_scale, np.int32(total_q), np.int32(total_k)) + error_pointers()
-
     dq_pitch = config.dq_pitch(headdim)  # the fp32 dQ accumulator's floats per row, as the main kernel adds them
-    pre = _preprocess_launch(q_shape, strides, dtype, stats, dq_pitch, total_q)
+    fields = {}
+    for prefix, name in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "out"), ("do", "dout"), ("dq", "dq"), ("dk", "dk"),
+                         ("dv", "dv")):
+        fields.update(stride_fields(prefix, strides[name]))
+    fixed = params.BwdParams(
+        **fields, stat_batch_stride=stats[0], stat_head_stride=stats[1], max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k,
+        nheads=nheads, heads_per_kv=nheads // nheads_kv, headdim=headdim, total_q=total_q, total_k=total_k,
+        batch=batch, dq_pitch=dq_pitch, window_left=left, window_right=right, scale=softmax_scale,
+        scale_log2=softmax_scale * _LOG2E, softcap=softcap, alibi_batch_stride=alibi_batch_stride or 0,
+        dropout_threshold=threshold, dropout_scale=keep_scale, **error_pointers())
+
+    pre = _preprocess_launch(q_shape, dtype, fixed)
     smem = config.smem_bytes(atomic)
-    main = _launch(
-        build.get_kernel(config.family, config.name_expression(dtype, mask, atomic, mods, varlen_totals is not None), smem),
-        (((seqlen_k + config.block_n - 1) // config.block_n) * config.dslices, nheads_kv, batch),
-        (config.threads, 1, 1), smem, 13,
-        sum((_strides3(strides[n]) for n in ("q", "k", "v", "dout", "dk", "dv")), ()) + sizes, rng_at=13 + 18 + rng_at,
-        blobs=4 if hopper else 0,
-    )
+    function = build.get_kernel(config.family, config.name_expression(dtype, mask, atomic, mods,
+                                                                      varlen_totals is not None), smem)
+    grid = (((seqlen_k + config.block_n - 1) // config.block_n) * config.dslices, nheads_kv, batch)
     maps = None
     if hopper:
+        main = build.Launch(function, grid, (config.threads, 1, 1), smem, params.BwdHopperParams(bwd=fixed),
+                            tuple(f"bwd.{name}" for name in MAIN_PER_CALL),
+                            maps=("tmap_q", "tmap_k", "tmap_v", "tmap_do"))
         tile_rows = {"q": config.block_m, "k": config.block_n, "v": config.block_n, "dout": config.block_m}
         maps = tensor_maps.TileMaps([tensor_maps.layout(shapes[n], strides[n], tile_rows[n]) for n in shapes])
+    else:
+        main = build.Launch(function, grid, (config.threads, 1, 1), smem, fixed, MAIN_PER_CALL)
     dq = convert = dq_accum_shape = None
     if deterministic:
-        dq = _dq_launch(rows.backward_dq, q_shape, strides, dtype, mask, mods, sizes, rng_at)
+        dq = _dq_launch(rows.backward_dq, q_shape, dtype, mask, mods, fixed)
     else:
-        convert = _convert_launch(q_shape, strides, dtype, stats, dq_pitch, softmax_scale, total_q)
+        convert = _convert_launch(q_shape, dtype, fixed)
         dq_accum_shape = (nheads, total_q, dq_pitch) if varlen_totals else (batch, nheads, seqlen_q, dq_pitch)
-    zero_tail = _zero_tail_launch(q_shape, k_shape, strides, varlen_totals) if varlen_totals else None
+    zero_tail = _zero_tail_launch(q_shape, k_shape, strides, varlen_totals, fixed) if varlen_totals else None
     dsum_shape = (nheads, total_q) if varlen_totals else (batch, nheads, seqlen_q)
     return BackwardPlan(pre, main, dq, convert, zero_tail, dsum_shape, dq_accum_shape, config, maps)
 
 
-def _preprocess_launch(q_shape, strides, dtype, stats, dq_pitch, total_q) -> build.Launch:
-    """dsum = rowsum(dout * out) (and the fp32 dQ accumulator's zeroing): one launch, its pointers first."""
+def _preprocess_launch(q_shape, dtype, fixed: params.BwdParams) -> build.Launch:
+    """dsum = rowsum(dout * out) (and the fp32 dQ accumulator's zeroing)."""
     batch, seqlen_q, nheads, headdim = q_shape
     lanes = min(32, 1 << (headdim // 8 - 1).bit_length())  # the preprocess's lanes per row: 16-byte chunks each
-    return _launch(
-        build.get_kernel("bwd", f"fa2::bwd_preprocess<{configs.DTYPE_TAGS[dtype]}>", 0),
-        (-(-seqlen_q * lanes // 256), nheads, batch), (256, 1, 1), 0, 5,
-        _strides3(strides["dout"]) + _strides3(strides["out"]) + stats + (np.int32(seqlen_q), np.int32(headdim),
-                                                                          np.int32(dq_pitch), np.int32(lanes),
-                                                                          np.int32(total_q))
-        + error_pointers(),
-    )
+    fixed = params.BwdParams.from_buffer_copy(fixed)
+    fixed.lanes = lanes
+    return build.Launch(build.get_kernel("bwd", f"fa2::bwd_preprocess<{configs.DTYPE_TAGS[dtype]}>", 0),
+                        (-(-seqlen_q * lanes // 256), nheads, batch), (256, 1, 1), 0, fixed,
+                        ("dout", "out", "dsum", "dq_accum", "cu_seqlens_q"))
 
 
-def _dq_launch(dq_config, q_shape, strides, dtype, mask, mods, sizes, rng_at) -> build.Launch:
+def _dq_launch(dq_config, q_shape, dtype, mask, mods, fixed: params.BwdParams) -> build.Launch:
     """The deterministic dQ kernel's launch (its own pass over the keys)."""
     batch, seqlen_q, nheads, _ = q_shape
-    return _launch(
-        build.get_kernel("bwd", dq_config.name_expression(dtype, mask, mods), dq_config.smem_bytes),
-        ((seqlen_q + dq_config.block_m - 1) // dq_config.block_m, nheads, batch),
-        (dq_config.threads, 1, 1), dq_config.smem_bytes, 11,
-        sum((_strides3(strides[n]) for n in ("q", "k", "v", "dout", "dq")), ()) + sizes, rng_at=11 + 15 + rng_at,
-    )
+    return build.Launch(build.get_kernel("bwd", dq_config.name_expression(dtype, mask, mods), dq_config.smem_bytes),
+                        ((seqlen_q + dq_config.block_m - 1) // dq_config.block_m, nheads, batch),
+                        (dq_config.threads, 1, 1), dq_config.smem_bytes, fixed, DQ_PER_CALL)
 
 
-def _convert_launch(q_shape, strides, dtype, stats, dq_pitch, softmax_scale, total_q) -> build.Launch:
+def _convert_launch(q_shape, dtype, fixed: params.BwdParams) -> build.Launch:
     """The atomic backward's last launch: the fp32 dQ accumulator, scaled, into dq's dtype and strides."""
     batch, seqlen_q, nheads, headdim = q_shape
-    return _launch(
-        build.get_kernel("bwd", f"fa2::bwd_convert_dq<{configs.DTYPE_TAGS[dtype]}>", 0),
-        ((seqlen_q * (headdim // 8) + 255) // 256, nheads, batch), (256, 1, 1), 0, 3,
-        _strides3(strides["dq"]) + stats + (np.int32(seqlen_q), np.int32(headdim), np.int32(dq_pitch),
-                                            np.float32(softmax_scale), np.int32(total_q)) + error_pointers(),
-    )
+    return build.Launch(build.get_kernel("bwd", f"fa2::bwd_convert_dq<{configs.DTYPE_TAGS[dtype]}>", 0),
+                        ((seqlen_q * (headdim // 8) + 255) // 256, nheads, batch), (256, 1, 1), 0, fixed,
+                        ("dq_accum", "dq", "cu_seqlens_q"))
 
 
-def _zero_tail_launch(q_shape, k_shape, strides, varlen_totals) -> build.Launch:
+def _zero_tail_launch(q_shape, k_shape, strides, varlen_totals, fixed: params.BwdParams) -> build.Launch:
     """Varlen: zeroes dq/dk/dv's rows past the last sequence (which must be contiguous)."""
-    batch, _, nheads, headdim = q_shape
+    _, _, nheads, headdim = q_shape
     total_q, total_k = varlen_totals
     q_row, kv_row = nheads * headdim, k_shape[2] * headdim
     if any(strides[n][1:] != (row, headdim, 1) for n, row in (("dq", q_row), ("dk", kv_row), ("dv", kv_row))):
         raise ValueError("varlen gradients must be contiguous (total, heads, d) arrays")
     chunks = max(total_q * q_row, total_k * kv_row) // 8
-    return _launch(build.get_kernel("bwd", "fa2::bwd_zero_tail", 0), (min(64, -(-chunks // 256)), 3, 1),
-                   (256, 1, 1), 0, 5, (np.int32(batch), np.int32(total_q), np.int32(total_k),
-                                       np.int32(q_row), np.int32(kv_row)))
+    fixed = params.BwdParams.from_buffer_copy(fixed)
+    fixed.q_row_elems, fixed.kv_row_elems = q_row, kv_row
+    return build.Launch(build.get_kernel("bwd", "fa2::bwd_zero_tail", 0), (min(64, -(-chunks // 256)), 3, 1),
+                        (256, 1, 1), 0, fixed, ("dq", "dk", "dv", "cu_seqlens_q", "cu_seqlens_k"))
 
 
 def maps_writer(plan: BackwardPlan, q: int, k: int, v: int, dout: int):
-    """What the main launch takes as ``write_blobs`` for these pointers: the plan's tensor maps encoded for them
+    """What the main launch takes as ``write_maps`` for these pointers: the plan's tensor maps encoded for them
     (None where the plan has none)."""
     return None if plan.tensor_maps is None else plan.tensor_maps.writer((q, k, v, dout))
 
@@ -171,6 +152,11 @@ POINTERS = ("q", "k", "v", "dout", "softmax_lse", "dsum", "dq_accum", "dk", "dv"
             "alibi_slopes", "dropout_rng_state", "out", "dq")
 NO_POINTERS = dict.fromkeys(POINTERS, 0)
 _pointer_values = operator.itemgetter(*POINTERS)
+#: The BwdParams fields the main (dK/dV) kernel and the deterministic dQ kernel take per call.
+MAIN_PER_CALL = ("q", "k", "v", "dout", "lse", "dsum", "dq_accum", "dk", "dv", "cu_seqlens_q", "cu_seqlens_k",
+                 "alibi_slopes", "rng_state", "seed", "offset")
+DQ_PER_CALL = ("q", "k", "v", "dout", "lse", "dsum", "dq", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes",
+               "rng_state", "seed", "offset")
 
 
 def run_backward(plan: BackwardPlan, pointers: dict, values: tuple, stream_ptr: int, framework: str = "cupy",
@@ -178,16 +164,16 @@ def run_backward(plan: BackwardPlan, pointers: dict, values: tuple, stream_ptr: 
     """Launches a plan on the stream with handle ``stream_ptr``. ``pointers`` maps every name of :data:`POINTERS`
     to a device pointer: "dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", "dsum" and (atomics only)
     "dq_accum", and 0 where absent, "cu_seqlens_q", "cu_seqlens_k" (varlen), "alibi_slopes" and
-    "dropout_rng_state"; ``values`` = (dropout seed, dropout offset)."""
+    "dropout_rng_state"; ``values`` = (dropout seed, dropout offset), ints in [0, 2**64)."""
     q, k, v, dout, lse, dsum, dq_accum, dk, dv, cu_q, cu_k, alibi, rng_state, out, dq = _pointer_values(pointers)
     if plan.convert is None:
         dq_accum = 0  # (deterministic: no accumulator)
-    rng = dropout_words(*values)
+    seed, offset = values
     plan.preprocess(stream_ptr, (dout, out, dsum, dq_accum, cu_q))
-    plan.main(stream_ptr, (q, k, v, dout, lse, dsum, dq_accum, dk, dv, cu_q, cu_k, alibi, rng_state) + rng,
+    plan.main(stream_ptr, (q, k, v, dout, lse, dsum, dq_accum, dk, dv, cu_q, cu_k, alibi, rng_state, seed, offset),
               maps_writer(plan, q, k, v, dout))
     if plan.dq is not None:
-        plan.dq(stream_ptr, (q, k, v, dout, lse, dsum, dq, cu_q, cu_k, alibi, rng_state) + rng)
+        plan.dq(stream_ptr, (q, k, v, dout, lse, dsum, dq, cu_q, cu_k, alibi, rng_state, seed, offset))
     else:
         plan.convert(stream_ptr, (dq_accum, dq, cu_q))
     if plan.zero_tail is not None:

@@ -16,8 +16,6 @@ import re
 import threading
 from pathlib import Path
 
-import numpy as np
-
 #: NVRTC options shared by the runtime build and the CPU compile test (which adds the -arch option itself).
 NVRTC_OPTIONS = ("-std=c++17", "-default-device")
 
@@ -180,49 +178,57 @@ def compile_for_arch(family: str, name_expressions, arch: str, log: bool = False
 
 
 class Launch:
-    """One kernel launch with its argument buffer built once: cuLaunchKernel reads every argument through a
-    ``void*`` array, so a call only rewrites the slots that change (pointers, a length) and launches. About 3 us
-    of host time, where a ``cupy.cuda.Function`` call, which converts each of its ~35 arguments anew, costs ~15.
+    """One kernel launch with its parameter struct (fa2cupy/params.py, cuda/common/params.cuh) built once in a
+    buffer of its own: cuLaunchKernel copies the struct from there, so a call writes only the fields that change
+    and launches. About 3 us of host time, where a ``cupy.cuda.Function`` call, which converts each of its ~35
+    arguments anew, costs ~15.
 
-    ``args`` are numpy scalars (np.uint64 for pointers, np.int32, np.int64, np.float32), each stored in its own
-    8-byte slot (the driver copies the parameter's size from the slot's start: little-endian, so the low bytes).
-    ``variable`` lists the slots a call passes values for, in order: unsigned 64-bit values (pointers, counts,
-    seed words); a negative one raises ValueError rather than launching with a wrapped value.
+    ``params``: the struct with its fixed fields set (copied; :attr:`params` is the launch's own, whose fields a
+    test or a plan may read by name). ``per_call``: the fields, by name (``"q"``, or ``"fwd.q"`` in a nested struct),
+    that a call passes ``values`` for, in that order: 64-bit fields (pointers, the dropout seed and offset, counts),
+    written as unsigned integers through offsets worked out here; a negative one raises ValueError rather than
+    launching with a wrapped value.
 
     ``programmatic`` (sm_90 and later): launched with programmatic stream serialization (cuLaunchKernelEx), so that
     the kernel's launch overlaps the end of the kernel before it in the stream; the kernel must wait for it first
     (cuda/sm90/grid_dependencies.cuh: wait_for_prior_grids).
 
-    ``blobs``: that many 128-byte parameters after ``args`` (tensor maps, cuda/sm90/tma.cuh: TensorMap), zeros
-    until a call's ``write_blobs`` rewrites them: it gets their host addresses (64-byte aligned) under the launch's
-    lock, before the launch copies them.
+    ``maps``: the struct's tensor map fields by name (cuda/common/types.cuh: TensorMap); a call's ``write_maps``
+    gets their host addresses (:attr:`map_addresses`, 64-byte aligned as cuTensorMapEncodeTiled requires: the
+    buffer is aligned as the CUDA struct) under the launch's lock and encodes the maps there, before the launch
+    copies the struct.
     """
 
-    __slots__ = ("function", "grid", "block", "smem_bytes", "variable", "_slots", "_words", "_params", "_params_ptr",
-                 "_lock", "_config", "_blobs", "blob_addresses")
+    __slots__ = ("function", "grid", "block", "smem_bytes", "params", "per_call", "map_addresses", "_buffer",
+                 "_words", "_indices", "_kernel_params", "_params_ptr", "_lock", "_config")
 
-    def __init__(self, function, grid, block, smem_bytes: int, args, variable, programmatic: bool = False,
-                 blobs: int = 0):
+    def __init__(self, function, grid, block, smem_bytes: int, params, per_call=(), programmatic: bool = False,
+                 maps=()):
+        from . import params as structs
+
         self.function, self.grid, self.block, self.smem_bytes = function, tuple(grid), tuple(block), smem_bytes
         self._config = _programmatic_config(self.grid, self.block, smem_bytes) if programmatic else None
-        self.variable = tuple(variable)
-        self._slots = (ctypes.c_uint64 * len(args))()
-        for i, value in enumerate(args):
-            value = np.asarray(value)
-            self._slots[i] = int(np.frombuffer(value.tobytes().ljust(8, b"\0"), dtype=np.uint64)[0])
-        self._words = memoryview(self._slots).cast("B").cast("Q")  # stores ints faster than the ctypes array
-        base = ctypes.addressof(self._slots)
-        self._blobs, self.blob_addresses = None, ()
-        if blobs:
-            self._blobs = (ctypes.c_uint64 * (16 * blobs + 8))()  # (8 words of slack for the alignment)
-            first_blob = (ctypes.addressof(self._blobs) + 63) // 64 * 64
-            self.blob_addresses = tuple(first_blob + 128 * i for i in range(blobs))
-        self._params = (ctypes.c_void_p * (len(args) + blobs))(*(base + 8 * i for i in range(len(args))),
-                                                               *self.blob_addresses)
-        self._params_ptr = ctypes.addressof(self._params)
-        self._lock = threading.Lock()  # the slots are shared; the launch copies them
+        struct = type(params)
+        size, align = ctypes.sizeof(struct), structs.alignment(struct)
+        self._buffer = (ctypes.c_ubyte * (size + align))()
+        address = -(-ctypes.addressof(self._buffer) // align) * align
+        ctypes.memmove(address, ctypes.addressof(params), size)
+        self.params = struct.from_address(address)
+        # The struct as 64-bit words: stores ints faster than ctypes fields (one store per per-call field).
+        self._words = memoryview((ctypes.c_ubyte * size).from_address(address)).cast("B").cast("Q")
+        indices = []
+        for name in per_call:
+            offset, ctype = structs.field(struct, name)
+            if ctypes.sizeof(ctype) != 8 or offset % 8:
+                raise TypeError(f"{struct.__name__}.{name}: a per-call field is a 64-bit one")
+            indices.append(offset // 8)
+        self.per_call, self._indices = tuple(per_call), tuple(indices)
+        self.map_addresses = tuple(address + structs.field(struct, name)[0] for name in maps)
+        self._kernel_params = (ctypes.c_void_p * 1)(address)  # the kernel's one parameter
+        self._params_ptr = ctypes.addressof(self._kernel_params)
+        self._lock = threading.Lock()  # the buffer is shared; the launch copies it
 
-    def __call__(self, stream_ptr: int, values, write_blobs=None) -> None:
+    def __call__(self, stream_ptr: int, values, write_maps=None) -> None:
         global _launch_kernel
         if _launch_kernel is None:
             from cupy_backends.cuda.api import driver
@@ -232,10 +238,10 @@ class Launch:
             return  # an empty grid (say varlen with max_seqlen_k = 0) has nothing to do; CUDA rejects it
         with self._lock:
             words = self._words
-            for i, value in zip(self.variable, values):
+            for i, value in zip(self._indices, values):
                 words[i] = value  # pointers and counts: >= 0 (a negative one raises ValueError)
-            if write_blobs is not None:
-                write_blobs(self.blob_addresses)
+            if write_maps is not None:
+                write_maps(self.map_addresses)
             if self._config is None:
                 _launch_kernel(self.function.ptr, *self.grid, *self.block, self.smem_bytes, stream_ptr,
                                self._params_ptr, 0)

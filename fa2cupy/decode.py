@@ -8,9 +8,7 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from . import arrays, build, configs, device_errors
+from . import arrays, build, configs, device_errors, params
 from .checks import UNLIMITED_WINDOW, DecodeExtras  # noqa: F401 -- (decode.UNLIMITED_WINDOW, decode.DecodeExtras)
 from .forward import fast_divisor
 from .options import DEFAULT, KernelOptions
@@ -47,10 +45,11 @@ PLAIN = DecodeExtras()
 class DecodePlan:
     """Everything a call needs but its pointers and its int cache_seqlens: built once per metadata, cached."""
 
-    attention: build.Launch  # variable slots: the 13 pointers, fixed_seqlen, alibi_slopes, cache_leftpad
-    append: build.Launch | None  # None without new keys; variable slots: the 9 pointers, fixed_seqlen, then
-    # rotary_cos, rotary_sin, cache_leftpad
-    rotary: build.Launch | None  # rotates q into a temporary; variable slots: the 7 pointers, then fixed_seqlen
+    # Each launch holds a params.DecodeParams; per call the fields of ATTENTION_PER_CALL, APPEND_PER_CALL and
+    # ROTARY_PER_CALL (see run_decode).
+    attention: build.Launch
+    append: build.Launch | None  # None without new keys
+    rotary: build.Launch | None  # rotates q into a temporary
     splits: int
     workspace_floats: int  # arrivals, partial lse, partial out (float32 units); 0 with one split
     arrivals: int
@@ -147,9 +146,10 @@ def _attention_grid(function, config: configs.DecodeConfig, device: int, items: 
     return (fewest if _fills(fewest, walkers) else walkers), config.persistent_smem_bytes
 
 
-def _strides(array_strides, item):
+def _strides(prefix: str, array_strides, item: int) -> dict:
+    """A (batch, row, head) triple of byte strides as the element-stride fields ``<prefix>_batch_stride``, ..."""
     b, r, h, _ = array_strides
-    return (np.int64(b // item), np.int32(r // item), np.int64(h // item))
+    return {f"{prefix}_batch_stride": b // item, f"{prefix}_row_stride": r // item, f"{prefix}_head_stride": h // item}
 
 
 def plan_decode(q_shape, strides, dtype: str, *, nheads_kv: int, cache_rows: int, capacity: int, page_size: int,
@@ -176,42 +176,40 @@ def plan_decode(q_shape, strides, dtype: str, *, nheads_kv: int, cache_rows: int
                                 _opt_in_smem(config, device))
     workspace, arrivals, lse_offset, out_offset = _workspace_layout(splits, batch * nheads_kv * row_blocks,
                                                                     batch * seqlen_q * nheads, headdim)
-    pointer = np.uint64(0)  # placeholder of a per-call pointer slot
     # With rotary, the attention reads the rotated copy of q, contiguous.
     q_strides = (seqlen_q * nheads * headdim * item, nheads * headdim * item, headdim * item, item) \
         if extras.rotary_dim else strides["q"]
-    args = (pointer,) * 13 + _strides(q_strides, item) + _strides(strides["k_cache"], item) \
-        + _strides(strides["v_cache"], item)
-    args += (np.int32(batch), np.int32(seqlen_q), np.int32(nheads), np.int32(group), np.int32(headdim))
-    seqlen_slot = len(args)
-    index = (np.int32(0), np.int32(seqlen_new), np.int32(capacity), np.int32(cache_rows), np.int32(page_size),
-             np.int32(max_pages))  # fixed_seqlen (per call), then the rest
-    args += index + (np.float32(softmax_scale), np.float32(softmax_scale * _LOG2E))
-    extra_slot = len(args)  # alibi_slopes, then cache_leftpad two slots later (per-call pointers)
-    args += (pointer, np.int64(extras.alibi_batch_stride), pointer, np.int32(extras.window_left),
-             np.int32(extras.window_right), np.float32(extras.softcap))
-    args += (np.int32(splits),)
-    for divisor in (splits, nheads_kv * row_blocks, nheads_kv, group, max(page_size, 1)):  # the FastDiv divisors
-        magic, shift = fast_divisor(divisor)
-        args += (np.uint32(magic), np.int32(shift))
+    fields = {**_strides("k", strides["k_cache"], item), **_strides("v", strides["v_cache"], item)}
+    if seqlen_new:
+        fields.update(_strides("k_new", strides["k"], item), **_strides("v_new", strides["v"], item))
+    for name, divisor in (("splits", splits), ("groups", nheads_kv * row_blocks), ("heads_kv", nheads_kv),
+                          ("heads_per_kv", group), ("page_size", max(page_size, 1))):
+        fields[f"{name}_magic"], fields[f"{name}_shift"] = fast_divisor(divisor)
     programmatic = options.decode_programmatic_launch
     if programmatic is None:
         programmatic = splits >= options.decode_programmatic_min_splits
-    programmatic = arch >= 90 and programmatic
-    args += (np.int32(programmatic),)  # (the kernel works out its first copies before waiting only then)
+    programmatic = arch >= 90 and programmatic  # (the kernel works out its first copies before waiting only then)
     kv_bytes = 2 * batch * max_seqlen_k * nheads_kv * headdim * item  # (at most: the longest row's keys per row)
     evict_first = options.decode_stream_evict_first
     if evict_first is None:
         evict_first = kv_bytes > build.device_attribute(device, "L2CacheSize")
-    args += (np.int32(evict_first),)  # (K/V that cannot stay in L2 stream through it under evict-first)
-    grid, smem = _attention_grid(function, config, device, splits * batch * nheads_kv * row_blocks, sms)
-    attention = build.Launch(function, (grid, 1, 1), (config.threads, 1, 1), smem, args,
-                             tuple(range(13)) + (seqlen_slot, extra_slot, extra_slot + 2), programmatic)
     q_span = (seqlen_q if extras.rotary_advance else 1) if extras.rotary_dim else 0
-    append = _append_launch(q_shape, nheads_kv, strides, dtype, item, paged, index, extras, q_span, seqlen_new,
-                            programmatic) if seqlen_new else None
-    rotary = _rotary_launch(q_shape, strides, dtype, item, seqlen_new, capacity, extras,
-                            programmatic) if extras.rotary_dim else None
+    fixed = params.DecodeParams(
+        **fields, alibi_batch_stride=extras.alibi_batch_stride, batch=batch, seqlen_q=seqlen_q, nheads=nheads,
+        nheads_kv=nheads_kv, heads_per_kv=group, headdim=headdim, seqlen_new=seqlen_new, capacity=capacity,
+        cache_rows=cache_rows, page_size=page_size, max_pages=max_pages, scale=softmax_scale,
+        scale_log2=softmax_scale * _LOG2E, window_left=extras.window_left, window_right=extras.window_right,
+        softcap=extras.softcap, rotary_dim=extras.rotary_dim, seqlen_ro=extras.seqlen_ro,
+        rotary_interleaved=extras.rotary_interleaved, rotary_advance=extras.rotary_advance, q_span=q_span,
+        num_splits=splits, programmatic=programmatic,
+        stream_larger_than_l2=evict_first)  # (K/V that cannot stay in L2 stream through it under evict-first)
+    grid, smem = _attention_grid(function, config, device, splits * batch * nheads_kv * row_blocks, sms)
+    attention = build.Launch(function, (grid, 1, 1), (config.threads, 1, 1), smem,
+                             params.DecodeParams.from_buffer_copy(fixed), ATTENTION_PER_CALL, programmatic)
+    attention.params.set(**_strides("q", q_strides, item))
+    append = _append_launch(q_shape, nheads_kv, dtype, paged, extras, seqlen_new, programmatic,
+                            fixed) if seqlen_new else None
+    rotary = _rotary_launch(q_shape, strides, dtype, item, extras, programmatic, fixed) if extras.rotary_dim else None
     rotary_span = max(seqlen_new, q_span) if extras.rotary_dim else 0
     return DecodePlan(attention, append, rotary, splits, workspace, arrivals, lse_offset, out_offset, capacity,
                       seqlen_new, rotary_span, extras.seqlen_ro, config)
@@ -247,43 +245,26 @@ def _workspace_layout(splits: int, arrivals: int, rows: int, headdim: int) -> tu
     return out_offset + splits * rows * headdim, arrivals, lse_offset, out_offset
 
 
-def _rotary_args(extras: DecodeExtras) -> tuple:
-    return np.int32(extras.rotary_dim), np.int32(extras.seqlen_ro), np.int32(extras.rotary_interleaved)
-
-
-def _append_launch(q_shape, nheads_kv: int, strides: dict, dtype: str, item: int, paged: bool, index: tuple,
-                   extras: DecodeExtras, q_span: int, seqlen_new: int, programmatic: bool) -> build.Launch:
-    """The launch that writes the new keys and values into the cache (rotating the keys with rotary); variable
-    slots: the 9 pointers, fixed_seqlen, then rotary_cos, rotary_sin, cache_leftpad."""
+def _append_launch(q_shape, nheads_kv: int, dtype: str, paged: bool, extras: DecodeExtras, seqlen_new: int,
+                   programmatic: bool, fixed: params.DecodeParams) -> build.Launch:
+    """The launch that writes the new keys and values into the cache (rotating the keys with rotary)."""
     batch, headdim = q_shape[0], q_shape[3]
     chunks = batch * seqlen_new * nheads_kv * headdim // 8
-    args = (np.uint64(0),) * 9
-    for name in ("k", "v", "k_cache", "v_cache"):
-        args += _strides(strides[name], item)
-    args += (np.int32(batch), np.int32(nheads_kv), np.int32(headdim))
-    seqlen_slot = len(args)
-    args += index
-    extra_slot = len(args)
-    args += (np.uint64(0),) * 3 + _rotary_args(extras) + (np.int32(q_span),)
     name = append_name_expression(paged, dtype if extras.append else None)
     return build.Launch(build.get_kernel("decode", name, 0), (max(1, min(-(-chunks // 1024), 64)), 1, 1),
-                        (256, 1, 1), 0, args,
-                        tuple(range(9)) + (seqlen_slot, extra_slot, extra_slot + 1, extra_slot + 2), programmatic)
+                        (256, 1, 1), 0, fixed, APPEND_PER_CALL, programmatic)
 
 
-def _rotary_launch(q_shape, strides: dict, dtype: str, item: int, seqlen_new: int, capacity: int,
-                   extras: DecodeExtras, programmatic: bool) -> build.Launch:
-    """The launch that rotates q into a contiguous temporary; variable slots: the 7 pointers, then fixed_seqlen."""
+def _rotary_launch(q_shape, strides: dict, dtype: str, item: int, extras: DecodeExtras, programmatic: bool,
+                   fixed: params.DecodeParams) -> build.Launch:
+    """The launch that rotates q into a contiguous temporary (q_rotated), reading q with its own strides."""
     batch, seqlen_q, nheads, headdim = q_shape
     chunks = batch * seqlen_q * nheads * headdim // 8
-    args = (np.uint64(0),) * 7 + _strides(strides["q"], item)
-    args += (np.int32(batch), np.int32(seqlen_q), np.int32(nheads), np.int32(headdim))
-    seqlen_slot = len(args)
-    args += (np.int32(0), np.int32(seqlen_new), np.int32(capacity)) + _rotary_args(extras)
-    args += (np.int32(extras.rotary_advance),)
-    return build.Launch(build.get_kernel("decode", rotary_name_expression(dtype), 0),
-                        (max(1, min(-(-chunks // 256), 132)), 1, 1), (256, 1, 1), 0, args,
-                        tuple(range(7)) + (seqlen_slot,), programmatic)
+    launch = build.Launch(build.get_kernel("decode", rotary_name_expression(dtype), 0),
+                          (max(1, min(-(-chunks // 256), 132)), 1, 1), (256, 1, 1), 0, fixed, ROTARY_PER_CALL,
+                          programmatic)
+    launch.params.set(**_strides("q", strides["q"], item))
+    return launch
 
 
 def append_name_expression(paged: bool, extras_dtype: str | None = None) -> str:
@@ -306,6 +287,14 @@ NO_POINTERS = dict.fromkeys(POINTERS, 0)
 _attention_pointers = operator.itemgetter("q", "k_cache", "v_cache", "block_table", "cache_seqlens", "cache_batch_idx",
                                           "out", "softmax_lse", "alibi_slopes", "cache_leftpad")
 _append_pointers = operator.itemgetter("k", "v", "rotary_cos", "rotary_sin")
+#: The DecodeParams fields each launch takes per call, in the order run_decode passes them.
+ATTENTION_PER_CALL = ("q", "k_cache", "v_cache", "block_table", "cache_seqlens", "cache_batch_idx", "out", "lse_out",
+                      "alibi_slopes", "cache_leftpad", "partial_out", "partial_lse", "arrivals", "error_claim",
+                      "error_host", "fixed_seqlen")
+APPEND_PER_CALL = ("k_new", "v_new", "k_cache", "v_cache", "block_table", "cache_seqlens", "cache_batch_idx",
+                   "rotary_cos", "rotary_sin", "cache_leftpad", "error_claim", "error_host", "fixed_seqlen")
+ROTARY_PER_CALL = ("q", "q_rotated", "rotary_cos", "rotary_sin", "cache_seqlens", "error_claim", "error_host",
+                   "fixed_seqlen")
 
 
 def run_decode(plan: DecodePlan, pointers: dict, values: tuple, stream_ptr: int, framework: str, device: int) -> None:
@@ -325,8 +314,8 @@ def run_decode(plan: DecodePlan, pointers: dict, values: tuple, stream_ptr: int,
     if plan.append is not None or plan.rotary is not None:
         k, v, cos, sin = _append_pointers(pointers)
         if plan.append is not None:
-            plan.append(stream_ptr, (k, v, k_cache, v_cache, block_table, cache_seqlens, cache_batch_idx, claim,
-                                     report, fixed_seqlen, cos, sin, leftpad))
+            plan.append(stream_ptr, (k, v, k_cache, v_cache, block_table, cache_seqlens, cache_batch_idx, cos, sin,
+                                     leftpad, claim, report, fixed_seqlen))
         if plan.rotary is not None:
             q_rotated = pointers["q_rotated"]
             plan.rotary(stream_ptr, (q, q_rotated, cos, sin, cache_seqlens, claim, report, fixed_seqlen))
@@ -335,8 +324,8 @@ def run_decode(plan: DecodePlan, pointers: dict, values: tuple, stream_ptr: int,
         partial_lse, partial_out = workspace + 4 * plan.partial_lse_offset, workspace + 4 * plan.partial_out_offset
     else:
         partial_lse = partial_out = 0
-    plan.attention(stream_ptr, (q, k_cache, v_cache, block_table, cache_seqlens, cache_batch_idx, out, lse,
-                                partial_out, partial_lse, workspace, claim, report, fixed_seqlen, slopes, leftpad))
+    plan.attention(stream_ptr, (q, k_cache, v_cache, block_table, cache_seqlens, cache_batch_idx, out, lse, slopes,
+                                leftpad, partial_out, partial_lse, workspace, claim, report, fixed_seqlen))
 
 
 def plan_merge(n: int, rows: int, headdim: int, parts_dtype: str, out_dtype: str) -> build.Launch:
@@ -344,8 +333,8 @@ def plan_merge(n: int, rows: int, headdim: int, parts_dtype: str, out_dtype: str
     lses (n, rows) float32 contiguous; out (rows, d) contiguous 16-bit, lse (rows,) float32. ``headdim`` (d) a
     multiple of 8; the rows' order is the caller's, the same in parts and lses (:func:`run_merge`)."""
     function = build.get_kernel("decode", merge_name_expression(parts_dtype, out_dtype), 0)
-    args = (np.uint64(0),) * 4 + (np.int32(n), np.int64(rows), np.int32(headdim))
-    return build.Launch(function, ((rows + 7) // 8, 1, 1), (256, 1, 1), 0, args, (0, 1, 2, 3))
+    return build.Launch(function, ((rows + 7) // 8, 1, 1), (256, 1, 1), 0,
+                        params.MergeParams(n=n, rows=rows, headdim=headdim), ("parts", "lses", "out", "lse_out"))
 
 
 def run_merge(plan: build.Launch, pointers: dict, values: tuple, stream_ptr: int, framework: str = "cupy",

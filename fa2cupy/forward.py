@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import arrays, build, checks, configs, device_errors, tensor_maps
+from . import arrays, build, checks, configs, device_errors, params, tensor_maps
 from .options import DEFAULT, KernelOptions
 
 _LOG2E = 1.4426950408889634
@@ -20,8 +20,8 @@ MAX_ROW_STRIDE = checks.MAX_ROW_STRIDE
 
 @dataclass(frozen=True)
 class ForwardPlan:
-    # variable slots: the ten pointers q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi, rng_state,
-    # block_table, then the dropout seed and offset words (see dropout_words)
+    # A flash_fwd launch (params.FwdParams) or a Hopper forward's (params.FwdHopperParams); per call the pointers of
+    # POINTERS, the dropout seed and offset and the tile counter (see run_forward).
     launch: build.Launch
     config: configs.FwdConfig | configs.HopperFwdConfig
     # The Hopper forward's blocks take work items from a counter (zeroed per launch, see run_forward) instead of
@@ -30,7 +30,7 @@ class ForwardPlan:
     tile_counter: bool = False
     # The Hopper forward's tensor maps of q, k, v and out (the tiles it moves with TMA: all of a padded call's; a
     # varlen call's Q, whole output tiles and, unless K/V are paged, whole K/V tiles): encoded into the launch's
-    # last four parameters for each call's pointers.
+    # struct (its tmap_* fields) for each call's pointers.
     tensor_maps: tensor_maps.TileMaps | None = None
 
 
@@ -62,15 +62,11 @@ def realised_dropout_p(dropout_p: float) -> float:
 
 
 def dropout_scalars(dropout_p: float) -> tuple:
-    """(keep threshold, 256 / threshold) as kernel arguments (:func:`dropout_threshold`): the scale of the kept
-    scores is the exact inverse of the keep probability; threshold 0 switches dropout off (scale 1)."""
+    """(keep threshold, 256 / threshold), the kernels' dropout_threshold and dropout_scale (:func:`dropout_threshold`):
+    the scale of the kept scores is the exact inverse of the keep probability; threshold 0 switches dropout off
+    (scale 1)."""
     threshold = dropout_threshold(dropout_p)
     return np.uint32(threshold), np.float32(256.0 / threshold if threshold else 1.0)
-
-
-def dropout_words(seed: int, offset: int) -> tuple[int, int, int, int]:
-    """The 64-bit dropout seed and offset as the kernels' four 32-bit words (seed lo/hi, offset lo/hi)."""
-    return seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, offset & 0xFFFFFFFF, (offset >> 32) & 0xFFFFFFFF
 
 
 def fast_divisor(d: int) -> tuple[int, int]:
@@ -82,12 +78,20 @@ def fast_divisor(d: int) -> tuple[int, int]:
     return ((1 << 32) * ((1 << shift) - d)) // d + 1, shift
 
 
-def error_pointers() -> tuple:
-    """The device-error report words for kernels on the current device, as kernel arguments."""
+def error_pointers() -> dict:
+    """The device-error report words for kernels on the current device: the fields error_claim and error_host."""
     import cupy
 
     claim, host = device_errors.pointers(cupy.cuda.runtime.getDevice())
-    return np.uint64(claim), np.uint64(host)
+    return {"error_claim": claim, "error_host": host}
+
+
+def stride_fields(prefix: str, strides) -> dict:
+    """A (batch, row, head) stride triple of element strides as the fields ``<prefix>_batch_stride``, ... of a
+    params struct (the last, 1, is implied)."""
+    batch_stride, row_stride, head_stride = strides[:3]
+    return {f"{prefix}_batch_stride": batch_stride, f"{prefix}_row_stride": row_stride,
+            f"{prefix}_head_stride": head_stride}
 
 
 def kernel_config(arch: int, headdim: int, dtype: str, mask: str, mods: bool = False, varlen: bool = False,
@@ -136,67 +140,51 @@ def plan_forward(
                                      options=options, tma=False).forward
     function = build.get_kernel(config.family, config.name_expression(dtype, mask, mods, varlen_totals is not None,
                                                                       paged is not None), config.smem_bytes)
-    hopper = isinstance(config, configs.HopperFwdConfig)
-    scalars, rng_slot = _forward_scalars(q_shape, k_shape, strides, softmax_scale, left, right, softcap,
-                                         alibi_batch_stride, varlen_totals, dropout_p, paged)
+    fixed = _forward_params(q_shape, k_shape, strides, softmax_scale, left, right, softcap, alibi_batch_stride,
+                            varlen_totals, dropout_p, paged)
     grid = ((seqlen_q + config.block_m - 1) // config.block_m, nheads, batch)
-    variable = list(range(10)) + list(range(rng_slot, rng_slot + 4))
-    tile_counter = False
-    if hopper:  # persistent blocks, one per SM at most, walking the work items
-        grid, tile_counter, persistent = _persistent_grid(grid, mask, seqlen_k, headdim, nheads // nheads_kv, options)
-        scalars += persistent
-        if tile_counter:
-            variable.append(10 + len(scalars) - 1)  # a fresh counter per launch (run_forward)
-    launch = build.Launch(function, grid, (config.threads, 1, 1), config.smem_bytes, (np.uint64(0),) * 10 + scalars,
-                          variable, blobs=4 if hopper else 0)
-    maps = None
-    if hopper:
-        rows = (config.block_m, config.block_n, config.block_n, config.block_m)
-        maps = tensor_maps.TileMaps([tensor_maps.layout(shape, s, r) if m else None
-                                     for shape, s, r, m in zip(shapes, strides, rows, mapped)])
+    if not isinstance(config, configs.HopperFwdConfig):
+        launch = build.Launch(function, grid, (config.threads, 1, 1), config.smem_bytes, fixed, PER_CALL)
+        return ForwardPlan(launch, config)
+    # The Hopper forward: persistent blocks, one per SM at most, walking the work items.
+    grid, tile_counter, heads_per_group = _persistent_grid(grid, mask, seqlen_k, headdim, nheads // nheads_kv, options)
+    hopper = params.FwdHopperParams(fwd=fixed, batch=batch, heads_per_group=heads_per_group)
+    per_call = tuple(f"fwd.{name}" for name in PER_CALL) + (("tile_counter",) if tile_counter else ())
+    launch = build.Launch(function, grid, (config.threads, 1, 1), config.smem_bytes, hopper, per_call,
+                          maps=("tmap_q", "tmap_k", "tmap_v", "tmap_o"))
+    rows = (config.block_m, config.block_n, config.block_n, config.block_m)
+    maps = tensor_maps.TileMaps([tensor_maps.layout(shape, s, r) if m else None
+                                 for shape, s, r, m in zip(shapes, strides, rows, mapped)])
     return ForwardPlan(launch, config, tile_counter, maps)
 
 
-def _forward_scalars(q_shape, k_shape, strides, softmax_scale, left, right, softcap, alibi_batch_stride,
-                     varlen_totals, dropout_p, paged) -> tuple:
-    """The forward launch's fixed arguments after its 10 pointers, and the slot of its dropout seed/offset words."""
+def _forward_params(q_shape, k_shape, strides, softmax_scale, left, right, softcap, alibi_batch_stride,
+                    varlen_totals, dropout_p, paged) -> params.FwdParams:
+    """The forward's fixed parameters (all but the per-call fields)."""
     _, seqlen_q, nheads, headdim = q_shape
     seqlen_k, nheads_kv = k_shape[1], k_shape[2]
-    scalars = ()
-    for batch_stride, row_stride, head_stride, _ in strides:
-        scalars += (np.int64(batch_stride), np.int32(row_stride), np.int64(head_stride))
     total_q, total_k = varlen_totals or (0, 0)
     lse_strides = (0, total_q) if varlen_totals else (nheads * seqlen_q, seqlen_q)
-    scalars += (
-        np.int64(lse_strides[0]),
-        np.int64(lse_strides[1]),
-        np.int32(seqlen_q),
-        np.int32(seqlen_k),
-        np.int32(nheads),
-        np.int32(nheads // nheads_kv),
-        np.int32(headdim),
-        np.int32(left),
-        np.int32(right),
-        np.float32(softmax_scale),
-        np.float32(softmax_scale * _LOG2E),
-        np.float32(softcap),
-        np.int32(alibi_batch_stride or 0),
-    )
-    threshold, keep_scale = dropout_scalars(dropout_p)
-    rng_slot = 10 + len(scalars) + 1  # seed lo, seed hi, offset lo, offset hi follow the threshold
     num_pages, page_size, max_pages = paged or (0, 1, 0)
     if paged is not None:
         total_k = (1 << 31) - 1  # cu_seqlens_k counts keys of the sequences' pages, not rows of k
     magic, shift = fast_divisor(page_size)
-    scalars += (threshold, np.uint32(0), np.uint32(0), np.uint32(0), np.uint32(0), keep_scale,
-                np.int32(total_q), np.int32(total_k), np.int32(page_size), np.uint32(magic), np.int32(shift),
-                np.int32(max_pages), np.int32(num_pages)) + error_pointers()
-    return scalars, rng_slot
+    threshold, keep_scale = dropout_scalars(dropout_p)
+    fields = {}
+    for prefix, array_strides in zip(("q", "k", "v", "o"), strides):
+        fields.update(stride_fields(prefix, array_strides))
+    return params.FwdParams(
+        **fields, lse_batch_stride=lse_strides[0], lse_head_stride=lse_strides[1], max_seqlen_q=seqlen_q,
+        max_seqlen_k=seqlen_k, nheads=nheads, heads_per_kv=nheads // nheads_kv, headdim=headdim, total_q=total_q,
+        total_k=total_k, window_left=left, window_right=right, scale=softmax_scale,
+        scale_log2=softmax_scale * _LOG2E, softcap=softcap, alibi_batch_stride=alibi_batch_stride or 0,
+        dropout_threshold=threshold, dropout_scale=keep_scale, page_size=page_size, page_magic=magic,
+        page_shift=shift, max_pages=max_pages, num_pages=num_pages, **error_pointers())
 
 
 def _persistent_grid(grid, mask, seqlen_k, headdim, group, options) -> tuple:
     """The Hopper forward's persistent blocks, one per SM at most, for the work items of ``grid``: (grid, whether
-    a tile counter hands out the items, the launch's trailing arguments (batch, heads per L2 group, counter))."""
+    a tile counter hands out the items, heads per L2 group)."""
     import cupy
 
     items = grid[0] * grid[1] * grid[2]
@@ -206,17 +194,21 @@ def _persistent_grid(grid, mask, seqlen_k, headdim, group, options) -> tuple:
     tile_counter = options.tile_counter and mask != "none" and items > persistent[0]
     heads_per_group = configs.hopper_heads_per_group(seqlen_k, headdim, group, grid[1] * grid[2],
                                                      options.hopper_l2_group_bytes) if tile_counter else 1
-    return persistent, tile_counter, (np.int32(grid[2]), np.int32(heads_per_group), np.uint64(0))
+    return persistent, tile_counter, heads_per_group
 
 
-_NO_DROPOUT_WORDS = (0, 0, 0, 0)
-
-#: The device pointers a forward launch takes, by name, in the order of the kernel's first parameters. A launch
-#: reads every one: its ``pointers`` start from NO_POINTERS (0 where an array is absent).
+#: The device pointers a forward launch takes, by name. A launch reads every one: its ``pointers`` start from
+#: NO_POINTERS (0 where an array is absent).
 POINTERS = ("q", "k", "v", "out", "softmax_lse", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "dropout_rng_state",
             "block_table")
 NO_POINTERS = dict.fromkeys(POINTERS, 0)
 _pointer_values = operator.itemgetter(*POINTERS)
+#: The FwdParams field of each pointer.
+FIELDS = {"q": "q", "k": "k", "v": "v", "out": "o", "softmax_lse": "lse", "cu_seqlens_q": "cu_seqlens_q",
+          "cu_seqlens_k": "cu_seqlens_k", "alibi_slopes": "alibi_slopes", "dropout_rng_state": "rng_state",
+          "block_table": "block_table"}
+#: The FwdParams fields a call writes: the pointers, then the dropout seed and offset.
+PER_CALL = tuple(FIELDS[name] for name in POINTERS) + ("seed", "offset")
 
 
 def run_forward(plan: ForwardPlan, pointers: dict, values: tuple, stream_ptr: int, framework: str = "cupy",
@@ -225,14 +217,12 @@ def run_forward(plan: ForwardPlan, pointers: dict, values: tuple, stream_ptr: in
     to a device pointer: "q", "k", "v", "out", "softmax_lse", and 0 where absent, "cu_seqlens_q", "cu_seqlens_k"
     (varlen), "alibi_slopes", "dropout_rng_state" (uint32 {seed lo, seed hi, offset lo, offset hi} in device
     memory, read instead of ``values``) and "block_table" (required by a plan made with ``paged``). ``values`` =
-    (dropout seed, dropout offset), ignored without dropout.
+    (dropout seed, dropout offset), ints in [0, 2**64), ignored without dropout.
 
     A plan with a tile counter gets a fresh one, zeroed on the stream, from the caller's allocator (see
     :func:`arrays.new_empty_raw`, on the current ``device``): per launch, so that launches on different streams
     or replayed from CUDA graphs never share one (a graph captures the zeroing with the launch)."""
-    args = _pointer_values(pointers)
-    seed, offset = values
-    args += dropout_words(seed, offset) if seed or offset else _NO_DROPOUT_WORDS
+    args = _pointer_values(pointers) + values
     write_maps = None if plan.tensor_maps is None else plan.tensor_maps.writer(args[:4])  # (q, k, v, out)
     if plan.tile_counter:
         counter, pointer = arrays.new_empty_raw((1,), "int32", framework, device)
@@ -248,12 +238,12 @@ def plan_dropout_mask(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, dro
     draw for ``dropout_p``; per call the mask's pointer and the seed and offset (:func:`run_dropout_mask`)."""
     function = build.get_kernel("fwd", "fa2::dropout_keep_mask", 0)
     threshold, _ = dropout_scalars(dropout_p)
-    args = (np.uint64(0), np.int32(seqlen_q), np.int32(seqlen_k), np.int32(nheads), threshold) + (np.uint32(0),) * 4
-    return build.Launch(function, ((seqlen_k + 255) // 256, seqlen_q, batch * nheads), (256, 1, 1), 0, args,
-                        (0, 5, 6, 7, 8))
+    fixed = params.DropoutMaskParams(seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads=nheads, threshold=threshold)
+    return build.Launch(function, ((seqlen_k + 255) // 256, seqlen_q, batch * nheads), (256, 1, 1), 0, fixed,
+                        ("mask", "seed", "offset"))
 
 
 def run_dropout_mask(plan: build.Launch, pointers: dict, values: tuple, stream_ptr: int, framework: str = "cupy",
                      device: int = 0) -> None:
     """Writes the keep mask into ``pointers["mask"]`` for ``values`` = (dropout seed, dropout offset)."""
-    plan(stream_ptr, (pointers["mask"],) + dropout_words(*values))
+    plan(stream_ptr, (pointers["mask"],) + values)

@@ -1,11 +1,12 @@
-"""Tensor maps for the Hopper forward's TMA copies (cuda/hopper/fwd.cu, padded calls).
+"""Tensor maps for the Hopper kernels' TMA copies (cuda/hopper/fwd.cu, cuda/hopper/bwd.cu).
 
 A tensor map (CUtensorMap, 128 opaque bytes) describes one array to the tensor memory accelerator: its address,
 sizes, strides, the box a copy moves and the shared-memory swizzle. The driver encodes it on the host
-(``cuTensorMapEncodeTiled``); the kernel takes it by value as a ``__grid_constant__`` parameter. The maps here view a
-``(batch, seqlen, nheads, headdim)`` array as four dimensions, innermost first: the head dim, the head, the row, the
-batch row; a box is 64 columns (128 bytes, the 128-byte swizzle of cuda/sm90/slabs.cuh's SwizzledSlabs) by one head
-by a tile's rows. Rows past ``seqlen`` read as zeros and are not written.
+(``cuTensorMapEncodeTiled``) straight into the launch's parameter struct (cuda/common/params.cuh), which the kernel
+takes by value as a ``__grid_constant__`` parameter. The maps here view a ``(batch, seqlen, nheads, headdim)`` array
+as four dimensions, innermost first: the head dim, the head, the row, the batch row; a box is 64 columns (128 bytes,
+the 128-byte swizzle of cuda/sm90/slabs.cuh's SwizzledSlabs) by one head by a tile's rows. Rows past ``seqlen`` read
+as zeros and are not written.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def usable(shape, strides) -> bool:
 
 
 class TileMaps:
-    """The maps of q, k, v and out for one plan, encoded into a launch's 128-byte parameters (build.Launch's blobs)
+    """The maps of q, k, v and out for one plan, encoded into a launch's struct (build.Launch's ``maps`` fields)
     for a call's pointers; a map whose pointer is the last call's is left as it is. A layout of ``None`` is a map the
     kernel does not read (paged K/V): never encoded, its parameter left zero."""
 
@@ -87,7 +88,7 @@ class TileMaps:
         self._last = [None] * len(layouts)
 
     def writer(self, pointers):
-        """What build.Launch takes as ``write_blobs``: these maps encoded for ``pointers`` (q, k, v, out)."""
+        """What build.Launch takes as ``write_maps``: these maps encoded for ``pointers`` (q, k, v, out)."""
         return lambda addresses: self.encode(addresses, pointers)
 
     def encode(self, addresses, pointers) -> None:

@@ -199,13 +199,13 @@ def test_programmatic_launches_where_splits_merge(monkeypatch):
 
 
 def test_kv_streams_under_evict_first_only_past_l2(monkeypatch):
-    # The attention kernel's last argument: K/V copies under an L2 evict-first policy only for calls whose K/V
+    # DecodeParams.stream_larger_than_l2: K/V copies under an L2 evict-first policy only for calls whose K/V
     # bytes exceed L2 (50 MiB here; 2 x b x sk x 8 heads x 128 x 2 bytes), where they cannot stay in L2 anyway;
     # a cache that fits keeps its residency. KernelOptions.decode_stream_evict_first forces either way.
     plan = _h100_like_planner(monkeypatch)
 
     def evict_first(p):
-        return int(p.attention._slots[len(p.attention._slots) - 1])
+        return p.attention.params.stream_larger_than_l2
 
     assert evict_first(plan(1, 90, seqlen_k=16384)) == 1        # 64 MiB
     assert evict_first(plan(8, 90, seqlen_k=1024)) == 0         # 32 MiB

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import fa2cupy
-from fa2cupy import arrays, attention, build, decode, device_errors, kvcache, pipeline
+from fa2cupy import arrays, attention, build, decode, device_errors, kvcache, params, pipeline
 from fa2cupy.options import KernelOptions
 
 
@@ -196,45 +196,44 @@ def test_kernel_options_are_part_of_the_key(stubbed):
         fa2cupy.flash_attn_func(q, k, v, kernel_options={"hopper_forward": False})
 
 
-def test_launch_writes_per_call_values_into_their_slots(monkeypatch):
+def test_launch_writes_per_call_values_into_their_fields(monkeypatch):
     calls = []
     monkeypatch.setattr(build, "_launch_kernel", lambda *args: calls.append(args))
 
     class Function:
         ptr = 99
 
-    fixed = (np.uint64(0), np.int32(-3), np.float32(0.5), np.int64(1 << 40), np.uint64(0))
-    launch = build.Launch(Function(), (2, 3, 1), (128, 1, 1), 4096, fixed, [0, 4])
+    fixed = params.MergeParams(rows=1 << 40, n=-3, headdim=64)
+    launch = build.Launch(Function(), (2, 3, 1), (128, 1, 1), 4096, fixed, ("lse_out", "parts"))
     launch(5, (0xDEADBEEF000, 123))
-    (fn, gx, gy, gz, bx, by, bz, smem, stream, params, extra), = calls
+    (fn, gx, gy, gz, bx, by, bz, smem, stream, kernel_params, extra), = calls
     assert (fn, gx, gy, gz, bx, by, bz, smem, stream, extra) == (99, 2, 3, 1, 128, 1, 1, 4096, 5, 0)
-    slots = (ctypes.c_uint64 * 5).from_address(ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))[0])
-    assert slots[0] == 0xDEADBEEF000 and slots[4] == 123  # the per-call values
-    assert slots[1] & 0xFFFFFFFF == np.int32(-3).view(np.uint32)  # fixed values keep their own bytes
-    assert slots[2] & 0xFFFFFFFF == np.float32(0.5).view(np.uint32)
-    assert slots[3] == 1 << 40
+    # The kernel's one parameter: the launch's struct, by address.
+    struct = params.MergeParams.from_address(ctypes.cast(kernel_params, ctypes.POINTER(ctypes.c_void_p))[0])
+    assert struct.lse_out == 0xDEADBEEF000 and struct.parts == 123  # the per-call values, by name
+    assert (struct.rows, struct.n, struct.headdim, struct.lses, struct.out) == (1 << 40, -3, 64, 0, 0)  # fixed
     with pytest.raises(ValueError):  # per-call values are pointers and counts: never negative
         launch(5, (-1, 0))
-    build.Launch(Function(), (0, 3, 1), (128, 1, 1), 0, fixed, [0])(5, (1,))  # empty grid: nothing launched
+    build.Launch(Function(), (0, 3, 1), (128, 1, 1), 0, fixed, ("parts",))(5, (1,))  # empty grid: nothing launched
     assert len(calls) == 1
 
 
 def test_programmatic_launch_passes_its_config_to_cuLaunchKernelEx(monkeypatch):
     # A programmatic launch goes through cuLaunchKernelEx with a CUlaunchConfig laid out as in cuda.h (grid, block,
     # shared memory, the call's stream, one attribute: programmatic stream serialization allowed) and the same
-    # argument slots as a plain launch; a driver error raises.
+    # parameter struct as a plain launch; a driver error raises.
     seen = []
 
     class Driver:
         status = 0
 
-        def cuLaunchKernelEx(self, config_ptr, function, params, extra):
+        def cuLaunchKernelEx(self, config_ptr, function, kernel_params, extra):
             config = build._LaunchConfig.from_address(config_ptr)
             attribute = build._LaunchAttribute.from_address(config.attrs)
-            slots = (ctypes.c_uint64 * 2).from_address(ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))[0])
+            struct = params.MergeParams.from_address(ctypes.cast(kernel_params, ctypes.POINTER(ctypes.c_void_p))[0])
             seen.append(((config.gridDimX, config.gridDimY, config.gridDimZ, config.blockDimX, config.blockDimY,
                           config.blockDimZ, config.sharedMemBytes, config.hStream, config.numAttrs),
-                         (attribute.id, attribute.value), function, slots[0], extra))
+                         (attribute.id, attribute.value), function, struct.parts, struct.n, extra))
             return self.status
 
         def cuGetErrorName(self, status, name):
@@ -250,9 +249,9 @@ def test_programmatic_launch_passes_its_config_to_cuLaunchKernelEx(monkeypatch):
     class Function:
         ptr = 77
 
-    launch = build.Launch(Function(), (4, 1, 2), (384, 1, 1), 1000, (np.uint64(0), np.int32(9)), [0], True)
+    launch = build.Launch(Function(), (4, 1, 2), (384, 1, 1), 1000, params.MergeParams(n=9), ("parts",), True)
     launch(0x1234, (0xABC0,))
-    assert seen == [((4, 1, 2, 384, 1, 1, 1000, 0x1234, 1), (6, 1), 77, 0xABC0, None)]
+    assert seen == [((4, 1, 2, 384, 1, 1, 1000, 0x1234, 1), (6, 1), 77, 0xABC0, 9, None)]
     driver.status = 1  # CUDA_ERROR_INVALID_VALUE
     with pytest.raises(RuntimeError, match=r"cuLaunchKernelEx failed: CUDA_ERROR_INVALID_VALUE \(1\)"):
         launch(0x1234, (0xABC0,))

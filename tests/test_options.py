@@ -98,8 +98,8 @@ def test_forward_planner_honours_the_options(planner):
     assert _forward_plan(2048, True, sm_count=3).launch.grid == (3, 1, 1)
     assert not _forward_plan(2048, True, tile_counter=False).tile_counter
     assert not _forward_plan(2048, False).tile_counter  # (no mask: items of one length)
-    # The L2 groups of heads (the argument after the batch count, before the counter's slot).
-    groups = [int(_forward_plan(2048, True, hopper_l2_group_bytes=n).launch._slots[-2]) for n in (None, 1)]
+    # The L2 groups of heads (FwdHopperParams.heads_per_group).
+    groups = [_forward_plan(2048, True, hopper_l2_group_bytes=n).launch.params.heads_per_group for n in (None, 1)]
     assert groups[0] == configs.hopper_heads_per_group(2048, 128, 1, 16) and groups[1] == 1
 
 

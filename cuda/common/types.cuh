@@ -25,6 +25,12 @@ constexpr int kElemBytes<f32> = 4;
 
 #define FA2_DEVICE __device__ __forceinline__
 
+// A CUtensorMap: 128 opaque bytes, 64-byte aligned, that the driver encodes on the host (sm90/tma.cuh copies
+// through it; common/params.cuh carries it in the Hopper kernels' parameters).
+struct alignas(64) TensorMap {
+    unsigned long long opaque[16];
+};
+
 // A compile-time flag as a value: generic lambdas take it to instantiate one body per case (if constexpr inside).
 template <bool B>
 struct Bool {

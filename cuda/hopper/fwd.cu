@@ -17,10 +17,10 @@
 // whichever block asks next (an atomic tile counter, zeroed per launch): a fixed stride handed some SMs twice the
 // keys of others under a causal mask.
 //
-// Same arguments as flash_fwd (cuda/fwd.cu) plus the batch size, the heads per L2 group, the tile counter (null
-// for the grid stride) and the tensor maps of q, k, v and o (fa2cupy/tensor_maps.py; paged calls have no K or V
-// map), so one launch plan serves both; padded and varlen calls without modifiers, varlen with paged
-// K/V too (softcap, ALiBi and dropout stay on flash_fwd).
+// FwdHopperParams (common/params.cuh): flash_fwd's parameters (cuda/fwd.cu) plus the batch size, the heads per L2
+// group, the tile counter (null for the grid stride) and the tensor maps of q, k, v and o (fa2cupy/tensor_maps.py;
+// paged calls have no K or V map); padded and varlen calls without modifiers, varlen with paged K/V too (softcap,
+// ALiBi and dropout stay on flash_fwd).
 //
 // The kernel assembles its parts: the traits and shared-memory layout (hopper/fwd_traits.cuh), the work items
 // (hopper/scheduler.cuh), the producer (hopper/fwd_producer.cuh), the consumers' stages (hopper/fwd_consumer.cuh)
@@ -28,6 +28,7 @@
 // moved into a function of its own (or its parts into theirs), the loop and the producer compiled to other
 // instructions and registers.
 #include "common/types.cuh"
+#include "common/params.cuh"
 #include "sm90/warpgroup.cuh"
 #include "hopper/fwd_traits.cuh"
 #include "hopper/scheduler.cuh"
@@ -39,33 +40,28 @@ namespace fa2 {
 
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
-    flash_fwd_hopper(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
-                     u16* __restrict__ o, float* __restrict__ lse, const int* __restrict__ cu_seqlens_q,
-                     const int* __restrict__ cu_seqlens_k, const float* __restrict__, const u32* __restrict__,
-                     const int* __restrict__ block_table, i64 q_batch_stride,
-                     int q_row_stride, i64 q_head_stride, i64 k_batch_stride, int k_row_stride, i64 k_head_stride,
-                     i64 v_batch_stride, int v_row_stride, i64 v_head_stride, i64 o_batch_stride, int o_row_stride,
-                     i64 o_head_stride, i64 lse_batch_stride, i64 lse_head_stride, int seqlen_q, int seqlen_k,
-                     int nheads, int heads_per_kv, int, int window_left, int window_right, float scale,
-                     float scale_log2, float, int, u32, u32, u32, u32, u32, float, int total_q, int total_k,
-                     int page_size, u32 page_magic, int page_shift, int max_pages, int num_pages, int* error_claim,
-                     long long* error_host, int batch, int heads_per_group,
-                     int* __restrict__ tile_counter, const __grid_constant__ TensorMap tmap_q,
-                     const __grid_constant__ TensorMap tmap_k, const __grid_constant__ TensorMap tmap_v,
-                     const __grid_constant__ TensorMap tmap_o) {
+    flash_fwd_hopper(const __grid_constant__ FwdHopperParams kernel_params) {
     extern __shared__ unsigned char smem_raw[];
     const HopperFwdSmem<Tr> smem(smem_raw);
     if (threadIdx.x == 0) smem.init_barriers();
     __syncthreads();
 
-    const HopperFwdArgs args{k, v, o, lse, cu_seqlens_q, cu_seqlens_k, block_table, k_batch_stride, k_row_stride,
-                             k_head_stride, v_batch_stride, v_row_stride, v_head_stride, o_batch_stride, o_row_stride,
-                             o_head_stride, lse_batch_stride, lse_head_stride, seqlen_q, seqlen_k, nheads, heads_per_kv,
-                             window_left, window_right, scale, scale_log2, total_q, total_k, page_size, page_magic,
-                             page_shift, max_pages, num_pages, error_claim, error_host, tile_counter, tmap_q, tmap_k,
-                             tmap_v, tmap_o};
+    // The fields through a local copy (common/params.cuh); the tensor maps where they are, in the parameter space,
+    // which the TMA copies name by address.
+    const FwdParams params = kernel_params.fwd;
+    const HopperFwdArgs args{params.k, params.v, params.o, params.lse, params.cu_seqlens_q, params.cu_seqlens_k,
+                             params.block_table, params.k_batch_stride, params.k_row_stride, params.k_head_stride,
+                             params.v_batch_stride, params.v_row_stride, params.v_head_stride, params.o_batch_stride,
+                             params.o_row_stride, params.o_head_stride, params.lse_batch_stride,
+                             params.lse_head_stride, params.max_seqlen_q, params.max_seqlen_k, params.nheads,
+                             params.heads_per_kv, params.window_left, params.window_right, params.scale,
+                             params.scale_log2, params.total_q, params.total_k, params.page_size, params.page_magic,
+                             params.page_shift, params.max_pages, params.num_pages, params.error_claim,
+                             params.error_host, kernel_params.tile_counter, kernel_params.tmap_q,
+                             kernel_params.tmap_k, kernel_params.tmap_v, kernel_params.tmap_o};
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const HopperFwdScheduler<Tr::kBlockM> sched(seqlen_q, nheads, batch, heads_per_group);
+    const HopperFwdScheduler<Tr::kBlockM> sched(params.max_seqlen_q, params.nheads, kernel_params.batch,
+                                                kernel_params.heads_per_group);
     if (warp >= Tr::kConsumerWarps) {  // the producer warpgroup, its registers given to the consumers
         warpgroup_release_registers<Tr::kProducerRegisters>();
         if constexpr (Tr::kTma) {

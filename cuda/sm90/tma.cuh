@@ -13,13 +13,10 @@ FA2_DEVICE void bulk_reduce_add_f32(float* dst, u32 src, u32 bytes) {
                  "r"(bytes)
                  : "memory");
 }
-// Tensor maps (TMA): a CUtensorMap encoded on the host (fa2cupy/tensor_maps.py) and passed by value as a
-// __grid_constant__ kernel parameter, which the copies name by its generic address. Four dimensions, innermost
-// first: the head dim's columns, the head, the row, the batch row; boxes of 64 columns (128 bytes, the 128-byte
-// swizzle of SwizzledSlabs: a slab per box) and a tile's rows.
-struct alignas(64) TensorMap {
-    unsigned long long opaque[16];
-};
+// Tensor maps (TMA, common/types.cuh: TensorMap): encoded on the host (fa2cupy/tensor_maps.py) into the kernel's
+// __grid_constant__ parameter struct (common/params.cuh), which the copies name by its generic address. Four
+// dimensions, innermost first: the head dim's columns, the head, the row, the batch row; boxes of 64 columns (128
+// bytes, the 128-byte swizzle of SwizzledSlabs: a slab per box) and a tile's rows.
 // One box of `map` at (column, head, row, batch) into shared memory at `dst` (1024-byte aligned for the swizzle),
 // its bytes counted on mbarrier `bar` (rows outside the tensor read as zeros).
 FA2_DEVICE void tma_load(u32 dst, const TensorMap& map, int column, int head, int row, int batch, u32 bar) {
