@@ -382,16 +382,16 @@ def main(groups) -> int:
         for i, case in enumerate(DROPOUT_CASES):
             bad += not check_dropout(i, *case)
             total += 1
-        from fa2cupy import configs, interface
+        from fa2cupy import configs, pipeline
 
         real_family = configs.arch_family
         configs.arch_family = lambda arch: "sm86"  # (the sm86 rows fit any sm_80+ GPU's shared memory)
-        interface._cached_calls.clear()
+        pipeline.forget_plans()
         for i, case in enumerate(DROPOUT_SM86, start=len(DROPOUT_CASES)):
             bad += not check_dropout(i, *case)
             total += 1
         configs.arch_family = real_family
-        interface._cached_calls.clear()
+        pipeline.forget_plans()
     if "decode" in groups:
         bad, total = bad + run_decode_cases(), total + len(DECODE_CASES)
     if "decode_deep" in groups:  # the decode cases with the deep ring wherever a row has one (d=128, sm_90)
