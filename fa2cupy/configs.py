@@ -27,6 +27,10 @@ MASK_TAGS = {"none": "fa2::kMaskNone", "causal": "fa2::kMaskCausal", "window": "
 #: "causal" with unlimited sides), so the plain kernels stay as they were and each row costs one more kernel, not
 #: one per combination.
 VARIANTS = (("none", False), ("causal", False), ("window", False), ("window", True))
+#: The forward's variants: those, and for padded calls a causal modifier variant too (compile-time causal bounds).
+#: Training with dropout runs causal forwards in the modifier variant, where the window mask's run-time bounds cost
+#: 5% at d=64 on an H200 (docs/design.md, dropout).
+FORWARD_VARIANTS = VARIANTS + (("causal", True),)
 
 #: Arch families with their own table rows, told apart by shared memory per block: sm80 (A100, 163 KB),
 #: sm86 (RTX 30/40, L4, consumer Blackwell: 99 KB) and sm90 (H100/H200, B200: 227 KB).
@@ -653,8 +657,9 @@ def forward_instantiations(family: str | None = None) -> list[str]:
         for key, config in FORWARD_TABLE.items()
         if family is None or key[0] == family
         for dtype in DTYPE_TAGS
-        for mask, mods in VARIANTS
+        for mask, mods in FORWARD_VARIANTS
         for varlen, paged in ((False, False), (True, False), (True, True))
+        if not (mods and mask == "causal" and varlen)
     }
     names.add("fa2::dropout_keep_mask")
     return sorted(names)

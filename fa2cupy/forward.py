@@ -34,13 +34,16 @@ class ForwardPlan:
     tensor_maps: tensor_maps.TileMaps | None = None
 
 
-def kernel_variant(causal: bool, window_size, softcap: float, alibi: bool,
-                   dropout_p: float = 0.0) -> tuple[str, bool, int, int]:
+def kernel_variant(causal: bool, window_size, softcap: float, alibi: bool, dropout_p: float = 0.0,
+                   causal_mods: bool = False) -> tuple[str, bool, int, int]:
     """``(mask, mods, left, right)``: the kernel variant (configs.VARIANTS) and window bounds for the options.
-    Softcap, ALiBi and dropout run in the modifier variant, built on the window mask, which expresses every mask."""
+    Softcap, ALiBi and dropout run in the modifier variant, built on the window mask, which expresses every mask;
+    with ``causal_mods`` (the padded forward, configs.FORWARD_VARIANTS) a causal call takes the causal one."""
     mask, left, right = checks.window_bounds(causal, window_size)
     mods = softcap > 0 or alibi or dropout_p > 0
-    return ("window" if mods else mask), mods, left, right
+    if mods and not (causal_mods and mask == "causal"):
+        mask = "window"
+    return mask, mods, left, right
 
 
 def dropout_threshold(dropout_p: float) -> int:
@@ -126,7 +129,8 @@ def plan_forward(
     """
     batch, seqlen_q, nheads, headdim = q_shape
     seqlen_k, nheads_kv = k_shape[1], k_shape[2]
-    mask, mods, left, right = kernel_variant(causal, window_size, softcap, alibi_batch_stride is not None, dropout_p)
+    mask, mods, left, right = kernel_variant(causal, window_size, softcap, alibi_batch_stride is not None, dropout_p,
+                                             causal_mods=varlen_totals is None)
     if config is None:
         config = kernel_config(arch, headdim, dtype, mask, mods, varlen_totals is not None, seqlen_q, options)
     # The Hopper forward's tensor maps (padded calls, and varlen, whose Q, whole output tiles and, packed, whole K/V

@@ -97,3 +97,19 @@ def test_kernel_rows():
     # The varlen causal forward takes the masked row where the table has one (mma.sync at d=64 on sm_90).
     varlen = configs.kernel_rows(90, 64, "bfloat16", "causal", varlen=True, options=KernelOptions(hopper_forward=False))
     assert varlen.forward == configs.FORWARD_MASKED_TABLE[("sm90", 64)]
+
+
+def test_padded_causal_calls_with_modifiers_take_the_causal_modifier_variant():
+    # Dropout, softcap and ALiBi run in the modifier variant: a padded causal forward in its causal instantiation
+    # (compile-time bounds), every other masked call (varlen, windows, the backward) in the window one.
+    from fa2cupy import forward
+
+    assert forward.kernel_variant(True, (-1, -1), 0.0, False, 0.1, causal_mods=True)[:2] == ("causal", True)
+    assert forward.kernel_variant(True, (-1, -1), 0.0, False, 0.1)[:2] == ("window", True)  # (the backward)
+    assert forward.kernel_variant(True, (8, -1), 30.0, False, causal_mods=True)[:2] == ("window", True)
+    assert forward.kernel_variant(False, (-1, -1), 30.0, False, causal_mods=True)[:2] == ("window", True)
+    shipped = set(configs.forward_instantiations())
+    for dtype in configs.DTYPE_TAGS:
+        for (fam, d), config in configs.FORWARD_TABLE.items():
+            assert config.name_expression(dtype, "causal", True) in shipped
+            assert config.name_expression(dtype, "causal", True, True) not in shipped  # (varlen: the window one)
