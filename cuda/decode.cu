@@ -196,7 +196,8 @@ __global__ void __launch_bounds__(256)
         }
         if (!Paged && !index.row_ok(index.cache_row(b))) {
             bad = true;
-            if (reporter) report_bad_value(params.error_claim, params.error_host, kBadCacheBatchIdx, b, 0, index.cache_row(b));
+            if (reporter)
+                report_bad_value(params.error_claim, params.error_host, kBadCacheBatchIdx, b, 0, index.cache_row(b));
         }
         if constexpr (Extras) {
             if (index.seqlen_ok(len)) {
@@ -208,7 +209,8 @@ __global__ void __launch_bounds__(256)
                 const int last = len + max(params.seqlen_new, params.q_span) - 1;
                 if (params.rotary_dim > 0 && last >= params.seqlen_ro) {
                     bad = true;
-                    if (reporter) report_bad_value(params.error_claim, params.error_host, kBadRotaryPosition, b, 0, last);
+                    if (reporter)
+                        report_bad_value(params.error_claim, params.error_host, kBadRotaryPosition, b, 0, last);
                 }
             }
         }
@@ -229,7 +231,8 @@ __global__ void __launch_bounds__(256)
     }
     if (__syncthreads_or(bad)) return;
 
-    const Rotary rot{params.rotary_cos, params.rotary_sin, params.rotary_dim, params.seqlen_ro, params.rotary_interleaved != 0};
+    const Rotary rot{params.rotary_cos, params.rotary_sin, params.rotary_dim, params.seqlen_ro,
+                     params.rotary_interleaved != 0};
     const int chunks_per_row = params.headdim / 8;
     const i64 chunks = (i64)params.batch * params.seqlen_new * params.nheads_kv * chunks_per_row;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < chunks; i += (i64)gridDim.x * blockDim.x) {
@@ -248,12 +251,19 @@ __global__ void __launch_bounds__(256)
             slot = pos;
         }
         u32 chunk[4];
-        const u16* k_row = k_new + b * params.k_new_batch_stride + (i64)t * params.k_new_row_stride + head * params.k_new_head_stride;
+        const u16* k_row =
+            k_new + b * params.k_new_batch_stride + (i64)t * params.k_new_row_stride + head * params.k_new_head_stride;
         ld_global_v4(k_row + c, chunk);
         if constexpr (Extras) rotate_chunk<Elem>(chunk, k_row, c, pos, rot);
-        st_global_v4(k_cache + row_base * params.k_batch_stride + (i64)slot * params.k_row_stride + head * params.k_head_stride + c, chunk);
-        ld_global_v4(v_new + b * params.v_new_batch_stride + (i64)t * params.v_new_row_stride + head * params.v_new_head_stride + c, chunk);
-        st_global_v4(v_cache + row_base * params.v_batch_stride + (i64)slot * params.v_row_stride + head * params.v_head_stride + c, chunk);
+        st_global_v4(k_cache + row_base * params.k_batch_stride + (i64)slot * params.k_row_stride +
+                         head * params.k_head_stride + c,
+                     chunk);
+        ld_global_v4(v_new + b * params.v_new_batch_stride + (i64)t * params.v_new_row_stride +
+                         head * params.v_new_head_stride + c,
+                     chunk);
+        st_global_v4(v_cache + row_base * params.v_batch_stride + (i64)slot * params.v_row_stride +
+                         head * params.v_head_stride + c,
+                     chunk);
     }
 }
 
@@ -270,8 +280,10 @@ __global__ void __launch_bounds__(256)
     const int* __restrict__ cache_seqlens = params.cache_seqlens;
     wait_for_prior_grids();
     allow_next_grid();
-    const CacheIndex index{nullptr, cache_seqlens, nullptr, (int)params.fixed_seqlen, params.seqlen_new, params.capacity, 0, 0, 0};
-    const Rotary rot{params.rotary_cos, params.rotary_sin, params.rotary_dim, params.seqlen_ro, params.rotary_interleaved != 0};
+    const CacheIndex index{nullptr,         cache_seqlens, nullptr, (int)params.fixed_seqlen, params.seqlen_new,
+                           params.capacity, 0,             0,       0};
+    const Rotary rot{params.rotary_cos, params.rotary_sin, params.rotary_dim, params.seqlen_ro,
+                     params.rotary_interleaved != 0};
     const int chunks_per_row = params.headdim / 8;
     const i64 chunks = (i64)params.batch * params.seqlen_q * params.nheads * chunks_per_row;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < chunks; i += (i64)gridDim.x * blockDim.x) {
@@ -351,7 +363,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const int nheads_kv = by_heads_per_kv.div(params.nheads);
     const int rows = params.seqlen_q * params.heads_per_kv;  // packed rows r = query * heads_per_kv + head-in-group
     const int groups = nheads_kv * ((rows + 15) / 16);
-    const FastDiv by_splits{params.splits_magic, params.splits_shift}, by_groups{params.groups_magic, params.groups_shift};
+    const FastDiv by_splits{params.splits_magic, params.splits_shift};
+    const FastDiv by_groups{params.groups_magic, params.groups_shift};
     const FastDiv by_heads_kv{params.heads_kv_magic, params.heads_kv_shift};
     const int items = params.num_splits * groups * params.batch;
     const unsigned walkers = solo ? gridDim.x * kW : gridDim.x;  // blocks, or warps, that take items
@@ -383,8 +396,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // of the block sees (under the causal mask, none past the last row's limit), in BlockN tiles, and this warp's
     // share of them (warp items: the warp takes them all).
     auto item_check = [&](DecodeItem& it) {
-        check_item<Tr>(it, index, lane, params.error_claim, params.error_host, params.seqlen_new, params.seqlen_q, rows, by_heads_per_kv, by_splits,
-                       params.window_left, params.window_right, tile_warp, tile_stride);
+        check_item<Tr>(it, index, lane, params.error_claim, params.error_host, params.seqlen_new, params.seqlen_q, rows,
+                       by_heads_per_kv, by_splits, params.window_left, params.window_right, tile_warp, tile_stride);
     };
     // First key of the warp's j-th tile of an item.
     auto tile_first = [&](const DecodeItem& it, int j) {
@@ -417,7 +430,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // Paged: a tile's entries kept where the tile uses the page (else 0) and checked; true if one was out of range
     // (reported unless `guessed`, and read as zeros).
     auto check_pages = [&](const DecodeItem& it, const TileStart& t, int (&pages)[kTilePages], bool guessed) -> bool {
-        return check_tile_pages<Tr>(index, params.error_claim, params.error_host, params.page_size, params.max_pages, it, t, pages, guessed);
+        return check_tile_pages<Tr>(index, params.error_claim, params.error_host, params.page_size, params.max_pages,
+                                    it, t, pages, guessed);
     };
 
     // A key tile's copies, worked out apart from issuing them (the first item's are worked out before the wait):
@@ -430,8 +444,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     constexpr int kRowStep = kWalk ? 32 / kDT : 1;
     using KVPlan = DecodeKVPlan<kTilePages>;
     auto plan_kv = [&](const DecodeItem& it, const TileStart& t, const int (&pages)[kTilePages], bool bad_page) {
-        return plan_kv_tile<Tr>(lane, params.page_size, params.k_batch_stride, params.v_batch_stride, k_cache, v_cache, params.k_row_stride,
-                                params.v_row_stride, params.k_head_stride, params.v_head_stride, params.headdim, it, t, pages, bad_page);
+        return plan_kv_tile<Tr>(lane, params.page_size, params.k_batch_stride, params.v_batch_stride, k_cache, v_cache,
+                                params.k_row_stride, params.v_row_stride, params.k_head_stride, params.v_head_stride,
+                                params.headdim, it, t, pages, bad_page);
     };
     // A call whose K/V are larger than L2 streams them under evict-first: they cannot stay in L2 anyway, and so
     // they do not push out what can (1 x 16k: the queued call 28.0 -> 27.55 us, docs/design.md). Other calls
@@ -446,8 +461,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // `whole` (Const<1>): every row of the tile has a key and the lane's column is inside the head dim (the guessed
     // first tiles): no per-row check.
     auto issue_kv = [&](KVPlan plan, int slot, auto whole) {
-        issue_kv_tile<Tr>(smem_k, smem_v, lane, params.k_row_stride, params.v_row_stride, params.page_size, copy_kv, k_cache, v_cache, plan,
-                          slot, whole);
+        issue_kv_tile<Tr>(smem_k, smem_v, lane, params.k_row_stride, params.v_row_stride, params.page_size, copy_kv,
+                          k_cache, v_cache, plan, slot, whole);
     };
     // Keeps a plan's values computed where this stands (before the wait: see keep_here).
     auto keep_plan_here = [&](KVPlan& plan) {
@@ -536,8 +551,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     constexpr bool kPlanQ = kQPerThread <= 2;
     // This thread's chunk i of an item's Q rows: its source (null: zero-filled) and where it lands.
     auto q_src = [&](const DecodeItem& it, int i) -> const u16* {
-        return q_chunk_source<Tr>(query_head, lane, rows, params.headdim, q, params.q_batch_stride, params.q_row_stride, params.q_head_stride, it,
-                                  i);
+        return q_chunk_source<Tr>(query_head, lane, rows, params.headdim, q, params.q_batch_stride,
+                                  params.q_row_stride, params.q_head_stride, it, i);
     };
     auto copy_q = [&](int i, const u16* src, int buffer) {
         const int idx = (solo ? lane : threadIdx.x) + i * kQLoaders;
@@ -844,8 +859,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                             const int dist = key - query - window.diag();
                             float unused;
                             const float x = mods[half].logit(s[0][nt][2 * half + e], query, key, unused);
-                            s[0][nt][2 * half + e] =
-                                key >= cur.key_end || dist > params.window_right || dist < -params.window_left ? -pos_inf() : x;
+                            s[0][nt][2 * half + e] = key >= cur.key_end || dist > params.window_right ||
+                                                             dist < -params.window_left
+                                                         ? -pos_inf()
+                                                         : x;
                         }
                     }
                 }
