@@ -40,6 +40,7 @@
 #include "decode/merge.cuh"
 #include "decode/items.cuh"
 #include "decode/loads.cuh"
+#include "decode/store.cuh"
 
 namespace fa2 {
 
@@ -897,24 +898,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         float row_lse[2];
         softmax.finalize(acc_o, row_lse, Tr::kExtras ? 1.f : params.scale);
         if constexpr (solo) {
-            // The warp's rows are final (one split): each lane holds rows lane / 4 and lane / 4 + 8, two columns
-            // of every 8-column tile.
+            // The warp's rows are final (one split): the warp writes them (store_warp_rows).
             const bool poisoned = __any_sync(0xffffffffu, cur.poisoned || bad_page || pending_report);
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int packed = cur.row0 + (lane >> 2) + half * 8;
-                if (packed >= rows) continue;
-                u32* dst = reinterpret_cast<u32*>(out + out_row(packed) * params.headdim);
-#pragma unroll
-                for (int dt = 0; dt < kDT; ++dt) {
-                    const int c = dt * 8 + (lane & 3) * 2;
-                    if (c < params.headdim)
-                        dst[c / 2] = poisoned ? Mma::pack(quiet_nan(), quiet_nan())
-                                              : Mma::pack(acc_o[0][dt][2 * half], acc_o[0][dt][2 * half + 1]);
-                }
-                if ((lane & 3) == 0 && lse_out != nullptr)
-                    lse_out[lse_index(packed)] = poisoned ? quiet_nan() : row_lse[half];
-            }
+            store_warp_rows<Tr>(params, cur, acc_o, row_lse, poisoned, out, lse_out, lane, rows, out_row, lse_index);
             decode_mark(14, item);
         } else {
             // Every warp is done with the item's tiles and Q (the barrier).
