@@ -41,6 +41,7 @@
 #include "decode/items.cuh"
 #include "decode/loads.cuh"
 #include "decode/store.cuh"
+#include "decode/ring.cuh"
 
 namespace fa2 {
 
@@ -726,20 +727,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     for (bool first_item = true;; first_item = false) {
         if (first_item) {
             cp_async_wait<kAhead>();  // the Q group (the oldest) has landed, for this thread
-        } else if constexpr (deep) {
-            for (; issued < kS; ++issued) {
-                if (issued < cur.my_tiles) bad_page |= load_kv(cur, issued, (slot_base + issued) % kS);
-                cp_async_commit();
-            }
-            cp_async_wait<kS - 1>();  // Q (committed before these) and tile 0
         } else {
-            // The first kS - 1 tiles of cur in flight (issued during the previous item, unless it had fewer
-            // tiles), then Q and those tiles landed.
-            for (; issued < min(kS - 1, cur.my_tiles); ++issued) {
-                bad_page |= load_kv(cur, issued, (slot_base + issued) % kS);
-                cp_async_commit();
-            }
-            cp_async_wait<0>();
+            ring_next_item<Tr>(load_kv, cur, issued, slot_base, bad_page);
         }
         if constexpr (solo)
             __syncwarp();  // ... for every lane
