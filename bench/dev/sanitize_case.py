@@ -328,13 +328,14 @@ def check_forward(i, case) -> bool:
     """cli.run_check_case's forward check (the float64 reference, ``fa2cupy check``'s bounds) with KERNEL_OPTIONS."""
     import fa2cupy
     from fa2cupy.reference import attention_ref
+    from fa2cupy.testing import to_numpy64
 
     host = B.host_inputs(case, i)
     dev = {n: B.to_device(p, case.dtype, "cupy") for n, (p, _) in host.items()}
     out, lse, _ = fa2cupy.flash_attn_func(dev["q"], dev["k"], dev["v"], causal=case.causal, return_attn_probs=True,
                                           kernel_options=KERNEL_OPTIONS)
     ref_out, ref_lse = attention_ref(host["q"][1], host["k"][1], host["v"][1], causal=case.causal)
-    r = cli.compare(case, B.to_numpy64(out), B.to_numpy64(lse), np.asarray(ref_out, np.float64),
+    r = cli.compare(case, to_numpy64(out), to_numpy64(lse), np.asarray(ref_out, np.float64),
                     np.asarray(ref_lse, np.float64))
     print(f"{KERNEL_OPTIONS.sm_count} SMs:", cli.check_row(i, r), flush=True)
     return r.passed
