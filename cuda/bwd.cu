@@ -285,7 +285,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_dkdv(const __grid_constan
             // P^T = exp(S^T * scale - L) (line 11) and dS^T = P^T o (dP^T - D) (line 13), to shared memory.
             // mask.tile_needs_mask(m0, kM, key0, Tr::kBlockN) spelled out on the kernel parameters: ptxas can
             // reload those, while the mask's copies stay live; at d=64 causal that is 12 registers and 5% of the
-            // backward's speed (bench/NOTES.md).
+            // backward's speed.
             const WindowMask<Tr::kMask> mask_it{sq(), sk(), params.window_left, params.window_right};
             const bool need_mask =
                 key0 + Tr::kBlockN > mask_it.seqlen_k ||

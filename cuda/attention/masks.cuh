@@ -344,7 +344,7 @@ FA2_DEVICE Dropout make_dropout(u32 threshold, u32 seed_lo, u32 seed_hi, u32 off
 
 // SeqBounds for the whole block, kept in shared memory: info = {seqlen_q, seqlen_k, q_start, k_start}. The tight
 // kernels read these where they use them instead of holding them: one more register across a main loop at the
-// 255-register cap costs tens of bytes of spills (bench/NOTES.md); the loops' barriers make the compiler re-read.
+// 255-register cap costs tens of bytes of spills (ptxas); the loops' barriers make the compiler re-read.
 FA2_DEVICE void share_seq_bounds(int* info, const int* cu_seqlens_q, const int* cu_seqlens_k, int batch, int total_q,
                                  int total_k, int* error_claim, long long* error_host, int max_seqlen_q,
                                  int max_seqlen_k) {
