@@ -12,9 +12,7 @@ kernels off), so that each row's "plain" is the same call without dropout on the
   drop     dropout_p = P: the bar is drop / plain >= 0.8 at 8k and 32k, d 64 and 128, causal and not
   variant  no dropout, on the kernel that dropout runs on (the modifier variant, switched on by ALiBi slopes of
            zero, which then change nothing): drop / variant is dropout's own cost, variant / plain the variant's
-           (run-time window bounds, the modifier rows of the tile table)
-  drop-t128  (forward, where the table gives the modifier variant a tile of its own: d=64 on sm_90, 128 x 96)
-           dropout_p = P on the plain kernels' tile (128 x 128), a candidate row for the table
+           (its modifier code; non-causal calls: the window mask's run-time bounds)
   softcap  (with --softcap) softcap 30, no dropout: the other calls of the modifier variant, whose code dropout's
            changes share
   base     with --baseline DIR (a copy of an older cuda/, e.g. ``git archive 9573e27 cuda | tar -x -C /tmp/base``):
@@ -165,7 +163,6 @@ def run_case(case, dtype: str, p: float, setups: dict, active: list, rounds: int
     import cupy
 
     import fa2cupy
-    from fa2cupy import configs
 
     d, seqlen, batch, causal = case
     nheads = HIDDEN // d
@@ -184,13 +181,9 @@ def run_case(case, dtype: str, p: float, setups: dict, active: list, rounds: int
         rows["base"] = (setups["base"], drop)
         if softcap:
             rows["softcap-base"] = (setups["base"], dict(softcap=30.0))
-    family = configs.arch_family(int(cupy.cuda.Device().compute_capability))
-    retiled = (family, configs.tile_headdim(d)) in new.masked_rows  # the variant has a forward tile of its own
     result = {}
     for direction in ("fwd", "bwd"):
         chosen = dict(rows)
-        if direction == "fwd" and retiled:
-            chosen["drop-t128"] = (setups["t128"], drop)
         calls = {}
         for name, (setup, kw) in chosen.items():
             if direction == "fwd":
@@ -207,11 +200,11 @@ def run_case(case, dtype: str, p: float, setups: dict, active: list, rounds: int
 
 def print_table(results, direction: str) -> None:
     """TFLOPs/s of each row and the ratios that matter: drop/plain (the bar), variant/plain, drop/variant, and
-    where timed drop-t128/plain, base/plain (the same call on the older kernels) and softcap/softcap-base."""
+    where timed base/plain (the same call on the older kernels) and softcap/softcap-base."""
     present = {n for rec in results for n in rec["result"][direction]}
-    names = [n for n in ("plain", "drop", "variant", "drop-t128", "base", "softcap", "softcap-base") if n in present]
+    names = [n for n in ("plain", "drop", "variant", "base", "softcap", "softcap-base") if n in present]
     ratios = [(a, b) for a, b in (("drop", "plain"), ("variant", "plain"), ("drop", "variant"),
-                                  ("drop-t128", "plain"), ("base", "plain"), ("softcap", "softcap-base"))
+                                  ("base", "plain"), ("softcap", "softcap-base"))
               if a in present and b in present]
     print(f"{direction:<4} {'case':<26}" + "".join(f"{n:>11}" for n in names) + "".join(
         f"{a + '/' + b:>22}" for a, b in ratios))
@@ -239,7 +232,7 @@ def main() -> int:
 
     import cupy
 
-    from fa2cupy import configs, forward
+    from fa2cupy import forward
 
     device = cupy.cuda.Device()
     arch = int(device.compute_capability)
@@ -249,9 +242,6 @@ def main() -> int:
     cases = [parse_case(c) for c in args.cases.split(",")]
     active = []
     setups = {"new": Setup()}
-    # the candidate: the modifier variant on the plain kernels' forward tile (no rows of its own for this GPU)
-    family = configs.arch_family(arch)
-    setups["t128"] = Setup(None, {key: row for key, row in configs.FORWARD_MASKED_TABLE.items() if key[0] != family})
     if args.baseline:
         setups["base"] = Setup(str(Path(args.baseline).resolve()), setups["new"].masked_rows)
     for name, setup in setups.items():
