@@ -16,22 +16,12 @@
 // cheaper than holding it, and the fields of one struct are loaded, merged and moved like any other values (read in
 // place, 90 of the forward's 193 sm_90 instantiations took more registers and 4 spilled; through a copy, the
 // backward's dK/dV kernel at d=160 spilled), or, where the two ran apart, whichever ran faster (the dK/dV kernel at
-// d=256: ParamsView). A pointer the kernels read or write through plain loads and stores is copied into a
-// __restrict__ local (a struct member's __restrict__ means nothing to the compiler).
+// d=256, through common/types.cuh's ParamsView). A pointer the kernels read or write through plain loads and stores
+// is copied into a __restrict__ local (a struct member's __restrict__ means nothing to the compiler).
 #pragma once
 #include "common/types.cuh"
 
 namespace fa2 {
-
-// How a kernel holds its parameter struct T: a local copy if Copy, else a reference to the parameter (in place).
-template <class T, bool Copy>
-struct ParamsView {
-    using type = const T&;
-};
-template <class T>
-struct ParamsView<T, true> {
-    using type = const T;
-};
 
 // flash_fwd (fwd.cu), and the common part of the Hopper forward's (FwdHopperParams).
 // q, o: (batch, seqlen_q, nheads, d), k, v: (batch, seqlen_k, nheads_kv, d) (paged: (num_pages, page_size,

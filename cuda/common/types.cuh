@@ -31,6 +31,16 @@ struct alignas(64) TensorMap {
     unsigned long long opaque[16];
 };
 
+// How a kernel holds its parameter struct T: a local copy if Copy, else a reference to the parameter (in place).
+template <class T, bool Copy>
+struct ParamsView {
+    using type = const T&;
+};
+template <class T>
+struct ParamsView<T, true> {
+    using type = const T;
+};
+
 // A compile-time flag as a value: generic lambdas take it to instantiate one body per case (if constexpr inside).
 template <bool B>
 struct Bool {
