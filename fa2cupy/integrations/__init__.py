@@ -1,0 +1,1 @@
+"""Integrations of fa2cupy with other libraries' extension points."""
