@@ -488,3 +488,13 @@ def test_unsupported_dtype_or_device_names_the_alternative(dtype, device, messag
     q, k, v = (x.to(dtype) for x in _bhsd())
     with pytest.raises((TypeError, ValueError), match=message + ".*restore_flash_attention_impl"):
         torch_sdpa.sdpa_flash_forward(q, k, v)
+
+
+def test_kernel_options_reach_forward_and_backward(stand_ins, monkeypatch):
+    sentinel = object()
+    monkeypatch.setattr(torch_sdpa, "_KERNEL_OPTIONS", sentinel)
+    q, k, v = _bhsd()
+    out, lse, _, _, mq, mk, rng, unused, _ = torch_sdpa.sdpa_flash_forward(q, k, v)
+    torch_sdpa.sdpa_flash_backward(torch.randn_like(q), q, k, v, out, lse, None, None, mq, mk, 0.0, False, rng,
+                                   unused)
+    assert [kw["kernel_options"] for _, kw in stand_ins] == [sentinel, sentinel]

@@ -56,6 +56,9 @@ __all__ = ["IMPL_NAME", "register"]
 #: The name under which the implementation is registered with torch.
 IMPL_NAME = "fa2cupy"
 
+#: The fa2cupy.KernelOptions every call passes (None: fa2cupy's defaults); the GPU tests set debug_poison here.
+_KERNEL_OPTIONS = None
+
 #: What to do instead, appended to the errors for what fa2cupy cannot compute.
 _ALTERNATIVE = ("use another SDPA backend (torch.nn.attention.sdpa_kernel) or give the flash backend back to torch's "
                 "kernel with torch.nn.attention.restore_flash_attention_impl()")
@@ -188,7 +191,7 @@ def _forward(op, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_
     dropout, rng_state, unused = _rng_outputs(query.device, float(dropout_p))
     common = dict(softmax_scale=None if scale is None else float(scale), causal=bool(is_causal),
                   window_size=_window(window_size_left, window_size_right), alibi_slopes=alibi_slopes,
-                  deterministic=False, **dropout)
+                  deterministic=False, kernel_options=_KERNEL_OPTIONS, **dropout)
     if cum_seq_q is None:
         if cum_seq_k is not None or block_table is not None or seqused_k is not None:
             raise ValueError(f"{op}: cum_seq_k, block_table and seqused_k need cum_seq_q (the packed varlen form)")
@@ -257,7 +260,7 @@ def _backward(op, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_se
     _check_inputs(op, grad_out, query, key, value, out)
     common = dict(softmax_scale=None if scale is None else float(scale), causal=bool(is_causal),
                   window_size=_window(window_size_left, window_size_right),
-                  deterministic=torch.are_deterministic_algorithms_enabled(),
+                  deterministic=torch.are_deterministic_algorithms_enabled(), kernel_options=_KERNEL_OPTIONS,
                   **_backward_dropout(float(dropout_p), rng_state))
     if grad_out.stride(-1) != 1:  # e.g. the expanded gradient of out.sum(): fa2cupy needs a contiguous last axis
         grad_out = grad_out.contiguous()
