@@ -32,7 +32,8 @@ device tensor {seed, offset}, which is the uint32 ``(4,)`` {seed lo, seed hi, of
 fa2cupy's (its realised ``p`` is a multiple of 1/256), not bit-for-bit the one torch's kernel would draw.
 
 Refused with an error that names the feature: attention probabilities (``return_debug_mask=True``),
-``seqused_k`` without ``block_table``, tensors that are not float16/bfloat16 CUDA tensors; fa2cupy's own checks
+``seqused_k`` without ``block_table``, dropout while a CUDA graph is being captured (the seed is drawn on the
+host), tensors that are not float16/bfloat16 CUDA tensors; fa2cupy's own checks
 name any other argument it cannot take (e.g. a head dim above 256). ``num_splits`` is a scheduling hint that fa2cupy
 has no use for: its varlen forward never splits a row's keys, so results never depend on the batch's composition.
 """
@@ -133,8 +134,13 @@ def _draw_dropout(device: torch.device) -> tuple[int, int, torch.Tensor]:
     (advancing it, as fa2cupy.torch does), and the same two as aten's uint64 ``(2,)`` rng_state on ``device``."""
     from fa2cupy.torch import _draw_dropout_rng
 
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise NotImplementedError(
+            "fa2cupy's SDPA dropout draws its seed and offset on the host, which a CUDA graph would freeze into every "
+            f"replay; capture without dropout, or {_ALTERNATIVE}")
     seed, offset = _draw_dropout_rng(device)
-    state = torch.tensor([seed, offset], dtype=torch.int64).view(torch.uint64).to(device)
+    # int64 on the way over (the host-to-device copy of every dtype), seen as aten's uint64 there
+    state = torch.tensor([seed, offset], dtype=torch.int64, device=device).view(torch.uint64)
     return _unsigned(seed), _unsigned(offset), state
 
 
