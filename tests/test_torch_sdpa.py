@@ -80,7 +80,7 @@ def test_import_error_names_the_torch_version_needed():
     code = ("import torch.nn.attention as a; del a.register_flash_attention_impl\n"
             "try:\n    import fa2cupy.integrations.torch_sdpa\nexcept ImportError as e:\n    print(e)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert "needs torch >= 2.10 (torch.nn.attention.register_flash_attention_impl)" in res.stdout
+    assert "needs torch >= 2.11 (torch.nn.attention.register_flash_attention_impl)" in res.stdout
     assert res.stdout.count("\n") == 1
 
 

@@ -46,7 +46,7 @@ import torch
 
 if not hasattr(getattr(torch.nn, "attention", None), "register_flash_attention_impl"):
     raise ImportError(
-        f"fa2cupy.integrations.torch_sdpa needs torch >= 2.10 (torch.nn.attention.register_flash_attention_impl); "
+        f"fa2cupy.integrations.torch_sdpa needs torch >= 2.11 (torch.nn.attention.register_flash_attention_impl); "
         f"torch {torch.__version__} is installed")
 
 import fa2cupy  # noqa: E402
