@@ -78,7 +78,7 @@ class HopperFwdConfig:
     warpgroup and consumer warpgroups of 64 rows each, persistent blocks; a work item is 64 query rows per
     consumer warpgroup."""
 
-    headdim: int  # exactly the head dim (64 or 128): the kernel has no zero-filled columns
+    headdim: int  # exactly the head dim (64 or 128; 192 or 256 in the wide table): no zero-filled columns
     block_n: int  # keys per K/V tile
     k_stages: int  # K ring depth (a slot goes back once S has landed)
     v_stages: int  # V ring depth (a slot goes back after P V, a step later than K's)
@@ -121,6 +121,16 @@ class HopperFwdConfig:
 FORWARD_HOPPER_TABLE: dict[int, HopperFwdConfig] = {
     64: HopperFwdConfig(64, 128, 4, 4, 2, 3),
     128: HopperFwdConfig(128, 128, 2, 3, 2),
+}
+
+#: The Hopper forward at the wide head dims, 192 and 256: run only when asked for (KernelOptions.hopper_forward_wide)
+#: until measured on a GPU; otherwise the mma.sync forward runs them. Two consumer warpgroups (O takes d / 2
+#: registers a thread: 96 or 128 of the 224) on 64-key tiles (S and P take 32 + 16; 128-key tiles of d = 192 would
+#: not fit 227 KB with two K and two V slots beside one Q buffer). d = 192: two Q buffers, K 2, V 3 (217 KB);
+#: d = 256: one Q buffer (64 KB: two would leave too little for the rings), K 2, V 3 (225 KB).
+FORWARD_HOPPER_WIDE_TABLE: dict[int, HopperFwdConfig] = {
+    192: HopperFwdConfig(192, 64, 2, 3, 2),
+    256: HopperFwdConfig(256, 64, 2, 3, 1),
 }
 
 
@@ -494,7 +504,7 @@ def forward_config(arch: int, headdim: int, dtype: str, mask: str, varlen: bool 
 #: Hopper / mma.sync kernel time in one process, with three consumer warpgroups at d=64: d=64 256 1.11x (mma.sync
 #: kept), 512 0.86x, 1024 1.00x; d=128 128 0.93x, 256 0.94x, 512 1.01x; windows d=64 (256, 0) over 512 0.79x,
 #: d=128 (128, 0) over 256 0.96x (docs/design.md).
-HOPPER_MASKED_MIN_SEQLEN = {64: 512, 128: 128}
+HOPPER_MASKED_MIN_SEQLEN = {64: 512, 128: 128, 192: 128, 256: 128}  # (192, 256: d = 128's, not measured)
 
 #: The Hopper forward's persistent blocks take the work items of heads in groups whose K/V take at most this many
 #: bytes, longest first within a group, so that the heads in flight at any time share L2 (50 MB on the H100).
@@ -513,25 +523,28 @@ def hopper_heads_per_group(seqlen_k: int, headdim: int, heads_per_kv: int, heads
 
 def hopper_forward_config(arch: int, headdim: int, dtype: str, mods: bool = False, varlen: bool = False,
                           mask: str = "none", seqlen_q: int | None = None,
-                          masked_min_seqlen: int | None = None) -> HopperFwdConfig | None:
+                          masked_min_seqlen: int | None = None, wide: bool = False) -> HopperFwdConfig | None:
     """The Hopper forward's row for this call, or None where the mma.sync forward runs it (another GPU, a head
-    dim other than 64 or 128, score modifiers, or a masked call shorter than HOPPER_MASKED_MIN_SEQLEN, or than
-    ``masked_min_seqlen`` where given; ``seqlen_q`` None skips that last rule). Varlen calls, paged K/V included,
-    run where padded ones would."""
+    dim other than 64 or 128, or 192 and 256 with ``wide`` (FORWARD_HOPPER_WIDE_TABLE), score modifiers, or a masked
+    call shorter than HOPPER_MASKED_MIN_SEQLEN, or than ``masked_min_seqlen`` where given; ``seqlen_q`` None skips
+    that last rule). Varlen calls, paged K/V included, run where padded ones would."""
     if dtype not in DTYPE_TAGS:
         raise ValueError(f"dtype must be one of {tuple(DTYPE_TAGS)}, got {dtype}")
-    if arch != 90 or mods or headdim not in FORWARD_HOPPER_TABLE:
+    table = {**FORWARD_HOPPER_TABLE, **FORWARD_HOPPER_WIDE_TABLE} if wide else FORWARD_HOPPER_TABLE
+    if arch != 90 or mods or headdim not in table:
         return None
     shortest = HOPPER_MASKED_MIN_SEQLEN[headdim] if masked_min_seqlen is None else masked_min_seqlen
     if mask != "none" and seqlen_q is not None and seqlen_q < shortest:
         return None
-    return FORWARD_HOPPER_TABLE[headdim]
+    return table[headdim]
 
 
 def hopper_forward_instantiations() -> list[str]:
-    """Name expressions of every shipped Hopper forward instantiation (compiled for sm_90a)."""
+    """Name expressions of every Hopper forward instantiation (compiled for sm_90a): the shipped table's and the
+    wide table's, which run only when asked for but must compile (without spills) all the same."""
+    rows = (*FORWARD_HOPPER_TABLE.values(), *FORWARD_HOPPER_WIDE_TABLE.values())
     return sorted(config.name_expression(dtype, mask, varlen=varlen, paged=paged)
-                  for config in FORWARD_HOPPER_TABLE.values() for dtype in DTYPE_TAGS for mask in MASKS
+                  for config in rows for dtype in DTYPE_TAGS for mask in MASKS
                   for varlen, paged in ((False, False), (True, False), (True, True)))
 
 
@@ -579,13 +592,13 @@ def kernel_rows(arch: int, headdim: int, dtype: str, mask: str = "none", mods: b
         seqlen_q: query rows (max_seqlen_q for varlen): masked calls shorter than the Hopper forward's minimum run the
             mma.sync forward; None skips that rule.
         deterministic: the backward's mode (the Hopper dK/dV kernel adds dQ with atomics only).
-        options: KernelOptions: hopper_forward, hopper_backward, hopper_masked_min_seqlen.
+        options: KernelOptions: hopper_forward, hopper_forward_wide, hopper_backward, hopper_masked_min_seqlen.
         tma: whether the call's strides suit TMA (positive, 16-byte multiples): the Hopper kernels copy with it.
     """
     forward = backward = None
     if tma and options.hopper_forward:
         forward = hopper_forward_config(arch, headdim, dtype, mods, varlen, mask, seqlen_q,
-                                        options.hopper_masked_min_seqlen)
+                                        options.hopper_masked_min_seqlen, options.hopper_forward_wide)
     if tma and options.hopper_backward:
         backward = hopper_backward_config(arch, headdim, mods, deterministic)
     return KernelRows(forward or forward_config(arch, headdim, dtype, mask, varlen, mods),

@@ -23,6 +23,8 @@ class KernelOptions:
 
     hopper_forward (True): run the forward on the Hopper (wgmma, TMA) kernel where the tile table has a row for the
         call (compute capability 9.0, head dim 64 or 128, no score modifiers); False runs the mma.sync kernel there.
+    hopper_forward_wide (False): with hopper_forward, also run head dims 192 and 256 on the Hopper forward
+        (configs.FORWARD_HOPPER_WIDE_TABLE; not yet measured on a GPU, so off by default: the mma.sync kernel).
     hopper_backward (True): the same for the backward's dK/dV kernel (atomic dQ, no score modifiers).
     hopper_masked_min_seqlen (None): causal and windowed forwards take the Hopper kernel from this many query rows
         on (below it the mma.sync kernel is faster); None is the tile table's per-head-dim length
@@ -54,6 +56,7 @@ class KernelOptions:
     """
 
     hopper_forward: bool = True
+    hopper_forward_wide: bool = False
     hopper_backward: bool = True
     hopper_masked_min_seqlen: int | None = None
     tile_counter: bool = True
@@ -96,7 +99,7 @@ _tokens: dict = {}  # field values -> the token of KernelOptions with them
 
 #: The type of each field's values, for the checks in KernelOptions.__post_init__.
 _KINDS = {
-    "hopper_forward": "bool", "hopper_backward": "bool", "hopper_masked_min_seqlen": "optional int",
+    "hopper_forward": "bool", "hopper_forward_wide": "bool", "hopper_backward": "bool", "hopper_masked_min_seqlen": "optional int",
     "tile_counter": "bool", "hopper_l2_group_bytes": "optional int", "decode_deep_ring": "optional bool",
     "decode_warp_items": "optional bool", "decode_warp_items_max_tiles": "int",
     "decode_programmatic_launch": "optional bool", "decode_programmatic_min_splits": "int",

@@ -73,9 +73,13 @@ FAMILIES = {
 # The sm_90a families: (family, their shipped instantiations, how many, their table rows with the byte count a
 # launch asks for, the kernel template's name).
 HOPPER_FAMILIES = {
+    # (the shipped rows and the wide ones, which run only when asked for but must compile without spills)
     "fwd_hopper": (configs.hopper_forward_instantiations,  # padded, varlen, varlen with paged K/V
-                   len(configs.FORWARD_HOPPER_TABLE) * len(configs.DTYPE_TAGS) * len(configs.MASKS) * 3,
-                   lambda: [(c, c.smem_bytes) for c in configs.FORWARD_HOPPER_TABLE.values()], "fa2::flash_fwd_hopper<"),
+                   (len(configs.FORWARD_HOPPER_TABLE) + len(configs.FORWARD_HOPPER_WIDE_TABLE))
+                   * len(configs.DTYPE_TAGS) * len(configs.MASKS) * 3,
+                   lambda: [(c, c.smem_bytes) for c in (*configs.FORWARD_HOPPER_TABLE.values(),
+                                                        *configs.FORWARD_HOPPER_WIDE_TABLE.values())],
+                   "fa2::flash_fwd_hopper<"),
     "bwd_hopper": (configs.hopper_backward_instantiations,
                    len(configs.BACKWARD_HOPPER_TABLE) * len(configs.DTYPE_TAGS) * len(configs.MASKS) * 2,
                    lambda: [(c, c.smem_bytes()) for c in configs.BACKWARD_HOPPER_TABLE.values()],
@@ -266,6 +270,9 @@ def test_hopper_shared_memory_matches_the_kernel(family):
     for i, (config, smem_bytes) in enumerate(rows):
         found = re.search(rf"fa2_probe_{i} = (\d+);", ptx)
         assert found and int(found[1]) == smem_bytes <= 227 * 1024, config
+    if family == "fwd_hopper":
+        # the wide rows too (their Q buffers, which also stage the output rows, and rings take 217 and 225 KB)
+        assert {config.headdim for config, _ in rows} == {64, 128, 192, 256}
 
 
 def test_hopper_forward_is_chosen_only_where_it_runs():
@@ -284,16 +291,41 @@ def test_hopper_forward_is_chosen_only_where_it_runs():
             row.name_expression("bfloat16", "none", paged=True)
         with pytest.raises(ValueError, match="modifiers"):
             row.name_expression("bfloat16", "none", mods=True)
-    for d in (32, 40, 96, 120, 160, 256):
+    for d in (32, 40, 96, 120, 160, 192, 256):
         assert configs.hopper_forward_config(90, d, "bfloat16") is None
     for d, shortest in configs.HOPPER_MASKED_MIN_SEQLEN.items():  # masked calls: from a length on
         for mask, varlen in itertools.product(("causal", "window"), (False, True)):
-            kw = dict(mask=mask, varlen=varlen)
+            kw = dict(mask=mask, varlen=varlen, wide=True)  # (192 and 256: the wide rows')
             assert configs.hopper_forward_config(90, d, "float16", seqlen_q=shortest - 1, **kw) is None
             assert configs.hopper_forward_config(90, d, "float16", seqlen_q=shortest, **kw) is not None
-        assert configs.hopper_forward_config(90, d, "float16", mask="none", seqlen_q=1) is not None
+        assert configs.hopper_forward_config(90, d, "float16", mask="none", seqlen_q=1, wide=True) is not None
     with pytest.raises(ValueError, match="dtype"):
         configs.hopper_forward_config(90, 64, "float32")
+
+
+def test_hopper_forward_wide_rows_run_only_when_asked_for():
+    # d=192 and 256 (FORWARD_HOPPER_WIDE_TABLE) are not measured on a GPU yet: the mma.sync forward runs them unless
+    # the call asks for them (KernelOptions.hopper_forward_wide), and asking changes nothing at d=64 and 128.
+    wide = configs.FORWARD_HOPPER_WIDE_TABLE
+    assert sorted(wide) == [192, 256] and not set(wide) & set(configs.FORWARD_HOPPER_TABLE)
+    for d, row in wide.items():
+        assert row.headdim == d and row.consumer_wgs == 2
+        for dtype, varlen in itertools.product(("float16", "bfloat16"), (False, True)):
+            assert configs.hopper_forward_config(90, d, dtype, varlen=varlen) is None
+            assert configs.hopper_forward_config(90, d, dtype, varlen=varlen, wide=True) is row
+        for arch in (80, 89, 100):
+            assert configs.hopper_forward_config(arch, d, "bfloat16", wide=True) is None
+        assert configs.hopper_forward_config(90, d, "bfloat16", mods=True, wide=True) is None
+        shortest = configs.HOPPER_MASKED_MIN_SEQLEN[d]
+        assert configs.hopper_forward_config(90, d, "float16", mask="causal", seqlen_q=shortest - 1, wide=True) is None
+        assert configs.hopper_forward_config(90, d, "float16", mask="causal", seqlen_q=shortest, wide=True) is row
+        for mask, (varlen, paged) in itertools.product(configs.MASKS, ((False, False), (True, False), (True, True))):
+            assert row.name_expression("float16", mask, varlen=varlen, paged=paged) in \
+                configs.hopper_forward_instantiations()
+    for d in (64, 128):
+        assert configs.hopper_forward_config(90, d, "bfloat16", wide=True) is configs.FORWARD_HOPPER_TABLE[d]
+    for d in (32, 96, 160, 224):
+        assert configs.hopper_forward_config(90, d, "bfloat16", wide=True) is None
 
 
 def test_hopper_backward_is_chosen_only_where_it_runs():

@@ -65,6 +65,28 @@ def test_info_table_for_a_given_arch_without_a_gpu():
     assert "kernels for sm_90" in result.output and "hopper (wgmma)" in result.output
 
 
+@pytest.mark.parametrize("d", [192, 256])
+def test_wide_hopper_forward_rows_only_with_the_option(d):
+    # The wide rows (configs.FORWARD_HOPPER_WIDE_TABLE) are unmeasured on a GPU: by default d=192 and 256 run on the
+    # mma.sync forward (and backward), with KernelOptions(hopper_forward_wide=True) on the Hopper forward, padded
+    # and varlen, where TMA can copy the arrays and the forward is on the Hopper kernel at all.
+    wide = KernelOptions(hopper_forward_wide=True)
+    for mask, varlen in ((m, v) for m in configs.MASKS for v in (False, True)):
+        default = configs.kernel_rows(90, d, "bfloat16", mask, varlen=varlen, seqlen_q=4096)
+        assert default.forward == configs.forward_config(90, d, "bfloat16", mask, varlen)
+        rows = configs.kernel_rows(90, d, "bfloat16", mask, varlen=varlen, seqlen_q=4096, options=wide)
+        assert rows.forward is configs.FORWARD_HOPPER_WIDE_TABLE[d]
+        assert rows.backward == default.backward  # (the backward is not the option's)
+    assert configs.kernel_rows(90, d, "float16", options=wide, tma=False).forward.family == "fwd"
+    assert configs.kernel_rows(80, d, "float16", options=wide).forward.family == "fwd"
+    assert configs.kernel_rows(90, d, "float16", options=KernelOptions(hopper_forward_wide=True,
+                                                                       hopper_forward=False)).forward.family == "fwd"
+    assert configs.kernel_rows(90, d, "float16", "causal", mods=True, options=wide).forward.family == "fwd"
+    # the option is part of the plan cache's key: calls with and without it never share a plan
+    assert wide != KernelOptions() and hash(wide) != hash(KernelOptions())
+    assert configs.kernel_rows(90, 128, "float16", options=wide).forward is configs.FORWARD_HOPPER_TABLE[128]
+
+
 def test_kernel_rows():
     rows = configs.kernel_rows(90, 128, "bfloat16", "causal", seqlen_q=4096)
     assert rows.forward is configs.FORWARD_HOPPER_TABLE[128] and rows.backward is configs.BACKWARD_HOPPER_TABLE[128]

@@ -51,9 +51,12 @@ FA2_DEVICE void write_rows_varlen(const HopperFwdSmem<Tr>& smem, const HopperFwd
 #pragma unroll 1
     for (int row = first_row; row < Tr::kBlockM && row < seqlen - row0;
          row += kRowStep, from += kRowStep * QTile::kRowBytes, to += (i64)kRowStep * row_stride) {
-        u32 x[4];
-        ld_shared_v4(from, x);
-        *reinterpret_cast<uint4*>(to) = make_uint4(x[0], x[1], x[2], x[3]);
+#pragma unroll
+        for (int pass = 0; pass < Loader::kPasses; ++pass) {  // (rows wider than 128 columns: a slab at a time)
+            u32 x[4];
+            ld_shared_v4(from + pass * QTile::kSlabBytes, x);
+            *reinterpret_cast<uint4*>(to + pass * 64) = make_uint4(x[0], x[1], x[2], x[3]);
+        }
     }
     // (every thread's reads done before the first thread's TMA copy of the next Q lands there)
     named_barrier_sync<Tr::kProducerBarrier, Tr::kProducerThreads>();

@@ -127,8 +127,8 @@ FA2_DEVICE int next_varlen_item(const HopperFwdSmem<Tr>& smem, int* __restrict__
 }
 
 // Paged: lane j of producer warp w looks up row 32 w + j of the next tile (keys_left from its first on), its K and V
-// rows alike (a bad block_table entry is reported and its rows read as zeros, as in flash_fwd). (Looking the rows up
-// a tile ahead measured the same: docs/design.md.)
+// rows alike (a bad block_table entry is reported and its rows read as zeros, as in flash_fwd); with 64-key tiles row
+// 16 w + j % 16 (SlabLoader::load_paged_rows). (Looking the rows up a tile ahead measured the same: docs/design.md.)
 template <class Tr>
 FA2_DEVICE void look_up_paged_rows(const HopperFwdArgs& args, const int& ptid, const int& row_pages, const int& b,
                              const int& kv_head, const HopperFwdBounds& seq, const int& keys_left, const u16*& k_row,
@@ -136,7 +136,7 @@ FA2_DEVICE void look_up_paged_rows(const HopperFwdArgs& args, const int& ptid, c
     const PagedKeys keys{args.block_table + (i64)b * row_pages, {args.page_magic, args.page_shift}, args.page_size,
                          args.num_pages};
     int page, slot;
-    const int row = ptid;
+    const int row = Tr::kBlockN >= Tr::kProducerThreads ? ptid : 16 * (ptid >> 5) + (ptid & 15);
     const bool ok = row < keys_left && keys.locate(seq.seqlen_k - keys_left + row, page, slot, b, args.error_claim,
                                                    args.error_host);
     k_row = ok ? args.k + kv_head * args.k_head_stride + page * args.k_batch_stride + (i64)slot * args.k_row_stride

@@ -69,8 +69,13 @@ struct HopperFwdTraits {
     // 1 KB of slack: the swizzled slabs must start on 1024-byte boundaries.
     static constexpr int kSmemBytes =
         1024 + kQBuffers * QTile::kBytes + (KStages + VStages) * KVTile::kBytes + 8 * kBarriers + 4 * kItemSlots;
-    static_assert(HeadDim == 64 || HeadDim == 128, "wgmma tiles of N = 64 or 128");
-    static_assert(BlockN == 64 || BlockN == 128, "wgmma tiles of N = 64 or 128");
+    // (192 and 256: P V on wgmma of N = 192 or 256, S = Q K^T in k16 steps over 3 or 4 slabs; two consumer
+    // warpgroups, whose O takes HeadDim / 2 registers a thread)
+    static_assert(HeadDim == 64 || HeadDim == 128 || HeadDim == 192 || HeadDim == 256,
+                  "whole 64-column slabs, P V on wgmma of N = HeadDim");
+    static_assert(HeadDim <= 128 || ConsumerWGs == 2, "wide head dims on two consumer warpgroups");
+    static_assert(kSmemBytes <= 227 * 1024, "the shared memory of one block");
+    static_assert(BlockN == 64 || BlockN == 128, "S on wgmma of N = 64 or 128");
     static_assert(KStages >= 2 && VStages >= KStages, "V's ring at least as deep as K's, K's at least two");
 };
 

@@ -29,10 +29,13 @@ FA2_DEVICE void stmatrix_x4(u32 addr, const u32 (&r)[4]) {
 
 // A producer warpgroup's share of copying tiles of Cols-wide rows into SwizzledSlabs (cp.async): thread `ptid` of
 // Threads copies one 16-byte column chunk of every kRowStep-th row, a multiple of 8 rows apart, so its swizzled
-// position within a row is the same for all of them and its addresses advance by constants.
+// position within a row is the same for all of them and its addresses advance by constants. Rows wider than 128
+// columns (192, 256: Threads / (Cols / 8) would not be a multiple of 8) go one slab's width at a time: the thread's
+// chunk of each of the kPasses slabs, kSlabBytes apart.
 template <int Threads, int Cols>
 struct SlabLoader {
-    static constexpr int kChunksPerRow = Cols / 8, kRowStep = Threads / kChunksPerRow;
+    static constexpr int kPassCols = Cols <= 128 ? Cols : 64, kPasses = Cols / kPassCols;
+    static constexpr int kChunksPerRow = kPassCols / 8, kRowStep = Threads / kChunksPerRow;
     static_assert(kRowStep % 8 == 0, "a thread's rows share one swizzle phase");
     int first_row, column;
     FA2_DEVICE explicit SlabLoader(int ptid) : first_row(ptid / kChunksPerRow), column(ptid % kChunksPerRow * 8) {}
@@ -45,7 +48,9 @@ struct SlabLoader {
         const i64 step = (i64)kRowStep * row_stride;
 #pragma unroll 4  // (4 copies in flight per thread)
         for (int row = first_row; row < kRows; row += kRowStep, to += kRowStep * Tile::kRowBytes, from += step)
-            cp_async_16(to, row < valid ? from : src, row < valid);
+#pragma unroll
+            for (int pass = 0; pass < kPasses; ++pass)
+                cp_async_16(to + pass * Tile::kSlabBytes, row < valid ? from + pass * 64 : src, row < valid);
     }
     // Paged K/V: a tile's rows gathered from pages. Lane j of producer warp w holds the address of row 32 w + j
     // (null: zero-filled), and the warp copies its 32 rows 4 at a time, 8 lanes a row, each row's address handed
@@ -53,19 +58,22 @@ struct SlabLoader {
     // the packed loader's 256 of 2). Copies of fewer bytes from more rows cost the LSU a pass per line: 32 bytes of
     // 16 rows an instruction held paged calls at ~0.85x packed speed, one row per copy with its page worked out
     // each time (~40 instructions a copy) at ~0.6x.
+    // Tiles of 64 rows (the wide head dims' key tiles) go 16 rows a warp: lane j of warp w holds the address of row
+    // 16 w + j % 16 (the upper 16 lanes the same rows again), and the warp copies them 4 at a time as above.
     template <class Tile>
     FA2_DEVICE void load_paged_rows(u32 dst, const u16* row, const u16* any, int warp, int lane) const {
-        static_assert(Tile::kBytes / (Cols * 2) == Threads && Threads % 32 == 0, "a warp's 32 rows");
+        constexpr int kRows = Tile::kBytes / (Cols * 2), kWarpRows = kRows / (Threads / 32);
+        static_assert((kWarpRows == 32 || kWarpRows == 16) && kWarpRows * Threads == 32 * kRows, "a warp's rows");
         const int chunk = lane % 8;
 #pragma unroll
-        for (int g = 0; g < 8; ++g) {
+        for (int g = 0; g < kWarpRows / 4; ++g) {
             const u16* src = reinterpret_cast<const u16*>(
                 __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(row), 4 * g + lane / 8));
             const bool ok = src != nullptr;
             src = opaque((ok ? src : any) + 8 * chunk);  // (each copy's source: this register plus a constant)
 #pragma unroll
             for (int s = 0; s < Cols / 64; ++s)
-                cp_async_16(Tile::at(dst, 32 * warp + 4 * g + lane / 8, 64 * s + 8 * chunk), src + 64 * s, ok);
+                cp_async_16(Tile::at(dst, kWarpRows * warp + 4 * g + lane / 8, 64 * s + 8 * chunk), src + 64 * s, ok);
         }
     }
 };
