@@ -99,7 +99,8 @@ _tokens: dict = {}  # field values -> the token of KernelOptions with them
 
 #: The type of each field's values, for the checks in KernelOptions.__post_init__.
 _KINDS = {
-    "hopper_forward": "bool", "hopper_forward_wide": "bool", "hopper_backward": "bool", "hopper_masked_min_seqlen": "optional int",
+    "hopper_forward": "bool", "hopper_forward_wide": "bool", "hopper_backward": "bool",
+    "hopper_masked_min_seqlen": "optional int",
     "tile_counter": "bool", "hopper_l2_group_bytes": "optional int", "decode_deep_ring": "optional bool",
     "decode_warp_items": "optional bool", "decode_warp_items_max_tiles": "int",
     "decode_programmatic_launch": "optional bool", "decode_programmatic_min_splits": "int",
