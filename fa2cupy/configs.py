@@ -236,17 +236,26 @@ class BwdConfig:
 class HopperBwdConfig:
     """Template arguments of ``fa2::HopperBwdTraits`` (cuda/hopper/bwd.cu, sm_90a only): the dK/dV kernel on wgmma,
     a producer warpgroup and two consumer warpgroups of 64 keys; 128 keys per block, ``block_m`` query rows per step,
-    dQ added to the fp32 accumulator (atomic mode only); padded and varlen."""
+    dQ added to the fp32 accumulator (atomic mode only); padded and varlen. At the wide head dims (192, 256) 64 keys
+    per block, which both consumer warpgroups work on (one computes dV, the other dK)."""
 
-    headdim: int  # exactly the head dim (64 or 128)
+    headdim: int  # exactly the head dim (64, 128; 192, 256 in BACKWARD_HOPPER_WIDE_TABLE)
     block_m: int  # query rows per step: 64, or 128 with dq_by_keys
     stages: int  # Q/dO ring depth
     dq_by_keys: bool  # dQ_i split between the warpgroups by keys (each all columns) instead of by columns
 
-    block_n = 128
     dslices = 1
     threads = 3 * 128
     family = "bwd_hopper"  # cuda/hopper/bwd.cu
+
+    @property
+    def wide(self) -> bool:
+        """HopperBwdTraits::kWide: 64-key blocks, the warpgroups split by role (cuda/hopper/bwd_consumer_wide.cuh)."""
+        return self.headdim > 128
+
+    @property
+    def block_n(self) -> int:
+        return 64 if self.wide else 128
 
     @staticmethod
     def dq_pitch(headdim: int) -> int:
@@ -258,11 +267,13 @@ class HopperBwdConfig:
     def smem_bytes(self, atomic_dq: bool = True) -> int:
         # Must match HopperBwdTraits::kSmemBytes: alignment slack, K and V, the Q/dO ring, the dS^T tiles (two by
         # columns, one by keys), the fp32 dQ staging rows (one tile by columns, a pair by keys), the row statistics,
-        # the mbarriers (kv_full, two per slot, two per staging tile: dq_staged and dq_free).
-        d, m = self.headdim, self.block_m
-        ds_tiles, dq_tiles = (1, 2) if self.dq_by_keys else (2, 1)
-        return (1024 + 2 * 128 * d * 2 + 2 * self.stages * m * d * 2 + ds_tiles * 128 * m * 2
-                + dq_tiles * m * self.dq_pitch(d) * 4 + 2 * self.stages * m * 4
+        # the mbarriers (kv_full, two per slot, two per staging tile: dq_staged and dq_free). Wide: one dS^T tile
+        # and the fp32 P^T hand-over (block_m x block_n floats) before the statistics.
+        d, m, n = self.headdim, self.block_m, self.block_n
+        ds_tiles, dq_tiles = (1, 2) if self.dq_by_keys else (1, 1) if self.wide else (2, 1)
+        p_bytes = m * n * 4 if self.wide else 0
+        return (1024 + 2 * n * d * 2 + 2 * self.stages * m * d * 2 + ds_tiles * n * m * 2
+                + dq_tiles * m * self.dq_pitch(d) * 4 + p_bytes + 2 * self.stages * m * 4
                 + 8 * (1 + 2 * self.stages + 2 * dq_tiles))
 
     def name_expression(self, dtype: str, mask: str, atomic_dq: bool = True, mods: bool = False,
@@ -284,16 +295,32 @@ BACKWARD_HOPPER_TABLE: dict[int, HopperBwdConfig] = {
 }
 
 
-def hopper_backward_config(arch: int, headdim: int, mods: bool, deterministic: bool) -> HopperBwdConfig | None:
-    """The Hopper backward's row for this call, or None where the mma.sync backward runs it (padded or varlen)."""
+#: The Hopper backward at the wide head dims, 192 and 256: run only when asked for (KernelOptions.hopper_backward_wide)
+#: until measured on a GPU; otherwise the mma.sync backward takes them. 64 keys per block (each warpgroup holds one of
+#: dK and dV, 64 x d: d / 2 registers a thread), 64 query rows a step, dQ_i by columns. d = 192 with a 2-slot ring
+#: (219 KB); d = 256 with one slot (218.5 KB: a second, 64 KB of Q and dO, does not fit beside K, V (64 KB) and the
+#: fp32 dQ staging tile (65 KB)).
+BACKWARD_HOPPER_WIDE_TABLE: dict[int, HopperBwdConfig] = {
+    192: HopperBwdConfig(192, 64, 2, False),
+    256: HopperBwdConfig(256, 64, 1, False),
+}
+
+
+def hopper_backward_config(arch: int, headdim: int, mods: bool, deterministic: bool,
+                           wide: bool = False) -> HopperBwdConfig | None:
+    """The Hopper backward's row for this call, or None where the mma.sync backward runs it (padded or varlen): head
+    dims 64 and 128, and 192 and 256 with ``wide`` (BACKWARD_HOPPER_WIDE_TABLE)."""
     if arch != 90 or mods or deterministic:
         return None
-    return BACKWARD_HOPPER_TABLE.get(headdim)
+    table = {**BACKWARD_HOPPER_TABLE, **BACKWARD_HOPPER_WIDE_TABLE} if wide else BACKWARD_HOPPER_TABLE
+    return table.get(headdim)
 
 
 def hopper_backward_instantiations() -> list[str]:
-    """Name expressions of every shipped Hopper backward instantiation (compiled for sm_90a)."""
-    return sorted(config.name_expression(dtype, mask, varlen=varlen) for config in BACKWARD_HOPPER_TABLE.values()
+    """Name expressions of every Hopper backward instantiation (compiled for sm_90a): the shipped table's and the
+    wide table's, which run only when asked for but must compile (without spills) all the same."""
+    rows = (*BACKWARD_HOPPER_TABLE.values(), *BACKWARD_HOPPER_WIDE_TABLE.values())
+    return sorted(config.name_expression(dtype, mask, varlen=varlen) for config in rows
                   for dtype in DTYPE_TAGS for mask in MASKS for varlen in (False, True))
 
 
@@ -592,7 +619,8 @@ def kernel_rows(arch: int, headdim: int, dtype: str, mask: str = "none", mods: b
         seqlen_q: query rows (max_seqlen_q for varlen): masked calls shorter than the Hopper forward's minimum run the
             mma.sync forward; None skips that rule.
         deterministic: the backward's mode (the Hopper dK/dV kernel adds dQ with atomics only).
-        options: KernelOptions: hopper_forward, hopper_forward_wide, hopper_backward, hopper_masked_min_seqlen.
+        options: KernelOptions: hopper_forward, hopper_forward_wide, hopper_backward, hopper_backward_wide,
+            hopper_masked_min_seqlen.
         tma: whether the call's strides suit TMA (positive, 16-byte multiples): the Hopper kernels copy with it.
     """
     forward = backward = None
@@ -600,7 +628,7 @@ def kernel_rows(arch: int, headdim: int, dtype: str, mask: str = "none", mods: b
         forward = hopper_forward_config(arch, headdim, dtype, mods, varlen, mask, seqlen_q,
                                         options.hopper_masked_min_seqlen, options.hopper_forward_wide)
     if tma and options.hopper_backward:
-        backward = hopper_backward_config(arch, headdim, mods, deterministic)
+        backward = hopper_backward_config(arch, headdim, mods, deterministic, options.hopper_backward_wide)
     return KernelRows(forward or forward_config(arch, headdim, dtype, mask, varlen, mods),
                       backward or backward_config(arch, headdim, dtype, mask, mods),
                       backward_dq_config(arch, headdim, dtype, mask) if deterministic else None)

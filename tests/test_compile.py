@@ -81,8 +81,10 @@ HOPPER_FAMILIES = {
                                                         *configs.FORWARD_HOPPER_WIDE_TABLE.values())],
                    "fa2::flash_fwd_hopper<"),
     "bwd_hopper": (configs.hopper_backward_instantiations,
-                   len(configs.BACKWARD_HOPPER_TABLE) * len(configs.DTYPE_TAGS) * len(configs.MASKS) * 2,
-                   lambda: [(c, c.smem_bytes()) for c in configs.BACKWARD_HOPPER_TABLE.values()],
+                   (len(configs.BACKWARD_HOPPER_TABLE) + len(configs.BACKWARD_HOPPER_WIDE_TABLE))
+                   * len(configs.DTYPE_TAGS) * len(configs.MASKS) * 2,
+                   lambda: [(c, c.smem_bytes()) for c in (*configs.BACKWARD_HOPPER_TABLE.values(),
+                                                          *configs.BACKWARD_HOPPER_WIDE_TABLE.values())],
                    "fa2::bwd_dkdv_hopper<"),
 }
 
@@ -270,9 +272,9 @@ def test_hopper_shared_memory_matches_the_kernel(family):
     for i, (config, smem_bytes) in enumerate(rows):
         found = re.search(rf"fa2_probe_{i} = (\d+);", ptx)
         assert found and int(found[1]) == smem_bytes <= 227 * 1024, config
-    if family == "fwd_hopper":
-        # the wide rows too (their Q buffers, which also stage the output rows, and rings take 217 and 225 KB)
-        assert {config.headdim for config, _ in rows} == {64, 128, 192, 256}
+    # the wide rows too (forward: their Q buffers, which also stage the output rows, and rings take 217 and 225 KB;
+    # backward: 64-key blocks with the P^T hand-over, 219 and 218.5 KB)
+    assert {config.headdim for config, _ in rows} == {64, 128, 192, 256}
 
 
 def test_hopper_forward_is_chosen_only_where_it_runs():
@@ -342,8 +344,32 @@ def test_hopper_backward_is_chosen_only_where_it_runs():
             row.name_expression("float16", "none", atomic_dq=False)
     # Head dim 64 splits dQ_i by keys: by columns each warpgroup's 32 would be half a swizzled slab.
     assert configs.BACKWARD_HOPPER_TABLE[64].dq_by_keys and not configs.BACKWARD_HOPPER_TABLE[128].dq_by_keys
-    for d in (32, 40, 96, 160, 256):
+    for d in (32, 40, 96, 160, 192, 256):
         assert configs.hopper_backward_config(90, d, mods=False, deterministic=False) is None
+
+
+def test_hopper_backward_wide_rows_run_only_when_asked_for():
+    # d=192 and 256 (BACKWARD_HOPPER_WIDE_TABLE) have not run on a GPU: the mma.sync backward takes them unless the
+    # call asks (KernelOptions.hopper_backward_wide); 64-key blocks, 64 query rows a step, dQ_i by columns.
+    wide = configs.BACKWARD_HOPPER_WIDE_TABLE
+    assert sorted(wide) == [192, 256] and not set(wide) & set(configs.BACKWARD_HOPPER_TABLE)
+    for d, row in wide.items():
+        assert row.headdim == d and row.wide and row.block_n == 64 and row.block_m == 64 and not row.dq_by_keys
+        assert configs.hopper_backward_config(90, d, mods=False, deterministic=False) is None
+        assert configs.hopper_backward_config(90, d, mods=False, deterministic=False, wide=True) is row
+        for arch in (80, 89, 100):
+            assert configs.hopper_backward_config(arch, d, mods=False, deterministic=False, wide=True) is None
+        for flag in ("mods", "deterministic"):
+            kw = {"mods": False, "deterministic": False, flag: True}
+            assert configs.hopper_backward_config(90, d, wide=True, **kw) is None
+        for dtype, mask, varlen in itertools.product(("float16", "bfloat16"), configs.MASKS, (False, True)):
+            assert row.name_expression(dtype, mask, varlen=varlen) in configs.hopper_backward_instantiations()
+    for d in (64, 128):
+        row = configs.BACKWARD_HOPPER_TABLE[d]
+        assert not row.wide and row.block_n == 128
+        assert configs.hopper_backward_config(90, d, mods=False, deterministic=False, wide=True) is row
+    for d in (32, 96, 160, 224):
+        assert configs.hopper_backward_config(90, d, mods=False, deterministic=False, wide=True) is None
 
 
 def test_every_table_entry_fits_its_family():

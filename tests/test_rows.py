@@ -87,6 +87,33 @@ def test_wide_hopper_forward_rows_only_with_the_option(d):
     assert configs.kernel_rows(90, 128, "float16", options=wide).forward is configs.FORWARD_HOPPER_TABLE[128]
 
 
+@pytest.mark.parametrize("d", [192, 256])
+def test_wide_hopper_backward_rows_only_with_the_option(d):
+    # The wide backward rows (configs.BACKWARD_HOPPER_WIDE_TABLE) have not run on a GPU: by default d=192 and 256
+    # run on the mma.sync backward, with KernelOptions(hopper_backward_wide=True) on the Hopper dK/dV kernel, padded
+    # and varlen, in atomic dQ mode without score modifiers, where TMA can copy the arrays.
+    wide = KernelOptions(hopper_backward_wide=True)
+    for mask, varlen in ((m, v) for m in configs.MASKS for v in (False, True)):
+        default = configs.kernel_rows(90, d, "bfloat16", mask, varlen=varlen, seqlen_q=4096)
+        assert default.backward == configs.backward_config(90, d, "bfloat16", mask)
+        rows = configs.kernel_rows(90, d, "bfloat16", mask, varlen=varlen, seqlen_q=4096, options=wide)
+        assert rows.backward is configs.BACKWARD_HOPPER_WIDE_TABLE[d]
+        assert rows.forward == default.forward  # (the forward is not the option's)
+    assert configs.kernel_rows(90, d, "float16", options=wide, tma=False).backward.family == "bwd"
+    assert configs.kernel_rows(80, d, "float16", options=wide).backward.family == "bwd"
+    assert configs.kernel_rows(90, d, "float16", options=KernelOptions(hopper_backward_wide=True,
+                                                                       hopper_backward=False)).backward.family == "bwd"
+    assert configs.kernel_rows(90, d, "float16", "causal", mods=True, options=wide).backward.family == "bwd"
+    assert configs.kernel_rows(90, d, "float16", deterministic=True, options=wide).backward.family == "bwd"
+    # both options together: the wide forward and the wide backward
+    both = configs.kernel_rows(90, d, "float16", options=KernelOptions(hopper_forward_wide=True,
+                                                                       hopper_backward_wide=True))
+    assert both.forward is configs.FORWARD_HOPPER_WIDE_TABLE[d] and both.backward is configs.BACKWARD_HOPPER_WIDE_TABLE[d]
+    # the option is part of the plan cache's key: calls with and without it never share a plan
+    assert wide != KernelOptions() and hash(wide) != hash(KernelOptions())
+    assert configs.kernel_rows(90, 128, "float16", options=wide).backward is configs.BACKWARD_HOPPER_TABLE[128]
+    assert configs.kernel_rows(90, 64, "float16", options=wide).backward is configs.BACKWARD_HOPPER_TABLE[64]
+
 def test_kernel_rows():
     rows = configs.kernel_rows(90, 128, "bfloat16", "causal", seqlen_q=4096)
     assert rows.forward is configs.FORWARD_HOPPER_TABLE[128] and rows.backward is configs.BACKWARD_HOPPER_TABLE[128]

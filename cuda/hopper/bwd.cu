@@ -16,7 +16,8 @@
 // wait for its reads. dQ_i is split between the warpgroups by head-dim columns (head dim 128: each 64 of them over
 // all 128 keys, after the two exchange dS^T) or by keys (head dim 64, where 32 columns would be half a swizzled
 // slab: each its own 64 keys over all columns, the two partial sums added in shared memory). Padded and varlen
-// calls without score modifiers, head dims 64 and 128; the rest runs bwd_dkdv.
+// calls without score modifiers, head dims 64 and 128, and 192 and 256 on 64-key blocks (hopper/bwd_consumer_wide.cuh:
+// the warpgroups split the products by role, dV on one and dK on the other); the rest runs bwd_dkdv.
 //
 // The kernel assembles its parts: the traits and shared-memory layout (hopper/bwd_traits.cuh), the producer
 // (hopper/bwd_producer.cuh) and the consumers (hopper/bwd_consumer.cuh).
@@ -28,6 +29,7 @@
 #include "hopper/bwd_traits.cuh"
 #include "hopper/bwd_producer.cuh"
 #include "hopper/bwd_consumer.cuh"
+#include "hopper/bwd_consumer_wide.cuh"
 
 namespace fa2 {
 
@@ -84,7 +86,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         return;
     }
     warpgroup_claim_registers<Tr::kConsumerRegisters>();
-    [&] { consume_dkdv<Tr>(smem, args, mask, block_steps, kv_head, batch, key0, q_start, k_start, warp, lane); }();
+    if constexpr (Tr::kWide)
+        [&] {
+            consume_dkdv_wide<Tr>(smem, args, mask, block_steps, kv_head, batch, key0, q_start, k_start, warp, lane);
+        }();
+    else
+        [&] { consume_dkdv<Tr>(smem, args, mask, block_steps, kv_head, batch, key0, q_start, k_start, warp, lane); }();
 }
 
 }  // namespace fa2

@@ -13,13 +13,20 @@ namespace fa2 {
 
 // Named barrier ids of the Hopper backward (0 is __syncthreads'): the consumer warpgroups meet at kBwdConsumers (with
 // dQ_i split by keys each warpgroup alone, at kBwdConsumers + its index), and at kBwdDqHandoff once warpgroup 0's
-// part of a staged dQ_i is in, for warpgroup 1 to add its own.
-enum HopperBwdBarrier : int { kBwdConsumers = 1, kBwdDqHandoff = 3 };
+// part of a staged dQ_i is in, for warpgroup 1 to add its own. At the wide head dims warpgroup 1 waits at
+// kBwdPReady for warpgroup 0's P^T of the step.
+enum HopperBwdBarrier : int { kBwdConsumers = 1, kBwdDqHandoff = 3, kBwdPReady = 4 };
 
 template <int HeadDim, int BlockM, int Stages, bool DqByKeys, class Elem_, int Mask, bool Varlen = false>
 struct HopperBwdTraits {
     using Elem = Elem_;
-    static constexpr int kHeadDim = HeadDim, kBlockM = BlockM, kBlockN = 128, kStages = Stages, kMask = Mask;
+    // Wide head dims (192, 256): 64 keys a block, both consumer warpgroups on the same keys (consume_dkdv_wide):
+    // warpgroup 0 computes S^T, P^T and dV, warpgroup 1 dP^T, dS^T (P^T handed over in shared memory) and dK, so
+    // that each holds one 64 x HeadDim accumulator (HeadDim / 2 registers a thread); dQ_i by columns, warpgroup 0
+    // columns 0-127 and warpgroup 1 the rest.
+    static constexpr bool kWide = HeadDim > 128;
+    static constexpr int kHeadDim = HeadDim, kBlockM = BlockM, kBlockN = kWide ? 64 : 128, kStages = Stages,
+                         kMask = Mask;
     // dQ_i split by keys (each warpgroup all columns over its 64 keys) or by columns (half of them over all keys).
     static constexpr bool kDqByKeys = DqByKeys;
     // Varlen: sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q/dO/lse/dQ and cu_seqlens_k[b] .. of
@@ -37,13 +44,20 @@ struct HopperBwdTraits {
     // (varlen: their cp.async, or the first thread's for all with a whole tile's TMA copies).
     static constexpr int kCopyArrivals = kTma ? 1 : kProducerThreads;
     // (By keys, with 128 query rows a step, the consumers need 232: the producer then works in 40.)
-    static constexpr int kProducerRegisters = DqByKeys ? 40 : 56, kConsumerRegisters = DqByKeys ? 232 : 224;
+    // Wide: padded 24 and 240 (at 40 and 232 the head dim 256 consumers spilled 24 bytes); varlen, whose producer
+    // copies ragged tiles by cp.async (at 24 it spilled 88-104 bytes), 40 and 232 at head dim 192, 56 and 224 at 256
+    // (with dQ_i 64 columns a wgmma; at 40 and 232 that still spilled 12 bytes).
+    static constexpr int kWideProducerRegisters = !Varlen ? 24 : HeadDim == 256 ? 56 : 40;
+    static constexpr int kProducerRegisters = kWide ? kWideProducerRegisters : DqByKeys ? 40 : 56,
+                         kConsumerRegisters = kWide ? (504 - kWideProducerRegisters) / 2 : DqByKeys ? 232 : 224;
     static_assert(kProducerRegisters + 2 * kConsumerRegisters <= 3 * 168, "the register file of one block");
     using KVTile = SwizzledSlabs<kBlockN, HeadDim>;
     using QTile = SwizzledSlabs<kBlockM, HeadDim>;   // Q and dO
     using DsTile = SwizzledSlabs<kBlockN, kBlockM>;  // dS^T, keys x queries: dQ's A operand read MN-major
     // Each warpgroup's share of dQ_i: its columns and keys. By columns, with HeadDim 128, one 64-column slab of K.
-    static constexpr int kDqCols = DqByKeys ? HeadDim : HeadDim / 2, kDqKeys = DqByKeys ? kBlockN / 2 : kBlockN;
+    // Wide: warpgroup 0's columns (128; warpgroup 1's are kDqCols1, the rest) over all 64 keys.
+    static constexpr int kDqCols = kWide ? 128 : DqByKeys ? HeadDim : HeadDim / 2,
+                         kDqKeys = DqByKeys ? kBlockN / 2 : kBlockN, kDqCols1 = kWide ? HeadDim - 128 : kDqCols;
     // The fp32 dQ tile staged for the bulk reduction, one row per query, padded against bank conflicts; the
     // accumulator's rows have the same pitch (kDqPitch floats, the pad never read), so that one operation adds the
     // whole step. By keys a pair, by the step's parity, so that warpgroup 0 stores the next step's part while this
@@ -52,19 +66,28 @@ struct HopperBwdTraits {
     static constexpr int kDqPitch = HeadDim + 4, kDqBytes = kBlockM * kDqPitch * 4, kDqTiles = DqByKeys ? 2 : 1;
     // dS^T: by columns double-buffered, so a warpgroup writes the next one while the other may still read this
     // one; by keys each warpgroup reads only its own rows, after its own wait.
-    static constexpr int kDsTiles = DqByKeys ? 1 : 2;
+    // Wide: one, which only warpgroup 1 writes, after the kBwdPReady barrier that warpgroup 0 reaches once its
+    // reads of the last one are over.
+    static constexpr int kDsTiles = DqByKeys || kWide ? 1 : 2;
+    // Wide: warpgroup 0's fp32 P^T of the step for warpgroup 1 (each thread's 32 scores, the C-fragment layout of
+    // both warpgroups alike), kM x kBlockN floats; none otherwise.
+    static constexpr int kPxBytes = kWide ? BlockM * kBlockN * 4 : 0;
     // kv_full, then full[] and empty[] per ring slot, then dq_staged[] and dq_free[] per staging tile (the
     // consumers hand the staged dQ_i to the producer, which issues its reduction and hands the tile back once
     // it has read it; a pair by keys, as a tile's barriers may then not run a phase ahead of the other's).
     static constexpr int kBarriers = 1 + 2 * Stages + 2 * kDqTiles;
     // 1 KB of slack: the swizzled slabs start on 1024-byte boundaries.
     static constexpr int kSmemBytes = 1024 + 2 * KVTile::kBytes + 2 * Stages * QTile::kBytes +
-                                      kDsTiles * DsTile::kBytes + kDqTiles * kDqBytes + 2 * Stages * kBlockM * 4 +
-                                      8 * kBarriers;
-    static_assert(kDqCols % 64 == 0, "each warpgroup's dQ columns are whole 64-column slabs");
+                                      kDsTiles * DsTile::kBytes + kDqTiles * kDqBytes + kPxBytes +
+                                      2 * Stages * kBlockM * 4 + 8 * kBarriers;
+    static_assert(kDqCols % 64 == 0 && kDqCols1 % 64 == 0, "each warpgroup's dQ columns are whole 64-column slabs");
+    static_assert(!kWide || (BlockM == 64 && !DqByKeys && (HeadDim == 192 || HeadDim == 256)),
+                  "the wide head dims: 64 query rows a step, dQ_i by columns");
+    static_assert(kSmemBytes <= 227 * 1024, "the shared memory of one block");
     // 128 query rows per step (dQ_i in two wgmma row halves) only by keys: by columns the accumulators do not fit.
     static_assert(BlockM == 64 || (BlockM == 128 && DqByKeys), "64 query rows per step, or 128 with dQ by keys");
-    static_assert(Stages >= 2, "a ring of at least two query tiles");
+    // (At head dim 256 a second slot does not fit beside K, V and the dQ staging tile.)
+    static_assert(Stages >= 2 || kWide, "a ring of at least two query tiles");
 };
 
 // Diagnostics for bench/dev/bwd_trace.py: built with FA2_BWD_TRACE, thread 0 of the block, of the consumers and of the
@@ -88,7 +111,8 @@ FA2_DEVICE void bwd_mark(int) {}
 #endif
 
 // The block's shared memory: K and V (swizzled slabs, 1024-byte aligned), kS slots of Q and of dO, the dS^T tiles,
-// the fp32 dQ staging tiles, the row statistics (lse in the log2 domain [kS][kM], then D [kS][kM]) and the barriers.
+// the fp32 dQ staging tiles, at the wide head dims the P^T hand-over (kPxBytes), the row statistics (lse in the log2
+// domain [kS][kM], then D [kS][kM]) and the barriers.
 // kv_full: K and V landed (128 cp.async arrivals, or with TMA the first thread's arrival, for all 128 in varlen, and
 // the copies' bytes); full[s]: Q and dO landed in slot s (likewise) and its lse and D are stored (kM arrivals);
 // empty[s]: the 256 consumer threads are done with slot s (each arrives for its own reads of lse and D: one arrival
@@ -111,7 +135,8 @@ struct HopperBwdSmem {
         dout = q + kS * QTile::kBytes;                       // kS tiles
         ds = dout + kS * QTile::kBytes;                      // kDsTiles tiles
         dq = ds + Tr::kDsTiles * DsTile::kBytes;             // fp32 staging, kDqTiles tiles
-        const u32 stats_at = dq + Tr::kDqTiles * Tr::kDqBytes;  // lse [kS][kM], then D [kS][kM]
+        // (wide: P^T's kPxBytes, then) lse [kS][kM], then D [kS][kM]
+        const u32 stats_at = dq + Tr::kDqTiles * Tr::kDqBytes + Tr::kPxBytes;
         bars = stats_at + 2 * kS * kM * 4;
         stats = reinterpret_cast<float*>(raw + (stats_at - smem_u32(raw)));
         kv_full = bars;

@@ -1,0 +1,181 @@
+"""The Hopper backward at the wide head dims, 192 and 256 (configs.BACKWARD_HOPPER_WIDE_TABLE), on a GPU of compute
+capability 9.0: run only when KernelOptions.hopper_backward_wide asks for them, they must be the kernels planned
+then, and their gradients match the float64 reference on every mask, grouping and ragged length, padded and varlen,
+with dq/dk/dv poisoned with NaN before each launch (an element a kernel fails to write shows up).
+
+What these rows do differently from d = 64 and 128 (cuda/hopper/bwd_consumer_wide.cuh), and so what is checked
+first here: 64-key blocks (grid over ceil(seqlen_k / 64)), both consumer warpgroups on the same keys, warpgroup 0
+computing P^T and dV, warpgroup 1 dP^T, dS^T (with warpgroup 0's P^T handed over in shared memory) and dK; dQ_i by
+columns (0-127 and the rest: 64 at d = 192), 64 columns a wgmma at d = 256 varlen; a one-slot Q/dO ring at d = 256;
+the varlen loader's slab-at-a-time copies of 64-row K/V tiles.
+
+Bounds, references and the poisoning are test_backward_gpu's (check_gradients, run_case) and test_varlen_mods_gpu's.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, note, settings
+from hypothesis import strategies as st
+
+from gpu_helpers import debug_poison, fa2cupy_module, kernel_options, skip_unless_hopper
+from test_backward_gpu import run_case
+from test_varlen_mods_gpu import run_varlen_case
+
+pytestmark = pytest.mark.gpu
+
+WIDE = [192, 256]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def poison_outputs():
+    with debug_poison():
+        yield
+
+
+def _hopper_gpu():
+    skip_unless_hopper("backward")
+
+
+def _wide(on: bool = True):
+    """Runs the calls inside with the wide backward rows on (the Hopper dK/dV kernel at d = 192 and 256) or off."""
+    return kernel_options(hopper_backward_wide=on)
+
+
+@pytest.mark.parametrize("d", WIDE)
+def test_wide_kernel_is_the_one_planned_only_with_the_option(d):
+    _hopper_gpu()
+    from fa2cupy import backward, configs
+    from fa2cupy.options import KernelOptions
+
+    names = ("q", "k", "v", "dout", "out", "dq", "dk", "dv")
+    strides = dict.fromkeys(names, (300 * 8 * d, 8 * d, d, 1))
+    shape = (1, 300, 8, d)
+    plan = backward.plan_backward(shape, shape, strides, "bfloat16", 0.1, True, False, 90)
+    assert isinstance(plan.config, configs.BwdConfig)  # off by default: the mma.sync backward
+    wide = KernelOptions(hopper_backward_wide=True)
+    plan = backward.plan_backward(shape, shape, strides, "bfloat16", 0.1, True, False, 90, options=wide)
+    assert plan.config is configs.BACKWARD_HOPPER_WIDE_TABLE[d]
+    assert plan.main.block == (384, 1, 1) and plan.main.grid == (5, 8, 1)  # 64-key blocks
+    assert plan.convert is not None and plan.dq is None and plan.dq_accum_shape == (1, 8, 300, d + 4)
+    plan = backward.plan_backward(shape, shape, strides, "bfloat16", 0.1, True, True, 90, options=wide)
+    assert isinstance(plan.config, configs.BwdConfig)  # deterministic: the mma.sync backward
+    plan = backward.plan_backward(shape, shape, strides, "bfloat16", 0.1, True, False, 90, options=wide,
+                                  varlen_totals=(300, 300))
+    assert plan.config is configs.BACKWARD_HOPPER_WIDE_TABLE[d] and plan.zero_tail is not None
+
+
+@pytest.mark.parametrize("d", WIDE)
+@pytest.mark.parametrize(
+    "b,sq,sk,h,hkv,causal,window",
+    [
+        (1, 64, 64, 1, 1, False, (-1, -1)),  # one block, one step: the P^T hand-over and dQ_i's column split alone
+        (2, 1000, 1000, 4, 2, True, (-1, -1)),  # many steps per block (the ring's phases), GQA sums over two heads
+        (1, 1000, 1000, 4, 4, False, (-1, -1)),
+        (1, 700, 300, 4, 1, True, (-1, -1)),  # sq > sk: rows with no key, MQA
+        (1, 300, 700, 2, 2, True, (-1, -1)),  # sq < sk: key blocks that no query sees (dK = dV = 0)
+        (1, 129, 1500, 2, 1, False, (50, 50)),  # a narrow band over long keys
+        (1, 201, 77, 2, 2, False, (-1, -1)),  # ragged last query step and key block
+        (1, 1, 1, 1, 1, False, (-1, -1)),  # one key: dq = dk = 0
+    ],
+)
+def test_fixed_wide_cases(d, b, sq, sk, h, hkv, causal, window):
+    _hopper_gpu()
+    with _wide():
+        for dtype in ("float16", "bfloat16"):
+            run_case(dict(batch=b, seqlen_q=sq, seqlen_k=sk, nheads=h, nheads_kv=hkv, headdim=d, causal=causal,
+                          window_size=window, dtype=dtype, softmax_scale=None, deterministic=False, transposed=False,
+                          seed=sq + sk + h + d))
+
+
+LENGTHS = [1, 2, 17, 63, 64, 65, 127, 128, 129, 191, 255, 256, 257, 500]
+GROUPS = [(1, 1), (2, 2), (4, 1), (6, 3), (4, 4)]
+
+
+@st.composite
+def wide_cases(draw):
+    nheads, nheads_kv = draw(st.sampled_from(GROUPS))
+    return dict(
+        batch=draw(st.integers(1, 2)),
+        seqlen_q=draw(st.sampled_from(LENGTHS)),
+        seqlen_k=draw(st.sampled_from(LENGTHS)),
+        nheads=nheads,
+        nheads_kv=nheads_kv,
+        headdim=draw(st.sampled_from(WIDE)),
+        causal=draw(st.booleans()),
+        window_size=draw(st.one_of(st.just((-1, -1)),
+                                   st.tuples(*[st.one_of(st.just(-1), st.integers(0, 8), st.integers(0, 400))] * 2))),
+        dtype=draw(st.sampled_from(["float16", "bfloat16"])),
+        softmax_scale=draw(st.one_of(st.none(), st.floats(0.01, 1.5))),
+        deterministic=False,
+        transposed=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**32 - 1)),
+    )
+
+
+@settings(deadline=None)
+@given(wide_cases())
+def test_wide_backward_matches_reference(case):
+    _hopper_gpu()
+    note(repr(case))
+    with _wide():
+        run_case(case)
+
+
+@st.composite
+def varlen_wide_cases(draw):
+    batch = draw(st.integers(1, 4))
+    lengths = st.sampled_from([0, 1, 17, 63, 64, 65, 127, 128, 129, 300])
+    lq = draw(st.lists(lengths, min_size=batch, max_size=batch))
+    lk = lq if draw(st.booleans()) else draw(st.lists(lengths, min_size=batch, max_size=batch))
+    h, hkv = draw(st.sampled_from(GROUPS))
+    return dict(lengths_q=lq, lengths_k=lk, nheads=h, nheads_kv=hkv, headdim=draw(st.sampled_from(WIDE)),
+                causal=draw(st.booleans()),
+                window_size=draw(st.one_of(st.just((-1, -1)), st.tuples(st.integers(-1, 200), st.integers(-1, 200)))),
+                softcap=0.0, alibi=None,
+                extra_rows=draw(st.sampled_from([0, 5])),  # rows past cu_seqlens[-1], which nothing may read
+                slack=draw(st.sampled_from([0, 9])),  # max_seqlen above the longest sequence
+                dtype=draw(st.sampled_from(["float16", "bfloat16"])), deterministic=False,
+                seed=draw(st.integers(0, 2**32 - 1)))
+
+
+@settings(deadline=None)
+@given(varlen_wide_cases())
+def test_wide_varlen_backward_matches_reference(case):
+    _hopper_gpu()
+    note(repr(case))
+    with _wide():
+        run_varlen_case(case)
+
+
+@pytest.mark.parametrize("d", WIDE)
+def test_wide_varlen_keeps_another_sequence_out(d):
+    """A sequence's last, ragged key block and query step go by zero-filling copies (slab at a time above 128
+    columns): NaN rows of the next sequence never reach this one's gradients."""
+    _hopper_gpu()
+    import numpy as np
+
+    from fa2cupy.reference import attention_ref_backward
+    from gpu_helpers import cupy_module
+    from test_varlen_mods_gpu import _host, _randn
+
+    fa2cupy = fa2cupy_module()
+    cp = cupy_module()
+    rng = np.random.default_rng(9)
+    lengths = (100, 300)  # the first sequence ends inside a key block and a query step
+    q, k, v, dout = (_randn(rng, (sum(lengths), 4, d), "bfloat16") for _ in range(4))
+    cu = cp.asarray(np.cumsum((0,) + lengths), dtype=cp.int32)
+    with _wide():
+        out, lse, _ = fa2cupy.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True,
+                                                     return_attn_probs=True)
+        for x in (q, k, v, dout):
+            x[lengths[0]:] = float("nan")
+        dq, dk, dv = fa2cupy.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu, cu, max(lengths),
+                                                        max(lengths), causal=True)
+    first = slice(0, lengths[0])
+    ref = attention_ref_backward(*(_host(x[first])[None] for x in (dout, q, k, v)), causal=True)
+    for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), ref):
+        got = _host(got[first])
+        assert np.isfinite(got).all(), f"{name}: the next sequence's NaN rows reached this one's gradients"
+        tol = 0.05 * float(np.abs(want[0]).max()) + 1e-3
+        assert float(np.abs(got - want[0]).max()) <= tol, name
