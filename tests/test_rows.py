@@ -108,7 +108,8 @@ def test_wide_hopper_backward_rows_only_with_the_option(d):
     # both options together: the wide forward and the wide backward
     both = configs.kernel_rows(90, d, "float16", options=KernelOptions(hopper_forward_wide=True,
                                                                        hopper_backward_wide=True))
-    assert both.forward is configs.FORWARD_HOPPER_WIDE_TABLE[d] and both.backward is configs.BACKWARD_HOPPER_WIDE_TABLE[d]
+    assert both.forward is configs.FORWARD_HOPPER_WIDE_TABLE[d]
+    assert both.backward is configs.BACKWARD_HOPPER_WIDE_TABLE[d]
     # the option is part of the plan cache's key: calls with and without it never share a plan
     assert wide != KernelOptions() and hash(wide) != hash(KernelOptions())
     assert configs.kernel_rows(90, 128, "float16", options=wide).backward is configs.BACKWARD_HOPPER_TABLE[128]
