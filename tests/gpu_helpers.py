@@ -117,6 +117,17 @@ class _WithOptions:
         return call
 
 
+@contextlib.contextmanager
+def recorded_forward_plans():
+    """The forward plans made inside, in a list (poisoned calls are planned every time)."""
+    from fa2cupy import forward
+
+    plans, real = [], forward.plan_forward
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(forward, "plan_forward", lambda *a, **kw: plans.append(real(*a, **kw)) or plans[-1])
+        yield plans
+
+
 def skip_unless_hopper(kernel: str) -> None:
     """Skips the test unless the GPU is compute capability 9.0, the only one the sm_90a kernels run on."""
     if int(cupy_module().cuda.Device().compute_capability) != 90:

@@ -7,15 +7,14 @@ Bounds and the NaN poisoning of outputs are those of test_forward_gpu (check_aga
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import pytest
 from hypothesis import given, note
 from hypothesis import strategies as st
 
 from fa2cupy.options import KernelOptions
-from gpu_helpers import cupy_module as _cupy, debug_poison, fa2cupy_module, kernel_options, skip_unless_hopper
+from gpu_helpers import (cupy_module as _cupy, debug_poison, fa2cupy_module, kernel_options, recorded_forward_plans,
+                         skip_unless_hopper)
 from test_forward_gpu import run_case
 # (imported here, not inside a Hypothesis test: importing it applies @given, which Hypothesis refuses while a test
 # runs, as a nested @given)
@@ -40,7 +39,7 @@ def _kernel(hopper: bool, **options):
     return kernel_options(hopper_forward=hopper, hopper_masked_min_seqlen=0, **options)
 
 
-def test_hopper_kernel_is_the_one_planned():
+def test_hopper_kernel_is_the_onerecorded_forward_plans():
     _hopper_gpu()
     from fa2cupy import configs, forward
 
@@ -181,22 +180,23 @@ def test_varlen_matches_reference_on_both_kernels(c, hopper):
     _check_out(out, lse, ref_out, ref_lse, v, dtype, rows=np.arange(int(cu_q[-1])))
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
 def test_varlen_keeps_another_sequence_out(d):
-    """Whole K/V tiles of a varlen call go by TMA and a sequence's last, ragged tile by zero-filling copies: an
-    infinite or NaN row of the next sequence never reaches this one's output (P = 0 there, and 0 * inf is NaN)."""
+    """Whole K/V tiles of a varlen call go by TMA and a sequence's last, ragged tile by zero-filling copies (a slab
+    at a time above 128 columns): an infinite or NaN row of the next sequence never reaches this one's output (P = 0
+    there, and 0 * inf is NaN). Head dims 192 and 256: the wide rows (KernelOptions.hopper_forward_wide)."""
     _hopper_gpu()
     from fa2cupy.reference import attention_ref
 
     fa2cupy = fa2cupy_module()
     cp = _cupy()
     rng = np.random.default_rng(5)
-    lengths = (200, 300)  # the first sequence ends inside a 128-key tile, the second's rows follow in the array
+    lengths = (200, 300)  # the first sequence ends inside a key tile (128 or 64 keys), the second's rows follow
     q, k, v = (_randn(rng, (sum(lengths), 4, d), "bfloat16") for _ in range(3))
     k[lengths[0]:] = float("inf")
     v[lengths[0]:] = float("nan")
     cu = cp.asarray(np.cumsum((0,) + lengths), dtype=cp.int32)
-    with _kernel(True):
+    with _kernel(True, hopper_forward_wide=d > 128):
         out = fa2cupy.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
     first = slice(0, lengths[0])
     ref = attention_ref(*(_host(x[first])[None] for x in (q, k, v)), causal=True)[0][0]
@@ -204,17 +204,6 @@ def test_varlen_keeps_another_sequence_out(d):
     assert np.isfinite(got).all(), "the next sequence's inf / NaN rows reached this one's output"
     tol = 4 * 2.0 ** -8 * float(np.abs(_host(v[first])).max()) + 1e-6
     assert float(np.abs(got - ref).max()) <= tol
-
-
-@contextlib.contextmanager
-def _planned():
-    """The forward plans made inside, in a list."""
-    from fa2cupy import forward
-
-    plans, real = [], forward.plan_forward
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(forward, "plan_forward", lambda *a, **kw: plans.append(real(*a, **kw)) or plans[-1])
-        yield plans
 
 
 @pytest.mark.parametrize("sms", [3, None])
@@ -241,7 +230,7 @@ def test_tile_counter_matches_grid_stride_bitwise(sms, b, s, h, hkv, d, causal, 
     results = {}
     for counter in (False, True):
         with _kernel(True, sm_count=sms, tile_counter=counter, hopper_l2_group_bytes=group_bytes), \
-                _planned() as plans:  # (poisoned calls: planned every time)
+                recorded_forward_plans() as plans:  # (poisoned calls: planned every time)
             results[counter] = fa2cupy.flash_attn_func(q, k, v, causal=causal, window_size=window,
                                                        return_attn_probs=True)[:2]
         assert [p.tile_counter for p in plans] == [counter]
@@ -266,7 +255,7 @@ def test_tile_counter_under_torch_cuda_graph():
     side = torch.cuda.Stream(device=dev)
     side.wait_stream(torch.cuda.current_stream(dev))
     pipeline.forget_plans()  # (so that the warm-up call plans, and the plan it makes can be looked at)
-    with _kernel(True), debug_poison(False), _planned() as plans:  # (the fast path, as users run it)
+    with _kernel(True), debug_poison(False), recorded_forward_plans() as plans:  # (the fast path, as users run it)
         with torch.cuda.stream(side):  # warm-up outside capture: compile and plan
             fa2cupy.flash_attn_func(*static, causal=True)
         assert [p.tile_counter for p in plans] == [True]
@@ -303,7 +292,7 @@ def test_tile_counter_matches_grid_stride_varlen(sms, causal, window):
     q, k, v = (_randn(rng, (total, n, 64), "bfloat16") for n in (8, 2, 2))
     results = {}
     for counter in (False, True):
-        with _kernel(True, sm_count=sms, tile_counter=counter), _planned() as plans:
+        with _kernel(True, sm_count=sms, tile_counter=counter), recorded_forward_plans() as plans:
             results[counter] = fa2cupy.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths),
                                                               causal=causal, window_size=window,
                                                               return_attn_probs=True)[:2]
