@@ -130,6 +130,109 @@ __global__ void __launch_bounds__(256)
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// Phase 1 of bwd_dkdv: S^T = K_j Q_i^T and dP^T = V_j dO_i^T (Algorithm 2 lines 9 and 12) for the warp's keys x
+// queries, from the K/V tiles and the Q/dO ring slot at q_s, do_s.
+template <class Tr>
+FA2_DEVICE void bwd_dkdv_scores(float (&st)[Tr::kKeyTiles][Tr::kQCols / 8][4],
+                                float (&dpt)[Tr::kKeyTiles][Tr::kQCols / 8][4], const u32& smem_k, const u32& smem_v,
+                                const u32& q_s, const u32& do_s, const int& warp_key0, const int& warp_q0,
+                                const int& lane) {
+    using KVTile = typename Tr::KVTile;
+    using QTile = typename Tr::QTile;
+    zero_fragments(st);
+    zero_fragments(dpt);
+    mma_tiles_pair<typename Tr::Elem, Tr::kHeadDim / 16>(
+        st, dpt,
+        [&](u32(&ak)[4], u32(&av)[4], int kt, int kk) {
+            KVTile::load_a(ak, smem_k, warp_key0 + kt * 16, kk * 16, lane);
+            KVTile::load_a(av, smem_v, warp_key0 + kt * 16, kk * 16, lane);
+        },
+        [&](u32(&bq)[4], u32(&bdo)[4], int np, int kk) {
+            QTile::load_b_nk(bq, q_s, warp_q0 + np * 16, kk * 16, lane);
+            QTile::load_b_nk(bdo, do_s, warp_q0 + np * 16, kk * 16, lane);
+        });
+}
+
+// Phase 2 of bwd_dkdv: dV_j += P^T dO_i (Algorithm 2 line 10) and dK_j += dS^T Q_i (line 16, unscaled) for the
+// warp's keys x head-dim columns, from the P^T and dS^T tiles and the Q/dO ring slot at q_s, do_s.
+template <class Tr>
+FA2_DEVICE void bwd_dkdv_accumulate(float (&acc_dv)[Tr::kKeyTiles2][Tr::kDCols / 8][4],
+                                    float (&acc_dk)[Tr::kKeyTiles2][Tr::kDCols / 8][4], const u32& smem_p,
+                                    const u32& smem_ds, const u32& do_s, const u32& q_s, const int& warp_key2,
+                                    const int& warp_d0, const int& lane) {
+    using QTile = typename Tr::QTile;
+    using PTile = typename Tr::PTile;
+    mma_tiles_pair<typename Tr::Elem, Tr::kBlockM / 16>(
+        acc_dv, acc_dk,
+        [&](u32(&ap)[4], u32(&ads)[4], int kt, int kk) {
+            PTile::load_a(ap, smem_p, warp_key2 + kt * 16, kk * 16, lane);
+            PTile::load_a(ads, smem_ds, warp_key2 + kt * 16, kk * 16, lane);
+        },
+        [&](u32(&bdo)[4], u32(&bq)[4], int dp, int kk) {
+            QTile::load_b_kn(bdo, do_s, kk * 16, warp_d0 + dp * 16, lane);
+            QTile::load_b_kn(bq, q_s, kk * 16, warp_d0 + dp * 16, lane);
+        });
+}
+
+// P^T and dS^T of the warp's key tile kt and query tile nt (this thread's two rows, two columns each) to the
+// shared P^T and dS^T tiles.
+template <class Tr>
+FA2_DEVICE void bwd_dkdv_store_p_ds(const u32& smem_p, const u32& smem_ds, const int& warp_key0, const int& warp_q0,
+                                    const int& lane, int kt, int nt, const float (&p)[4], const float (&ds)[4]) {
+    using PTile = typename Tr::PTile;
+    using Mma = fa2::Mma<typename Tr::Elem>;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int r = warp_key0 + kt * 16 + (lane >> 2) + half * 8;
+        const int c = warp_q0 + nt * 8 + (lane & 3) * 2;
+        st_shared_u32(PTile::at(smem_p, r, c), Mma::pack(p[2 * half], p[2 * half + 1]));
+        st_shared_u32(PTile::at(smem_ds, r, c), Mma::pack(ds[2 * half], ds[2 * half + 1]));
+    }
+}
+
+// The epilogue of bwd_dkdv: dK_j = scale * dS^T Q (the scale of S = scale * Q K^T, deferred to here) and dV_j,
+// staged in the K and V tiles (free: every thread is past the barrier after their last read) so the global
+// stores are 16-byte and row-contiguous.
+template <class Tr, class Params, class SeqK, class KStart>
+FA2_DEVICE void bwd_dkdv_store_dkdv(const Params& params, const float (&acc_dk)[Tr::kKeyTiles2][Tr::kDCols / 8][4],
+                                    const float (&acc_dv)[Tr::kKeyTiles2][Tr::kDCols / 8][4], const u32& smem_k,
+                                    const u32& smem_v, u16* __restrict__ const& dk, u16* __restrict__ const& dv,
+                                    const int& batch, const int& kv_head, const int& key0, const int& col0,
+                                    const int& warp_key2, const int& warp_d0, const int& tid, const int& lane,
+                                    const SeqK& sk, const KStart& k_start) {
+    using KVTile = typename Tr::KVTile;
+    using Mma = fa2::Mma<typename Tr::Elem>;
+#pragma unroll
+    for (int kt = 0; kt < Tr::kKeyTiles2; ++kt)
+#pragma unroll
+        for (int dt = 0; dt < Tr::kDCols / 8; ++dt)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int r = warp_key2 + kt * 16 + (lane >> 2) + half * 8, c = warp_d0 + dt * 8 + (lane & 3) * 2;
+                st_shared_u32(KVTile::at(smem_k, r, c),
+                              Mma::pack(acc_dk[kt][dt][2 * half] * params.scale,
+                                        acc_dk[kt][dt][2 * half + 1] * params.scale));
+                st_shared_u32(KVTile::at(smem_v, r, c),
+                              Mma::pack(acc_dv[kt][dt][2 * half], acc_dv[kt][dt][2 * half + 1]));
+            }
+    __syncthreads();
+    u16* dk_head = dk + batch * params.dk_batch_stride + (i64)k_start() * params.dk_row_stride +
+                   kv_head * params.dk_head_stride;
+    u16* dv_head = dv + batch * params.dv_batch_stride + (i64)k_start() * params.dv_row_stride +
+                   kv_head * params.dv_head_stride;
+    constexpr int kChunksPerRow = Tr::kSliceD / 8;
+    for (int idx = tid; idx < Tr::kBlockN * kChunksPerRow; idx += Tr::kThreads) {
+        const int r = idx / kChunksPerRow, c = col0 + (idx % kChunksPerRow) * 8;
+        if (key0 + r < sk() && c < params.headdim) {
+            u32 chunk[4];
+            ld_shared_v4(KVTile::at(smem_k, r, c), chunk);
+            st_global_v4(dk_head + (i64)(key0 + r) * params.dk_row_stride + c, chunk);
+            ld_shared_v4(KVTile::at(smem_v, r, c), chunk);
+            st_global_v4(dv_head + (i64)(key0 + r) * params.dv_row_stride + c, chunk);
+        }
+    }
+}
+
 template <class Tr>
 __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_dkdv(const __grid_constant__ BwdParams kernel_params) {
     // Read in place, at d=256 through a local copy (common/params.cuh): in place, the d=256 backward ran 2% slower
@@ -154,7 +257,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_dkdv(const __grid_constan
     using QTile = typename Tr::QTile;
     using PTile = typename Tr::PTile;
     using Mma = fa2::Mma<typename Tr::Elem>;
-    constexpr int kKT = Tr::kKeyTiles, kQT = Tr::kQCols / 8, kKSteps = Tr::kHeadDim / 16;
+    constexpr int kKT = Tr::kKeyTiles, kQT = Tr::kQCols / 8;
     constexpr int kKT2 = Tr::kKeyTiles2, kDT = Tr::kDCols / 8;
     constexpr int kM = Tr::kBlockM;
 
@@ -270,18 +373,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_dkdv(const __grid_constan
 
         {  // Phase 1: S^T = K_j Q_i^T and dP^T = V_j dO_i^T (lines 9 and 12) for this warp's keys x queries.
             float st[kKT][kQT][4], dpt[kKT][kQT][4];
-            zero_fragments(st);
-            zero_fragments(dpt);
-            mma_tiles_pair<typename Tr::Elem, kKSteps>(
-                st, dpt,
-                [&](u32(&ak)[4], u32(&av)[4], int kt, int kk) {
-                    KVTile::load_a(ak, smem_k, warp_key0 + kt * 16, kk * 16, lane);
-                    KVTile::load_a(av, smem_v, warp_key0 + kt * 16, kk * 16, lane);
-                },
-                [&](u32(&bq)[4], u32(&bdo)[4], int np, int kk) {
-                    QTile::load_b_nk(bq, q_s, warp_q0 + np * 16, kk * 16, lane);
-                    QTile::load_b_nk(bdo, do_s, warp_q0 + np * 16, kk * 16, lane);
-                });
+            bwd_dkdv_scores<Tr>(st, dpt, smem_k, smem_v, q_s, do_s, warp_key0, warp_q0, lane);
             // P^T = exp(S^T * scale - L) (line 11) and dS^T = P^T o (dP^T - D) (line 13), to shared memory.
             // mask.tile_needs_mask(m0, kM, key0, Tr::kBlockN) spelled out on the kernel parameters: ptxas can
             // reload those, while the mask's copies stay live; at d=64 causal that is 12 registers and 5% of the
@@ -291,16 +383,6 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_dkdv(const __grid_constan
                 key0 + Tr::kBlockN > mask_it.seqlen_k ||
                 (Tr::kMask != kMaskNone && key0 + Tr::kBlockN - 1 > m0 + mask_it.diag() + mask_it.right()) ||
                 (Tr::kMask == kMaskWindow && key0 < m0 + kM - 1 + mask_it.diag() - mask_it.left());
-            // P^T and dS^T of key tile kt and query tile nt (this thread's two rows, two columns each) to shared memory.
-            const auto store_p_ds = [&](int kt, int nt, const float (&p)[4], const float (&ds)[4]) {
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int r = warp_key0 + kt * 16 + (lane >> 2) + half * 8;
-                    const int c = warp_q0 + nt * 8 + (lane & 3) * 2;
-                    st_shared_u32(PTile::at(smem_p, r, c), Mma::pack(p[2 * half], p[2 * half + 1]));
-                    st_shared_u32(PTile::at(smem_ds, r, c), Mma::pack(ds[2 * half], ds[2 * half + 1]));
-                }
-            };
             // The modifier variant: one version of the element-wise step per (modifiers, dropout) pair, chosen once
             // per query tile, so a call does no modifier or dropout work it does not need.
             const auto elementwise = [&](auto modify, auto drop) {
@@ -349,7 +431,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_dkdv(const __grid_constan
                         }
                         if constexpr (kModify) ds[e] *= dcap;
                     }
-                    store_p_ds(kt, nt, p, ds);
+                    bwd_dkdv_store_p_ds<Tr>(smem_p, smem_ds, warp_key0, warp_q0, lane, kt, nt, p, ds);
                 };
                 if constexpr (kDrop) {  // by blocks of one call's 32 keys x 32 queries (or the 16 the warp spans)
                     constexpr int kKeyTilesPer = kKeyBlocks ? 2 : 1, kQueryTilesPer = kQueryBlocks ? 4 : 2;
@@ -404,7 +486,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_dkdv(const __grid_constan
                                 if (decltype(masked)::value && !mask_it.visible(m0 + qc, key)) p[e] = 0.f;
                                 ds[e] = p[e] * (dpt[kt][nt][e] - dsum_s[qc]);
                             }
-                            store_p_ds(kt, nt, p, ds);
+                            bwd_dkdv_store_p_ds<Tr>(smem_p, smem_ds, warp_key0, warp_q0, lane, kt, nt, p, ds);
                         }
                     }
                 };
@@ -418,16 +500,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_dkdv(const __grid_constan
 
         // Phase 2: dV_j += P^T dO_i (line 10) and dK_j += dS^T Q_i (line 16; scale applied at the end) for this
         // warp's keys x head-dim columns.
-        mma_tiles_pair<typename Tr::Elem, kM / 16>(
-            acc_dv, acc_dk,
-            [&](u32(&ap)[4], u32(&ads)[4], int kt, int kk) {
-                PTile::load_a(ap, smem_p, warp_key2 + kt * 16, kk * 16, lane);
-                PTile::load_a(ads, smem_ds, warp_key2 + kt * 16, kk * 16, lane);
-            },
-            [&](u32(&bdo)[4], u32(&bq)[4], int dp, int kk) {
-                QTile::load_b_kn(bdo, do_s, kk * 16, warp_d0 + dp * 16, lane);
-                QTile::load_b_kn(bq, q_s, kk * 16, warp_d0 + dp * 16, lane);
-            });
+        bwd_dkdv_accumulate<Tr>(acc_dv, acc_dk, smem_p, smem_ds, do_s, q_s, warp_key2, warp_d0, lane);
         if (Tr::kAtomicDq) {
             // Phase 3: dQ_i += dS K_j (line 15) for this block's columns, added to the fp32 workspace. dS^T is
             // stored [key][query]; ldmatrix.trans turns it into A fragments with queries as rows.
@@ -497,36 +570,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) bwd_dkdv(const __grid_constan
     cp_async_wait<0>();
     __syncthreads();  // K/V tiles are reused below as staging for the outputs
 
-    // dK_j = scale * dS^T Q (the scale of S = scale * Q K^T, deferred to here) and dV_j, staged in the K and V
-    // tiles so the global stores are 16-byte and row-contiguous.
-#pragma unroll
-    for (int kt = 0; kt < kKT2; ++kt)
-#pragma unroll
-        for (int dt = 0; dt < kDT; ++dt)
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int r = warp_key2 + kt * 16 + (lane >> 2) + half * 8, c = warp_d0 + dt * 8 + (lane & 3) * 2;
-                st_shared_u32(KVTile::at(smem_k, r, c),
-                              Mma::pack(acc_dk[kt][dt][2 * half] * params.scale,
-                                        acc_dk[kt][dt][2 * half + 1] * params.scale));
-                st_shared_u32(KVTile::at(smem_v, r, c), Mma::pack(acc_dv[kt][dt][2 * half], acc_dv[kt][dt][2 * half + 1]));
-            }
-    __syncthreads();
-    u16* dk_head = dk + batch * params.dk_batch_stride + (i64)k_start() * params.dk_row_stride +
-                   kv_head * params.dk_head_stride;
-    u16* dv_head = dv + batch * params.dv_batch_stride + (i64)k_start() * params.dv_row_stride +
-                   kv_head * params.dv_head_stride;
-    constexpr int kChunksPerRow = Tr::kSliceD / 8;
-    for (int idx = tid; idx < Tr::kBlockN * kChunksPerRow; idx += Tr::kThreads) {
-        const int r = idx / kChunksPerRow, c = col0 + (idx % kChunksPerRow) * 8;
-        if (key0 + r < sk() && c < params.headdim) {
-            u32 chunk[4];
-            ld_shared_v4(KVTile::at(smem_k, r, c), chunk);
-            st_global_v4(dk_head + (i64)(key0 + r) * params.dk_row_stride + c, chunk);
-            ld_shared_v4(KVTile::at(smem_v, r, c), chunk);
-            st_global_v4(dv_head + (i64)(key0 + r) * params.dv_row_stride + c, chunk);
-        }
-    }
+    bwd_dkdv_store_dkdv<Tr>(params, acc_dk, acc_dv, smem_k, smem_v, dk, dv, batch, kv_head, key0, col0, warp_key2,
+                            warp_d0, tid, lane, sk, k_start);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
