@@ -60,25 +60,19 @@ OPTIONS = None
 
 
 class Setup:
-    """Kernel sources (None: the package's own) and the modifier variant's forward tile rows (configs'
-    FORWARD_MASKED_TABLE; None: as shipped), so that rows built under different
-    setups are timed in alternating rounds: activate() makes its kernels and rows the ones calls use (and drops the
-    plans made under another setup)."""
+    """Kernel sources (None: the package's own), so that rows built from different copies of cuda/ are timed in
+    alternating rounds: activate() makes its kernels the ones calls use (and drops the plans made under another
+    setup)."""
 
-    def __init__(self, directory=None, masked_rows=None):
-        from fa2cupy import configs
-
+    def __init__(self, directory=None):
         self.directory = directory
-        self.masked_rows = dict(configs.FORWARD_MASKED_TABLE if masked_rows is None else masked_rows)
 
     def activate(self, active: list) -> None:
-        from fa2cupy import build, configs, pipeline
+        from fa2cupy import build, pipeline
 
         if active and active[0] is self:
             return
         pipeline.forget_plans()
-        configs.FORWARD_MASKED_TABLE.clear()
-        configs.FORWARD_MASKED_TABLE.update(self.masked_rows)
         if not active or active[0].directory != self.directory:
             build.use_sources(self.directory)
         active[:] = [self]
@@ -243,7 +237,7 @@ def main() -> int:
     active = []
     setups = {"new": Setup()}
     if args.baseline:
-        setups["base"] = Setup(str(Path(args.baseline).resolve()), setups["new"].masked_rows)
+        setups["base"] = Setup(str(Path(args.baseline).resolve()))
     for name, setup in setups.items():
         setup.activate(active)
         compile_all(setup, kernels_needed(cases, dtypes, args.p, arch, plain=name == "new"), active)

@@ -75,8 +75,8 @@ struct DecodeCall {
     unsigned char* merge_area;
     CacheIndex index;
     // A call whose K/V are larger than L2 streams them under evict-first: they cannot stay in L2 anyway, and so
-    // they do not push out what can (1 x 16k: the queued call 28.0 -> 27.55 us, docs/design.md). Other calls
-    // copy under evict-unchanged, as if with no policy.
+    // they do not push out what can (1 x 16k queued: 27.55 us, against 28.0 without a policy; docs/design.md).
+    // Other calls copy under evict-unchanged, as if with no policy.
     u64 stream_policy;
 
     FA2_DEVICE DecodeCall(const DecodeParams& params, unsigned char* smem)
