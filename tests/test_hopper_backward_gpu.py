@@ -124,15 +124,16 @@ GROUPS = [(1, 1), (2, 2), (4, 1), (6, 3), (8, 2), (4, 4)]
 
 
 @st.composite
-def hopper_cases(draw):
+def hopper_cases(draw, headdims=(64, 128), lengths=LENGTHS):
+    """Backward cases of the Hopper kernel's head dims (the wide rows' with headdims=(192, 256))."""
     nheads, nheads_kv = draw(st.sampled_from(GROUPS))
     return dict(
         batch=draw(st.integers(1, 2)),
-        seqlen_q=draw(st.sampled_from(LENGTHS)),
-        seqlen_k=draw(st.sampled_from(LENGTHS)),
+        seqlen_q=draw(st.sampled_from(lengths)),
+        seqlen_k=draw(st.sampled_from(lengths)),
         nheads=nheads,
         nheads_kv=nheads_kv,
-        headdim=draw(st.sampled_from([64, 128])),
+        headdim=draw(st.sampled_from(headdims)),
         causal=draw(st.booleans()),
         window_size=draw(st.one_of(st.just((-1, -1)),
                                    st.tuples(*[st.one_of(st.just(-1), st.integers(0, 8), st.integers(0, 400))] * 2))),

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from gpu_helpers import debug_poison, kernel_options, skip_unless_hopper
 from test_backward_gpu import run_case
+from test_hopper_backward_gpu import hopper_cases
 from test_varlen_mods_gpu import run_varlen_case
 
 pytestmark = pytest.mark.gpu
@@ -92,29 +93,8 @@ LENGTHS = [1, 2, 17, 63, 64, 65, 127, 128, 129, 191, 255, 256, 257, 500]
 GROUPS = [(1, 1), (2, 2), (4, 1), (6, 3), (4, 4)]
 
 
-@st.composite
-def wide_cases(draw):
-    nheads, nheads_kv = draw(st.sampled_from(GROUPS))
-    return dict(
-        batch=draw(st.integers(1, 2)),
-        seqlen_q=draw(st.sampled_from(LENGTHS)),
-        seqlen_k=draw(st.sampled_from(LENGTHS)),
-        nheads=nheads,
-        nheads_kv=nheads_kv,
-        headdim=draw(st.sampled_from(WIDE)),
-        causal=draw(st.booleans()),
-        window_size=draw(st.one_of(st.just((-1, -1)),
-                                   st.tuples(*[st.one_of(st.just(-1), st.integers(0, 8), st.integers(0, 400))] * 2))),
-        dtype=draw(st.sampled_from(["float16", "bfloat16"])),
-        softmax_scale=draw(st.one_of(st.none(), st.floats(0.01, 1.5))),
-        deterministic=False,
-        transposed=draw(st.booleans()),
-        seed=draw(st.integers(0, 2**32 - 1)),
-    )
-
-
 @settings(deadline=None)
-@given(wide_cases())
+@given(hopper_cases(headdims=WIDE, lengths=LENGTHS))
 def test_wide_backward_matches_reference(case):
     _hopper_gpu()
     note(repr(case))

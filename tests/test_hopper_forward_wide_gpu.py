@@ -21,6 +21,7 @@ from gpu_helpers import (UNIT_ROUNDOFF, cu_seqlens, cupy_module as _cupy, debug_
 from test_forward_gpu import check_against_reference, make_input, run_case
 # (imported here, not inside a Hypothesis test: importing applies @given, which Hypothesis refuses while a test runs)
 from test_paged_varlen_gpu import _randn as _randn_host, paged_layout
+from test_hopper_forward_gpu import hopper_cases
 from test_varlen_mods_gpu import _check_out, _host, _randn
 
 pytestmark = pytest.mark.gpu
@@ -91,32 +92,11 @@ def test_fixed_wide_cases(d, b, sq, sk, h, hkv, causal, window):
     _assert_wide(plans, d)
 
 
+# (64-key tiles and 64-row consumer steps: lengths around their multiples)
 LENGTHS = [1, 2, 17, 63, 64, 65, 127, 128, 129, 191, 255, 257, 500]
-GROUPS = [(1, 1), (2, 2), (4, 1), (6, 3), (8, 2)]
 
 
-@st.composite
-def wide_cases(draw):
-    nheads, nheads_kv = draw(st.sampled_from(GROUPS))
-    return dict(
-        batch=draw(st.integers(1, 3)),
-        seqlen_q=draw(st.sampled_from(LENGTHS)),
-        seqlen_k=draw(st.sampled_from(LENGTHS)),
-        nheads=nheads,
-        nheads_kv=nheads_kv,
-        headdim=draw(st.sampled_from(WIDE)),
-        causal=draw(st.booleans()),
-        window_size=draw(st.one_of(st.just((-1, -1)),
-                                   st.tuples(*[st.one_of(st.just(-1), st.integers(0, 8), st.integers(0, 300))] * 2))),
-        dtype=draw(st.sampled_from(["float16", "bfloat16"])),
-        softmax_scale=draw(st.one_of(st.none(), st.floats(0.01, 1.5))),
-        transposed=draw(st.booleans()),
-        return_lse=True,
-        seed=draw(st.integers(0, 2**32 - 1)),
-    )
-
-
-@given(wide_cases())
+@given(hopper_cases(headdims=WIDE, lengths=LENGTHS))
 def test_wide_matches_reference(case):
     note(repr(case))
     with _wide():
