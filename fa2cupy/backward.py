@@ -103,11 +103,11 @@ def _preprocess_launch(q_shape, dtype, fixed: params.BwdParams) -> build.Launch:
     """dsum = rowsum(dout * out) (and the fp32 dQ accumulator's zeroing)."""
     batch, seqlen_q, nheads, headdim = q_shape
     lanes = min(32, 1 << (headdim // 8 - 1).bit_length())  # the preprocess's lanes per row: 16-byte chunks each
-    fixed = params.BwdParams.from_buffer_copy(fixed)
-    fixed.lanes = lanes
-    return build.Launch(build.get_kernel("bwd", f"fa2::bwd_preprocess<{configs.DTYPE_TAGS[dtype]}>", 0),
-                        (-(-seqlen_q * lanes // 256), nheads, batch), (256, 1, 1), 0, fixed,
-                        ("dout", "out", "dsum", "dq_accum", "cu_seqlens_q"))
+    launch = build.Launch(build.get_kernel("bwd", f"fa2::bwd_preprocess<{configs.DTYPE_TAGS[dtype]}>", 0),
+                          (-(-seqlen_q * lanes // 256), nheads, batch), (256, 1, 1), 0, fixed,
+                          ("dout", "out", "dsum", "dq_accum", "cu_seqlens_q"))
+    launch.params.set(lanes=lanes)  # (the launch's own copy of the struct)
+    return launch
 
 
 def _dq_launch(dq_config, q_shape, dtype, mask, mods, fixed: params.BwdParams) -> build.Launch:
@@ -134,10 +134,10 @@ def _zero_tail_launch(q_shape, k_shape, strides, varlen_totals, fixed: params.Bw
     if any(strides[n][1:] != (row, headdim, 1) for n, row in (("dq", q_row), ("dk", kv_row), ("dv", kv_row))):
         raise ValueError("varlen gradients must be contiguous (total, heads, d) arrays")
     chunks = max(total_q * q_row, total_k * kv_row) // 8
-    fixed = params.BwdParams.from_buffer_copy(fixed)
-    fixed.q_row_elems, fixed.kv_row_elems = q_row, kv_row
-    return build.Launch(build.get_kernel("bwd", "fa2::bwd_zero_tail", 0), (min(64, -(-chunks // 256)), 3, 1),
-                        (256, 1, 1), 0, fixed, ("dq", "dk", "dv", "cu_seqlens_q", "cu_seqlens_k"))
+    launch = build.Launch(build.get_kernel("bwd", "fa2::bwd_zero_tail", 0), (min(64, -(-chunks // 256)), 3, 1),
+                          (256, 1, 1), 0, fixed, ("dq", "dk", "dv", "cu_seqlens_q", "cu_seqlens_k"))
+    launch.params.set(q_row_elems=q_row, kv_row_elems=kv_row)
+    return launch
 
 
 def maps_writer(plan: BackwardPlan, q: int, k: int, v: int, dout: int):

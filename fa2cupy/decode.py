@@ -205,7 +205,7 @@ def plan_decode(q_shape, strides, dtype: str, *, nheads_kv: int, cache_rows: int
         stream_larger_than_l2=evict_first)  # (K/V that cannot stay in L2 stream through it under evict-first)
     grid, smem = _attention_grid(function, config, device, splits * batch * nheads_kv * row_blocks, sms)
     attention = build.Launch(function, (grid, 1, 1), (config.threads, 1, 1), smem,
-                             params.DecodeParams.from_buffer_copy(fixed), ATTENTION_PER_CALL, programmatic)
+                             fixed, ATTENTION_PER_CALL, programmatic)  # (copied: the launch's own)
     attention.params.set(**_strides("q", q_strides, item))
     append = _append_launch(q_shape, nheads_kv, dtype, paged, extras, seqlen_new, programmatic,
                             fixed) if seqlen_new else None
