@@ -20,7 +20,7 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
     using KVTile = typename Tr::KVTile;
     using QTile = typename Tr::QTile;
     using Steps = HopperBwdSteps<Tr::kBlockM>;
-    constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kS = Tr::kStages;
+    constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kS = Tr::kStages, kLag = kS < 2 ? kS : 2;
     // Tiles into swizzled slabs (zeros from row `valid` on), each thread its chunks (SlabLoader).
     const int ptid = threadIdx.x - Tr::kConsumerThreads;
     const SlabLoader<Tr::kProducerThreads, Tr::kHeadDim> loader(ptid);
@@ -48,8 +48,10 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
     const Steps steps = block_steps();
     // Step j's dQ_j, once staged, goes out in one bulk reduction of its rows before seqlen_q, from its first
     // query row's accumulator row on (the first thread), and the staging tile back to the consumers once read.
-    // Taken two steps late, after the load that the consumers' release of step j's slot let through, so the
-    // consumers never wait for it. The step's rows are worked out here (carried from its load, they spilled at
+    // Taken kLag steps late, after the load that the consumers' release of step j's slot let through: two with a
+    // ring of two slots, so the consumers never wait for it; one with one slot (head dim 256), as the consumers'
+    // step j + 1 stages its dQ only once step j's has been read, and their release of step j + 1 is what lets the
+    // load of step j + 2 through. The step's rows are worked out here (carried from its load, they spilled at
     // head dim 64 beside the statistics loaded a step ahead); the accumulator row is an int, as rows of 272
     // bytes or more fit in device memory.
     const auto reduce_step = [&](int j) {
@@ -104,12 +106,12 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
             smem.stats[(kS + s) * kM + ptid] = dsum_next;
             mbar_arrive(smem.full(s));  // (release: the stores above)
         }
-        if (it >= 2) reduce_step(it - 2);
+        if (it >= kLag) reduce_step(it - kLag);
         m0 += kM;  // step it + 1's query head and first row
         if (m0 == (steps.m_begin + steps.m_count) * kM) m0 = steps.m_begin * kM, ++head;
         if (it + 1 < steps.count) load_stats(head, m0);
     }
-    if (steps.count >= 2) reduce_step(steps.count - 2);
+    if (kLag == 2 && steps.count >= 2) reduce_step(steps.count - 2);
     if (steps.count >= 1) reduce_step(steps.count - 1);
     bulk_wait<0>();
     if (ptid == 0) bwd_mark(6);  // the producer's end
