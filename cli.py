@@ -260,7 +260,7 @@ def _row_text(config) -> tuple[str, str]:
                                   f"K/V ring {config.k_stages}/{config.v_stages}")
     if isinstance(config, configs.HopperBwdConfig):
         return "hopper (wgmma)", (f"{config.block_m}x{config.block_n}, 2 consumer warpgroups, "
-                                  f"{config.stages} stages")
+                                  f"{config.stages} stage{'s' if config.stages > 1 else ''}")
     slices = f", {config.dslices} head-dim slices" if getattr(config, "dslices", 1) > 1 else ""
     stages = f"{config.stages} stage{'s' if config.stages > 1 else ''}"
     return "mma.sync", f"{config.block_m}x{config.block_n}, {config.warps} warps, {stages}{slices}"

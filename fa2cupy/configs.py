@@ -118,17 +118,14 @@ class HopperFwdConfig:
 #: without score modifiers (every other case runs FORWARD_TABLE's mma.sync kernels). At d=64 a tile's products
 #: take half as long as at d=128 and its softmax as long, so three consumer warpgroups (192-row items) take turns:
 #: 12-14% faster than two at 2k-16k (H100, same process; docs/design.md); d=128 has no registers for a third.
+#: The wide head dims, 192 and 256, take two consumer warpgroups (O takes d / 2 registers a thread: 96 or 128 of
+#: the 224) on 64-key tiles (S and P take 32 + 16; 128-key tiles of d = 192 would not fit 227 KB with two K and two V
+#: slots beside one Q buffer). d = 192: two Q buffers, K 2, V 3 (217 KB); d = 256: one Q buffer (64 KB: two would
+#: leave too little for the rings), K 2, V 3 (225 KB). On an H200 they run 2.4-2.9x the mma.sync forward's
+#: TFLOPs/s (docs/design.md).
 FORWARD_HOPPER_TABLE: dict[int, HopperFwdConfig] = {
     64: HopperFwdConfig(64, 128, 4, 4, 2, 3),
     128: HopperFwdConfig(128, 128, 2, 3, 2),
-}
-
-#: The Hopper forward at the wide head dims, 192 and 256: run only when asked for (KernelOptions.hopper_forward_wide)
-#: until measured on a GPU; otherwise the mma.sync forward runs them. Two consumer warpgroups (O takes d / 2
-#: registers a thread: 96 or 128 of the 224) on 64-key tiles (S and P take 32 + 16; 128-key tiles of d = 192 would
-#: not fit 227 KB with two K and two V slots beside one Q buffer). d = 192: two Q buffers, K 2, V 3 (217 KB);
-#: d = 256: one Q buffer (64 KB: two would leave too little for the rings), K 2, V 3 (225 KB).
-FORWARD_HOPPER_WIDE_TABLE: dict[int, HopperFwdConfig] = {
     192: HopperFwdConfig(192, 64, 2, 3, 2),
     256: HopperFwdConfig(256, 64, 2, 3, 1),
 }
@@ -239,7 +236,7 @@ class HopperBwdConfig:
     dQ added to the fp32 accumulator (atomic mode only); padded and varlen. At the wide head dims (192, 256) 64 keys
     per block, which both consumer warpgroups work on (one computes dV, the other dK)."""
 
-    headdim: int  # exactly the head dim (64, 128; 192, 256 in BACKWARD_HOPPER_WIDE_TABLE)
+    headdim: int  # exactly the head dim (64, 128, 192, 256)
     block_m: int  # query rows per step: 64, or 128 with dq_by_keys
     stages: int  # Q/dO ring depth
     dq_by_keys: bool  # dQ_i split between the warpgroups by keys (each all columns) instead of by columns
@@ -288,39 +285,30 @@ class HopperBwdConfig:
 #: without score modifiers in the default (atomic dQ) mode; every other case runs BACKWARD_TABLE's mma.sync kernels.
 #: Head dim 64 takes 128 query rows per step (the per-step waits and hand-offs over twice the work) and splits dQ_i
 #: by keys (by columns each warpgroup's 32 would be half a swizzled slab), the two partial sums added in shared
-#: memory before the one reduction per row (docs/design.md).
+#: memory before the one reduction per row (docs/design.md). The wide head dims, 192 and 256, take 64 keys per
+#: block (each warpgroup holds one of dK and dV, 64 x d: d / 2 registers a thread), 64 query rows a step, dQ_i by
+#: columns: d = 192 with a 2-slot ring (219 KB); d = 256 with one slot (218.5 KB: a second, 64 KB of Q and dO, does
+#: not fit beside K, V (64 KB) and the fp32 dQ staging tile (65 KB)). On an H200 they run 3.0-5.3x the mma.sync
+#: backward's TFLOPs/s (docs/design.md).
 BACKWARD_HOPPER_TABLE: dict[int, HopperBwdConfig] = {
     64: HopperBwdConfig(64, 128, 2, True),
     128: HopperBwdConfig(128, 64, 2, False),
-}
-
-
-#: The Hopper backward at the wide head dims, 192 and 256: run only when asked for (KernelOptions.hopper_backward_wide)
-#: until measured on a GPU; otherwise the mma.sync backward takes them. 64 keys per block (each warpgroup holds one of
-#: dK and dV, 64 x d: d / 2 registers a thread), 64 query rows a step, dQ_i by columns. d = 192 with a 2-slot ring
-#: (219 KB); d = 256 with one slot (218.5 KB: a second, 64 KB of Q and dO, does not fit beside K, V (64 KB) and the
-#: fp32 dQ staging tile (65 KB)).
-BACKWARD_HOPPER_WIDE_TABLE: dict[int, HopperBwdConfig] = {
     192: HopperBwdConfig(192, 64, 2, False),
     256: HopperBwdConfig(256, 64, 1, False),
 }
 
 
-def hopper_backward_config(arch: int, headdim: int, mods: bool, deterministic: bool,
-                           wide: bool = False) -> HopperBwdConfig | None:
+def hopper_backward_config(arch: int, headdim: int, mods: bool, deterministic: bool) -> HopperBwdConfig | None:
     """The Hopper backward's row for this call, or None where the mma.sync backward runs it (padded or varlen): head
-    dims 64 and 128, and 192 and 256 with ``wide`` (BACKWARD_HOPPER_WIDE_TABLE)."""
+    dims 64, 128, 192 and 256."""
     if arch != 90 or mods or deterministic:
         return None
-    table = {**BACKWARD_HOPPER_TABLE, **BACKWARD_HOPPER_WIDE_TABLE} if wide else BACKWARD_HOPPER_TABLE
-    return table.get(headdim)
+    return BACKWARD_HOPPER_TABLE.get(headdim)
 
 
 def hopper_backward_instantiations() -> list[str]:
-    """Name expressions of every Hopper backward instantiation (compiled for sm_90a): the shipped table's and the
-    wide table's, which run only when asked for but must compile (without spills) all the same."""
-    rows = (*BACKWARD_HOPPER_TABLE.values(), *BACKWARD_HOPPER_WIDE_TABLE.values())
-    return sorted(config.name_expression(dtype, mask, varlen=varlen) for config in rows
+    """Name expressions of every Hopper backward instantiation (compiled for sm_90a)."""
+    return sorted(config.name_expression(dtype, mask, varlen=varlen) for config in BACKWARD_HOPPER_TABLE.values()
                   for dtype in DTYPE_TAGS for mask in MASKS for varlen in (False, True))
 
 
@@ -550,14 +538,14 @@ def hopper_heads_per_group(seqlen_k: int, headdim: int, heads_per_kv: int, heads
 
 def hopper_forward_config(arch: int, headdim: int, dtype: str, mods: bool = False, varlen: bool = False,
                           mask: str = "none", seqlen_q: int | None = None,
-                          masked_min_seqlen: int | None = None, wide: bool = False) -> HopperFwdConfig | None:
+                          masked_min_seqlen: int | None = None) -> HopperFwdConfig | None:
     """The Hopper forward's row for this call, or None where the mma.sync forward runs it (another GPU, a head
-    dim other than 64 or 128, or 192 and 256 with ``wide`` (FORWARD_HOPPER_WIDE_TABLE), score modifiers, or a masked
+    dim other than 64, 128, 192 and 256, score modifiers, or a masked
     call shorter than HOPPER_MASKED_MIN_SEQLEN, or than ``masked_min_seqlen`` where given; ``seqlen_q`` None skips
     that last rule). Varlen calls, paged K/V included, run where padded ones would."""
     if dtype not in DTYPE_TAGS:
         raise ValueError(f"dtype must be one of {tuple(DTYPE_TAGS)}, got {dtype}")
-    table = {**FORWARD_HOPPER_TABLE, **FORWARD_HOPPER_WIDE_TABLE} if wide else FORWARD_HOPPER_TABLE
+    table = FORWARD_HOPPER_TABLE
     if arch != 90 or mods or headdim not in table:
         return None
     shortest = HOPPER_MASKED_MIN_SEQLEN[headdim] if masked_min_seqlen is None else masked_min_seqlen
@@ -567,11 +555,9 @@ def hopper_forward_config(arch: int, headdim: int, dtype: str, mods: bool = Fals
 
 
 def hopper_forward_instantiations() -> list[str]:
-    """Name expressions of every Hopper forward instantiation (compiled for sm_90a): the shipped table's and the
-    wide table's, which run only when asked for but must compile (without spills) all the same."""
-    rows = (*FORWARD_HOPPER_TABLE.values(), *FORWARD_HOPPER_WIDE_TABLE.values())
+    """Name expressions of every Hopper forward instantiation (compiled for sm_90a)."""
     return sorted(config.name_expression(dtype, mask, varlen=varlen, paged=paged)
-                  for config in rows for dtype in DTYPE_TAGS for mask in MASKS
+                  for config in FORWARD_HOPPER_TABLE.values() for dtype in DTYPE_TAGS for mask in MASKS
                   for varlen, paged in ((False, False), (True, False), (True, True)))
 
 
@@ -619,16 +605,15 @@ def kernel_rows(arch: int, headdim: int, dtype: str, mask: str = "none", mods: b
         seqlen_q: query rows (max_seqlen_q for varlen): masked calls shorter than the Hopper forward's minimum run the
             mma.sync forward; None skips that rule.
         deterministic: the backward's mode (the Hopper dK/dV kernel adds dQ with atomics only).
-        options: KernelOptions: hopper_forward, hopper_forward_wide, hopper_backward, hopper_backward_wide,
-            hopper_masked_min_seqlen.
+        options: KernelOptions: hopper_forward, hopper_backward, hopper_masked_min_seqlen.
         tma: whether the call's strides suit TMA (positive, 16-byte multiples): the Hopper kernels copy with it.
     """
     forward = backward = None
     if tma and options.hopper_forward:
         forward = hopper_forward_config(arch, headdim, dtype, mods, varlen, mask, seqlen_q,
-                                        options.hopper_masked_min_seqlen, options.hopper_forward_wide)
+                                        options.hopper_masked_min_seqlen)
     if tma and options.hopper_backward:
-        backward = hopper_backward_config(arch, headdim, mods, deterministic, options.hopper_backward_wide)
+        backward = hopper_backward_config(arch, headdim, mods, deterministic)
     return KernelRows(forward or forward_config(arch, headdim, dtype, mask, varlen, mods),
                       backward or backward_config(arch, headdim, dtype, mask, mods),
                       backward_dq_config(arch, headdim, dtype, mask) if deterministic else None)

@@ -22,12 +22,9 @@ class KernelOptions:
     """Kernel choices of a call beyond its arguments (see the module docstring). Fields:
 
     hopper_forward (True): run the forward on the Hopper (wgmma, TMA) kernel where the tile table has a row for the
-        call (compute capability 9.0, head dim 64 or 128, no score modifiers); False runs the mma.sync kernel there.
-    hopper_forward_wide (False): with hopper_forward, also run head dims 192 and 256 on the Hopper forward
-        (configs.FORWARD_HOPPER_WIDE_TABLE; not yet measured on a GPU, so off by default: the mma.sync kernel).
+        call (compute capability 9.0, head dim 64, 128, 192 or 256, no score modifiers); False runs the mma.sync
+        kernel there.
     hopper_backward (True): the same for the backward's dK/dV kernel (atomic dQ, no score modifiers).
-    hopper_backward_wide (False): with hopper_backward, also run head dims 192 and 256 on the Hopper dK/dV kernel
-        (configs.BACKWARD_HOPPER_WIDE_TABLE; not yet run on a GPU, so off by default: the mma.sync kernel).
     hopper_masked_min_seqlen (None): causal and windowed forwards take the Hopper kernel from this many query rows
         on (below it the mma.sync kernel is faster); None is the tile table's per-head-dim length
         (configs.HOPPER_MASKED_MIN_SEQLEN), an int that length for every head dim (0: always Hopper).
@@ -58,9 +55,7 @@ class KernelOptions:
     """
 
     hopper_forward: bool = True
-    hopper_forward_wide: bool = False
     hopper_backward: bool = True
-    hopper_backward_wide: bool = False
     hopper_masked_min_seqlen: int | None = None
     tile_counter: bool = True
     hopper_l2_group_bytes: int | None = None
@@ -102,7 +97,7 @@ _tokens: dict = {}  # field values -> the token of KernelOptions with them
 
 #: The type of each field's values, for the checks in KernelOptions.__post_init__.
 _KINDS = {
-    "hopper_forward": "bool", "hopper_forward_wide": "bool", "hopper_backward": "bool", "hopper_backward_wide": "bool",
+    "hopper_forward": "bool", "hopper_backward": "bool",
     "hopper_masked_min_seqlen": "optional int",
     "tile_counter": "bool", "hopper_l2_group_bytes": "optional int", "decode_deep_ring": "optional bool",
     "decode_warp_items": "optional bool", "decode_warp_items_max_tiles": "int",

@@ -73,18 +73,13 @@ FAMILIES = {
 # The sm_90a families: (family, their shipped instantiations, how many, their table rows with the byte count a
 # launch asks for, the kernel template's name).
 HOPPER_FAMILIES = {
-    # (the shipped rows and the wide ones, which run only when asked for but must compile without spills)
     "fwd_hopper": (configs.hopper_forward_instantiations,  # padded, varlen, varlen with paged K/V
-                   (len(configs.FORWARD_HOPPER_TABLE) + len(configs.FORWARD_HOPPER_WIDE_TABLE))
-                   * len(configs.DTYPE_TAGS) * len(configs.MASKS) * 3,
-                   lambda: [(c, c.smem_bytes) for c in (*configs.FORWARD_HOPPER_TABLE.values(),
-                                                        *configs.FORWARD_HOPPER_WIDE_TABLE.values())],
+                   len(configs.FORWARD_HOPPER_TABLE) * len(configs.DTYPE_TAGS) * len(configs.MASKS) * 3,
+                   lambda: [(c, c.smem_bytes) for c in configs.FORWARD_HOPPER_TABLE.values()],
                    "fa2::flash_fwd_hopper<"),
     "bwd_hopper": (configs.hopper_backward_instantiations,
-                   (len(configs.BACKWARD_HOPPER_TABLE) + len(configs.BACKWARD_HOPPER_WIDE_TABLE))
-                   * len(configs.DTYPE_TAGS) * len(configs.MASKS) * 2,
-                   lambda: [(c, c.smem_bytes()) for c in (*configs.BACKWARD_HOPPER_TABLE.values(),
-                                                          *configs.BACKWARD_HOPPER_WIDE_TABLE.values())],
+                   len(configs.BACKWARD_HOPPER_TABLE) * len(configs.DTYPE_TAGS) * len(configs.MASKS) * 2,
+                   lambda: [(c, c.smem_bytes()) for c in configs.BACKWARD_HOPPER_TABLE.values()],
                    "fa2::bwd_dkdv_hopper<"),
 }
 
@@ -278,7 +273,7 @@ def test_hopper_shared_memory_matches_the_kernel(family):
 
 
 def test_hopper_forward_is_chosen_only_where_it_runs():
-    for d in (64, 128):
+    for d in (64, 128, 192, 256):
         assert configs.hopper_forward_config(90, d, "bfloat16") is configs.FORWARD_HOPPER_TABLE[d]
         assert configs.hopper_forward_config(90, d, "float16") is configs.FORWARD_HOPPER_TABLE[d]
         for arch in (80, 86, 89, 100, 120):  # wgmma is sm_90a's own: not even later GPUs run it
@@ -293,45 +288,32 @@ def test_hopper_forward_is_chosen_only_where_it_runs():
             row.name_expression("bfloat16", "none", paged=True)
         with pytest.raises(ValueError, match="modifiers"):
             row.name_expression("bfloat16", "none", mods=True)
-    for d in (32, 40, 96, 120, 160, 192, 256):
+    for d in (32, 40, 96, 120, 160, 224):
         assert configs.hopper_forward_config(90, d, "bfloat16") is None
     for d, shortest in configs.HOPPER_MASKED_MIN_SEQLEN.items():  # masked calls: from a length on
         for mask, varlen in itertools.product(("causal", "window"), (False, True)):
-            kw = dict(mask=mask, varlen=varlen, wide=True)  # (192 and 256: the wide rows')
+            kw = dict(mask=mask, varlen=varlen)
             assert configs.hopper_forward_config(90, d, "float16", seqlen_q=shortest - 1, **kw) is None
             assert configs.hopper_forward_config(90, d, "float16", seqlen_q=shortest, **kw) is not None
-        assert configs.hopper_forward_config(90, d, "float16", mask="none", seqlen_q=1, wide=True) is not None
+        assert configs.hopper_forward_config(90, d, "float16", mask="none", seqlen_q=1) is not None
     with pytest.raises(ValueError, match="dtype"):
         configs.hopper_forward_config(90, 64, "float32")
 
 
-def test_hopper_forward_wide_rows_run_only_when_asked_for():
-    # d=192 and 256 (FORWARD_HOPPER_WIDE_TABLE) are not measured on a GPU yet: the mma.sync forward runs them unless
-    # the call asks for them (KernelOptions.hopper_forward_wide), and asking changes nothing at d=64 and 128.
-    wide = configs.FORWARD_HOPPER_WIDE_TABLE
-    assert sorted(wide) == [192, 256] and not set(wide) & set(configs.FORWARD_HOPPER_TABLE)
-    for d, row in wide.items():
-        assert row.headdim == d and row.consumer_wgs == 2
+def test_hopper_forward_wide_rows():
+    # d=192 and 256: two consumer warpgroups on 64-key tiles, run wherever d=64 and 128 would be.
+    for d in (192, 256):
+        row = configs.FORWARD_HOPPER_TABLE[d]
+        assert row.headdim == d and row.consumer_wgs == 2 and row.block_n == 64
         for dtype, varlen in itertools.product(("float16", "bfloat16"), (False, True)):
-            assert configs.hopper_forward_config(90, d, dtype, varlen=varlen) is None
-            assert configs.hopper_forward_config(90, d, dtype, varlen=varlen, wide=True) is row
-        for arch in (80, 89, 100):
-            assert configs.hopper_forward_config(arch, d, "bfloat16", wide=True) is None
-        assert configs.hopper_forward_config(90, d, "bfloat16", mods=True, wide=True) is None
-        shortest = configs.HOPPER_MASKED_MIN_SEQLEN[d]
-        assert configs.hopper_forward_config(90, d, "float16", mask="causal", seqlen_q=shortest - 1, wide=True) is None
-        assert configs.hopper_forward_config(90, d, "float16", mask="causal", seqlen_q=shortest, wide=True) is row
+            assert configs.hopper_forward_config(90, d, dtype, varlen=varlen) is row
         for mask, (varlen, paged) in itertools.product(configs.MASKS, ((False, False), (True, False), (True, True))):
             assert row.name_expression("float16", mask, varlen=varlen, paged=paged) in \
                 configs.hopper_forward_instantiations()
-    for d in (64, 128):
-        assert configs.hopper_forward_config(90, d, "bfloat16", wide=True) is configs.FORWARD_HOPPER_TABLE[d]
-    for d in (32, 96, 160, 224):
-        assert configs.hopper_forward_config(90, d, "bfloat16", wide=True) is None
 
 
 def test_hopper_backward_is_chosen_only_where_it_runs():
-    for d in (64, 128):
+    for d in (64, 128, 192, 256):
         row = configs.BACKWARD_HOPPER_TABLE[d]
         assert configs.hopper_backward_config(90, d, mods=False, deterministic=False) is row
         for arch in (80, 86, 89, 100, 120):
@@ -344,32 +326,21 @@ def test_hopper_backward_is_chosen_only_where_it_runs():
             row.name_expression("float16", "none", atomic_dq=False)
     # Head dim 64 splits dQ_i by keys: by columns each warpgroup's 32 would be half a swizzled slab.
     assert configs.BACKWARD_HOPPER_TABLE[64].dq_by_keys and not configs.BACKWARD_HOPPER_TABLE[128].dq_by_keys
-    for d in (32, 40, 96, 160, 192, 256):
+    for d in (32, 40, 96, 160, 224):
         assert configs.hopper_backward_config(90, d, mods=False, deterministic=False) is None
 
 
-def test_hopper_backward_wide_rows_run_only_when_asked_for():
-    # d=192 and 256 (BACKWARD_HOPPER_WIDE_TABLE) have not run on a GPU: the mma.sync backward takes them unless the
-    # call asks (KernelOptions.hopper_backward_wide); 64-key blocks, 64 query rows a step, dQ_i by columns.
-    wide = configs.BACKWARD_HOPPER_WIDE_TABLE
-    assert sorted(wide) == [192, 256] and not set(wide) & set(configs.BACKWARD_HOPPER_TABLE)
-    for d, row in wide.items():
+def test_hopper_backward_wide_rows():
+    # d=192 and 256: 64-key blocks, 64 query rows a step, dQ_i by columns; d = 256 with a one-slot ring.
+    for d in (192, 256):
+        row = configs.BACKWARD_HOPPER_TABLE[d]
         assert row.headdim == d and row.wide and row.block_n == 64 and row.block_m == 64 and not row.dq_by_keys
-        assert configs.hopper_backward_config(90, d, mods=False, deterministic=False) is None
-        assert configs.hopper_backward_config(90, d, mods=False, deterministic=False, wide=True) is row
-        for arch in (80, 89, 100):
-            assert configs.hopper_backward_config(arch, d, mods=False, deterministic=False, wide=True) is None
-        for flag in ("mods", "deterministic"):
-            kw = {"mods": False, "deterministic": False, flag: True}
-            assert configs.hopper_backward_config(90, d, wide=True, **kw) is None
+        assert configs.hopper_backward_config(90, d, mods=False, deterministic=False) is row
         for dtype, mask, varlen in itertools.product(("float16", "bfloat16"), configs.MASKS, (False, True)):
             assert row.name_expression(dtype, mask, varlen=varlen) in configs.hopper_backward_instantiations()
+    assert configs.BACKWARD_HOPPER_TABLE[256].stages == 1
     for d in (64, 128):
-        row = configs.BACKWARD_HOPPER_TABLE[d]
-        assert not row.wide and row.block_n == 128
-        assert configs.hopper_backward_config(90, d, mods=False, deterministic=False, wide=True) is row
-    for d in (32, 96, 160, 224):
-        assert configs.hopper_backward_config(90, d, mods=False, deterministic=False, wide=True) is None
+        assert not configs.BACKWARD_HOPPER_TABLE[d].wide and configs.BACKWARD_HOPPER_TABLE[d].block_n == 128
 
 
 def test_every_table_entry_fits_its_family():

@@ -204,7 +204,7 @@ def test_both_backward_kernels_match_reference_on_hopper_varlen(case, hopper):
 def test_varlen_keeps_another_sequence_out(d):
     """Whole tiles of a varlen backward go by TMA and a sequence's last, ragged K/V block and query step by
     zero-filling copies (a slab at a time above 128 columns): infinite or NaN rows of the next sequence never reach
-    this one's gradients. Head dims 192 and 256: the wide rows (KernelOptions.hopper_backward_wide)."""
+    this one's gradients. Head dims 192 and 256: the wide rows."""
     _hopper_gpu()
     import numpy as np
 
@@ -219,7 +219,7 @@ def test_varlen_keeps_another_sequence_out(d):
     lengths = (200, 300)  # the first sequence ends inside a key block (128 or 64 keys) and a query step
     q, k, v, dout = (_randn(rng, (sum(lengths), 4, d), "bfloat16") for _ in range(4))
     cu = cp.asarray(np.cumsum((0,) + lengths), dtype=cp.int32)
-    with kernel_options(hopper_backward=True, hopper_backward_wide=d > 128):
+    with kernel_options(hopper_backward=True):
         out, lse, _ = fa2cupy.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True,
                                                      return_attn_probs=True)
         for x in (q, k, v, dout):

@@ -1,6 +1,6 @@
-"""The Hopper backward at the wide head dims, 192 and 256 (configs.BACKWARD_HOPPER_WIDE_TABLE), on a GPU of compute
-capability 9.0: run only when KernelOptions.hopper_backward_wide asks for them, they must be the kernels planned
-then, and their gradients match the float64 reference on every mask, grouping and ragged length, padded and varlen,
+"""The Hopper backward at the wide head dims, 192 and 256 (configs.BACKWARD_HOPPER_TABLE's rows), on a GPU of compute
+capability 9.0: they must be the kernels planned (the mma.sync backward with KernelOptions(hopper_backward=False)),
+and their gradients match the float64 reference on every mask, grouping and ragged length, padded and varlen,
 with dq/dk/dv poisoned with NaN before each launch (an element a kernel fails to write shows up).
 
 What these rows do differently from d = 64 and 128 (cuda/hopper/bwd_consumer_wide.cuh), and so what is checked
@@ -38,13 +38,13 @@ def _hopper_gpu():
     skip_unless_hopper("backward")
 
 
-def _wide(on: bool = True):
-    """Runs the calls inside with the wide backward rows on (the Hopper dK/dV kernel at d = 192 and 256) or off."""
-    return kernel_options(hopper_backward_wide=on)
+def _wide():
+    """Runs the calls inside on the Hopper dK/dV kernel (whatever a test around them chose)."""
+    return kernel_options(hopper_backward=True)
 
 
 @pytest.mark.parametrize("d", WIDE)
-def test_wide_kernel_is_the_one_planned_only_with_the_option(d):
+def test_wide_kernel_is_the_one_planned(d):
     _hopper_gpu()
     from fa2cupy import backward, configs
     from fa2cupy.options import KernelOptions
@@ -52,18 +52,17 @@ def test_wide_kernel_is_the_one_planned_only_with_the_option(d):
     names = ("q", "k", "v", "dout", "out", "dq", "dk", "dv")
     strides = dict.fromkeys(names, (300 * 8 * d, 8 * d, d, 1))
     shape = (1, 300, 8, d)
+    mma = KernelOptions(hopper_backward=False)
+    plan = backward.plan_backward(shape, shape, strides, "bfloat16", 0.1, True, False, 90, options=mma)
+    assert isinstance(plan.config, configs.BwdConfig)
     plan = backward.plan_backward(shape, shape, strides, "bfloat16", 0.1, True, False, 90)
-    assert isinstance(plan.config, configs.BwdConfig)  # off by default: the mma.sync backward
-    wide = KernelOptions(hopper_backward_wide=True)
-    plan = backward.plan_backward(shape, shape, strides, "bfloat16", 0.1, True, False, 90, options=wide)
-    assert plan.config is configs.BACKWARD_HOPPER_WIDE_TABLE[d]
+    assert plan.config is configs.BACKWARD_HOPPER_TABLE[d]
     assert plan.main.block == (384, 1, 1) and plan.main.grid == (5, 8, 1)  # 64-key blocks
     assert plan.convert is not None and plan.dq is None and plan.dq_accum_shape == (1, 8, 300, d + 4)
-    plan = backward.plan_backward(shape, shape, strides, "bfloat16", 0.1, True, True, 90, options=wide)
+    plan = backward.plan_backward(shape, shape, strides, "bfloat16", 0.1, True, True, 90)
     assert isinstance(plan.config, configs.BwdConfig)  # deterministic: the mma.sync backward
-    plan = backward.plan_backward(shape, shape, strides, "bfloat16", 0.1, True, False, 90, options=wide,
-                                  varlen_totals=(300, 300))
-    assert plan.config is configs.BACKWARD_HOPPER_WIDE_TABLE[d] and plan.zero_tail is not None
+    plan = backward.plan_backward(shape, shape, strides, "bfloat16", 0.1, True, False, 90, varlen_totals=(300, 300))
+    assert plan.config is configs.BACKWARD_HOPPER_TABLE[d] and plan.zero_tail is not None
 
 
 @pytest.mark.parametrize("d", WIDE)

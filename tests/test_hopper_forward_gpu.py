@@ -185,7 +185,7 @@ def test_varlen_matches_reference_on_both_kernels(c, hopper):
 def test_varlen_keeps_another_sequence_out(d):
     """Whole K/V tiles of a varlen call go by TMA and a sequence's last, ragged tile by zero-filling copies (a slab
     at a time above 128 columns): an infinite or NaN row of the next sequence never reaches this one's output (P = 0
-    there, and 0 * inf is NaN). Head dims 192 and 256: the wide rows (KernelOptions.hopper_forward_wide)."""
+    there, and 0 * inf is NaN). Head dims 192 and 256: the wide rows."""
     _hopper_gpu()
     from fa2cupy.reference import attention_ref
 
@@ -197,7 +197,7 @@ def test_varlen_keeps_another_sequence_out(d):
     k[lengths[0]:] = float("inf")
     v[lengths[0]:] = float("nan")
     cu = cp.asarray(np.cumsum((0,) + lengths), dtype=cp.int32)
-    with _kernel(True, hopper_forward_wide=d > 128):
+    with _kernel(True):
         out = fa2cupy.flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
     first = slice(0, lengths[0])
     ref = attention_ref(*(_host(x[first])[None] for x in (q, k, v)), causal=True)[0][0]

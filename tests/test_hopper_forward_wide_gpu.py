@@ -1,6 +1,6 @@
-"""The Hopper forward at the wide head dims, 192 and 256 (configs.FORWARD_HOPPER_WIDE_TABLE), on a GPU of compute
-capability 9.0: run only when KernelOptions.hopper_forward_wide asks for them, they must be the kernels planned
-then, and match the float64 reference on every mask, grouping and ragged length, padded, varlen and paged, with
+"""The Hopper forward at the wide head dims, 192 and 256 (configs.FORWARD_HOPPER_TABLE's rows), on a GPU of compute
+capability 9.0: they must be the kernels planned (the mma.sync forward with KernelOptions(hopper_forward=False)),
+and match the float64 reference on every mask, grouping and ragged length, padded, varlen and paged, with
 every output poisoned with NaN before its launch (an element a kernel fails to write shows up).
 
 What these rows do differently from d = 64 and 128, and so what is checked first here: P V on wgmma of N = 192 and
@@ -36,36 +36,33 @@ def poison_outputs():
 
 
 def _wide(**options):
-    """Runs the calls inside on the Hopper forward with the wide rows on, whatever the length of a masked call."""
+    """Runs the calls inside on the Hopper forward, whatever the length of a masked call."""
     skip_unless_hopper("forward")
-    return kernel_options(hopper_forward_wide=True, hopper_masked_min_seqlen=0, **options)
+    return kernel_options(hopper_forward=True, hopper_masked_min_seqlen=0, **options)
 
 
 def _assert_wide(plans, d):
     from fa2cupy import configs
 
-    assert plans and all(p.config is configs.FORWARD_HOPPER_WIDE_TABLE[d] for p in plans), [p.config for p in plans]
+    assert plans and all(p.config is configs.FORWARD_HOPPER_TABLE[d] for p in plans), [p.config for p in plans]
 
 
 @pytest.mark.parametrize("d", WIDE)
-def test_wide_rows_are_planned_only_when_asked_for(d):
+def test_wide_rows_are_the_ones_planned(d):
     skip_unless_hopper("forward")
     from fa2cupy import configs, forward
     from fa2cupy.options import KernelOptions
 
     strides = ((2048 * 8 * d, 8 * d, d, 1),) * 4
     shape = (1, 2048, 8, d)
-    plan = forward.plan_forward(shape, shape, strides, "bfloat16", 0.1, False, 90)
-    assert isinstance(plan.config, configs.FwdConfig)  # the default: the mma.sync forward
-    plan = forward.plan_forward(shape, shape, strides, "bfloat16", 0.1, True, 90,
-                                options=KernelOptions(hopper_forward_wide=True))
-    assert plan.config is configs.FORWARD_HOPPER_WIDE_TABLE[d]
+    for causal in (False, True):
+        plan = forward.plan_forward(shape, shape, strides, "bfloat16", 0.1, causal, 90)
+        assert plan.config is configs.FORWARD_HOPPER_TABLE[d]
     assert plan.launch.block == (384, 1, 1) and plan.launch.grid[1:] == (1, 1)
     plan = forward.plan_forward(shape, shape, strides, "bfloat16", 0.1, True, 90,
-                                options=KernelOptions(hopper_forward_wide=True, hopper_forward=False))
+                                options=KernelOptions(hopper_forward=False))
     assert isinstance(plan.config, configs.FwdConfig)
-    plan = forward.plan_forward(shape, shape, strides, "bfloat16", 0.1, True, 90, softcap=5.0,
-                                options=KernelOptions(hopper_forward_wide=True))
+    plan = forward.plan_forward(shape, shape, strides, "bfloat16", 0.1, True, 90, softcap=5.0)
     assert isinstance(plan.config, configs.FwdConfig)  # modifiers stay on the mma.sync kernel
 
 
@@ -186,14 +183,14 @@ def test_wide_paged_equals_packed_and_reference(d, page_size, causal, window):
 @settings(deadline=None)
 @given(st.sampled_from(WIDE), st.sampled_from(["float16", "bfloat16"]), st.integers(0, 2**32 - 1))
 def test_wide_matches_the_mma_sync_forward_closely(d, dtype, seed):
-    """The wide rows against the mma.sync forward that runs these head dims by default, on one causal GQA call."""
+    """The wide rows against the mma.sync forward (KernelOptions(hopper_forward=False)), on one causal GQA call."""
     fa2cupy = fa2cupy_module()
     cp = _cupy()
     rng = np.random.default_rng(seed)
     q, k, v = (make_input(rng, (1, 333, n, d), dtype) for n in (4, 2, 2))
     with _wide():
         wide = fa2cupy.flash_attn_func(q, k, v, causal=True)
-    with kernel_options(hopper_forward_wide=False):
+    with kernel_options(hopper_forward=False):
         mma = fa2cupy.flash_attn_func(q, k, v, causal=True)
     tol = 8 * UNIT_ROUNDOFF[dtype] * float(cp.abs(v.astype(cp.float32)).max()) + 1e-6
     assert float(cp.abs(wide.astype(cp.float32) - mma.astype(cp.float32)).max()) <= tol

@@ -17,9 +17,9 @@ The forward cases run the forward only; BWD_CASES run forward + backward
 contiguous, causal) against ``flash_attn_func`` over each row's keys; decode_deep runs them again with the deep
 ring (d=128 on sm_90), decode_walk with both rings on a pretend 2-SM GPU, where each decode block walks several
 work items, decode_warp with one split and warps that stream whole items (both rings, 1 and 2 pretend SMs);
-fwd_hopper runs the forward, window, varlen and paged cases of head dim 64 and 128 without modifiers (the Hopper
-kernel's, on sm_90) with 1 and 2 pretend SMs, so that each persistent block walks many work items; bwd_hopper runs
-the d=64 and d=128 backward and window cases in the default mode (the Hopper dK/dV kernel's, on sm_90); paged_mma
+fwd_hopper runs the forward, window, varlen and paged cases of the Hopper forward's head dims (64, 128, 192, 256)
+without modifiers (on sm_90) with 1 and 2 pretend SMs, so that each persistent block walks many work items; bwd_hopper runs
+the backward and window cases of the Hopper dK/dV kernel's head dims in the default mode (on sm_90); paged_mma
 runs the paged cases on the mma.sync forward (which sm_90 otherwise uses only with modifiers or other head dims);
 dropout runs forward + backward with dropout on every warp tiling of its Philox draw (and one case on the sm86 rows).
 
@@ -37,6 +37,7 @@ import numpy as np  # noqa: E402
 
 import cli  # noqa: E402
 from fa2cupy_bench import harness as B  # noqa: E402
+from fa2cupy import configs  # noqa: E402
 from fa2cupy.options import KernelOptions  # noqa: E402
 
 #: The KernelOptions every call of the checks below passes (a group sets it: the kernels it sanitizes).
@@ -139,6 +140,8 @@ def check_decode(i, batch, sq, h, hkv, d, cap, new, causal, page, splits) -> boo
 WINDOW_CASES = (
     (130, 200, 4, 2, 64, False, (20, 5)),
     (200, 90, 2, 1, 128, True, (16, 0)),  # sq > sk: rows and keys with nothing visible
+    (130, 200, 4, 2, 192, False, (20, 5)),
+    (200, 90, 2, 1, 256, True, (16, 0)),
     (70, 70, 2, 2, 40, False, (0, -1)),
     (400, 400, 2, 1, 128, False, (150, 20)),  # bands of several tiles: the window forward's warps lead
     (300, 350, 2, 2, 96, True, (70, 0)),
@@ -169,13 +172,15 @@ def check_window(i, sq, sk, h, hkv, d, causal, window) -> bool:
           flush=True)
     return bool(ok)
 
-# More backward cases for the Hopper dK/dV kernel (d=128 and 64): several key blocks and query tiles, both ring slots
-# and dS buffers reused, GQA sums, ragged ends on both sides.
+# More backward cases for the Hopper dK/dV kernel (every head dim of its table): several key blocks and query tiles,
+# the ring's slots and dS buffers reused, GQA sums, ragged ends on both sides.
 HOPPER_BWD_CASES = (
     B.Case(1, 200, 300, 4, 2, 128, False, "bf16"),
     B.Case(2, 190, 130, 2, 1, 128, True, "fp16"),
     B.Case(1, 200, 300, 4, 2, 64, False, "fp16"),
     B.Case(2, 190, 130, 2, 1, 64, True, "bf16"),
+    B.Case(1, 200, 300, 4, 2, 192, True, "bf16"),
+    B.Case(2, 190, 130, 2, 1, 256, False, "fp16"),
 )
 
 # (lengths, h, hkv, d, causal, window_size, softcap, alibi, deterministic): varlen forward + backward.
@@ -183,15 +188,18 @@ VARLEN_CASES = (
     ((70, 0, 1, 130), 4, 2, 64, True, (-1, -1), 0.0, False, False),
     ((33, 90), 2, 1, 128, False, (16, 4), 2.0, True, True),
     ((65,), 2, 2, 40, True, (-1, -1), 5.0, True, False),
+    ((70, 0, 1, 130), 4, 2, 256, True, (-1, -1), 0.0, False, False),
 )
 
-# Varlen cases for the Hopper dK/dV kernel (d=128 and 64, no modifiers, atomic dQ): empty and one-row sequences, key
-# blocks past a sequence's end.
+# Varlen cases for the Hopper dK/dV kernel (no modifiers, atomic dQ): empty and one-row sequences, key blocks past a
+# sequence's end.
 HOPPER_BWD_VARLEN_CASES = (
     ((70, 0, 1, 130), 4, 2, 128, True, (-1, -1), 0.0, False, False),
     ((33, 190), 2, 1, 128, False, (16, 4), 0.0, False, False),
     ((70, 0, 1, 130), 4, 2, 64, True, (-1, -1), 0.0, False, False),
     ((33, 190), 2, 1, 64, False, (16, 4), 0.0, False, False),
+    ((70, 0, 1, 130), 4, 2, 192, True, (-1, -1), 0.0, False, False),
+    ((33, 190), 2, 1, 256, False, (16, 4), 0.0, False, False),
 )
 
 
@@ -281,6 +289,8 @@ def check_dropout(i, b, sq, sk, h, hkv, d, causal, p, det, softcap=0.0) -> bool:
 PAGED_CASES = (
     ((70, 0, 1, 130), (90, 3, 40, 130), 4, 2, 64, 16, (-1, -1)),
     ((33, 90), (100, 17), 2, 1, 128, 48, (16, 4)),
+    ((70, 0, 1, 130), (90, 3, 40, 130), 4, 2, 256, 16, (-1, -1)),
+    ((33, 90), (100, 17), 2, 1, 192, 48, (16, 4)),
     ((65,), (65,), 2, 2, 40, 1, (-1, -1)),
 )
 
@@ -383,7 +393,7 @@ def main(groups) -> int:
         for i, case in enumerate(DROPOUT_CASES):
             bad += not check_dropout(i, *case)
             total += 1
-        from fa2cupy import configs, pipeline
+        from fa2cupy import pipeline
 
         real_family = configs.arch_family
         configs.arch_family = lambda arch: "sm86"  # (the sm86 rows fit any sm_80+ GPU's shared memory)
@@ -405,9 +415,9 @@ def main(groups) -> int:
             for deep in (False, True):
                 bad += run_decode_cases(deep=deep, warp_items=True, sms=sms)
                 total += len(DECODE_CASES)
-    if "bwd_hopper" in groups:  # the d=64/128 backward and window cases (the Hopper dK/dV kernel's, on sm_90)
+    if "bwd_hopper" in groups:  # the backward and window cases of the Hopper dK/dV kernel's head dims, on sm_90
         for j, (case, det) in enumerate(BWD_CASES, start=len(CASES)):
-            if case.headdim in (64, 128) and not det:
+            if case.headdim in configs.BACKWARD_HOPPER_TABLE and not det:
                 r = cli.run_check_case(case, seed=j, backward=True, deterministic=False)
                 print(cli.check_row(j, r), flush=True)
                 bad += not r.passed
@@ -417,7 +427,7 @@ def main(groups) -> int:
             print(cli.check_row(j, r), flush=True)
             bad += not r.passed
             total += 1
-        for i, case in enumerate(c for c in WINDOW_CASES if c[4] in (64, 128)):
+        for i, case in enumerate(c for c in WINDOW_CASES if c[4] in configs.BACKWARD_HOPPER_TABLE):
             bad += not check_window(i, *case)
             total += 1
         for i, case in enumerate(HOPPER_BWD_VARLEN_CASES):
@@ -426,16 +436,17 @@ def main(groups) -> int:
     if "fwd_hopper" in groups:
         for sms in (1, 2):  # (masked calls of every length on the Hopper forward too)
             KERNEL_OPTIONS = KernelOptions(hopper_masked_min_seqlen=0, sm_count=sms)
-            for i, case in enumerate(c for c in CASES if c.headdim in (64, 128)):
+            for i, case in enumerate(c for c in CASES if c.headdim in configs.FORWARD_HOPPER_TABLE):
                 bad += not check_forward(i, case)
                 total += 1
-            for i, case in enumerate(c for c in WINDOW_CASES if c[4] in (64, 128)):
+            for i, case in enumerate(c for c in WINDOW_CASES if c[4] in configs.FORWARD_HOPPER_TABLE):
                 bad += not check_window(i, *case)
                 total += 1
-            for i, case in enumerate(c for c in VARLEN_CASES if c[3] in (64, 128) and not c[6] and not c[7]):
+            for i, case in enumerate(c for c in VARLEN_CASES
+                                     if c[3] in configs.FORWARD_HOPPER_TABLE and not c[6] and not c[7]):
                 bad += not check_varlen(i, *case)
                 total += 1
-            for i, case in enumerate(c for c in PAGED_CASES if c[4] in (64, 128)):  # paged K/V
+            for i, case in enumerate(c for c in PAGED_CASES if c[4] in configs.FORWARD_HOPPER_TABLE):  # paged K/V
                 bad += not check_paged(i, *case)
                 total += 1
         KERNEL_OPTIONS = KernelOptions()
