@@ -1,0 +1,118 @@
+"""fa2cupy under several KernelOptions beside SDPA cuDNN and flash, forward and backward, in rounds taking turns:
+whether one kernel row beats another (e.g. the Hopper kernels against the mma.sync ones).
+
+    python bench/dev/options_ab.py --headdim 192,256 --seqlens 2048,8192 \
+        --options default= mma=hopper_forward=0,hopper_backward=0 [--modes fwd,bwd] [--rounds 2]
+
+Cases are the bench grid's (16k tokens, nheads = 2048 / headdim, bf16, causal and not). Each round times every
+implementation once (CUDA events, median of --repeats after warm-up); an implementation's figure is its best
+round. Every option set's result is compared with the first's (max |difference| / max |first|) before timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import fa2cupy
+from fa2cupy import KernelOptions
+from fa2cupy_bench import harness as B
+
+
+def parse_options(text: str) -> tuple[str, KernelOptions]:
+    """NAME=key=value,key=value (values: ints, 1/0 for bools, none)."""
+    name, _, rest = text.partition("=")
+    fields = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        kind = KernelOptions.__dataclass_fields__[key].type
+        fields[key] = None if value == "none" else bool(int(value)) if "bool" in str(kind) else int(value)
+    return name, KernelOptions(**fields)
+
+
+def runners(inp, mode: str, option_sets: dict, dout, dout_t):
+    c = inp.case.causal
+    q, k, v = inp.q, inp.k, inp.v
+    made = {}
+    for name, opts in option_sets.items():
+        if mode == "fwd":
+            made[name] = (lambda o: lambda: fa2cupy.flash_attn_func(q, k, v, causal=c, kernel_options=o))(opts)
+        else:
+            with B._external_stream_ctx()():
+                out, lse, _ = fa2cupy.flash_attn_func(q, k, v, causal=c, return_attn_probs=True, kernel_options=opts)
+            made[name] = (lambda o, out, lse: lambda: fa2cupy.flash_attn_backward(
+                dout, q, k, v, out, lse, causal=c, kernel_options=o))(opts, out, lse)
+    for sdpa, backend in (("cudnn", "CUDNN_ATTENTION"), ("flash", "FLASH_ATTENTION")):
+        try:
+            r = B._sdpa_runner(inp, backend) if mode == "fwd" else B._sdpa_backward_runner(inp, dout_t, backend)
+            made[sdpa] = r
+        except B.Unavailable as exc:
+            print(f"  {sdpa}: {exc}")
+    return made
+
+
+def max_rel_diff(a, b) -> float:
+    torch = B._torch()
+    a, b = (a,) if not isinstance(a, tuple) else a, (b,) if not isinstance(b, tuple) else b
+    return max(float((x.float() - y.float()).abs().max()) / max(1e-6, float(y.float().abs().max()))
+               for x, y in zip(a, b) if torch.is_tensor(x))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--headdim", default="192,256")
+    p.add_argument("--seqlens", default="2048,8192")
+    p.add_argument("--causal", choices=["both", "on", "off"], default="both")
+    p.add_argument("--modes", default="fwd,bwd")
+    p.add_argument("--options", nargs="+", default=["default=", "mma=hopper_forward=0,hopper_backward=0"])
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    option_sets = dict(parse_options(t) for t in args.options)
+    first = next(iter(option_sets))
+    rows = []
+    for mode in args.modes.split(","):
+        for d in B.parse_int_list(args.headdim):
+            for s in B.parse_int_list(args.seqlens):
+                for causal in B.causal_options(args.causal):
+                    case = B.Case(batch=16384 // s, seqlen_q=s, seqlen_k=s, nheads=2048 // d, nheads_kv=2048 // d,
+                                  headdim=d, causal=causal, dtype="bf16")
+                    inp = B.make_forward_inputs(case, 0, "torch")
+                    dout = B._random_like(inp.q, 1)
+                    dout_t = dout.transpose(1, 2).contiguous()
+                    made = runners(inp, mode, option_sets, dout, dout_t)
+                    ref = None
+                    diffs = {}
+                    with B._external_stream_ctx()():
+                        for name in option_sets:
+                            got = made[name]()
+                            ref = got if ref is None else ref
+                            diffs[name] = max_rel_diff(got, ref)
+                    best: dict[str, float] = {}
+                    for _ in range(args.rounds):
+                        for name, r in made.items():
+                            if isinstance(r, B.Runner):
+                                with r.context():
+                                    t = B.time_gpu(r.fn, r.events, warmup=3, repeats=args.repeats)
+                            else:
+                                with B._external_stream_ctx()():
+                                    t = B.time_gpu(r, B.TorchEvents(), warmup=3, repeats=args.repeats)
+                            best[name] = min(best.get(name, float("inf")), t.median_ms)
+                    flops = B.attention_flops(case, mode)
+                    tf = {n: B.tflops_per_s(flops, ms) for n, ms in best.items()}
+                    row = {"mode": mode, "label": case.label, "tflops": tf, "diff_vs_" + first: diffs}
+                    rows.append(row)
+                    ratios = "  ".join(f"{n}/cudnn {tf[n] / tf['cudnn']:.2f}" for n in option_sets if "cudnn" in tf)
+                    print(f"{mode} {case.label:30s} " + " ".join(f"{n} {v:6.1f}" for n, v in tf.items()) +
+                          f"  | {ratios}  | diff {max(diffs.values()):.1e}", flush=True)
+                    del made, inp, dout, dout_t
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
