@@ -294,9 +294,11 @@ def tile_table_text(arch: int | None) -> str:
         return f"kernel table unavailable for sm_{arch} ({B._first_line(exc)})"
     return (f"kernels for sm_{arch} (float16 and bfloat16 alike; a head dim runs on the next width of the table):\n"
             f"{table}\n"
-            "Calls with softcap, ALiBi or dropout run the mma.sync rows of their modifier variant (sliding windows "
-            "those of configs.FORWARD_MASKED_TABLE where it has one); the deterministic backward runs the mma.sync "
-            "backward and its dQ kernel.")
+            + ("The forward with softcap or ALiBi runs the Hopper row above at d = 128; elsewhere, with dropout, and "
+               "in the backward, modifiers run " if arch == 90 else
+               "Calls with softcap, ALiBi or dropout run ")
+            + "the mma.sync rows of their modifier variant (sliding windows those of configs.FORWARD_MASKED_TABLE "
+            "where it has one); the deterministic backward runs the mma.sync backward and its dQ kernel.")
 
 
 # --------------------------------------------------------------------------- #

@@ -105,11 +105,13 @@ class HopperFwdConfig:
 
     def name_expression(self, dtype: str, mask: str, mods: bool = False, varlen: bool = False,
                         paged: bool = False) -> str:
-        if mods:
-            raise ValueError("the Hopper forward has no score modifiers")
+        """``mods``: softcap and ALiBi (HopperFwdTraits::kMods); dropout runs on the mma.sync forward."""
         if paged and not varlen:
             raise ValueError("paged K/V comes with varlen")
-        flags = f"{DTYPE_TAGS[dtype]}, {MASK_TAGS[mask]}{', true' if varlen else ''}{', true' if paged else ''}"
+        if mods:
+            flags = f"{DTYPE_TAGS[dtype]}, {MASK_TAGS[mask]}, {str(varlen).lower()}, {str(paged).lower()}, true"
+        else:
+            flags = f"{DTYPE_TAGS[dtype]}, {MASK_TAGS[mask]}{', true' if varlen else ''}{', true' if paged else ''}"
         return (f"fa2::flash_fwd_hopper<fa2::HopperFwdTraits<{self.headdim}, {self.block_n}, {self.k_stages}, "
                 f"{self.v_stages}, {self.q_buffers}, {self.consumer_wgs}, {flags}>>")
 
@@ -519,6 +521,13 @@ def forward_config(arch: int, headdim: int, dtype: str, mask: str, varlen: bool 
 #: Hopper / mma.sync kernel time in one process, with three consumer warpgroups at d=64: d=64 256 1.11x (mma.sync
 #: kept), 512 0.86x, 1024 1.00x; d=128 128 0.93x, 256 0.94x, 512 1.01x; windows d=64 (256, 0) over 512 0.79x,
 #: d=128 (128, 0) over 256 0.96x (docs/design.md).
+#: The head dims at which the Hopper forward takes softcap and ALiBi (HopperFwdTraits' Mods); elsewhere they run on
+#: the mma.sync forward. d = 128 is the one checked on a GPU (H200: against the float64 reference, and level with
+#: the mma.sync forward's results). At d = 256 the consumers spill 20-68 bytes at their 224 registers (232 would
+#: leave the producer 40, where its varlen and paged copies spill); d = 64 and 192 compile without spills but have
+#: not run.
+HOPPER_MODS_HEADDIMS = (128,)
+
 HOPPER_MASKED_MIN_SEQLEN = {64: 512, 128: 128, 192: 128, 256: 128}  # (192, 256: d = 128's, not measured)
 
 #: The Hopper forward's persistent blocks take the work items of heads in groups whose K/V take at most this many
@@ -536,17 +545,20 @@ def hopper_heads_per_group(seqlen_k: int, headdim: int, heads_per_kv: int, heads
     return min(heads, max(1, group_bytes // max(kv_bytes, 1)) * heads_per_kv)
 
 
-def hopper_forward_config(arch: int, headdim: int, dtype: str, mods: bool = False, varlen: bool = False,
+def hopper_forward_config(arch: int, headdim: int, dtype: str, dropout: bool = False, varlen: bool = False,
                           mask: str = "none", seqlen_q: int | None = None,
-                          masked_min_seqlen: int | None = None) -> HopperFwdConfig | None:
+                          masked_min_seqlen: int | None = None, mods: bool = False) -> HopperFwdConfig | None:
     """The Hopper forward's row for this call, or None where the mma.sync forward runs it (another GPU, a head
-    dim other than 64, 128, 192 and 256, score modifiers, or a masked
+    dim other than 64, 128, 192 and 256, dropout, softcap or ALiBi (``mods``) at a head dim outside
+    HOPPER_MODS_HEADDIMS, or a masked
     call shorter than HOPPER_MASKED_MIN_SEQLEN, or than ``masked_min_seqlen`` where given; ``seqlen_q`` None skips
     that last rule). Varlen calls, paged K/V included, run where padded ones would."""
     if dtype not in DTYPE_TAGS:
         raise ValueError(f"dtype must be one of {tuple(DTYPE_TAGS)}, got {dtype}")
     table = FORWARD_HOPPER_TABLE
-    if arch != 90 or mods or headdim not in table:
+    if arch != 90 or dropout or headdim not in table:
+        return None
+    if mods and headdim not in HOPPER_MODS_HEADDIMS:
         return None
     shortest = HOPPER_MASKED_MIN_SEQLEN[headdim] if masked_min_seqlen is None else masked_min_seqlen
     if mask != "none" and seqlen_q is not None and seqlen_q < shortest:
@@ -555,10 +567,17 @@ def hopper_forward_config(arch: int, headdim: int, dtype: str, mods: bool = Fals
 
 
 def hopper_forward_instantiations() -> list[str]:
-    """Name expressions of every Hopper forward instantiation (compiled for sm_90a)."""
-    return sorted(config.name_expression(dtype, mask, varlen=varlen, paged=paged)
-                  for config in FORWARD_HOPPER_TABLE.values() for dtype in DTYPE_TAGS for mask in MASKS
+    """Name expressions of every Hopper forward instantiation (compiled for sm_90a): without score modifiers for
+    every mask, with them (softcap, ALiBi) for the masks forward.kernel_variant gives modifier calls (padded: causal
+    and window; varlen: window)."""
+    plain = tuple((mask, False, varlen, paged) for mask in MASKS
                   for varlen, paged in ((False, False), (True, False), (True, True)))
+    modified = (("causal", True, False, False), ("window", True, False, False), ("window", True, True, False),
+                ("window", True, True, True))
+    return sorted(config.name_expression(dtype, mask, mods, varlen=varlen, paged=paged)
+                  for config in FORWARD_HOPPER_TABLE.values() for dtype in DTYPE_TAGS
+                  for mask, mods, varlen, paged in (*plain, *modified)
+                  if not mods or config.headdim in HOPPER_MODS_HEADDIMS)
 
 
 def backward_config(arch: int, headdim: int, dtype: str, mask: str, mods: bool = False) -> BwdConfig:
@@ -590,7 +609,7 @@ class KernelRows:
 
 def kernel_rows(arch: int, headdim: int, dtype: str, mask: str = "none", mods: bool = False, varlen: bool = False,
                 seqlen_q: int | None = None, deterministic: bool = False, options: KernelOptions = DEFAULT,
-                tma: bool = True) -> KernelRows:
+                tma: bool = True, dropout: bool = False) -> KernelRows:
     """The one place that chooses the rows a call runs on, forward and backward: the Hopper (wgmma, TMA) kernels'
     where they take the call, else the mma.sync kernels'.
 
@@ -600,7 +619,8 @@ def kernel_rows(arch: int, headdim: int, dtype: str, mask: str = "none", mods: b
         dtype: "float16" or "bfloat16".
         mask: one of MASKS ("none", "causal", "window"), as forward.kernel_variant gives it (score modifiers run in
             the "window" variant).
-        mods: softcap, ALiBi or dropout (the Hopper kernels have none).
+        mods: softcap, ALiBi or dropout (the Hopper forward takes softcap and ALiBi, the Hopper backward none).
+        dropout: whether dropout is among ``mods`` (the Hopper forward does not take it).
         varlen: packed sequences (paged K/V included).
         seqlen_q: query rows (max_seqlen_q for varlen): masked calls shorter than the Hopper forward's minimum run the
             mma.sync forward; None skips that rule.
@@ -610,8 +630,8 @@ def kernel_rows(arch: int, headdim: int, dtype: str, mask: str = "none", mods: b
     """
     forward = backward = None
     if tma and options.hopper_forward:
-        forward = hopper_forward_config(arch, headdim, dtype, mods, varlen, mask, seqlen_q,
-                                        options.hopper_masked_min_seqlen)
+        forward = hopper_forward_config(arch, headdim, dtype, dropout, varlen, mask, seqlen_q,
+                                        options.hopper_masked_min_seqlen, mods)
     if tma and options.hopper_backward:
         backward = hopper_backward_config(arch, headdim, mods, deterministic)
     return KernelRows(forward or forward_config(arch, headdim, dtype, mask, varlen, mods),

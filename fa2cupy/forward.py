@@ -98,10 +98,12 @@ def stride_fields(prefix: str, strides) -> dict:
 
 
 def kernel_config(arch: int, headdim: int, dtype: str, mask: str, mods: bool = False, varlen: bool = False,
-                  seqlen_q: int | None = None, options: KernelOptions = DEFAULT):
+                  seqlen_q: int | None = None, options: KernelOptions = DEFAULT, dropout: bool = False):
     """The forward kernel's row for a call (configs.kernel_rows): the Hopper forward's where it takes the call (and
-    the options let it), else the mma.sync forward's."""
-    return configs.kernel_rows(arch, headdim, dtype, mask, mods, varlen, seqlen_q, options=options).forward
+    the options let it), else the mma.sync forward's. ``mods``: softcap, ALiBi or dropout; ``dropout``: whether
+    dropout is among them."""
+    return configs.kernel_rows(arch, headdim, dtype, mask, mods, varlen, seqlen_q, options=options,
+                               dropout=dropout).forward
 
 
 def plan_forward(
@@ -132,7 +134,8 @@ def plan_forward(
     mask, mods, left, right = kernel_variant(causal, window_size, softcap, alibi_batch_stride is not None, dropout_p,
                                              causal_mods=varlen_totals is None)
     if config is None:
-        config = kernel_config(arch, headdim, dtype, mask, mods, varlen_totals is not None, seqlen_q, options)
+        config = kernel_config(arch, headdim, dtype, mask, mods, varlen_totals is not None, seqlen_q, options,
+                               dropout_p > 0)
     # The Hopper forward's tensor maps (padded calls, and varlen, whose Q, whole output tiles and, packed, whole K/V
     # tiles go by TMA; paged K/V have none), over the packed arrays' rows for varlen.
     shapes = tensor_maps.array_shapes(q_shape, k_shape, varlen_totals)
@@ -141,7 +144,7 @@ def plan_forward(
             and not all(tensor_maps.usable(shape, s) for shape, s, m in zip(shapes, strides, mapped) if m)):
         # (strides TMA cannot take, say negative ones: the mma.sync forward, which copies with cp.async)
         config = configs.kernel_rows(arch, headdim, dtype, mask, mods, varlen_totals is not None, seqlen_q,
-                                     options=options, tma=False).forward
+                                     options=options, tma=False, dropout=dropout_p > 0).forward
     function = build.get_kernel(config.family, config.name_expression(dtype, mask, mods, varlen_totals is not None,
                                                                       paged is not None), config.smem_bytes)
     fixed = _forward_params(q_shape, k_shape, strides, softmax_scale, left, right, softcap, alibi_batch_stride,

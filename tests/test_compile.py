@@ -73,8 +73,11 @@ FAMILIES = {
 # The sm_90a families: (family, their shipped instantiations, how many, their table rows with the byte count a
 # launch asks for, the kernel template's name).
 HOPPER_FAMILIES = {
-    "fwd_hopper": (configs.hopper_forward_instantiations,  # padded, varlen, varlen with paged K/V
-                   len(configs.FORWARD_HOPPER_TABLE) * len(configs.DTYPE_TAGS) * len(configs.MASKS) * 3,
+    # (forward: padded, varlen and paged for every mask; with softcap/ALiBi padded causal and window, varlen and
+    # paged window, at the head dims of HOPPER_MODS_HEADDIMS)
+    "fwd_hopper": (configs.hopper_forward_instantiations,
+                   len(configs.DTYPE_TAGS) * (len(configs.FORWARD_HOPPER_TABLE) * len(configs.MASKS) * 3
+                                              + len(configs.HOPPER_MODS_HEADDIMS) * 4),
                    lambda: [(c, c.smem_bytes) for c in configs.FORWARD_HOPPER_TABLE.values()],
                    "fa2::flash_fwd_hopper<"),
     "bwd_hopper": (configs.hopper_backward_instantiations,
@@ -278,7 +281,7 @@ def test_hopper_forward_is_chosen_only_where_it_runs():
         assert configs.hopper_forward_config(90, d, "float16") is configs.FORWARD_HOPPER_TABLE[d]
         for arch in (80, 86, 89, 100, 120):  # wgmma is sm_90a's own: not even later GPUs run it
             assert configs.hopper_forward_config(arch, d, "bfloat16") is None
-        assert configs.hopper_forward_config(90, d, "bfloat16", mods=True) is None
+        assert configs.hopper_forward_config(90, d, "bfloat16", dropout=True) is None
         assert configs.hopper_forward_config(90, d, "bfloat16", varlen=True) is configs.FORWARD_HOPPER_TABLE[d]
         # paged K/V (varlen) runs where packed K/V does (the choice does not look at it), on its own instantiation
         row = configs.FORWARD_HOPPER_TABLE[d]
@@ -286,8 +289,6 @@ def test_hopper_forward_is_chosen_only_where_it_runs():
         assert paged.endswith("kMaskCausal, true, true>>") and paged in configs.hopper_forward_instantiations()
         with pytest.raises(ValueError, match="varlen"):
             row.name_expression("bfloat16", "none", paged=True)
-        with pytest.raises(ValueError, match="modifiers"):
-            row.name_expression("bfloat16", "none", mods=True)
     for d in (32, 40, 96, 120, 160, 224):
         assert configs.hopper_forward_config(90, d, "bfloat16") is None
     for d, shortest in configs.HOPPER_MASKED_MIN_SEQLEN.items():  # masked calls: from a length on
@@ -298,6 +299,30 @@ def test_hopper_forward_is_chosen_only_where_it_runs():
         assert configs.hopper_forward_config(90, d, "float16", mask="none", seqlen_q=1) is not None
     with pytest.raises(ValueError, match="dtype"):
         configs.hopper_forward_config(90, 64, "float32")
+
+
+def test_hopper_forward_takes_softcap_and_alibi():
+    # Softcap and ALiBi (not dropout) run on the Hopper forward at the head dims of HOPPER_MODS_HEADDIMS, in their own
+    # instantiations (HopperFwdTraits' Mods) for the masks forward.kernel_variant gives modifier calls: padded causal
+    # and window, varlen and paged window.
+    from fa2cupy import forward
+
+    names = set(configs.hopper_forward_instantiations())
+    for d, row in configs.FORWARD_HOPPER_TABLE.items():
+        for varlen, paged in ((False, False), (True, False), (True, True)):
+            for causal in (False, True):
+                mask, mods, _, _ = forward.kernel_variant(causal, (-1, -1), 30.0, False, causal_mods=not varlen)
+                chosen = configs.kernel_rows(90, d, "bfloat16", mask, mods, varlen, seqlen_q=4096)
+                if d not in configs.HOPPER_MODS_HEADDIMS:
+                    assert chosen.forward.family == "fwd"
+                    continue
+                assert chosen.forward is row
+                name = row.name_expression("bfloat16", mask, mods, varlen, paged)
+                assert name.endswith(f"{str(varlen).lower()}, {str(paged).lower()}, true>>") and name in names
+                dropped = configs.kernel_rows(90, d, "bfloat16", mask, mods, varlen, seqlen_q=4096, dropout=True)
+                assert dropped.forward.family == "fwd"
+    # the plain instantiations keep their names (and machine code)
+    assert configs.FORWARD_HOPPER_TABLE[128].name_expression("float16", "causal").endswith("fa2::kMaskCausal>>")
 
 
 def test_hopper_forward_wide_rows():

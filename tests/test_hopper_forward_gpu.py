@@ -54,8 +54,12 @@ def test_hopper_kernel_is_the_onerecorded_forward_plans():
     assert isinstance(plan.config, configs.HopperFwdConfig)
     plan = forward.plan_forward((1, 64, 8, 96), (1, 64, 8, 96), strides, "bfloat16", 0.1, True, 90)
     assert isinstance(plan.config, configs.FwdConfig)  # no Hopper row for d = 96
-    plan = forward.plan_forward((1, 64, 8, 128), (1, 64, 8, 128), strides, "bfloat16", 0.1, True, 90, softcap=5.0)
-    assert isinstance(plan.config, configs.FwdConfig)  # modifiers stay on the mma.sync kernel
+    plan = forward.plan_forward((1, 2048, 8, 128), (1, 2048, 8, 128), strides, "bfloat16", 0.1, True, 90,
+                                dropout_p=0.1)
+    assert isinstance(plan.config, configs.FwdConfig)  # dropout stays on the mma.sync kernel
+    plan = forward.plan_forward((1, 2048, 8, 128), (1, 2048, 8, 128), strides, "bfloat16", 0.1, True, 90,
+                                softcap=5.0)
+    assert isinstance(plan.config, configs.HopperFwdConfig)  # softcap (and ALiBi) on the Hopper kernel
     plan = forward.plan_forward((1, 64, 8, 128), (1, 64, 8, 128), strides, "bfloat16", 0.1, True, 90,
                                 options=KernelOptions(hopper_masked_min_seqlen=0))
     assert isinstance(plan.config, configs.HopperFwdConfig)  # a short causal call, when the options say so

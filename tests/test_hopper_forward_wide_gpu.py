@@ -62,8 +62,8 @@ def test_wide_rows_are_the_ones_planned(d):
     plan = forward.plan_forward(shape, shape, strides, "bfloat16", 0.1, True, 90,
                                 options=KernelOptions(hopper_forward=False))
     assert isinstance(plan.config, configs.FwdConfig)
-    plan = forward.plan_forward(shape, shape, strides, "bfloat16", 0.1, True, 90, softcap=5.0)
-    assert isinstance(plan.config, configs.FwdConfig)  # modifiers stay on the mma.sync kernel
+    plan = forward.plan_forward(shape, shape, strides, "bfloat16", 0.1, True, 90, dropout_p=0.1)
+    assert isinstance(plan.config, configs.FwdConfig)  # dropout stays on the mma.sync kernel
 
 
 @pytest.mark.parametrize("d", WIDE)

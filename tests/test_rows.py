@@ -68,7 +68,8 @@ def test_info_table_for_a_given_arch_without_a_gpu():
 @pytest.mark.parametrize("d", [192, 256])
 def test_wide_hopper_rows(d):
     # d=192 and 256 run on the Hopper forward and dK/dV kernels, padded and varlen, where TMA can copy the arrays;
-    # hopper_forward/hopper_backward=False, score modifiers and the deterministic backward take the mma.sync kernels.
+    # hopper_forward/hopper_backward=False, dropout, score modifiers in the backward and the deterministic backward
+    # take the mma.sync kernels.
     for mask, varlen in ((m, v) for m in configs.MASKS for v in (False, True)):
         rows = configs.kernel_rows(90, d, "bfloat16", mask, varlen=varlen, seqlen_q=4096)
         assert rows.forward is configs.FORWARD_HOPPER_TABLE[d]
@@ -81,7 +82,11 @@ def test_wide_hopper_rows(d):
     assert rows.forward.family == "fwd" and rows.backward.family == "bwd"
     rows = configs.kernel_rows(80, d, "float16")
     assert rows.forward.family == "fwd" and rows.backward.family == "bwd"
-    rows = configs.kernel_rows(90, d, "float16", "causal", mods=True)
+    rows = configs.kernel_rows(90, d, "float16", "causal", mods=True)  # softcap or ALiBi: d = 128 only
+    assert rows.forward.family == "fwd" and rows.backward.family == "bwd"
+    rows = configs.kernel_rows(90, 128, "float16", "causal", mods=True)
+    assert rows.forward is configs.FORWARD_HOPPER_TABLE[128] and rows.backward.family == "bwd"
+    rows = configs.kernel_rows(90, d, "float16", "causal", mods=True, dropout=True)
     assert rows.forward.family == "fwd" and rows.backward.family == "bwd"
     assert configs.kernel_rows(90, d, "float16", deterministic=True).backward.family == "bwd"
     # a short masked call: the mma.sync forward, the Hopper backward

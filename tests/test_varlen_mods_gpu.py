@@ -116,6 +116,11 @@ def mod_cases(draw):
 def test_softcap_alibi_forward_backward(c):
     if c["softcap"] == 0.0 and c["alibi"] is None:
         c["softcap"] = 2.0  # this test is about the modifiers
+    run_mods_case(c)
+
+
+def run_mods_case(c):
+    """Padded forward and backward of case dict ``c`` (mod_cases' keys) against the float64 reference."""
     fa = fa2cupy_module()
     rng = np.random.default_rng(c["seed"])
     b, sq, sk, h, hkv, d, dtype = (c[n] for n in ("batch", "seqlen_q", "seqlen_k", "nheads", "nheads_kv", "headdim",

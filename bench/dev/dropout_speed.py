@@ -102,7 +102,8 @@ def kernels_needed(cases, dtypes, p: float, arch: int, plain: bool = True) -> li
             # no dropout, dropout, and the variant (whose kernel the softcap rows share)
             for dropout_p, alibi in ((0.0, False), (p, False), (0.0, True)) if plain else ((p, False),):
                 mask, mods, _, _ = forward.kernel_variant(causal, (-1, -1), 0.0, alibi, dropout_p, causal_mods=True)
-                fc = forward.kernel_config(arch, d, dtype, mask, mods, False, seqlen, options=OPTIONS)
+                fc = forward.kernel_config(arch, d, dtype, mask, mods, False, seqlen, options=OPTIONS,
+                                           dropout=dropout_p > 0)
                 needed.add((fc.family, fc.name_expression(dtype, mask, mods), fc.smem_bytes))
                 bc = configs.backward_config(arch, d, dtype, mask, mods)
                 needed.add((bc.family, bc.name_expression(dtype, mask, True, mods), bc.smem_bytes(True)))

@@ -373,11 +373,13 @@ struct ScoreMods {
     FA2_DEVICE bool on() const { return cap > 0.f || slope != 0.f; }
 
     // The final logit of raw score s at (row, col); dcap receives d(logit) / d(scale * s) from the softcap,
-    // 1 - tanh^2 (1 without a softcap): the backward's dS picks it up.
+    // 1 - tanh^2 (1 without a softcap): the backward's dS picks it up. FastTanh: tanh from fast_tanh (common/math.cuh),
+    // which agrees with tanhf to about 1e-7.
+    template <bool FastTanh = false>
     FA2_DEVICE float logit(float s, int row, int col, float& dcap) const {
         float x;
         if (cap > 0.f) {
-            const float t = tanhf(s * cap_inv);
+            const float t = FastTanh ? fast_tanh(s * cap_inv) : tanhf(s * cap_inv);
             dcap = 1.f - t * t;
             x = cap * t;
         } else {
@@ -388,7 +390,7 @@ struct ScoreMods {
     }
 
     // s: one warp's raw scores in C-fragment layout with rows from row0 and columns from col0 -> final logits.
-    template <int MTiles, int NTiles>
+    template <bool FastTanh = false, int MTiles, int NTiles>
     FA2_DEVICE void apply(float (&s)[MTiles][NTiles][4], int row0, int col0, int lane) const {
 #pragma unroll
         for (int mt = 0; mt < MTiles; ++mt)
@@ -397,8 +399,8 @@ struct ScoreMods {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     float unused;
-                    s[mt][nt][e] = logit(s[mt][nt][e], row0 + mt * 16 + (lane >> 2) + (e >> 1) * 8,
-                                         col0 + nt * 8 + (lane & 3) * 2 + (e & 1), unused);
+                    s[mt][nt][e] = logit<FastTanh>(s[mt][nt][e], row0 + mt * 16 + (lane >> 2) + (e >> 1) * 8,
+                                                   col0 + nt * 8 + (lane & 3) * 2 + (e & 1), unused);
                 }
     }
 };

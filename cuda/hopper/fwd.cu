@@ -19,8 +19,8 @@
 //
 // FwdHopperParams (common/params.cuh): flash_fwd's parameters (cuda/fwd.cu) plus the batch size, the heads per L2
 // group, the tile counter (null for the grid stride) and the tensor maps of q, k, v and o (fa2cupy/tensor_maps.py;
-// paged calls have no K or V map); padded and varlen calls without modifiers, varlen with paged K/V too (softcap,
-// ALiBi and dropout stay on flash_fwd).
+// paged calls have no K or V map); padded and varlen calls, varlen with paged K/V too, with softcap and ALiBi
+// (HopperFwdTraits::kMods) or without (dropout stays on flash_fwd).
 //
 // The kernel assembles its parts: the traits and shared-memory layout (hopper/fwd_traits.cuh), the work items
 // (hopper/scheduler.cuh), the producer (hopper/fwd_producer.cuh), the consumers' stages (hopper/fwd_consumer.cuh)
@@ -58,7 +58,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                              params.scale_log2, params.total_q, params.total_k, params.page_size, params.page_magic,
                              params.page_shift, params.max_pages, params.num_pages, params.error_claim,
                              params.error_host, kernel_params.tile_counter, kernel_params.tmap_q,
-                             kernel_params.tmap_k, kernel_params.tmap_v, kernel_params.tmap_o};
+                             kernel_params.tmap_k, kernel_params.tmap_v, kernel_params.tmap_o, params.softcap,
+                             params.alibi_slopes, params.alibi_batch_stride};
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const HopperFwdScheduler<Tr::kBlockM> sched(params.max_seqlen_q, params.nheads, kernel_params.batch,
                                                 kernel_params.heads_per_group);
@@ -97,6 +98,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         const HopperFwdBounds seq{slot[1], slot[2], slot[3], 0};
         const int seqlen_q = seq.seqlen_q;
         const WindowMask<Tr::kMask> mask{seqlen_q, seq.seqlen_k, args.window_left, args.window_right};
+        // (kMods: the item's ALiBi slope; the rest of its ScoreMods is rebuilt per tile from the arguments and the
+        // mask, so that the loop holds one register for them: held whole, they spilled at d = 256)
+        const float slope = Tr::kMods ? alibi_slope(args.alibi_slopes, args.alibi_batch_stride, b, head) : 0.f;
         int n_first, n_blocks, my_first, my_count;
         mask.template key_tiles<Tr::kBlockN>(row0, Tr::kBlockM, n_first, n_blocks);
         mask.template key_tiles<Tr::kBlockN>(wg_row0, 64, my_first, my_count);
@@ -156,7 +160,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             wgmma_wait<0>();
             consumer.release(smem.k_empty(ring_slot<kKS>(consumer.tiles)));
             consumer.mark(1);
-            consumer.probabilities(mask, n_first, wg_row0, warp_row0, mine_begin, s, softmax, correction);
+            consumer.probabilities(mask, slope, n_first, wg_row0, warp_row0, mine_begin, s, softmax, correction);
             scores_to_operand<Tr>(p, s);
             consumer.mark(2);
             u32 prev = consumer.tiles++;  // tile j - 1, whose V goes into the product with P_{j-1}
@@ -172,7 +176,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 consumer.issue_pv(acc_o, p, ring_slot<kVS>(prev), prev_halves);
                 consumer.turn_pass();
                 wgmma_wait<1>();
-                consumer.probabilities(mask, n_first, wg_row0, warp_row0, j, s, softmax, correction);
+                consumer.probabilities(mask, slope, n_first, wg_row0, warp_row0, j, s, softmax, correction);
                 wgmma_wait<0>();
                 pin_registers(acc_o);
                 pin_registers(p);
@@ -207,7 +211,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // staging rather than through one helper: a shared one changed both kernels' code and measured slower,
         // docs/design.md.)
         float row_lse[2];
-        softmax.finalize(acc_o, row_lse, args.scale);
+        softmax.finalize(acc_o, row_lse, Tr::kMods ? 1.f : args.scale);  // (modified scores: final logits)
         consumer.mark(9);
         const u32 q_tile = smem.q + q_buffer * QTile::kBytes;
         static_assert(kDT % 4 == 0, "the output goes out in groups of four n8 consumer.tiles");

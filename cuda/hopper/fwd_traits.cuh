@@ -17,7 +17,7 @@ namespace fa2 {
 enum HopperFwdBarrier : int { kFwdTurn0 = 1, kFwdTurn1 = 2, kFwdTurn2 = 3, kFwdTurnThreads = 256 };
 
 template <int HeadDim, int BlockN, int KStages, int VStages, int QBuffers, int ConsumerWGs, class Elem_, int Mask,
-          bool Varlen = false, bool Paged = false>
+          bool Varlen = false, bool Paged = false, bool Mods = false>
 struct HopperFwdTraits {
     using Elem = Elem_;
     // Consumer warpgroups of 64 rows each, taking turns to issue: with three (d=64, where a tile's products are
@@ -36,6 +36,10 @@ struct HopperFwdTraits {
     // addresses differ: the tiles, and so the results, are those of packed K/V.
     static constexpr bool kPaged = Paged;
     static_assert(Varlen || !Paged, "paged K/V comes with varlen");
+    // Mods: the scores go through the softcap and ALiBi (ScoreMods in masks.cuh; either may be off at run time)
+    // before the mask, and the softmax then runs on final logits (scale 1). Dropout stays on flash_fwd. (Shipped
+    // at d = 128, configs.HOPPER_MODS_HEADDIMS: at d = 256 the consumers spill at 224 registers.)
+    static constexpr bool kMods = Mods;
     // Padded calls move their tiles with the tensor memory accelerator (tensor maps of q, k, v and o: one thread
     // issues a tile's copies, rows past the sequence read as zeros and are not written); varlen calls, whose
     // tiles end inside the packed arrays, so too for Q, whole output tiles and, with packed K/V, whole K/V tiles,
@@ -50,8 +54,12 @@ struct HopperFwdTraits {
     // (Three consumers need 160 each: at 152 ptxas serialised their wgmmas. 32 + 3 x 160 fills the register file.)
     static constexpr int kProducerRegisters = ConsumerWGs == 2 ? 56 : 32,
                          kConsumerRegisters = ConsumerWGs == 2 ? 224 : 160;
-    static_assert(kProducerRegisters + ConsumerWGs * kConsumerRegisters <= 65536 / 128,
-                  "the register file of one block");
+    // setmaxnreg.inc waits until the registers the producer gave back cover the increase, so the warpgroups'
+    // counts may add up to no more than the launch gave them (65536 / kThreads a thread, in eights: 168 with two
+    // consumers, 128 with three), or the consumers wait for ever.
+    static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
+    static_assert(kProducerRegisters + ConsumerWGs * kConsumerRegisters <= (ConsumerWGs + 1) * kLaunchRegisters,
+                  "the registers of the launch");
     // Named barriers: the consumers' turns (HopperFwdBarrier), then the producer's own.
     static constexpr int kProducerBarrier = kFwdTurn0 + ConsumerWGs;
     using QTile = SwizzledSlabs<kBlockM, HeadDim>;
@@ -182,6 +190,9 @@ struct HopperFwdArgs {
     const TensorMap& tmap_k;
     const TensorMap& tmap_v;
     const TensorMap& tmap_o;
+    float softcap;                           // Mods: 0 for none
+    const float* __restrict__ alibi_slopes;  // Mods: null for none
+    int alibi_batch_stride;
 };
 
 }  // namespace fa2
