@@ -3,10 +3,12 @@ whether one kernel row beats another (e.g. the Hopper kernels against the mma.sy
 
     python bench/dev/options_ab.py --headdim 192,256 --seqlens 2048,8192 \
         --options default= mma=hopper_forward=0,hopper_backward=0 [--modes fwd,bwd] [--rounds 2]
+    python bench/dev/options_ab.py --headdim 128,256 --mods none,softcap,alibi   # what the modifiers cost
 
 Cases are the bench grid's (16k tokens, nheads = 2048 / headdim, bf16, causal and not). Each round times every
 implementation once (CUDA events, median of --repeats after warm-up); an implementation's figure is its best
 round. Every option set's result is compared with the first's (max |difference| / max |first|) before timing.
+--mods times each option set with each modifier (softcap 30, ALiBi slopes in [0, 0.1)): rows NAME+MOD.
 """
 
 from __future__ import annotations
@@ -31,18 +33,30 @@ def parse_options(text: str) -> tuple[str, KernelOptions]:
     return name, KernelOptions(**fields)
 
 
-def runners(inp, mode: str, option_sets: dict, dout, dout_t):
+def modifier_kwargs(mod: str, nheads: int) -> dict:
+    torch = B._torch()
+    if mod == "softcap":
+        return {"softcap": 30.0}
+    if mod == "alibi":
+        return {"alibi_slopes": torch.rand(nheads, device="cuda", dtype=torch.float32) * 0.1}
+    return {}
+
+
+def runners(inp, mode: str, option_sets: dict, dout, dout_t, mods=("none",)):
     c = inp.case.causal
     q, k, v = inp.q, inp.k, inp.v
     made = {}
-    for name, opts in option_sets.items():
+    mod_kw = {mod: modifier_kwargs(mod, inp.case.nheads) for mod in mods}  # (one set of slopes for every row)
+    for (name, opts), mod in ((o, m) for o in option_sets.items() for m in mods):
+        kw = dict(causal=c, kernel_options=opts, **mod_kw[mod])
+        name = name if mod == "none" else f"{name}+{mod}"
         if mode == "fwd":
-            made[name] = (lambda o: lambda: fa2cupy.flash_attn_func(q, k, v, causal=c, kernel_options=o))(opts)
+            made[name] = (lambda kw: lambda: fa2cupy.flash_attn_func(q, k, v, **kw))(kw)
         else:
             with B._external_stream_ctx()():
-                out, lse, _ = fa2cupy.flash_attn_func(q, k, v, causal=c, return_attn_probs=True, kernel_options=opts)
-            made[name] = (lambda o, out, lse: lambda: fa2cupy.flash_attn_backward(
-                dout, q, k, v, out, lse, causal=c, kernel_options=o))(opts, out, lse)
+                out, lse, _ = fa2cupy.flash_attn_func(q, k, v, return_attn_probs=True, **kw)
+            made[name] = (lambda kw, out, lse: lambda: fa2cupy.flash_attn_backward(
+                dout, q, k, v, out, lse, **kw))(kw, out, lse)
     for sdpa, backend in (("cudnn", "CUDNN_ATTENTION"), ("flash", "FLASH_ATTENTION")):
         try:
             r = B._sdpa_runner(inp, backend) if mode == "fwd" else B._sdpa_backward_runner(inp, dout_t, backend)
@@ -66,6 +80,7 @@ def main(argv=None) -> int:
     p.add_argument("--causal", choices=["both", "on", "off"], default="both")
     p.add_argument("--modes", default="fwd,bwd")
     p.add_argument("--options", nargs="+", default=["default=", "mma=hopper_forward=0,hopper_backward=0"])
+    p.add_argument("--mods", default="none", help="comma-separated: none, softcap, alibi")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--json")
@@ -82,14 +97,17 @@ def main(argv=None) -> int:
                     inp = B.make_forward_inputs(case, 0, "torch")
                     dout = B._random_like(inp.q, 1)
                     dout_t = dout.transpose(1, 2).contiguous()
-                    made = runners(inp, mode, option_sets, dout, dout_t)
-                    ref = None
+                    mods = args.mods.split(",")
+                    made = runners(inp, mode, option_sets, dout, dout_t, mods)
                     diffs = {}
-                    with B._external_stream_ctx()():
-                        for name in option_sets:
-                            got = made[name]()
-                            ref = got if ref is None else ref
-                            diffs[name] = max_rel_diff(got, ref)
+                    with B._external_stream_ctx()():  # (each modifier's rows against its first option set's)
+                        for mod in mods:
+                            ref = None
+                            for name in option_sets:
+                                name = name if mod == "none" else f"{name}+{mod}"
+                                got = made[name]()
+                                ref = got if ref is None else ref
+                                diffs[name] = max_rel_diff(got, ref)
                     best: dict[str, float] = {}
                     for _ in range(args.rounds):
                         for name, r in made.items():
@@ -105,6 +123,8 @@ def main(argv=None) -> int:
                     row = {"mode": mode, "label": case.label, "tflops": tf, "diff_vs_" + first: diffs}
                     rows.append(row)
                     ratios = "  ".join(f"{n}/cudnn {tf[n] / tf['cudnn']:.2f}" for n in option_sets if "cudnn" in tf)
+                    ratios += "".join(f"  {n}/{n.split('+')[0]} {tf[n] / tf[n.split('+')[0]]:.2f}" for n in tf
+                                      if "+" in n and n.split("+")[0] in tf)
                     print(f"{mode} {case.label:30s} " + " ".join(f"{n} {v:6.1f}" for n, v in tf.items()) +
                           f"  | {ratios}  | diff {max(diffs.values()):.1e}", flush=True)
                     del made, inp, dout, dout_t

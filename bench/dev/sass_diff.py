@@ -9,7 +9,8 @@ the layout of that tree's cuda/) from OLD_REV (unpacked by ``git archive``, no w
 compiles the instantiations both ship for ARCH (the tables of that arch's families: 80 -> sm80 and sm86, 90 ->
 sm90, 90a -> the Hopper lists; ``--all``: every instantiation of the family) and that contain every filter string,
 disassembles them with nvdisasm and prints SAME or DIFF per kernel, with ptxas's register counts where they differ.
-Kernel-parameter offsets, the kernel's own symbol and label numbers are normalised, so a kernel whose instructions
+Kernel-parameter offsets, the kernel's own symbol, label numbers and the numbers NVRTC gives its internal helpers
+(which depend on the other kernels in the module) are normalised, so a kernel whose instructions
 did not change prints SAME even when the parameter list grew: the proof that a change left a kernel's code alone.
 
 The compiler is NVRTC with the runtime's options (what fa2cupy builds on a GPU), or nvcc with ``--nvcc``. Results
@@ -91,6 +92,7 @@ def _disassemble(cubin: bytes, work: Path) -> dict[str, list[str]]:
         instruction = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
         if instruction and current:
             ins = re.sub(r"c\[0x0\]\[0x[0-9a-f]+\]", "c[0x0][param]", instruction.group(1))
+            ins = re.sub(r"__internal_\d+_", "__internal_", ins)  # (helpers numbered per module)
             kernels[current].append(re.sub(r"`\(_Z\w+\)", "`(self)", ins))
     for name, lines in kernels.items():
         labels: dict[str, str] = {}
