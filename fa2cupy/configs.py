@@ -117,7 +117,8 @@ class HopperFwdConfig:
 
 
 #: The Hopper forward, by head dim: used on compute capability 9.0 for padded and varlen calls (paged K/V too)
-#: without score modifiers (every other case runs FORWARD_TABLE's mma.sync kernels). At d=64 a tile's products
+#: without dropout, with softcap and ALiBi at HOPPER_MODS_HEADDIMS (every other case runs FORWARD_TABLE's mma.sync
+#: kernels). At d=64 a tile's products
 #: take half as long as at d=128 and its softmax as long, so three consumer warpgroups (192-row items) take turns:
 #: 12-14% faster than two at 2k-16k (H100, same process; docs/design.md); d=128 has no registers for a third.
 #: The wide head dims, 192 and 256, take two consumer warpgroups (O takes d / 2 registers a thread: 96 or 128 of
