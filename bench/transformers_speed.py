@@ -5,6 +5,8 @@ model, in real (unpadded) tokens per second.
     python bench/transformers_speed.py                          # both cases below
     python bench/transformers_speed.py --cases dense --layers 4  # a quicker look
     python bench/transformers_speed.py --json /tmp/hf_speed.json
+    (from the repository root, after ``pip install -e '.[transformers]'``: the harness is the installed package
+    ``fa2cupy_bench``)
 
 Cases (bf16, the model's loss on its own input ids as labels, no optimizer step):
 * dense:  a batch of 2 sequences of 8192 tokens, no attention mask (every implementation runs the same work);
@@ -15,15 +17,17 @@ Cases (bf16, the model's loss on its own input ids as labels, no optimizer step)
 
 The model is Llama 3.2 1B's shape (hidden 2048, 16 layers, 32 query heads and 8 key/value heads of 64, MLP 8192)
 (1.04B parameters) with a 32,000-token vocabulary, so that the logits of the padded case fit beside the activations. Each
-implementation loads the same weights; steps are timed with CUDA events after warm-up steps, median of --steps.
+implementation loads the same weights; steps are timed as `fa2cupy bench` times calls (harness.time_gpu: CUDA
+events after warm-up steps, median of --steps).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
+
+from fa2cupy_bench import harness as B
 
 
 def model_config(transformers, layers: int):
@@ -50,24 +54,15 @@ def make_batch(torch, case: str, seed: int = 0):
     return ids.cuda(), attention_mask, labels.cuda(), sum(lengths), lengths
 
 
-def time_steps(torch, model, ids, mask, labels, warmup: int, steps: int) -> list[float]:
+def time_step(model, ids, mask, labels, warmup: int, steps: int) -> float:
+    """Median milliseconds of one forward + backward step."""
     def step():
         out = model(input_ids=ids, attention_mask=mask, labels=labels)
         out.loss.backward()
         model.zero_grad(set_to_none=True)
 
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
+    # (every step timed: max_seconds does not cut the repeats of steps of a second or more)
+    return B.time_gpu(step, B.TorchEvents(), warmup=warmup, repeats=steps, max_seconds=float("inf")).median_ms
 
 
 def main(argv=None) -> int:
@@ -108,12 +103,11 @@ def main(argv=None) -> int:
             if case == "padded":
                 model.gradient_checkpointing_enable()
             try:
-                times = time_steps(torch, model, ids, mask, labels, args.warmup, args.steps)
+                ms = time_step(model, ids, mask, labels, args.warmup, args.steps)
             except torch.OutOfMemoryError as exc:
                 row[impl] = {"error": f"out of memory: {str(exc).splitlines()[0]}"}
                 print(f"{case:7s} {impl:18s} out of memory")
             else:
-                ms = statistics.median(times)
                 row[impl] = {"ms": ms, "tokens_per_s": tokens / ms * 1e3,
                              "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
                 print(f"{case:7s} {impl:18s} {ms:9.1f} ms/step {tokens / ms * 1e3:10.0f} tokens/s "

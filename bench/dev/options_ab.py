@@ -14,6 +14,7 @@ round. Every option set's result is compared with the first's (max |difference| 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
@@ -47,16 +48,17 @@ def runners(inp, mode: str, option_sets: dict, dout, dout_t, mods=("none",)):
     q, k, v = inp.q, inp.k, inp.v
     made = {}
     mod_kw = {mod: modifier_kwargs(mod, inp.case.nheads) for mod in mods}  # (one set of slopes for every row)
+    stream = B._external_stream_ctx()  # (fa2cupy on torch's stream, so that torch's events bracket it)
     for (name, opts), mod in ((o, m) for o in option_sets.items() for m in mods):
         kw = dict(causal=c, kernel_options=opts, **mod_kw[mod])
         name = name if mod == "none" else f"{name}+{mod}"
         if mode == "fwd":
-            made[name] = (lambda kw: lambda: fa2cupy.flash_attn_func(q, k, v, **kw))(kw)
+            fn = functools.partial(fa2cupy.flash_attn_func, q, k, v, **kw)
         else:
-            with B._external_stream_ctx()():
+            with stream():
                 out, lse, _ = fa2cupy.flash_attn_func(q, k, v, return_attn_probs=True, **kw)
-            made[name] = (lambda kw, out, lse: lambda: fa2cupy.flash_attn_backward(
-                dout, q, k, v, out, lse, **kw))(kw, out, lse)
+            fn = functools.partial(fa2cupy.flash_attn_backward, dout, q, k, v, out, lse, **kw)
+        made[name] = B.Runner(fn, B.TorchEvents(), stream)
     for sdpa, backend in (("cudnn", "CUDNN_ATTENTION"), ("flash", "FLASH_ATTENTION")):
         try:
             r = B._sdpa_runner(inp, backend) if mode == "fwd" else B._sdpa_backward_runner(inp, dout_t, backend)
@@ -100,23 +102,19 @@ def main(argv=None) -> int:
                     mods = args.mods.split(",")
                     made = runners(inp, mode, option_sets, dout, dout_t, mods)
                     diffs = {}
-                    with B._external_stream_ctx()():  # (each modifier's rows against its first option set's)
-                        for mod in mods:
-                            ref = None
-                            for name in option_sets:
-                                name = name if mod == "none" else f"{name}+{mod}"
-                                got = made[name]()
-                                ref = got if ref is None else ref
-                                diffs[name] = max_rel_diff(got, ref)
+                    for mod in mods:  # (each modifier's rows against its first option set's)
+                        ref = None
+                        for name in option_sets:
+                            name = name if mod == "none" else f"{name}+{mod}"
+                            with made[name].context():
+                                got = made[name].fn()
+                            ref = got if ref is None else ref
+                            diffs[name] = max_rel_diff(got, ref)
                     best: dict[str, float] = {}
                     for _ in range(args.rounds):
                         for name, r in made.items():
-                            if isinstance(r, B.Runner):
-                                with r.context():
-                                    t = B.time_gpu(r.fn, r.events, warmup=3, repeats=args.repeats)
-                            else:
-                                with B._external_stream_ctx()():
-                                    t = B.time_gpu(r, B.TorchEvents(), warmup=3, repeats=args.repeats)
+                            with r.context():
+                                t = B.time_gpu(r.fn, r.events, warmup=3, repeats=args.repeats)
                             best[name] = min(best.get(name, float("inf")), t.median_ms)
                     flops = B.attention_flops(case, mode)
                     tf = {n: B.tflops_per_s(flops, ms) for n, ms in best.items()}
