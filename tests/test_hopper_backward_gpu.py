@@ -176,16 +176,21 @@ def test_fixed_hopper_cases(hopper, d, b, sq, sk, h, hkv, causal, window):
 
 
 @st.composite
-def varlen_hopper_cases(draw):
+def varlen_hopper_cases(draw, headdims=(64, 128), lengths=(0, 1, 17, 64, 127, 128, 129, 300, 500), mods=False):
+    """A varlen case (test_varlen_mods_gpu.run_varlen_case's keys); with ``mods``, softcap or ALiBi or both."""
     batch = draw(st.integers(1, 4))
-    lengths = st.sampled_from([0, 1, 17, 64, 127, 128, 129, 300, 500])
+    lengths = st.sampled_from(lengths)
     lq = draw(st.lists(lengths, min_size=batch, max_size=batch))
     lk = lq if draw(st.booleans()) else draw(st.lists(lengths, min_size=batch, max_size=batch))
     h, hkv = draw(st.sampled_from(GROUPS))
-    return dict(lengths_q=lq, lengths_k=lk, nheads=h, nheads_kv=hkv, headdim=draw(st.sampled_from([64, 128])),
+    softcap, alibi = 0.0, None
+    if mods:
+        softcap, alibi = draw(st.sampled_from([0.0, 3.0, 30.0])), draw(st.sampled_from([None, "heads", "batch"]))
+        softcap = 2.0 if softcap == 0.0 and alibi is None else softcap
+    return dict(lengths_q=lq, lengths_k=lk, nheads=h, nheads_kv=hkv, headdim=draw(st.sampled_from(headdims)),
                 causal=draw(st.booleans()),
                 window_size=draw(st.one_of(st.just((-1, -1)), st.tuples(st.integers(-1, 200), st.integers(-1, 200)))),
-                softcap=0.0, alibi=None,
+                softcap=softcap, alibi=alibi,
                 extra_rows=draw(st.sampled_from([0, 5])),  # rows past cu_seqlens[-1], which nothing may read
                 slack=draw(st.sampled_from([0, 9])),  # max_seqlen above the longest sequence
                 dtype=draw(st.sampled_from(["float16", "bfloat16"])), deterministic=False,

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import given, note, settings
-from hypothesis import strategies as st
 
 from gpu_helpers import debug_poison, kernel_options, skip_unless_hopper
 from test_backward_gpu import run_case
-from test_hopper_backward_gpu import hopper_cases
+from test_hopper_backward_gpu import hopper_cases, varlen_hopper_cases
 from test_varlen_mods_gpu import run_varlen_case
 
 pytestmark = pytest.mark.gpu
@@ -89,7 +88,6 @@ def test_fixed_wide_cases(d, b, sq, sk, h, hkv, causal, window):
 
 
 LENGTHS = [1, 2, 17, 63, 64, 65, 127, 128, 129, 191, 255, 256, 257, 500]
-GROUPS = [(1, 1), (2, 2), (4, 1), (6, 3), (4, 4)]
 
 
 @settings(deadline=None)
@@ -101,25 +99,8 @@ def test_wide_backward_matches_reference(case):
         run_case(case)
 
 
-@st.composite
-def varlen_wide_cases(draw):
-    batch = draw(st.integers(1, 4))
-    lengths = st.sampled_from([0, 1, 17, 63, 64, 65, 127, 128, 129, 300])
-    lq = draw(st.lists(lengths, min_size=batch, max_size=batch))
-    lk = lq if draw(st.booleans()) else draw(st.lists(lengths, min_size=batch, max_size=batch))
-    h, hkv = draw(st.sampled_from(GROUPS))
-    return dict(lengths_q=lq, lengths_k=lk, nheads=h, nheads_kv=hkv, headdim=draw(st.sampled_from(WIDE)),
-                causal=draw(st.booleans()),
-                window_size=draw(st.one_of(st.just((-1, -1)), st.tuples(st.integers(-1, 200), st.integers(-1, 200)))),
-                softcap=0.0, alibi=None,
-                extra_rows=draw(st.sampled_from([0, 5])),  # rows past cu_seqlens[-1], which nothing may read
-                slack=draw(st.sampled_from([0, 9])),  # max_seqlen above the longest sequence
-                dtype=draw(st.sampled_from(["float16", "bfloat16"])), deterministic=False,
-                seed=draw(st.integers(0, 2**32 - 1)))
-
-
 @settings(deadline=None)
-@given(varlen_wide_cases())
+@given(varlen_hopper_cases(headdims=WIDE, lengths=[0, 1, 17, 63, 64, 65, 127, 128, 129, 300]))
 def test_wide_varlen_backward_matches_reference(case):
     _hopper_gpu()
     note(repr(case))

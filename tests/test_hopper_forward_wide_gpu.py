@@ -20,7 +20,7 @@ from gpu_helpers import (UNIT_ROUNDOFF, cu_seqlens, cupy_module as _cupy, debug_
                          kernel_options, recorded_forward_plans, skip_unless_hopper)
 from test_forward_gpu import check_against_reference, make_input, run_case
 # (imported here, not inside a Hypothesis test: importing applies @given, which Hypothesis refuses while a test runs)
-from test_paged_varlen_gpu import _randn as _randn_host, paged_layout
+from test_paged_varlen_gpu import paged_case_arrays, paged_equals_packed
 from test_hopper_forward_gpu import hopper_cases
 from test_varlen_mods_gpu import _check_out, _host, _randn
 
@@ -152,25 +152,14 @@ def test_wide_paged_equals_packed_and_reference(d, page_size, causal, window):
     from fa2cupy.reference import attention_ref_varlen
 
     fa2cupy = fa2cupy_module()
-    cp = _cupy()
-    rng = np.random.default_rng(d + page_size)
     lengths_q, lengths_k = [70, 1, 0, 130], [200, 17, 5, 129]
-    k, v = (_randn_host(rng, (sum(lengths_k), 2, d), "bfloat16") for _ in range(2))
-    k_pages, v_pages, table = paged_layout(rng, lengths_k, page_size, k, v)
-    q = _randn_host(rng, (sum(lengths_q), 4, d), "bfloat16")
-    cu_q, cu_k = cp.asarray(cu_seqlens(lengths_q)), cp.asarray(cu_seqlens(lengths_k))
-    q, k, v, k_pages, v_pages, table = (cp.asarray(x) for x in (q, k, v, k_pages, v_pages, table))
-    kw = dict(causal=causal, window_size=window, return_attn_probs=True)
-    with _wide(), recorded_forward_plans() as plans:
-        out_p, lse_p, _ = fa2cupy.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 130, 200,
-                                                         block_table=table, **kw)
-        out, lse, _ = fa2cupy.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 130, 200, **kw)
-    _assert_wide(plans, d)
+    arrays = paged_case_arrays(dict(lengths_q=lengths_q, lengths_k=lengths_k, page_size=page_size, nheads=4,
+                                    nheads_kv=2, headdim=d, alibi=False, dtype="bfloat16", seed=d + page_size))
+    q, k, v = arrays[:3]
     rows = sum(lengths_q)
-    assert not np.isnan(_host(out_p[:rows])).any(), "rows of a sequence were left unwritten"
-    assert cp.array_equal(out_p[:rows].view(cp.uint16), out[:rows].view(cp.uint16))
-    assert cp.array_equal(lse_p[:, :rows], lse[:, :rows])
-    fa2cupy.check_device_errors()
+    with _wide(), recorded_forward_plans() as plans:
+        out_p, lse_p = paged_equals_packed(fa2cupy, arrays, 130, 200, rows, causal=causal, window_size=window)
+    _assert_wide(plans, d)
     ref_out, ref_lse = attention_ref_varlen(_host(q), _host(k), _host(v), cu_seqlens(lengths_q),
                                             cu_seqlens(lengths_k), causal=causal, window_size=window)
     tol = 4 * UNIT_ROUNDOFF["bfloat16"] * float(np.abs(_host(v)).max()) + 1e-6

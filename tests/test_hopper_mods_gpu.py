@@ -16,17 +16,17 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 from fa2cupy.configs import FORWARD_HOPPER_TABLE, HOPPER_MODS_HEADDIMS
-from gpu_helpers import (UNIT_ROUNDOFF, cu_seqlens, cupy_module as _cupy, debug_poison, fa2cupy_module,
+from gpu_helpers import (UNIT_ROUNDOFF, cupy_module as _cupy, debug_poison, fa2cupy_module,
                          kernel_options, recorded_forward_plans, skip_unless_hopper)
 # (imported here, not inside a Hypothesis test: importing applies @given, which Hypothesis refuses while a test runs)
-from test_paged_varlen_gpu import _randn as _randn_host, paged_layout
-from test_varlen_mods_gpu import _host, _randn, _slopes, run_mods_case, run_varlen_case
+from test_paged_varlen_gpu import paged_case_arrays, paged_equals_packed
+from test_hopper_backward_gpu import varlen_hopper_cases
+from test_varlen_mods_gpu import _randn, _slopes, mod_cases, run_mods_case, run_varlen_case
 
 pytestmark = pytest.mark.gpu
 
 HOPPER_DIMS = list(HOPPER_MODS_HEADDIMS)
 LENGTHS = [1, 17, 63, 64, 65, 128, 129, 200, 300]
-GROUPS = [(1, 1), (2, 2), (4, 1), (6, 3)]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -64,56 +64,21 @@ def test_modifier_calls_plan_the_hopper_forward(d):
         assert isinstance(plan.config, configs.FwdConfig)  # dropout: the mma.sync forward
 
 
-@st.composite
-def padded_cases(draw):
-    h, hkv = draw(st.sampled_from(GROUPS))
-    c = dict(batch=draw(st.integers(1, 2)), seqlen_q=draw(st.sampled_from(LENGTHS)),
-             seqlen_k=draw(st.sampled_from(LENGTHS)), nheads=h, nheads_kv=hkv,
-             headdim=draw(st.sampled_from(HOPPER_DIMS)), causal=draw(st.booleans()),
-             window_size=draw(st.one_of(st.just((-1, -1)), st.tuples(st.integers(-1, 80), st.integers(-1, 80)))),
-             softcap=draw(st.sampled_from([0.0, 1.0, 5.0, 30.0])), alibi=draw(st.sampled_from([None, "heads", "batch"])),
-             dtype=draw(st.sampled_from(["float16", "bfloat16"])),
-             softmax_scale=draw(st.one_of(st.none(), st.floats(0.05, 1.5), st.floats(-1.0, -0.05))),
-             deterministic=False, seed=draw(st.integers(0, 2**32 - 1)))
-    if c["softcap"] == 0.0 and c["alibi"] is None:
-        c["softcap"] = 2.0
-    return c
-
-
 @settings(deadline=None)
-@given(padded_cases())
+@given(mod_cases(headdims=HOPPER_DIMS, lengths=LENGTHS))
 def test_padded_modifiers_match_reference(c):
     note(repr(c))
+    if c["softcap"] == 0.0 and c["alibi"] is None:
+        c["softcap"] = 2.0  # this test is about the modifiers
     with _on_hopper(), recorded_forward_plans() as plans:
         run_mods_case(c)
     _assert_hopper(plans)
 
 
-@st.composite
-def varlen_cases(draw):
-    batch = draw(st.integers(1, 4))
-    h, hkv = draw(st.sampled_from(GROUPS))
-    lq = draw(st.lists(st.sampled_from([0] + LENGTHS), min_size=batch, max_size=batch))
-    lk = lq if draw(st.booleans()) else draw(st.lists(st.sampled_from([0] + LENGTHS), min_size=batch,
-                                                      max_size=batch))
-    c = dict(lengths_q=lq, lengths_k=lk, nheads=h, nheads_kv=hkv, headdim=draw(st.sampled_from(HOPPER_DIMS)),
-             causal=draw(st.booleans()),
-             window_size=draw(st.one_of(st.just((-1, -1)), st.tuples(st.integers(-1, 80), st.integers(-1, 80)))),
-             softcap=draw(st.sampled_from([0.0, 3.0, 30.0])), alibi=draw(st.sampled_from([None, "heads", "batch"])),
-             extra_rows=draw(st.sampled_from([0, 5])), slack=draw(st.sampled_from([0, 7])),
-             dtype=draw(st.sampled_from(["float16", "bfloat16"])), deterministic=False,
-             seed=draw(st.integers(0, 2**32 - 1)))
-    if c["softcap"] == 0.0 and c["alibi"] is None:
-        c["softcap"] = 2.0
-    return c
-
-
 @settings(deadline=None)
-@given(varlen_cases())
+@given(varlen_hopper_cases(headdims=HOPPER_DIMS, lengths=[0] + LENGTHS, mods=True))
 def test_varlen_modifiers_match_reference(c):
     note(repr(c))
-    if max(c["lengths_q"]) + c["slack"] == 0:
-        c["lengths_q"][0] = 1
     with _on_hopper(), recorded_forward_plans() as plans:
         run_varlen_case(c)
     if sum(c["lengths_q"]) and sum(c["lengths_k"]):
@@ -125,25 +90,13 @@ def test_varlen_modifiers_match_reference(c):
 def test_paged_modifiers_equal_packed(d, page_size):
     """Paged K/V with softcap and ALiBi: the same bits as packed K/V on the same (Hopper) kernel."""
     fa2cupy = fa2cupy_module()
-    cp = _cupy()
-    rng = np.random.default_rng(d + page_size)
     lengths_q, lengths_k = [70, 1, 0, 130], [200, 17, 5, 129]
-    k, v = (_randn_host(rng, (sum(lengths_k), 2, d), "bfloat16") for _ in range(2))
-    k_pages, v_pages, table = paged_layout(rng, lengths_k, page_size, k, v)
-    q = _randn_host(rng, (sum(lengths_q), 4, d), "bfloat16")
-    cu_q, cu_k = cp.asarray(cu_seqlens(lengths_q)), cp.asarray(cu_seqlens(lengths_k))
-    q, k, v, k_pages, v_pages, table = (cp.asarray(x) for x in (q, k, v, k_pages, v_pages, table))
-    slopes = cp.asarray(rng.random(4, dtype=np.float32) * 0.2)
-    kw = dict(causal=True, softcap=20.0, alibi_slopes=slopes, return_attn_probs=True)
+    arrays = paged_case_arrays(dict(lengths_q=lengths_q, lengths_k=lengths_k, page_size=page_size, nheads=4,
+                                    nheads_kv=2, headdim=d, alibi=True, dtype="bfloat16", seed=d + page_size))
     with _on_hopper(), recorded_forward_plans() as plans:
-        out_p, lse_p, _ = fa2cupy.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 130, 200,
-                                                         block_table=table, **kw)
-        out, lse, _ = fa2cupy.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 130, 200, **kw)
+        paged_equals_packed(fa2cupy, arrays, 130, 200, sum(lengths_q), causal=True, softcap=20.0,
+                            alibi_slopes=arrays[-1])
     _assert_hopper(plans)
-    rows = sum(lengths_q)
-    assert not np.isnan(_host(out_p[:rows])).any(), "rows of a sequence were left unwritten"
-    assert cp.array_equal(out_p[:rows].view(cp.uint16), out[:rows].view(cp.uint16))
-    assert cp.array_equal(lse_p[:, :rows], lse[:, :rows])
 
 
 @settings(deadline=None)

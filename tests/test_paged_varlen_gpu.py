@@ -97,7 +97,9 @@ def paged_cases(draw, hopper=False):
     )
 
 
-def _case_arrays(c):
+def paged_case_arrays(c):
+    """Device arrays of case dict ``c`` (paged_cases' keys; dropout and the mask's are not read): q, packed k and v,
+    their page pools and block_table, cu_seqlens_q/k, and ALiBi slopes (nheads,) or None."""
     cp = _cupy()
     rng = np.random.default_rng(c["seed"])
     tq, tk = max(sum(c["lengths_q"]), 1), max(sum(c["lengths_k"]), 1)
@@ -115,11 +117,24 @@ def _options(c, slopes):
                 dropout_p=c["dropout_p"], dropout_seed=c["seed"], dropout_offset=7)
 
 
-def _same_rows(a, b, rows):
+def same_rows(a, b, rows):
     """Bitwise equality of the first ``rows`` rows (rows past cu_seqlens_q[-1] are not written)."""
     cp = _cupy()
     assert not np.isnan(B.to_numpy64(a[:rows])).any(), "rows of a sequence were left unwritten"
     assert cp.array_equal(a[:rows].view(cp.uint16), b[:rows].view(cp.uint16))
+
+
+def paged_equals_packed(fa, arrays, max_q, max_k, rows, **options):
+    """The varlen forward over ``arrays`` (paged_case_arrays') page pools and over its packed K/V: the same bits in
+    every written row and the same lse, and no unused block_table entry read. Returns the paged call's (out, lse)."""
+    q, k, v, k_pages, v_pages, table, cu_q, cu_k = arrays[:8]
+    out_p, lse_p, _ = fa.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, max_q, max_k, block_table=table,
+                                                return_attn_probs=True, **options)
+    out, lse, _ = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, return_attn_probs=True, **options)
+    same_rows(out_p, out, rows)
+    assert _cupy().array_equal(lse_p[:, :rows], lse[:, :rows])
+    fa.check_device_errors()  # unused block_table entries (invalid pages) were never read
+    return out_p, lse_p
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -128,17 +143,10 @@ def _same_rows(a, b, rows):
 def test_paged_forward_equals_packed(kernel, data):
     fa = fa2cupy_module()
     c = data.draw(paged_cases(hopper=kernel == "hopper"))
-    q, k, v, k_pages, v_pages, table, cu_q, cu_k, slopes = _case_arrays(c)
-    max_q, max_k = max(c["lengths_q"]), max(c["lengths_k"])
-    options = _options(c, slopes)
+    arrays = paged_case_arrays(c)
     with _forward_kernel(kernel):  # paged and packed K/V on the same kernel
-        out_p, lse_p, _ = fa.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, max_q, max_k,
-                                                    block_table=table, return_attn_probs=True, **options)
-        out, lse, _ = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, return_attn_probs=True, **options)
-    rows = sum(c["lengths_q"])
-    _same_rows(out_p, out, rows)
-    assert _cupy().array_equal(lse_p[:, :rows], lse[:, :rows])
-    fa.check_device_errors()  # unused block_table entries (invalid pages) were never read
+        paged_equals_packed(fa, arrays, max(c["lengths_q"]), max(c["lengths_k"]), sum(c["lengths_q"]),
+                            **_options(c, arrays[-1]))
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -148,7 +156,7 @@ def test_paged_forward_matches_reference(kernel, headdim, page_size):
     c = dict(lengths_q=[70, 1, 0, 130], lengths_k=[200, 17, 5, 129], page_size=page_size, nheads=4, nheads_kv=2,
              headdim=headdim, causal=True, window_size=(-1, -1), softcap=0.0, alibi=False, dropout_p=0.0,
              dtype="bfloat16", seed=11)
-    q, k, v, k_pages, v_pages, table, cu_q, cu_k, _ = _case_arrays(c)
+    q, k, v, k_pages, v_pages, table, cu_q, cu_k, _ = paged_case_arrays(c)
     with _forward_kernel(kernel):
         out, lse, _ = fa.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 130, 200, causal=True,
                                                 block_table=table, return_attn_probs=True)

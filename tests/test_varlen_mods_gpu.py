@@ -95,11 +95,11 @@ def _slopes(rng, batch, nheads, per_batch):
 
 
 @st.composite
-def mod_cases(draw):
+def mod_cases(draw, headdims=HEADDIMS, lengths=LENGTHS[1:]):
     h, hkv = draw(st.sampled_from(HEAD_GROUPS))
     return dict(
-        batch=draw(st.integers(1, 2)), seqlen_q=draw(st.sampled_from(LENGTHS[1:])),
-        seqlen_k=draw(st.sampled_from(LENGTHS[1:])), nheads=h, nheads_kv=hkv, headdim=draw(st.sampled_from(HEADDIMS)),
+        batch=draw(st.integers(1, 2)), seqlen_q=draw(st.sampled_from(lengths)),
+        seqlen_k=draw(st.sampled_from(lengths)), nheads=h, nheads_kv=hkv, headdim=draw(st.sampled_from(headdims)),
         causal=draw(st.booleans()),
         window_size=draw(st.one_of(st.just((-1, -1)), st.tuples(st.integers(-1, 80), st.integers(-1, 80)))),
         softcap=draw(st.sampled_from([0.0, 0.0, 1.0, 5.0, 30.0])),
