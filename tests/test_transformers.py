@@ -281,6 +281,63 @@ def test_mask_function_marks_a_static_caches_unwritten_slots():
     assert m is None
 
 
+# ---------------------------------------------------------------------------------------------- continuous batching
+
+# transformers 5.0-5.18 run generate_batch under "paged|" + the model's implementation; later releases accept only
+# their own implementations and hub kernels there (and refuse "fa2cupy" themselves).
+CB_ROUTE = tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 19)
+
+
+@pytest.mark.skipif(not CB_ROUTE, reason=f"transformers {transformers.__version__}'s continuous batching takes no "
+                                         f"registered implementation (5.0-5.18 do)")
+@pytest.mark.parametrize("name", MODELS)
+def test_continuous_batching_equals_generate(stand_ins, name, monkeypatch):
+    """generate_batch with "fa2cupy" (transformers' paged cache; 4-token pages, so prompts span several, and a
+    token budget that splits the prefill into chunks) gives each request the tokens the reference model's greedy
+    generate gives it alone. Full-attention layers read the page pools through the paged kernel."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.continuous_batching import cache as cb_cache
+
+    # transformers sizes the cache from the GPU's free memory, which a CPU run does not have
+    monkeypatch.setattr(cb_cache, "get_device_and_memory_breakdown", lambda: ("cpu", 1 << 30, 0, 0))
+    ours, ref = _pair(name)
+    prompts = [_tokens(1, n, seed=n)[0].tolist() for n in (9, 3, 14, 6)]
+    config = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = ours.generate_batch(inputs=prompts, generation_config=config, continuous_batching_config=(
+        ContinuousBatchingConfig(num_blocks=48, max_batch_tokens=16, block_size=4, return_logprobs=True)))
+    got = {tuple(o.prompt_ids): o for o in out.values()}
+    for p in prompts:
+        want = ref.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None,
+                            output_scores=True, return_dict_in_generate=True)
+        tokens = want.sequences[0, len(p):]
+        assert got[tuple(p)].generated_tokens == tokens.tolist(), p
+        # the chosen tokens' log-probabilities (continuous batching takes them from float32 logits)
+        logprobs = [torch.log_softmax(s[0].double(), -1)[t] for s, t in zip(want.scores, tokens)]
+        torch.testing.assert_close(torch.tensor(got[tuple(p)].logprobs, dtype=torch.float64), torch.stack(logprobs),
+                                   rtol=1e-5, atol=1e-5)
+    paged = [c["paged"] for c in calls if c["forward"] == "varlen_forward_with_lse"]
+    assert paged and all(not c.get("paged", False) for c in calls if c["forward"] != "varlen_forward_with_lse")
+    if name in ("llama", "qwen2", "gemma2"):  # Gemma 2's global layers; Mistral's layers all slide
+        assert any(paged)
+
+
+def test_block_table_from_read_index():
+    """Request r's j-th page is the one holding its key j * page; entries past its keys are 0."""
+    page = 4
+    # request 0: 6 keys on pages 5, 2; request 1: 9 keys on pages 7, 0, 3; request 2: none
+    read = torch.tensor([20, 21, 22, 23, 8, 9] + [28, 29, 30, 31, 0, 1, 2, 3, 12])
+    cu_k = torch.tensor([0, 6, 15, 15], dtype=torch.int32)
+    table = fa_hf._block_table(read, cu_k, 9, page)
+    assert table.dtype == torch.int32 and table.tolist() == [[5, 2, 0], [7, 0, 3], [0, 0, 0]]
+
+
+def test_paged_name_without_the_paged_cache_raises():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match='paged\\|fa2cupy.*attn_implementation="fa2cupy"'):
+        fa_hf.fa2cupy_paged_attention_forward(_Module(), q, k, v, None)
+    assert transformers.AttentionInterface._global_mapping[fa_hf.PAGED_NAME] is fa_hf.fa2cupy_paged_attention_forward
+
+
 # ---------------------------------------------------------------------------------------------- the call itself
 
 
@@ -351,7 +408,7 @@ def test_a_float_4d_mask_raises(stand_ins):
 @pytest.mark.parametrize("kwargs, feature", [
     (dict(s_aux=torch.zeros(4)), "s_aux"),
     (dict(position_bias=torch.zeros(1)), "position bias"),
-    (dict(block_table=torch.zeros(1, 1, dtype=torch.int32)), "paged KV cache"),
+    (dict(block_table=torch.zeros(1, 1, dtype=torch.int32)), "decode fast path"),
 ])
 def test_unsupported_features_raise(kwargs, feature):
     q, k, v = _qkv()

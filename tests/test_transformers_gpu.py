@@ -154,6 +154,49 @@ def test_gpu_greedy_generation_static_cache_compiled(torch, name, padded):
     _assert_same_greedy_path(torch, outs["fa2cupy"], outs["ref"], outs["truth"])
 
 
+CB_ROUTE = tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 19)  # see test_transformers.py
+
+
+@pytest.mark.skipif(not CB_ROUTE, reason=f"transformers {transformers.__version__}'s continuous batching takes no "
+                                         f"registered implementation (5.0-5.18 do)")
+@pytest.mark.parametrize("name", MODELS)
+def test_gpu_continuous_batching(torch, name):
+    """generate_batch on fa2cupy's paged kernels (16-token pages; a 64-token budget chunks the longer prefills)
+    follows each prompt's greedy path under generate() of the bf16 reference, with the chosen tokens'
+    log-probabilities within twice the logits' bound of float32's (log-softmax moves by at most twice the largest
+    logit change) until the paths part, which only a near tie of the reference may make them do."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    models = _models(torch, name)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (40, 7, 23, 16, 33)]
+    n_new = 16
+    config = GenerationConfig(max_new_tokens=n_new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = models["fa2cupy"].generate_batch(inputs=prompts, generation_config=config, continuous_batching_config=(
+        ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=64, block_size=16, return_logprobs=True)))
+    got = {tuple(o.prompt_ids): o for o in out.values()}
+    assert models["fa2cupy"].config._attn_implementation == "fa2cupy"  # restored after the batch
+    for p in prompts:
+        ids = torch.tensor([p], device="cuda")
+        ref, truth = (models[k].generate(ids, max_new_tokens=n_new, do_sample=False, output_scores=True,
+                                         return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
+                      for k in ("ref", "truth"))
+        tokens = got[tuple(p)].generated_tokens
+        assert len(tokens) == n_new
+        for step, (b, t) in enumerate(zip(ref.scores, truth.scores)):
+            chosen = int(b[0].argmax())
+            if int(t[0].argmax()) != chosen:
+                break  # float32 itself goes another way: past here the runs see different contexts
+            if tokens[step] != chosen:
+                top2 = b[0].float().topk(2).values
+                gap = (top2[0] - top2[1]).item()
+                assert gap <= _bound(t, b), f"{p[:3]}...: parts at step {step} though the margin was {gap:.3g}"
+                break
+            want = torch.log_softmax(t[0].float(), -1)[chosen].item()
+            err = abs(got[tuple(p)].logprobs[step] - want)
+            assert err <= 2 * _bound(t, b), f"{p[:3]}... step {step}: log-probability off by {err:.3g}"
+
+
 def test_gpu_inputs_reach_the_kernel_without_copies(torch, monkeypatch):
     """The (batch, seq, heads, dim) views of the model's projections go to the kernel as they are."""
     import fa2cupy.torch as fa_torch

@@ -66,7 +66,7 @@ def _packed_keys(k, v, cu_k, max_k, block_table):
 def _ref_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=None, causal=False,
                         window_size=(-1, -1), block_table=None, softcap=0.0, **_):
     """(out, lse) as fa2cupy's varlen_forward_with_lse returns them (no dropout applied, as in _ref_forward)."""
-    calls.append(dict(forward="varlen_forward_with_lse", dropout_p=dropout_p))
+    calls.append(dict(forward="varlen_forward_with_lse", dropout_p=dropout_p, paged=block_table is not None))
     kp, vp, packed_cu = _packed_keys(k, v, cu_k, max_k, block_table)
     out, lse = reference.attention_ref_varlen(_np(q), kp, vp, cu_q.numpy(), packed_cu, softmax_scale, causal,
                                               window_size, softcap)

@@ -16,6 +16,12 @@ Importing this module registers two functions under the name ``"fa2cupy"`` throu
   hold tokens (padding and a static cache's unwritten tail are False), or None when every slot does. Causality,
   sliding windows and packed-sequence boundaries are not in it: the kernels apply those from the arguments.
 
+Continuous batching (``model.generate_batch``, transformers' paged cache) runs on fa2cupy's paged varlen kernel
+reading transformers' page pools in place, on transformers 5.0-5.18: those switch the model to
+``"paged|fa2cupy"`` (:func:`fa2cupy_paged_attention_forward`, also registered here). From 5.19 on, transformers'
+continuous batching accepts only its own implementations and hub kernels and refuses ``"fa2cupy"`` with a
+ValueError of its own.
+
 Supported: causal and bidirectional attention, GQA/MQA, the module's ``scaling``, right- and left-padded batches,
 KV caches (dynamic, static, sliding-window), decoding (one query per sequence against a longer cache, bottom-right
 aligned), sliding windows, softcap, attention dropout in training, packed sequences given as ``position_ids``
@@ -23,7 +29,8 @@ aligned), sliding windows, softcap, attention dropout in training, packed sequen
 autocast (cast to the autocast dtype). Rejected with an error that names the feature and the alternative: an
 arbitrary (additive or 4-D) attention mask, ``output_attentions=True``, attention sinks (``s_aux``), position
 biases, mask overlays a model adds to the causal mask (``or_mask_function``/``and_mask_function``, e.g. bidirectional
-image tokens) and the paged cache of continuous batching (``block_table``/``k_cache``/``v_cache``).
+image tokens) and continuous batching's decode fast path (flash-attn's ``flash_attn_with_kvcache`` with a
+``block_table``, which transformers offers only to flash_attention_* implementations).
 """
 
 from __future__ import annotations
@@ -42,10 +49,13 @@ except ImportError as exc:  # one line naming the extra
 
 import fa2cupy.torch as fa_torch
 
-__all__ = ["NAME", "fa2cupy_attention_forward", "fa2cupy_mask", "sliding_window_to_window_size"]
+__all__ = ["NAME", "PAGED_NAME", "fa2cupy_attention_forward", "fa2cupy_mask", "fa2cupy_paged_attention_forward",
+           "sliding_window_to_window_size"]
 
 #: The ``attn_implementation`` name this module registers.
 NAME = "fa2cupy"
+#: The name transformers 5.0-5.18 switch a model to for continuous batching (``generate_batch``).
+PAGED_NAME = "paged|" + NAME
 
 _SDPA_HINT = 'use attn_implementation="sdpa" (or "eager") for this model or call'
 
@@ -165,8 +175,8 @@ def _check_kwargs(kwargs, attention_mask):
     if kwargs.get("position_bias") is not None:
         raise _unsupported("an additive position bias", 'use attn_implementation="sdpa" for this model')
     if any(kwargs.get(name) is not None for name in ("block_table", "k_cache", "v_cache")):
-        raise _unsupported("the paged KV cache of continuous batching (block_table/k_cache/v_cache)",
-                           "use generate() with a dynamic or static cache, or a flash_attention_* implementation")
+        raise _unsupported("continuous batching's decode fast path (block_table/k_cache/v_cache: flash-attn's "
+                           "flash_attn_with_kvcache)", "leave ContinuousBatchingConfig.max_blocks_per_request unset")
     if attention_mask is not None and (attention_mask.dtype != torch.bool or attention_mask.ndim != 2):
         raise _unsupported(f"an arbitrary attention mask ({attention_mask.ndim}-D {attention_mask.dtype}; only the "
                            f"2-D boolean padding masks its registered mask function builds)")
@@ -181,6 +191,10 @@ def fa2cupy_attention_forward(module, query, key, value, attention_mask, scaling
     None)``; padded query rows of ``out`` are zero.
     """
     _check_kwargs(kwargs, attention_mask)
+    cache = kwargs.get("cache")
+    if cache is not None and "read_index" in kwargs:
+        return _continuous_batching_attention(module, query, key, value, cache, scaling, softcap, sliding_window,
+                                              kwargs)
     is_causal = kwargs.get("is_causal")
     causal = bool(module.is_causal if is_causal is None else is_causal)
     window = sliding_window_to_window_size(sliding_window, causal)
@@ -252,9 +266,98 @@ def _padded_attention(q, k, v, mask, opts):
     return out.index_put((qb, qs), out_tok)
 
 
+# ---------------------------------------------------------------------------------------- continuous batching
+
+
+def _continuous_batching_attention(module, query, key, value, cache, scaling, softcap, sliding_window, kwargs):
+    """One layer of transformers' continuous batching (``generate_batch``): the batch's new tokens of every request
+    packed into one row (``query`` ``(1, heads, total_q, dim)``, ``key``/``value`` ``(1, kv_heads, total_q, dim)``),
+    ``cu_seq_lens_q/k`` and ``max_seqlen_q/k`` bounding each request, and ``cache``, transformers'
+    ``PagedAttentionCache``: per layer a pool of ``block_size``-token pages, ``read_index``/``write_index`` the
+    pool rows each request reads (its past and new tokens, in order) and writes (its new tokens).
+
+    Full-attention layers write the new keys and values into the pool and run the paged varlen kernel on the pool
+    itself: the block table is each request's ``read_index`` rows at page starts divided by the page size (the
+    cache hands out whole pages, a request's rows within a page in order), built on the GPU without a host
+    round trip. Sliding-window layers keep a ring of pages whose reads and writes the cache orders itself
+    (``cache.update``, which gathers the keys), and the varlen kernel runs on what it returns. Causal, bottom-right
+    aligned: each request's queries are its last keys. The ``attention_mask`` continuous batching may pass is not
+    read: the sequence bounds say everything it would.
+    """
+    window = sliding_window_to_window_size(sliding_window, causal=True)
+    cap = 0.0 if softcap is None else float(softcap)
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    opts = dict(softmax_scale=float(scale), causal=True, window_size=window, softcap=cap)
+    cu_q, max_q = kwargs["cu_seq_lens_q"], kwargs["max_seqlen_q"]
+    cu_k, max_k = kwargs["cu_seq_lens_k"], kwargs["max_seqlen_k"]
+    if isinstance(cu_k, dict):  # models with both layer types: bounds per type
+        layer_type = "full_attention" if window == (-1, -1) else "sliding_attention"
+        cu_k, max_k = cu_k[layer_type], max_k[layer_type]
+    cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
+    q = query[0].transpose(0, 1)  # (total_q, heads, dim) view
+    if query.shape[-1] != value.shape[-1]:
+        raise _unsupported(f"continuous batching with value head dim {value.shape[-1]} != query head dim "
+                           f"{query.shape[-1]}", 'use attn_implementation="sdpa" for this model')
+    pool = _paged_pools(module, key, value, cache, kwargs)
+    if pool is None:
+        k, v = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx,
+                            read_index=kwargs["read_index"], write_index=kwargs["write_index"])
+        out = fa_torch.flash_attn_varlen_func(q, k, v, cu_q, cu_k, int(max_q), int(max_k), **opts)
+    else:
+        k_pages, v_pages, read, page = pool
+        table = _block_table(read, cu_k, int(max_k), page)
+        out = fa_torch.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, int(max_q), int(max_k),
+                                              block_table=table, **opts)
+    return out, None
+
+
+def fa2cupy_paged_attention_forward(module, query, key, value, attention_mask, **kwargs):
+    """``"paged|fa2cupy"``: the implementation transformers 5.0-5.18 switch a model loaded with ``"fa2cupy"`` to for
+    continuous batching (``generate_batch``). Only that route gives it what it needs, the paged cache; called
+    otherwise it raises rather than attend without the padding mask only ``"fa2cupy"`` is given."""
+    if kwargs.get("cache") is None or "read_index" not in kwargs:
+        raise ValueError(f'attn_implementation="{PAGED_NAME}" is what continuous batching (generate_batch) switches '
+                         f'a model to and needs the paged cache it passes; load the model with '
+                         f'attn_implementation="{NAME}"')
+    return fa2cupy_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _paged_pools(module, key, value, cache, kwargs):
+    """For a full-attention layer whose requests read the cache: write the new keys and values into the layer's
+    pools and return ``(k_pages, v_pages, read_index, page_size)``, the pools viewed as ``(pages, page_size,
+    kv_heads, dim)``. None where ``cache.update`` does the work (sliding-window layers; batches that only write,
+    whose new keys are all the keys; a cache without the per-layer pools)."""
+    layer = module.layer_idx
+    groups, windows = getattr(cache, "layer_index_to_group_indices", None), getattr(cache, "sliding_windows", None)
+    if groups is None or windows is None or windows.get(layer, 1) != 1 or not hasattr(cache, "key_cache"):
+        return None
+    group, index = groups[layer]
+    read, write = kwargs["read_index"][group], kwargs["write_index"][group]
+    if read.numel() == 0:
+        return None
+    k_pool, v_pool, page = cache.key_cache[index], cache.value_cache[index], int(cache.block_size)
+    k_pool.index_copy_(0, write, key[0].transpose(0, 1))
+    v_pool.index_copy_(0, write, value[0].transpose(0, 1))
+    shape = (-1, page, *k_pool.shape[1:])
+    return k_pool.view(shape), v_pool.view(shape), read, page
+
+
+def _block_table(read: torch.Tensor, cu_k: torch.Tensor, max_k: int, page: int) -> torch.Tensor:
+    """int32 ``(requests, ceil(max_k / page))``: the pages that hold each request's keys, in order. Request r's keys
+    are pool rows ``read[cu_k[r]:cu_k[r+1]]``; its j-th page is the one holding row ``read[cu_k[r] + j * page]``.
+    Entries past a request's keys are 0 (never read: the kernel stops at the request's length)."""
+    pages = max(1, -(-max_k // page))
+    offsets = torch.arange(pages, device=read.device, dtype=torch.int64) * page
+    lengths = (cu_k[1:] - cu_k[:-1]).to(torch.int64)[:, None]
+    used = offsets[None, :] < lengths
+    rows = (cu_k[:-1].to(torch.int64)[:, None] + offsets[None, :]).clamp(max=read.numel() - 1)
+    return torch.where(used, read[rows] // page, 0).to(torch.int32)
+
+
 def _register():
     AttentionInterface.register(NAME, fa2cupy_attention_forward)
     AttentionMaskInterface.register(NAME, fa2cupy_mask)
+    AttentionInterface.register(PAGED_NAME, fa2cupy_paged_attention_forward)
 
 
 _register()
