@@ -16,8 +16,8 @@ A tree may name a Hopper row after an @ (HopperFwdConfig's fields after the head
 otherwise each tree plans with this package's tables. Make the trees on the
 machine that sends the command: a remote machine's copy of the repository may not have the commit to unpack.
 
-A case is ``fwd<d>:<mask>:<seqlen>`` with mask none, causal or window<left> (left, 0); bf16, 16k tokens per
-batch (at least one sequence), hidden 2048.
+A case is ``fwd<d>:<mask>:<seqlen>[:<mods>]`` with mask none, causal or window<left> (left, 0) and mods softcap
+(30), alibi (slopes in [0, 0.1)) or softcap+alibi; bf16, 16k tokens per batch (at least one sequence), hidden 2048.
 """
 
 import argparse
@@ -37,6 +37,15 @@ DEFAULT_CASES = ("fwd128:none:2048", "fwd128:causal:1024", "fwd128:causal:2048",
                  "fwd128:window4096:65536")
 
 
+SOFTCAP = 30.0
+
+
+def parse_case(case: str):
+    """(head dim, mask, seqlen, modifiers) of ``fwd<d>:<mask>:<seqlen>[:<mods>]``."""
+    fields = case.split(":")
+    return int(fields[0][3:]), fields[1], int(fields[2]), fields[3] if len(fields) > 3 else ""
+
+
 def plans_for(tree: str, cases):
     """Each case planned against the kernels of the sources in ``tree`` (compiled now, kept by the plans)."""
     tree, _, row = tree.partition("@")
@@ -47,14 +56,14 @@ def plans_for(tree: str, cases):
     build.use_sources(tree)
     plans = {}
     for case in cases:
-        _, mask, seqlen = case.split(":")
-        d = int(case.split(":")[0][3:])
-        seqlen, heads = int(seqlen), 2048 // d
+        d, mask, seqlen, mods = parse_case(case)
+        heads = 2048 // d
         shape = (max(1, 16384 // seqlen), seqlen, heads, d)
         window = (int(mask[6:]), 0) if mask.startswith("window") else (-1, -1)
         strides = (shape[1] * heads * d, heads * d, d, 1)
         plans[case] = forward.plan_forward(shape, shape, (strides,) * 4, "bfloat16", d ** -0.5, mask != "none", 90,
-                                           window_size=window,
+                                           window_size=window, softcap=SOFTCAP if "softcap" in mods else 0.0,
+                                           alibi_batch_stride=0 if "alibi" in mods else None,
                                            config=config if config and config.headdim == d else None)
     return plans
 
@@ -76,21 +85,22 @@ def main():
     rng = cupy.random.default_rng(1)
     stream = cupy.cuda.get_current_stream()
     for case in args.cases:
-        _, mask, seqlen = case.split(":")
-        d = int(case.split(":")[0][3:])
-        seqlen, heads = int(seqlen), 2048 // d
+        d, mask, seqlen, mods = parse_case(case)
+        heads = 2048 // d
         batch = max(1, 16384 // seqlen)
         shape = (batch, seqlen, heads, d)
         # bf16 bit patterns (CuPy has no bfloat16 type): the top halves of float32 normals
         q, k, v = ((rng.standard_normal(shape, dtype=cupy.float32).view(cupy.uint32) >> 16).astype(cupy.uint16)
                    for _ in range(3))
         lse = cupy.empty((batch, heads, seqlen), cupy.float32)
+        slopes = rng.uniform(0, 0.1, heads, dtype=cupy.float32) if "alibi" in mods else None
+        arrays = dict(q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, softmax_lse=lse.data.ptr,
+                      alibi_slopes=0 if slopes is None else slopes.data.ptr)
         outs = {}
         for name, plans in variants.items():
             out = cupy.full(shape, 0x7FC0, cupy.uint16)  # NaN
-            pointers = dict(forward.NO_POINTERS, q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, out=out.data.ptr,
-                            softmax_lse=lse.data.ptr)
-            forward.run_forward(plans[case], pointers, (0, 0), stream.ptr)
+            forward.run_forward(plans[case], dict(forward.NO_POINTERS, **arrays, out=out.data.ptr), (0, 0),
+                                stream.ptr)
             outs[name] = out
         widen = lambda bits: (bits.astype(cupy.uint32) << 16).view(cupy.float32)  # noqa: E731
         first = widen(next(iter(outs.values())))
@@ -104,17 +114,15 @@ def main():
                 print(f"profiled: {case} {name} (diff {diffs[name]:.1e})", flush=True)
                 cupy.cuda.runtime.deviceSynchronize()
                 cupy.cuda.profiler.start()
-                pointers = dict(forward.NO_POINTERS, q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, out=out.data.ptr,
-                                softmax_lse=lse.data.ptr)
-                forward.run_forward(variants[name][case], pointers, (0, 0), stream.ptr)
+                forward.run_forward(variants[name][case], dict(forward.NO_POINTERS, **arrays, out=out.data.ptr),
+                                    (0, 0), stream.ptr)
                 cupy.cuda.runtime.deviceSynchronize()
                 cupy.cuda.profiler.stop()
             continue
         for r in range(args.rounds):
             for name in (names if r % 2 == 0 else names[::-1]):
                 plan = variants[name][case]
-                pointers = dict(forward.NO_POINTERS, q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, out=out.data.ptr,
-                                softmax_lse=lse.data.ptr)
+                pointers = dict(forward.NO_POINTERS, **arrays, out=out.data.ptr)
                 launch = lambda: forward.run_forward(plan, pointers, (0, 0), stream.ptr)  # noqa: E731
                 for _ in range(3):
                     launch()
