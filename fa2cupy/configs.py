@@ -523,11 +523,9 @@ def forward_config(arch: int, headdim: int, dtype: str, mask: str, varlen: bool 
 #: kept), 512 0.86x, 1024 1.00x; d=128 128 0.93x, 256 0.94x, 512 1.01x; windows d=64 (256, 0) over 512 0.79x,
 #: d=128 (128, 0) over 256 0.96x (docs/design.md).
 #: The head dims at which the Hopper forward takes softcap and ALiBi (HopperFwdTraits' Mods); elsewhere they run on
-#: the mma.sync forward. d = 128 is the one checked on a GPU (H200: against the float64 reference, and level with
-#: the mma.sync forward's results). At d = 256 the consumers spill 20-68 bytes at their 224 registers (232 would
-#: leave the producer 40, where its varlen and paged copies spill); d = 64 and 192 compile without spills but have
-#: not run.
-HOPPER_MODS_HEADDIMS = (128,)
+#: the mma.sync forward. At d = 256 the window variant (non-causal and windowed calls) spills 40 bytes at the
+#: consumers' 240 registers, and at d = 64 (three consumer warpgroups at 160) 152-168 bytes.
+HOPPER_MODS_HEADDIMS = (128, 192)
 
 HOPPER_MASKED_MIN_SEQLEN = {64: 512, 128: 128, 192: 128, 256: 128}  # (192, 256: d = 128's, not measured)
 

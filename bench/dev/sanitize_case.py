@@ -189,6 +189,7 @@ VARLEN_CASES = (
     ((33, 90), 2, 1, 128, False, (16, 4), 2.0, True, True),
     ((65,), 2, 2, 40, True, (-1, -1), 5.0, True, False),
     ((70, 0, 1, 130), 4, 2, 256, True, (-1, -1), 0.0, False, False),
+    ((33, 150), 2, 1, 192, True, (-1, -1), 3.0, True, False),
 )
 
 # Varlen cases for the Hopper dK/dV kernel (no modifiers, atomic dQ): empty and one-row sequences, key blocks past a

@@ -211,7 +211,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // staging rather than through one helper: a shared one changed both kernels' code and measured slower,
         // docs/design.md.)
         float row_lse[2];
-        softmax.finalize(acc_o, row_lse, Tr::kMods ? 1.f : args.scale);  // (modified scores: final logits)
+        // (modified scores: logits in UnitScoreMods' unit)
+        softmax.finalize(acc_o, row_lse, Tr::kMods ? make_unit_score_mods(args.scale, args.softcap, slope, 0, 0).unit
+                                                   : args.scale);
         consumer.mark(9);
         const u32 q_tile = smem.q + q_buffer * QTile::kBytes;
         static_assert(kDT % 4 == 0, "the output goes out in groups of four n8 consumer.tiles");

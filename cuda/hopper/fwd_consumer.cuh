@@ -132,18 +132,22 @@ struct HopperFwdConsumer {
         ++tiles;
     }
 
-    // The landed scores of the block's tile j: modified into final logits (kMods: softcap, and ALiBi of `slope`),
-    // masked where some row of the warpgroup cannot see some key, then P (scale 1 for final logits).
+    // The landed scores of the block's tile j: modified (kMods: softcap, and ALiBi of `slope`, into
+    // UnitScoreMods' values), masked where some row of the warpgroup cannot see some key, then P.
     FA2_DEVICE void probabilities(const WindowMask<Tr::kMask>& mask, const float& slope, const int& n_first,
                                   const int& wg_row0, const int& warp_row0, int j, float (&s)[1][kNT][4],
                                   Softmax& softmax, float (&correction)[2]) const {
         pin_registers(s);
         const int col0 = (n_first + j) * Tr::kBlockN;
-        if constexpr (Tr::kMods)  // (tanh from fast_tanh: two MUFU operations, tanhf's polynomial more)
-            make_score_mods(args.scale, args.softcap, slope, mask.seqlen_q, mask.seqlen_k)
-                .template apply<true>(s, warp_row0, col0, lane);
+        float scale_log2 = args.scale_log2;
+        if constexpr (Tr::kMods) {
+            const UnitScoreMods mods =
+                make_unit_score_mods(args.scale, args.softcap, slope, mask.seqlen_q, mask.seqlen_k);
+            mods.template apply<Tr::kMask == kMaskCausal>(s, warp_row0, col0, lane);
+            scale_log2 = mods.scale_log2();
+        }
         if (mask.tile_needs_mask(wg_row0, 64, col0, Tr::kBlockN)) mask.apply(s, warp_row0, col0, lane);
-        softmax.probabilities(s, Tr::kMods ? kLog2e : args.scale_log2, correction);
+        softmax.probabilities(s, scale_log2, correction);
     }
 };
 
