@@ -523,9 +523,11 @@ def forward_config(arch: int, headdim: int, dtype: str, mask: str, varlen: bool 
 #: kept), 512 0.86x, 1024 1.00x; d=128 128 0.93x, 256 0.94x, 512 1.01x; windows d=64 (256, 0) over 512 0.79x,
 #: d=128 (128, 0) over 256 0.96x (docs/design.md).
 #: The head dims at which the Hopper forward takes softcap and ALiBi (HopperFwdTraits' Mods); elsewhere they run on
-#: the mma.sync forward. At d = 256 the window variant (non-causal and windowed calls) spills 40 bytes at the
-#: consumers' 240 registers, and at d = 64 (three consumer warpgroups at 160) 152-168 bytes.
-HOPPER_MODS_HEADDIMS = (128, 192)
+#: the mma.sync forward. At HOPPER_MODS_PADDED_ONLY, padded calls only: the d = 256 consumers need 232 registers with
+#: the modifiers (at 224 the window variant spills 40 bytes), which leaves the producer 40, where the varlen
+#: producer's copies spill. At d = 64 (three consumer warpgroups at 160 registers) they spill 152-168 bytes.
+HOPPER_MODS_HEADDIMS = (128, 192, 256)
+HOPPER_MODS_PADDED_ONLY = (256,)
 
 HOPPER_MASKED_MIN_SEQLEN = {64: 512, 128: 128, 192: 128, 256: 128}  # (192, 256: d = 128's, not measured)
 
@@ -549,7 +551,7 @@ def hopper_forward_config(arch: int, headdim: int, dtype: str, dropout: bool = F
                           masked_min_seqlen: int | None = None, mods: bool = False) -> HopperFwdConfig | None:
     """The Hopper forward's row for this call, or None where the mma.sync forward runs it (another GPU, a head
     dim other than 64, 128, 192 and 256, dropout, softcap or ALiBi (``mods``) at a head dim outside
-    HOPPER_MODS_HEADDIMS, or a masked
+    HOPPER_MODS_HEADDIMS (or varlen at HOPPER_MODS_PADDED_ONLY), or a masked
     call shorter than HOPPER_MASKED_MIN_SEQLEN, or than ``masked_min_seqlen`` where given; ``seqlen_q`` None skips
     that last rule). Varlen calls, paged K/V included, run where padded ones would."""
     if dtype not in DTYPE_TAGS:
@@ -557,7 +559,7 @@ def hopper_forward_config(arch: int, headdim: int, dtype: str, dropout: bool = F
     table = FORWARD_HOPPER_TABLE
     if arch != 90 or dropout or headdim not in table:
         return None
-    if mods and headdim not in HOPPER_MODS_HEADDIMS:
+    if mods and (headdim not in HOPPER_MODS_HEADDIMS or (varlen and headdim in HOPPER_MODS_PADDED_ONLY)):
         return None
     shortest = HOPPER_MASKED_MIN_SEQLEN[headdim] if masked_min_seqlen is None else masked_min_seqlen
     if mask != "none" and seqlen_q is not None and seqlen_q < shortest:
@@ -576,7 +578,8 @@ def hopper_forward_instantiations() -> list[str]:
     return sorted(config.name_expression(dtype, mask, mods, varlen=varlen, paged=paged)
                   for config in FORWARD_HOPPER_TABLE.values() for dtype in DTYPE_TAGS
                   for mask, mods, varlen, paged in (*plain, *modified)
-                  if not mods or config.headdim in HOPPER_MODS_HEADDIMS)
+                  if not mods or (config.headdim in HOPPER_MODS_HEADDIMS
+                                  and not (varlen and config.headdim in HOPPER_MODS_PADDED_ONLY)))
 
 
 def backward_config(arch: int, headdim: int, dtype: str, mask: str, mods: bool = False) -> BwdConfig:

@@ -22,7 +22,7 @@ class KernelOptions:
     """Kernel choices of a call beyond its arguments (see the module docstring). Fields:
 
     hopper_forward (True): run the forward on the Hopper (wgmma, TMA) kernel where the tile table has a row for the
-        call (compute capability 9.0, head dim 64, 128, 192 or 256, no dropout; softcap and ALiBi at d = 128 and 192,
+        call (compute capability 9.0, head dim 64, 128, 192 or 256, no dropout; softcap and ALiBi at
         configs.HOPPER_MODS_HEADDIMS); False runs the mma.sync kernel there.
     hopper_backward (True): the same for the backward's dK/dV kernel (atomic dQ, no score modifiers).
     hopper_masked_min_seqlen (None): causal and windowed forwards take the Hopper kernel from this many query rows

@@ -74,10 +74,11 @@ FAMILIES = {
 # launch asks for, the kernel template's name).
 HOPPER_FAMILIES = {
     # (forward: padded, varlen and paged for every mask; with softcap/ALiBi padded causal and window, varlen and
-    # paged window, at the head dims of HOPPER_MODS_HEADDIMS)
+    # paged window, at the head dims of HOPPER_MODS_HEADDIMS; padded only at HOPPER_MODS_PADDED_ONLY)
     "fwd_hopper": (configs.hopper_forward_instantiations,
                    len(configs.DTYPE_TAGS) * (len(configs.FORWARD_HOPPER_TABLE) * len(configs.MASKS) * 3
-                                              + len(configs.HOPPER_MODS_HEADDIMS) * 4),
+                                              + len(configs.HOPPER_MODS_HEADDIMS) * 4
+                                              - len(configs.HOPPER_MODS_PADDED_ONLY) * 2),
                    lambda: [(c, c.smem_bytes) for c in configs.FORWARD_HOPPER_TABLE.values()],
                    "fa2::flash_fwd_hopper<"),
     "bwd_hopper": (configs.hopper_backward_instantiations,
@@ -302,7 +303,8 @@ def test_hopper_forward_is_chosen_only_where_it_runs():
 
 
 def test_hopper_forward_takes_softcap_and_alibi():
-    # Softcap and ALiBi (not dropout) run on the Hopper forward at the head dims of HOPPER_MODS_HEADDIMS, in their own
+    # Softcap and ALiBi (not dropout) run on the Hopper forward at the head dims of HOPPER_MODS_HEADDIMS (padded only at
+    # HOPPER_MODS_PADDED_ONLY), in their own
     # instantiations (HopperFwdTraits' Mods) for the masks forward.kernel_variant gives modifier calls: padded causal
     # and window, varlen and paged window.
     from fa2cupy import forward
@@ -313,8 +315,9 @@ def test_hopper_forward_takes_softcap_and_alibi():
             for causal in (False, True):
                 mask, mods, _, _ = forward.kernel_variant(causal, (-1, -1), 30.0, False, causal_mods=not varlen)
                 chosen = configs.kernel_rows(90, d, "bfloat16", mask, mods, varlen, seqlen_q=4096)
-                if d not in configs.HOPPER_MODS_HEADDIMS:
+                if d not in configs.HOPPER_MODS_HEADDIMS or (varlen and d in configs.HOPPER_MODS_PADDED_ONLY):
                     assert chosen.forward.family == "fwd"
+                    assert row.name_expression("bfloat16", mask, mods, varlen, paged) not in names
                     continue
                 assert chosen.forward is row
                 name = row.name_expression("bfloat16", mask, mods, varlen, paged)

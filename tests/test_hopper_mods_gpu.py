@@ -1,11 +1,11 @@
-"""Softcap and ALiBi on the Hopper forward (HopperFwdTraits' Mods: the scores turned into final logits before the mask,
-the softmax on them with scale 1) on a GPU of compute capability 9.0, at the head dims of
-configs.HOPPER_MODS_HEADDIMS: the calls must plan the Hopper kernel there (dropout stays on the mma.sync forward, as
-do the other head dims), and match the
-float64 reference, padded and varlen, forward and backward (the backward, on the mma.sync kernels, recomputes
-P from the Hopper forward's lse, so a forward lse in other units fails it), with outputs poisoned before each
-launch. The softcap's tanh is fast_tanh (common/math.cuh) there, tanhf in the mma.sync kernels: the Hopper forward
-with a softcap must also agree with the mma.sync forward to a few bf16 roundings.
+"""Softcap and ALiBi on the Hopper forward (HopperFwdTraits' Mods: the scores turned into UnitScoreMods' values before
+the mask, the softmax scaled by their unit) on a GPU of compute capability 9.0, at the head dims of
+configs.HOPPER_MODS_HEADDIMS (padded calls only at HOPPER_MODS_PADDED_ONLY): the calls must plan the Hopper kernel
+there (dropout stays on the mma.sync forward, as do the other head dims and varlen calls at the padded-only ones),
+and match the float64 reference, padded and varlen, forward and backward (the backward, on the mma.sync kernels,
+recomputes P from the Hopper forward's lse, so a forward lse in other units fails it), with outputs poisoned before
+each launch. The softcap's tanh is tanh_of_exp2_arg (common/math.cuh) there, tanhf in the mma.sync kernels: the
+Hopper forward with a softcap must also agree with the mma.sync forward to a few bf16 roundings.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
-from fa2cupy.configs import FORWARD_HOPPER_TABLE, HOPPER_MODS_HEADDIMS
+from fa2cupy.configs import FORWARD_HOPPER_TABLE, HOPPER_MODS_HEADDIMS, HOPPER_MODS_PADDED_ONLY
 from gpu_helpers import (UNIT_ROUNDOFF, cupy_module as _cupy, debug_poison, fa2cupy_module,
                          kernel_options, recorded_forward_plans, skip_unless_hopper)
 # (imported here, not inside a Hypothesis test: importing applies @given, which Hypothesis refuses while a test runs)
@@ -26,6 +26,7 @@ from test_varlen_mods_gpu import _randn, _slopes, mod_cases, run_mods_case, run_
 pytestmark = pytest.mark.gpu
 
 HOPPER_DIMS = list(HOPPER_MODS_HEADDIMS)
+VARLEN_DIMS = [d for d in HOPPER_MODS_HEADDIMS if d not in HOPPER_MODS_PADDED_ONLY]
 LENGTHS = [1, 17, 63, 64, 65, 128, 129, 200, 300]
 
 
@@ -62,6 +63,13 @@ def test_modifier_calls_plan_the_hopper_forward(d):
             assert plan.config is expected if expected else isinstance(plan.config, configs.FwdConfig)
         plan = forward.plan_forward(shape, shape, strides, "bfloat16", 0.1, causal, 90, softcap=30.0, dropout_p=0.1)
         assert isinstance(plan.config, configs.FwdConfig)  # dropout: the mma.sync forward
+    # varlen: the Hopper forward except at the padded-only head dims
+    varlen_strides = ((0, 8 * d, d, 1),) * 4
+    plan = forward.plan_forward(shape, shape, varlen_strides, "bfloat16", 0.1, True, 90, softcap=30.0,
+                                varlen_totals=(2048, 2048))
+    varlen_hopper = d in HOPPER_MODS_HEADDIMS and d not in HOPPER_MODS_PADDED_ONLY
+    assert plan.config is configs.FORWARD_HOPPER_TABLE[d] if varlen_hopper else isinstance(plan.config,
+                                                                                          configs.FwdConfig)
 
 
 @settings(deadline=None)
@@ -76,7 +84,7 @@ def test_padded_modifiers_match_reference(c):
 
 
 @settings(deadline=None)
-@given(varlen_hopper_cases(headdims=HOPPER_DIMS, lengths=[0] + LENGTHS, mods=True))
+@given(varlen_hopper_cases(headdims=VARLEN_DIMS, lengths=[0] + LENGTHS, mods=True))
 def test_varlen_modifiers_match_reference(c):
     note(repr(c))
     with _on_hopper(), recorded_forward_plans() as plans:
@@ -85,7 +93,7 @@ def test_varlen_modifiers_match_reference(c):
         _assert_hopper(plans)
 
 
-@pytest.mark.parametrize("d", HOPPER_DIMS)
+@pytest.mark.parametrize("d", VARLEN_DIMS)
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 def test_paged_modifiers_equal_packed(d, page_size):
     """Paged K/V with softcap and ALiBi: the same bits as packed K/V on the same (Hopper) kernel."""
@@ -103,7 +111,7 @@ def test_paged_modifiers_equal_packed(d, page_size):
 @given(st.sampled_from(HOPPER_DIMS), st.sampled_from(["float16", "bfloat16"]), st.booleans(),
        st.integers(0, 2**32 - 1))
 def test_hopper_modifiers_agree_with_the_mma_sync_forward(d, dtype, alibi, seed):
-    """fast_tanh (Hopper) against tanhf (mma.sync) on one causal GQA call with a softcap (and ALiBi)."""
+    """tanh_of_exp2_arg (Hopper) against tanhf (mma.sync) on one causal GQA call with a softcap (and ALiBi)."""
     skip_unless_hopper("forward")
     fa2cupy = fa2cupy_module()
     cp = _cupy()

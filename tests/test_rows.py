@@ -82,12 +82,14 @@ def test_wide_hopper_rows(d):
     assert rows.forward.family == "fwd" and rows.backward.family == "bwd"
     rows = configs.kernel_rows(80, d, "float16")
     assert rows.forward.family == "fwd" and rows.backward.family == "bwd"
-    for dm in (d, 128):  # softcap or ALiBi: the Hopper forward at d = 128 and 192, the mma.sync one at 256
-        rows = configs.kernel_rows(90, dm, "float16", "causal", mods=True)
-        want = configs.FORWARD_HOPPER_TABLE[dm] if dm in (128, 192) else configs.forward_config(90, dm, "float16",
-                                                                                               "causal", mods=True)
-        assert rows.forward == want and rows.backward.family == "bwd"
-    assert configs.HOPPER_MODS_HEADDIMS == (128, 192)
+    for dm in (d, 128):  # softcap or ALiBi: the Hopper forward, at d = 256 for padded calls only
+        for varlen in (False, True):
+            rows = configs.kernel_rows(90, dm, "float16", "causal", mods=True, varlen=varlen)
+            hopper = not (varlen and dm == 256)
+            want = (configs.FORWARD_HOPPER_TABLE[dm] if hopper
+                    else configs.forward_config(90, dm, "float16", "causal", varlen, mods=True))
+            assert rows.forward == want and rows.backward.family == "bwd"
+    assert (configs.HOPPER_MODS_HEADDIMS, configs.HOPPER_MODS_PADDED_ONLY) == ((128, 192, 256), (256,))
     rows = configs.kernel_rows(90, d, "float16", "causal", mods=True, dropout=True)
     assert rows.forward.family == "fwd" and rows.backward.family == "bwd"
     assert configs.kernel_rows(90, d, "float16", deterministic=True).backward.family == "bwd"

@@ -36,9 +36,8 @@ struct HopperFwdTraits {
     // addresses differ: the tiles, and so the results, are those of packed K/V.
     static constexpr bool kPaged = Paged;
     static_assert(Varlen || !Paged, "paged K/V comes with varlen");
-    // Mods: the scores go through the softcap and ALiBi (ScoreMods in masks.cuh; either may be off at run time)
-    // before the mask, and the softmax then runs on final logits (scale 1). Dropout stays on flash_fwd. (Shipped
-    // at d = 128, configs.HOPPER_MODS_HEADDIMS: at d = 256 the consumers spill at 224 registers.)
+    // Mods: the scores go through the softcap and ALiBi (UnitScoreMods in masks.cuh; either may be off at run time)
+    // before the mask. Dropout stays on flash_fwd. (Shipped at configs.HOPPER_MODS_HEADDIMS.)
     static constexpr bool kMods = Mods;
     // Padded calls move their tiles with the tensor memory accelerator (tensor maps of q, k, v and o: one thread
     // issues a tile's copies, rows past the sequence read as zeros and are not written); varlen calls, whose
@@ -52,8 +51,13 @@ struct HopperFwdTraits {
     // The consumer warpgroups and a producer warpgroup, whose registers go to the consumers (setmaxnreg).
     static constexpr int kConsumerWarps = 4 * ConsumerWGs, kThreads = 128 * (ConsumerWGs + 1);
     // (Three consumers need 160 each: at 152 ptxas serialised their wgmmas. 32 + 3 x 160 fills the register file.)
-    static constexpr int kProducerRegisters = ConsumerWGs == 2 ? 56 : 32,
-                         kConsumerRegisters = ConsumerWGs == 2 ? 224 : 160;
+    // (The padded d = 256 modifier kernels' consumers spill at 224; their producer, one thread issuing TMA copies,
+    // needs no more than 40. The varlen producer's copies spill at 40, so varlen d = 256 calls with modifiers run
+    // on the mma.sync forward: configs.HOPPER_MODS_PADDED_ONLY.)
+    static constexpr bool kWideMods = Mods && HeadDim == 256;
+    static_assert(!kWideMods || !Varlen, "d = 256 with modifiers: padded calls only");
+    static constexpr int kProducerRegisters = ConsumerWGs == 2 ? (kWideMods ? 40 : 56) : 32,
+                         kConsumerRegisters = ConsumerWGs == 2 ? (kWideMods ? 232 : 224) : 160;
     // setmaxnreg.inc waits until the registers the producer gave back cover the increase, so the warpgroups'
     // counts may add up to no more than the launch gave them (65536 / kThreads a thread, in eights: 168 with two
     // consumers, 128 with three), or the consumers wait for ever.
