@@ -38,6 +38,34 @@ def _ref_backward(dout, q, k, v, out, softmax_lse, softmax_scale=None, causal=Fa
     return tuple(torch.from_numpy(g).to(x.dtype) for g, x in zip(grads, (q, k, v)))
 
 
+def _ref_block_backward(dout, q, k, v, out, softmax_lse, softmax_scale=None, causal=False, window_size=(-1, -1),
+                        deterministic=False, softcap=0.0, **_):
+    """The backward as the kernels compute it, from the given ``out`` and ``lse`` (P = exp(S - lse), D = rowsum(dO
+    O)) rather than from a softmax of its own: the stand-in for calls over part of the keys (ring attention's
+    blocks), whose lse is that of all of them. No dropout or ALiBi."""
+    backward_calls.append(dict(q=q, k=k, lse=softmax_lse, window_size=window_size))
+    qn, kn, vn, do, on = (_np(t) for t in (q, k, v, dout, out))
+    lse = _np(softmax_lse)  # (b, h, sq)
+    b, sq, h, d = qn.shape
+    sk, hkv = kn.shape[1], kn.shape[2]
+    group = h // hkv
+    kr, vr = np.repeat(kn, group, axis=2), np.repeat(vn, group, axis=2)
+    s = np.einsum("bqhd,bkhd->bhqk", qn, kr) * softmax_scale
+    t = None
+    if softcap > 0:
+        t = np.tanh(s / softcap)
+        s = softcap * t
+    visible = reference._visible(sq, sk, causal, window_size)
+    p = np.where(visible[None, None] if visible is not None else True, np.exp(s - lse[..., None]), 0.0)
+    delta = np.einsum("bqhd,bqhd->bhq", do, on)[..., None]
+    dp = np.einsum("bqhd,bkhd->bhqk", do, vr)
+    ds = p * (dp - delta) * (1.0 - t * t if t is not None else 1.0)
+    dq = softmax_scale * np.einsum("bhqk,bkhd->bqhd", ds, kr)
+    dk = (softmax_scale * np.einsum("bhqk,bqhd->bkhd", ds, qn)).reshape(b, sk, hkv, group, d).sum(3)
+    dv = np.einsum("bhqk,bqhd->bkhd", p, do).reshape(b, sk, hkv, group, d).sum(3)
+    return tuple(torch.from_numpy(g).to(x.dtype) for g, x in zip((dq, dk, dv), (q, k, v)))
+
+
 calls: list = []  # the forward stand-ins' calls
 backward_calls: list = []  # the backward stand-ins' calls
 

@@ -1,0 +1,156 @@
+"""Context parallelism: fa2cupy's ring attention on every GPU of the machine against torch's own context_parallel
+over SDPA cuDNN, forward + backward, with both on one GPU over the whole sequence for the scaling efficiency.
+
+    python bench/cp_speed.py --seqlen 131072 --nheads 16 --headdim 128 [--gpus N] [--layout zigzag] [--repeats 5]
+
+One process a GPU (spawned here, NCCL), bf16, b = 1, causal unless --no-causal. Each figure is the median over
+--repeats timed iterations (after two untimed ones) of the slowest rank's CUDA-event time for out = attention(q, k,
+v); out.backward(dout), all ranks starting together (a barrier before each). One GPU's figures come from rank 0
+alone over the full sequence, the others waiting. Peak memory is torch's max_memory_allocated on rank 0 during the
+ring iterations (inputs included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+
+
+def _timed(fn, repeats, barrier):
+    import torch
+
+    times = []
+    for i in range(repeats + 2):
+        barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        if i >= 2:
+            times.append(start.elapsed_time(end))
+    return times
+
+
+def _worker(rank, world, port, args, results):
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import fa2cupy.torch as fa_torch
+    from fa2cupy.distributed import ring
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    dev = torch.device("cuda", rank)
+    s, h, d = args.seqlen, args.nheads, args.headdim
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v, dout = (torch.randn((1, s, h, d), generator=g, device=dev, dtype=torch.bfloat16) for _ in range(4))
+    barrier = dist.barrier
+    out_times = {}
+
+    def slowest(times):
+        t = torch.tensor(times, device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return statistics.median(t.tolist())
+
+    # one GPU, the whole sequence (rank 0; the others wait at the barrier after)
+    if rank == 0 and not args.skip_single:
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+
+        def single():
+            fa_torch.flash_attn_func(*leaves, causal=args.causal).backward(dout)
+
+        out_times["fa2cupy, 1 GPU"] = statistics.median(_timed(single, args.repeats, lambda: None))
+        qt, kt, vt = (x.transpose(1, 2).clone().requires_grad_() for x in (q, k, v))
+
+        def single_cudnn():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                F.scaled_dot_product_attention(qt, kt, vt, is_causal=args.causal).backward(dout.transpose(1, 2))
+
+        out_times["SDPA cuDNN, 1 GPU"] = statistics.median(_timed(single_cudnn, args.repeats, lambda: None))
+        del leaves, qt, kt, vt
+        torch.cuda.empty_cache()
+    barrier()
+
+    # fa2cupy's ring
+    mine = [ring.shard(x, layout=args.layout) for x in (q, k, v, dout)]
+    leaves = [x.requires_grad_() for x in mine[:3]]
+    torch.cuda.reset_peak_memory_stats()
+
+    def ring_step():
+        ring.ring_flash_attn_func(*leaves, causal=args.causal, layout=args.layout).backward(mine[3])
+
+    out_times[f"fa2cupy ring, {world} GPUs"] = slowest(_timed(ring_step, args.repeats, barrier))
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    del leaves, mine
+    torch.cuda.empty_cache()
+
+    # torch's context_parallel over cuDNN (shards the buffers in place, load-balanced)
+    if not args.skip_torch:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental import context_parallel
+
+        mesh = init_device_mesh("cuda", (world,))
+        qt, kt, vt, dt = (x.transpose(1, 2).contiguous() for x in (q, k, v, dout))
+        with context_parallel(mesh, buffers=[qt, kt, vt, dt], buffer_seq_dims=[2, 2, 2, 2]):
+            local = [x.detach().requires_grad_() for x in (qt, kt, vt)]
+
+            def torch_cp():
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    F.scaled_dot_product_attention(*local, is_causal=args.causal).backward(dt)
+
+            out_times[f"torch context_parallel cuDNN, {world} GPUs"] = slowest(_timed(torch_cp, args.repeats,
+                                                                                       barrier))
+    if rank == 0:
+        results.put((out_times, peak))
+    barrier()
+    dist.destroy_process_group()
+
+
+def main():
+    import torch
+    import torch.multiprocessing as mp
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seqlen", type=int, default=131072)
+    parser.add_argument("--nheads", type=int, default=16)
+    parser.add_argument("--headdim", type=int, default=128)
+    parser.add_argument("--gpus", type=int, default=0, help="GPUs (default: all)")
+    parser.add_argument("--layout", default="zigzag")
+    parser.add_argument("--no-causal", dest="causal", action="store_false")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--skip-single", action="store_true", help="skip the one-GPU runs (e.g. 1M tokens)")
+    parser.add_argument("--skip-torch", action="store_true", help="skip torch's context_parallel")
+    args = parser.parse_args()
+    world = args.gpus or torch.cuda.device_count()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    mp.start_processes(_worker, args=(world, port, args, results), nprocs=world, start_method="spawn")
+    times, peak = results.get()
+    flops = 4 * args.seqlen * args.seqlen * args.nheads * args.headdim * (0.5 if args.causal else 1.0) * 3.5
+    print(f"cp_speed on {world} x {torch.cuda.get_device_name(0)}: seqlen {args.seqlen}, {args.nheads} heads of "
+          f"{args.headdim}, bf16, {'causal' if args.causal else 'non-causal'}, layout {args.layout}, forward + "
+          f"backward, median of {args.repeats}")
+    single = times.get("fa2cupy, 1 GPU")
+    for name, ms in times.items():
+        extra = ""
+        if single and "ring" in name:
+            extra = f"  scaling efficiency {single / (ms * world):.3f}"
+        print(f"  {name:<40} {ms:9.2f} ms  {flops / ms / 1e9:7.1f} TFLOPs/s{extra}")
+    ring_ms = next(ms for name, ms in times.items() if "ring" in name)
+    torch_ms = next((ms for name, ms in times.items() if "context_parallel" in name), None)
+    if torch_ms:
+        print(f"  fa2cupy ring / torch context_parallel speed: {torch_ms / ring_ms:.3f}x")
+    print(f"  peak memory on rank 0 (ring): {peak:.2f} GiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""fa2cupy.distributed on CPU: the layouts' position arithmetic, the ring step's kernel calls against the whole
+sequence's mask (brute force), and the ring attention's forward and backward run by 2 and 4 processes on a gloo
+group with fa2cupy.torch's ops on the float64 reference (tests/torch_stand_ins.py), against the full-sequence call
+on the same reference. The GPU counterparts (NCCL, fa2cupy's kernels) are in test_distributed_gpu.py.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+
+import numpy as np
+import pytest
+
+from fa2cupy.distributed import layout as L
+
+
+def test_segments():
+    assert L.segments("contiguous", 12, 3, 1) == [(4, 4)]
+    assert L.segments("zigzag", 16, 4, 0) == [(0, 2), (14, 2)]
+    assert L.segments("zigzag", 16, 4, 3) == [(6, 2), (8, 2)]
+    every = sorted(p for r in range(4) for s, n in L.segments("zigzag", 24, 4, r) for p in range(s, s + n))
+    assert every == list(range(24))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        L.segments("zigzag", 12, 4, 0)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        L.segments("striped", 12, 4, 0)
+    with pytest.raises(ValueError, match="rank must be in"):
+        L.segments("contiguous", 12, 4, 4)
+
+
+def _fa_mask(rows, keys, window):
+    """fa2cupy's (bottom-right aligned) window mask of one call."""
+    left, right = window
+    i, j = np.arange(rows)[:, None], np.arange(keys)[None, :]
+    mask = np.ones((rows, keys), bool)
+    if left >= 0:
+        mask &= j >= i + keys - rows - left
+    if right >= 0:
+        mask &= j <= i + keys - rows + right
+    return mask
+
+
+def test_step_calls_cover_the_mask_exactly():
+    """For every rank and ring step, the step's calls (rectangles with their windows) mark each query-key pair of
+    the two slices that sees each other under the whole sequence's window exactly once, and no other; every row
+    of a call sees a key (so no call leaves a row without one, whose lse would be +inf)."""
+    rng = random.Random(0)
+    for _ in range(400):
+        layout, world = rng.choice(L.LAYOUTS), rng.choice([1, 2, 3, 4])
+        parts = world if layout == "contiguous" else 2 * world
+        seqlen = parts * rng.randint(1, 5)
+        left, right = rng.choice([-1, 0, 1, 2, 5, 11]), rng.choice([-1, 0, 1, 4])
+        p = np.arange(seqlen)
+        whole = ((left < 0) | (p[None, :] >= p[:, None] - left)) & ((right < 0) | (p[None, :] <= p[:, None] + right))
+        for rank in range(world):
+            mine = L.segments(layout, seqlen, world, rank)
+            q_pos = np.concatenate([np.arange(s, s + n) for s, n in mine])
+            for src in range(world):
+                theirs = L.segments(layout, seqlen, world, src)
+                k_pos = np.concatenate([np.arange(s, s + n) for s, n in theirs])
+                marked = np.zeros((len(q_pos), len(k_pos)), int)
+                for c in L.step_calls(mine, theirs, left, right):
+                    m = _fa_mask(c.q_stop - c.q_start, c.k_stop - c.k_start, c.window)
+                    assert min(c.window) >= -1 and m.any(1).all(), c
+                    marked[c.q_start:c.q_stop, c.k_start:c.k_stop] += m
+                want = whole[np.ix_(q_pos, k_pos)]
+                assert (marked == want).all(), (layout, world, seqlen, left, right, rank, src)
+
+
+def test_zigzag_balances_causal_work():
+    """Under a causal mask every zigzag rank computes the same number of query-key pairs at every ring step."""
+    world, seqlen = 4, 64
+    for step in range(world):
+        work = set()
+        for rank in range(world):
+            calls = L.step_calls(L.segments("zigzag", seqlen, world, rank),
+                                 L.segments("zigzag", seqlen, world, (rank - step) % world), -1, 0)
+            work.add(sum(int(_fa_mask(c.q_stop - c.q_start, c.k_stop - c.k_start, c.window).sum()) for c in calls))
+        assert len(work) == 1, (step, work)
+
+
+# ------------------------------------------------------------------------------------- the ring on gloo (CPU)
+
+def _spawn(worker, world, tmp_path, backend, cases):
+    """Runs ``distributed_workers.<worker>`` as ``world`` processes of one group; returns each rank's results."""
+    mp = pytest.importorskip("torch.multiprocessing")
+    import distributed_workers
+
+    with socket.socket() as s:  # a free port for the group's rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(getattr(distributed_workers, worker), args=(world, port, str(tmp_path), backend, cases), nprocs=world)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+CASES = [
+    dict(layout="zigzag", causal=True, window=[-1, -1], nheads=4, nheads_kv=2),
+    dict(layout="contiguous", causal=True, window=[-1, -1], nheads=2, nheads_kv=2),
+    dict(layout="zigzag", causal=False, window=[-1, -1], nheads=2, nheads_kv=1),
+    dict(layout="contiguous", causal=False, window=[5, 3], nheads=2, nheads_kv=2),
+    dict(layout="zigzag", causal=True, window=[6, 0], nheads=4, nheads_kv=1, softcap=3.0),
+    dict(layout="zigzag", causal=True, window=[-1, -1], nheads=2, nheads_kv=2, deterministic=True),
+]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_equals_the_full_sequence_on_cpu(tmp_path, world):
+    """Every case in one group of ``world`` processes. The stand-ins compute in float64 but the kernels' lse, and
+    so the ring's merge, is float32: the bound is a few float32 roundings (u = 6e-8) of the largest magnitude. A
+    wrong mask, window or merge moves results by O(1)."""
+    pytest.importorskip("torch")
+    cases = [dict(dict(batch=2, seqlen=8 * world, headdim=16, dtype="float64", softcap=0.0, deterministic=False,
+                       seed=world + i), **c) for i, c in enumerate(CASES)]
+    for rank_results in _spawn("ring_against_full", world, tmp_path, "gloo", cases):
+        for case, r in zip(cases, rank_results):
+            assert "error" not in r, r.get("error")
+            for name in ("out", "lse", "dq", "dk", "dv"):
+                assert r[name] <= 1e-6 * max(1.0, r["scale"][name]), (case, r["rank"], name, r[name])
+            assert r["roundtrip"]
+            if case["deterministic"]:
+                assert r["repeats"]
+
+
+def test_ring_argument_errors(tmp_path):
+    pytest.importorskip("torch")
+    for r in _spawn("argument_errors", 2, tmp_path, "gloo", []):
+        kind, message = r["group"]
+        assert kind == "ValueError" and "NCCL" in message and "'gloo'" in message
+        kind, message = r["unequal"]
+        assert kind == "ValueError" and "same shape" in message
