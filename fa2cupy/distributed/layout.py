@@ -86,7 +86,13 @@ def block_call(q_segment: tuple[int, int], k_segment: tuple[int, int], left: int
 
 def step_calls(q_segments, k_segments, left: int, right: int) -> list[BlockCall]:
     """Every call of one ring step: each query segment of the rank against each key segment of the slice in hand,
-    rows and keys counted in the concatenated local tensors."""
+    rows and keys counted in the concatenated local tensors. Calls without a window that share their rows and
+    meet on their keys (or share their keys and meet on their rows) are one call: fewer, larger kernel calls and
+    fewer merges (zigzag's off-diagonal steps are one call each). A causal step against the rank's own slice is one
+    causal call: its positions increase along the local tensor, so position order is local order."""
+    if left < 0 and right == 0 and list(q_segments) == list(k_segments):
+        n = sum(length for _, length in q_segments)
+        return [BlockCall(0, n, 0, n, (-1, 0))]
     calls = []
     q_offset = 0
     for q_segment in q_segments:
@@ -97,4 +103,28 @@ def step_calls(q_segments, k_segments, left: int, right: int) -> list[BlockCall]
                 calls.append(call)
             k_offset += k_segment[1]
         q_offset += q_segment[1]
-    return calls
+    return _coalesce(calls)
+
+
+def _coalesce(calls: list[BlockCall]) -> list[BlockCall]:
+    full = (-1, -1)
+    merged = True
+    while merged:
+        merged = False
+        for a in range(len(calls)):
+            for b in range(len(calls)):
+                x, y = calls[a], calls[b]
+                if a == b or x.window != full or y.window != full:
+                    continue
+                if (x.q_start, x.q_stop) == (y.q_start, y.q_stop) and x.k_stop == y.k_start:
+                    joined = BlockCall(x.q_start, x.q_stop, x.k_start, y.k_stop, full)
+                elif (x.k_start, x.k_stop) == (y.k_start, y.k_stop) and x.q_stop == y.q_start:
+                    joined = BlockCall(x.q_start, y.q_stop, x.k_start, x.k_stop, full)
+                else:
+                    continue
+                calls = [c for i, c in enumerate(calls) if i not in (a, b)] + [joined]
+                merged = True
+                break
+            if merged:
+                break
+    return sorted(calls, key=lambda c: (c.q_start, c.k_start))

@@ -91,14 +91,24 @@ def _plan(settings: Settings, seqlen: int, ring: Ring):
                                settings.left, settings.right) for s in range(ring.world)]
 
 
-def _merge(acc_out, acc_lse, rows: slice, out, lse):
-    """acc (float32 out (b, n, h, d), lse (b, h, n)) rows merged with a part's (out, lse) over the same rows."""
+def _merge(acc_out, acc_lse, rows: slice, out, lse, first: bool):
+    """acc (float32 out (b, n, h, d), lse (b, h, n)) rows merged with a part's (out, lse) over the same rows; the
+    first part of those rows is copied in."""
+    if first:
+        acc_out[:, rows].copy_(out)
+        acc_lse[:, :, rows].copy_(lse)
+        return
     old = acc_lse[:, :, rows]
     new = torch.logaddexp(old, lse)
     keep = torch.exp(old - new).transpose(1, 2).unsqueeze(-1)
     take = torch.exp(lse - new).transpose(1, 2).unsqueeze(-1)
-    acc_out[:, rows] = acc_out[:, rows] * keep + out.float() * take
+    acc_out[:, rows].mul_(keep).addcmul_(out, take)
     acc_lse[:, :, rows] = new
+
+
+def _covers(touched, call) -> bool:
+    """Whether a part over ``call``'s rows may be copied in: none of its rows were merged into before."""
+    return all(not (call.q_start < stop and start < call.q_stop) for start, stop in touched)
 
 
 def _forward(q, k, v, ring: Ring, settings: Settings):
@@ -109,6 +119,7 @@ def _forward(q, k, v, ring: Ring, settings: Settings):
     plan = _plan(settings, seqlen, ring)
     acc_out = torch.zeros((b, n, h, d), dtype=torch.float32, device=q.device)
     acc_lse = torch.full((b, h, n), -math.inf, dtype=torch.float32, device=q.device)
+    touched = []  # the row ranges merged into so far (a part over untouched rows is copied in)
     k_cur, v_cur = k, v
     for step in range(ring.world):
         if step + 1 < ring.world:  # the next slice travels while this one is used
@@ -121,7 +132,8 @@ def _forward(q, k, v, ring: Ring, settings: Settings):
                 q[:, rows], k_cur[:, keys], v_cur[:, keys], settings.softmax_scale, False, call.window[0],
                 call.window[1], settings.deterministic, settings.softcap, None, settings.dropout_p, seed, 0,
                 settings.kernel_options)
-            _merge(acc_out, acc_lse, rows, out, lse)
+            _merge(acc_out, acc_lse, rows, out, lse, _covers(touched, call))
+            touched.append((call.q_start, call.q_stop))
         if step + 1 < ring.world:
             for work in pending:
                 work.wait()
