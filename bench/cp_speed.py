@@ -2,6 +2,7 @@
 over SDPA cuDNN, forward + backward, with both on one GPU over the whole sequence for the scaling efficiency.
 
     python bench/cp_speed.py --seqlen 131072 --nheads 16 --headdim 128 [--gpus N] [--layout zigzag] [--repeats 5]
+                             [--forward-only] [--skip-single] [--skip-torch]
 
 One process a GPU (spawned here, NCCL), bf16, b = 1, causal unless --no-causal. Each figure is the median over
 --repeats timed iterations (after two untimed ones) of the slowest rank's CUDA-event time for out = attention(q, k,
@@ -60,34 +61,40 @@ def _worker(rank, world, port, args, results):
 
     # one GPU, the whole sequence (rank 0; the others wait at the barrier after)
     if rank == 0 and not args.skip_single:
-        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        whole = [x.clone().requires_grad_() for x in (q, k, v)]
 
         def single():
-            fa_torch.flash_attn_func(*leaves, causal=args.causal).backward(dout)
+            out = fa_torch.flash_attn_func(*whole, causal=args.causal)
+            if not args.forward_only:
+                out.backward(dout)
 
         out_times["fa2cupy, 1 GPU"] = statistics.median(_timed(single, args.repeats, lambda: None))
         qt, kt, vt = (x.transpose(1, 2).clone().requires_grad_() for x in (q, k, v))
 
         def single_cudnn():
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                F.scaled_dot_product_attention(qt, kt, vt, is_causal=args.causal).backward(dout.transpose(1, 2))
+                out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=args.causal)
+                if not args.forward_only:
+                    out.backward(dout.transpose(1, 2))
 
         out_times["SDPA cuDNN, 1 GPU"] = statistics.median(_timed(single_cudnn, args.repeats, lambda: None))
-        del leaves, qt, kt, vt
+        whole = qt = kt = vt = None  # (freed before the ring runs)
         torch.cuda.empty_cache()
     barrier()
 
     # fa2cupy's ring
     mine = [ring.shard(x, layout=args.layout) for x in (q, k, v, dout)]
-    leaves = [x.requires_grad_() for x in mine[:3]]
+    slices = [x.requires_grad_() for x in mine[:3]]
     torch.cuda.reset_peak_memory_stats()
 
     def ring_step():
-        ring.ring_flash_attn_func(*leaves, causal=args.causal, layout=args.layout).backward(mine[3])
+        out = ring.ring_flash_attn_func(*slices, causal=args.causal, layout=args.layout)
+        if not args.forward_only:
+            out.backward(mine[3])
 
     out_times[f"fa2cupy ring, {world} GPUs"] = slowest(_timed(ring_step, args.repeats, barrier))
     peak = torch.cuda.max_memory_allocated() / 2**30
-    del leaves, mine
+    slices = mine = None
     torch.cuda.empty_cache()
 
     # torch's context_parallel over cuDNN (shards the buffers in place, load-balanced)
@@ -102,7 +109,9 @@ def _worker(rank, world, port, args, results):
 
             def torch_cp():
                 with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    F.scaled_dot_product_attention(*local, is_causal=args.causal).backward(dt)
+                    out = F.scaled_dot_product_attention(*local, is_causal=args.causal)
+                    if not args.forward_only:
+                        out.backward(dt)
 
             out_times[f"torch context_parallel cuDNN, {world} GPUs"] = slowest(_timed(torch_cp, args.repeats,
                                                                                        barrier))
@@ -126,6 +135,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-single", action="store_true", help="skip the one-GPU runs (e.g. 1M tokens)")
     parser.add_argument("--skip-torch", action="store_true", help="skip torch's context_parallel")
+    parser.add_argument("--forward-only", action="store_true", help="time the forward alone")
     args = parser.parse_args()
     world = args.gpus or torch.cuda.device_count()
     with socket.socket() as s:
@@ -135,10 +145,11 @@ def main():
     results = ctx.SimpleQueue()
     mp.start_processes(_worker, args=(world, port, args, results), nprocs=world, start_method="spawn")
     times, peak = results.get()
-    flops = 4 * args.seqlen * args.seqlen * args.nheads * args.headdim * (0.5 if args.causal else 1.0) * 3.5
+    flops = (4 * args.seqlen * args.seqlen * args.nheads * args.headdim * (0.5 if args.causal else 1.0)
+             * (1.0 if args.forward_only else 3.5))
     print(f"cp_speed on {world} x {torch.cuda.get_device_name(0)}: seqlen {args.seqlen}, {args.nheads} heads of "
-          f"{args.headdim}, bf16, {'causal' if args.causal else 'non-causal'}, layout {args.layout}, forward + "
-          f"backward, median of {args.repeats}")
+          f"{args.headdim}, bf16, {'causal' if args.causal else 'non-causal'}, layout {args.layout}, "
+          f"{'forward' if args.forward_only else 'forward + backward'}, median of {args.repeats}")
     single = times.get("fa2cupy, 1 GPU")
     for name, ms in times.items():
         extra = ""
