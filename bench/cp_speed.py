@@ -41,6 +41,7 @@ def _worker(rank, world, port, args, results):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    import fa2cupy
     import fa2cupy.torch as fa_torch
     from fa2cupy.distributed import ring
 
@@ -87,8 +88,10 @@ def _worker(rank, world, port, args, results):
     slices = [x.requires_grad_() for x in mine[:3]]
     torch.cuda.reset_peak_memory_stats()
 
+    options = fa2cupy.KernelOptions(sm_count=args.sm_count) if args.sm_count else None
+
     def ring_step():
-        out = ring.ring_flash_attn_func(*slices, causal=args.causal, layout=args.layout)
+        out = ring.ring_flash_attn_func(*slices, causal=args.causal, layout=args.layout, kernel_options=options)
         if not args.forward_only:
             out.backward(mine[3])
 
@@ -136,6 +139,8 @@ def main():
     parser.add_argument("--skip-single", action="store_true", help="skip the one-GPU runs (e.g. 1M tokens)")
     parser.add_argument("--skip-torch", action="store_true", help="skip torch's context_parallel")
     parser.add_argument("--forward-only", action="store_true", help="time the forward alone")
+    parser.add_argument("--sm-count", type=int, default=0,
+                        help="KernelOptions.sm_count for the ring's kernels (persistent grids on fewer SMs)")
     args = parser.parse_args()
     world = args.gpus or torch.cuda.device_count()
     with socket.socket() as s:

@@ -91,6 +91,13 @@ def _plan(settings: Settings, seqlen: int, ring: Ring):
                                settings.left, settings.right) for s in range(ring.world)]
 
 
+def _untouched(touched: list, start: int, stop: int) -> bool:
+    """Whether no range in ``touched`` overlaps [start, stop); records it as touched."""
+    fresh = all(not (start < t_stop and t_start < stop) for t_start, t_stop in touched)
+    touched.append((start, stop))
+    return fresh
+
+
 def _merge(acc_out, acc_lse, rows: slice, out, lse, first: bool):
     """acc (float32 out (b, n, h, d), lse (b, h, n)) rows merged with a part's (out, lse) over the same rows; the
     first part of those rows is copied in."""
@@ -104,11 +111,6 @@ def _merge(acc_out, acc_lse, rows: slice, out, lse, first: bool):
     take = torch.exp(lse - new).transpose(1, 2).unsqueeze(-1)
     acc_out[:, rows].mul_(keep).addcmul_(out, take)
     acc_lse[:, :, rows] = new
-
-
-def _covers(touched, call) -> bool:
-    """Whether a part over ``call``'s rows may be copied in: none of its rows were merged into before."""
-    return all(not (call.q_start < stop and start < call.q_stop) for start, stop in touched)
 
 
 def _forward(q, k, v, ring: Ring, settings: Settings):
@@ -132,8 +134,7 @@ def _forward(q, k, v, ring: Ring, settings: Settings):
                 q[:, rows], k_cur[:, keys], v_cur[:, keys], settings.softmax_scale, False, call.window[0],
                 call.window[1], settings.deterministic, settings.softcap, None, settings.dropout_p, seed, 0,
                 settings.kernel_options)
-            _merge(acc_out, acc_lse, rows, out, lse, _covers(touched, call))
-            touched.append((call.q_start, call.q_stop))
+            _merge(acc_out, acc_lse, rows, out, lse, _untouched(touched, call.q_start, call.q_stop))
         if step + 1 < ring.world:
             for work in pending:
                 work.wait()
@@ -143,20 +144,28 @@ def _forward(q, k, v, ring: Ring, settings: Settings):
     return acc_out.to(q.dtype), lse
 
 
+def _accumulate(acc, index, part, fresh: bool) -> None:
+    """acc[:, index] += part, or part copied in where nothing was accumulated there yet."""
+    if fresh:
+        acc[:, index].copy_(part)
+    else:
+        acc[:, index] += part
+
+
 def _backward(dout, q, k, v, out, lse, ring: Ring, settings: Settings):
     from fa2cupy import torch as fa_torch
 
     n = q.shape[1]
     plan = _plan(settings, n * ring.world, ring)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq_touched = []
     k_cur, v_cur = k, v
-    held = None  # (dk, dv) accumulators of the slice in hand, arriving from the previous rank
+    held = None  # (dk, dv, transfers): the accumulators of the slice in hand, arriving from the previous rank
     for step in range(ring.world):
         if step + 1 < ring.world:
             k_next, v_next = torch.empty_like(k_cur), torch.empty_like(v_cur)
             pending = ring.shift([k_cur, v_cur], [k_next, v_next])
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        parts = []
         for index, call in enumerate(plan[step]):
             rows, keys = slice(call.q_start, call.q_stop), slice(call.k_start, call.k_stop)
             seed = _mix_seed(settings.dropout_seed, ring.rank, step, index) if settings.dropout_p > 0 else 0
@@ -164,14 +173,21 @@ def _backward(dout, q, k, v, out, lse, ring: Ring, settings: Settings):
                 dout[:, rows], q[:, rows], k_cur[:, keys], v_cur[:, keys], out[:, rows],
                 lse[:, :, rows].contiguous(), settings.softmax_scale, False, call.window[0], call.window[1],
                 settings.deterministic, settings.softcap, settings.dropout_p, seed, 0, None, settings.kernel_options)
-            dq[:, rows] += dq_part
-            dk[:, keys] += dk_part
-            dv[:, keys] += dv_part
-        if held is not None:  # the accumulators of this slice, from the ranks it visited before
+            _accumulate(dq, rows, dq_part, _untouched(dq_touched, call.q_start, call.q_stop))
+            parts.append((keys, (call.k_start, call.k_stop), dk_part, dv_part))
+        # this step's dK, dV into the slice's accumulators (waited for only now, after the step's kernels)
+        if held is None:
+            dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+            dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+            touched = []
+        else:
             for work in held[2]:
                 work.wait()
-            dk += held[0]
-            dv += held[1]
+            dk, dv, touched = held[0], held[1], [(0, n)]
+        for keys, span, dk_part, dv_part in parts:
+            fresh = _untouched(touched, *span)
+            _accumulate(dk, keys, dk_part, fresh)
+            _accumulate(dv, keys, dv_part, fresh)
         if ring.world > 1:
             arriving = (torch.empty_like(dk), torch.empty_like(dv))
             held = (*arriving, ring.shift([dk, dv], list(arriving)))
