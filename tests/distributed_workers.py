@@ -27,7 +27,9 @@ def _use_stand_ins():
     from fa2cupy import attention
 
     attention.forward_with_lse = s._ref_forward
+    attention.varlen_forward_with_lse = s._ref_varlen_forward
     fa2cupy.flash_attn_backward = s._ref_block_backward
+    fa2cupy.flash_attn_varlen_backward = s._ref_varlen_block_backward
 
 
 def _write(result_dir: str, rank: int, result: dict) -> None:
@@ -75,6 +77,7 @@ def ring_against_full(rank: int, world: int, port: int, result_dir: str, backend
 
 
 def _ring_case(rank: int, world: int, device, case: dict) -> dict:
+    """One case: dense slices, or (``case["documents"]``, document lengths) packed documents that cross slices."""
     import torch
 
     import fa2cupy.torch as fa_torch
@@ -83,39 +86,52 @@ def _ring_case(rank: int, world: int, device, case: dict) -> dict:
     result = {"rank": rank}
     dtype = getattr(torch, case["dtype"])
     b, s, h, hkv, d = case["batch"], case["seqlen"], case["nheads"], case["nheads_kv"], case["headdim"]
+    documents = case.get("documents")
+    lead = (s,) if documents else (b, s)  # packed: one sequence of s tokens
     g = torch.Generator().manual_seed(case["seed"])  # the same full tensors on every rank
     q, k, v, dout = (torch.randn(shape, generator=g, dtype=torch.float64).to(device, dtype)
-                     for shape in ((b, s, h, d), (b, s, hkv, d), (b, s, hkv, d), (b, s, h, d)))
+                     for shape in ((*lead, h, d), (*lead, hkv, d), (*lead, hkv, d), (*lead, h, d)))
     kw = dict(causal=case["causal"], window_size=tuple(case["window"]), softcap=case["softcap"],
               deterministic=case["deterministic"])
     full = [x.clone().requires_grad_() for x in (q, k, v)]
-    out_full, lse_full, _ = fa_torch.flash_attn_func(*full, return_attn_probs=True, **kw)
+    if documents:
+        cu = torch.tensor([0] + [sum(documents[:i + 1]) for i in range(len(documents))], dtype=torch.int32,
+                          device=device)
+        out_full, lse_full, _ = fa_torch.flash_attn_varlen_func(*full, cu, cu, max(documents), max(documents),
+                                                                return_attn_probs=True, **kw)
+    else:
+        out_full, lse_full, _ = fa_torch.flash_attn_func(*full, return_attn_probs=True, **kw)
     out_full.backward(dout)
 
-    layout = case["layout"]
+    layout, ax = case["layout"], 0 if documents else 1
     group = ring.Ring()
-    mine = [ring.shard(x, layout=layout) for x in (q, k, v, dout)]
+    mine = [ring.shard(x, layout=layout, dim=ax) for x in (q, k, v, dout)]
 
     def run():
         leaves = [x.clone().requires_grad_() for x in mine[:3]]
         settings = ring.settings_for(*leaves, case["causal"], None, tuple(case["window"]), case["softcap"], None,
-                                     0.0, case["deterministic"], layout, None, world)
-        out, lse = ring._RingAttention.apply(*leaves, group, settings)
+                                     0.0, case["deterministic"], layout, None, world, varlen=bool(documents))
+        if documents:
+            kernels = ring._Varlen(settings, group, mine[0].shape[0], cu.tolist(), device)
+        else:
+            kernels = ring._Dense(settings, group, mine[0].shape[1])
+        out, lse = ring._RingAttention.apply(*leaves, group, settings, kernels)
         out.backward(mine[3])
         return out.detach(), lse, [x.grad for x in leaves]
 
     out, lse, grads = run()
-    want_out, want_lse = ring.shard(out_full.detach(), layout=layout), ring.shard(lse_full, layout=layout, dim=2)
+    want_out = ring.shard(out_full.detach(), layout=layout, dim=ax)
+    want_lse = ring.shard(lse_full, layout=layout, dim=ax + 1)
     result["out"] = _max_diff(out, want_out)
     result["lse"] = _max_diff(lse, want_lse)
     result["scale"] = {"out": float(out_full.detach().abs().max()), "lse": float(lse_full.abs().max())}
     for name, got, x in zip("qkv", grads, full):
-        want = ring.shard(x.grad, layout=layout)
+        want = ring.shard(x.grad, layout=layout, dim=ax)
         result[f"d{name}"] = _max_diff(got, want)
         result["scale"][f"d{name}"] = float(x.grad.abs().max())
     again = run()
     result["repeats"] = bool(torch.equal(again[0], out) and all(torch.equal(a, b) for a, b in zip(again[2], grads)))
-    result["roundtrip"] = bool(torch.equal(ring.unshard(mine[0], layout=layout), q))
+    result["roundtrip"] = bool(torch.equal(ring.unshard(mine[0], layout=layout, dim=ax), q))
     return result
 
 

@@ -69,6 +69,51 @@ def test_step_calls_cover_the_mask_exactly():
                 assert (marked == want).all(), (layout, world, seqlen, left, right, rank, src)
 
 
+def test_varlen_step_calls_cover_the_mask_exactly():
+    """Packed documents: a step's varlen calls (document pieces as sequences, the rows and keys between them as
+    sequences without keys or rows) mark exactly the pairs of one document that see each other under the window."""
+    rng = random.Random(1)
+    for _ in range(300):
+        layout, world = rng.choice(L.LAYOUTS), rng.choice([1, 2, 3, 4])
+        parts = world if layout == "contiguous" else 2 * world
+        seqlen = parts * rng.randint(1, 5)
+        cu = [0] + sorted(rng.sample(range(1, seqlen), rng.randint(0, min(5, seqlen - 1)))) + [seqlen]
+        document = np.searchsorted(np.array(cu), np.arange(seqlen), side="right") - 1
+        left, right = rng.choice([-1, 0, 1, 2, 5]), rng.choice([-1, 0, 1, 3])
+        p = np.arange(seqlen)
+        whole = (((left < 0) | (p[None, :] >= p[:, None] - left)) & ((right < 0) | (p[None, :] <= p[:, None] + right))
+                 & (document[:, None] == document[None, :]))
+        for rank in range(world):
+            mine = L.segments(layout, seqlen, world, rank)
+            q_pos = np.concatenate([np.arange(s, s + n) for s, n in mine])
+            for src in range(world):
+                theirs = L.segments(layout, seqlen, world, src)
+                k_pos = np.concatenate([np.arange(s, s + n) for s, n in theirs])
+                marked = np.zeros((len(q_pos), len(k_pos)), int)
+                for c in L.varlen_step_calls(mine, theirs, cu, left, right):
+                    assert sum(c.lengths_q) == c.q_stop - c.q_start and sum(c.lengths_k) == c.k_stop - c.k_start
+                    qa, ka = c.q_start, c.k_start
+                    for lq, lk in zip(c.lengths_q, c.lengths_k):
+                        if lq and lk:
+                            marked[qa:qa + lq, ka:ka + lk] += _fa_mask(lq, lk, c.window)
+                        qa, ka = qa + lq, ka + lk
+                assert (marked == whole[np.ix_(q_pos, k_pos)]).all(), (layout, world, cu, left, right, rank, src)
+
+
+def test_document_bounds_are_checked():
+    torch = pytest.importorskip("torch")
+    from fa2cupy.distributed import ring
+
+    cu = torch.tensor([0, 5, 16], dtype=torch.int32)
+    assert ring._document_bounds(cu, 11, 16) == [0, 5, 16]
+    with pytest.raises(TypeError, match="cu_seqlens must be a 1-D int32"):
+        ring._document_bounds(cu.long(), 11, 16)
+    with pytest.raises(ValueError, match="rise from 0 to the packed sequence's 20 tokens"):
+        ring._document_bounds(cu, 11, 20)
+    with pytest.raises(ValueError, match="max_seqlen must be an int >= the longest document \\(11\\)"):
+        ring._document_bounds(cu, 10, 16)
+
+
 def test_zigzag_balances_causal_work():
     """Under a causal mask every zigzag rank computes the same number of query-key pairs at every ring step."""
     world, seqlen = 4, 64
@@ -102,17 +147,33 @@ CASES = [
     dict(layout="contiguous", causal=False, window=[5, 3], nheads=2, nheads_kv=2),
     dict(layout="zigzag", causal=True, window=[6, 0], nheads=4, nheads_kv=1, softcap=3.0),
     dict(layout="zigzag", causal=True, window=[-1, -1], nheads=2, nheads_kv=2, deterministic=True),
+    # packed documents crossing the slices' boundaries (varlen), with a window inside them too
+    dict(layout="zigzag", causal=True, window=[-1, -1], nheads=4, nheads_kv=2, documents="cross"),
+    dict(layout="contiguous", causal=False, window=[3, 2], nheads=2, nheads_kv=1, documents="cross"),
+    dict(layout="zigzag", causal=True, window=[5, 0], nheads=2, nheads_kv=2, documents="cross", softcap=2.0),
 ]
+
+
+def _documents(seqlen: int, seed: int) -> list[int]:
+    """Document lengths summing to seqlen, cut where no slice boundary of either layout falls (world <= 4)."""
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample([c for c in range(1, seqlen) if c % 2], k=min(4, seqlen // 4)))
+    bounds = [0] + cuts + [seqlen]
+    return [b - a for a, b in zip(bounds, bounds[1:])]
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_equals_the_full_sequence_on_cpu(tmp_path, world):
-    """Every case in one group of ``world`` processes. The stand-ins compute in float64 but the kernels' lse, and
+    """Every case in one group of ``world`` processes (dense slices, and packed documents through the varlen
+    ring). The stand-ins compute in float64 but the kernels' lse, and
     so the ring's merge, is float32: the bound is a few float32 roundings (u = 6e-8) of the largest magnitude. A
     wrong mask, window or merge moves results by O(1)."""
     pytest.importorskip("torch")
     cases = [dict(dict(batch=2, seqlen=8 * world, headdim=16, dtype="float64", softcap=0.0, deterministic=False,
                        seed=world + i), **c) for i, c in enumerate(CASES)]
+    for c in cases:
+        if c.get("documents"):
+            c["documents"] = _documents(c["seqlen"], c["seed"])
     for rank_results in _spawn("ring_against_full", world, tmp_path, "gloo", cases):
         for case, r in zip(cases, rank_results):
             assert "error" not in r, r.get("error")

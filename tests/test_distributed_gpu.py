@@ -1,6 +1,6 @@
 """fa2cupy.distributed on GPUs: ring attention over an NCCL group of 2 (and, where the machine has them, 4) GPUs,
-one process a GPU, forward and backward against fa2cupy.torch.flash_attn_func over the whole sequence on each rank,
-bf16. (The position arithmetic and the ring's algorithm on the float64 reference are in test_distributed.py.)
+one process a GPU, forward and backward against fa2cupy.torch.flash_attn_func (flash_attn_varlen_func for packed
+documents that cross the slices) over the whole sequence on each rank, bf16. (The position arithmetic and the ring's algorithm on the float64 reference are in test_distributed.py.)
 
 The bound. Each ring step's kernel call rounds its partial output, and its backward its partial dQ/dK/dV, to bf16
 (u = 2**-8) before the float32 merge; the single-GPU call rounds once. So the ring differs from it by at most
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_distributed import _spawn
+from test_distributed import _documents, _spawn
 
 pytestmark = pytest.mark.gpu
 
@@ -31,6 +31,9 @@ CASES = [
     dict(layout="contiguous", causal=False, window=[300, 100], nheads=4, nheads_kv=2),
     dict(layout="zigzag", causal=True, window=[700, 0], nheads=4, nheads_kv=2, softcap=20.0),
     dict(layout="zigzag", causal=True, window=[-1, -1], nheads=4, nheads_kv=2, deterministic=True),
+    # packed documents crossing the slices' boundaries (the varlen ring)
+    dict(layout="zigzag", causal=True, window=[-1, -1], nheads=8, nheads_kv=2, documents="cross"),
+    dict(layout="contiguous", causal=True, window=[500, 0], nheads=4, nheads_kv=4, documents="cross"),
 ]
 
 
@@ -40,6 +43,9 @@ def test_gpu_ring_equals_the_full_sequence(tmp_path, world):
         pytest.skip(f"needs {world} GPUs, found {_gpus()}")
     cases = [dict(dict(batch=1, seqlen=1024 * world, headdim=128, dtype="bfloat16", softcap=0.0,
                        deterministic=False, seed=world + i), **c) for i, c in enumerate(CASES)]
+    for c in cases:
+        if c.get("documents"):
+            c["documents"] = _documents(c["seqlen"], c["seed"])
     for rank_results in _spawn("ring_against_full", world, tmp_path, "nccl", cases):
         for case, r in zip(cases, rank_results):
             assert "error" not in r, r.get("error")

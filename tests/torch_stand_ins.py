@@ -66,6 +66,22 @@ def _ref_block_backward(dout, q, k, v, out, softmax_lse, softmax_scale=None, cau
     return tuple(torch.from_numpy(g).to(x.dtype) for g, x in zip((dq, dk, dv), (q, k, v)))
 
 
+def _ref_varlen_block_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False,
+                               window_size=(-1, -1), deterministic=False, softcap=0.0, **_):
+    """_ref_block_backward per sequence of a varlen call (lse ``(h, total_q)``); rows and keys outside every
+    sequence get zero gradients."""
+    dq, dk, dv = (torch.zeros_like(x) for x in (q, k, v))
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for (q0, q1), (k0, k1) in zip(zip(cq, cq[1:]), zip(ck, ck[1:])):
+        if q1 == q0 or k1 == k0:
+            continue
+        grads = _ref_block_backward(dout[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1],
+                                    out[None, q0:q1], lse[None, :, q0:q1], softmax_scale, causal, window_size,
+                                    deterministic, softcap)
+        dq[q0:q1], dk[k0:k1], dv[k0:k1] = (g[0] for g in grads)
+    return dq, dk, dv
+
+
 calls: list = []  # the forward stand-ins' calls
 backward_calls: list = []  # the backward stand-ins' calls
 

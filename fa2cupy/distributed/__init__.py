@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from fa2cupy.distributed.layout import LAYOUTS, segments
 
-__all__ = ["LAYOUTS", "ring_flash_attn_func", "segments", "shard", "unshard"]
+__all__ = ["LAYOUTS", "ring_flash_attn_func", "ring_flash_attn_varlen_func", "segments", "shard", "unshard"]
 
 
 def __getattr__(name):  # torch only when a function that needs it is asked for
-    if name in ("ring_flash_attn_func", "shard", "unshard"):
+    if name in ("ring_flash_attn_func", "ring_flash_attn_varlen_func", "shard", "unshard"):
         try:
             from fa2cupy.distributed import ring
         except ImportError as exc:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["LAYOUTS", "BlockCall", "block_call", "segments", "step_calls"]
+__all__ = ["LAYOUTS", "BlockCall", "VarlenCall", "block_call", "segments", "step_calls", "varlen_step_calls"]
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -128,3 +128,65 @@ def _coalesce(calls: list[BlockCall]) -> list[BlockCall]:
             if merged:
                 break
     return sorted(calls, key=lambda c: (c.q_start, c.k_start))
+
+
+@dataclass(frozen=True)
+class VarlenCall:
+    """One varlen kernel call of a ring step over packed documents: query rows ``[q_start, q_stop)`` and key rows
+    ``[k_start, k_stop)`` of the local tensors cut into sequences of ``lengths_q[i]`` rows and ``lengths_k[i]`` keys
+    (cu_seqlens from them), all under one ``window``. The pieces of documents are sequences; the rows and keys between
+    two pieces are sequences of their own with no keys or no rows (their rows see nothing: lse +inf)."""
+
+    q_start: int
+    q_stop: int
+    k_start: int
+    k_stop: int
+    window: tuple[int, int]
+    lengths_q: tuple[int, ...]
+    lengths_k: tuple[int, ...]
+
+
+def varlen_step_calls(q_segments, k_segments, cu_seqlens, left: int, right: int) -> list[VarlenCall]:
+    """The calls of one ring step over packed documents (``cu_seqlens``: the whole packed sequence's document
+    bounds): a query attends to keys of its own document only, under the window within it. For each pair of
+    segments, each document's piece of the one against its piece of the other is a :func:`block_call` rectangle;
+    the rectangles of one pair that share a window are one varlen call (documents in order, so their rows and keys
+    increase together)."""
+    bounds = list(cu_seqlens)
+    calls = []
+    q_offset = 0
+    for qs, nq in q_segments:
+        k_offset = 0
+        for ks, nk in k_segments:
+            by_window: dict[tuple[int, int], list[BlockCall]] = {}
+            for ds, de in zip(bounds[:-1], bounds[1:]):
+                q0, q1 = max(qs, ds), min(qs + nq, de)
+                k0, k1 = max(ks, ds), min(ks + nk, de)
+                if q0 >= q1 or k0 >= k1:
+                    continue
+                call = block_call((q0, q1 - q0), (k0, k1 - k0), left, right, q_offset + q0 - qs,
+                                  k_offset + k0 - ks)
+                if call is not None:
+                    by_window.setdefault(call.window, []).append(call)
+            for window, pieces in by_window.items():
+                calls.append(_varlen_call(window, pieces))
+            k_offset += nk
+        q_offset += nq
+    return calls
+
+
+def _varlen_call(window, pieces: list[BlockCall]) -> VarlenCall:
+    lengths_q, lengths_k = [], []
+    q_at, k_at = pieces[0].q_start, pieces[0].k_start
+    for p in pieces:
+        if p.q_start > q_at:  # rows between pieces: a sequence with no keys
+            lengths_q.append(p.q_start - q_at)
+            lengths_k.append(0)
+        if p.k_start > k_at:  # keys between pieces: a sequence with no rows
+            lengths_q.append(0)
+            lengths_k.append(p.k_start - k_at)
+        lengths_q.append(p.q_stop - p.q_start)
+        lengths_k.append(p.k_stop - p.k_start)
+        q_at, k_at = p.q_stop, p.k_stop
+    return VarlenCall(pieces[0].q_start, q_at, pieces[0].k_start, k_at, window, tuple(lengths_q), tuple(lengths_k))
+

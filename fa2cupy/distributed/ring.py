@@ -15,7 +15,9 @@ rank adds its blocks' contributions to the accumulator in hand and sends it on, 
 hop each accumulator is back at its slice's rank, complete. dQ stays local. The order of every sum is fixed, so
 ``deterministic=True`` (deterministic kernels) is bit-for-bit repeatable.
 
-Only the K/V heads travel (GQA: nheads_kv of them), and nothing is copied beyond the buffers in flight.
+Only the K/V heads travel (GQA: nheads_kv of them), and nothing is copied beyond the buffers in flight. Packed
+documents (``ring_flash_attn_varlen_func``) run the same ring over varlen kernel calls
+(:func:`~fa2cupy.distributed.layout.varlen_step_calls`).
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ import torch
 import torch.distributed as dist
 
 from fa2cupy import checks
+from fa2cupy import torch as fa_torch
 from fa2cupy.distributed import layout as layouts
 
-__all__ = ["ring_flash_attn_func", "shard", "unshard"]
+__all__ = ["ring_flash_attn_func", "ring_flash_attn_varlen_func", "shard", "unshard"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -84,11 +87,71 @@ def _mix_seed(base: int, *parts: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
-def _plan(settings: Settings, seqlen: int, ring: Ring):
-    """The calls of each ring step: step s pairs this rank's segments with those of rank (rank - s) mod world."""
-    mine = layouts.segments(settings.layout, seqlen, ring.world, ring.rank)
-    return [layouts.step_calls(mine, layouts.segments(settings.layout, seqlen, ring.world, (ring.rank - s) % ring.world),
-                               settings.left, settings.right) for s in range(ring.world)]
+class _Dense:
+    """The kernel calls of a ring over (batch, seqlen / world, heads, dim) slices: lse (batch, heads, rows)."""
+
+    row_axis, lse_axis = 1, 2
+
+    def __init__(self, settings: Settings, ring: Ring, n: int):
+        mine = layouts.segments(settings.layout, n * ring.world, ring.world, ring.rank)
+        # step s pairs this rank's segments with those of rank (rank - s) mod world
+        self.plan = [layouts.step_calls(mine, layouts.segments(settings.layout, n * ring.world, ring.world,
+                                                               (ring.rank - s) % ring.world),
+                                        settings.left, settings.right) for s in range(ring.world)]
+
+    def forward(self, q, k, v, call, settings: Settings, seed: int):
+        return fa_torch._flash_attn_forward(q, k, v, settings.softmax_scale, False, call.window[0], call.window[1],
+                                            settings.deterministic, settings.softcap, None, settings.dropout_p, seed,
+                                            0, settings.kernel_options)
+
+    def backward(self, dout, q, k, v, out, lse, call, settings: Settings, seed: int):
+        return fa_torch._flash_attn_backward(dout, q, k, v, out, lse, settings.softmax_scale, False, call.window[0],
+                                             call.window[1], settings.deterministic, settings.softcap,
+                                             settings.dropout_p, seed, 0, None, settings.kernel_options)
+
+
+class _Varlen:
+    """The kernel calls of a ring over packed documents: (tokens / world, heads, dim) slices of the packed sequence
+    whose documents ``cu_seqlens`` bounds; lse (heads, rows). Each call's cu_seqlens go to the device once, together,
+    when the ring starts."""
+
+    row_axis, lse_axis = 0, 1
+
+    def __init__(self, settings: Settings, ring: Ring, n: int, cu_seqlens: list, device):
+        mine = layouts.segments(settings.layout, n * ring.world, ring.world, ring.rank)
+        self.plan = [layouts.varlen_step_calls(mine, layouts.segments(settings.layout, n * ring.world, ring.world,
+                                                                      (ring.rank - s) % ring.world),
+                                               cu_seqlens, settings.left, settings.right)
+                     for s in range(ring.world)]
+        bounds, self.where = [], {}
+        for call in (c for step in self.plan for c in step):
+            self.where[id(call)] = len(bounds)
+            for lengths in (call.lengths_q, call.lengths_k):
+                bounds.append(0)
+                for length in lengths:
+                    bounds.append(bounds[-1] + length)
+        self.bounds = torch.tensor(bounds, dtype=torch.int32).to(device, non_blocking=True)
+
+    def _cu(self, call):
+        at, m = self.where[id(call)], len(call.lengths_q) + 1
+        return (self.bounds[at:at + m], self.bounds[at + m:at + 2 * m], max(call.lengths_q),
+                max(call.lengths_k))
+
+    def forward(self, q, k, v, call, settings: Settings, seed: int):
+        cu_q, cu_k, max_q, max_k = self._cu(call)
+        out, lse = fa_torch._flash_attn_varlen_forward(
+            q, k, v, cu_q, cu_k, max_q, max_k, settings.softmax_scale, False, call.window[0], call.window[1],
+            settings.deterministic, settings.softcap, None, settings.dropout_p, seed, 0, None,
+            settings.kernel_options)
+        # rows between documents' pieces saw no key (lse +inf): weight 0 in the merge
+        return out, torch.where(lse == math.inf, -math.inf, lse)
+
+    def backward(self, dout, q, k, v, out, lse, call, settings: Settings, seed: int):
+        cu_q, cu_k, max_q, max_k = self._cu(call)
+        return fa_torch._flash_attn_varlen_backward(
+            dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, settings.softmax_scale, False, call.window[0],
+            call.window[1], settings.deterministic, settings.softcap, settings.dropout_p, seed, 0, None, None,
+            settings.kernel_options)
 
 
 def _untouched(touched: list, start: int, stop: int) -> bool:
@@ -98,43 +161,40 @@ def _untouched(touched: list, start: int, stop: int) -> bool:
     return fresh
 
 
-def _merge(acc_out, acc_lse, rows: slice, out, lse, first: bool):
-    """acc (float32 out (b, n, h, d), lse (b, h, n)) rows merged with a part's (out, lse) over the same rows; the
-    first part of those rows is copied in."""
+def _merge(acc_out, acc_lse, kernels, start: int, stop: int, out, lse, first: bool):
+    """acc (float32 out and lse, in the kernels' layouts) rows [start, stop) merged with a part's (out, lse) over
+    the same rows; the first part of those rows is copied in."""
+    rows = acc_out.narrow(kernels.row_axis, start, stop - start)
+    old = acc_lse.narrow(kernels.lse_axis, start, stop - start)
     if first:
-        acc_out[:, rows].copy_(out)
-        acc_lse[:, :, rows].copy_(lse)
+        rows.copy_(out)
+        old.copy_(lse)
         return
-    old = acc_lse[:, :, rows]
     new = torch.logaddexp(old, lse)
-    keep = torch.exp(old - new).transpose(1, 2).unsqueeze(-1)
-    take = torch.exp(lse - new).transpose(1, 2).unsqueeze(-1)
-    acc_out[:, rows].mul_(keep).addcmul_(out, take)
-    acc_lse[:, :, rows] = new
+    keep = torch.exp(old - new).movedim(-1, kernels.row_axis).unsqueeze(-1)
+    take = torch.exp(lse - new).movedim(-1, kernels.row_axis).unsqueeze(-1)
+    rows.mul_(keep).addcmul_(out, take)
+    old.copy_(new)
 
 
-def _forward(q, k, v, ring: Ring, settings: Settings):
-    from fa2cupy import torch as fa_torch
-
-    b, n, h, d = q.shape
-    seqlen = n * ring.world
-    plan = _plan(settings, seqlen, ring)
-    acc_out = torch.zeros((b, n, h, d), dtype=torch.float32, device=q.device)
-    acc_lse = torch.full((b, h, n), -math.inf, dtype=torch.float32, device=q.device)
+def _forward(q, k, v, ring: Ring, settings: Settings, kernels):
+    ax = kernels.row_axis
+    acc_out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse_shape = (*q.shape[:ax], q.shape[ax + 1], q.shape[ax])  # (batch, heads, rows) or (heads, rows)
+    acc_lse = torch.full(lse_shape, -math.inf, dtype=torch.float32, device=q.device)
     touched = []  # the row ranges merged into so far (a part over untouched rows is copied in)
     k_cur, v_cur = k, v
     for step in range(ring.world):
         if step + 1 < ring.world:  # the next slice travels while this one is used
             k_next, v_next = torch.empty_like(k_cur), torch.empty_like(v_cur)
             pending = ring.shift([k_cur, v_cur], [k_next, v_next])
-        for index, call in enumerate(plan[step]):
-            rows, keys = slice(call.q_start, call.q_stop), slice(call.k_start, call.k_stop)
+        for index, call in enumerate(kernels.plan[step]):
             seed = _mix_seed(settings.dropout_seed, ring.rank, step, index) if settings.dropout_p > 0 else 0
-            out, lse = fa_torch._flash_attn_forward(
-                q[:, rows], k_cur[:, keys], v_cur[:, keys], settings.softmax_scale, False, call.window[0],
-                call.window[1], settings.deterministic, settings.softcap, None, settings.dropout_p, seed, 0,
-                settings.kernel_options)
-            _merge(acc_out, acc_lse, rows, out, lse, _untouched(touched, call.q_start, call.q_stop))
+            keys = (call.k_start, call.k_stop - call.k_start)
+            out, lse = kernels.forward(q.narrow(ax, call.q_start, call.q_stop - call.q_start),
+                                       k_cur.narrow(ax, *keys), v_cur.narrow(ax, *keys), call, settings, seed)
+            _merge(acc_out, acc_lse, kernels, call.q_start, call.q_stop, out, lse,
+                   _untouched(touched, call.q_start, call.q_stop))
         if step + 1 < ring.world:
             for work in pending:
                 work.wait()
@@ -144,19 +204,18 @@ def _forward(q, k, v, ring: Ring, settings: Settings):
     return acc_out.to(q.dtype), lse
 
 
-def _accumulate(acc, index, part, fresh: bool) -> None:
-    """acc[:, index] += part, or part copied in where nothing was accumulated there yet."""
+def _accumulate(acc, axis: int, start: int, stop: int, part, fresh: bool) -> None:
+    """acc's rows [start, stop) along ``axis`` += part, or part copied in where nothing was accumulated there yet."""
+    rows = acc.narrow(axis, start, stop - start)
     if fresh:
-        acc[:, index].copy_(part)
+        rows.copy_(part)
     else:
-        acc[:, index] += part
+        rows += part
 
 
-def _backward(dout, q, k, v, out, lse, ring: Ring, settings: Settings):
-    from fa2cupy import torch as fa_torch
-
-    n = q.shape[1]
-    plan = _plan(settings, n * ring.world, ring)
+def _backward(dout, q, k, v, out, lse, ring: Ring, settings: Settings, kernels):
+    ax, lax = kernels.row_axis, kernels.lse_axis
+    n = q.shape[ax]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dq_touched = []
     k_cur, v_cur = k, v
@@ -166,15 +225,14 @@ def _backward(dout, q, k, v, out, lse, ring: Ring, settings: Settings):
             k_next, v_next = torch.empty_like(k_cur), torch.empty_like(v_cur)
             pending = ring.shift([k_cur, v_cur], [k_next, v_next])
         parts = []
-        for index, call in enumerate(plan[step]):
-            rows, keys = slice(call.q_start, call.q_stop), slice(call.k_start, call.k_stop)
+        for index, call in enumerate(kernels.plan[step]):
             seed = _mix_seed(settings.dropout_seed, ring.rank, step, index) if settings.dropout_p > 0 else 0
-            dq_part, dk_part, dv_part = fa_torch._flash_attn_backward(
-                dout[:, rows], q[:, rows], k_cur[:, keys], v_cur[:, keys], out[:, rows],
-                lse[:, :, rows].contiguous(), settings.softmax_scale, False, call.window[0], call.window[1],
-                settings.deterministic, settings.softcap, settings.dropout_p, seed, 0, None, settings.kernel_options)
-            _accumulate(dq, rows, dq_part, _untouched(dq_touched, call.q_start, call.q_stop))
-            parts.append((keys, (call.k_start, call.k_stop), dk_part, dv_part))
+            rows, keys = (call.q_start, call.q_stop - call.q_start), (call.k_start, call.k_stop - call.k_start)
+            dq_part, dk_part, dv_part = kernels.backward(
+                dout.narrow(ax, *rows), q.narrow(ax, *rows), k_cur.narrow(ax, *keys), v_cur.narrow(ax, *keys),
+                out.narrow(ax, *rows), lse.narrow(lax, *rows).contiguous(), call, settings, seed)
+            _accumulate(dq, ax, call.q_start, call.q_stop, dq_part, _untouched(dq_touched, call.q_start, call.q_stop))
+            parts.append((call.k_start, call.k_stop, dk_part, dv_part))
         # this step's dK, dV into the slice's accumulators (waited for only now, after the step's kernels)
         if held is None:
             dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
@@ -184,10 +242,10 @@ def _backward(dout, q, k, v, out, lse, ring: Ring, settings: Settings):
             for work in held[2]:
                 work.wait()
             dk, dv, touched = held[0], held[1], [(0, n)]
-        for keys, span, dk_part, dv_part in parts:
-            fresh = _untouched(touched, *span)
-            _accumulate(dk, keys, dk_part, fresh)
-            _accumulate(dv, keys, dv_part, fresh)
+        for start, stop, dk_part, dv_part in parts:
+            fresh = _untouched(touched, start, stop)
+            _accumulate(dk, ax, start, stop, dk_part, fresh)
+            _accumulate(dv, ax, start, stop, dv_part, fresh)
         if ring.world > 1:
             arriving = (torch.empty_like(dk), torch.empty_like(dv))
             held = (*arriving, ring.shift([dk, dv], list(arriving)))
@@ -204,10 +262,10 @@ def _backward(dout, q, k, v, out, lse, ring: Ring, settings: Settings):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring, settings):
-        out, lse = _forward(q.detach(), k.detach(), v.detach(), ring, settings)
+    def forward(ctx, q, k, v, ring, settings, kernels):
+        out, lse = _forward(q.detach(), k.detach(), v.detach(), ring, settings, kernels)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.settings = ring, settings
+        ctx.ring, ctx.settings, ctx.kernels = ring, settings, kernels
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -215,8 +273,8 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-        dq, dk, dv = _backward(dout, q, k, v, out, lse, ctx.ring, ctx.settings)
-        return dq, dk, dv, None, None
+        dq, dk, dv = _backward(dout, q, k, v, out, lse, ctx.ring, ctx.settings, ctx.kernels)
+        return dq, dk, dv, None, None, None
 
 
 def _check_group(group, tensors) -> Ring:
@@ -248,10 +306,8 @@ def _check_same_slices(ring: Ring, q, k) -> None:
 
 
 def settings_for(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, deterministic,
-                 layout, kernel_options, world: int) -> Settings:
+                 layout, kernel_options, world: int, varlen: bool = False) -> Settings:
     """The validated Settings of a ring call (argument errors name the argument and what is allowed)."""
-    from fa2cupy import torch as fa_torch
-
     p = fa_torch._reject_unsupported(dropout_p, window_size, softcap, alibi_slopes)
     if alibi_slopes is not None:
         raise NotImplementedError("alibi_slopes: ring attention takes no ALiBi (its bias depends on the distance "
@@ -261,14 +317,15 @@ def settings_for(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slo
     checks._check_bool(deterministic, "deterministic")
     if layout not in layouts.LAYOUTS:
         raise ValueError(f"layout must be one of {layouts.LAYOUTS}, got {layout!r}")
+    form = "(tokens / world, heads, headdim)" if varlen else "(batch, seqlen / world, heads, headdim)"
+    ax = 0 if varlen else 1
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D (batch, seqlen / world, heads, headdim), got shape "
-                             f"{tuple(t.shape)}")
-    if k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
-        raise ValueError(f"k and v must be (batch, seqlen / world, nheads_kv, headdim) with q's batch, slice length "
+        if t.dim() != ax + 3:
+            raise ValueError(f"{name} must be {ax + 3}-D {form}, got shape {tuple(t.shape)}")
+    if k.shape != v.shape or k.shape[:ax + 1] != q.shape[:ax + 1] or k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k and v must be {form.replace('heads', 'nheads_kv')} with q's slice length (and batch) "
                          f"and headdim: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    layouts.segments(layout, q.shape[1] * world, world, 0)  # the slice splits as the layout needs
+    layouts.segments(layout, q.shape[ax] * world, world, 0)  # the slice splits as the layout needs
     _, left, right = checks.window_bounds(causal, window_size)
     left = -1 if left == checks.UNLIMITED_WINDOW else left
     right = -1 if right == checks.UNLIMITED_WINDOW else right
@@ -313,10 +370,57 @@ def ring_flash_attn_func(q, k, v, group=None, causal=False, softmax_scale=None, 
     settings = settings_for(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
                             deterministic, layout, kernel_options, ring.world)
     _check_same_slices(ring, q, k)
-    out, lse = _RingAttention.apply(q, k, v, ring, settings)
+    out, lse = _RingAttention.apply(q, k, v, ring, settings, _Dense(settings, ring, q.shape[1]))
     if return_attn_probs:
         return out, lse, None
     return out
+
+
+def ring_flash_attn_varlen_func(q, k, v, cu_seqlens, max_seqlen, group=None, causal=False, softmax_scale=None,
+                                window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+                                deterministic=False, return_attn_probs=False, *, layout="zigzag",
+                                kernel_options=None):
+    """:func:`ring_flash_attn_func` over packed documents (packed-document training): the ranks split one packed
+    sequence of ``total`` tokens, and documents may cross the slices' boundaries.
+
+    ``q (total / world, nheads, headdim)``, ``k, v (total / world, nheads_kv, headdim)``: this rank's slice of the
+    packed token axis, laid out as ``layout`` says (:func:`shard` with ``dim=0``). ``cu_seqlens``: int32
+    ``(documents + 1,)``, the whole packed sequence's document bounds (0 ... total), the same on every rank;
+    ``max_seqlen``: the longest document. A token attends to the tokens of its own document only (causal and the
+    window within it). The result is this rank's rows of ``fa2cupy.torch.flash_attn_varlen_func(q, k, v,
+    cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, ...)`` over the whole packed sequence; ``softmax_lse`` is
+    ``(nheads, total / world)``. The other arguments as for :func:`ring_flash_attn_func`.
+
+    The host reads ``cu_seqlens`` (once per call) to plan each step's varlen kernel calls: one per pair of slices'
+    segments and window, the documents' pieces its sequences.
+    """
+    ring = _check_group(group, {"q": q, "k": k, "v": v})
+    settings = settings_for(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
+                            deterministic, layout, kernel_options, ring.world, varlen=True)
+    bounds = _document_bounds(cu_seqlens, max_seqlen, q.shape[0] * ring.world)
+    _check_same_slices(ring, q, k)
+    kernels = _Varlen(settings, ring, q.shape[0], bounds, q.device)
+    out, lse = _RingAttention.apply(q, k, v, ring, settings, kernels)
+    if return_attn_probs:
+        return out, lse, None
+    return out
+
+
+def _document_bounds(cu_seqlens, max_seqlen, total: int) -> list[int]:
+    """cu_seqlens as host ints, checked: 1-D int32, from 0 to ``total`` (every rank's tokens), non-decreasing, no
+    document longer than ``max_seqlen``."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32:
+        raise TypeError("cu_seqlens must be a 1-D int32 torch.Tensor (documents + 1,), got "
+                        f"{cu_seqlens.dtype if isinstance(cu_seqlens, torch.Tensor) else type(cu_seqlens).__name__}"
+                        f"{'' if not isinstance(cu_seqlens, torch.Tensor) else f' of shape {tuple(cu_seqlens.shape)}'}")
+    bounds = cu_seqlens.tolist()
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != total or any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to the packed sequence's {total} tokens (every rank's slice "
+                         f"together), got {bounds[:4]}{' ...' if len(bounds) > 4 else ''} ending {bounds[-1]}")
+    longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+    if not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or max_seqlen < longest:
+        raise ValueError(f"max_seqlen must be an int >= the longest document ({longest}), got {max_seqlen!r}")
+    return bounds
 
 
 # ---------------------------------------------------------------------------------------------- layouts
