@@ -191,3 +191,40 @@ def test_ring_argument_errors(tmp_path):
         assert kind == "ValueError" and "NCCL" in message and "'gloo'" in message
         kind, message = r["unequal"]
         assert kind == "ValueError" and "same shape" in message
+
+
+def test_ring_argument_checks_before_any_traffic():
+    """What the ring refuses from its arguments alone (before any collective): ALiBi, shapes, a slice the layout
+    cannot split, bad options."""
+    torch = pytest.importorskip("torch")
+    from fa2cupy.distributed import ring
+
+    q = torch.zeros(1, 6, 4, 16)
+    kv = torch.zeros(1, 6, 2, 16)
+
+    def settings(q=q, k=kv, v=kv, world=2, layout="zigzag", varlen=False, **kw):
+        args = dict(causal=True, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                    dropout_p=0.0, deterministic=False)
+        args.update(kw)
+        return ring.settings_for(q, k, v, *args.values(), layout, None, world, varlen=varlen)
+
+    assert settings().left == -1 and settings().right == 0
+    assert (settings(causal=False, window_size=(3, 1)).left, settings(causal=False, window_size=(3, 1)).right) == (3, 1)
+    with pytest.raises(NotImplementedError, match="alibi_slopes"):
+        settings(alibi_slopes=torch.zeros(4))
+    five, five_kv = torch.zeros(1, 5, 4, 16), torch.zeros(1, 5, 2, 16)
+    with pytest.raises(ValueError, match="multiple of 8"):  # zigzag over 4 ranks: 20 tokens in 8 chunks
+        settings(q=five, k=five_kv, v=five_kv, world=4)
+    assert settings(q=five, k=five_kv, v=five_kv, world=4, layout="contiguous").layout == "contiguous"
+    with pytest.raises(ValueError, match="k and v must be"):
+        settings(k=torch.zeros(1, 5, 2, 16))
+    with pytest.raises(ValueError, match="q must be 4-D"):
+        settings(q=torch.zeros(6, 4, 16))
+    with pytest.raises(ValueError, match="q must be 3-D"):
+        settings(varlen=True)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        settings(layout="striped")
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        settings(causal="yes")
+    with pytest.raises(ValueError, match="dropout_p must be in"):
+        settings(dropout_p=1.5)
