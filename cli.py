@@ -266,6 +266,12 @@ def _row_text(config) -> tuple[str, str]:
     return "mma.sync", f"{config.block_m}x{config.block_n}, {config.warps} warps, {stages}{slices}"
 
 
+def _dims(dims) -> str:
+    """"128, 192 and 256"."""
+    dims = [str(d) for d in dims]
+    return dims[0] if len(dims) == 1 else f"{', '.join(dims[:-1])} and {dims[-1]}"
+
+
 def tile_table_text(arch: int | None) -> str:
     """The kernel and tile each case runs on a GPU of compute capability ``arch`` (e.g. 90): for every head dim of
     the tile table, causal or not, the forward's and the backward's row as fa2cupy's planners choose it
@@ -294,8 +300,9 @@ def tile_table_text(arch: int | None) -> str:
         return f"kernel table unavailable for sm_{arch} ({B._first_line(exc)})"
     return (f"kernels for sm_{arch} (float16 and bfloat16 alike; a head dim runs on the next width of the table):\n"
             f"{table}\n"
-            + ("The forward with softcap or ALiBi runs the Hopper row above at d = 128; elsewhere, with dropout, and "
-               "in the backward, modifiers run " if arch == 90 else
+            + (f"The forward with softcap or ALiBi runs the Hopper row above at d = {_dims(configs.HOPPER_MODS_HEADDIMS)}"
+               f" (padded calls only at {_dims(configs.HOPPER_MODS_PADDED_ONLY)}); elsewhere, with dropout, and in "
+               "the backward, modifiers run " if arch == 90 else
                "Calls with softcap, ALiBi or dropout run ")
             + "the mma.sync rows of their modifier variant (sliding windows those of configs.FORWARD_MASKED_TABLE "
             "where it has one); the deterministic backward runs the mma.sync backward and its dQ kernel.")

@@ -63,6 +63,9 @@ def test_info_table_for_a_given_arch_without_a_gpu():
     result = CliRunner().invoke(cli.main, ["info", "--arch", "90"])
     assert result.exit_code == 0, result.output
     assert "kernels for sm_90" in result.output and "hopper (wgmma)" in result.output
+    # the note on modifier calls names the head dims the Hopper forward takes them at
+    assert "softcap or ALiBi runs the Hopper row above at d = 128, 192 and 256 (padded calls only at 256)" in (
+        " ".join(result.output.split()))
 
 
 @pytest.mark.parametrize("d", [192, 256])
