@@ -191,10 +191,6 @@ def fa2cupy_attention_forward(module, query, key, value, attention_mask, scaling
     None)``; padded query rows of ``out`` are zero.
     """
     _check_kwargs(kwargs, attention_mask)
-    cache = kwargs.get("cache")
-    if cache is not None and "read_index" in kwargs:
-        return _continuous_batching_attention(module, query, key, value, cache, scaling, softcap, sliding_window,
-                                              kwargs)
     is_causal = kwargs.get("is_causal")
     causal = bool(module.is_causal if is_causal is None else is_causal)
     window = sliding_window_to_window_size(sliding_window, causal)
@@ -203,6 +199,9 @@ def fa2cupy_attention_forward(module, query, key, value, attention_mask, scaling
     p = float(dropout or 0.0)
     scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
     opts = dict(dropout_p=p, softmax_scale=float(scale), causal=causal, window_size=window, softcap=cap)
+    cache = kwargs.get("cache")
+    if cache is not None and "read_index" in kwargs:
+        return _continuous_batching_attention(module, query, key, value, cache, opts, kwargs)
 
     # (batch, seq, heads, dim) views: fa2cupy reads any strides on the first three axes.
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))
@@ -269,7 +268,7 @@ def _padded_attention(q, k, v, mask, opts):
 # ---------------------------------------------------------------------------------------- continuous batching
 
 
-def _continuous_batching_attention(module, query, key, value, cache, scaling, softcap, sliding_window, kwargs):
+def _continuous_batching_attention(module, query, key, value, cache, opts, kwargs):
     """One layer of transformers' continuous batching (``generate_batch``): the batch's new tokens of every request
     packed into one row (``query`` ``(1, heads, total_q, dim)``, ``key``/``value`` ``(1, kv_heads, total_q, dim)``),
     ``cu_seq_lens_q/k`` and ``max_seqlen_q/k`` bounding each request, and ``cache``, transformers'
@@ -282,16 +281,12 @@ def _continuous_batching_attention(module, query, key, value, cache, scaling, so
     round trip. Sliding-window layers keep a ring of pages whose reads and writes the cache orders itself
     (``cache.update``, which gathers the keys), and the varlen kernel runs on what it returns. Causal, bottom-right
     aligned: each request's queries are its last keys. The ``attention_mask`` continuous batching may pass is not
-    read: the sequence bounds say everything it would.
+    read: the sequence bounds say everything it would. ``opts``: the kernels' options, as for any other call.
     """
-    window = sliding_window_to_window_size(sliding_window, causal=True)
-    cap = 0.0 if softcap is None else float(softcap)
-    scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
-    opts = dict(softmax_scale=float(scale), causal=True, window_size=window, softcap=cap)
     cu_q, max_q = kwargs["cu_seq_lens_q"], kwargs["max_seqlen_q"]
     cu_k, max_k = kwargs["cu_seq_lens_k"], kwargs["max_seqlen_k"]
     if isinstance(cu_k, dict):  # models with both layer types: bounds per type
-        layer_type = "full_attention" if window == (-1, -1) else "sliding_attention"
+        layer_type = "full_attention" if opts["window_size"] == (-1, -1) else "sliding_attention"
         cu_k, max_k = cu_k[layer_type], max_k[layer_type]
     cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
     q = query[0].transpose(0, 1)  # (total_q, heads, dim) view
