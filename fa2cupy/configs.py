@@ -529,6 +529,11 @@ def forward_config(arch: int, headdim: int, dtype: str, mask: str, varlen: bool 
 HOPPER_MODS_HEADDIMS = (128, 192, 256)
 HOPPER_MODS_PADDED_ONLY = (256,)
 
+
+def hopper_takes_mods(headdim: int, varlen: bool) -> bool:
+    """Whether the Hopper forward takes softcap and ALiBi at this head dim, for a padded or a varlen call."""
+    return headdim in HOPPER_MODS_HEADDIMS and not (varlen and headdim in HOPPER_MODS_PADDED_ONLY)
+
 HOPPER_MASKED_MIN_SEQLEN = {64: 512, 128: 128, 192: 128, 256: 128}  # (192, 256: d = 128's, not measured)
 
 #: The Hopper forward's persistent blocks take the work items of heads in groups whose K/V take at most this many
@@ -559,7 +564,7 @@ def hopper_forward_config(arch: int, headdim: int, dtype: str, dropout: bool = F
     table = FORWARD_HOPPER_TABLE
     if arch != 90 or dropout or headdim not in table:
         return None
-    if mods and (headdim not in HOPPER_MODS_HEADDIMS or (varlen and headdim in HOPPER_MODS_PADDED_ONLY)):
+    if mods and not hopper_takes_mods(headdim, varlen):
         return None
     shortest = HOPPER_MASKED_MIN_SEQLEN[headdim] if masked_min_seqlen is None else masked_min_seqlen
     if mask != "none" and seqlen_q is not None and seqlen_q < shortest:
@@ -578,8 +583,7 @@ def hopper_forward_instantiations() -> list[str]:
     return sorted(config.name_expression(dtype, mask, mods, varlen=varlen, paged=paged)
                   for config in FORWARD_HOPPER_TABLE.values() for dtype in DTYPE_TAGS
                   for mask, mods, varlen, paged in (*plain, *modified)
-                  if not mods or (config.headdim in HOPPER_MODS_HEADDIMS
-                                  and not (varlen and config.headdim in HOPPER_MODS_PADDED_ONLY)))
+                  if not mods or hopper_takes_mods(config.headdim, varlen))
 
 
 def backward_config(arch: int, headdim: int, dtype: str, mask: str, mods: bool = False) -> BwdConfig:

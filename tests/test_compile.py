@@ -315,7 +315,7 @@ def test_hopper_forward_takes_softcap_and_alibi():
             for causal in (False, True):
                 mask, mods, _, _ = forward.kernel_variant(causal, (-1, -1), 30.0, False, causal_mods=not varlen)
                 chosen = configs.kernel_rows(90, d, "bfloat16", mask, mods, varlen, seqlen_q=4096)
-                if d not in configs.HOPPER_MODS_HEADDIMS or (varlen and d in configs.HOPPER_MODS_PADDED_ONLY):
+                if not configs.hopper_takes_mods(d, varlen):
                     assert chosen.forward.family == "fwd"
                     assert row.name_expression("bfloat16", mask, mods, varlen, paged) not in names
                     continue

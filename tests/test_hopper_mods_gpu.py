@@ -15,7 +15,8 @@ import pytest
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
-from fa2cupy.configs import FORWARD_HOPPER_TABLE, HOPPER_MODS_HEADDIMS, HOPPER_MODS_PADDED_ONLY
+from fa2cupy import configs
+from fa2cupy.configs import FORWARD_HOPPER_TABLE, HOPPER_MODS_HEADDIMS
 from gpu_helpers import (UNIT_ROUNDOFF, cupy_module as _cupy, debug_poison, fa2cupy_module,
                          kernel_options, recorded_forward_plans, skip_unless_hopper)
 # (imported here, not inside a Hypothesis test: importing applies @given, which Hypothesis refuses while a test runs)
@@ -26,7 +27,7 @@ from test_varlen_mods_gpu import _randn, _slopes, mod_cases, run_mods_case, run_
 pytestmark = pytest.mark.gpu
 
 HOPPER_DIMS = list(HOPPER_MODS_HEADDIMS)
-VARLEN_DIMS = [d for d in HOPPER_MODS_HEADDIMS if d not in HOPPER_MODS_PADDED_ONLY]
+VARLEN_DIMS = [d for d in HOPPER_MODS_HEADDIMS if configs.hopper_takes_mods(d, varlen=True)]
 LENGTHS = [1, 17, 63, 64, 65, 128, 129, 200, 300]
 
 
@@ -44,15 +45,13 @@ def _on_hopper():
 
 
 def _assert_hopper(plans):
-    from fa2cupy import configs
-
     assert plans and all(isinstance(p.config, configs.HopperFwdConfig) for p in plans), [p.config for p in plans]
 
 
 @pytest.mark.parametrize("d", sorted(FORWARD_HOPPER_TABLE))
 def test_modifier_calls_plan_the_hopper_forward(d):
     skip_unless_hopper("forward")
-    from fa2cupy import configs, forward
+    from fa2cupy import forward
 
     strides = ((2048 * 8 * d, 8 * d, d, 1),) * 4
     shape = (1, 2048, 8, d)
@@ -67,9 +66,8 @@ def test_modifier_calls_plan_the_hopper_forward(d):
     varlen_strides = ((0, 8 * d, d, 1),) * 4
     plan = forward.plan_forward(shape, shape, varlen_strides, "bfloat16", 0.1, True, 90, softcap=30.0,
                                 varlen_totals=(2048, 2048))
-    varlen_hopper = d in HOPPER_MODS_HEADDIMS and d not in HOPPER_MODS_PADDED_ONLY
-    assert plan.config is configs.FORWARD_HOPPER_TABLE[d] if varlen_hopper else isinstance(plan.config,
-                                                                                          configs.FwdConfig)
+    assert plan.config is configs.FORWARD_HOPPER_TABLE[d] if configs.hopper_takes_mods(d, varlen=True) else (
+        isinstance(plan.config, configs.FwdConfig))
 
 
 @settings(deadline=None)
