@@ -42,13 +42,10 @@ class Ring:
     previous (group ranks, mapped to global ones for torch.distributed)."""
 
     def __init__(self, group=None):
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
-        self.next = dist.get_global_rank(group, (self.rank + 1) % self.world) if group is not None else (
-            (self.rank + 1) % self.world)
-        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.world) if group is not None else (
-            (self.rank - 1) % self.world)
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world = dist.get_world_size(self.group)
+        self.next, self.prev = (dist.get_global_rank(self.group, (self.rank + step) % self.world) for step in (1, -1))
 
     def shift(self, sends, recvs):
         """Sends ``sends`` to the next rank and receives ``recvs`` from the previous one, asynchronously: the
