@@ -42,31 +42,49 @@ def _fa_mask(rows, keys, window):
     return mask
 
 
+def _random_split(rng):
+    """(layout, world, seqlen): a layout over 1-4 ranks and a sequence it splits."""
+    layout, world = rng.choice(L.LAYOUTS), rng.choice([1, 2, 3, 4])
+    parts = world if layout == "contiguous" else 2 * world
+    return layout, world, parts * rng.randint(1, 5)
+
+
+def _window_pairs(seqlen, left, right):
+    """bool (seqlen, seqlen): which positions see which under the whole sequence's window."""
+    p = np.arange(seqlen)
+    return ((left < 0) | (p[None, :] >= p[:, None] - left)) & ((right < 0) | (p[None, :] <= p[:, None] + right))
+
+
+def _check_every_step(layout, world, seqlen, whole, mark):
+    """For every rank and ring step, ``mark(mine, theirs, marked)`` marks the pairs the step's calls compute into
+    ``marked`` (this rank's rows by the slice in hand's keys); they must be ``whole``'s pairs, each once."""
+    for rank in range(world):
+        mine = L.segments(layout, seqlen, world, rank)
+        q_pos = np.concatenate([np.arange(s, s + n) for s, n in mine])
+        for src in range(world):
+            theirs = L.segments(layout, seqlen, world, src)
+            k_pos = np.concatenate([np.arange(s, s + n) for s, n in theirs])
+            marked = np.zeros((len(q_pos), len(k_pos)), int)
+            mark(mine, theirs, marked)
+            assert (marked == whole[np.ix_(q_pos, k_pos)]).all(), (layout, world, seqlen, rank, src)
+
+
 def test_step_calls_cover_the_mask_exactly():
     """For every rank and ring step, the step's calls (rectangles with their windows) mark each query-key pair of
     the two slices that sees each other under the whole sequence's window exactly once, and no other; every row
     of a call sees a key (so no call leaves a row without one, whose lse would be +inf)."""
     rng = random.Random(0)
     for _ in range(400):
-        layout, world = rng.choice(L.LAYOUTS), rng.choice([1, 2, 3, 4])
-        parts = world if layout == "contiguous" else 2 * world
-        seqlen = parts * rng.randint(1, 5)
+        layout, world, seqlen = _random_split(rng)
         left, right = rng.choice([-1, 0, 1, 2, 5, 11]), rng.choice([-1, 0, 1, 4])
-        p = np.arange(seqlen)
-        whole = ((left < 0) | (p[None, :] >= p[:, None] - left)) & ((right < 0) | (p[None, :] <= p[:, None] + right))
-        for rank in range(world):
-            mine = L.segments(layout, seqlen, world, rank)
-            q_pos = np.concatenate([np.arange(s, s + n) for s, n in mine])
-            for src in range(world):
-                theirs = L.segments(layout, seqlen, world, src)
-                k_pos = np.concatenate([np.arange(s, s + n) for s, n in theirs])
-                marked = np.zeros((len(q_pos), len(k_pos)), int)
-                for c in L.step_calls(mine, theirs, left, right):
-                    m = _fa_mask(c.q_stop - c.q_start, c.k_stop - c.k_start, c.window)
-                    assert min(c.window) >= -1 and m.any(1).all(), c
-                    marked[c.q_start:c.q_stop, c.k_start:c.k_stop] += m
-                want = whole[np.ix_(q_pos, k_pos)]
-                assert (marked == want).all(), (layout, world, seqlen, left, right, rank, src)
+
+        def mark(mine, theirs, marked):
+            for c in L.step_calls(mine, theirs, left, right):
+                m = _fa_mask(c.q_stop - c.q_start, c.k_stop - c.k_start, c.window)
+                assert min(c.window) >= -1 and m.any(1).all(), c
+                marked[c.q_start:c.q_stop, c.k_start:c.k_stop] += m
+
+        _check_every_step(layout, world, seqlen, _window_pairs(seqlen, left, right), mark)
 
 
 def test_varlen_step_calls_cover_the_mask_exactly():
@@ -74,30 +92,22 @@ def test_varlen_step_calls_cover_the_mask_exactly():
     sequences without keys or rows) mark exactly the pairs of one document that see each other under the window."""
     rng = random.Random(1)
     for _ in range(300):
-        layout, world = rng.choice(L.LAYOUTS), rng.choice([1, 2, 3, 4])
-        parts = world if layout == "contiguous" else 2 * world
-        seqlen = parts * rng.randint(1, 5)
+        layout, world, seqlen = _random_split(rng)
         cu = [0] + sorted(rng.sample(range(1, seqlen), rng.randint(0, min(5, seqlen - 1)))) + [seqlen]
         document = np.searchsorted(np.array(cu), np.arange(seqlen), side="right") - 1
         left, right = rng.choice([-1, 0, 1, 2, 5]), rng.choice([-1, 0, 1, 3])
-        p = np.arange(seqlen)
-        whole = (((left < 0) | (p[None, :] >= p[:, None] - left)) & ((right < 0) | (p[None, :] <= p[:, None] + right))
-                 & (document[:, None] == document[None, :]))
-        for rank in range(world):
-            mine = L.segments(layout, seqlen, world, rank)
-            q_pos = np.concatenate([np.arange(s, s + n) for s, n in mine])
-            for src in range(world):
-                theirs = L.segments(layout, seqlen, world, src)
-                k_pos = np.concatenate([np.arange(s, s + n) for s, n in theirs])
-                marked = np.zeros((len(q_pos), len(k_pos)), int)
-                for c in L.varlen_step_calls(mine, theirs, cu, left, right):
-                    assert sum(c.lengths_q) == c.q_stop - c.q_start and sum(c.lengths_k) == c.k_stop - c.k_start
-                    qa, ka = c.q_start, c.k_start
-                    for lq, lk in zip(c.lengths_q, c.lengths_k):
-                        if lq and lk:
-                            marked[qa:qa + lq, ka:ka + lk] += _fa_mask(lq, lk, c.window)
-                        qa, ka = qa + lq, ka + lk
-                assert (marked == whole[np.ix_(q_pos, k_pos)]).all(), (layout, world, cu, left, right, rank, src)
+
+        def mark(mine, theirs, marked):
+            for c in L.varlen_step_calls(mine, theirs, cu, left, right):
+                assert sum(c.lengths_q) == c.q_stop - c.q_start and sum(c.lengths_k) == c.k_stop - c.k_start
+                qa, ka = c.q_start, c.k_start
+                for lq, lk in zip(c.lengths_q, c.lengths_k):
+                    if lq and lk:
+                        marked[qa:qa + lq, ka:ka + lk] += _fa_mask(lq, lk, c.window)
+                    qa, ka = qa + lq, ka + lk
+
+        whole = _window_pairs(seqlen, left, right) & (document[:, None] == document[None, :])
+        _check_every_step(layout, world, seqlen, whole, mark)
 
 
 def test_document_bounds_are_checked():
