@@ -92,12 +92,14 @@ def _alibi_bias(slopes, sq: int, sk: int):
     return -slopes[:, None, None] * np.abs(i + sk - sq - j)[None]
 
 
-def _probs(qb, kb, scale, mask, softcap=0.0, bias=None, with_tanh=False):
+def _probs(qb, kb, scale, mask, softcap=0.0, bias=None, with_tanh=False, lse=None):
     """Softmax probabilities and lse for one batch entry.
 
     qb (sq, hq, d), kb (sk, hq, d) already repeated to hq heads; bias (hq, sq, sk) or None.
     Returns p (hq, sq, sk) and lse (hq, sq); dead rows have p = 0, lse = +inf. With ``with_tanh`` also the
-    softcap's tanh (hq, sq, sk) (None without a softcap), which the backward differentiates.
+    softcap's tanh (hq, sq, sk) (None without a softcap), which the backward differentiates. A given ``lse``
+    (hq, sq) is used instead of the rows' own: p = exp(s - lse), as the kernels' backward forms it (for keys that
+    are part of those the lse was taken over, p is then that part of the whole softmax).
     """
     # matmul (BLAS) rather than einsum: the GPU tests run this at seqlen ~1000.
     s = np.matmul(qb.transpose(1, 0, 2), kb.transpose(1, 2, 0)) * scale
@@ -109,6 +111,9 @@ def _probs(qb, kb, scale, mask, softcap=0.0, bias=None, with_tanh=False):
         s = s + bias
     if mask is not None:
         s = np.where(mask[None], s, -np.inf)
+    if lse is not None:
+        p = np.exp(s - lse[..., None])  # masked keys: exp(-inf) = 0; lse +inf (no key seen): 0
+        return (p, lse, t) if with_tanh else (p, lse)
     m = s.max(axis=-1, keepdims=True)
     dead = ~np.isfinite(m)  # only -inf: the row sees no key
     m = np.where(dead, 0.0, m)  # keep exp() finite; such rows are zeroed below
@@ -171,7 +176,7 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1
 
 
 def attention_ref_backward(dout, q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                           alibi_slopes=None, out=None, dropout_p=0.0, dropout_mask=None):
+                           alibi_slopes=None, out=None, dropout_p=0.0, dropout_mask=None, lse=None):
     """Analytic float64 gradients of :func:`attention_ref`'s output.
 
     With ``P = softmax(scale * Q K^T)`` and ``O = P V``:
@@ -188,6 +193,9 @@ def attention_ref_backward(dout, q, k, v, softmax_scale=None, causal=False, wind
             takes ``out`` as an input, so with a rounded ``out`` these are the exact gradients *for that out*.
         dropout_p, dropout_mask: as for :func:`attention_ref`; then ``dV = Pd^T dO`` with ``Pd = P o Z / (1 - p)``,
             and ``dS = P o (Z o dP / (1 - p) - D)``.
+        lse: optional ``(batch, nheads, seqlen_q)`` log-sum-exp to form ``P = exp(S - lse)`` from, as the kernels'
+            backward does, instead of the softmax over these keys: with the lse (and ``out``) of attention over a
+            larger key set, these are that attention's gradients restricted to these keys (ring attention's blocks).
 
     Returns:
         (dq, dk, dv) float64 with the shapes of q, k and v.
@@ -207,7 +215,8 @@ def attention_ref_backward(dout, q, k, v, softmax_scale=None, causal=False, wind
         kb = np.repeat(k[bi], group, axis=1)
         vb = np.repeat(v[bi], group, axis=1)
         bias = None if slopes is None else _alibi_bias(slopes[bi], sq, sk)
-        p, _, t = _probs(q[bi], kb, scale, mask, float(softcap), bias, with_tanh=True)  # (hq, sq, sk)
+        p, _, t = _probs(q[bi], kb, scale, mask, float(softcap), bias, with_tanh=True,
+                         lse=None if lse is None else _as_f64(lse, "lse")[bi])  # (hq, sq, sk)
         pd = _dropped(p, bi, dropout_p, dropout_mask)
         ob = np.einsum("hqk,khd->qhd", pd, vb) if out is None else _as_f64(out, "out")[bi]
         do = dout[bi]
@@ -268,9 +277,9 @@ def attention_ref_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None
 
 
 def attention_ref_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False,
-                                  window_size=(-1, -1), softcap=0.0, alibi_slopes=None, out=None):
+                                  window_size=(-1, -1), softcap=0.0, alibi_slopes=None, out=None, lse=None):
     """:func:`attention_ref_backward` over packed sequences (see :func:`attention_ref_varlen`; ``out`` packed like
-    q); rows outside every sequence get zero gradients."""
+    q, ``lse`` ``(nheads, total_q)``); rows outside every sequence get zero gradients."""
     q, k, v, dout = _as_f64(q, "q"), _as_f64(k, "k"), _as_f64(v, "v"), _as_f64(dout, "dout")
     cu_q = _check_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
     cu_k = _check_cu_seqlens(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
@@ -283,7 +292,8 @@ def attention_ref_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, sof
             continue  # nothing attends: zero gradients
         g = attention_ref_backward(dout[None, qs], q[None, qs], k[None, ks], v[None, ks], softmax_scale, causal,
                                    window_size, softcap, None if slopes is None else slopes[bi : bi + 1],
-                                   None if out is None else _as_f64(out, "out")[None, qs])
+                                   None if out is None else _as_f64(out, "out")[None, qs],
+                                   lse=None if lse is None else _as_f64(lse, "lse")[None, :, qs])
         dq[qs], dk[ks], dv[ks] = g[0][0], g[1][0], g[2][0]
     return dq, dk, dv
 

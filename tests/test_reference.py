@@ -308,3 +308,19 @@ def test_probabilities_make_the_output(causal, window):
     np.testing.assert_allclose(p.sum(-1)[live], 1.0)
     assert np.all(p[~live] == 0)
     np.testing.assert_allclose(np.einsum("bhqk,bkhd->bqhd", p, np.repeat(v, 2, axis=2)), out, atol=1e-12)
+
+
+@pytest.mark.parametrize("softcap", [0.0, 3.0])
+def test_backward_from_a_larger_key_sets_lse_splits_the_gradients(softcap):
+    """With the out and lse of attention over all keys, attention_ref_backward over two halves of the keys gives
+    that attention's gradients split by keys: dQ their sum, dK and dV the halves (what ring attention relies on)."""
+    rng = np.random.default_rng(5)
+    q, k, v, dout = (rng.standard_normal(s) for s in ((2, 7, 4, 8), (2, 10, 2, 8), (2, 10, 2, 8), (2, 7, 4, 8)))
+    out, lse = attention_ref(q, k, v, 0.4, softcap=softcap)
+    whole = attention_ref_backward(dout, q, k, v, 0.4, softcap=softcap)
+    halves = [attention_ref_backward(dout, q, k[:, part], v[:, part], 0.4, softcap=softcap, out=out, lse=lse)
+              for part in (slice(0, 4), slice(4, 10))]
+    np.testing.assert_allclose(halves[0][0] + halves[1][0], whole[0], rtol=1e-12, atol=1e-12)
+    for i in (1, 2):
+        np.testing.assert_allclose(np.concatenate([halves[0][i], halves[1][i]], axis=1), whole[i], rtol=1e-12,
+                                   atol=1e-12)

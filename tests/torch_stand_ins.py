@@ -40,46 +40,22 @@ def _ref_backward(dout, q, k, v, out, softmax_lse, softmax_scale=None, causal=Fa
 
 def _ref_block_backward(dout, q, k, v, out, softmax_lse, softmax_scale=None, causal=False, window_size=(-1, -1),
                         deterministic=False, softcap=0.0, **_):
-    """The backward as the kernels compute it, from the given ``out`` and ``lse`` (P = exp(S - lse), D = rowsum(dO
-    O)) rather than from a softmax of its own: the stand-in for calls over part of the keys (ring attention's
-    blocks), whose lse is that of all of them. No dropout or ALiBi."""
+    """The backward as the kernels compute it, from the given ``out`` and ``lse`` rather than from a softmax of its
+    own (reference.attention_ref_backward's ``out=``/``lse=``): the stand-in for calls over part of the keys (ring
+    attention's blocks), whose lse is that of all of them. No dropout or ALiBi."""
     backward_calls.append(dict(q=q, k=k, lse=softmax_lse, window_size=window_size))
-    qn, kn, vn, do, on = (_np(t) for t in (q, k, v, dout, out))
-    lse = _np(softmax_lse)  # (b, h, sq)
-    b, sq, h, d = qn.shape
-    sk, hkv = kn.shape[1], kn.shape[2]
-    group = h // hkv
-    kr, vr = np.repeat(kn, group, axis=2), np.repeat(vn, group, axis=2)
-    s = np.einsum("bqhd,bkhd->bhqk", qn, kr) * softmax_scale
-    t = None
-    if softcap > 0:
-        t = np.tanh(s / softcap)
-        s = softcap * t
-    visible = reference._visible(sq, sk, causal, window_size)
-    p = np.where(visible[None, None] if visible is not None else True, np.exp(s - lse[..., None]), 0.0)
-    delta = np.einsum("bqhd,bqhd->bhq", do, on)[..., None]
-    dp = np.einsum("bqhd,bkhd->bhqk", do, vr)
-    ds = p * (dp - delta) * (1.0 - t * t if t is not None else 1.0)
-    dq = softmax_scale * np.einsum("bhqk,bkhd->bqhd", ds, kr)
-    dk = (softmax_scale * np.einsum("bhqk,bqhd->bkhd", ds, qn)).reshape(b, sk, hkv, group, d).sum(3)
-    dv = np.einsum("bhqk,bqhd->bkhd", p, do).reshape(b, sk, hkv, group, d).sum(3)
-    return tuple(torch.from_numpy(g).to(x.dtype) for g, x in zip((dq, dk, dv), (q, k, v)))
+    grads = reference.attention_ref_backward(_np(dout), _np(q), _np(k), _np(v), softmax_scale, causal, window_size,
+                                             softcap, out=_np(out), lse=_np(softmax_lse))
+    return tuple(torch.from_numpy(g).to(x.dtype) for g, x in zip(grads, (q, k, v)))
 
 
 def _ref_varlen_block_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False,
                                window_size=(-1, -1), deterministic=False, softcap=0.0, **_):
-    """_ref_block_backward per sequence of a varlen call (lse ``(h, total_q)``); rows and keys outside every
-    sequence get zero gradients."""
-    dq, dk, dv = (torch.zeros_like(x) for x in (q, k, v))
-    cq, ck = cu_q.tolist(), cu_k.tolist()
-    for (q0, q1), (k0, k1) in zip(zip(cq, cq[1:]), zip(ck, ck[1:])):
-        if q1 == q0 or k1 == k0:
-            continue
-        grads = _ref_block_backward(dout[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1],
-                                    out[None, q0:q1], lse[None, :, q0:q1], softmax_scale, causal, window_size,
-                                    deterministic, softcap)
-        dq[q0:q1], dk[k0:k1], dv[k0:k1] = (g[0] for g in grads)
-    return dq, dk, dv
+    """_ref_block_backward for a varlen call (lse ``(h, total_q)``)."""
+    grads = reference.attention_ref_varlen_backward(_np(dout), _np(q), _np(k), _np(v), cu_q.numpy(), cu_k.numpy(),
+                                                    softmax_scale, causal, window_size, softcap, out=_np(out),
+                                                    lse=_np(lse))
+    return tuple(torch.from_numpy(g).to(x.dtype) for g, x in zip(grads, (q, k, v)))
 
 
 calls: list = []  # the forward stand-ins' calls
