@@ -3,10 +3,11 @@ over SDPA cuDNN, forward + backward, with both on one GPU over the whole sequenc
 
     python bench/cp_speed.py --seqlen 131072 --nheads 16 --headdim 128 [--gpus N] [--layout zigzag] [--repeats 5]
                              [--forward-only] [--skip-single] [--skip-torch]
+    (from the repository root, after ``pip install -e .``: the harness is the installed package ``fa2cupy_bench``)
 
-One process a GPU (spawned here, NCCL), bf16, b = 1, causal unless --no-causal. Each figure is the median over
---repeats timed iterations (after two untimed ones) of the slowest rank's CUDA-event time for out = attention(q, k,
-v); out.backward(dout), all ranks starting together (a barrier before each). One GPU's figures come from rank 0
+One process a GPU (spawned here, NCCL), bf16, b = 1, causal unless --no-causal. Each figure is the slowest rank's
+median CUDA-event time (the harness's time_gpu: 2 warm-ups, then --repeats back to back, all ranks starting after a
+barrier) for out = attention(q, k, v); out.backward(dout). One GPU's figures come from rank 0
 alone over the full sequence, the others waiting. Peak memory is torch's max_memory_allocated on rank 0 during the
 ring iterations (inputs included).
 """
@@ -16,23 +17,14 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-import statistics
 
 
-def _timed(fn, repeats, barrier):
-    import torch
+def _timed(fn, repeats):
+    """The harness's median of CUDA-event times (2 warm-ups; never fewer repeats on one rank than another, which
+    would leave the others waiting in the ring's collectives)."""
+    from fa2cupy_bench import harness as B
 
-    times = []
-    for i in range(repeats + 2):
-        barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        if i >= 2:
-            times.append(start.elapsed_time(end))
-    return times
+    return B.time_gpu(fn, B.TorchEvents(), warmup=2, repeats=repeats, max_seconds=float("inf")).median_ms
 
 
 def _worker(rank, world, port, args, results):
@@ -55,10 +47,10 @@ def _worker(rank, world, port, args, results):
     barrier = dist.barrier
     out_times = {}
 
-    def slowest(times):
-        t = torch.tensor(times, device=dev)
+    def slowest(ms):
+        t = torch.tensor([ms], device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return statistics.median(t.tolist())
+        return t.item()
 
     # one GPU, the whole sequence (rank 0; the others wait at the barrier after)
     if rank == 0 and not args.skip_single:
@@ -69,7 +61,7 @@ def _worker(rank, world, port, args, results):
             if not args.forward_only:
                 out.backward(dout)
 
-        out_times["fa2cupy, 1 GPU"] = statistics.median(_timed(single, args.repeats, lambda: None))
+        out_times["fa2cupy, 1 GPU"] = _timed(single, args.repeats)
         qt, kt, vt = (x.transpose(1, 2).clone().requires_grad_() for x in (q, k, v))
 
         def single_cudnn():
@@ -78,7 +70,7 @@ def _worker(rank, world, port, args, results):
                 if not args.forward_only:
                     out.backward(dout.transpose(1, 2))
 
-        out_times["SDPA cuDNN, 1 GPU"] = statistics.median(_timed(single_cudnn, args.repeats, lambda: None))
+        out_times["SDPA cuDNN, 1 GPU"] = _timed(single_cudnn, args.repeats)
         whole = qt = kt = vt = None  # (freed before the ring runs)
         torch.cuda.empty_cache()
     barrier()
@@ -95,7 +87,8 @@ def _worker(rank, world, port, args, results):
         if not args.forward_only:
             out.backward(mine[3])
 
-    out_times[f"fa2cupy ring, {world} GPUs"] = slowest(_timed(ring_step, args.repeats, barrier))
+    barrier()
+    out_times[f"fa2cupy ring, {world} GPUs"] = slowest(_timed(ring_step, args.repeats))
     peak = torch.cuda.max_memory_allocated() / 2**30
     slices = mine = None
     torch.cuda.empty_cache()
@@ -116,8 +109,8 @@ def _worker(rank, world, port, args, results):
                     if not args.forward_only:
                         out.backward(dt)
 
-            out_times[f"torch context_parallel cuDNN, {world} GPUs"] = slowest(_timed(torch_cp, args.repeats,
-                                                                                       barrier))
+            barrier()
+            out_times[f"torch context_parallel cuDNN, {world} GPUs"] = slowest(_timed(torch_cp, args.repeats))
     if rank == 0:
         results.put((out_times, peak))
     barrier()
