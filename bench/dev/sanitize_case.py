@@ -17,7 +17,7 @@ The forward cases run the forward only; BWD_CASES run forward + backward
 contiguous, causal) against ``flash_attn_func`` over each row's keys; decode_deep runs them again with the deep
 ring (d=128 on sm_90), decode_walk with both rings on a pretend 2-SM GPU, where each decode block walks several
 work items, decode_warp with one split and warps that stream whole items (both rings, 1 and 2 pretend SMs);
-fwd_hopper runs the forward, window, varlen (softcap and ALiBi too) and paged cases of the Hopper forward's head
+fwd_hopper runs the forward, window, varlen (softcap and ALiBi too), padded softcap/ALiBi and paged cases of the Hopper forward's head
 dims (64, 128, 192, 256) on sm_90 with 1 and 2 pretend SMs, so that each persistent block walks many work items; bwd_hopper runs
 the backward and window cases of the Hopper dK/dV kernel's head dims in the default mode (on sm_90); paged_mma
 runs the paged cases on the mma.sync forward (which sm_90 otherwise uses only with modifiers or other head dims);
@@ -171,6 +171,39 @@ def check_window(i, sq, sk, h, hkv, d, causal, window) -> bool:
     print(f"window {i}: sq{sq} sk{sk} h{h}/{hkv} d{d} causal={causal} window={window}: {'ok' if ok else 'FAIL'}",
           flush=True)
     return bool(ok)
+
+# (sq, sk, h, hkv, d, causal, softcap, alibi): padded forward with a score modifier on the Hopper rows that take
+# them (configs.hopper_takes_mods), ragged ends on both sides.
+MODS_CASES = (
+    (130, 200, 4, 2, 128, True, 5.0, False),
+    (200, 90, 2, 1, 128, False, 0.0, True),
+    (130, 200, 4, 2, 192, True, 3.0, True),
+    (200, 150, 2, 1, 256, True, 5.0, False),
+    (90, 200, 2, 2, 256, False, 0.0, True),
+)
+
+
+def check_mods(i, sq, sk, h, hkv, d, causal, softcap, alibi) -> bool:
+    """Forward with softcap / ALiBi against the float64 reference (fa2cupy check's bound)."""
+    import cupy as cp
+
+    import fa2cupy
+    from fa2cupy import testing
+    from fa2cupy.reference import attention_ref
+
+    rng = np.random.default_rng(250 + i)
+    q, k, v = (cp.asarray(rng.standard_normal(s, dtype=np.float32)).astype(cp.float16)
+               for s in ((2, sq, h, d), (2, sk, hkv, d), (2, sk, hkv, d)))
+    slopes = rng.uniform(0, 0.3, (2, h)).astype(np.float32) if alibi else None
+    out = fa2cupy.flash_attn_func(q, k, v, causal=causal, softcap=softcap, kernel_options=KERNEL_OPTIONS,
+                                  alibi_slopes=None if slopes is None else cp.asarray(slopes))
+    host = [cp.asnumpy(x).astype(np.float64) for x in (q, k, v, out)]
+    ref, _ = attention_ref(*host[:3], causal=causal, softcap=softcap, alibi_slopes=slopes)
+    ok = np.abs(host[3] - ref).max() <= testing.out_bound("fp16", np.abs(ref).max())
+    print(f"mods {i}: sq{sq} sk{sk} h{h}/{hkv} d{d} causal={causal} softcap={softcap} alibi={alibi}: "
+          f"{'ok' if ok else 'FAIL'}", flush=True)
+    return bool(ok)
+
 
 # More backward cases for the Hopper dK/dV kernel (every head dim of its table): several key blocks and query tiles,
 # the ring's slots and dS buffers reused, GQA sums, ragged ends on both sides.
@@ -448,6 +481,9 @@ def main(groups) -> int:
                 total += 1
             for i, case in enumerate(c for c in PAGED_CASES if c[4] in configs.FORWARD_HOPPER_TABLE):  # paged K/V
                 bad += not check_paged(i, *case)
+                total += 1
+            for i, case in enumerate(MODS_CASES):
+                bad += not check_mods(i, *case)
                 total += 1
         KERNEL_OPTIONS = KernelOptions()
     print(f"{total - bad}/{total} passed")
