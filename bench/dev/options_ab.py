@@ -5,9 +5,10 @@ whether one kernel row beats another (e.g. the Hopper kernels against the mma.sy
         --options default= mma=hopper_forward=0,hopper_backward=0 [--modes fwd,bwd] [--rounds 2]
     python bench/dev/options_ab.py --headdim 128,256 --mods none,softcap,alibi   # what the modifiers cost
 
-Cases are the bench grid's (16k tokens, nheads = 2048 / headdim, bf16, causal and not). Each round times every
-implementation once (CUDA events, median of --repeats after warm-up); an implementation's figure is its best
-round. Every option set's result is compared with the first's (max |difference| / max |first|) before timing.
+Cases are the bench grid's (16k tokens, nheads = --hidden / headdim, --group of them per kv head, bf16, causal and
+not). Each round times every implementation once (CUDA events, median of --repeats after warm-up); an
+implementation's figure is its best round. Every option set's result is compared with the first's
+(max |difference| / max |first|) before timing.
 --mods times each option set with each modifier (softcap 30, ALiBi slopes in [0, 0.1)): rows NAME+MOD.
 """
 
@@ -85,6 +86,8 @@ def main(argv=None) -> int:
     p.add_argument("--mods", default="none", help="comma-separated: none, softcap, alibi")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--group", type=int, default=1, help="query heads per key/value head (GQA)")
+    p.add_argument("--hidden", type=int, default=2048, help="model width: nheads = hidden // headdim")
     p.add_argument("--json")
     args = p.parse_args(argv)
     option_sets = dict(parse_options(t) for t in args.options)
@@ -94,7 +97,8 @@ def main(argv=None) -> int:
         for d in B.parse_int_list(args.headdim):
             for s in B.parse_int_list(args.seqlens):
                 for causal in B.causal_options(args.causal):
-                    case = B.Case(batch=16384 // s, seqlen_q=s, seqlen_k=s, nheads=2048 // d, nheads_kv=2048 // d,
+                    case = B.Case(batch=16384 // s, seqlen_q=s, seqlen_k=s, nheads=args.hidden // d,
+                                  nheads_kv=args.hidden // d // args.group,
                                   headdim=d, causal=causal, dtype="bf16")
                     inp = B.make_forward_inputs(case, 0, "torch")
                     dout = B._random_like(inp.q, 1)
