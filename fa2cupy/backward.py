@@ -81,7 +81,10 @@ def plan_backward(
     grid = (((seqlen_k + config.block_n - 1) // config.block_n) * config.dslices, nheads_kv, batch)
     maps = None
     if hopper:
-        main = build.Launch(function, grid, (config.threads, 1, 1), smem, params.BwdHopperParams(bwd=fixed),
+        chunk = configs.hopper_bwd_group_chunk(grid[0], nheads_kv * batch, nheads // nheads_kv, mask,
+                                              options.hopper_bwd_chunk_blocks)
+        main = build.Launch(function, grid, (config.threads, 1, 1), smem,
+                            params.BwdHopperParams(bwd=fixed, group_chunk=chunk),
                             tuple(f"bwd.{name}" for name in MAIN_PER_CALL),
                             maps=("tmap_q", "tmap_k", "tmap_v", "tmap_do"))
         tile_rows = {"q": config.block_m, "k": config.block_n, "v": config.block_n, "dout": config.block_m}

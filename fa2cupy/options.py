@@ -32,6 +32,9 @@ class KernelOptions:
         longest first; False walks them with a fixed grid stride.
     hopper_l2_group_bytes (None): the Hopper forward hands out the work items of heads in groups whose K/V take at
         most this many bytes, so the heads in flight share L2; None is configs.HOPPER_L2_GROUP_BYTES.
+    hopper_bwd_chunk_blocks (None): the Hopper dK/dV grid launches in chunks of (kv head, batch) groups of at least
+        this many blocks, key tile by key tile within a chunk (longest first under a causal mask); 0 launches each
+        group's key tiles in turn; None is configs.HOPPER_BWD_CHUNK_BLOCKS for causal GQA calls, 0 for the rest.
     decode_deep_ring (None): force the decode kernel's deep-ring row (True) or the table's row (False) where a row
         has a deep-ring twin; None lets configs.decode_config choose by the work item's length.
     decode_warp_items (None): force warp items in decode (each warp streams whole work items alone; True, wherever
@@ -59,6 +62,7 @@ class KernelOptions:
     hopper_masked_min_seqlen: int | None = None
     tile_counter: bool = True
     hopper_l2_group_bytes: int | None = None
+    hopper_bwd_chunk_blocks: int | None = None
     decode_deep_ring: bool | None = None
     decode_warp_items: bool | None = None
     decode_warp_items_max_tiles: int = 128
@@ -99,7 +103,8 @@ _tokens: dict = {}  # field values -> the token of KernelOptions with them
 _KINDS = {
     "hopper_forward": "bool", "hopper_backward": "bool",
     "hopper_masked_min_seqlen": "optional int",
-    "tile_counter": "bool", "hopper_l2_group_bytes": "optional int", "decode_deep_ring": "optional bool",
+    "tile_counter": "bool", "hopper_l2_group_bytes": "optional int",
+    "hopper_bwd_chunk_blocks": "optional int", "decode_deep_ring": "optional bool",
     "decode_warp_items": "optional bool", "decode_warp_items_max_tiles": "int",
     "decode_programmatic_launch": "optional bool", "decode_programmatic_min_splits": "int",
     "decode_stream_evict_first": "optional bool", "sm_count": "optional int", "debug_poison": "bool",

@@ -175,6 +175,26 @@ def test_fixed_hopper_cases(hopper, d, b, sq, sk, h, hkv, causal, window):
                           seed=sq + sk + h))
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [True, False])
+def test_launch_order_chunks(d, causal):
+    """The dK/dV grid launches in chunks of (kv head, batch) groups, key tile by key tile within a chunk
+    (KernelOptions.hopper_bwd_chunk_blocks). One group a chunk, chunks of two groups with a short last one, and
+    the default all compute every block's dK/dV: gradients match the reference and dK/dV are bitwise the same
+    whatever the order (each block writes its own key tile)."""
+    _hopper_gpu()
+    case = dict(batch=3, seqlen_q=300, seqlen_k=300, nheads=2, nheads_kv=1, headdim=d, causal=causal,
+                window_size=(-1, -1), dtype="bfloat16", softmax_scale=None, deterministic=False, transposed=False,
+                seed=d + causal)
+    grads = {}
+    for chunk_blocks in (0, 6, None):  # (6: two groups of 3 or 5 key tiles a chunk, the last chunk one group)
+        with kernel_options(hopper_bwd_chunk_blocks=chunk_blocks):
+            grads[chunk_blocks] = run_case(case, repeat=False)[1]
+    for chunk_blocks in (6, None):
+        for name, x, y in zip("kv", grads[0][1:], grads[chunk_blocks][1:]):
+            assert (x == y).all(), f"d{name} differs between launch orders 0 and {chunk_blocks}"
+
+
 @st.composite
 def varlen_hopper_cases(draw, headdims=(64, 128), lengths=(0, 1, 17, 64, 127, 128, 129, 300, 500), mods=False):
     """A varlen case (test_varlen_mods_gpu.run_varlen_case's keys); with ``mods``, softcap or ALiBi or both."""

@@ -114,3 +114,24 @@ def test_backward_planner_honours_the_options(planner):
 
     assert family() == "bwd_hopper" and family(hopper_backward=False) == "bwd"
     assert family(hopper_forward=False) == "bwd_hopper"  # (each field chooses its own kernel)
+
+
+def test_backward_planner_chunks_the_hopper_grid(planner):
+    """hopper_bwd_chunk_blocks: (kv head, batch) groups per chunk of the Hopper dK/dV grid (BwdHopperParams
+    .group_chunk), whole groups of at least that many blocks, at most every group."""
+    from fa2cupy import backward, configs
+
+    strides = dict.fromkeys(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), (2048 * 8 * 64, 8 * 64, 64, 1))
+
+    def chunk(**fields):
+        plan = backward.plan_backward((3, 2048, 8, 64), (3, 2048, 2, 64), strides, "bfloat16", 0.1, True, False, 90,
+                                      options=KernelOptions(**fields))
+        assert plan.main.grid == (16, 2, 3)  # (16 key tiles of 128, 2 kv heads, batch 3)
+        return plan.main.params.group_chunk
+
+    assert chunk() == configs.hopper_bwd_group_chunk(16, 6, 4, "causal") == min(
+        6, -(-configs.HOPPER_BWD_CHUNK_BLOCKS // 16))  # (causal GQA: chunks by default)
+    assert configs.hopper_bwd_group_chunk(16, 6, 1, "causal") == 1  # (without GQA, or without a causal mask, not)
+    assert configs.hopper_bwd_group_chunk(16, 6, 4, "none") == configs.hopper_bwd_group_chunk(16, 6, 4, "window") == 1
+    assert chunk(hopper_bwd_chunk_blocks=0) == 1 and chunk(hopper_bwd_chunk_blocks=1) == 1
+    assert chunk(hopper_bwd_chunk_blocks=17) == 2 and chunk(hopper_bwd_chunk_blocks=10**6) == 6

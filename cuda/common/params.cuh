@@ -169,6 +169,7 @@ struct BwdParams {
 // bwd_dkdv_hopper (hopper/bwd.cu): the backward's parameters and the tensor maps of q, k, v and dout.
 struct BwdHopperParams {
     BwdParams bwd;
+    int group_chunk;  // (kv head, batch) groups whose blocks launch key tile by key tile (bwd_dkdv_hopper)
     TensorMap tmap_q;  // per call, as the pointers
     TensorMap tmap_k;
     TensorMap tmap_v;

@@ -59,7 +59,19 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                              seqlen_k, params.heads_per_kv, params.scale, params.scale_log2, kernel_params.tmap_q,
                              kernel_params.tmap_k, kernel_params.tmap_v, kernel_params.tmap_do};
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int kv_head = blockIdx.y, batch = blockIdx.z, key0 = blockIdx.x * kN;
+    // The block's key tile and (kv head, batch) group. Blocks launch in chunks of group_chunk groups, and within a
+    // chunk key tile by key tile: under a causal mask key tile j walks the query tiles from j on, so the longest
+    // blocks of the chunk's groups start first and the short ones fill the tail (configs.HOPPER_BWD_CHUNK_BLOCKS:
+    // causal GQA grids 7-20% faster than with each group's key tiles in turn). group_chunk 1 is the grid's order.
+    int kv_head, batch, key0;
+    {
+        const int tiles = gridDim.x, groups = gridDim.y * gridDim.z;
+        const int linear = blockIdx.x + tiles * (blockIdx.y + gridDim.y * blockIdx.z);
+        const int chunk = linear / (kernel_params.group_chunk * tiles), first = chunk * kernel_params.group_chunk;
+        const int in_chunk = min(kernel_params.group_chunk, groups - first);
+        const int r = linear - first * tiles, group = first + r % in_chunk;
+        kv_head = group % gridDim.y, batch = group / gridDim.y, key0 = r / in_chunk * kN;
+    }
     int q_start = 0, k_start = 0;  // the sequence's first rows (varlen)
     if constexpr (Tr::kVarlen) {
         const SeqBounds seq(params.cu_seqlens_q, params.cu_seqlens_k, batch, params.total_q, params.total_k,
