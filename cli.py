@@ -305,7 +305,10 @@ def tile_table_text(arch: int | None) -> str:
                "the backward, modifiers run " if arch == 90 else
                "Calls with softcap, ALiBi or dropout run ")
             + "the mma.sync rows of their modifier variant (sliding windows those of configs.FORWARD_MASKED_TABLE "
-            "where it has one); the deterministic backward runs the mma.sync backward and its dQ kernel.")
+            "where it has one); the deterministic backward runs "
+            + ("the Hopper backward row above, its dQ additions in turns, where it has one, and elsewhere "
+               if arch == 90 else "")
+            + "the mma.sync backward and its dQ kernel.")
 
 
 # --------------------------------------------------------------------------- #

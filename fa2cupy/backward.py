@@ -9,7 +9,7 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 
-from . import build, configs, params, tensor_maps
+from . import arrays, build, configs, params, tensor_maps
 from .forward import _LOG2E, dropout_scalars, error_pointers, kernel_variant, stride_fields
 from .options import DEFAULT, KernelOptions
 
@@ -20,8 +20,8 @@ class BackwardPlan:
     # kernel reads and, for the main and dQ kernels, the dropout seed and offset (see run_backward).
     preprocess: build.Launch
     main: build.Launch
-    dq: build.Launch | None  # deterministic=True: dQ by its own kernel
-    convert: build.Launch | None  # deterministic=False: fp32 accumulator -> dq
+    dq: build.Launch | None  # deterministic=True on the mma.sync backward: dQ by its own kernel
+    convert: build.Launch | None  # fp32 accumulator -> dq (every plan without a dq launch)
     zero_tail: build.Launch | None  # varlen: zeroes the gradient rows past the last sequence
     dsum_shape: tuple  # (batch, nheads, seqlen_q) float32 workspace ((nheads, total_q) for varlen)
     dq_accum_shape: tuple | None  # (batch, nheads, seqlen_q, d [+ 4]) float32 workspace, atomics only
@@ -29,6 +29,9 @@ class BackwardPlan:
     # The Hopper dK/dV kernel's tensor maps of q, k, v and dout (the tiles it moves with TMA: all of a padded call's,
     # a varlen call's whole ones): encoded into the main launch's struct (its tmap_* fields) for each call's pointers.
     tensor_maps: tensor_maps.TileMaps | None = None
+    # deterministic=True on the Hopper dK/dV kernel: the number of its turn flags (an int per batch row, query head
+    # and query tile), zeroed for each launch (run_backward) and passed as BwdHopperParams.dq_semaphore; else 0.
+    dq_semaphores: int = 0
 
 
 def plan_backward(
@@ -48,7 +51,6 @@ def plan_backward(
     mask, mods, left, right = kernel_variant(causal, window_size, softcap, alibi_batch_stride is not None, dropout_p)
     batch, seqlen_q, nheads, headdim = q_shape
     seqlen_k, nheads_kv = k_shape[1], k_shape[2]
-    atomic = not deterministic
     shapes = dict(zip(("q", "k", "v", "dout"), tensor_maps.array_shapes(q_shape, k_shape, varlen_totals)))
     rows = configs.kernel_rows(arch, headdim, dtype, mask, mods, varlen_totals is not None, seqlen_q,
                                deterministic, options)
@@ -56,9 +58,11 @@ def plan_backward(
     if isinstance(config, configs.HopperBwdConfig) and not all(tensor_maps.usable(shapes[n], strides[n])
                                                                for n in shapes):
         # (strides TMA cannot take, say negative ones: the mma.sync backward, with cp.async)
-        config = configs.kernel_rows(arch, headdim, dtype, mask, mods, varlen_totals is not None, seqlen_q,
-                                     deterministic, options, tma=False).backward
+        rows = configs.kernel_rows(arch, headdim, dtype, mask, mods, varlen_totals is not None, seqlen_q,
+                                   deterministic, options, tma=False)
+        config = rows.backward
     hopper = isinstance(config, configs.HopperBwdConfig)
+    atomic = hopper or not deterministic  # (the Hopper kernel adds dQ in either mode: in turns when deterministic)
     total_q, total_k = varlen_totals or (0, 0)
     stats = (0, total_q) if varlen_totals else (nheads * seqlen_q, seqlen_q)
     threshold, keep_scale = dropout_scalars(dropout_p)
@@ -80,26 +84,29 @@ def plan_backward(
                                                                       varlen_totals is not None), smem)
     grid = (((seqlen_k + config.block_n - 1) // config.block_n) * config.dslices, nheads_kv, batch)
     maps = None
+    semaphores = 0
     if hopper:
         chunk = configs.hopper_bwd_group_chunk(grid[0], nheads_kv * batch, nheads // nheads_kv, mask,
                                               options.hopper_bwd_chunk_blocks)
+        if deterministic:  # (an int per batch row, query head and query tile of block_m rows)
+            semaphores = batch * nheads * -(-seqlen_q // config.block_m)
         main = build.Launch(function, grid, (config.threads, 1, 1), smem,
                             params.BwdHopperParams(bwd=fixed, group_chunk=chunk),
-                            tuple(f"bwd.{name}" for name in MAIN_PER_CALL),
+                            tuple(f"bwd.{name}" for name in MAIN_PER_CALL) + (("dq_semaphore",) if semaphores else ()),
                             maps=("tmap_q", "tmap_k", "tmap_v", "tmap_do"))
         tile_rows = {"q": config.block_m, "k": config.block_n, "v": config.block_n, "dout": config.block_m}
         maps = tensor_maps.TileMaps([tensor_maps.layout(shapes[n], strides[n], tile_rows[n]) for n in shapes])
     else:
         main = build.Launch(function, grid, (config.threads, 1, 1), smem, fixed, MAIN_PER_CALL)
     dq = convert = dq_accum_shape = None
-    if deterministic:
+    if not atomic:
         dq = _dq_launch(rows.backward_dq, q_shape, dtype, mask, mods, fixed)
     else:
         convert = _convert_launch(q_shape, dtype, fixed)
         dq_accum_shape = (nheads, total_q, dq_pitch) if varlen_totals else (batch, nheads, seqlen_q, dq_pitch)
     zero_tail = _zero_tail_launch(q_shape, k_shape, strides, varlen_totals, fixed) if varlen_totals else None
     dsum_shape = (nheads, total_q) if varlen_totals else (batch, nheads, seqlen_q)
-    return BackwardPlan(pre, main, dq, convert, zero_tail, dsum_shape, dq_accum_shape, config, maps)
+    return BackwardPlan(pre, main, dq, convert, zero_tail, dsum_shape, dq_accum_shape, config, maps, semaphores)
 
 
 def _preprocess_launch(q_shape, dtype, fixed: params.BwdParams) -> build.Launch:
@@ -173,8 +180,16 @@ def run_backward(plan: BackwardPlan, pointers: dict, values: tuple, stream_ptr: 
         dq_accum = 0  # (deterministic: no accumulator)
     seed, offset = values
     plan.preprocess(stream_ptr, (dout, out, dsum, dq_accum, cu_q))
-    plan.main(stream_ptr, (q, k, v, dout, lse, dsum, dq_accum, dk, dv, cu_q, cu_k, alibi, rng_state, seed, offset),
-              maps_writer(plan, q, k, v, dout))
+    main_args = (q, k, v, dout, lse, dsum, dq_accum, dk, dv, cu_q, cu_k, alibi, rng_state, seed, offset)
+    if plan.dq_semaphores:
+        # The turn flags, fresh and zeroed on the stream for each launch (as the forward's tile counter), so that
+        # launches on other streams or replayed from CUDA graphs never share them.
+        flags, pointer = arrays.new_empty_raw((plan.dq_semaphores,), "int32", framework, device)
+        build.memset_async(pointer, 0, 4 * plan.dq_semaphores, stream_ptr)
+        plan.main(stream_ptr, main_args + (pointer,), maps_writer(plan, q, k, v, dout))
+        del flags  # (stream-ordered allocators: reused only by work queued after this launch)
+    else:
+        plan.main(stream_ptr, main_args, maps_writer(plan, q, k, v, dout))
     if plan.dq is not None:
         plan.dq(stream_ptr, (q, k, v, dout, lse, dsum, dq, cu_q, cu_k, alibi, rng_state, seed, offset))
     else:

@@ -236,8 +236,9 @@ class BwdConfig:
 class HopperBwdConfig:
     """Template arguments of ``fa2::HopperBwdTraits`` (cuda/hopper/bwd.cu, sm_90a only): the dK/dV kernel on wgmma,
     a producer warpgroup and two consumer warpgroups of 64 keys; 128 keys per block, ``block_m`` query rows per step,
-    dQ added to the fp32 accumulator (atomic mode only); padded and varlen. At the wide head dims (192, 256) 64 keys
-    per block, which both consumer warpgroups work on (one computes dV, the other dK)."""
+    dQ added to the fp32 accumulator (deterministic=True: the key tiles that add to a query tile's dQ take turns, a
+    run-time switch); padded and varlen. At the wide head dims (192, 256) 64 keys per block, which both consumer
+    warpgroups work on (one computes dV, the other dK)."""
 
     headdim: int  # exactly the head dim (64, 128, 192, 256)
     block_m: int  # query rows per step: 64, or 128 with dq_by_keys
@@ -278,14 +279,14 @@ class HopperBwdConfig:
 
     def name_expression(self, dtype: str, mask: str, atomic_dq: bool = True, mods: bool = False,
                         varlen: bool = False) -> str:
-        if mods or not atomic_dq:
-            raise ValueError("the Hopper backward takes calls without score modifiers, atomic dQ only")
+        if mods:
+            raise ValueError("the Hopper backward takes calls without score modifiers")
         return (f"fa2::bwd_dkdv_hopper<fa2::HopperBwdTraits<{self.headdim}, {self.block_m}, {self.stages}, "
                 f"{str(self.dq_by_keys).lower()}, {DTYPE_TAGS[dtype]}, {MASK_TAGS[mask]}{', true' if varlen else ''}>>")
 
 
 #: The Hopper backward's dK/dV kernel, by head dim: used on compute capability 9.0 for padded and varlen calls
-#: without score modifiers in the default (atomic dQ) mode; every other case runs BACKWARD_TABLE's mma.sync kernels.
+#: without score modifiers, deterministic or not; every other case runs BACKWARD_TABLE's mma.sync kernels.
 #: Head dim 64 takes 128 query rows per step (the per-step waits and hand-offs over twice the work) and splits dQ_i
 #: by keys (by columns each warpgroup's 32 would be half a swizzled slab), the two partial sums added in shared
 #: memory before the one reduction per row (docs/design.md). The wide head dims, 192 and 256, take 64 keys per
@@ -301,10 +302,10 @@ BACKWARD_HOPPER_TABLE: dict[int, HopperBwdConfig] = {
 }
 
 
-def hopper_backward_config(arch: int, headdim: int, mods: bool, deterministic: bool) -> HopperBwdConfig | None:
-    """The Hopper backward's row for this call, or None where the mma.sync backward runs it (padded or varlen): head
-    dims 64, 128, 192 and 256."""
-    if arch != 90 or mods or deterministic:
+def hopper_backward_config(arch: int, headdim: int, mods: bool) -> HopperBwdConfig | None:
+    """The Hopper backward's row for this call, or None where the mma.sync backward runs it (padded or varlen, either
+    mode): head dims 64, 128, 192 and 256, no score modifiers."""
+    if arch != 90 or mods:
         return None
     return BACKWARD_HOPPER_TABLE.get(headdim)
 
@@ -629,7 +630,7 @@ class KernelRows:
 
     forward: FwdConfig | HopperFwdConfig
     backward: BwdConfig | HopperBwdConfig  # the dK/dV kernel's (with atomic dQ, it adds dQ too)
-    backward_dq: BwdDqConfig | None  # deterministic: the separate dQ kernel's; else None
+    backward_dq: BwdDqConfig | None  # deterministic on the mma.sync backward: the separate dQ kernel's; else None
 
 
 def kernel_rows(arch: int, headdim: int, dtype: str, mask: str = "none", mods: bool = False, varlen: bool = False,
@@ -649,7 +650,8 @@ def kernel_rows(arch: int, headdim: int, dtype: str, mask: str = "none", mods: b
         varlen: packed sequences (paged K/V included).
         seqlen_q: query rows (max_seqlen_q for varlen): masked calls shorter than the Hopper forward's minimum run the
             mma.sync forward; None skips that rule.
-        deterministic: the backward's mode (the Hopper dK/dV kernel adds dQ with atomics only).
+        deterministic: the backward's mode (the mma.sync backward then computes dQ in a kernel of its own, the Hopper
+            dK/dV kernel adds it in turns).
         options: KernelOptions: hopper_forward, hopper_backward, hopper_masked_min_seqlen.
         tma: whether the call's strides suit TMA (positive, 16-byte multiples): the Hopper kernels copy with it.
     """
@@ -658,10 +660,10 @@ def kernel_rows(arch: int, headdim: int, dtype: str, mask: str = "none", mods: b
         forward = hopper_forward_config(arch, headdim, dtype, dropout, varlen, mask, seqlen_q,
                                         options.hopper_masked_min_seqlen, mods)
     if tma and options.hopper_backward:
-        backward = hopper_backward_config(arch, headdim, mods, deterministic)
+        backward = hopper_backward_config(arch, headdim, mods)
     return KernelRows(forward or forward_config(arch, headdim, dtype, mask, varlen, mods),
                       backward or backward_config(arch, headdim, dtype, mask, mods),
-                      backward_dq_config(arch, headdim, dtype, mask) if deterministic else None)
+                      backward_dq_config(arch, headdim, dtype, mask) if deterministic and backward is None else None)
 
 
 def backward_instantiations(family: str | None = None) -> list[str]:

@@ -24,7 +24,7 @@ class KernelOptions:
     hopper_forward (True): run the forward on the Hopper (wgmma, TMA) kernel where the tile table has a row for the
         call (compute capability 9.0, head dim 64, 128, 192 or 256, no dropout; softcap and ALiBi at
         configs.HOPPER_MODS_HEADDIMS); False runs the mma.sync kernel there.
-    hopper_backward (True): the same for the backward's dK/dV kernel (atomic dQ, no score modifiers).
+    hopper_backward (True): the same for the backward's dK/dV kernel (no score modifiers; deterministic or not).
     hopper_masked_min_seqlen (None): causal and windowed forwards take the Hopper kernel from this many query rows
         on (below it the mma.sync kernel is faster); None is the tile table's per-head-dim length
         (configs.HOPPER_MASKED_MIN_SEQLEN), an int that length for every head dim (0: always Hopper).

@@ -343,19 +343,22 @@ def test_hopper_forward_wide_rows():
 def test_hopper_backward_is_chosen_only_where_it_runs():
     for d in (64, 128, 192, 256):
         row = configs.BACKWARD_HOPPER_TABLE[d]
-        assert configs.hopper_backward_config(90, d, mods=False, deterministic=False) is row
+        assert configs.hopper_backward_config(90, d, mods=False) is row
         for arch in (80, 86, 89, 100, 120):
-            assert configs.hopper_backward_config(arch, d, mods=False, deterministic=False) is None
-        for flag in ("mods", "deterministic"):
-            kw = {"mods": False, "deterministic": False, flag: True}
-            assert configs.hopper_backward_config(90, d, **kw) is None
+            assert configs.hopper_backward_config(arch, d, mods=False) is None
+        assert configs.hopper_backward_config(90, d, mods=True) is None
         assert row.name_expression("bfloat16", "causal", varlen=True).endswith("fa2::kMaskCausal, true>>")
-        with pytest.raises(ValueError, match="atomic"):
-            row.name_expression("float16", "none", atomic_dq=False)
+        # (deterministic=True is a run-time switch of the same kernel: its dQ reductions take turns)
+        assert row.name_expression("float16", "none", atomic_dq=False) == row.name_expression("float16", "none")
+        with pytest.raises(ValueError, match="modifiers"):
+            row.name_expression("float16", "window", mods=True)
+        rows = configs.kernel_rows(90, d, "bfloat16", deterministic=True)
+        assert rows.backward is row and rows.backward_dq is None  # (no separate dQ kernel)
+        assert configs.kernel_rows(80, d, "bfloat16", deterministic=True).backward_dq is not None
     # Head dim 64 splits dQ_i by keys: by columns each warpgroup's 32 would be half a swizzled slab.
     assert configs.BACKWARD_HOPPER_TABLE[64].dq_by_keys and not configs.BACKWARD_HOPPER_TABLE[128].dq_by_keys
     for d in (32, 40, 96, 160, 224):
-        assert configs.hopper_backward_config(90, d, mods=False, deterministic=False) is None
+        assert configs.hopper_backward_config(90, d, mods=False) is None
 
 
 def test_hopper_backward_wide_rows():
@@ -363,7 +366,7 @@ def test_hopper_backward_wide_rows():
     for d in (192, 256):
         row = configs.BACKWARD_HOPPER_TABLE[d]
         assert row.headdim == d and row.wide and row.block_n == 64 and row.block_m == 64 and not row.dq_by_keys
-        assert configs.hopper_backward_config(90, d, mods=False, deterministic=False) is row
+        assert configs.hopper_backward_config(90, d, mods=False) is row
         for dtype, mask, varlen in itertools.product(("float16", "bfloat16"), configs.MASKS, (False, True)):
             assert row.name_expression(dtype, mask, varlen=varlen) in configs.hopper_backward_instantiations()
     assert configs.BACKWARD_HOPPER_TABLE[256].stages == 1

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, note
 from hypothesis import strategies as st
 
-from gpu_helpers import debug_poison, fa2cupy_module, kernel_options, skip_unless_hopper
+from gpu_helpers import cupy_module, debug_poison, fa2cupy_module, kernel_options, skip_unless_hopper
 from test_backward_gpu import run_case
 from test_varlen_mods_gpu import run_varlen_case
 
@@ -45,12 +45,14 @@ def test_hopper_kernel_is_the_one_planned():
     plan = backward.plan_backward((1, 256, 8, 128), (1, 256, 8, 128), strides, "bfloat16", 0.1, True, False, 90)
     assert isinstance(plan.config, configs.HopperBwdConfig)
     assert plan.main.block == (384, 1, 1) and plan.main.grid == (2, 8, 1)
-    assert plan.convert is not None and plan.dq is None
-    for kw in ({"deterministic": True}, {"softcap": 5.0}):
-        det = kw.pop("deterministic", False)
-        plan = backward.plan_backward((1, 256, 8, 128), (1, 256, 8, 128), strides, "bfloat16", 0.1, True, det, 90,
-                                      **kw)
-        assert isinstance(plan.config, configs.BwdConfig)
+    assert plan.convert is not None and plan.dq is None and plan.dq_semaphores == 0
+    # deterministic=True: the same kernel, its dQ additions in turns over 1 x 8 x 4 flags (no dQ kernel of its own)
+    plan = backward.plan_backward((1, 256, 8, 128), (1, 256, 8, 128), strides, "bfloat16", 0.1, True, True, 90)
+    assert isinstance(plan.config, configs.HopperBwdConfig) and plan.dq is None and plan.convert is not None
+    assert plan.dq_semaphores == 1 * 8 * 4 and plan.main.per_call[-1] == "dq_semaphore"
+    plan = backward.plan_backward((1, 256, 8, 128), (1, 256, 8, 128), strides, "bfloat16", 0.1, True, False, 90,
+                                  softcap=5.0)
+    assert isinstance(plan.config, configs.BwdConfig)
     plan = backward.plan_backward((1, 256, 8, 128), (1, 256, 8, 128), strides, "bfloat16", 0.1, True, False, 90,
                                   varlen_totals=(256, 256))
     assert isinstance(plan.config, configs.HopperBwdConfig) and plan.zero_tail is not None
@@ -193,6 +195,49 @@ def test_launch_order_chunks(d, causal):
     for chunk_blocks in (6, None):
         for name, x, y in zip("kv", grads[0][1:], grads[chunk_blocks][1:]):
             assert (x == y).all(), f"d{name} differs between launch orders 0 and {chunk_blocks}"
+
+
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
+@pytest.mark.parametrize(
+    "b,sq,sk,h,hkv,causal,window",
+    [
+        (2, 1000, 1000, 4, 2, True, (-1, -1)),  # GQA, many key tiles adding to each query tile
+        (1, 700, 900, 2, 2, False, (-1, -1)),  # no mask: every key tile adds to every query tile
+        (1, 900, 500, 2, 1, True, (-1, -1)),  # sq > sk: rows that see no key
+        (1, 800, 800, 2, 1, False, (150, 40)),  # a band: the turns counted from its first key tile
+    ],
+)
+def test_deterministic_hopper_backward(d, b, sq, sk, h, hkv, causal, window):
+    """deterministic=True on the Hopper dK/dV kernel: the key tiles that add to a query tile's dQ take turns, so the
+    gradients match the reference and two runs agree bitwise (run_case)."""
+    _hopper_gpu()
+    run_case(dict(batch=b, seqlen_q=sq, seqlen_k=sk, nheads=h, nheads_kv=hkv, headdim=d, causal=causal,
+                  window_size=window, dtype="bfloat16", softmax_scale=None, deterministic=True, transposed=False,
+                  seed=sq + sk + d))
+
+
+@pytest.mark.parametrize("d", [64, 256])
+def test_deterministic_hopper_backward_varlen(d):
+    """The turns per sequence of a varlen call (empty and one-row sequences, ragged ends): gradients match the
+    reference and repeat bitwise."""
+    _hopper_gpu()
+    cp = cupy_module()
+    fa = fa2cupy_module()
+    case = dict(lengths_q=[300, 0, 1, 700], lengths_k=[500, 3, 1, 700], nheads=4, nheads_kv=2, headdim=d, causal=True,
+                window_size=(-1, -1), softcap=0.0, alibi=None, extra_rows=5, slack=9, dtype="bfloat16",
+                deterministic=True, seed=d)
+    run_varlen_case(case)
+    from test_varlen_mods_gpu import _varlen_inputs
+
+    x, cu_q, cu_k, _ = _varlen_inputs(case)
+    cu_q, cu_k = cp.asarray(cu_q), cp.asarray(cu_k)
+    out, lse, _ = fa.flash_attn_varlen_func(x["q"], x["k"], x["v"], cu_q, cu_k, 709, 709, causal=True,
+                                            return_attn_probs=True)
+    runs = [fa.flash_attn_varlen_backward(x["dout"], x["q"], x["k"], x["v"], out, lse, cu_q, cu_k, 709, 709,
+                                          causal=True, deterministic=True) for _ in range(3)]
+    for name, *gs in zip("qkv", *runs):
+        for g in gs[1:]:
+            assert cp.array_equal(gs[0].view(cp.uint16), g.view(cp.uint16)), f"d{name} differs between runs"
 
 
 @st.composite

@@ -71,8 +71,8 @@ def test_info_table_for_a_given_arch_without_a_gpu():
 @pytest.mark.parametrize("d", [192, 256])
 def test_wide_hopper_rows(d):
     # d=192 and 256 run on the Hopper forward and dK/dV kernels, padded and varlen, where TMA can copy the arrays;
-    # hopper_forward/hopper_backward=False, dropout, score modifiers in the backward and the deterministic backward
-    # take the mma.sync kernels.
+    # hopper_forward/hopper_backward=False, dropout and score modifiers in the backward take the mma.sync kernels;
+    # the deterministic backward the Hopper dK/dV kernel, its dQ reductions in turns (no dQ kernel of its own).
     for mask, varlen in ((m, v) for m in configs.MASKS for v in (False, True)):
         rows = configs.kernel_rows(90, d, "bfloat16", mask, varlen=varlen, seqlen_q=4096)
         assert rows.forward is configs.FORWARD_HOPPER_TABLE[d]
@@ -95,7 +95,8 @@ def test_wide_hopper_rows(d):
     assert (configs.HOPPER_MODS_HEADDIMS, configs.HOPPER_MODS_PADDED_ONLY) == ((128, 192, 256), (256,))
     rows = configs.kernel_rows(90, d, "float16", "causal", mods=True, dropout=True)
     assert rows.forward.family == "fwd" and rows.backward.family == "bwd"
-    assert configs.kernel_rows(90, d, "float16", deterministic=True).backward.family == "bwd"
+    rows = configs.kernel_rows(90, d, "float16", deterministic=True)
+    assert rows.backward is configs.BACKWARD_HOPPER_TABLE[d] and rows.backward_dq is None
     # a short masked call: the mma.sync forward, the Hopper backward
     rows = configs.kernel_rows(90, d, "float16", "causal", seqlen_q=configs.HOPPER_MASKED_MIN_SEQLEN[d] - 1)
     assert rows.forward.family == "fwd" and rows.backward is configs.BACKWARD_HOPPER_TABLE[d]

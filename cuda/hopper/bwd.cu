@@ -49,6 +49,25 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // which the TMA copies name by address.
     const BwdParams params = kernel_params.bwd;
     int seqlen_q = params.max_seqlen_q, seqlen_k = params.max_seqlen_k;  // (varlen: the sequence's, below)
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    // The block's key tile and (kv head, batch) group. Blocks launch in chunks of group_chunk groups, and within a
+    // chunk key tile by key tile: under a causal mask key tile j walks the query tiles from j on, so the longest
+    // blocks of the chunk's groups start first and the short ones fill the tail (configs.HOPPER_BWD_CHUNK_BLOCKS:
+    // causal GQA grids 7-20% faster than with each group's key tiles in turn). group_chunk 1 is the grid's order.
+    // Deterministic (dq_semaphore set): the key tiles that add to a query tile's dQ take turns from the last to the
+    // first (hopper/bwd_producer.cuh), so they launch last first: the block a turn waits for started earlier.
+    const bool deterministic = kernel_params.dq_semaphore != nullptr;
+    int kv_head, batch, key0;
+    {
+        const int tiles = gridDim.x, groups = gridDim.y * gridDim.z;
+        const int linear = blockIdx.x + tiles * (blockIdx.y + gridDim.y * blockIdx.z);
+        const int chunk = linear / (kernel_params.group_chunk * tiles), first = chunk * kernel_params.group_chunk;
+        const int in_chunk = min(kernel_params.group_chunk, groups - first);
+        const int r = linear - first * tiles, group = first + r % in_chunk;
+        const int tile = r / in_chunk;
+        kv_head = group % gridDim.y, batch = group / gridDim.y, key0 = (deterministic ? tiles - 1 - tile : tile) * kN;
+    }
+    const int sem_tiles = (params.max_seqlen_q + kM - 1) / kM;  // (deterministic: the turn flags' query tiles)
     const HopperBwdArgs args{params.q, params.k, params.v, params.dout, params.lse, params.dsum, params.dq_accum,
                              params.dk, params.dv, params.q_batch_stride, params.q_row_stride, params.q_head_stride,
                              params.k_batch_stride, params.k_row_stride, params.k_head_stride, params.v_batch_stride,
@@ -57,21 +76,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                              params.dk_head_stride, params.dv_batch_stride, params.dv_row_stride,
                              params.dv_head_stride, params.stat_batch_stride, params.stat_head_stride, seqlen_q,
                              seqlen_k, params.heads_per_kv, params.scale, params.scale_log2, kernel_params.tmap_q,
-                             kernel_params.tmap_k, kernel_params.tmap_v, kernel_params.tmap_do};
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    // The block's key tile and (kv head, batch) group. Blocks launch in chunks of group_chunk groups, and within a
-    // chunk key tile by key tile: under a causal mask key tile j walks the query tiles from j on, so the longest
-    // blocks of the chunk's groups start first and the short ones fill the tail (configs.HOPPER_BWD_CHUNK_BLOCKS:
-    // causal GQA grids 7-20% faster than with each group's key tiles in turn). group_chunk 1 is the grid's order.
-    int kv_head, batch, key0;
-    {
-        const int tiles = gridDim.x, groups = gridDim.y * gridDim.z;
-        const int linear = blockIdx.x + tiles * (blockIdx.y + gridDim.y * blockIdx.z);
-        const int chunk = linear / (kernel_params.group_chunk * tiles), first = chunk * kernel_params.group_chunk;
-        const int in_chunk = min(kernel_params.group_chunk, groups - first);
-        const int r = linear - first * tiles, group = first + r % in_chunk;
-        kv_head = group % gridDim.y, batch = group / gridDim.y, key0 = r / in_chunk * kN;
-    }
+                             kernel_params.tmap_k, kernel_params.tmap_v, kernel_params.tmap_do,
+                             deterministic ? kernel_params.dq_semaphore + (i64)batch * params.nheads * sem_tiles
+                                           : nullptr,
+                             sem_tiles};
     int q_start = 0, k_start = 0;  // the sequence's first rows (varlen)
     if constexpr (Tr::kVarlen) {
         const SeqBounds seq(params.cu_seqlens_q, params.cu_seqlens_k, batch, params.total_q, params.total_k,

@@ -54,16 +54,36 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
     // load of step j + 2 through. The step's rows are worked out here (carried from its load, they spilled at
     // head dim 64 beside the statistics loaded a step ahead); the accumulator row is an int, as rows of 272
     // bytes or more fit in device memory.
+    //
+    // Deterministic (args.dq_semaphore set): the key tiles whose blocks add to a query tile's dQ do so in turn, from
+    // the last of them to the first, so that the sum has one order. The turn flag of (head, query tile) counts the
+    // additions done; this block's turn is the number of those key tiles after its own (the mask's key_tiles over
+    // the tile's rows, which are exactly the key tiles whose walks include the tile). Under a causal mask a
+    // block's walk reaches a tile steps after the block of the next key tile did (both walk up from their first
+    // visible query tile, the next block's later), without one they reach it together and the turns stagger the
+    // blocks by a reduction each; the blocks launch last key tile first, so the block waited for has started.
     const auto reduce_step = [&](int j) {
         if (ptid != 0) return;
         const int head = kv_head * args.heads_per_kv + j / steps.m_count, m0 = steps.m0(j);
         const int row = int(batch * args.stat_batch_stride + head * args.stat_head_stride + q_start + m0);
-        const int t = j % Tr::kDqTiles;
+        const int t = j % Tr::kDqTiles, rows = min(kM, args.seqlen_q - m0);
         mbar_wait(smem.dq_staged(t), (j / Tr::kDqTiles) & 1);
+        int* turn_flag = nullptr;
+        if (args.dq_semaphore != nullptr) {
+            int first, count;
+            mask.template key_tiles<kN>(m0, rows, first, count);
+            turn_flag = args.dq_semaphore + head * args.sem_tiles + m0 / kM;
+            wait_for_turn(turn_flag, first + count - 1 - key0 / kN);
+        }
         bulk_reduce_add_f32(args.dq_accum + (i64)row * Tr::kDqPitch, smem.dq + t * Tr::kDqBytes,
-                            min(kM, args.seqlen_q - m0) * Tr::kDqPitch * 4);
+                            rows * Tr::kDqPitch * 4);
         bulk_commit();
-        bulk_wait_read<0>();
+        if (turn_flag != nullptr) {
+            bulk_wait<0>();  // (the addition done, not only its reads)
+            pass_turn(turn_flag);
+        } else {
+            bulk_wait_read<0>();
+        }
         mbar_arrive(smem.dq_free(t));
     };
     // Thread ptid < kM's row statistics of a step, lse (+inf past seqlen_q, so that P = 0: plain loads, which a

@@ -194,6 +194,10 @@ struct HopperBwdArgs {
     const TensorMap& tmap_k;
     const TensorMap& tmap_v;
     const TensorMap& tmap_do;
+    // Deterministic dQ (else null): this batch row's turn flags, one per (head, query tile of BlockM rows), of
+    // sem_tiles per head.
+    int* dq_semaphore;
+    int sem_tiles;
 };
 
 // A block's steps: every query head of its group in turn, each over the query tiles with a row that sees one of the

@@ -45,6 +45,23 @@ FA2_DEVICE void bulk_wait() {  // ... and completed
     asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// Turns between blocks over a global int (the deterministic dQ reductions): wait until it reads `turn` (acquire),
+// and pass the turn on (release). Bulk operations are in the async proxy: a fence orders them after the wait, and
+// before the release once their bulk group has completed (bulk_wait).
+FA2_DEVICE void wait_for_turn(const int* flag, int turn) {
+    int now;
+    for (;;) {
+        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(now) : "l"(flag) : "memory");
+        if (now == turn) break;
+        __nanosleep(64);
+    }
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+FA2_DEVICE void pass_turn(int* flag) {
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
+    asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(flag) : "memory");
+}
+
 // A tile of SwizzledSlabs from `map`'s rows `row` .. (its box's rows) of (head, batch): one TMA box per slab, its
 // bytes counted on `bar`. (The 128-byte swizzle of a box of 64 columns is the slabs' own.)
 template <class Tile>
