@@ -37,7 +37,17 @@ class _AttentionCall(pipeline.Call):
 
     @property
     def padded(self) -> int:
-        return padded_headdim(self.shape.headdim)
+        """The head dim the kernels run on: q's and v's, the larger, padded to a multiple of 8 (the narrower
+        arrays padded with zeros to it)."""
+        return padded_headdim(max(self.shape.headdim, self.shape.dv))
+
+    def dims(self, name: str) -> tuple:
+        """(head dim, kernels' head dim) of the array ``name``: v's for v, dout and out, q's for q and k."""
+        return (self.shape.dv if name in ("v", "dout", "out") else self.shape.headdim), self.padded
+
+    def ready(self, x, info, name: str):
+        """``x`` (a caller's array, named as in dims) as kernel_ready makes it for this call."""
+        return kernel_ready(arrays.to_cupy(x, info), *self.dims(name))
 
 
 def _attention_call(infos: dict, shape, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, values,
@@ -92,13 +102,14 @@ class _Attention(pipeline.Kind):
         dropout_p, check_dropout_rng = options[self.dropout_at], checks.check_dropout_rng
         return lambda values: check_dropout_rng(dropout_p, *values)
 
-    #: How many of the returned outputs (the first ones) have the head dim as their last axis: sliced back to the
-    #: caller's where the kernels ran on a padded one (the log-sum-exp is not).
-    head_dim_outputs = 1
+    #: Which of the returned outputs (the first ones) have the head dim as their last axis, q's ("q") or v's ("v"):
+    #: sliced back to the caller's where the kernels ran on a padded one (the log-sum-exp is not).
+    head_dim_outputs = ("v",)
 
     def results(self, call, outs, views):
-        n = self.head_dim_outputs
-        return pipeline.returned_head_dim(outs[:n], call.shape.headdim, call.padded) + outs[n:]
+        n, s = len(self.head_dim_outputs), call.shape
+        dims = [s.dv if which == "v" else s.headdim for which in self.head_dim_outputs]
+        return pipeline.returned_head_dim(outs[:n], dims, call.padded) + outs[n:]
 
 
 # --------------------------------------------------------------------------------------------- forward
@@ -124,7 +135,7 @@ class _Forward(_Attention):
                                values)
 
     def adapt(self, call, named, infos):
-        ready = {n: kernel_ready(arrays.to_cupy(named[n], infos[n]), call.shape.headdim) for n in ("q", "k", "v")}
+        ready = {n: call.ready(named[n], infos[n], n) for n in ("q", "k", "v")}
         _fold_negative_scale(call, ready)
         _adapt_side_arrays(call, named, infos, ready, ("alibi_slopes", "dropout_rng_state"))
         return ready
@@ -177,8 +188,10 @@ def flash_attn_func(
     :func:`fa2cupy.torch.flash_attn_func` or :func:`fa2cupy.jax.flash_attn_func`.
 
     Args:
-        q: ``(batch, seqlen_q, nheads, headdim)``; k, v: ``(batch, seqlen_k, nheads_kv, headdim)``. float16 or
-            bfloat16, all the same dtype, from CuPy, PyTorch, JAX (device arrays) or NumPy (copied to the current
+        q: ``(batch, seqlen_q, nheads, headdim)``; k: ``(batch, seqlen_k, nheads_kv, headdim)``; v: ``(batch,
+            seqlen_k, nheads_kv, headdim_v)``, whose head dim may differ from q's and k's (the output takes it;
+            the kernels then run on the larger, the other arrays zero-padded to it). float16 or bfloat16, all the
+            same dtype, from CuPy, PyTorch, JAX (device arrays) or NumPy (copied to the current
             GPU). ``nheads`` must be a multiple of ``nheads_kv`` (MQA/GQA: query head ``h`` reads K/V head
             ``h // (nheads // nheads_kv)``). ``headdim`` 1..256. The last axis must be contiguous; the other
             axes may have any strides (e.g. a ``(batch, nheads, seqlen, headdim)`` tensor viewed with
@@ -206,7 +219,7 @@ def flash_attn_func(
             arguments decide (for A/B timings, tests and debugging).
 
     Returns:
-        ``out`` shaped and typed like q, in q's framework; with ``return_attn_probs=True`` the tuple
+        ``out`` ``(batch, seqlen_q, nheads, headdim_v)`` typed like q, in q's framework; with ``return_attn_probs=True`` the tuple
         ``(out, softmax_lse, probs)`` with ``softmax_lse`` float32 ``(batch, nheads, seqlen_q)``, natural log, and
         ``probs`` None without dropout; with dropout the float32 ``(batch, nheads, seqlen_q, seqlen_k)``
         probabilities the output was made of, ``P o Z / (1 - p)`` (for tests at small sizes: it is recomputed;
@@ -293,7 +306,7 @@ class _Backward(_Attention):
     dropout_at = 5
     arrays = ("dout", "q", "k", "v", "out", "softmax_lse", "alibi_slopes", "dropout_rng_state")
     returned = poisoned = ("dq", "dk", "dv")
-    head_dim_outputs = 3
+    head_dim_outputs = ("q", "q", "v")  # dq, dk, dv
     launch = staticmethod(backward.run_backward)
     no_pointers = backward.NO_POINTERS
 
@@ -306,8 +319,7 @@ class _Backward(_Attention):
                                values)
 
     def adapt(self, call, named, infos):
-        ready = {n: kernel_ready(arrays.to_cupy(named[n], infos[n]), call.shape.headdim)
-                 for n in ("dout", "q", "k", "v", "out")}
+        ready = {n: call.ready(named[n], infos[n], n) for n in ("dout", "q", "k", "v", "out")}
         _adapt_side_arrays(call, named, infos, ready, ("softmax_lse", "alibi_slopes", "dropout_rng_state"))
         return ready
 
@@ -397,9 +409,10 @@ def flash_attn_backward(
 # --------------------------------------------------------------------------------------------- varlen
 
 
-def _varlen_view(x, info, headdim: int):
-    """(total, heads, d) array -> kernel-ready (1, total, heads, d') CuPy view (see kernel_ready)."""
-    return kernel_ready(arrays.to_cupy(x, info)[None], headdim)
+def _varlen_view(x, info, call: _AttentionCall, name: str):
+    """(total, heads, d) array -> kernel-ready (1, total, heads, call.padded) CuPy view (see kernel_ready; ``name``
+    as for _AttentionCall.ready)."""
+    return kernel_ready(arrays.to_cupy(x, info)[None], *call.dims(name))
 
 
 def _varlen_strides(x) -> tuple:
@@ -430,13 +443,12 @@ class _VarlenForward(_Forward):
                                values, (total_q, total_k))
 
     def adapt(self, call, named, infos):
-        headdim = call.shape.headdim
-        ready = {"q": _varlen_view(named["q"], infos["q"], headdim)}
+        ready = {"q": _varlen_view(named["q"], infos["q"], call, "q")}
         if "block_table" in named:  # page pools: their page strides go where the batch strides go
-            ready.update((n, kernel_ready(arrays.to_cupy(named[n], infos[n]), headdim)) for n in ("k", "v"))
+            ready.update((n, call.ready(named[n], infos[n], n)) for n in ("k", "v"))
             call.paged = (ready["k"].shape[0], ready["k"].shape[1], infos["block_table"].shape[1])
         else:
-            ready.update((n, _varlen_view(named[n], infos[n], headdim)) for n in ("k", "v"))
+            ready.update((n, _varlen_view(named[n], infos[n], call, n)) for n in ("k", "v"))
         _fold_negative_scale(call, ready)
         _adapt_side_arrays(call, named, infos, ready, self.arrays[3:])
         return ready
@@ -489,8 +501,9 @@ def flash_attn_varlen_func(
     (:func:`fa2cupy.torch.flash_attn_varlen_func`, :func:`fa2cupy.jax.flash_attn_varlen_func` are).
 
     Args:
-        q: ``(total_q, nheads, headdim)``; k, v: ``(total_k, nheads_kv, headdim)``: the sequences' tokens one after
-            another (dtypes, head grouping and layout rules as in :func:`flash_attn_func`).
+        q: ``(total_q, nheads, headdim)``; k, v: ``(total_k, nheads_kv, headdim)`` (v's head dim may differ, as
+            in :func:`flash_attn_func`; not with ``block_table``): the sequences' tokens one after another
+            (dtypes, head grouping and layout rules as in :func:`flash_attn_func`).
         cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)`` on the GPU: sequence ``b`` is rows
             ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of q (and of k/v with cu_seqlens_k). Lengths may be 0.
         max_seqlen_q, max_seqlen_k: ints, the longest sequence (the grid is sized for it).
@@ -562,11 +575,12 @@ class _VarlenBackward(_Backward):
             block_table=infos.get("block_table"))
         call = _attention_call(infos, shape, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
                                values, (total_q, total_k))
-        checks.check_varlen_backward_args(infos["dout"], infos["out"], infos["softmax_lse"], infos["q"], shape.nheads)
+        checks.check_varlen_backward_args(infos["dout"], infos["out"], infos["softmax_lse"], infos["q"], shape.nheads,
+                                          shape.dv)
         return call
 
     def adapt(self, call, named, infos):
-        ready = {n: _varlen_view(named[n], infos[n], call.shape.headdim) for n in ("dout", "q", "k", "v", "out")}
+        ready = {n: _varlen_view(named[n], infos[n], call, n) for n in ("dout", "q", "k", "v", "out")}
         _adapt_side_arrays(call, named, infos, ready,
                            ("softmax_lse", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "dropout_rng_state"))
         return ready

@@ -30,8 +30,14 @@ class AttnShape:
     seqlen_k: int
     nheads: int
     nheads_kv: int
-    headdim: int
+    headdim: int  # q's and k's
     dtype: str
+    headdim_v: int = 0  # v's (and the output's) where it differs from headdim; 0: the same
+
+    @property
+    def dv(self) -> int:
+        """v's head dim: the output's, dout's and dv's."""
+        return self.headdim_v or self.headdim
 
 
 def default_scale(headdim: int) -> float:
@@ -140,10 +146,10 @@ def check_forward_args(
 ) -> AttnShape:
     """Validate the arguments of ``flash_attn_func`` and return the problem size.
 
-    Shapes: q ``(batch, seqlen_q, nheads, headdim)``, k and v
-    ``(batch, seqlen_k, nheads_kv, headdim)`` with ``nheads % nheads_kv == 0``
-    (MQA/GQA), ``1 <= headdim <= 256``, dtype float16 or bfloat16 shared by all
-    three, last axis contiguous (stride 1; other axes may have any stride), one
+    Shapes: q ``(batch, seqlen_q, nheads, headdim)``, k ``(batch, seqlen_k, nheads_kv, headdim)`` and v
+    ``(batch, seqlen_k, nheads_kv, headdim_v)`` with ``nheads % nheads_kv == 0`` (MQA/GQA), ``1 <= headdim,
+    headdim_v <= 256`` (v's head dim may differ from q's and k's: the output takes v's), dtype float16 or
+    bfloat16 shared by all three, last axis contiguous (stride 1; other axes may have any stride), one
     framework and one device.
 
     Args:
@@ -225,11 +231,11 @@ def _check_qkv(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo) -> AttnShape:
 
     batch, seqlen_q, nheads, headdim = q.shape
     _, seqlen_k, nheads_kv, _ = k.shape
-    for axis, kn, vn in zip(_AXES_KV, k.shape, v.shape):
+    for axis, kn, vn in zip(_AXES_KV[:3], k.shape, v.shape):
         if kn != vn:
             raise ValueError(
                 f"v has {axis}={vn} but k has {axis}={kn}; k and v must have the same "
-                f"shape (got k {k.shape}, v {v.shape})"
+                f"shape but for the head dim (got k {k.shape}, v {v.shape})"
             )
     if k.shape[0] != batch:
         raise ValueError(
@@ -255,6 +261,12 @@ def _check_qkv(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo) -> AttnShape:
         raise ValueError(
             f"q has headdim={headdim}; fa2cupy supports head dimensions 1..{MAX_HEADDIM}"
         )
+    headdim_v = v.shape[3]
+    if headdim_v > MAX_HEADDIM:
+        raise ValueError(
+            f"v has headdim={headdim_v}; fa2cupy supports head dimensions 1..{MAX_HEADDIM} (v's may differ from "
+            f"q's and k's)"
+        )
 
     for info in (q, k, v):
         if info.dtype not in SUPPORTED_DTYPES:
@@ -278,7 +290,8 @@ def _check_qkv(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo) -> AttnShape:
                 f"a copy if the last axis is strided"
             )
 
-    return AttnShape(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, q.dtype)
+    return AttnShape(batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, q.dtype,
+                     headdim_v if headdim_v != headdim else 0)
 
 
 def check_dropout_rng(dropout_p, dropout_seed, dropout_offset, rng_state: ArrayInfo | None = None) -> tuple[int, int]:
@@ -363,7 +376,7 @@ def check_varlen_args(
     if alibi is not None:
         check_alibi(alibi, q, batch, shape.nheads)
     return (AttnShape(batch, int(max_seqlen_q), int(max_seqlen_k), shape.nheads, shape.nheads_kv, shape.headdim,
-                      shape.dtype), total_q, total_k)
+                      shape.dtype, shape.headdim_v), total_q, total_k)
 
 
 def _as_batch(info: ArrayInfo, drop: int = 0) -> ArrayInfo:
@@ -389,6 +402,10 @@ def _check_paged_varlen(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, block_table: A
         raise ValueError(f"k has shape {k.shape}; with block_table it needs at least one page of at least one row")
     if tuple(v.shape[:2]) != (num_pages, page_size):
         raise ValueError(f"v has shape {v.shape} but k has {k.shape}; k and v must have the same shape")
+    if v.shape[3] != k.shape[3]:
+        raise NotImplementedError(
+            f"v has headdim {v.shape[3]} but k has {k.shape[3]}: with block_table (paged K/V) v's head dim must be "
+            f"k's; packed K/V (no block_table) takes a v head dim of its own")
     capacity = block_table.shape[1] * page_size
     if max_seqlen_k > capacity:
         raise ValueError(f"max_seqlen_k = {max_seqlen_k} exceeds what block_table can address: max_pages "
@@ -401,17 +418,19 @@ def _check_paged_varlen(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, block_table: A
     if alibi is not None:
         check_alibi(alibi, q, batch, shape.nheads)
     return (AttnShape(batch, int(max_seqlen_q), int(max_seqlen_k), shape.nheads, shape.nheads_kv, shape.headdim,
-                      shape.dtype), q.shape[0], num_pages * page_size)
+                      shape.dtype, shape.headdim_v), q.shape[0], num_pages * page_size)
 
 
 def check_varlen_backward_args(dout: ArrayInfo, out: ArrayInfo, softmax_lse: ArrayInfo, q: ArrayInfo,
-                               nheads: int) -> None:
-    """dout and out like q ``(total_q, nheads, headdim)`` (same dtype, contiguous last axis); softmax_lse float32
-    ``(nheads, total_q)`` as the varlen forward returns it; one framework."""
+                               nheads: int, headdim_v: int | None = None) -> None:
+    """dout and out ``(total_q, nheads, headdim_v)`` (q's rows and heads, v's head dim; q's dtype, contiguous last
+    axis); softmax_lse float32 ``(nheads, total_q)`` as the varlen forward returns it; one framework."""
     same_framework([q, dout, out, softmax_lse])
+    want = tuple(q.shape[:2]) + (headdim_v or q.shape[2],)
     for info in (dout, out):
-        if tuple(info.shape) != tuple(q.shape):
-            raise ValueError(f"{info.name} has shape {info.shape} but q has {q.shape}; it must have q's shape")
+        if tuple(info.shape) != want:
+            raise ValueError(f"{info.name} has shape {info.shape}, expected {want}: q's (total_q, nheads) and v's "
+                             f"head dim (the forward's output shape)")
         if info.dtype != q.dtype:
             raise TypeError(f"{info.name} has dtype {info.dtype} but q has {q.dtype}; it must have q's dtype")
         if info.strides[-1] != 1 and info.shape[-1] != 1:
@@ -490,11 +509,12 @@ def check_backward_args(
         )
     same_framework([q, k, v, dout, out, softmax_lse])
 
+    want = tuple(q.shape[:3]) + (shape.dv,)
     for info in (dout, out):
-        if tuple(info.shape) != tuple(q.shape):
+        if tuple(info.shape) != want:
             raise ValueError(
-                f"{info.name} has shape {info.shape} but q has {q.shape}; {info.name} must have q's shape "
-                f"(batch, seqlen_q, nheads, headdim)"
+                f"{info.name} has shape {info.shape}, expected {want}: q's (batch, seqlen_q, nheads) and v's "
+                f"head dim (the forward's output shape)"
             )
         if info.dtype != q.dtype:
             raise TypeError(
@@ -715,6 +735,11 @@ def _check_kvcache_arrays(infos: dict) -> tuple:
         if len(info.shape) != 4:
             raise ValueError(f"{info.name} must be 4-D, got shape {info.shape}")
     batch, seqlen_q, nheads, headdim = q_info.shape
+    if kc_info.shape[:3] == vc_info.shape[:3] and kc_info.shape[3] != vc_info.shape[3]:
+        raise NotImplementedError(
+            f"v_cache has headdim {vc_info.shape[3]} but k_cache {kc_info.shape[3]}: flash_attn_with_kvcache takes "
+            f"one head dim for K and V (the caches are used in place); flash_attn_func and flash_attn_varlen_func "
+            f"take a v head dim of its own")
     if kc_info.shape != vc_info.shape:
         raise ValueError(f"k_cache {kc_info.shape} and v_cache {vc_info.shape} must have the same shape")
     nheads_kv = kc_info.shape[2]

@@ -244,7 +244,7 @@ def _warm_up(kind, shape: checks.AttnShape, opts, deterministic) -> None:
     the problem.
     """
     group = shape.nheads // shape.nheads_kv
-    key = (kind, shape.headdim, shape.dtype, group, opts[:6] + opts[7:8] + opts[9:], deterministic)
+    key = (kind, shape.headdim, shape.dv, shape.dtype, group, opts[:6] + opts[7:8] + opts[9:], deterministic)
     if key in _warmed:
         return
     _warmed.add(key)
@@ -266,13 +266,13 @@ def _warm_up(kind, shape: checks.AttnShape, opts, deterministic) -> None:
             padded = opts[:6] + (None,) + opts[7:8] + (False,) + opts[9:]
             extras = ((cupy.ones(group, cupy.float32),) if opts[5] else ()) + (
                 (cupy.zeros(4, cupy.uint32),) if opts[7] else ())
-            q, k, v = make(1, sq, group, shape.headdim), make(1, sk, 1, shape.headdim), make(1, sk, 1, shape.headdim)
-            out = cupy.empty_like(q)
+            q, k, v = make(1, sq, group, shape.headdim), make(1, sk, 1, shape.headdim), make(1, sk, 1, shape.dv)
+            out = cupy.empty((1, sq, group, shape.dv), dtype)
             lse = cupy.empty((1, group, sq), cupy.float32)
             _run_forward((out, lse), q, k, v, *extras, padded)
             if kind == "bwd":
                 grads = (cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v))
-                _run_backward(grads, make(1, sq, group, shape.headdim), q, k, v, out, lse, *extras, padded,
+                _run_backward(grads, make(1, sq, group, shape.dv), q, k, v, out, lse, *extras, padded,
                               deterministic)
         stream.synchronize()
     except Exception:  # noqa: BLE001 -- best effort, see the docstring
@@ -289,11 +289,12 @@ def _info(name, x) -> arrays.ArrayInfo:
 
 
 def _forward_call(q, k, v, extras, opts):
-    if opts[6]:  # varlen: out like q, lse (nheads, total_q)
+    if opts[6]:  # varlen: out like q (with v's head dim), lse (nheads, total_q)
         lse_shape = (q.shape[1], q.shape[0])
     else:
         lse_shape = (q.shape[0], q.shape[2], q.shape[1])
-    result = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32))
+    out_shape = tuple(q.shape[:-1]) + (v.shape[-1],)
+    result = (jax.ShapeDtypeStruct(out_shape, q.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32))
     call = buffer_callback(
         _forward_callback(opts), result, vmap_method="sequential",
         command_buffer_compatible=COMMAND_BUFFER_COMPATIBLE,
@@ -310,11 +311,12 @@ def _backward_call(dout, q, k, v, out, lse, extras, opts, deterministic):
     return call(dout, q, k, v, out, lse, *extras)
 
 
-def _shape_of(q, k, opts) -> checks.AttnShape:
-    if opts[6]:  # varlen: (total, heads, d) arrays (k: or pages); the warm-up only needs heads, head dim and dtype
+def _shape_of(q, k, v, opts) -> checks.AttnShape:
+    if opts[6]:  # varlen: (total, heads, d) arrays (k: or pages); the warm-up only needs heads, head dims and dtype
+        dv = v.shape[-1] if v.shape[-1] != q.shape[2] else 0
         return checks.AttnShape(1, opts[6][0], opts[6][1], q.shape[1], k.shape[-2], q.shape[2],
-                                np.dtype(q.dtype).name)
-    return checks.check_forward_args(_info("q", q), _info("k", k), _info("v", k))
+                                np.dtype(q.dtype).name, dv)
+    return checks.check_forward_args(_info("q", q), _info("k", k), _info("v", v))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -331,7 +333,7 @@ def _attention_fwd(q, k, v, extras, opts, deterministic):
 def _attention_bwd(opts, deterministic, residuals, cotangents):
     q, k, v, out, lse, extras = residuals
     dout, _ = cotangents  # lse is returned through stop_gradient: its cotangent is always zero
-    _warm_up("bwd", _shape_of(q, k, opts), opts, deterministic)
+    _warm_up("bwd", _shape_of(q, k, v, opts), opts, deterministic)
     dq, dk, dv = _backward_call(dout.astype(q.dtype), q, k, v, out, lse, extras, opts, deterministic)
     # cu_seqlens, the ALiBi slopes and the rng state get no gradient (as in flash-attn)
     return dq, dk, dv, tuple(None for _ in extras)
@@ -389,8 +391,8 @@ def flash_attn_func(
     runs one call per batch element). Gradients flow to ``q``, ``k`` and ``v``.
 
     Args:
-        q: ``(batch, seqlen_q, nheads, headdim)``; k, v: ``(batch, seqlen_k, nheads_kv, headdim)``; float16 or
-            bfloat16, on one CUDA device.
+        q: ``(batch, seqlen_q, nheads, headdim)``; k, v: ``(batch, seqlen_k, nheads_kv, headdim)`` (v's head dim
+            may differ: the output takes it); float16 or bfloat16, on one CUDA device.
         softmax_scale: default ``1 / sqrt(headdim)``.
         causal: bottom-right aligned causal mask.
         deterministic: make the backward bit-reproducible run to run (the forward always is).
@@ -403,8 +405,8 @@ def flash_attn_func(
         kernel_options: a :class:`fa2cupy.KernelOptions` for the forward and the backward (a static option).
 
     Returns:
-        ``out`` like q; with ``return_attn_probs=True``, ``(out, softmax_lse, None)``, ``softmax_lse`` float32
-        ``(batch, nheads, seqlen_q)`` under ``jax.lax.stop_gradient`` (not differentiable, as in flash-attn).
+        ``out`` like q with v's head dim; with ``return_attn_probs=True``, ``(out, softmax_lse, None)``,
+        ``softmax_lse`` float32 ``(batch, nheads, seqlen_q)`` under ``jax.lax.stop_gradient`` (not differentiable, as in flash-attn).
 
     The kernels run on the arrays' device, on XLA's stream (inside its custom calls).
 

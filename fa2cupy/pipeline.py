@@ -260,14 +260,15 @@ def padded_headdim(headdim: int) -> int:
     return -(-headdim // 8) * 8
 
 
-def kernel_ready(x, headdim: int):
-    """A view or copy of CuPy array ``x`` that the kernels can read: head dim padded with zeros to a multiple
-    of 8, 16-byte aligned rows, and row strides that fit the kernels' 32-bit row arithmetic.
+def kernel_ready(x, headdim: int, width: int | None = None):
+    """A view or copy of CuPy array ``x`` (head dim ``headdim``) that the kernels can read: head dim padded with
+    zeros to ``width`` (default: to a multiple of 8; v's to q's where they differ, or q's and k's to v's),
+    16-byte aligned rows, and row strides that fit the kernels' 32-bit row arithmetic.
 
     Zero padding is exact: padded q/k columns add 0 to every score and padded v columns only produce output
     columns that are sliced away.
     """
-    padded = padded_headdim(headdim)
+    padded = padded_headdim(headdim) if width is None else width
     if padded != headdim:
         wide = cupy.zeros(x.shape[:-1] + (padded,), dtype=x.dtype)
         wide[..., :headdim] = x
@@ -302,6 +303,8 @@ def c_strides(shape) -> tuple:
     return arrays._c_strides(shape)
 
 
-def returned_head_dim(outs: list, headdim: int, padded: int) -> list:
-    """Outputs sliced to the caller's head dim where the kernels ran on a padded one."""
-    return outs if padded == headdim else [x[..., :headdim] for x in outs]
+def returned_head_dim(outs: list, headdim, padded: int) -> list:
+    """Outputs sliced to the caller's head dim where the kernels ran on a padded one; ``headdim`` an int for all
+    of them, or a sequence of one per output."""
+    dims = (headdim,) * len(outs) if isinstance(headdim, int) else tuple(headdim)
+    return [x if d == padded else x[..., :d] for x, d in zip(outs, dims)]

@@ -41,8 +41,8 @@ def _prepare(q, k, v, softmax_scale):
             f"q, k and v must be 4-D (batch, seqlen, heads, headdim); got {q.shape}, "
             f"{k.shape}, {v.shape}"
         )
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must have the same shape but for the head dim, got {k.shape} and {v.shape}")
     b, sq, hq, d = q.shape
     if k.shape[0] != b or k.shape[3] != d:
         raise ValueError(f"k {k.shape} must share batch and headdim with q {q.shape}")
@@ -141,7 +141,7 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1
     Args:
         q: ``(batch, seqlen_q, nheads, headdim)`` array of any float dtype
             (float16, ml_dtypes bfloat16, float32, float64); upcast to float64.
-        k, v: ``(batch, seqlen_k, nheads_kv, headdim)``; nheads % nheads_kv == 0.
+        k, v: ``(batch, seqlen_k, nheads_kv, headdim)``; nheads % nheads_kv == 0; v's head dim may differ.
         softmax_scale: multiplier of q.k; None means ``1/sqrt(headdim)``.
         causal: bottom-right aligned causal mask.
         window_size: ``(left, right)`` sliding window (flash-attn semantics, -1 = no limit).
@@ -151,7 +151,7 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1
             kept): ``out = (P o Z / (1 - p)) V``; lse is that of the undropped softmax (as the kernels keep it).
 
     Returns:
-        (out, lse): out float64 ``(batch, seqlen_q, nheads, headdim)``; lse float64
+        (out, lse): out float64 ``(batch, seqlen_q, nheads, v's headdim)``; lse float64
         ``(batch, nheads, seqlen_q)``. Rows with no visible key: out 0, lse +inf.
 
     Raises:
@@ -162,7 +162,7 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1
     sk = k.shape[1]
     mask = _visible(sq, sk, causal, window_size)
     slopes = _alibi_slopes(alibi_slopes, b, hq)
-    out = np.empty((b, sq, hq, d))
+    out = np.empty((b, sq, hq, v.shape[3]))  # (v's head dim)
     lse = np.empty((b, hq, sq))
     # One batch entry at a time bounds the (heads, sq, sk) score tensor.
     for bi in range(b):
@@ -187,7 +187,7 @@ def attention_ref_backward(dout, q, k, v, softmax_scale=None, causal=False, wind
     derivative ``1 - tanh^2``; the ALiBi bias has no gradient.
 
     Args:
-        dout: ``(batch, seqlen_q, nheads, headdim)``, gradient of the output.
+        dout: ``(batch, seqlen_q, nheads, v's headdim)``, gradient of the output.
         q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes: as for :func:`attention_ref`.
         out: optional output to use in ``rowsum(dO * O)`` instead of the exact one: FlashAttention-2's backward
             takes ``out`` as an input, so with a rounded ``out`` these are the exact gradients *for that out*.
@@ -202,8 +202,8 @@ def attention_ref_backward(dout, q, k, v, softmax_scale=None, causal=False, wind
     """
     q, k, v, scale, group = _prepare(q, k, v, softmax_scale)
     dout = _as_f64(dout, "dout")
-    if dout.shape != q.shape:
-        raise ValueError(f"dout must have q's shape {q.shape}, got {dout.shape}")
+    if dout.shape != q.shape[:3] + v.shape[3:]:
+        raise ValueError(f"dout must have q's shape with v's head dim, {q.shape[:3] + v.shape[3:]}, got {dout.shape}")
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     mask = _visible(sq, sk, causal, window_size)
@@ -230,7 +230,7 @@ def attention_ref_backward(dout, q, k, v, softmax_scale=None, causal=False, wind
         dkb = scale * np.einsum("hqk,qhd->khd", ds, q[bi])
         # Sum the repeated heads back onto their kv head: query head h = g*group + r.
         dk[bi] = dkb.reshape(sk, hkv, group, d).sum(axis=2)
-        dv[bi] = dvb.reshape(sk, hkv, group, d).sum(axis=2)
+        dv[bi] = dvb.reshape(sk, hkv, group, v.shape[3]).sum(axis=2)
     return dq, dk, dv
 
 
@@ -264,7 +264,7 @@ def attention_ref_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None
     if cu_k.size != cu_q.size:
         raise ValueError("cu_seqlens_q and cu_seqlens_k must have the same length")
     slopes = _alibi_slopes(alibi_slopes, batch, q.shape[1])
-    out = np.zeros(q.shape)
+    out = np.zeros(q.shape[:2] + v.shape[2:])  # (v's head dim)
     lse = np.full((q.shape[1], q.shape[0]), np.inf)
     for bi in range(batch):
         qs, ks = slice(cu_q[bi], cu_q[bi + 1]), slice(cu_k[bi], cu_k[bi + 1])

@@ -409,7 +409,8 @@ def gradient_errors(grads, dout, q, k, v, out, dtype=None, softmax_scale: float 
     def amax(x):
         return float(np.abs(x).max(initial=0.0))
 
-    floor = gradient_floor(scale, q.shape[-1], amax(dout), amax(v), max(amax(q), amax(k)))
+    # (the dot products' length: q's head dim or v's, the longer)
+    floor = gradient_floor(scale, max(q.shape[-1], v.shape[-1]), amax(dout), amax(v), max(amax(q), amax(k)))
     result = []
     for name, g, ref in zip(GRAD_NAMES, grads, ref_grads):
         g, ref = to_numpy64(g), np.asarray(ref, dtype=np.float64)

@@ -57,7 +57,7 @@ def _flash_attn_forward(
     window_right: int, deterministic: bool, softcap: float, alibi_slopes: Optional[torch.Tensor], dropout_p: float,
     dropout_seed: int, dropout_offset: int, kernel_options: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """out ``(b, sq, h, d)`` contiguous in q's dtype and lse ``(b, h, sq)`` float32. ``deterministic`` is only
+    """out ``(b, sq, h, d_v)`` (v's head dim) contiguous in q's dtype and lse ``(b, h, sq)`` float32. ``deterministic`` is only
     carried to the backward (the forward is always deterministic). ``kernel_options``: a KernelOptions' handle
     (fa2cupy.options.handle; 0 is the defaults)."""
     # detach(): the autograd wrapper already handles the graph; plain tensors take fa2cupy's cached fast path.
@@ -76,8 +76,8 @@ def _flash_attn_forward(
 @_flash_attn_forward.register_fake
 def _flash_attn_forward_fake(q, k, v, softmax_scale, causal, window_left, window_right, deterministic, softcap,
                              alibi_slopes, dropout_p, dropout_seed, dropout_offset, kernel_options):
-    b, sq, h, d = q.shape
-    out = q.new_empty((b, sq, h, d))
+    b, sq, h, _ = q.shape
+    out = q.new_empty((b, sq, h, v.shape[-1]))  # (v's head dim)
     lse = q.new_empty((b, h, sq), dtype=torch.float32)
     return out, lse
 
@@ -232,8 +232,9 @@ def flash_attn_func(
     break: the forward and backward are custom ops) and under ``torch.cuda.graph`` capture.
 
     Args:
-        q: ``(batch, seqlen_q, nheads, headdim)``; k, v: ``(batch, seqlen_k, nheads_kv, headdim)``; float16 or
-            bfloat16 CUDA tensors, last axis contiguous (other axes may be strided).
+        q: ``(batch, seqlen_q, nheads, headdim)``; k, v: ``(batch, seqlen_k, nheads_kv, headdim)`` (v's head dim
+            may differ: the output takes it); float16 or bfloat16 CUDA tensors, last axis contiguous (other axes
+            may be strided).
         softmax_scale: default ``1 / sqrt(headdim)``.
         causal: bottom-right aligned causal mask.
         deterministic: make the backward bit-reproducible run to run (the forward always is).
@@ -245,8 +246,8 @@ def flash_attn_func(
         kernel_options: a :class:`fa2cupy.KernelOptions` for the forward and the backward (None: the defaults).
 
     Returns:
-        ``out`` like q; with ``return_attn_probs=True``, ``(out, softmax_lse, None)`` with ``softmax_lse``
-        float32 ``(batch, nheads, seqlen_q)``, which is not differentiable (as in flash-attn).
+        ``out`` like q with v's head dim; with ``return_attn_probs=True``, ``(out, softmax_lse, None)`` with
+        ``softmax_lse`` float32 ``(batch, nheads, seqlen_q)``, which is not differentiable (as in flash-attn).
 
     Runs on the tensors' device and torch's current stream, the backward too.
 
@@ -285,7 +286,7 @@ def _flash_attn_varlen_forward(
     deterministic: bool, softcap: float, alibi_slopes: Optional[torch.Tensor], dropout_p: float, dropout_seed: int,
     dropout_offset: int, block_table: Optional[torch.Tensor], kernel_options: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """out ``(total_q, h, d)`` contiguous and lse ``(h, total_q)`` float32."""
+    """out ``(total_q, h, d_v)`` (v's head dim) contiguous and lse ``(h, total_q)`` float32."""
     out, lse = attention.varlen_forward_with_lse(
         q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
@@ -299,8 +300,8 @@ def _flash_attn_varlen_forward(
 def _flash_attn_varlen_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                     causal, window_left, window_right, deterministic, softcap, alibi_slopes,
                                     dropout_p, dropout_seed, dropout_offset, block_table, kernel_options):
-    total, h, d = q.shape
-    return q.new_empty((total, h, d)), q.new_empty((h, total), dtype=torch.float32)
+    total, h, _ = q.shape
+    return q.new_empty((total, h, v.shape[-1])), q.new_empty((h, total), dtype=torch.float32)
 
 
 @torch.library.custom_op("fa2cupy::flash_attn_varlen_backward", mutates_args=())

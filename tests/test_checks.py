@@ -119,13 +119,25 @@ def test_zero_length_k_axis():
         check_forward_args(q, info("k", (2, 0, 2, 64)), v)
 
 
-@pytest.mark.parametrize("pos,axis", [(0, "batch"), (1, "seqlen_k"), (2, "nheads_kv"), (3, "headdim")])
+@pytest.mark.parametrize("pos,axis", [(0, "batch"), (1, "seqlen_k"), (2, "nheads_kv")])
 def test_k_v_mismatch(pos, axis):
     q, k, _ = qkv()
     shape = list(k.shape)
     shape[pos] += 1
-    with pytest.raises(ValueError, match=rf"^v has {axis}={shape[pos]} but k has {axis}={k.shape[pos]}"):
+    with pytest.raises(ValueError, match=rf"^v has {axis}={shape[pos]} but k has {axis}={k.shape[pos]}; k and v "
+                                         rf"must have the same shape but for the head dim"):
         check_forward_args(q, k, info("v", shape))
+
+
+@pytest.mark.parametrize("dv", [1, 32, 128, 256])
+def test_v_head_dim_of_its_own(dv):
+    """v may have a head dim of its own (d_qk = 64 here): the shape carries it (AttnShape.dv, the output's),
+    headdim_v 0 where it equals q's; above 256 it is refused naming v."""
+    q, k, _ = qkv()
+    shape = check_forward_args(q, k, info("v", (2, 7, 2, dv)))
+    assert shape.headdim == 64 and shape.dv == dv and shape.headdim_v == (0 if dv == 64 else dv)
+    with pytest.raises(ValueError, match=r"^v has headdim=264; fa2cupy supports head dimensions 1..256"):
+        check_forward_args(q, k, info("v", (2, 7, 2, 264)))
 
 
 def test_batch_mismatch_with_q():
@@ -472,8 +484,19 @@ def test_bwd_shape_dout_out(name, pos):
     args[name] = info(name, shape)
     with pytest.raises(ValueError) as err:
         call_bwd(args)
-    assert str(err.value) == (f"{name} has shape {tuple(shape)} but q has (2, 5, 4, 64); {name} must have q's "
-                              f"shape (batch, seqlen_q, nheads, headdim)")
+    assert str(err.value) == (f"{name} has shape {tuple(shape)}, expected (2, 5, 4, 64): q's (batch, seqlen_q, "
+                              f"nheads) and v's head dim (the forward's output shape)")
+
+
+def test_bwd_dout_out_take_v_head_dim():
+    """With v's head dim (32) different from q's (64), dout and out have v's; q's is refused."""
+    args = bwd_args()
+    args["v"] = info("v", (2, 7, 2, 32))
+    args["dout"], args["out"] = info("dout", (2, 5, 4, 32)), info("out", (2, 5, 4, 32))
+    assert call_bwd(args).dv == 32
+    args["out"] = info("out", (2, 5, 4, 64))
+    with pytest.raises(ValueError, match=r"^out has shape \(2, 5, 4, 64\), expected \(2, 5, 4, 32\)"):
+        call_bwd(args)
 
 
 @pytest.mark.parametrize("name", ["dout", "out"])

@@ -271,3 +271,69 @@ def test_results_slice_the_head_dim_alone(kind, returned):
     outs = kind.results(call, [np.zeros(s) for s in returned], {})
     expect = [s[:-1] + (33,) if s[-1] == 40 else s for s in returned]
     assert [x.shape for x in outs] == expect
+
+
+def test_results_slice_v_head_dim_of_its_own():
+    """With v's head dim (20) other than q's (33), both run padded to 40: out and dv come back with v's, dq and dk
+    with q's."""
+    from fa2cupy import checks
+
+    call = type("Call", (), {"shape": checks.AttnShape(1, 130, 70, 2, 1, 33, "float16", 20), "padded": 40})()
+    out, lse = attention.FORWARD.results(call, [np.zeros((1, 130, 2, 40)), np.zeros((1, 2, 130))], {})
+    assert out.shape == (1, 130, 2, 20) and lse.shape == (1, 2, 130)
+    grads = attention.BACKWARD.results(call, [np.zeros((1, 130, 2, 40)), np.zeros((1, 70, 1, 40)),
+                                              np.zeros((1, 70, 1, 40))], {})
+    assert [g.shape for g in grads] == [(1, 130, 2, 33), (1, 70, 1, 33), (1, 70, 1, 20)]
+
+
+@pytest.mark.parametrize("d, dv, padded", [(64, 64, 64), (33, 33, 40), (192, 128, 192), (60, 130, 136)])
+def test_adapt_pads_each_array_to_the_kernels_head_dim(monkeypatch, d, dv, padded):
+    """The forward's and backward's adapt: q and k from q's head dim, v, dout and out from v's, each zero-padded to
+    the kernels' one (the larger, to a multiple of 8); arrays already at it pass through. NumPy stands in for
+    CuPy (kernel_ready's padding, to_cupy, contiguous)."""
+    def ready(x, headdim, width=None):
+        assert x.shape[-1] == headdim
+        width = pipeline.padded_headdim(headdim) if width is None else width
+        return x if width == headdim else np.concatenate([x, np.zeros(x.shape[:-1] + (width - headdim,))], -1)
+
+    monkeypatch.setattr(attention, "kernel_ready", ready)
+    monkeypatch.setattr(arrays, "to_cupy", lambda x, info: x)
+    monkeypatch.setattr(pipeline, "device_of", lambda info: 0)
+    monkeypatch.setattr(attention, "contiguous", lambda x, info: x)  # (the backward's lse)
+    x = {"q": np.ones((2, 5, 4, d), np.float16), "k": np.ones((2, 7, 2, d), np.float16),
+         "v": np.ones((2, 7, 2, dv), np.float16), "dout": np.ones((2, 5, 4, dv), np.float16),
+         "out": np.ones((2, 5, 4, dv), np.float16), "softmax_lse": np.zeros((2, 4, 5), np.float32)}
+    infos = {n: arrays.describe(a, n) for n, a in x.items()}
+    call = attention.FORWARD.check(infos, (0.0, None, True, (-1, -1), 0.0, False, False), (None, 0))
+    assert call.padded == padded and call.scale == pytest.approx(d ** -0.5)
+    ready_fwd = attention.FORWARD.adapt(call, {n: x[n] for n in "qkv"}, infos)
+    assert {n: a.shape[-1] for n, a in ready_fwd.items()} == dict.fromkeys("qkv", padded)
+    call = attention.BACKWARD.check(infos, (None, True, (-1, -1), False, 0.0, 0.0), (None, 0))
+    ready_bwd = attention.BACKWARD.adapt(call, x, infos)
+    for name in ("dout", "q", "k", "v", "out"):
+        a = ready_bwd[name]
+        assert a.shape[-1] == padded and (a[..., x[name].shape[-1]:] == 0).all() and (a[..., :1] == 1).all()
+
+
+def test_varlen_adapt_pads_v_to_the_kernels_head_dim(monkeypatch):
+    """The varlen forward's and backward's adapt: packed (total, heads, d) arrays seen as one batch row, v, dout and
+    out padded from v's head dim (128) to q's (192)."""
+    monkeypatch.setattr(attention, "kernel_ready", lambda x, headdim, width: np.concatenate(
+        [x, np.zeros(x.shape[:-1] + (width - headdim,))], -1) if width != headdim else x)
+    monkeypatch.setattr(arrays, "to_cupy", lambda x, info: x)
+    monkeypatch.setattr(pipeline, "device_of", lambda info: 0)
+    monkeypatch.setattr(attention, "contiguous", lambda x, info: x)
+    x = {"q": np.ones((9, 4, 192), np.float16), "k": np.ones((11, 2, 192), np.float16),
+         "v": np.ones((11, 2, 128), np.float16), "dout": np.ones((9, 4, 128), np.float16),
+         "out": np.ones((9, 4, 128), np.float16), "softmax_lse": np.zeros((4, 9), np.float32),
+         "cu_seqlens_q": np.array([0, 4, 9], np.int32), "cu_seqlens_k": np.array([0, 5, 11], np.int32)}
+    infos = {n: arrays.describe(a, n) for n, a in x.items()}
+    call = attention.VARLEN_FORWARD.check(infos, (5, 6, 0.0, None, True, (-1, -1), 0.0, False, False), (None, 0))
+    assert call.padded == 192 and call.shape.dv == 128
+    ready = attention.VARLEN_FORWARD.adapt(call, {n: x[n] for n in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")},
+                                           infos)
+    assert [ready[n].shape for n in "qkv"] == [(1, 9, 4, 192), (1, 11, 2, 192), (1, 11, 2, 192)]
+    call = attention.VARLEN_BACKWARD.check(infos, (5, 6, None, True, (-1, -1), False, 0.0, 0.0), (None, 0))
+    ready = attention.VARLEN_BACKWARD.adapt(call, x, infos)
+    assert {n: ready[n].shape[-1] for n in ("dout", "q", "k", "v", "out")} == dict.fromkeys(
+        ("dout", "q", "k", "v", "out"), 192)

@@ -18,7 +18,7 @@ pytest.importorskip("jax.experimental.buffer_callback")
 
 import fa2cupy  # noqa: E402
 from fa2cupy import reference  # noqa: E402
-from fa2cupy.jax import flash_attn_func  # noqa: E402
+from fa2cupy.jax import flash_attn_func, flash_attn_varlen_func  # noqa: E402
 
 
 def _sds(*shape, dtype=jnp.bfloat16):
@@ -46,6 +46,19 @@ def test_grad_traced_shapes():
     dq, dk, dv = jax.eval_shape(jax.grad(_loss, argnums=(0, 1, 2)), q, k, k)
     assert (dq.shape, dk.shape, dv.shape) == ((2, 5, 4, 64), (2, 7, 2, 64), (2, 7, 2, 64))
     assert dq.dtype == dk.dtype == dv.dtype == jnp.bfloat16
+
+
+def test_v_head_dim_of_its_own_traced():
+    """q and k of head dim 192, v of 128: out has v's head dim, each gradient its input's shape (padded and
+    varlen)."""
+    q, k, v = _sds(2, 5, 4, 192), _sds(2, 7, 2, 192), _sds(2, 7, 2, 128)
+    assert jax.eval_shape(lambda q, k, v: flash_attn_func(q, k, v, causal=True), q, k, v).shape == (2, 5, 4, 128)
+    dq, dk, dv = jax.eval_shape(jax.grad(_loss, argnums=(0, 1, 2)), q, k, v)
+    assert (dq.shape, dk.shape, dv.shape) == ((2, 5, 4, 192), (2, 7, 2, 192), (2, 7, 2, 128))
+    cu = _sds(3, dtype=jnp.int32)
+    out = jax.eval_shape(lambda q, k, v, cu: flash_attn_varlen_func(q, k, v, cu, cu, 4, 4), _sds(8, 4, 192),
+                         _sds(8, 2, 192), _sds(8, 2, 128), cu)
+    assert out.shape == (8, 4, 128)
 
 
 def test_backward_reads_only_q_k_v_out_lse():
@@ -306,8 +319,6 @@ def test_gpu_lse_gets_no_gradient():
 
 
 def test_varlen_traced_shapes_and_grad():
-    from fa2cupy.jax import flash_attn_varlen_func
-
     q, k = _sds(30, 4, 64), _sds(40, 2, 64)
     cu = jax.ShapeDtypeStruct((4,), jnp.int32)
     out, lse = jax.eval_shape(

@@ -81,6 +81,40 @@ def test_fake_shapes_dtypes_strides(dtype):
         assert (dv.shape, dv.dtype, dv.is_contiguous()) == (v.shape, dtype, True)
 
 
+def test_fake_shapes_with_v_head_dim_of_its_own():
+    """v's head dim (96) differs from q's and k's (192): out and dout have v's, dv v's shape."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, k = torch.empty(2, 5, 4, 192, dtype=torch.bfloat16), torch.empty(2, 7, 2, 192, dtype=torch.bfloat16)
+        v = torch.empty(2, 7, 2, 96, dtype=torch.bfloat16)
+        out, lse = torch.ops.fa2cupy.flash_attn_forward(q, k, v, 0.1, True, -1, 0, False, *PLAIN_FWD)
+        assert out.shape == (2, 5, 4, 96) and out.is_contiguous() and lse.shape == (2, 4, 5)
+        dq, dk, dv = torch.ops.fa2cupy.flash_attn_backward(out, q, k, v, out, lse, 0.1, True, -1, 0, False,
+                                                           *PLAIN_BWD)
+        assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+        out, lse = torch.ops.fa2cupy.flash_attn_varlen_forward(
+            q[0], k[0], v[0], torch.empty(2, dtype=torch.int32), torch.empty(2, dtype=torch.int32), 5, 7, 0.1, True,
+            -1, 0, False, 0.0, None, 0.0, 0, 0, None, 0)
+        assert out.shape == (5, 4, 96) and lse.shape == (4, 5)
+
+
+def test_gradients_with_v_head_dim_of_its_own(cpu_kernels):
+    """d_qk = 16, d_v = 8 through the autograd wrapper (the float64 reference standing in for the kernels): out
+    has v's head dim, the default scale is 1/sqrt(d_qk), and the gradients are the reference's."""
+    q, k, _ = _cpu_qkv()
+    v = torch.randn(2, 7, 2, 8, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    out = flash_attn_func(q, k, v, causal=True)
+    assert out.shape == (2, 5, 4, 8)
+    dout = torch.randn_like(out)
+    (out * dout).sum().backward()
+    (call,) = cpu_kernels
+    assert call["softmax_scale"] == pytest.approx(0.25)
+    want = reference.attention_ref_backward(_np(dout), _np(q), _np(k), _np(v), None, True)
+    for got, ref in zip((q.grad, k.grad, v.grad), want):
+        np.testing.assert_allclose(_np(got), ref, rtol=1e-5, atol=1e-5)
+
+
 def test_fake_autograd_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
