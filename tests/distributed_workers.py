@@ -86,11 +86,12 @@ def _ring_case(rank: int, world: int, device, case: dict) -> dict:
     result = {"rank": rank}
     dtype = getattr(torch, case["dtype"])
     b, s, h, hkv, d = case["batch"], case["seqlen"], case["nheads"], case["nheads_kv"], case["headdim"]
+    dv = case.get("headdim_v", d)  # (v's head dim, and the output's)
     documents = case.get("documents")
     lead = (s,) if documents else (b, s)  # packed: one sequence of s tokens
     g = torch.Generator().manual_seed(case["seed"])  # the same full tensors on every rank
     q, k, v, dout = (torch.randn(shape, generator=g, dtype=torch.float64).to(device, dtype)
-                     for shape in ((*lead, h, d), (*lead, hkv, d), (*lead, hkv, d), (*lead, h, d)))
+                     for shape in ((*lead, h, d), (*lead, hkv, d), (*lead, hkv, dv), (*lead, h, dv)))
     kw = dict(causal=case["causal"], window_size=tuple(case["window"]), softcap=case["softcap"],
               deterministic=case["deterministic"])
     full = [x.clone().requires_grad_() for x in (q, k, v)]

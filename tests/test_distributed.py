@@ -161,6 +161,9 @@ CASES = [
     dict(layout="zigzag", causal=True, window=[-1, -1], nheads=4, nheads_kv=2, documents="cross"),
     dict(layout="contiguous", causal=False, window=[3, 2], nheads=2, nheads_kv=1, documents="cross"),
     dict(layout="zigzag", causal=True, window=[5, 0], nheads=2, nheads_kv=2, documents="cross", softcap=2.0),
+    # v with a head dim of its own (the output's)
+    dict(layout="zigzag", causal=True, window=[-1, -1], nheads=4, nheads_kv=2, headdim_v=8),
+    dict(layout="contiguous", causal=False, window=[-1, -1], nheads=2, nheads_kv=1, headdim_v=24, documents="cross"),
 ]
 
 

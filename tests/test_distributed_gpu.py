@@ -34,6 +34,8 @@ CASES = [
     # packed documents crossing the slices' boundaries (the varlen ring)
     dict(layout="zigzag", causal=True, window=[-1, -1], nheads=8, nheads_kv=2, documents="cross"),
     dict(layout="contiguous", causal=True, window=[500, 0], nheads=4, nheads_kv=4, documents="cross"),
+    # v with a head dim of its own (the kernels on q's, v zero-padded to it)
+    dict(layout="zigzag", causal=True, window=[-1, -1], nheads=8, nheads_kv=2, headdim_v=64),
 ]
 
 

@@ -176,7 +176,7 @@ def _merge(acc_out, acc_lse, kernels, start: int, stop: int, out, lse, first: bo
 
 def _forward(q, k, v, ring: Ring, settings: Settings, kernels):
     ax = kernels.row_axis
-    acc_out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    acc_out = torch.zeros(q.shape[:-1] + v.shape[-1:], dtype=torch.float32, device=q.device)  # (v's head dim)
     lse_shape = (*q.shape[:ax], q.shape[ax + 1], q.shape[ax])  # (batch, heads, rows) or (heads, rows)
     acc_lse = torch.full(lse_shape, -math.inf, dtype=torch.float32, device=q.device)
     touched = []  # the row ranges merged into so far (a part over untouched rows is copied in)
@@ -319,9 +319,10 @@ def settings_for(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slo
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != ax + 3:
             raise ValueError(f"{name} must be {ax + 3}-D {form}, got shape {tuple(t.shape)}")
-    if k.shape != v.shape or k.shape[:ax + 1] != q.shape[:ax + 1] or k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"k and v must be {form.replace('heads', 'nheads_kv')} with q's slice length (and batch) "
-                         f"and headdim: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape[:-1] != v.shape[:-1] or k.shape[:ax + 1] != q.shape[:ax + 1] or k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k and v must be {form.replace('heads', 'nheads_kv')} with q's slice length (and batch), "
+                         f"k with q's headdim (v's may differ): q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
     layouts.segments(layout, q.shape[ax] * world, world, 0)  # the slice splits as the layout needs
     _, left, right = checks.window_bounds(causal, window_size)
     left = -1 if left == checks.UNLIMITED_WINDOW else left
@@ -338,7 +339,8 @@ def ring_flash_attn_func(q, k, v, group=None, causal=False, softmax_scale=None, 
     """Attention over a sequence split across the ranks of ``group`` (context parallelism), differentiable.
 
     Every rank calls it with its slice of the sequence: ``q (batch, seqlen / world, nheads, headdim)``, ``k, v
-    (batch, seqlen / world, nheads_kv, headdim)``, float16 or bfloat16 CUDA tensors on the rank's device
+    (batch, seqlen / world, nheads_kv, headdim)`` (v's head dim may differ: the output takes it), float16 or
+    bfloat16 CUDA tensors on the rank's device
     (``torch.cuda.current_device()``), laid out as ``layout`` says (:func:`shard` cuts a full sequence so):
     ``"zigzag"`` (the default: chunks r and 2 world - 1 - r of 2 world, the same causal work on every rank) or
     ``"contiguous"`` (rank r's n = seqlen / world consecutive tokens). The result is this rank's rows of
