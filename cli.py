@@ -62,7 +62,7 @@ def require_gpu() -> str:
 
 
 C = B.Case
-# (batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, causal, dtype)
+# (batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, causal, dtype[, headdim_v])
 CHECK_CASES: tuple[B.Case, ...] = (
     C(1, 128, 128, 1, 1, 64, False, "bf16"),     # 0 baseline, one full tile
     C(2, 63, 63, 2, 2, 64, False, "fp16"),       # tile boundaries -1 / +1
@@ -95,8 +95,10 @@ CHECK_CASES: tuple[B.Case, ...] = (
     C(1, 511, 513, 1, 1, 256, False, "bf16"),
     C(1, 2048, 2048, 2, 2, 128, True, "bf16"),   # several tiles each way
     C(2, 1000, 3000, 4, 2, 64, True, "bf16"),
+    C(1, 200, 260, 4, 2, 192, True, "bf16", 128),  # v's head dim its own (DeepSeek's 192 / 128)
+    C(1, 150, 150, 2, 2, 64, False, "fp16", 128),  # ... wider than q's
 )
-QUICK_INDICES = (0, 2, 4, 8, 13, 16, 19, 25, 27)
+QUICK_INDICES = (0, 2, 4, 8, 13, 16, 19, 25, 27, 30)
 RANDOM_HEADDIMS = (32, 40, 64, 80, 96, 128, 160, 192, 256)
 
 #: The backward is checked on the cases whose float64 reference backward stays cheap
@@ -111,7 +113,7 @@ def random_cases(seed: int, n: int) -> list[B.Case]:
     for _ in range(n):
         hkv = int(rng.choice([1, 2, 3]))
         group = int(rng.choice([1, 1, 2, 4]))
-        out.append(B.Case(
+        case = B.Case(
             batch=int(rng.integers(1, 4)),
             seqlen_q=int(rng.integers(1, 700)),
             seqlen_k=int(rng.integers(1, 700)),
@@ -119,7 +121,11 @@ def random_cases(seed: int, n: int) -> list[B.Case]:
             headdim=int(rng.choice(RANDOM_HEADDIMS)) if rng.random() < 0.5 else int(rng.integers(1, 257)),
             causal=bool(rng.integers(0, 2)),
             dtype=str(rng.choice(["bf16", "fp16"])),
-        ))
+        )
+        if rng.random() < 0.25:  # v with a head dim of its own
+            dv = int(rng.integers(1, 257))
+            case = dataclasses.replace(case, headdim_v=dv if dv != case.headdim else 0)
+        out.append(case)
     return out
 
 

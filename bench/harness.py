@@ -88,7 +88,7 @@ def canonical_dtype(name) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One attention problem: q (b, sq, h, d), k/v (b, sk, hkv, d)."""
+    """One attention problem: q (b, sq, h, d), k (b, sk, hkv, d), v (b, sk, hkv, headdim_v or d)."""
 
     batch: int
     seqlen_q: int
@@ -98,6 +98,7 @@ class Case:
     headdim: int
     causal: bool
     dtype: str = "bf16"
+    headdim_v: int = 0  # v's head dim where it differs from headdim (0: the same)
 
     def __post_init__(self) -> None:
         for f in ("batch", "seqlen_q", "seqlen_k", "nheads", "nheads_kv", "headdim"):
@@ -112,7 +113,8 @@ class Case:
         s = f"s{self.seqlen_q}" if self.seqlen_q == self.seqlen_k else f"sq{self.seqlen_q}/sk{self.seqlen_k}"
         h = f"h{self.nheads}" if self.nheads == self.nheads_kv else f"h{self.nheads}/{self.nheads_kv}"
         c = " causal" if self.causal else ""
-        return f"b{self.batch} {s} {h} d{self.headdim}{c} {self.dtype}"
+        d = f"d{self.headdim}" + (f"/{self.headdim_v}" if self.headdim_v else "")
+        return f"b{self.batch} {s} {h} {d}{c} {self.dtype}"
 
     @property
     def q_shape(self) -> tuple[int, int, int, int]:
@@ -121,6 +123,15 @@ class Case:
     @property
     def kv_shape(self) -> tuple[int, int, int, int]:
         return (self.batch, self.seqlen_k, self.nheads_kv, self.headdim)
+
+    @property
+    def v_shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.seqlen_k, self.nheads_kv, self.headdim_v or self.headdim)
+
+    @property
+    def out_shape(self) -> tuple[int, int, int, int]:
+        """The output's (and dout's): q's with v's head dim."""
+        return (self.batch, self.seqlen_q, self.nheads, self.headdim_v or self.headdim)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -213,8 +224,9 @@ def tflops_per_s(flops: float, ms: float | None) -> float | None:
 
 
 def backward_work(case: Case) -> int:
-    """b * h * sq * sk * d: the float64 reference backward's cost (~5 such einsums)."""
-    return case.batch * case.nheads * case.seqlen_q * case.seqlen_k * case.headdim
+    """b * h * sq * sk * d (the larger of q's and v's head dims): the float64 reference backward's cost (~5 such
+    einsums)."""
+    return case.batch * case.nheads * case.seqlen_q * case.seqlen_k * max(case.headdim, case.headdim_v)
 
 
 # --------------------------------------------------------------------------- #
@@ -254,18 +266,18 @@ def host_inputs(case: Case, seed: int, scale: float = 1.0) -> dict[str, tuple[np
     """
     rng = np.random.default_rng(seed)
     out = {}
-    for name, shape in (("q", case.q_shape), ("k", case.kv_shape), ("v", case.kv_shape)):
+    for name, shape in (("q", case.q_shape), ("k", case.kv_shape), ("v", case.v_shape)):
         x = (rng.standard_normal(shape, dtype=np.float32) * np.float32(scale))
         out[name] = round_host(x, case.dtype)
     return out
 
 
 def host_dout(case: Case, seed: int, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
-    """Standard-normal dout of q's shape, rounded to the case's dtype: (payload, values64).
+    """Standard-normal dout of the output's shape, rounded to the case's dtype: (payload, values64).
 
     Drawn from its own stream (``seed`` + 1_000_003) so q, k, v match :func:`host_inputs`."""
     rng = np.random.default_rng(seed + 1_000_003)
-    return round_host(rng.standard_normal(case.q_shape, dtype=np.float32) * np.float32(scale), case.dtype)
+    return round_host(rng.standard_normal(case.out_shape, dtype=np.float32) * np.float32(scale), case.dtype)
 
 
 # --------------------------------------------------------------------------- #
