@@ -19,7 +19,7 @@ ring (d=128 on sm_90), decode_walk with both rings on a pretend 2-SM GPU, where 
 work items, decode_warp with one split and warps that stream whole items (both rings, 1 and 2 pretend SMs);
 fwd_hopper runs the forward, window, varlen (softcap and ALiBi too), padded softcap/ALiBi and paged cases of the Hopper forward's head
 dims (64, 128, 192, 256) on sm_90 with 1 and 2 pretend SMs, so that each persistent block walks many work items; bwd_hopper runs
-the backward and window cases of the Hopper dK/dV kernel's head dims in the default mode (on sm_90); paged_mma
+the backward and window cases of the Hopper dK/dV kernel's head dims in both modes (on sm_90); paged_mma
 runs the paged cases on the mma.sync forward (which sm_90 otherwise uses only with modifiers or other head dims);
 dropout runs forward + backward with dropout on every warp tiling of its Philox draw (and one case on the sm86 rows).
 
@@ -225,8 +225,8 @@ VARLEN_CASES = (
     ((33, 150), 2, 1, 192, True, (-1, -1), 3.0, True, False),
 )
 
-# Varlen cases for the Hopper dK/dV kernel (no modifiers, atomic dQ): empty and one-row sequences, key blocks past a
-# sequence's end.
+# Varlen cases for the Hopper dK/dV kernel (no modifiers; dQ added atomically, or in turns when deterministic): empty
+# and one-row sequences, key blocks past a sequence's end.
 HOPPER_BWD_VARLEN_CASES = (
     ((70, 0, 1, 130), 4, 2, 128, True, (-1, -1), 0.0, False, False),
     ((33, 190), 2, 1, 128, False, (16, 4), 0.0, False, False),
@@ -234,6 +234,8 @@ HOPPER_BWD_VARLEN_CASES = (
     ((33, 190), 2, 1, 64, False, (16, 4), 0.0, False, False),
     ((70, 0, 1, 130), 4, 2, 192, True, (-1, -1), 0.0, False, False),
     ((33, 190), 2, 1, 256, False, (16, 4), 0.0, False, False),
+    ((70, 0, 1, 130), 4, 2, 128, True, (-1, -1), 0.0, False, True),  # deterministic: the turns per sequence
+    ((33, 190), 2, 1, 64, False, (16, 4), 0.0, False, True),
 )
 
 
@@ -451,16 +453,17 @@ def main(groups) -> int:
                 total += len(DECODE_CASES)
     if "bwd_hopper" in groups:  # the backward and window cases of the Hopper dK/dV kernel's head dims, on sm_90
         for j, (case, det) in enumerate(BWD_CASES, start=len(CASES)):
-            if case.headdim in configs.BACKWARD_HOPPER_TABLE and not det:
-                r = cli.run_check_case(case, seed=j, backward=True, deterministic=False)
+            if case.headdim in configs.BACKWARD_HOPPER_TABLE:  # (deterministic: the dQ reductions in turns)
+                r = cli.run_check_case(case, seed=j, backward=True, deterministic=det)
                 print(cli.check_row(j, r), flush=True)
                 bad += not r.passed
                 total += 1
         for j, case in enumerate(HOPPER_BWD_CASES, start=len(CASES) + len(BWD_CASES)):
-            r = cli.run_check_case(case, seed=j, backward=True, deterministic=False)
-            print(cli.check_row(j, r), flush=True)
-            bad += not r.passed
-            total += 1
+            for det in (False, True):
+                r = cli.run_check_case(case, seed=j, backward=True, deterministic=det)
+                print(cli.check_row(j, r), flush=True)
+                bad += not r.passed
+                total += 1
         for i, case in enumerate(c for c in WINDOW_CASES if c[4] in configs.BACKWARD_HOPPER_TABLE):
             bad += not check_window(i, *case)
             total += 1
