@@ -53,13 +53,13 @@ def plan_backward(
     seqlen_k, nheads_kv = k_shape[1], k_shape[2]
     shapes = dict(zip(("q", "k", "v", "dout"), tensor_maps.array_shapes(q_shape, k_shape, varlen_totals)))
     rows = configs.kernel_rows(arch, headdim, dtype, mask, mods, varlen_totals is not None, seqlen_q,
-                               deterministic, options)
+                               deterministic, options, dropout=dropout_p > 0)
     config = config or rows.backward
     if isinstance(config, configs.HopperBwdConfig) and not all(tensor_maps.usable(shapes[n], strides[n])
                                                                for n in shapes):
         # (strides TMA cannot take, say negative ones: the mma.sync backward, with cp.async)
         rows = configs.kernel_rows(arch, headdim, dtype, mask, mods, varlen_totals is not None, seqlen_q,
-                                   deterministic, options, tma=False)
+                                   deterministic, options, tma=False, dropout=dropout_p > 0)
         config = rows.backward
     hopper = isinstance(config, configs.HopperBwdConfig)
     atomic = hopper or not deterministic  # (the Hopper kernel adds dQ in either mode: in turns when deterministic)

@@ -279,10 +279,12 @@ class HopperBwdConfig:
 
     def name_expression(self, dtype: str, mask: str, atomic_dq: bool = True, mods: bool = False,
                         varlen: bool = False) -> str:
-        if mods:
-            raise ValueError("the Hopper backward takes calls without score modifiers")
+        if mods and (self.headdim not in HOPPER_BWD_MODS_HEADDIMS or mask != "window"):
+            raise ValueError(f"the Hopper backward takes softcap and ALiBi at head dims {HOPPER_BWD_MODS_HEADDIMS}, "
+                             f"in the window-mask variant")
+        tail = (f", {str(varlen).lower()}, true" if mods else ", true" if varlen else "")
         return (f"fa2::bwd_dkdv_hopper<fa2::HopperBwdTraits<{self.headdim}, {self.block_m}, {self.stages}, "
-                f"{str(self.dq_by_keys).lower()}, {DTYPE_TAGS[dtype]}, {MASK_TAGS[mask]}{', true' if varlen else ''}>>")
+                f"{str(self.dq_by_keys).lower()}, {DTYPE_TAGS[dtype]}, {MASK_TAGS[mask]}{tail}>>")
 
 
 #: The Hopper backward's dK/dV kernel, by head dim: used on compute capability 9.0 for padded and varlen calls
@@ -302,18 +304,31 @@ BACKWARD_HOPPER_TABLE: dict[int, HopperBwdConfig] = {
 }
 
 
-def hopper_backward_config(arch: int, headdim: int, mods: bool) -> HopperBwdConfig | None:
+#: Head dims at which the Hopper dK/dV kernel has softcap/ALiBi instantiations (HopperBwdTraits' Mods, the window
+#: variant, padded and varlen). Head dim 128 is not among them: its consumers (dQ_i by columns) spilled 4 bytes at
+#: 224 registers, and at 232 ptxas serialised the bf16 row's wgmmas (C7512). Calls take these rows with
+#: KernelOptions(hopper_backward_mods=True) only: they are not yet measured against the mma.sync backward that runs
+#: these calls by default.
+HOPPER_BWD_MODS_HEADDIMS = (64,)
+
+
+def hopper_backward_config(arch: int, headdim: int, mods: bool, dropout: bool = False,
+                           with_mods: bool = False) -> HopperBwdConfig | None:
     """The Hopper backward's row for this call, or None where the mma.sync backward runs it (padded or varlen, either
-    mode): head dims 64, 128, 192 and 256, no score modifiers."""
-    if arch != 90 or mods:
+    mode): head dims 64, 128, 192 and 256 without score modifiers or dropout; softcap and ALiBi (``mods`` without
+    ``dropout``) at HOPPER_BWD_MODS_HEADDIMS where ``with_mods`` (KernelOptions.hopper_backward_mods)."""
+    if arch != 90 or dropout or (mods and not (with_mods and headdim in HOPPER_BWD_MODS_HEADDIMS)):
         return None
     return BACKWARD_HOPPER_TABLE.get(headdim)
 
 
 def hopper_backward_instantiations() -> list[str]:
     """Name expressions of every Hopper backward instantiation (compiled for sm_90a)."""
-    return sorted(config.name_expression(dtype, mask, varlen=varlen) for config in BACKWARD_HOPPER_TABLE.values()
-                  for dtype in DTYPE_TAGS for mask in MASKS for varlen in (False, True))
+    plain = [config.name_expression(dtype, mask, varlen=varlen) for config in BACKWARD_HOPPER_TABLE.values()
+             for dtype in DTYPE_TAGS for mask in MASKS for varlen in (False, True)]
+    mods = [BACKWARD_HOPPER_TABLE[d].name_expression(dtype, "window", mods=True, varlen=varlen)
+            for d in HOPPER_BWD_MODS_HEADDIMS for dtype in DTYPE_TAGS for varlen in (False, True)]
+    return sorted(plain + mods)
 
 
 @dataclass(frozen=True)
@@ -660,7 +675,7 @@ def kernel_rows(arch: int, headdim: int, dtype: str, mask: str = "none", mods: b
         forward = hopper_forward_config(arch, headdim, dtype, dropout, varlen, mask, seqlen_q,
                                         options.hopper_masked_min_seqlen, mods)
     if tma and options.hopper_backward:
-        backward = hopper_backward_config(arch, headdim, mods)
+        backward = hopper_backward_config(arch, headdim, mods, dropout, options.hopper_backward_mods)
     return KernelRows(forward or forward_config(arch, headdim, dtype, mask, varlen, mods),
                       backward or backward_config(arch, headdim, dtype, mask, mods),
                       backward_dq_config(arch, headdim, dtype, mask) if deterministic and backward is None else None)

@@ -81,8 +81,10 @@ HOPPER_FAMILIES = {
                                               - len(configs.HOPPER_MODS_PADDED_ONLY) * 2),
                    lambda: [(c, c.smem_bytes) for c in configs.FORWARD_HOPPER_TABLE.values()],
                    "fa2::flash_fwd_hopper<"),
+    # (backward: padded and varlen for every mask; with softcap/ALiBi the window variant at HOPPER_BWD_MODS_HEADDIMS)
     "bwd_hopper": (configs.hopper_backward_instantiations,
-                   len(configs.BACKWARD_HOPPER_TABLE) * len(configs.DTYPE_TAGS) * len(configs.MASKS) * 2,
+                   len(configs.DTYPE_TAGS) * 2 * (len(configs.BACKWARD_HOPPER_TABLE) * len(configs.MASKS)
+                                                  + len(configs.HOPPER_BWD_MODS_HEADDIMS)),
                    lambda: [(c, c.smem_bytes()) for c in configs.BACKWARD_HOPPER_TABLE.values()],
                    "fa2::bwd_dkdv_hopper<"),
 }
@@ -347,11 +349,22 @@ def test_hopper_backward_is_chosen_only_where_it_runs():
         for arch in (80, 86, 89, 100, 120):
             assert configs.hopper_backward_config(arch, d, mods=False) is None
         assert configs.hopper_backward_config(90, d, mods=True) is None
+        # softcap / ALiBi: opt-in rows at head dim 64, the window variant, never with dropout
+        takes = d in configs.HOPPER_BWD_MODS_HEADDIMS
+        assert configs.HOPPER_BWD_MODS_HEADDIMS == (64,)
+        assert (configs.hopper_backward_config(90, d, mods=True, with_mods=True) is row) == takes
+        assert configs.hopper_backward_config(90, d, mods=True, dropout=True, with_mods=True) is None
+        if takes:
+            name = row.name_expression("float16", "window", mods=True)
+            assert name.endswith("fa2::kMaskWindow, false, true>>") and name in configs.hopper_backward_instantiations()
+        else:
+            with pytest.raises(ValueError, match="softcap and ALiBi"):
+                row.name_expression("float16", "window", mods=True)
         assert row.name_expression("bfloat16", "causal", varlen=True).endswith("fa2::kMaskCausal, true>>")
         # (deterministic=True is a run-time switch of the same kernel: its dQ reductions take turns)
         assert row.name_expression("float16", "none", atomic_dq=False) == row.name_expression("float16", "none")
-        with pytest.raises(ValueError, match="modifiers"):
-            row.name_expression("float16", "window", mods=True)
+        with pytest.raises(ValueError, match="softcap and ALiBi"):
+            row.name_expression("float16", "causal", mods=True)
         rows = configs.kernel_rows(90, d, "bfloat16", deterministic=True)
         assert rows.backward is row and rows.backward_dq is None  # (no separate dQ kernel)
         assert configs.kernel_rows(80, d, "bfloat16", deterministic=True).backward_dq is not None

@@ -10,12 +10,12 @@ Bounds, references and the NaN poisoning of dq/dk/dv are test_backward_gpu's (ch
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, note
+from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 from gpu_helpers import cupy_module, debug_poison, fa2cupy_module, kernel_options, skip_unless_hopper
 from test_backward_gpu import run_case
-from test_varlen_mods_gpu import run_varlen_case
+from test_varlen_mods_gpu import mod_cases, run_mods_case, run_varlen_case
 
 pytestmark = pytest.mark.gpu
 
@@ -303,3 +303,49 @@ def test_varlen_keeps_another_sequence_out(d):
         assert np.isfinite(got).all(), f"{name}: the next sequence's NaN rows reached this one's gradients"
         tol = 0.05 * float(np.abs(want[0]).max()) + 1e-3
         assert float(np.abs(got - want[0]).max()) <= tol, name
+
+
+# ---------------------------------------------------------------------------------- softcap and ALiBi (opt-in)
+
+
+def test_modifier_rows_are_planned_with_the_option_only():
+    """Softcap and ALiBi calls plan the mma.sync backward by default and the Hopper kernel's modifier rows with
+    KernelOptions(hopper_backward_mods=True), at head dim 64, never with dropout."""
+    _hopper_gpu()
+    from fa2cupy import backward, configs
+    from fa2cupy.options import KernelOptions
+
+    on = KernelOptions(hopper_backward_mods=True)
+    for d in (64, 128, 256):  # (64 only has modifier rows)
+        strides = dict.fromkeys(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), (256 * 8 * d, 8 * d, d, 1))
+        shape = (1, 256, 8, d)
+
+        def plan(**kw):
+            return backward.plan_backward(shape, shape, strides, "bfloat16", 0.1, True, False, 90, **kw)
+
+        assert isinstance(plan(softcap=5.0).config, configs.BwdConfig)
+        hopper = plan(softcap=5.0, options=on).config
+        assert isinstance(hopper, configs.HopperBwdConfig) == (d == 64)
+        assert isinstance(plan(alibi_batch_stride=0, options=on).config, configs.HopperBwdConfig) == (d == 64)
+        assert isinstance(plan(softcap=5.0, dropout_p=0.1, options=on).config, configs.BwdConfig)
+
+
+@settings(max_examples=max(10, settings().max_examples // 4), deadline=None)
+@given(mod_cases(headdims=(64,)))
+def test_modifier_rows_match_reference(c):
+    """Padded forward and backward with softcap and/or ALiBi (any mask, GQA, negative scales), the backward on the
+    Hopper kernel's modifier rows, against the float64 reference (run_mods_case)."""
+    _hopper_gpu()
+    if c["softcap"] == 0.0 and c["alibi"] is None:
+        c["softcap"] = 2.0
+    note(repr(c))
+    with kernel_options(hopper_backward_mods=True):
+        run_mods_case(c)
+
+
+@given(varlen_hopper_cases(headdims=(64,), mods=True))
+def test_modifier_rows_match_reference_varlen(case):
+    _hopper_gpu()
+    note(repr(case))
+    with kernel_options(hopper_backward_mods=True):
+        run_varlen_case(case)

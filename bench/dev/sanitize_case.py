@@ -237,6 +237,12 @@ HOPPER_BWD_VARLEN_CASES = (
     ((70, 0, 1, 130), 4, 2, 128, True, (-1, -1), 0.0, False, True),  # deterministic: the turns per sequence
     ((33, 190), 2, 1, 64, False, (16, 4), 0.0, False, True),
 )
+# Softcap / ALiBi on the Hopper dK/dV kernel's modifier rows (KernelOptions(hopper_backward_mods=True), head dim 64).
+HOPPER_BWD_MODS_CASES = (
+    ((70, 0, 1, 130), 4, 2, 64, True, (-1, -1), 5.0, True, False),
+    ((33, 190), 2, 1, 64, False, (16, 4), 0.0, True, True),
+    ((150,), 2, 2, 64, False, (-1, -1), 3.0, False, False),
+)
 
 
 def check_varlen(i, lengths, h, hkv, d, causal, window, softcap, alibi, det) -> bool:
@@ -470,6 +476,11 @@ def main(groups) -> int:
         for i, case in enumerate(HOPPER_BWD_VARLEN_CASES):
             bad += not check_varlen(i, *case)
             total += 1
+        KERNEL_OPTIONS = KernelOptions(hopper_backward_mods=True)
+        for i, case in enumerate(HOPPER_BWD_MODS_CASES):
+            bad += not check_varlen(i, *case)
+            total += 1
+        KERNEL_OPTIONS = KernelOptions()
     if "fwd_hopper" in groups:
         for sms in (1, 2):  # (masked calls of every length on the Hopper forward too)
             KERNEL_OPTIONS = KernelOptions(hopper_masked_min_seqlen=0, sm_count=sms)

@@ -17,7 +17,8 @@ namespace fa2 {
 // kBwdPReady for warpgroup 0's P^T of the step.
 enum HopperBwdBarrier : int { kBwdConsumers = 1, kBwdDqHandoff = 3, kBwdPReady = 4 };
 
-template <int HeadDim, int BlockM, int Stages, bool DqByKeys, class Elem_, int Mask, bool Varlen = false>
+template <int HeadDim, int BlockM, int Stages, bool DqByKeys, class Elem_, int Mask, bool Varlen = false,
+          bool Mods = false>
 struct HopperBwdTraits {
     using Elem = Elem_;
     // Wide head dims (192, 256): 64 keys a block, both consumer warpgroups on the same keys (consume_dkdv_wide):
@@ -32,6 +33,9 @@ struct HopperBwdTraits {
     // Varlen: sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q/dO/lse/dQ and cu_seqlens_k[b] .. of
     // k/v/dK/dV; seqlen_q/seqlen_k are the maxima, and key blocks past a sequence's end return at once.
     static constexpr bool kVarlen = Varlen;
+    // Score modifiers (softcap, ALiBi) applied to S^T, the softcap's derivative to dS^T (BwdScoreMods in
+    // hopper/bwd_consumer.cuh): head dim 64, the window-mask variant (which expresses every mask), run-time values.
+    static constexpr bool kMods = Mods;
     // Padded calls move K, V, Q and dO with the tensor memory accelerator (tensor maps, one producer thread issuing
     // the copies; rows past the sequence read as zeros). Varlen calls move whole tiles of a sequence so too, and a
     // sequence's last, ragged tile with every producer thread's cp.async, whose zeros past its rows keep another
@@ -84,6 +88,7 @@ struct HopperBwdTraits {
     static_assert(!kWide || (BlockM == 64 && !DqByKeys && (HeadDim == 192 || HeadDim == 256)),
                   "the wide head dims: 64 query rows a step, dQ_i by columns");
     static_assert(kSmemBytes <= 227 * 1024, "the shared memory of one block");
+    static_assert(!Mods || (HeadDim == 64 && Mask == kMaskWindow), "score modifiers: head dim 64, window variant");
     // 128 query rows per step (dQ_i in two wgmma row halves) only by keys: by columns the accumulators do not fit.
     static_assert(BlockM == 64 || (BlockM == 128 && DqByKeys), "64 query rows per step, or 128 with dQ by keys");
     // (At head dim 256 a second slot does not fit beside K, V and the dQ staging tile.)
@@ -198,6 +203,10 @@ struct HopperBwdArgs {
     // sem_tiles per head.
     int* dq_semaphore;
     int sem_tiles;
+    // Score modifiers (kMods): the softcap (0: none) and the ALiBi slopes (null: none) of (batch, query head).
+    float softcap;
+    const float* alibi_slopes;
+    int alibi_batch_stride;
 };
 
 // A block's steps: every query head of its group in turn, each over the query tiles with a row that sees one of the
