@@ -406,7 +406,8 @@ def flash_attn_func(
 
     Returns:
         ``out`` like q with v's head dim; with ``return_attn_probs=True``, ``(out, softmax_lse, None)``,
-        ``softmax_lse`` float32 ``(batch, nheads, seqlen_q)`` under ``jax.lax.stop_gradient`` (not differentiable, as in flash-attn).
+        ``softmax_lse`` float32 ``(batch, nheads, seqlen_q)`` under ``jax.lax.stop_gradient`` (not differentiable,
+        as in flash-attn).
 
     The kernels run on the arrays' device, on XLA's stream (inside its custom calls).
 

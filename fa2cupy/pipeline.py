@@ -306,5 +306,5 @@ def c_strides(shape) -> tuple:
 def returned_head_dim(outs: list, headdim, padded: int) -> list:
     """Outputs sliced to the caller's head dim where the kernels ran on a padded one; ``headdim`` an int for all
     of them, or a sequence of one per output."""
-    dims = (headdim,) * len(outs) if isinstance(headdim, int) else tuple(headdim)
+    dims = tuple(headdim) if isinstance(headdim, (tuple, list)) else (headdim,) * len(outs)
     return [x if d == padded else x[..., :d] for x, d in zip(outs, dims)]

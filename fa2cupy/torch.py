@@ -57,9 +57,9 @@ def _flash_attn_forward(
     window_right: int, deterministic: bool, softcap: float, alibi_slopes: Optional[torch.Tensor], dropout_p: float,
     dropout_seed: int, dropout_offset: int, kernel_options: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """out ``(b, sq, h, d_v)`` (v's head dim) contiguous in q's dtype and lse ``(b, h, sq)`` float32. ``deterministic`` is only
-    carried to the backward (the forward is always deterministic). ``kernel_options``: a KernelOptions' handle
-    (fa2cupy.options.handle; 0 is the defaults)."""
+    """out ``(b, sq, h, d_v)`` (v's head dim) contiguous in q's dtype and lse ``(b, h, sq)`` float32.
+    ``deterministic`` is only carried to the backward (the forward is always deterministic). ``kernel_options``: a
+    KernelOptions' handle (fa2cupy.options.handle; 0 is the defaults)."""
     # detach(): the autograd wrapper already handles the graph; plain tensors take fa2cupy's cached fast path.
     # forward_with_lse: (out, lse) only, never the seqlen^2 probabilities (with dropout the generic
     # flash_attn_func(return_attn_probs=True) builds them for its callers).

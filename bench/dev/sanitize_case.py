@@ -17,9 +17,10 @@ The forward cases run the forward only; BWD_CASES run forward + backward
 contiguous, causal) against ``flash_attn_func`` over each row's keys; decode_deep runs them again with the deep
 ring (d=128 on sm_90), decode_walk with both rings on a pretend 2-SM GPU, where each decode block walks several
 work items, decode_warp with one split and warps that stream whole items (both rings, 1 and 2 pretend SMs);
-fwd_hopper runs the forward, window, varlen (softcap and ALiBi too), padded softcap/ALiBi and paged cases of the Hopper forward's head
-dims (64, 128, 192, 256) on sm_90 with 1 and 2 pretend SMs, so that each persistent block walks many work items; bwd_hopper runs
-the backward and window cases of the Hopper dK/dV kernel's head dims in both modes (on sm_90); paged_mma
+fwd_hopper runs the forward, window, varlen (softcap and ALiBi too), padded softcap/ALiBi and paged cases of the
+Hopper forward's head dims (64, 128, 192, 256) on sm_90 with 1 and 2 pretend SMs, so that each persistent block
+walks many work items; bwd_hopper runs the backward and window cases of the Hopper dK/dV kernel's head dims in both
+modes and its d=64 softcap/ALiBi rows (on sm_90); paged_mma
 runs the paged cases on the mma.sync forward (which sm_90 otherwise uses only with modifiers or other head dims);
 dropout runs forward + backward with dropout on every warp tiling of its Philox draw (and one case on the sm86 rows).
 
