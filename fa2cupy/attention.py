@@ -222,8 +222,8 @@ def flash_attn_func(
         ``out`` ``(batch, seqlen_q, nheads, headdim_v)`` typed like q, in q's framework; with
         ``return_attn_probs=True`` the tuple ``(out, softmax_lse, probs)`` with ``softmax_lse`` float32
         ``(batch, nheads, seqlen_q)``, natural log, and ``probs`` None without dropout; with dropout the float32
-        ``(batch, nheads, seqlen_q, seqlen_k)`` probabilities the output was made of, ``P o Z / (1 - p)`` (for tests at small sizes: it is recomputed;
-        None with ``dropout_rng_state``).
+        ``(batch, nheads, seqlen_q, seqlen_k)`` probabilities the output was made of, ``P o Z / (1 - p)`` (for
+        tests at small sizes: it is recomputed; None with ``dropout_rng_state``).
 
     Raises:
         TypeError / ValueError naming the offending argument for bad shapes, dtypes, devices or layouts.
