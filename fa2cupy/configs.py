@@ -279,9 +279,9 @@ class HopperBwdConfig:
 
     def name_expression(self, dtype: str, mask: str, atomic_dq: bool = True, mods: bool = False,
                         varlen: bool = False) -> str:
-        if mods and (self.headdim not in HOPPER_BWD_MODS_HEADDIMS or mask != "window"):
-            raise ValueError(f"the Hopper backward takes softcap and ALiBi at head dims {HOPPER_BWD_MODS_HEADDIMS}, "
-                             f"in the window-mask variant")
+        if mods and (not hopper_bwd_takes_mods(self.headdim, varlen) or mask != "window"):
+            raise ValueError(f"the Hopper backward takes softcap and ALiBi at head dims {HOPPER_BWD_MODS_HEADDIMS} "
+                             f"(varlen: not {HOPPER_BWD_MODS_PADDED_ONLY}), in the window-mask variant")
         tail = (f", {str(varlen).lower()}, true" if mods else ", true" if varlen else "")
         return (f"fa2::bwd_dkdv_hopper<fa2::HopperBwdTraits<{self.headdim}, {self.block_m}, {self.stages}, "
                 f"{str(self.dq_by_keys).lower()}, {DTYPE_TAGS[dtype]}, {MASK_TAGS[mask]}{tail}>>")
@@ -305,19 +305,25 @@ BACKWARD_HOPPER_TABLE: dict[int, HopperBwdConfig] = {
 
 
 #: Head dims at which the Hopper dK/dV kernel has softcap/ALiBi instantiations (HopperBwdTraits' Mods, the window
-#: variant, padded and varlen). Head dim 128 is not among them: its consumers (dQ_i by columns) spilled 4 bytes at
-#: 224 registers, and at 232 ptxas serialised the bf16 row's wgmmas (C7512). Calls take these rows with
+#: variant); padded calls only at HOPPER_BWD_MODS_PADDED_ONLY (head dim 128's row needs 240 consumer registers, at
+#: which the varlen producer, copying ragged tiles by cp.async, spills). Calls take these rows with
 #: KernelOptions(hopper_backward_mods=True) only: they are not yet measured against the mma.sync backward that runs
 #: these calls by default.
-HOPPER_BWD_MODS_HEADDIMS = (64,)
+HOPPER_BWD_MODS_HEADDIMS = (64, 128)
+HOPPER_BWD_MODS_PADDED_ONLY = (128,)
+
+
+def hopper_bwd_takes_mods(headdim: int, varlen: bool) -> bool:
+    """Whether the Hopper dK/dV kernel has softcap/ALiBi rows for this head dim, padded or varlen."""
+    return headdim in HOPPER_BWD_MODS_HEADDIMS and not (varlen and headdim in HOPPER_BWD_MODS_PADDED_ONLY)
 
 
 def hopper_backward_config(arch: int, headdim: int, mods: bool, dropout: bool = False,
-                           with_mods: bool = False) -> HopperBwdConfig | None:
+                           with_mods: bool = False, varlen: bool = False) -> HopperBwdConfig | None:
     """The Hopper backward's row for this call, or None where the mma.sync backward runs it (padded or varlen, either
     mode): head dims 64, 128, 192 and 256 without score modifiers or dropout; softcap and ALiBi (``mods`` without
-    ``dropout``) at HOPPER_BWD_MODS_HEADDIMS where ``with_mods`` (KernelOptions.hopper_backward_mods)."""
-    if arch != 90 or dropout or (mods and not (with_mods and headdim in HOPPER_BWD_MODS_HEADDIMS)):
+    ``dropout``) where hopper_bwd_takes_mods and ``with_mods`` (KernelOptions.hopper_backward_mods)."""
+    if arch != 90 or dropout or (mods and not (with_mods and hopper_bwd_takes_mods(headdim, varlen))):
         return None
     return BACKWARD_HOPPER_TABLE.get(headdim)
 
@@ -327,7 +333,8 @@ def hopper_backward_instantiations() -> list[str]:
     plain = [config.name_expression(dtype, mask, varlen=varlen) for config in BACKWARD_HOPPER_TABLE.values()
              for dtype in DTYPE_TAGS for mask in MASKS for varlen in (False, True)]
     mods = [BACKWARD_HOPPER_TABLE[d].name_expression(dtype, "window", mods=True, varlen=varlen)
-            for d in HOPPER_BWD_MODS_HEADDIMS for dtype in DTYPE_TAGS for varlen in (False, True)]
+            for d in HOPPER_BWD_MODS_HEADDIMS for dtype in DTYPE_TAGS for varlen in (False, True)
+            if hopper_bwd_takes_mods(d, varlen)]
     return sorted(plain + mods)
 
 
@@ -675,7 +682,7 @@ def kernel_rows(arch: int, headdim: int, dtype: str, mask: str = "none", mods: b
         forward = hopper_forward_config(arch, headdim, dtype, dropout, varlen, mask, seqlen_q,
                                         options.hopper_masked_min_seqlen, mods)
     if tma and options.hopper_backward:
-        backward = hopper_backward_config(arch, headdim, mods, dropout, options.hopper_backward_mods)
+        backward = hopper_backward_config(arch, headdim, mods, dropout, options.hopper_backward_mods, varlen)
     return KernelRows(forward or forward_config(arch, headdim, dtype, mask, varlen, mods),
                       backward or backward_config(arch, headdim, dtype, mask, mods),
                       backward_dq_config(arch, headdim, dtype, mask) if deterministic and backward is None else None)

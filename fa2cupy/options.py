@@ -26,7 +26,7 @@ class KernelOptions:
         configs.HOPPER_MODS_HEADDIMS); False runs the mma.sync kernel there.
     hopper_backward (True): the same for the backward's dK/dV kernel (no score modifiers; deterministic or not).
     hopper_backward_mods (False): the Hopper dK/dV kernel for softcap and ALiBi too, at
-        configs.HOPPER_BWD_MODS_HEADDIMS (off: those calls run the mma.sync backward, measured; on: the Hopper
+        configs.hopper_bwd_takes_mods's head dims (off: those calls run the mma.sync backward, measured; on: the Hopper
         kernel's modifier rows, which await their measurement).
     hopper_masked_min_seqlen (None): causal and windowed forwards take the Hopper kernel from this many query rows
         on (below it the mma.sync kernel is faster); None is the tile table's per-head-dim length

@@ -81,10 +81,12 @@ HOPPER_FAMILIES = {
                                               - len(configs.HOPPER_MODS_PADDED_ONLY) * 2),
                    lambda: [(c, c.smem_bytes) for c in configs.FORWARD_HOPPER_TABLE.values()],
                    "fa2::flash_fwd_hopper<"),
-    # (backward: padded and varlen for every mask; with softcap/ALiBi the window variant at HOPPER_BWD_MODS_HEADDIMS)
+    # (backward: padded and varlen for every mask; with softcap/ALiBi the window variant at HOPPER_BWD_MODS_HEADDIMS,
+    # padded only at HOPPER_BWD_MODS_PADDED_ONLY)
     "bwd_hopper": (configs.hopper_backward_instantiations,
-                   len(configs.DTYPE_TAGS) * 2 * (len(configs.BACKWARD_HOPPER_TABLE) * len(configs.MASKS)
-                                                  + len(configs.HOPPER_BWD_MODS_HEADDIMS)),
+                   len(configs.DTYPE_TAGS) * (len(configs.BACKWARD_HOPPER_TABLE) * len(configs.MASKS) * 2
+                                              + len(configs.HOPPER_BWD_MODS_HEADDIMS) * 2
+                                              - len(configs.HOPPER_BWD_MODS_PADDED_ONLY)),
                    lambda: [(c, c.smem_bytes()) for c in configs.BACKWARD_HOPPER_TABLE.values()],
                    "fa2::bwd_dkdv_hopper<"),
 }
@@ -349,10 +351,11 @@ def test_hopper_backward_is_chosen_only_where_it_runs():
         for arch in (80, 86, 89, 100, 120):
             assert configs.hopper_backward_config(arch, d, mods=False) is None
         assert configs.hopper_backward_config(90, d, mods=True) is None
-        # softcap / ALiBi: opt-in rows at head dim 64, the window variant, never with dropout
-        takes = d in configs.HOPPER_BWD_MODS_HEADDIMS
-        assert configs.HOPPER_BWD_MODS_HEADDIMS == (64,)
+        # softcap / ALiBi: opt-in rows at head dims 64 and 128 (varlen at 64), the window variant, never dropout
+        takes = configs.hopper_bwd_takes_mods(d, varlen=False)
+        assert takes == (d in (64, 128)) and configs.hopper_bwd_takes_mods(d, varlen=True) == (d == 64)
         assert (configs.hopper_backward_config(90, d, mods=True, with_mods=True) is row) == takes
+        assert (configs.hopper_backward_config(90, d, mods=True, with_mods=True, varlen=True) is row) == (d == 64)
         assert configs.hopper_backward_config(90, d, mods=True, dropout=True, with_mods=True) is None
         if takes:
             name = row.name_expression("float16", "window", mods=True)

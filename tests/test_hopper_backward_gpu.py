@@ -310,13 +310,13 @@ def test_varlen_keeps_another_sequence_out(d):
 
 def test_modifier_rows_are_planned_with_the_option_only():
     """Softcap and ALiBi calls plan the mma.sync backward by default and the Hopper kernel's modifier rows with
-    KernelOptions(hopper_backward_mods=True), at head dim 64, never with dropout."""
+    KernelOptions(hopper_backward_mods=True), at head dims 64 and 128 (padded; varlen at 64), never with dropout."""
     _hopper_gpu()
     from fa2cupy import backward, configs
     from fa2cupy.options import KernelOptions
 
     on = KernelOptions(hopper_backward_mods=True)
-    for d in (64, 128, 256):  # (64 only has modifier rows)
+    for d in (64, 128, 256):
         strides = dict.fromkeys(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), (256 * 8 * d, 8 * d, d, 1))
         shape = (1, 256, 8, d)
 
@@ -325,13 +325,13 @@ def test_modifier_rows_are_planned_with_the_option_only():
 
         assert isinstance(plan(softcap=5.0).config, configs.BwdConfig)
         hopper = plan(softcap=5.0, options=on).config
-        assert isinstance(hopper, configs.HopperBwdConfig) == (d == 64)
-        assert isinstance(plan(alibi_batch_stride=0, options=on).config, configs.HopperBwdConfig) == (d == 64)
+        assert isinstance(hopper, configs.HopperBwdConfig) == (d in (64, 128))
+        assert isinstance(plan(alibi_batch_stride=0, options=on).config, configs.HopperBwdConfig) == (d in (64, 128))
         assert isinstance(plan(softcap=5.0, dropout_p=0.1, options=on).config, configs.BwdConfig)
 
 
 @settings(max_examples=max(10, settings().max_examples // 4), deadline=None)
-@given(mod_cases(headdims=(64,)))
+@given(mod_cases(headdims=(64, 128)))
 def test_modifier_rows_match_reference(c):
     """Padded forward and backward with softcap and/or ALiBi (any mask, GQA, negative scales), the backward on the
     Hopper kernel's modifier rows, against the float64 reference (run_mods_case)."""

@@ -34,7 +34,8 @@ struct HopperBwdTraits {
     // k/v/dK/dV; seqlen_q/seqlen_k are the maxima, and key blocks past a sequence's end return at once.
     static constexpr bool kVarlen = Varlen;
     // Score modifiers (softcap, ALiBi) applied to S^T, the softcap's derivative to dS^T (BwdScoreMods in
-    // hopper/bwd_consumer.cuh): head dim 64, the window-mask variant (which expresses every mask), run-time values.
+    // hopper/bwd_consumer.cuh): head dims 64 and 128 (padded), the window-mask variant (which expresses every
+    // mask), run-time values.
     static constexpr bool kMods = Mods;
     // Padded calls move K, V, Q and dO with the tensor memory accelerator (tensor maps, one producer thread issuing
     // the copies; rows past the sequence read as zeros). Varlen calls move whole tiles of a sequence so too, and a
@@ -52,8 +53,14 @@ struct HopperBwdTraits {
     // copies ragged tiles by cp.async (at 24 it spilled 88-104 bytes), 40 and 232 at head dim 192, 56 and 224 at 256
     // (with dQ_i 64 columns a wgmma; at 40 and 232 that still spilled 12 bytes).
     static constexpr int kWideProducerRegisters = !Varlen ? 24 : HeadDim == 256 ? 56 : 40;
-    static constexpr int kProducerRegisters = kWide ? kWideProducerRegisters : DqByKeys ? 40 : 56,
-                         kConsumerRegisters = kWide ? (504 - kWideProducerRegisters) / 2 : DqByKeys ? 232 : 224;
+    // With score modifiers at head dim 128 (padded: TMA copies) 24 and 240: at 56 / 224 the consumers spilled 4 bytes,
+    // at 40 / 232 ptxas serialised the bf16 row's wgmmas (C7512); the varlen producer spills at 24 (72 bytes), so that
+    // row is not built (configs.HOPPER_BWD_MODS_PADDED_ONLY).
+    static constexpr int kProducerRegisters = kWide ? kWideProducerRegisters : DqByKeys ? 40 : Mods ? 24 : 56,
+                         kConsumerRegisters = kWide      ? (504 - kWideProducerRegisters) / 2
+                                              : DqByKeys ? 232
+                                              : Mods     ? 240
+                                                         : 224;
     static_assert(kProducerRegisters + 2 * kConsumerRegisters <= 3 * 168, "the register file of one block");
     using KVTile = SwizzledSlabs<kBlockN, HeadDim>;
     using QTile = SwizzledSlabs<kBlockM, HeadDim>;   // Q and dO
@@ -88,7 +95,8 @@ struct HopperBwdTraits {
     static_assert(!kWide || (BlockM == 64 && !DqByKeys && (HeadDim == 192 || HeadDim == 256)),
                   "the wide head dims: 64 query rows a step, dQ_i by columns");
     static_assert(kSmemBytes <= 227 * 1024, "the shared memory of one block");
-    static_assert(!Mods || (HeadDim == 64 && Mask == kMaskWindow), "score modifiers: head dim 64, window variant");
+    static_assert(!Mods || (!kWide && Mask == kMaskWindow && !(Varlen && HeadDim == 128)),
+                  "score modifiers: head dim 64 (padded, varlen) and 128 (padded), window variant");
     // 128 query rows per step (dQ_i in two wgmma row halves) only by keys: by columns the accumulators do not fit.
     static_assert(BlockM == 64 || (BlockM == 128 && DqByKeys), "64 query rows per step, or 128 with dQ by keys");
     // (At head dim 256 a second slot does not fit beside K, V and the dQ staging tile.)
