@@ -176,6 +176,7 @@ def check_window(i, sq, sk, h, hkv, d, causal, window) -> bool:
 # (sq, sk, h, hkv, d, causal, softcap, alibi): padded forward with a score modifier on the Hopper rows that take
 # them (configs.hopper_takes_mods), ragged ends on both sides.
 MODS_CASES = (
+    (150, 190, 4, 2, 64, False, 3.0, True),
     (130, 200, 4, 2, 128, True, 5.0, False),
     (200, 90, 2, 1, 128, False, 0.0, True),
     (130, 200, 4, 2, 192, True, 3.0, True),
@@ -184,25 +185,38 @@ MODS_CASES = (
 )
 
 
-def check_mods(i, sq, sk, h, hkv, d, causal, softcap, alibi) -> bool:
-    """Forward with softcap / ALiBi against the float64 reference (fa2cupy check's bound)."""
+def check_mods(i, sq, sk, h, hkv, d, causal, softcap, alibi, backward=False) -> bool:
+    """Forward (and with ``backward`` the backward) with softcap / ALiBi against the float64 reference (fa2cupy
+    check's bounds)."""
     import cupy as cp
 
     import fa2cupy
     from fa2cupy import testing
-    from fa2cupy.reference import attention_ref
+    from fa2cupy.reference import attention_ref, attention_ref_backward
 
     rng = np.random.default_rng(250 + i)
     q, k, v = (cp.asarray(rng.standard_normal(s, dtype=np.float32)).astype(cp.float16)
                for s in ((2, sq, h, d), (2, sk, hkv, d), (2, sk, hkv, d)))
     slopes = rng.uniform(0, 0.3, (2, h)).astype(np.float32) if alibi else None
-    out = fa2cupy.flash_attn_func(q, k, v, causal=causal, softcap=softcap, kernel_options=KERNEL_OPTIONS,
-                                  alibi_slopes=None if slopes is None else cp.asarray(slopes))
+    slopes_d = None if slopes is None else cp.asarray(slopes)
+    out, lse, _ = fa2cupy.flash_attn_func(q, k, v, causal=causal, softcap=softcap, alibi_slopes=slopes_d,
+                                          kernel_options=KERNEL_OPTIONS, return_attn_probs=True)
     host = [cp.asnumpy(x).astype(np.float64) for x in (q, k, v, out)]
     ref, _ = attention_ref(*host[:3], causal=causal, softcap=softcap, alibi_slopes=slopes)
     ok = np.abs(host[3] - ref).max() <= testing.out_bound("fp16", np.abs(ref).max())
-    print(f"mods {i}: sq{sq} sk{sk} h{h}/{hkv} d{d} causal={causal} softcap={softcap} alibi={alibi}: "
-          f"{'ok' if ok else 'FAIL'}", flush=True)
+    if backward:
+        dout = cp.asarray(rng.standard_normal(out.shape, dtype=np.float32)).astype(cp.float16)
+        grads = fa2cupy.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, softcap=softcap,
+                                            alibi_slopes=slopes_d, kernel_options=KERNEL_OPTIONS)
+        dout64 = cp.asnumpy(dout).astype(np.float64)
+        refs = attention_ref_backward(dout64, *host[:3], None, causal, (-1, -1), softcap, slopes, out=host[3])
+        floor = testing.gradient_floor(d ** -0.5, d, np.abs(dout64).max(), np.abs(host[2]).max(),
+                                       np.abs(host[0]).max())
+        for g, r in zip(grads, refs):
+            ok &= np.abs(cp.asnumpy(g).astype(np.float64) - r).max() <= testing.gradient_bound(
+                "fp16", np.abs(r).max(), floor)
+    print(f"mods {i}: sq{sq} sk{sk} h{h}/{hkv} d{d} causal={causal} softcap={softcap} alibi={alibi}"
+          f"{' (+ backward)' if backward else ''}: {'ok' if ok else 'FAIL'}", flush=True)
     return bool(ok)
 
 
@@ -238,7 +252,8 @@ HOPPER_BWD_VARLEN_CASES = (
     ((70, 0, 1, 130), 4, 2, 128, True, (-1, -1), 0.0, False, True),  # deterministic: the turns per sequence
     ((33, 190), 2, 1, 64, False, (16, 4), 0.0, False, True),
 )
-# Softcap / ALiBi on the Hopper dK/dV kernel's modifier rows (KernelOptions(hopper_backward_mods=True), head dim 64).
+# Softcap / ALiBi on the Hopper dK/dV kernel's varlen modifier rows (KernelOptions(hopper_backward_mods=True), head
+# dim 64); the padded ones (64 and 128) run MODS_CASES.
 HOPPER_BWD_MODS_CASES = (
     ((70, 0, 1, 130), 4, 2, 64, True, (-1, -1), 5.0, True, False),
     ((33, 190), 2, 1, 64, False, (16, 4), 0.0, True, True),
@@ -480,6 +495,9 @@ def main(groups) -> int:
         KERNEL_OPTIONS = KernelOptions(hopper_backward_mods=True)
         for i, case in enumerate(HOPPER_BWD_MODS_CASES):
             bad += not check_varlen(i, *case)
+            total += 1
+        for i, case in enumerate(c for c in MODS_CASES if c[4] in configs.HOPPER_BWD_MODS_HEADDIMS):
+            bad += not check_mods(i, *case, backward=True)  # (padded: d = 128's rows too)
             total += 1
         KERNEL_OPTIONS = KernelOptions()
     if "fwd_hopper" in groups:
