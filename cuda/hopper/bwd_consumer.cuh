@@ -120,42 +120,15 @@ FA2_DEVICE void scores_to_ds(float (&st)[1][Tr::kBlockM / 8][4], float (&dpt)[1]
     }
 }
 
-// The score modifiers of one step's query head (Tr::kMods): a logit per raw score and the softcap's derivative.
-//   softcap: t = tanh(scale s / cap) (tanh_of_exp2_arg, as the Hopper forward), logit cap t, dlogit / d(scale s) =
-//            1 - t^2;   else logit scale s, derivative 1;   ALiBi: minus slope |query + seqlen_k - seqlen_q - key|.
-struct BwdScoreMods {
-    float scale, cap, tanh_arg, slope;
-    int diag;
-
-    template <bool Cap, bool Alibi>
-    FA2_DEVICE float logit(float s, float distance, float& dcap) const {
-        float x;
-        if constexpr (Cap) {
-            const float t = tanh_of_exp2_arg(s * tanh_arg);
-            dcap = fmaf(-t, t, 1.f);
-            x = cap * t;
-        } else {
-            dcap = 1.f;
-            x = s * scale;
-        }
-        return Alibi ? fmaf(-slope, fabsf(distance), x) : x;
-    }
-};
-
-// The modifiers of a step of query head `head`, from the kernel arguments each step (carried across the loop, they
-// took registers the wgmmas needed).
-FA2_DEVICE BwdScoreMods bwd_score_mods(const HopperBwdArgs& args, int batch, int head) {
-    const float cap = args.softcap;
-    return {args.scale, cap, cap > 0.f ? 2.f * kLog2e * args.scale / cap : 0.f,
-            alibi_slope(args.alibi_slopes, args.alibi_batch_stride, batch, head), args.seqlen_k - args.seqlen_q};
-}
-
-// One case of scores_to_ds_mods (below): Cap, Alibi which modifiers are on.
-template <class Tr, bool Cap, bool Alibi, class Masked>
+// One case of scores_to_ds_mods (below), Cap: whether a softcap is on. The logit of each score as the Hopper forward
+// forms it (softcap: cap tanh(scale s / cap) by tanh_of_exp2_arg; else scale s), less ALiBi's slope |distance|
+// (slope 0 without ALiBi); dcap = dlogit / d(scale s), 1 - tanh^2 with a softcap.
+template <class Tr, bool Cap, class Masked>
 FA2_DEVICE void scores_to_ds_mods_of(float (&st)[1][Tr::kBlockM / 8][4], float (&dpt)[1][Tr::kBlockM / 8][4],
                                      const float* lse_s, const float* dsum_s, const Masked& masked, int key_lo,
-                                     int key_offset, int lane, const BwdScoreMods& mods, int m0) {
+                                     int key_offset, int lane, const ScoreMods& mods, int m0) {
     constexpr int kQT = Tr::kBlockM / 8;
+    const float tanh_arg = 2.f * kLog2e * mods.cap_inv;
     // distance of this thread's first score (query m0 + (lane & 3) * 2, key key_lo): query + diag - key
     const float d0 = static_cast<float>(m0 + mods.diag - key_offset);
 #pragma unroll
@@ -164,9 +137,16 @@ FA2_DEVICE void scores_to_ds_mods_of(float (&st)[1][Tr::kBlockM / 8][4], float (
         for (int e = 0; e < 4; ++e) {
             const int qc = nt * 8 + (lane & 3) * 2 + (e & 1), key = key_lo + (e >> 1) * 8;
             const int offset = key_offset + (e >> 1) * 8 - nt * 8 - (e & 1);  // key - qc
-            float dcap;
             const float distance = d0 + static_cast<float>(key_offset - offset);  // (a constant step from d0)
-            const float logit = mods.template logit<Cap, Alibi>(st[0][nt][e], distance, dcap);
+            float logit, dcap = 1.f;
+            if constexpr (Cap) {
+                const float t = tanh_of_exp2_arg(st[0][nt][e] * tanh_arg);
+                dcap = fmaf(-t, t, 1.f);
+                logit = mods.cap * t;
+            } else {
+                logit = st[0][nt][e] * mods.scale;
+            }
+            logit = fmaf(-mods.slope, fabsf(distance), logit);
             float p = fast_exp2(logit * kLog2e - lse_s[qc]);
             if (masked(offset, key)) p = 0.f;
             dpt[0][nt][e] = p * (dpt[0][nt][e] - dsum_s[qc]) * dcap;
@@ -175,19 +155,18 @@ FA2_DEVICE void scores_to_ds_mods_of(float (&st)[1][Tr::kBlockM / 8][4], float (
     }
 }
 
-// scores_to_ds with score modifiers: P^T = exp(logit - L), dS^T = P^T o (dP^T - D) o dlogit / d(scale s); the
-// step's first query row m0 gives each score's ALiBi distance. Which modifiers are on is switched once per step
-// (uniform), not per score: with the switch in the loop ptxas serialised the d = 128 kernel's wgmmas (C7512).
+// scores_to_ds with score modifiers (ScoreMods of the step's query head): P^T = exp(logit - L), dS^T = P^T o
+// (dP^T - D) o dlogit / d(scale s); the step's first query row m0 gives each score's ALiBi distance. The softcap is
+// switched once per step (uniform), not per score: with the switch in the loop ptxas serialised the d = 128
+// kernel's wgmmas (C7512).
 template <class Tr, class Masked>
 FA2_DEVICE void scores_to_ds_mods(float (&st)[1][Tr::kBlockM / 8][4], float (&dpt)[1][Tr::kBlockM / 8][4],
                                   const float* lse_s, const float* dsum_s, const Masked& masked, int key_lo,
-                                  int key_offset, int lane, const BwdScoreMods& mods, int m0) {
-    const auto run = [&](auto cap, auto alibi) {
-        scores_to_ds_mods_of<Tr, decltype(cap)::value, decltype(alibi)::value>(st, dpt, lse_s, dsum_s, masked,
-                                                                             key_lo, key_offset, lane, mods, m0);
-    };
-    if (mods.cap > 0.f) run(Bool<true>{}, Bool<true>{});  // (slope 0 without ALiBi)
-    else run(Bool<false>{}, Bool<true>{});
+                                  int key_offset, int lane, const ScoreMods& mods, int m0) {
+    if (mods.cap > 0.f)
+        scores_to_ds_mods_of<Tr, true>(st, dpt, lse_s, dsum_s, masked, key_lo, key_offset, lane, mods, m0);
+    else
+        scores_to_ds_mods_of<Tr, false>(st, dpt, lse_s, dsum_s, masked, key_lo, key_offset, lane, mods, m0);
 }
 
 // dK and dV, staged in the K and V tiles, out to dk and dv: each 16-byte chunk of the rows these threads staged
@@ -286,7 +265,10 @@ FA2_DEVICE void consume_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
         };
         if constexpr (Tr::kMods)
             scores_to_ds_mods<Tr>(st, dpt, lse_s, dsum_s, masked, key_lo, key_offset, lane,
-                                  bwd_score_mods(args, batch, head), m0);
+                                  make_score_mods(args.scale, args.softcap,
+                                                  alibi_slope(args.alibi_slopes, args.alibi_batch_stride, batch, head),
+                                                  args.seqlen_q, args.seqlen_k),
+                                  m0);
         else
             scores_to_ds<Tr>(st, dpt, lse_s, dsum_s, masked, key_lo, key_offset, lane, args.scale_log2);
         u32 pa[kQT / 2][4], dsa[kQT / 2][4];  // P^T and dS^T as A operands, k16 steps over the queries

@@ -33,9 +33,9 @@ struct HopperBwdTraits {
     // Varlen: sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q/dO/lse/dQ and cu_seqlens_k[b] .. of
     // k/v/dK/dV; seqlen_q/seqlen_k are the maxima, and key blocks past a sequence's end return at once.
     static constexpr bool kVarlen = Varlen;
-    // Score modifiers (softcap, ALiBi) applied to S^T, the softcap's derivative to dS^T (BwdScoreMods in
-    // hopper/bwd_consumer.cuh): head dims 64 and 128 (padded), the window-mask variant (which expresses every
-    // mask), run-time values.
+    // Score modifiers (softcap, ALiBi: ScoreMods in attention/masks.cuh) applied to S^T, the softcap's derivative to
+    // dS^T (scores_to_ds_mods in hopper/bwd_consumer.cuh): head dims 64 and 128 (padded), the window-mask variant
+    // (which expresses every mask), run-time values.
     static constexpr bool kMods = Mods;
     // Padded calls move K, V, Q and dO with the tensor memory accelerator (tensor maps, one producer thread issuing
     // the copies; rows past the sequence read as zeros). Varlen calls move whole tiles of a sequence so too, and a
