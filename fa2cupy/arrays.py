@@ -627,6 +627,17 @@ def new_empty_raw(shape, dtype: str, framework: str, device: int):
     return arr, arr.data.ptr
 
 
+def new_zeroed_raw(count: int, dtype: str, framework: str, device: int, stream_ptr: int, zero_bytes=None):
+    """:func:`new_empty_raw` of ``count`` elements (scratch memory of a launch: a tile counter, turn flags, split-KV
+    arrivals) with its first ``zero_bytes`` (all of it by default) zeroed on the stream with handle ``stream_ptr``,
+    so that CUDA-graph capture records the zeroing with the launch."""
+    from .build import memset_async
+
+    array, pointer = new_empty_raw((count,), dtype, framework, device)
+    memset_async(pointer, 0, array.nbytes if zero_bytes is None else zero_bytes, stream_ptr)
+    return array, pointer
+
+
 def allocator(shape, dtype: str, framework: str, device: int):
     """``allocate() -> (array, device pointer)``: :func:`new_empty_raw` of one allocation with its dtype and the
     framework's allocator resolved once (for the fast path, which keeps it with a cached call)."""

@@ -184,8 +184,7 @@ def run_backward(plan: BackwardPlan, pointers: dict, values: tuple, stream_ptr: 
     if plan.dq_semaphores:
         # The turn flags, fresh and zeroed on the stream for each launch (as the forward's tile counter), so that
         # launches on other streams or replayed from CUDA graphs never share them.
-        flags, pointer = arrays.new_empty_raw((plan.dq_semaphores,), "int32", framework, device)
-        build.memset_async(pointer, 0, 4 * plan.dq_semaphores, stream_ptr)
+        flags, pointer = arrays.new_zeroed_raw(plan.dq_semaphores, "int32", framework, device, stream_ptr)
         plan.main(stream_ptr, main_args + (pointer,), maps_writer(plan, q, k, v, dout))
         del flags  # (stream-ordered allocators: reused only by work queued after this launch)
     else:

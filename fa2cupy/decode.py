@@ -70,8 +70,8 @@ class DecodePlan:
             return 0
         found = self.workspaces.get(stream_ptr)
         if found is None:
-            array, pointer = arrays.new_empty_raw((self.workspace_floats,), "float32", framework, device)
-            build.memset_async(pointer, 0, self.arrivals * 4, stream_ptr)
+            array, pointer = arrays.new_zeroed_raw(self.workspace_floats, "float32", framework, device, stream_ptr,
+                                                   zero_bytes=self.arrivals * 4)
             found = self.workspaces[stream_ptr] = (array, pointer)
         return found[1]
 

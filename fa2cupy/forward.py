@@ -227,13 +227,12 @@ def run_forward(plan: ForwardPlan, pointers: dict, values: tuple, stream_ptr: in
     (dropout seed, dropout offset), ints in [0, 2**64), ignored without dropout.
 
     A plan with a tile counter gets a fresh one, zeroed on the stream, from the caller's allocator (see
-    :func:`arrays.new_empty_raw`, on the current ``device``): per launch, so that launches on different streams
+    :func:`arrays.new_zeroed_raw`, on the current ``device``): per launch, so that launches on different streams
     or replayed from CUDA graphs never share one (a graph captures the zeroing with the launch)."""
     args = _pointer_values(pointers) + values
     write_maps = None if plan.tensor_maps is None else plan.tensor_maps.writer(args[:4])  # (q, k, v, out)
     if plan.tile_counter:
-        counter, pointer = arrays.new_empty_raw((1,), "int32", framework, device)
-        build.memset_async(pointer, 0, 4, stream_ptr)
+        counter, pointer = arrays.new_zeroed_raw(1, "int32", framework, device, stream_ptr)
         plan.launch(stream_ptr, args + (pointer,), write_maps)
         del counter  # (stream-ordered allocators: reused only by work queued after this launch)
     else:
