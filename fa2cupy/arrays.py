@@ -39,6 +39,8 @@ import sys
 import warnings
 from dataclasses import dataclass
 
+from .build import memset_async
+
 # DLPack device types (dlpack.h, DLDeviceType).
 _KDL_CPU = 1
 _KDL_CUDA = 2
@@ -631,8 +633,6 @@ def new_zeroed_raw(count: int, dtype: str, framework: str, device: int, stream_p
     """:func:`new_empty_raw` of ``count`` elements (scratch memory of a launch: a tile counter, turn flags, split-KV
     arrivals) with its first ``zero_bytes`` (all of it by default) zeroed on the stream with handle ``stream_ptr``,
     so that CUDA-graph capture records the zeroing with the launch."""
-    from .build import memset_async
-
     array, pointer = new_empty_raw((count,), dtype, framework, device)
     memset_async(pointer, 0, array.nbytes if zero_bytes is None else zero_bytes, stream_ptr)
     return array, pointer
