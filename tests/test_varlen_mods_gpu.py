@@ -120,18 +120,21 @@ def test_softcap_alibi_forward_backward(c):
 
 
 def run_mods_case(c):
-    """Padded forward and backward of case dict ``c`` (mod_cases' keys) against the float64 reference."""
+    """Padded forward and backward of case dict ``c`` (mod_cases' keys; optionally ``headdim_v``, v's head dim where
+    it differs from q's) against the float64 reference."""
     fa = fa2cupy_module()
     rng = np.random.default_rng(c["seed"])
     b, sq, sk, h, hkv, d, dtype = (c[n] for n in ("batch", "seqlen_q", "seqlen_k", "nheads", "nheads_kv", "headdim",
                                                   "dtype"))
-    q, k, v = _randn(rng, (b, sq, h, d), dtype), _randn(rng, (b, sk, hkv, d), dtype), _randn(rng, (b, sk, hkv, d),
+    dv = c.get("headdim_v", d)
+    q, k, v = _randn(rng, (b, sq, h, d), dtype), _randn(rng, (b, sk, hkv, d), dtype), _randn(rng, (b, sk, hkv, dv),
                                                                                              dtype)
-    dout = _randn(rng, (b, sq, h, d), dtype)
+    dout = _randn(rng, (b, sq, h, dv), dtype)
     slopes = None if c["alibi"] is None else _slopes(rng, b, h, c["alibi"] == "batch")
     kw = dict(softmax_scale=c["softmax_scale"], causal=c["causal"], window_size=c["window_size"],
               softcap=c["softcap"], alibi_slopes=slopes)
     out, lse, _ = fa.flash_attn_func(q, k, v, return_attn_probs=True, **kw)
+    assert out.shape == dout.shape
     ref_kw = dict(kw, alibi_slopes=None if slopes is None else _cupy().asnumpy(slopes))
     qh, kh, vh, doh = (_host(x) for x in (q, k, v, dout))
     ref_out, ref_lse = attention_ref(qh, kh, vh, **ref_kw)
@@ -139,7 +142,7 @@ def run_mods_case(c):
     grads = fa.flash_attn_backward(dout, q, k, v, out, lse, deterministic=c["deterministic"], **kw)
     refs = attention_ref_backward(doh, qh, kh, vh, out=_host(out), **ref_kw)
     scale = 1 / math.sqrt(d) if c["softmax_scale"] is None else c["softmax_scale"]
-    _check_grads(grads, refs, dtype, abs(scale), d, doh, qh, kh, vh)
+    _check_grads(grads, refs, dtype, abs(scale), max(d, dv), doh, qh, kh, vh)
 
 
 def _check_padded(out, lse, ref_out, ref_lse, v, dtype):
@@ -191,11 +194,12 @@ def varlen_cases(draw):
 def _varlen_inputs(c):
     rng = np.random.default_rng(c["seed"])
     h, hkv, d, dtype = c["nheads"], c["nheads_kv"], c["headdim"], c["dtype"]
+    dv = c.get("headdim_v", d)  # (v's head dim, and the output's)
     cu_q, cu_k = cu_seqlens(c["lengths_q"]), cu_seqlens(c["lengths_k"])
     tq, tk = int(cu_q[-1]) + c["extra_rows"], int(cu_k[-1]) + c["extra_rows"]
     tq, tk = max(tq, 1), max(tk, 1)
     arrays = dict(q=_randn(rng, (tq, h, d), dtype), k=_randn(rng, (tk, hkv, d), dtype),
-                  v=_randn(rng, (tk, hkv, d), dtype), dout=_randn(rng, (tq, h, d), dtype))
+                  v=_randn(rng, (tk, hkv, dv), dtype), dout=_randn(rng, (tq, h, dv), dtype))
     slopes = None if c["alibi"] is None else _slopes(rng, len(c["lengths_q"]), h, c["alibi"] == "batch")
     return arrays, cu_q, cu_k, slopes
 
@@ -207,7 +211,8 @@ def test_varlen_forward_backward(c):
 
 
 def run_varlen_case(c):
-    """Varlen forward and backward of case dict ``c`` (varlen_cases' keys) against the float64 reference."""
+    """Varlen forward and backward of case dict ``c`` (varlen_cases' keys; optionally ``headdim_v``, v's head dim)
+    against the float64 reference."""
     fa = fa2cupy_module()
     cp = _cupy()
     x, cu_q, cu_k, slopes = _varlen_inputs(c)
@@ -215,7 +220,7 @@ def run_varlen_case(c):
     kw = dict(causal=c["causal"], window_size=c["window_size"], softcap=c["softcap"], alibi_slopes=slopes)
     out, lse, _ = fa.flash_attn_varlen_func(x["q"], x["k"], x["v"], cp.asarray(cu_q), cp.asarray(cu_k), max_q, max_k,
                                             return_attn_probs=True, **kw)
-    assert out.shape == x["q"].shape and lse.shape == (c["nheads"], x["q"].shape[0])
+    assert out.shape == x["dout"].shape and lse.shape == (c["nheads"], x["q"].shape[0])
     ref_kw = dict(kw, alibi_slopes=None if slopes is None else cp.asnumpy(slopes))
     qh, kh, vh, doh = (_host(x[n]) for n in ("q", "k", "v", "dout"))
     ref_out, ref_lse = attention_ref_varlen(qh, kh, vh, cu_q, cu_k, **ref_kw)
@@ -225,8 +230,8 @@ def run_varlen_case(c):
     grads = fa.flash_attn_varlen_backward(x["dout"], x["q"], x["k"], x["v"], out, lse, cp.asarray(cu_q),
                                           cp.asarray(cu_k), max_q, max_k, deterministic=c["deterministic"], **kw)
     refs = attention_ref_varlen_backward(doh, qh, kh, vh, cu_q, cu_k, out=_host(out), **ref_kw)
-    _check_grads(grads, refs, c["dtype"], 1 / math.sqrt(c["headdim"]), c["headdim"], doh[rows_q], qh[rows_q],
-                 kh[rows_k], vh[rows_k], selections=(rows_q, rows_k, rows_k))
+    _check_grads(grads, refs, c["dtype"], 1 / math.sqrt(c["headdim"]), max(c["headdim"], vh.shape[-1]), doh[rows_q],
+                 qh[rows_q], kh[rows_k], vh[rows_k], selections=(rows_q, rows_k, rows_k))
     for g, end in zip(grads, (cu_q[-1], cu_k[-1], cu_k[-1])):  # rows past every sequence: exactly zero
         assert np.all(_host(g)[int(end):] == 0.0)
 
