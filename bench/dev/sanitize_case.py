@@ -210,11 +210,9 @@ def check_mods(i, sq, sk, h, hkv, d, causal, softcap, alibi, backward=False) -> 
                                             alibi_slopes=slopes_d, kernel_options=KERNEL_OPTIONS)
         dout64 = cp.asnumpy(dout).astype(np.float64)
         refs = attention_ref_backward(dout64, *host[:3], None, causal, (-1, -1), softcap, slopes, out=host[3])
-        floor = testing.gradient_floor(d ** -0.5, d, np.abs(dout64).max(), np.abs(host[2]).max(),
-                                       np.abs(host[0]).max())
-        for g, r in zip(grads, refs):
-            ok &= np.abs(cp.asnumpy(g).astype(np.float64) - r).max() <= testing.gradient_bound(
-                "fp16", np.abs(r).max(), floor)
+        for _, err, bound in testing.gradient_errors([cp.asnumpy(g) for g in grads], dout64, *host[:3], host[3],
+                                                     "fp16", None, causal, ref_grads=refs):
+            ok &= err <= bound
     print(f"mods {i}: sq{sq} sk{sk} h{h}/{hkv} d{d} causal={causal} softcap={softcap} alibi={alibi}"
           f"{' (+ backward)' if backward else ''}: {'ok' if ok else 'FAIL'}", flush=True)
     return bool(ok)
