@@ -735,6 +735,8 @@ def _check_kvcache_arrays(infos: dict) -> tuple:
         if len(info.shape) != 4:
             raise ValueError(f"{info.name} must be 4-D, got shape {info.shape}")
     batch, seqlen_q, nheads, headdim = q_info.shape
+    if kc_info.shape[3] != headdim:
+        raise ValueError(f"k_cache has headdim {kc_info.shape[3]} but q has {headdim}")
     if kc_info.shape[:3] == vc_info.shape[:3] and kc_info.shape[3] != vc_info.shape[3]:
         raise NotImplementedError(
             f"v_cache has headdim {vc_info.shape[3]} but k_cache {kc_info.shape[3]}: flash_attn_with_kvcache takes "
@@ -743,8 +745,6 @@ def _check_kvcache_arrays(infos: dict) -> tuple:
     if kc_info.shape != vc_info.shape:
         raise ValueError(f"k_cache {kc_info.shape} and v_cache {vc_info.shape} must have the same shape")
     nheads_kv = kc_info.shape[2]
-    if kc_info.shape[3] != headdim:
-        raise ValueError(f"k_cache has headdim {kc_info.shape[3]} but q has {headdim}")
     if min(q_info.shape) < 1 or min(kc_info.shape) < 1:
         raise ValueError(f"q {q_info.shape} and k_cache {kc_info.shape} must have no zero-length axis")
     if headdim % 8 or headdim > 256:

@@ -197,6 +197,14 @@ def test_existing_checks_still_hold():
     with pytest.raises(ValueError, match="cache_batch_idx"):
         check(dict(base(paged=True), cache_batch_idx=info("cache_batch_idx", (2,), "int32")))
 
+    with pytest.raises(ValueError, match="k_cache has headdim 32 but q has 64"):  # q's is checked first
+        check(dict(base(new=0), k_cache=info("k_cache", (2, 100, 2, 32))))
+
+
+def test_v_head_dim_of_its_own_is_not_for_caches():
+    with pytest.raises(NotImplementedError, match="v_cache has headdim 128 but k_cache 64"):
+        check(dict(base(new=0), v_cache=info("v_cache", (2, 100, 2, 128))))
+
 
 # ------------------------------------------------------------------ through the public function (NumPy arrays:
 # every check above runs before anything touches a GPU)
