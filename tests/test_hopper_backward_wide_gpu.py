@@ -59,7 +59,8 @@ def test_wide_kernel_is_the_one_planned(d):
     assert plan.main.block == (384, 1, 1) and plan.main.grid == (5, 8, 1)  # 64-key blocks
     assert plan.convert is not None and plan.dq is None and plan.dq_accum_shape == (1, 8, 300, d + 4)
     plan = backward.plan_backward(shape, shape, strides, "bfloat16", 0.1, True, True, 90)
-    assert isinstance(plan.config, configs.BwdConfig)  # deterministic: the mma.sync backward
+    # deterministic: the same kernel, dQ tiles added in a fixed order through one turn counter per query tile
+    assert plan.config is configs.BACKWARD_HOPPER_TABLE[d] and plan.dq is None and plan.dq_semaphores == 8 * 5
     plan = backward.plan_backward(shape, shape, strides, "bfloat16", 0.1, True, False, 90, varlen_totals=(300, 300))
     assert plan.config is configs.BACKWARD_HOPPER_TABLE[d] and plan.zero_tail is not None
 
