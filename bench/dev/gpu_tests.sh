@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every `-m gpu` test under tests/ in six pytest processes side by side on one GPU: the float64 references are
+# Every `-m gpu` test under tests/ in seven pytest processes side by side on one GPU: the float64 references are
 # CPU work, so the suite (over 15 min in one process) takes 4-6 min this way on an H200, and it fits a device call
 # beside the benchmark. The Hopper wide head dims' tests have a process of their own, so that a fault there leaves
 # the other groups' CUDA context alone. Each group's log is printed in turn; exit 1 if any failed.
@@ -19,6 +19,7 @@ groups=(
   "tests/test_torch.py tests/test_jax.py tests/test_packed.py tests/test_varlen_mods_gpu.py"
   "tests/test_hopper_forward_wide_gpu.py tests/test_hopper_backward_wide_gpu.py"
   "tests/test_transformers_gpu.py tests/test_torch_sdpa_gpu.py"
+  "tests/test_hopper_backward_gpu.py tests/test_headdim_v_gpu.py"
 )
 rest=(tests/)
 for group in "${groups[@]}"; do for f in $group; do rest+=("--ignore=$f"); done; done
