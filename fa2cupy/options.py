@@ -25,9 +25,9 @@ class KernelOptions:
         call (compute capability 9.0, head dim 64, 128, 192 or 256, no dropout; softcap and ALiBi at
         configs.HOPPER_MODS_HEADDIMS); False runs the mma.sync kernel there.
     hopper_backward (True): the same for the backward's dK/dV kernel (no score modifiers; deterministic or not).
-    hopper_backward_mods (False): the Hopper dK/dV kernel for softcap and ALiBi too, at
-        configs.hopper_bwd_takes_mods's head dims (off: those calls run the mma.sync backward, measured; on: the Hopper
-        kernel's modifier rows, which await their measurement).
+    hopper_backward_mods (True): the Hopper dK/dV kernel for softcap and ALiBi too, at configs.hopper_bwd_takes_mods's
+        head dims (its modifier rows: 2x the mma.sync backward with softcap, 2x with ALiBi, H200); False runs those
+        calls on the mma.sync backward.
     hopper_masked_min_seqlen (None): causal and windowed forwards take the Hopper kernel from this many query rows
         on (below it the mma.sync kernel is faster); None is the tile table's per-head-dim length
         (configs.HOPPER_MASKED_MIN_SEQLEN), an int that length for every head dim (0: always Hopper).
@@ -62,7 +62,7 @@ class KernelOptions:
 
     hopper_forward: bool = True
     hopper_backward: bool = True
-    hopper_backward_mods: bool = False
+    hopper_backward_mods: bool = True
     hopper_masked_min_seqlen: int | None = None
     tile_counter: bool = True
     hopper_l2_group_bytes: int | None = None

@@ -305,17 +305,17 @@ def test_varlen_keeps_another_sequence_out(d):
         assert float(np.abs(got - want[0]).max()) <= tol, name
 
 
-# ---------------------------------------------------------------------------------- softcap and ALiBi (opt-in)
+# ---------------------------------------------------------------------------------- softcap and ALiBi
 
 
-def test_modifier_rows_are_planned_with_the_option_only():
-    """Softcap and ALiBi calls plan the mma.sync backward by default and the Hopper kernel's modifier rows with
-    KernelOptions(hopper_backward_mods=True), at head dims 64 and 128 (padded; varlen at 64), never with dropout."""
+def test_modifier_rows_are_planned_by_default():
+    """Softcap and ALiBi calls plan the Hopper kernel's modifier rows at head dims 64 and 128 (padded; varlen at
+    64), never with dropout, and the mma.sync backward with KernelOptions(hopper_backward_mods=False)."""
     _hopper_gpu()
     from fa2cupy import backward, configs
     from fa2cupy.options import KernelOptions
 
-    on = KernelOptions(hopper_backward_mods=True)
+    off = KernelOptions(hopper_backward_mods=False)
     for d in (64, 128, 256):
         strides = dict.fromkeys(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), (256 * 8 * d, 8 * d, d, 1))
         shape = (1, 256, 8, d)
@@ -323,11 +323,10 @@ def test_modifier_rows_are_planned_with_the_option_only():
         def plan(**kw):
             return backward.plan_backward(shape, shape, strides, "bfloat16", 0.1, True, False, 90, **kw)
 
-        assert isinstance(plan(softcap=5.0).config, configs.BwdConfig)
-        hopper = plan(softcap=5.0, options=on).config
-        assert isinstance(hopper, configs.HopperBwdConfig) == (d in (64, 128))
-        assert isinstance(plan(alibi_batch_stride=0, options=on).config, configs.HopperBwdConfig) == (d in (64, 128))
-        assert isinstance(plan(softcap=5.0, dropout_p=0.1, options=on).config, configs.BwdConfig)
+        assert isinstance(plan(softcap=5.0, options=off).config, configs.BwdConfig)
+        assert isinstance(plan(softcap=5.0).config, configs.HopperBwdConfig) == (d in (64, 128))
+        assert isinstance(plan(alibi_batch_stride=0).config, configs.HopperBwdConfig) == (d in (64, 128))
+        assert isinstance(plan(softcap=5.0, dropout_p=0.1).config, configs.BwdConfig)
 
 
 @settings(max_examples=max(10, settings().max_examples // 4), deadline=None)
@@ -339,13 +338,11 @@ def test_modifier_rows_match_reference(c):
     if c["softcap"] == 0.0 and c["alibi"] is None:
         c["softcap"] = 2.0
     note(repr(c))
-    with kernel_options(hopper_backward_mods=True):
-        run_mods_case(c)
+    run_mods_case(c)
 
 
 @given(varlen_hopper_cases(headdims=(64,), mods=True))
 def test_modifier_rows_match_reference_varlen(case):
     _hopper_gpu()
     note(repr(case))
-    with kernel_options(hopper_backward_mods=True):
-        run_varlen_case(case)
+    run_varlen_case(case)
