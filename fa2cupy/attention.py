@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import cupy
 
-from . import arrays, backward, checks, device_errors, forward, packed, paging, pipeline
+from . import arrays, backward, checks, configs, device_errors, forward, packed, paging, pipeline
 from .pipeline import alibi_ready, contiguous, elem_strides, kernel_ready, padded_headdim
 
 @dataclass
@@ -34,12 +34,14 @@ class _AttentionCall(pipeline.Call):
     alibi_stride: int | None = None  # the slopes' batch stride in elements (None: no ALiBi), found by adapt
     paged: tuple | None = None  # paged K/V: (num_pages, page_size, max_pages), found by adapt
     per_call_values: bool = False  # dropout seed and offset given per call (not in an rng state array)
+    width: int | None = None  # a Hopper kernel's width the arrays are zero-padded to (the kind's choose), or None
+    kernel_width: int | None = None  # a Hopper kernel's width the arrays are read at by TMA, zeros past their own
 
     @property
     def padded(self) -> int:
         """The head dim the kernels run on: q's and v's, the larger, padded to a multiple of 8 (the narrower
-        arrays padded with zeros to it)."""
-        return padded_headdim(max(self.shape.headdim, self.shape.dv))
+        arrays padded with zeros to it), or the wider Hopper width that choose picked."""
+        return self.width or padded_headdim(max(self.shape.headdim, self.shape.dv))
 
     def dims(self, name: str) -> tuple:
         """(head dim, kernels' head dim) of the array ``name``: v's for v, dout and out, q's for q and k."""
@@ -106,6 +108,26 @@ class _Attention(pipeline.Kind):
     #: sliced back to the caller's where the kernels ran on a padded one (the log-sum-exp is not).
     head_dim_outputs = ("v",)
 
+    def choose(self, call, infos, arch, options):
+        """On Hopper, a head dim without a Hopper row runs at the next Hopper width up (configs.hopper_pad_width)
+        where the Hopper kernel there takes the call; never with paged K/V (the pages are used in place)."""
+        if "block_table" in infos:
+            return
+        mask, mods, _, _ = forward.kernel_variant(call.causal, call.window_size, call.softcap,
+                                                  "alibi_slopes" in infos, call.dropout_p)
+        width = configs.padded_call_width(arch, call.padded, call.shape.dtype, self.is_backward, mask, mods,
+                                          call.totals is not None, call.shape.seqlen_q, call.deterministic, options,
+                                          dropout=call.dropout_p > 0)
+        if width != call.padded:
+            self._widen(call, width)
+
+    is_backward = False  # (for choose)
+
+    @staticmethod
+    def _widen(call, width):
+        """Runs ``call`` at the wider Hopper ``width``: its arrays zero-padded to it by adapt."""
+        call.width = width
+
     def results(self, call, outs, views):
         n, s = len(self.head_dim_outputs), call.shape
         dims = [s.dv if which == "v" else s.headdim for which in self.head_dim_outputs]
@@ -134,6 +156,16 @@ class _Forward(_Attention):
         return _attention_call(infos, shape, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
                                values)
 
+    @staticmethod
+    def _widen(call, width):
+        """A padded call reads its arrays as they are: every copy of the Hopper forward is a TMA copy, which reads
+        zeros past the head dim and does not write the output's columns past it (forward.plan_forward's
+        ``width``). A varlen one's ragged tiles go by cp.async, which copies whole rows: its arrays are padded."""
+        if call.totals is None:
+            call.kernel_width = width
+        else:
+            call.width = width
+
     def adapt(self, call, named, infos):
         ready = {n: call.ready(named[n], infos[n], n) for n in ("q", "k", "v")}
         _fold_negative_scale(call, ready)
@@ -145,7 +177,8 @@ class _Forward(_Attention):
         strides = (elem_strides(q), elem_strides(k), elem_strides(v), pipeline.c_strides(self._out_shape(call)))
         return forward.plan_forward(
             q.shape, k.shape, strides, call.shape.dtype, call.scale, call.causal, arch, window_size=call.window_size,
-            softcap=call.softcap, alibi_batch_stride=call.alibi_stride, dropout_p=call.dropout_p, options=options)
+            softcap=call.softcap, alibi_batch_stride=call.alibi_stride, dropout_p=call.dropout_p, options=options,
+            width=call.kernel_width)
 
     @staticmethod
     def _out_shape(call) -> tuple:
@@ -307,6 +340,7 @@ class _Backward(_Attention):
     arrays = ("dout", "q", "k", "v", "out", "softmax_lse", "alibi_slopes", "dropout_rng_state")
     returned = poisoned = ("dq", "dk", "dv")
     head_dim_outputs = ("q", "q", "v")  # dq, dk, dv
+    is_backward = True
     launch = staticmethod(backward.run_backward)
     no_pointers = backward.NO_POINTERS
 

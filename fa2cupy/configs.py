@@ -614,6 +614,40 @@ def hopper_forward_config(arch: int, headdim: int, dtype: str, dropout: bool = F
     return table[headdim]
 
 
+#: On compute capability 9.0 a head dim without a Hopper row (FORWARD_HOPPER_TABLE, BACKWARD_HOPPER_TABLE) runs on
+#: the Hopper kernels at the next width up from this head dim on (KernelOptions.hopper_pad_headdim overrides it): the
+#: call's arrays are zero-padded to that width (exact: zero columns add nothing to a score, and the output's extra
+#: columns are sliced away), so it pays the copies and the wider tiles' work, against the mma.sync kernels at its
+#: own width.
+HOPPER_PAD_MIN_HEADDIM = 40
+
+
+def hopper_pad_width(arch: int, headdim: int, pad: bool | None = None) -> int | None:
+    """The Hopper width a call of kernels' head dim ``headdim`` (a multiple of 8) runs at with its arrays
+    zero-padded, or None where it runs at its own width (a width with a Hopper row, another GPU, a head dim below
+    HOPPER_PAD_MIN_HEADDIM unless ``pad`` is True, or ``pad`` False). Whether the Hopper kernel at that width takes
+    the call is the caller's question (kernel_rows)."""
+    if arch != 90 or headdim in FORWARD_HOPPER_TABLE or pad is False:
+        return None
+    if pad is None and headdim < HOPPER_PAD_MIN_HEADDIM:
+        return None
+    return next((width for width in sorted(FORWARD_HOPPER_TABLE) if width >= headdim), None)
+
+
+def padded_call_width(arch: int, headdim: int, dtype: str, backward: bool, mask: str = "none", mods: bool = False,
+                      varlen: bool = False, seqlen_q: int | None = None, deterministic: bool = False,
+                      options: KernelOptions = DEFAULT, dropout: bool = False) -> int:
+    """The head dim a forward (or, with ``backward``, a backward) call of kernels' head dim ``headdim`` runs at:
+    :func:`hopper_pad_width`'s where the Hopper kernel at that width takes the call (:func:`kernel_rows`, same
+    arguments), else ``headdim`` itself."""
+    width = hopper_pad_width(arch, headdim, options.hopper_pad_headdim)
+    if width is None:
+        return headdim
+    rows = kernel_rows(arch, width, dtype, mask, mods, varlen, seqlen_q, deterministic, options, dropout=dropout)
+    row = rows.backward if backward else rows.forward
+    return width if isinstance(row, (HopperFwdConfig, HopperBwdConfig)) else headdim
+
+
 def hopper_forward_instantiations() -> list[str]:
     """Name expressions of every Hopper forward instantiation (compiled for sm_90a): without score modifiers for
     every mask, with them (softcap, ALiBi) for the masks forward.kernel_variant gives modifier calls (padded: causal

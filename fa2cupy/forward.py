@@ -109,7 +109,7 @@ def kernel_config(arch: int, headdim: int, dtype: str, mask: str, mods: bool = F
 def plan_forward(
     q_shape, k_shape, strides, dtype: str, softmax_scale: float, causal: bool, arch: int, config=None,
     window_size=(-1, -1), softcap: float = 0.0, alibi_batch_stride=None, varlen_totals=None, dropout_p: float = 0.0,
-    paged=None, options: KernelOptions = DEFAULT,
+    paged=None, options: KernelOptions = DEFAULT, width: int | None = None,
 ) -> ForwardPlan:
     """Builds (and compiles on first use) the launch for one problem.
 
@@ -128,23 +128,26 @@ def plan_forward(
     takes a block_table pointer (int32 ``(batch, max_pages)``), and key ``j`` of sequence ``b`` is row
     ``j % page_size`` of page ``block_table[b, j // page_size]``; ``k_shape[1]`` is then max_seqlen_k.
     ``options``: the kernel choices (the Hopper forward or not, its tile counter and L2 grouping).
+    ``width`` (padded calls): run the Hopper forward at this wider head dim where it takes the call, on arrays of
+    head dim ``d``: its TMA copies read zeros past ``d`` and write no output column past it (the tensor maps span
+    ``d`` columns); elsewhere the kernels run at ``d``.
     """
     batch, seqlen_q, nheads, headdim = q_shape
     seqlen_k, nheads_kv = k_shape[1], k_shape[2]
     mask, mods, left, right = kernel_variant(causal, window_size, softcap, alibi_batch_stride is not None, dropout_p,
                                              causal_mods=varlen_totals is None)
-    if config is None:
-        config = kernel_config(arch, headdim, dtype, mask, mods, varlen_totals is not None, seqlen_q, options,
-                               dropout_p > 0)
     # The Hopper forward's tensor maps (padded calls, and varlen, whose Q, whole output tiles and, packed, whole K/V
     # tiles go by TMA; paged K/V have none), over the packed arrays' rows for varlen.
     shapes = tensor_maps.array_shapes(q_shape, k_shape, varlen_totals)
     mapped = (True, paged is None, paged is None, True)
-    if (isinstance(config, configs.HopperFwdConfig)
-            and not all(tensor_maps.usable(shape, s) for shape, s, m in zip(shapes, strides, mapped) if m)):
-        # (strides TMA cannot take, say negative ones: the mma.sync forward, which copies with cp.async)
+    # (strides TMA cannot take, say negative ones: the mma.sync forward, which copies with cp.async)
+    tma = all(tensor_maps.usable(shape, s) for shape, s, m in zip(shapes, strides, mapped) if m)
+    if config is None and width is not None and width != headdim and tma and varlen_totals is None:
+        wide = kernel_config(arch, width, dtype, mask, mods, False, seqlen_q, options, dropout_p > 0)
+        config = wide if isinstance(wide, configs.HopperFwdConfig) else None
+    if config is None or (isinstance(config, configs.HopperFwdConfig) and not tma):
         config = configs.kernel_rows(arch, headdim, dtype, mask, mods, varlen_totals is not None, seqlen_q,
-                                     options=options, tma=False, dropout=dropout_p > 0).forward
+                                     options=options, tma=tma, dropout=dropout_p > 0).forward
     function = build.get_kernel(config.family, config.name_expression(dtype, mask, mods, varlen_totals is not None,
                                                                       paged is not None), config.smem_bytes)
     fixed = _forward_params(q_shape, k_shape, strides, softmax_scale, left, right, softcap, alibi_batch_stride,

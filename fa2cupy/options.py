@@ -28,6 +28,10 @@ class KernelOptions:
     hopper_backward_mods (True): the Hopper dK/dV kernel for softcap and ALiBi too, at configs.hopper_bwd_takes_mods's
         head dims (its modifier rows: 2x the mma.sync backward with softcap, 2x with ALiBi, H200); False runs those
         calls on the mma.sync backward.
+    hopper_pad_headdim (None): on compute capability 9.0, run a head dim without a Hopper row (say 80, 96, 160) on
+        the Hopper kernels at the next width up that has one, its arrays zero-padded to it (True), or on the mma.sync
+        kernels at its own width (False); None: from configs.HOPPER_PAD_MIN_HEADDIM on. Each call (forward,
+        backward) pads only where the Hopper kernel at that width takes it.
     hopper_masked_min_seqlen (None): causal and windowed forwards take the Hopper kernel from this many query rows
         on (below it the mma.sync kernel is faster); None is the tile table's per-head-dim length
         (configs.HOPPER_MASKED_MIN_SEQLEN), an int that length for every head dim (0: always Hopper).
@@ -63,6 +67,7 @@ class KernelOptions:
     hopper_forward: bool = True
     hopper_backward: bool = True
     hopper_backward_mods: bool = True
+    hopper_pad_headdim: bool | None = None
     hopper_masked_min_seqlen: int | None = None
     tile_counter: bool = True
     hopper_l2_group_bytes: int | None = None
@@ -106,6 +111,7 @@ _tokens: dict = {}  # field values -> the token of KernelOptions with them
 #: The type of each field's values, for the checks in KernelOptions.__post_init__.
 _KINDS = {
     "hopper_forward": "bool", "hopper_backward": "bool", "hopper_backward_mods": "bool",
+    "hopper_pad_headdim": "optional bool",
     "hopper_masked_min_seqlen": "optional int",
     "tile_counter": "bool", "hopper_l2_group_bytes": "optional int",
     "hopper_bwd_chunk_blocks": "optional int", "decode_deep_ring": "optional bool",

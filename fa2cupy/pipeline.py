@@ -88,6 +88,10 @@ class Kind:
         """Validates the call from its arrays' descriptions and its options, without touching the GPU."""
         raise NotImplementedError
 
+    def choose(self, call: Call, infos: dict, arch: int, options: KernelOptions) -> None:
+        """Settles, in ``call``, what adapt needs of the GPU and the kernel options (say, a head dim to pad to);
+        nothing by default."""
+
     def adapt(self, call: Call, named: dict, infos: dict) -> dict:
         """Kernel-ready CuPy views of the given arrays by name (copies where the kernels need them), with the
         launch stream current. Every given array must be in it: the fast path launches on all of their pointers."""
@@ -216,6 +220,7 @@ def _checked(kind: Kind, given: tuple, options: tuple, values: tuple, kernel_opt
     with cupy.cuda.Device(device):
         stream = arrays.caller_stream(framework, device)
         with stream:  # copies made while adapting inputs belong on the caller's stream too
+            kind.choose(call, infos, arch(device), kernel_options)
             ready = kind.adapt(call, named, infos)
             plan = kind.plan(call, ready, arch(device), device, kernel_options)
             layout = kind.allocations(call, plan)

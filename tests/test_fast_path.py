@@ -337,3 +337,83 @@ def test_varlen_adapt_pads_v_to_the_kernels_head_dim(monkeypatch):
     ready = attention.VARLEN_BACKWARD.adapt(call, x, infos)
     assert {n: ready[n].shape[-1] for n in ("dout", "q", "k", "v", "out")} == dict.fromkeys(
         ("dout", "q", "k", "v", "out"), 192)
+
+
+def _choose(kind, check_options, arch=90, options=None, d=96, sq=512, extra=()):
+    """The head dim the kernels run at after ``kind.choose`` for a padded call of head dim ``d`` (q, k, v, and the
+    backward's dout, out and lse), NumPy infos: the forward reads its arrays unpadded (``kernel_width``), the
+    backward's are padded (``padded``)."""
+    from fa2cupy import KernelOptions
+
+    x = {"q": np.ones((2, sq, 4, d), np.float16), "k": np.ones((2, sq, 2, d), np.float16),
+         "v": np.ones((2, sq, 2, d), np.float16), "dout": np.ones((2, sq, 4, d), np.float16),
+         "out": np.ones((2, sq, 4, d), np.float16), "softmax_lse": np.zeros((2, 4, sq), np.float32)}
+    x.update(extra)
+    infos = {n: arrays.describe(a, n) for n, a in x.items()}
+    call = kind.check(infos, check_options, (1, 0))
+    kind.choose(call, infos, arch, options or KernelOptions())
+    if call.kernel_width is not None:
+        assert kind is attention.FORWARD and call.padded == d and call.kernel_width > d
+    return call.kernel_width or call.padded
+
+
+def _fwd(causal=False, softcap=0.0, dropout_p=0.0):
+    return (dropout_p, None, causal, (-1, -1), softcap, False, False)
+
+
+def _bwd(causal=False, softcap=0.0, dropout_p=0.0, deterministic=False):
+    return (None, causal, (-1, -1), deterministic, softcap, dropout_p)
+
+
+@pytest.mark.parametrize("kind, opts, kw, padded", [
+    ("fwd", _fwd(), {}, 128),  # 96 -> the Hopper kernels' 128
+    ("bwd", _bwd(), {}, 128),
+    ("bwd", _bwd(deterministic=True), {}, 128),
+    ("fwd", _fwd(), dict(d=80), 128),
+    ("fwd", _fwd(), dict(d=160), 192),
+    ("bwd", _bwd(causal=True), dict(d=224), 256),
+    ("fwd", _fwd(), dict(d=40), 64),
+    ("fwd", _fwd(), dict(d=32), 32),  # below HOPPER_PAD_MIN_HEADDIM: the mma.sync kernels at 32
+    ("fwd", _fwd(), dict(d=128), 128),  # a Hopper width: nothing to pad
+    ("fwd", _fwd(), dict(arch=80), 96),  # not Hopper
+    ("fwd", _fwd(dropout_p=0.1), {}, 96),  # the Hopper kernels take no dropout
+    ("bwd", _bwd(dropout_p=0.1), {}, 96),
+    ("fwd", _fwd(softcap=5.0), {}, 128),  # the Hopper forward takes softcap at 128
+    ("bwd", _bwd(softcap=5.0), {}, 128),  # so does the Hopper backward (its modifier rows)
+    ("bwd", _bwd(softcap=5.0), dict(d=176), 176),  # ... but not at 192
+    ("fwd", _fwd(causal=True), dict(sq=64), 96),  # a short masked forward: the mma.sync forward
+    ("bwd", _bwd(causal=True), dict(sq=64), 128),  # (the backward has no such rule)
+])
+def test_choose_pads_up_to_a_hopper_width(monkeypatch, kind, opts, kw, padded):
+    """On sm_90 a head dim without a Hopper row runs at the next Hopper width up where the Hopper kernel there takes
+    the call (configs.hopper_pad_width, the kinds' choose), its arrays zero-padded by adapt."""
+    monkeypatch.setattr(pipeline, "device_of", lambda info: 0)
+    assert _choose(attention.FORWARD if kind == "fwd" else attention.BACKWARD, opts, **kw) == padded
+
+
+def test_varlen_forward_pads_its_arrays(monkeypatch):
+    """A varlen forward's ragged tiles go by cp.async (whole rows), so its arrays are padded to the Hopper width."""
+    monkeypatch.setattr(pipeline, "device_of", lambda info: 0)
+    x = {"q": np.ones((9, 4, 96), np.float16), "k": np.ones((11, 2, 96), np.float16),
+         "v": np.ones((11, 2, 96), np.float16), "cu_seqlens_q": np.array([0, 4, 9], np.int32),
+         "cu_seqlens_k": np.array([0, 5, 11], np.int32)}
+    infos = {n: arrays.describe(a, n) for n, a in x.items()}
+    call = attention.VARLEN_FORWARD.check(infos, (5, 6, 0.0, None, False, (-1, -1), 0.0, False, False), (None, 0))
+    attention.VARLEN_FORWARD.choose(call, infos, 90, attention.configs.DEFAULT)
+    assert call.padded == 128 and call.kernel_width is None
+    x.update(k=np.ones((3, 16, 2, 96), np.float16), v=np.ones((3, 16, 2, 96), np.float16),
+             block_table=np.zeros((2, 1), np.int32))
+    infos = {n: arrays.describe(a, n) for n, a in x.items()}
+    call = attention.VARLEN_FORWARD.check(infos, (5, 6, 0.0, None, False, (-1, -1), 0.0, False, False), (None, 0))
+    attention.VARLEN_FORWARD.choose(call, infos, 90, attention.configs.DEFAULT)
+    assert call.padded == 96  # paged K/V: the pages are used in place
+
+
+def test_choose_follows_the_option(monkeypatch):
+    from fa2cupy import KernelOptions
+
+    monkeypatch.setattr(pipeline, "device_of", lambda info: 0)
+    assert _choose(attention.FORWARD, _fwd(), options=KernelOptions(hopper_pad_headdim=False)) == 96
+    assert _choose(attention.FORWARD, _fwd(), d=32, options=KernelOptions(hopper_pad_headdim=True)) == 64
+    assert _choose(attention.FORWARD, _fwd(), options=KernelOptions(hopper_forward=False)) == 96
+    assert _choose(attention.BACKWARD, _bwd(), options=KernelOptions(hopper_backward=False)) == 96

@@ -107,6 +107,8 @@ def mod_cases(draw, headdims=HEADDIMS, lengths=LENGTHS[1:]):
         dtype=draw(st.sampled_from(["float16", "bfloat16"])),
         softmax_scale=draw(st.one_of(st.none(), st.floats(0.05, 1.5), st.floats(-1.0, -0.05))),
         deterministic=draw(st.booleans()),
+        # head dims without a Hopper row: padded up to the Hopper kernels (default) or the mma.sync kernels (False)
+        hopper_pad=draw(st.sampled_from([None, None, False])),
         seed=draw(st.integers(0, 2**32 - 1)),
     )
 
@@ -122,6 +124,11 @@ def test_softcap_alibi_forward_backward(c):
 def run_mods_case(c):
     """Padded forward and backward of case dict ``c`` (mod_cases' keys; optionally ``headdim_v``, v's head dim where
     it differs from q's) against the float64 reference."""
+    with kernel_options(hopper_pad_headdim=c.get("hopper_pad")):
+        _run_mods_case(c)
+
+
+def _run_mods_case(c):
     fa = fa2cupy_module()
     rng = np.random.default_rng(c["seed"])
     b, sq, sk, h, hkv, d, dtype = (c[n] for n in ("batch", "seqlen_q", "seqlen_k", "nheads", "nheads_kv", "headdim",
@@ -187,6 +194,8 @@ def varlen_cases(draw):
         slack=draw(st.sampled_from([0, 0, 7])),  # max_seqlen larger than the longest sequence
         dtype=draw(st.sampled_from(["float16", "bfloat16"])),
         deterministic=draw(st.booleans()),
+        # head dims without a Hopper row: padded up to the Hopper kernels (default) or the mma.sync kernels (False)
+        hopper_pad=draw(st.sampled_from([None, None, False])),
         seed=draw(st.integers(0, 2**32 - 1)),
     )
 
@@ -213,6 +222,11 @@ def test_varlen_forward_backward(c):
 def run_varlen_case(c):
     """Varlen forward and backward of case dict ``c`` (varlen_cases' keys; optionally ``headdim_v``, v's head dim)
     against the float64 reference."""
+    with kernel_options(hopper_pad_headdim=c.get("hopper_pad")):
+        _run_varlen_case(c)
+
+
+def _run_varlen_case(c):
     fa = fa2cupy_module()
     cp = _cupy()
     x, cu_q, cu_k, slopes = _varlen_inputs(c)
