@@ -281,39 +281,50 @@ def _dims(dims) -> str:
 def tile_table_text(arch: int | None) -> str:
     """The kernel and tile each case runs on a GPU of compute capability ``arch`` (e.g. 90): for every head dim of
     the tile table, causal or not, the forward's and the backward's row as fa2cupy's planners choose it
-    (configs.kernel_rows, default KernelOptions). Needs no GPU."""
+    (configs.padded_call_width and configs.kernel_rows, default KernelOptions). Needs no GPU."""
     if arch is None:
         return "kernel table unavailable (no compute capability)"
     try:
         from fa2cupy import configs  # noqa: PLC0415
 
+        def row(d, mask, backward, seqlen_q=None):
+            width = configs.padded_call_width(arch, d, "bfloat16", backward, mask, seqlen_q=seqlen_q)
+            chosen = configs.kernel_rows(arch, width, "bfloat16", mask, seqlen_q=seqlen_q)
+            kernel, tile = _row_text(chosen.backward if backward else chosen.forward)
+            return [kernel + (f", padded to {width}" if width != d else ""), tile]
+
         rows = []
         for d in configs.HEADDIMS:
             for causal in (False, True):
                 mask = "causal" if causal else "none"
-                chosen = configs.kernel_rows(arch, d, "bfloat16", mask)
-                shortest = configs.HOPPER_MASKED_MIN_SEQLEN.get(d, 0)
-                hopper_from = causal and isinstance(chosen.forward, configs.HopperFwdConfig) and shortest
+                forward = configs.kernel_rows(arch, configs.padded_call_width(arch, d, "bfloat16", False, mask),
+                                              "bfloat16", mask).forward
+                shortest = configs.HOPPER_MASKED_MIN_SEQLEN.get(getattr(forward, "headdim", d), 0)
+                hopper_from = causal and isinstance(forward, configs.HopperFwdConfig) and shortest
                 rows.append([d, f"yes, seqlen_q >= {shortest}" if hopper_from else "yes" if causal else "no",
-                             *_row_text(chosen.forward), *_row_text(chosen.backward)])
+                             *row(d, mask, False), *row(d, mask, True)])
                 if hopper_from:  # shorter masked calls: the mma.sync forward
-                    short = configs.kernel_rows(arch, d, "bfloat16", mask, seqlen_q=shortest - 1)
-                    rows.append([d, f"yes, seqlen_q < {shortest}", *_row_text(short.forward),
-                                 *_row_text(short.backward)])
+                    rows.append([d, f"yes, seqlen_q < {shortest}", *row(d, mask, False, shortest - 1),
+                                 *row(d, mask, True)])
         table = B.format_table(("headdim", "causal", "forward", "forward tile (rows x keys)", "backward",
                                 "backward tile (rows x keys)"), rows, "rlllll")
     except Exception as exc:
         return f"kernel table unavailable for sm_{arch} ({B._first_line(exc)})"
-    return (f"kernels for sm_{arch} (float16 and bfloat16 alike; a head dim runs on the next width of the table):\n"
-            f"{table}\n"
-            + (f"The forward with softcap or ALiBi runs the Hopper row above at d = {_dims(configs.HOPPER_MODS_HEADDIMS)}"
-               f" (padded calls only at {_dims(configs.HOPPER_MODS_PADDED_ONLY)}); elsewhere, with dropout, and in "
-               "the backward, modifiers run " if arch == 90 else
-               "Calls with softcap, ALiBi or dropout run ")
+    hopper = arch == 90
+    return (f"kernels for sm_{arch} (float16 and bfloat16 alike; a head dim runs on the next width of the table"
+            + (", zero-padded to a Hopper width from "
+               f"{configs.HOPPER_PAD_MIN_HEADDIM} on where the Hopper kernels take the call" if hopper else "")
+            + f"):\n{table}\n"
+            + (f"Softcap and ALiBi run on the Hopper rows above: the forward's at d = "
+               f"{_dims(configs.HOPPER_MODS_HEADDIMS)} (padded calls only at "
+               f"{_dims(configs.HOPPER_MODS_PADDED_ONLY)}), the backward's at d = "
+               f"{_dims(configs.HOPPER_BWD_MODS_HEADDIMS)} (padded calls only at "
+               f"{_dims(configs.HOPPER_BWD_MODS_PADDED_ONLY)}); elsewhere, and with dropout, modifiers run "
+               if hopper else "Calls with softcap, ALiBi or dropout run ")
             + "the mma.sync rows of their modifier variant (sliding windows those of configs.FORWARD_MASKED_TABLE "
             "where it has one); the deterministic backward runs "
             + ("the Hopper backward row above, its dQ additions in turns, where it has one, and elsewhere "
-               if arch == 90 else "")
+               if hopper else "")
             + "the mma.sync backward and its dQ kernel.")
 
 

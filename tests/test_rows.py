@@ -39,8 +39,10 @@ def test_info_shows_the_hopper_rows_that_run_on_sm90():
         shortest = configs.HOPPER_MASKED_MIN_SEQLEN[d]
         assert rows[(d, f"yes, seqlen_q >= {shortest}")][0] == "hopper (wgmma)"
         assert rows[(d, f"yes, seqlen_q < {shortest}")][0] == "mma.sync"  # short causal calls: the mma.sync forward
-    for d in (32, 96, 160, 224):
-        assert rows[(d, "no")][0] == rows[(d, "yes")][0] == "mma.sync"
+    assert rows[(32, "no")][0] == rows[(32, "yes")][0] == "mma.sync"  # below HOPPER_PAD_MIN_HEADDIM
+    for d, width in ((96, 128), (160, 192), (224, 256)):  # the Hopper kernels at the next width, arrays zero-padded
+        assert rows[(d, "no")][0] == rows[(d, "no")][2] == f"hopper (wgmma), padded to {width}"
+        assert rows[(d, f"yes, seqlen_q < {configs.HOPPER_MASKED_MIN_SEQLEN[width]}")][0] == "mma.sync"
     assert {d for d, _ in rows} == set(configs.HEADDIMS)
 
 
@@ -49,10 +51,18 @@ def test_info_rows_are_the_rows_the_planners_choose(arch):
     rows = _table(arch)
     for (d, causal), (fwd, fwd_tile, bwd, bwd_tile) in rows.items():
         mask = "none" if causal == "no" else "causal"
-        seqlen_q = configs.HOPPER_MASKED_MIN_SEQLEN[d] - 1 if "<" in causal else None
-        chosen = configs.kernel_rows(arch, d, "bfloat16", mask, seqlen_q=seqlen_q)
-        assert (fwd, fwd_tile, bwd, bwd_tile) == cli._row_text(chosen.forward) + cli._row_text(chosen.backward)
-        assert f"{chosen.forward.block_m}x{chosen.forward.block_n}" in fwd_tile
+        seqlen_q = int(causal.rsplit(" ", 1)[1]) - 1 if "<" in causal else None
+        widths = [configs.padded_call_width(arch, d, "bfloat16", backward, mask, seqlen_q=seqlen_q)
+                  for backward in (False, True)]
+        forward = configs.kernel_rows(arch, widths[0], "bfloat16", mask, seqlen_q=seqlen_q).forward
+        backward = configs.kernel_rows(arch, widths[1], "bfloat16", mask).backward
+        want = [cli._row_text(forward), cli._row_text(backward)]
+        for (kernel, _), width in zip(want, widths):
+            assert width == d or (arch == 90 and kernel.startswith("hopper"))
+        assert (fwd, fwd_tile, bwd, bwd_tile) == tuple(
+            text + (f", padded to {w}" if i == 0 and w != d else "") for (row, w) in zip(want, widths)
+            for i, text in enumerate(row))
+        assert f"{forward.block_m}x{forward.block_n}" in fwd_tile
     assert all(kernel == "mma.sync" for fwd, _, bwd, _ in rows.values() for kernel in (fwd, bwd)) == (arch != 90)
 
 
@@ -63,9 +73,9 @@ def test_info_table_for_a_given_arch_without_a_gpu():
     result = CliRunner().invoke(cli.main, ["info", "--arch", "90"])
     assert result.exit_code == 0, result.output
     assert "kernels for sm_90" in result.output and "hopper (wgmma)" in result.output
-    # the note on modifier calls names the head dims the Hopper forward takes them at
-    assert "softcap or ALiBi runs the Hopper row above at d = 128, 192 and 256 (padded calls only at 256)" in (
-        " ".join(result.output.split()))
+    # the note on modifier calls names the head dims the Hopper forward and backward take them at
+    assert ("the forward's at d = 128, 192 and 256 (padded calls only at 256), the backward's at d = 64 and 128 "
+            "(padded calls only at 128)") in " ".join(result.output.split())
 
 
 @pytest.mark.parametrize("d", [192, 256])
