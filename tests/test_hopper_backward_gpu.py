@@ -52,7 +52,10 @@ def test_hopper_kernel_is_the_one_planned():
     assert plan.dq_semaphores == 1 * 8 * 4 and plan.main.per_call[-1] == "dq_semaphore"
     plan = backward.plan_backward((1, 256, 8, 128), (1, 256, 8, 128), strides, "bfloat16", 0.1, True, False, 90,
                                   softcap=5.0)
-    assert isinstance(plan.config, configs.BwdConfig)
+    assert isinstance(plan.config, configs.HopperBwdConfig)  # the modifier rows
+    plan = backward.plan_backward((1, 256, 8, 128), (1, 256, 8, 128), strides, "bfloat16", 0.1, True, False, 90,
+                                  softcap=5.0, dropout_p=0.1)
+    assert isinstance(plan.config, configs.BwdConfig)  # dropout: the mma.sync backward
     plan = backward.plan_backward((1, 256, 8, 128), (1, 256, 8, 128), strides, "bfloat16", 0.1, True, False, 90,
                                   varlen_totals=(256, 256))
     assert isinstance(plan.config, configs.HopperBwdConfig) and plan.zero_tail is not None
