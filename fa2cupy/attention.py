@@ -125,8 +125,14 @@ class _Attention(pipeline.Kind):
 
     @staticmethod
     def _widen(call, width):
-        """Runs ``call`` at the wider Hopper ``width``: its arrays zero-padded to it by adapt."""
-        call.width = width
+        """Runs ``call`` at the wider Hopper ``width``. A padded call reads its arrays as they are: the Hopper
+        kernels copy its tiles by TMA, which reads zeros past the head dim, and write no output column past it
+        (forward.plan_forward's and backward.plan_backward's ``width``). A varlen call's ragged tiles go by cp.async,
+        which copies whole rows: its arrays are zero-padded to the width by adapt."""
+        if call.totals is None:
+            call.kernel_width = width
+        else:
+            call.width = width
 
     def results(self, call, outs, views):
         n, s = len(self.head_dim_outputs), call.shape
@@ -155,16 +161,6 @@ class _Forward(_Attention):
             deterministic=deterministic, return_attn_probs=return_attn_probs)
         return _attention_call(infos, shape, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
                                values)
-
-    @staticmethod
-    def _widen(call, width):
-        """A padded call reads its arrays as they are: every copy of the Hopper forward is a TMA copy, which reads
-        zeros past the head dim and does not write the output's columns past it (forward.plan_forward's
-        ``width``). A varlen one's ragged tiles go by cp.async, which copies whole rows: its arrays are padded."""
-        if call.totals is None:
-            call.kernel_width = width
-        else:
-            call.width = width
 
     def adapt(self, call, named, infos):
         ready = {n: call.ready(named[n], infos[n], n) for n in ("q", "k", "v")}
@@ -374,7 +370,7 @@ class _Backward(_Attention):
             q_shape, k_shape, self._strides(ready, call), call.shape.dtype, call.scale, call.causal,
             call.deterministic, arch, window_size=call.window_size, softcap=call.softcap,
             alibi_batch_stride=call.alibi_stride, varlen_totals=call.totals, dropout_p=call.dropout_p,
-            options=options)
+            options=options, width=call.kernel_width)
 
     def _plan_shapes(self, call, ready) -> tuple:
         return ready["q"].shape, ready["k"].shape

@@ -37,7 +37,7 @@ class BackwardPlan:
 def plan_backward(
     q_shape, k_shape, strides: dict, dtype: str, softmax_scale: float, causal: bool, deterministic: bool, arch: int,
     config=None, window_size=(-1, -1), softcap: float = 0.0, alibi_batch_stride=None, varlen_totals=None,
-    dropout_p: float = 0.0, options: KernelOptions = DEFAULT,
+    dropout_p: float = 0.0, options: KernelOptions = DEFAULT, width: int | None = None,
 ) -> BackwardPlan:
     """Builds the launches for one backward problem.
 
@@ -46,18 +46,26 @@ def plan_backward(
     dsum/dq_accum workspaces, are ``(nheads, total_q[, d])``, and dq/dk/dv must be contiguous: their rows past the
     last sequence are zeroed). The scale may be negative here: the backward has no
     running maximum, P = exp(scale * s - lse) is exact for any sign. ``options``: the kernel choices (the Hopper
-    dK/dV kernel or not).
+    dK/dV kernel or not). ``width`` (padded calls): run the Hopper dK/dV kernel at this wider head dim where it takes
+    the call, on arrays of the call's own: its TMA copies read zeros past it, its dQ accumulator rows are the wider
+    kernel's, and it writes dK and dV columns of the arrays' head dim only.
     """
     mask, mods, left, right = kernel_variant(causal, window_size, softcap, alibi_batch_stride is not None, dropout_p)
     batch, seqlen_q, nheads, headdim = q_shape
     seqlen_k, nheads_kv = k_shape[1], k_shape[2]
     shapes = dict(zip(("q", "k", "v", "dout"), tensor_maps.array_shapes(q_shape, k_shape, varlen_totals)))
-    rows = configs.kernel_rows(arch, headdim, dtype, mask, mods, varlen_totals is not None, seqlen_q,
-                               deterministic, options, dropout=dropout_p > 0)
+    # (strides TMA cannot take, say negative ones: the mma.sync backward, with cp.async)
+    tma = all(tensor_maps.usable(shapes[n], strides[n]) for n in shapes)
+    rows = None
+    if config is None and width is not None and width != headdim and tma and varlen_totals is None:
+        wide = configs.kernel_rows(arch, width, dtype, mask, mods, False, seqlen_q, deterministic, options,
+                                   dropout=dropout_p > 0)
+        rows = wide if isinstance(wide.backward, configs.HopperBwdConfig) else None
+    if rows is None:
+        rows = configs.kernel_rows(arch, headdim, dtype, mask, mods, varlen_totals is not None, seqlen_q,
+                                   deterministic, options, tma=tma, dropout=dropout_p > 0)
     config = config or rows.backward
-    if isinstance(config, configs.HopperBwdConfig) and not all(tensor_maps.usable(shapes[n], strides[n])
-                                                               for n in shapes):
-        # (strides TMA cannot take, say negative ones: the mma.sync backward, with cp.async)
+    if isinstance(config, configs.HopperBwdConfig) and not tma:  # (a config given for tuning)
         rows = configs.kernel_rows(arch, headdim, dtype, mask, mods, varlen_totals is not None, seqlen_q,
                                    deterministic, options, tma=False, dropout=dropout_p > 0)
         config = rows.backward
@@ -66,7 +74,8 @@ def plan_backward(
     total_q, total_k = varlen_totals or (0, 0)
     stats = (0, total_q) if varlen_totals else (nheads * seqlen_q, seqlen_q)
     threshold, keep_scale = dropout_scalars(dropout_p)
-    dq_pitch = config.dq_pitch(headdim)  # the fp32 dQ accumulator's floats per row, as the main kernel adds them
+    # the fp32 dQ accumulator's floats per row, as the main kernel adds them (at its head dim, which may be wider)
+    dq_pitch = config.dq_pitch(config.headdim if hopper else headdim)
     fields = {}
     for prefix, name in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "out"), ("do", "dout"), ("dq", "dq"), ("dk", "dk"),
                          ("dv", "dv")):

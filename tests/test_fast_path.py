@@ -341,8 +341,7 @@ def test_varlen_adapt_pads_v_to_the_kernels_head_dim(monkeypatch):
 
 def _choose(kind, check_options, arch=90, options=None, d=96, sq=512, extra=()):
     """The head dim the kernels run at after ``kind.choose`` for a padded call of head dim ``d`` (q, k, v, and the
-    backward's dout, out and lse), NumPy infos: the forward reads its arrays unpadded (``kernel_width``), the
-    backward's are padded (``padded``)."""
+    backward's dout, out and lse), NumPy infos: padded calls read their arrays unpadded (``kernel_width``)."""
     from fa2cupy import KernelOptions
 
     x = {"q": np.ones((2, sq, 4, d), np.float16), "k": np.ones((2, sq, 2, d), np.float16),
@@ -353,7 +352,7 @@ def _choose(kind, check_options, arch=90, options=None, d=96, sq=512, extra=()):
     call = kind.check(infos, check_options, (1, 0))
     kind.choose(call, infos, arch, options or KernelOptions())
     if call.kernel_width is not None:
-        assert kind is attention.FORWARD and call.padded == d and call.kernel_width > d
+        assert call.padded == d and call.kernel_width > d
     return call.kernel_width or call.padded
 
 

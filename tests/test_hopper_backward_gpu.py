@@ -349,3 +349,30 @@ def test_modifier_rows_match_reference_varlen(case):
     _hopper_gpu()
     note(repr(case))
     run_varlen_case(case)
+
+
+# ---------------------------------------------------------------------------------- head dims between the widths
+
+
+@pytest.mark.parametrize("d, width", [(80, 128), (96, 128), (160, 192), (224, 256), (40, 64)])
+def test_padded_head_dims_run_the_wider_kernels_on_unpadded_arrays(d, width):
+    """A head dim without a Hopper row plans the Hopper forward and dK/dV kernel of the next width on the arrays as
+    they are (their tensor maps span d columns; the dQ accumulator is the wider kernel's), and the results match the
+    reference: GQA with several heads a row, so that a column written past d would land in the next head's, with
+    poisoned outputs, both masks, deterministic or not, and transposed (strided) inputs."""
+    _hopper_gpu()
+    from fa2cupy import backward, configs, forward
+
+    names = ("q", "k", "v", "dout", "out", "dq", "dk", "dv")
+    strides = dict.fromkeys(names, (300 * 4 * d, 4 * d, d, 1))
+    plan = backward.plan_backward((1, 300, 4, d), (1, 300, 4, d), strides, "bfloat16", 0.1, True, False, 90,
+                                  width=width)
+    assert plan.config is configs.BACKWARD_HOPPER_TABLE[width] and plan.dq_accum_shape == (1, 4, 300, width + 4)
+    assert tuple(plan.tensor_maps._arrays[0][0]) == (d, 4, 300, 1)  # (the map spans the array's d columns)
+    fplan = forward.plan_forward((1, 300, 4, d), (1, 300, 4, d), tuple(strides[n] for n in ("q", "k", "v", "out")),
+                                 "bfloat16", 0.1, False, 90, width=width)
+    assert fplan.config is configs.FORWARD_HOPPER_TABLE[width]
+    for causal, det, transposed in ((True, False, False), (False, True, True), (True, True, False)):
+        run_case(dict(batch=2, seqlen_q=333, seqlen_k=290, nheads=6, nheads_kv=2, headdim=d, causal=causal,
+                      window_size=(-1, -1), dtype="bfloat16", softmax_scale=None, deterministic=det,
+                      transposed=transposed, seed=d + 7 * causal + det))

@@ -170,7 +170,7 @@ FA2_DEVICE void scores_to_ds_mods(float (&st)[1][Tr::kBlockM / 8][4], float (&dp
 }
 
 // dK and dV, staged in the K and V tiles, out to dk and dv: each 16-byte chunk of the rows these threads staged
-// (sync_tid of the consumers that met), rows of the sequence only.
+// (sync_tid of the consumers that met), rows of the sequence and columns of the arrays' head dim only.
 template <class Tr>
 FA2_DEVICE void write_out_dk_dv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs& args, const int& wg,
                                 const int& sync_tid, const int& batch, const int& kv_head, const int& key0,
@@ -185,7 +185,7 @@ FA2_DEVICE void write_out_dk_dv(const HopperBwdSmem<Tr>& smem, const HopperBwdAr
     const int row0 = Tr::kDqByKeys ? 64 * wg : 0;
     for (int idx = sync_tid; idx < kSyncRows * kChunksPerRow; idx += kSyncThreads) {
         const int r = row0 + idx / kChunksPerRow, c = (idx % kChunksPerRow) * 8;
-        if (key0 + r < args.seqlen_k) {
+        if (key0 + r < args.seqlen_k && c < args.headdim) {
             u32 chunk[4];
             ld_shared_v4(KVTile::at(smem.k, r, c), chunk);
             st_global_v4(dk_rows + (i64)(k_start + key0 + r) * args.dk_row_stride + c, chunk);

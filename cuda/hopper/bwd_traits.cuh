@@ -215,6 +215,9 @@ struct HopperBwdArgs {
     float softcap;
     const float* alibi_slopes;
     int alibi_batch_stride;
+    // The arrays' head dim: kHeadDim, or less where the kernel runs wider than the arrays (padded calls: TMA reads
+    // zeros past it), and dK and dV have no columns past it to write.
+    int headdim;
 };
 
 // A block's steps: every query head of its group in turn, each over the query tiles with a row that sees one of the
