@@ -176,7 +176,8 @@ def attention_ref(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1
 
 
 def attention_ref_backward(dout, q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                           alibi_slopes=None, out=None, dropout_p=0.0, dropout_mask=None, lse=None):
+                           alibi_slopes=None, out=None, dropout_p=0.0, dropout_mask=None, lse=None,
+                           with_magnitudes=False):
     """Analytic float64 gradients of :func:`attention_ref`'s output.
 
     With ``P = softmax(scale * Q K^T)`` and ``O = P V``:
@@ -196,9 +197,14 @@ def attention_ref_backward(dout, q, k, v, softmax_scale=None, causal=False, wind
         lse: optional ``(batch, nheads, seqlen_q)`` log-sum-exp to form ``P = exp(S - lse)`` from, as the kernels'
             backward does, instead of the softmax over these keys: with the lse (and ``out``) of attention over a
             larger key set, these are that attention's gradients restricted to these keys (ring attention's blocks).
+        with_magnitudes: also return the magnitudes of the sums the gradients are: ``scale * |dS| |K|``,
+            ``scale * |dS|^T |Q|`` and ``|P|^T |dO|`` (summed over a group's heads like the gradients). A kernel that
+            rounds dS and P to the input dtype before those products errs by up to the unit roundoff times these,
+            which can exceed the gradients themselves many times over where their terms cancel (say one query
+            row over many keys at a small head dim).
 
     Returns:
-        (dq, dk, dv) float64 with the shapes of q, k and v.
+        (dq, dk, dv) float64 with the shapes of q, k and v; with ``with_magnitudes``, ``(dq, dk, dv, (mq, mk, mv))``.
     """
     q, k, v, scale, group = _prepare(q, k, v, softmax_scale)
     dout = _as_f64(dout, "dout")
@@ -211,6 +217,7 @@ def attention_ref_backward(dout, q, k, v, softmax_scale=None, causal=False, wind
     dq = np.empty_like(q)
     dk = np.empty_like(k)
     dv = np.empty_like(v)
+    mags = (np.empty_like(q), np.empty_like(k), np.empty_like(v)) if with_magnitudes else None
     for bi in range(b):
         kb = np.repeat(k[bi], group, axis=1)
         vb = np.repeat(v[bi], group, axis=1)
@@ -231,7 +238,12 @@ def attention_ref_backward(dout, q, k, v, softmax_scale=None, causal=False, wind
         # Sum the repeated heads back onto their kv head: query head h = g*group + r.
         dk[bi] = dkb.reshape(sk, hkv, group, d).sum(axis=2)
         dv[bi] = dvb.reshape(sk, hkv, group, v.shape[3]).sum(axis=2)
-    return dq, dk, dv
+        if mags is not None:
+            ads = np.abs(ds)
+            mags[0][bi] = abs(scale) * np.einsum("hqk,khd->qhd", ads, np.abs(kb))
+            mags[1][bi] = (abs(scale) * np.einsum("hqk,qhd->khd", ads, np.abs(q[bi]))).reshape(sk, hkv, group, d).sum(2)
+            mags[2][bi] = np.einsum("hqk,qhd->khd", np.abs(pd), np.abs(do)).reshape(sk, hkv, group, -1).sum(axis=2)
+    return (dq, dk, dv, mags) if with_magnitudes else (dq, dk, dv)
 
 
 def attention_probs_ref(q, k, softmax_scale=None, causal=False, window_size=(-1, -1)):
@@ -277,15 +289,17 @@ def attention_ref_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None
 
 
 def attention_ref_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None, causal=False,
-                                  window_size=(-1, -1), softcap=0.0, alibi_slopes=None, out=None, lse=None):
+                                  window_size=(-1, -1), softcap=0.0, alibi_slopes=None, out=None, lse=None,
+                                  with_magnitudes=False):
     """:func:`attention_ref_backward` over packed sequences (see :func:`attention_ref_varlen`; ``out`` packed like
-    q, ``lse`` ``(nheads, total_q)``); rows outside every sequence get zero gradients."""
+    q, ``lse`` ``(nheads, total_q)``); rows outside every sequence get zero gradients (and magnitudes)."""
     q, k, v, dout = _as_f64(q, "q"), _as_f64(k, "k"), _as_f64(v, "v"), _as_f64(dout, "dout")
     cu_q = _check_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
     cu_k = _check_cu_seqlens(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
     batch = cu_q.size - 1
     slopes = _alibi_slopes(alibi_slopes, batch, q.shape[1])
     dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+    mags = (np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)) if with_magnitudes else None
     for bi in range(batch):
         qs, ks = slice(cu_q[bi], cu_q[bi + 1]), slice(cu_k[bi], cu_k[bi + 1])
         if cu_q[bi] == cu_q[bi + 1] or cu_k[bi] == cu_k[bi + 1]:
@@ -293,9 +307,12 @@ def attention_ref_varlen_backward(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, sof
         g = attention_ref_backward(dout[None, qs], q[None, qs], k[None, ks], v[None, ks], softmax_scale, causal,
                                    window_size, softcap, None if slopes is None else slopes[bi : bi + 1],
                                    None if out is None else _as_f64(out, "out")[None, qs],
-                                   lse=None if lse is None else _as_f64(lse, "lse")[None, :, qs])
+                                   lse=None if lse is None else _as_f64(lse, "lse")[None, :, qs],
+                                   with_magnitudes=with_magnitudes)
         dq[qs], dk[ks], dv[ks] = g[0][0], g[1][0], g[2][0]
-    return dq, dk, dv
+        if mags is not None:
+            mags[0][qs], mags[1][ks], mags[2][ks] = (m[0] for m in g[3])
+    return (dq, dk, dv, mags) if with_magnitudes else (dq, dk, dv)
 
 
 def apply_rotary_ref(x, cos, sin, positions, interleaved=True):

@@ -294,6 +294,31 @@ def test_varlen_reference_is_per_sequence():
     assert np.all(dq[8] == 0) and np.all(dk[8] == 0)
 
 
+@pytest.mark.parametrize("softcap", [0.0, 2.0])
+def test_magnitudes_bound_the_gradients(softcap):
+    """with_magnitudes: scale |dS| |K|, scale |dS|^T |Q| and |P|^T |dO| (GQA-summed) are at least the gradients'
+    magnitudes and equal them where no term is negative; the same gradients come with them; varlen per sequence."""
+    from fa2cupy.reference import attention_ref_varlen_backward
+
+    rng = np.random.default_rng(3)
+    q, dout = _rand(rng, 2, 5, 4, 3), _rand(rng, 2, 5, 4, 3)
+    k, v = _rand(rng, 2, 7, 2, 3), _rand(rng, 2, 7, 2, 3)
+    kw = dict(softmax_scale=-0.7, causal=True, softcap=softcap)
+    *grads, mags = attention_ref_backward(dout, q, k, v, with_magnitudes=True, **kw)
+    for g, want, m in zip(grads, attention_ref_backward(dout, q, k, v, **kw), mags):
+        np.testing.assert_array_equal(g, want)
+        assert m.shape == g.shape and np.all(m >= np.abs(g) - 1e-12) and np.any(m > np.abs(g) + 1e-6)
+    # all-positive v and dout: P^T dO has no negative term, its magnitude is dv itself
+    _, _, dv, (_, _, mv) = attention_ref_backward(np.abs(dout), q, k, np.abs(v), with_magnitudes=True, **kw)
+    np.testing.assert_allclose(mv, dv, rtol=1e-12)
+    cu = np.array([0, 2, 5])
+    *_, (mq, mk, mv) = attention_ref_varlen_backward(dout[0], q[0], k[0, :5], v[0, :5], cu, cu,
+                                                     with_magnitudes=True, **kw)
+    *_, (pq, _, _) = attention_ref_backward(dout[:1, 2:5], q[:1, 2:5], k[:1, 2:5], v[:1, 2:5], with_magnitudes=True,
+                                            **kw)
+    np.testing.assert_allclose(mq[2:5], pq[0])
+
+
 @pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (3, 1))])
 def test_probabilities_make_the_output(causal, window):
     from fa2cupy.reference import attention_probs_ref
