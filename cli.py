@@ -291,7 +291,7 @@ def tile_table_text(arch: int | None) -> str:
             width = configs.padded_call_width(arch, d, "bfloat16", backward, mask, seqlen_q=seqlen_q)
             chosen = configs.kernel_rows(arch, width, "bfloat16", mask, seqlen_q=seqlen_q)
             kernel, tile = _row_text(chosen.backward if backward else chosen.forward)
-            return [kernel + (f", padded to {width}" if width != d else ""), tile]
+            return [kernel + (f", at width {width}" if width != d else ""), tile]
 
         rows = []
         for d in configs.HEADDIMS:
@@ -312,8 +312,8 @@ def tile_table_text(arch: int | None) -> str:
         return f"kernel table unavailable for sm_{arch} ({B._first_line(exc)})"
     hopper = arch == 90
     return (f"kernels for sm_{arch} (float16 and bfloat16 alike; a head dim runs on the next width of the table"
-            + (", zero-padded to a Hopper width from "
-               f"{configs.HOPPER_PAD_MIN_HEADDIM} on where the Hopper kernels take the call" if hopper else "")
+            + (f", from {configs.HOPPER_PAD_MIN_HEADDIM} on at the next Hopper width where the Hopper kernels take "
+               "the call" if hopper else "")
             + f"):\n{table}\n"
             + (f"Softcap and ALiBi run on the Hopper rows above: the forward's at d = "
                f"{_dims(configs.HOPPER_MODS_HEADDIMS)} (padded calls only at "

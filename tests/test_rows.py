@@ -41,7 +41,7 @@ def test_info_shows_the_hopper_rows_that_run_on_sm90():
         assert rows[(d, f"yes, seqlen_q < {shortest}")][0] == "mma.sync"  # short causal calls: the mma.sync forward
     assert rows[(32, "no")][0] == rows[(32, "yes")][0] == "mma.sync"  # below HOPPER_PAD_MIN_HEADDIM
     for d, width in ((96, 128), (160, 192), (224, 256)):  # the Hopper kernels at the next width, arrays zero-padded
-        assert rows[(d, "no")][0] == rows[(d, "no")][2] == f"hopper (wgmma), padded to {width}"
+        assert rows[(d, "no")][0] == rows[(d, "no")][2] == f"hopper (wgmma), at width {width}"
         assert rows[(d, f"yes, seqlen_q < {configs.HOPPER_MASKED_MIN_SEQLEN[width]}")][0] == "mma.sync"
     assert {d for d, _ in rows} == set(configs.HEADDIMS)
 
@@ -60,7 +60,7 @@ def test_info_rows_are_the_rows_the_planners_choose(arch):
         for (kernel, _), width in zip(want, widths):
             assert width == d or (arch == 90 and kernel.startswith("hopper"))
         assert (fwd, fwd_tile, bwd, bwd_tile) == tuple(
-            text + (f", padded to {w}" if i == 0 and w != d else "") for (row, w) in zip(want, widths)
+            text + (f", at width {w}" if i == 0 and w != d else "") for (row, w) in zip(want, widths)
             for i, text in enumerate(row))
         assert f"{forward.block_m}x{forward.block_n}" in fwd_tile
     assert all(kernel == "mma.sync" for fwd, _, bwd, _ in rows.values() for kernel in (fwd, bwd)) == (arch != 90)
