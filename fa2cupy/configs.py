@@ -288,7 +288,8 @@ class HopperBwdConfig:
 
 
 #: The Hopper backward's dK/dV kernel, by head dim: used on compute capability 9.0 for padded and varlen calls
-#: without score modifiers, deterministic or not; every other case runs BACKWARD_TABLE's mma.sync kernels.
+#: deterministic or not, with softcap and ALiBi at HOPPER_BWD_MODS_HEADDIMS, never with dropout; every other case
+#: runs BACKWARD_TABLE's mma.sync kernels.
 #: Head dim 64 takes 128 query rows per step (the per-step waits and hand-offs over twice the work) and splits dQ_i
 #: by keys (by columns each warpgroup's 32 would be half a swizzled slab), the two partial sums added in shared
 #: memory before the one reduction per row (docs/design.md). The wide head dims, 192 and 256, take 64 keys per
@@ -624,8 +625,8 @@ HOPPER_PAD_MIN_HEADDIM = 40
 
 
 def hopper_pad_width(arch: int, headdim: int, pad: bool | None = None) -> int | None:
-    """The Hopper width a call of kernels' head dim ``headdim`` (a multiple of 8) runs at with its arrays
-    zero-padded, or None where it runs at its own width (a width with a Hopper row, another GPU, a head dim below
+    """The Hopper width a call of kernels' head dim ``headdim`` (a multiple of 8) runs at, wider than its arrays
+    (padded calls read them unpadded, varlen calls zero-pad them), or None where it runs at its own width (a width with a Hopper row, another GPU, a head dim below
     HOPPER_PAD_MIN_HEADDIM unless ``pad`` is True, or ``pad`` False). Whether the Hopper kernel at that width takes
     the call is the caller's question (kernel_rows)."""
     if arch != 90 or headdim in FORWARD_HOPPER_TABLE or pad is False:

@@ -18,7 +18,7 @@
 // slab: each its own 64 keys over all columns, the two partial sums added in shared memory). Padded and varlen
 // calls without score modifiers, head dims 64 and 128, and 192 and 256 on 64-key blocks (hopper/bwd_consumer_wide.cuh:
 // the warpgroups split the products by role, dV on one and dK on the other); softcap and ALiBi at head dims 64 and
-// 128 (padded) on opt-in rows (HopperBwdTraits' Mods); the rest runs bwd_dkdv.
+// 128 (128 padded only) on the modifier rows (HopperBwdTraits' Mods); the rest runs bwd_dkdv.
 //
 // The kernel assembles its parts: the traits and shared-memory layout (hopper/bwd_traits.cuh), the producer
 // (hopper/bwd_producer.cuh) and the consumers (hopper/bwd_consumer.cuh).
