@@ -287,25 +287,27 @@ def tile_table_text(arch: int | None) -> str:
     try:
         from fa2cupy import configs  # noqa: PLC0415
 
-        def row(d, mask, backward, seqlen_q=None):
+        def chosen(d, mask, backward, seqlen_q=None):
+            """(the row, its text): the kernel and tile the planners pick, and the width if wider than d."""
             width = configs.padded_call_width(arch, d, "bfloat16", backward, mask, seqlen_q=seqlen_q)
-            chosen = configs.kernel_rows(arch, width, "bfloat16", mask, seqlen_q=seqlen_q)
-            kernel, tile = _row_text(chosen.backward if backward else chosen.forward)
-            return [kernel + (f", at width {width}" if width != d else ""), tile]
+            rows = configs.kernel_rows(arch, width, "bfloat16", mask, seqlen_q=seqlen_q)
+            config = rows.backward if backward else rows.forward
+            kernel, tile = _row_text(config)
+            return config, [kernel + (f", at width {width}" if width != d else ""), tile]
 
         rows = []
         for d in configs.HEADDIMS:
             for causal in (False, True):
                 mask = "causal" if causal else "none"
-                forward = configs.kernel_rows(arch, configs.padded_call_width(arch, d, "bfloat16", False, mask),
-                                              "bfloat16", mask).forward
-                shortest = configs.HOPPER_MASKED_MIN_SEQLEN.get(getattr(forward, "headdim", d), 0)
+                forward, forward_text = chosen(d, mask, False)
+                _, backward_text = chosen(d, mask, True)
+                shortest = configs.HOPPER_MASKED_MIN_SEQLEN.get(forward.headdim, 0)
                 hopper_from = causal and isinstance(forward, configs.HopperFwdConfig) and shortest
                 rows.append([d, f"yes, seqlen_q >= {shortest}" if hopper_from else "yes" if causal else "no",
-                             *row(d, mask, False), *row(d, mask, True)])
+                             *forward_text, *backward_text])
                 if hopper_from:  # shorter masked calls: the mma.sync forward
-                    rows.append([d, f"yes, seqlen_q < {shortest}", *row(d, mask, False, shortest - 1),
-                                 *row(d, mask, True)])
+                    rows.append([d, f"yes, seqlen_q < {shortest}", *chosen(d, mask, False, shortest - 1)[1],
+                                 *backward_text])
         table = B.format_table(("headdim", "causal", "forward", "forward tile (rows x keys)", "backward",
                                 "backward tile (rows x keys)"), rows, "rlllll")
     except Exception as exc:
