@@ -12,7 +12,8 @@ window relative to each), and merges each call's ``(out, lse)`` into float32 acc
 Backward, with the forward's merged ``out`` and ``lse`` (what every block's gradient needs: P = exp(S - lse),
 D = rowsum(dO * O)): the K/V slices go round again, and with each travels a float32 accumulator of its dK, dV; a
 rank adds its blocks' contributions to the accumulator in hand and sends it on, so that after W steps and one more
-hop each accumulator is back at its slice's rank, complete. dQ stays local. The order of every sum is fixed, so
+hop each accumulator is back at its slice's rank, complete (that hop, after the last kernels, carries the sums
+already rounded to the inputs' dtype: half the bytes of float32). dQ stays local. The order of every sum is fixed, so
 ``deterministic=True`` (deterministic kernels) is bit-for-bit repeatable.
 
 Only the K/V heads travel (GQA: nheads_kv of them), and nothing is copied beyond the buffers in flight. Packed
@@ -244,6 +245,10 @@ def _backward(dout, q, k, v, out, lse, ring: Ring, settings: Settings, kernels):
             _accumulate(dk, ax, start, stop, dk_part, fresh)
             _accumulate(dv, ax, start, stop, dv_part, fresh)
         if ring.world > 1:
+            if step + 1 == ring.world:
+                # the last hop carries complete sums, rounded to the output's dtype on arrival anyway: sent so
+                # rounded, it moves half the bytes for the same result
+                dk, dv = dk.to(k.dtype), dv.to(v.dtype)
             arriving = (torch.empty_like(dk), torch.empty_like(dv))
             held = (*arriving, ring.shift([dk, dv], list(arriving)))
         else:
