@@ -199,8 +199,9 @@ def run_case(c, repeat=True):
         assert isinstance(x, cp.ndarray) and x.shape == like.shape and x.dtype == like.dtype
     ref, g1, bounds = check_gradients(dout, q, k, v, out, grads, c["softmax_scale"], c["causal"], dtype,
                                       window_size=window)
-    if repeat:
-        again = fa.flash_attn_backward(dout, q, k, v, out, lse, deterministic=c["deterministic"], **kw)
+    if repeat:  # (under the same options: another kernel need not match the first bit for bit)
+        with kernel_options(hopper_pad_headdim=c.get("hopper_pad")):
+            again = fa.flash_attn_backward(dout, q, k, v, out, lse, deterministic=c["deterministic"], **kw)
         for name, x, y, tol in zip("qkv", grads, again, bounds):
             if c["deterministic"]:
                 assert cp.array_equal(x.view(cp.uint16), y.view(cp.uint16)), f"d{name} differs between two runs"

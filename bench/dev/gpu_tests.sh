@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every `-m gpu` test under tests/ in seven pytest processes side by side on one GPU: the float64 references are
 # CPU work, so the suite (over 15 min in one process) takes 4-6 min this way on an H200, and it fits a device call
-# beside the benchmark. The Hopper wide head dims' tests have a process of their own, so that a fault there leaves
-# the other groups' CUDA context alone. Each group's log is printed in turn; exit 1 if any failed.
+# beside the benchmark. The Hopper backward's and wide head dims' tests have processes of their own, so that a
+# fault there leaves the other groups' CUDA context alone. Each group's log is printed in turn; exit 1 if any failed.
 #
 #   bash bench/dev/gpu_tests.sh        # LIMIT=seconds per process (default 360), PYTHON=interpreter
 #
@@ -18,8 +18,8 @@ groups=(
   "tests/test_hopper_forward_gpu.py tests/test_paged_varlen_gpu.py tests/test_forward_gpu.py tests/test_benchmark.py tests/test_cli.py"
   "tests/test_torch.py tests/test_jax.py tests/test_packed.py tests/test_varlen_mods_gpu.py"
   "tests/test_hopper_forward_wide_gpu.py tests/test_hopper_backward_wide_gpu.py"
-  "tests/test_transformers_gpu.py tests/test_torch_sdpa_gpu.py"
-  "tests/test_hopper_backward_gpu.py tests/test_headdim_v_gpu.py"
+  "tests/test_transformers_gpu.py tests/test_torch_sdpa_gpu.py tests/test_headdim_v_gpu.py"
+  "tests/test_hopper_backward_gpu.py"
 )
 rest=(tests/)
 for group in "${groups[@]}"; do for f in $group; do rest+=("--ignore=$f"); done; done
