@@ -34,14 +34,13 @@ class _AttentionCall(pipeline.Call):
     alibi_stride: int | None = None  # the slopes' batch stride in elements (None: no ALiBi), found by adapt
     paged: tuple | None = None  # paged K/V: (num_pages, page_size, max_pages), found by adapt
     per_call_values: bool = False  # dropout seed and offset given per call (not in an rng state array)
-    width: int | None = None  # a Hopper kernel's width the arrays are zero-padded to (the kind's choose), or None
-    kernel_width: int | None = None  # a Hopper kernel's width the arrays are read at by TMA, zeros past their own
+    kernel_width: int | None = None  # a wider Hopper kernel's width (the kind's choose) the arrays run at as they are
 
     @property
     def padded(self) -> int:
-        """The head dim the kernels run on: q's and v's, the larger, padded to a multiple of 8 (the narrower
-        arrays padded with zeros to it), or the wider Hopper width that choose picked."""
-        return self.width or padded_headdim(max(self.shape.headdim, self.shape.dv))
+        """The head dim the arrays are made ready at: q's and v's, the larger, padded to a multiple of 8 (the
+        narrower arrays padded with zeros to it). A wider Hopper kernel may run on them (kernel_width)."""
+        return padded_headdim(max(self.shape.headdim, self.shape.dv))
 
     def dims(self, name: str) -> tuple:
         """(head dim, kernels' head dim) of the array ``name``: v's for v, dout and out, q's for q and k."""
@@ -119,20 +118,11 @@ class _Attention(pipeline.Kind):
                                           call.totals is not None, call.shape.seqlen_q, call.deterministic, options,
                                           dropout=call.dropout_p > 0)
         if width != call.padded:
-            self._widen(call, width)
+            # The Hopper kernels read the arrays as they are: TMA copies read zeros past their head dim, and a
+            # varlen call's ragged tiles (cp.async) stop at it; no output column past it is written.
+            call.kernel_width = width
 
     is_backward = False  # (for choose)
-
-    @staticmethod
-    def _widen(call, width):
-        """Runs ``call`` at the wider Hopper ``width``. A padded call reads its arrays as they are: the Hopper
-        kernels copy its tiles by TMA, which reads zeros past the head dim, and write no output column past it
-        (forward.plan_forward's and backward.plan_backward's ``width``). A varlen call's ragged tiles go by cp.async,
-        which copies whole rows: its arrays are zero-padded to the width by adapt."""
-        if call.totals is None:
-            call.kernel_width = width
-        else:
-            call.width = width
 
     def results(self, call, outs, views):
         n, s = len(self.head_dim_outputs), call.shape

@@ -46,9 +46,10 @@ def plan_backward(
     dsum/dq_accum workspaces, are ``(nheads, total_q[, d])``, and dq/dk/dv must be contiguous: their rows past the
     last sequence are zeroed). The scale may be negative here: the backward has no
     running maximum, P = exp(scale * s - lse) is exact for any sign. ``options``: the kernel choices (the Hopper
-    dK/dV kernel or not). ``width`` (padded calls): run the Hopper dK/dV kernel at this wider head dim where it takes
-    the call, on arrays of the call's own: its TMA copies read zeros past it, its dQ accumulator rows are the wider
-    kernel's, and it writes dK and dV columns of the arrays' head dim only.
+    dK/dV kernel or not). ``width``: run the Hopper dK/dV kernel at this wider head dim where it takes the call, on
+    arrays of the call's own: its copies read zeros past it (a varlen call's ragged tiles stop at
+    ``BwdParams.headdim``), its dQ accumulator rows are the wider kernel's, and it writes dK and dV columns of the
+    arrays' head dim only.
     """
     mask, mods, left, right = kernel_variant(causal, window_size, softcap, alibi_batch_stride is not None, dropout_p)
     batch, seqlen_q, nheads, headdim = q_shape
@@ -57,9 +58,9 @@ def plan_backward(
     # (strides TMA cannot take, say negative ones: the mma.sync backward, with cp.async)
     tma = all(tensor_maps.usable(shapes[n], strides[n]) for n in shapes)
     rows = None
-    if config is None and width is not None and width != headdim and tma and varlen_totals is None:
-        wide = configs.kernel_rows(arch, width, dtype, mask, mods, False, seqlen_q, deterministic, options,
-                                   dropout=dropout_p > 0)
+    if config is None and width is not None and width != headdim and tma:
+        wide = configs.kernel_rows(arch, width, dtype, mask, mods, varlen_totals is not None, seqlen_q, deterministic,
+                                   options, dropout=dropout_p > 0)
         rows = wide if isinstance(wide.backward, configs.HopperBwdConfig) else None
     if rows is None:
         rows = configs.kernel_rows(arch, headdim, dtype, mask, mods, varlen_totals is not None, seqlen_q,

@@ -617,18 +617,17 @@ def hopper_forward_config(arch: int, headdim: int, dtype: str, dropout: bool = F
 
 #: On compute capability 9.0 a head dim without a Hopper row (FORWARD_HOPPER_TABLE, BACKWARD_HOPPER_TABLE) runs on
 #: the Hopper kernels at the next width up from this head dim on (KernelOptions.hopper_pad_headdim overrides it):
-#: padded calls' arrays are read as they are (TMA reads zeros past the head dim), varlen calls' are zero-padded to
-#: that width (exact: zero columns add nothing to a score, and the output's extra columns are sliced away). It pays
-#: the wider tiles' work: H200, 16k tokens, 1.8-2.4x the mma.sync forward and 1.8-3.2x its backward at 80-224. Below
-#: 40 the work doubles (32 -> 64).
+#: the arrays are read as they are (zeros past their head dim: exact, as zero columns add nothing to a score, and no
+#: output column past it is written). It pays the wider tiles' work: H200, 16k tokens, 1.8-2.4x the mma.sync
+#: forward and 1.8-3.2x its backward at 80-224. Below 40 the work doubles (32 -> 64).
 HOPPER_PAD_MIN_HEADDIM = 40
 
 
 def hopper_pad_width(arch: int, headdim: int, pad: bool | None = None) -> int | None:
     """The Hopper width a call of kernels' head dim ``headdim`` (a multiple of 8) runs at, wider than its arrays
-    (padded calls read them unpadded, varlen calls zero-pad them), or None where it runs at its own width (a width with a Hopper row, another GPU, a head dim below
-    HOPPER_PAD_MIN_HEADDIM unless ``pad`` is True, or ``pad`` False). Whether the Hopper kernel at that width takes
-    the call is the caller's question (kernel_rows)."""
+    (read as they are), or None where it runs at its own width (a width with a Hopper row, another GPU, a head dim
+    below HOPPER_PAD_MIN_HEADDIM unless ``pad`` is True, or ``pad`` False). Whether the Hopper kernel at that width
+    takes the call is the caller's question (kernel_rows)."""
     if arch != 90 or headdim in FORWARD_HOPPER_TABLE or pad is False:
         return None
     if pad is None and headdim < HOPPER_PAD_MIN_HEADDIM:

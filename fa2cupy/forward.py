@@ -128,9 +128,9 @@ def plan_forward(
     takes a block_table pointer (int32 ``(batch, max_pages)``), and key ``j`` of sequence ``b`` is row
     ``j % page_size`` of page ``block_table[b, j // page_size]``; ``k_shape[1]`` is then max_seqlen_k.
     ``options``: the kernel choices (the Hopper forward or not, its tile counter and L2 grouping).
-    ``width`` (padded calls): run the Hopper forward at this wider head dim where it takes the call, on arrays of
-    head dim ``d``: its TMA copies read zeros past ``d`` and write no output column past it (the tensor maps span
-    ``d`` columns); elsewhere the kernels run at ``d``.
+    ``width`` (not paged): run the Hopper forward at this wider head dim where it takes the call, on arrays of
+    head dim ``d``: its copies read zeros past ``d`` and it writes no output column past it (the tensor maps span
+    ``d`` columns; a varlen call's ragged tiles stop at ``FwdParams.headdim``); elsewhere the kernels run at ``d``.
     """
     batch, seqlen_q, nheads, headdim = q_shape
     seqlen_k, nheads_kv = k_shape[1], k_shape[2]
@@ -142,8 +142,9 @@ def plan_forward(
     mapped = (True, paged is None, paged is None, True)
     # (strides TMA cannot take, say negative ones: the mma.sync forward, which copies with cp.async)
     tma = all(tensor_maps.usable(shape, s) for shape, s, m in zip(shapes, strides, mapped) if m)
-    if config is None and width is not None and width != headdim and tma and varlen_totals is None:
-        wide = kernel_config(arch, width, dtype, mask, mods, False, seqlen_q, options, dropout_p > 0)
+    if config is None and width is not None and width != headdim and tma and paged is None:
+        wide = kernel_config(arch, width, dtype, mask, mods, varlen_totals is not None, seqlen_q, options,
+                             dropout_p > 0)
         config = wide if isinstance(wide, configs.HopperFwdConfig) else None
     if config is None or (isinstance(config, configs.HopperFwdConfig) and not tma):
         config = configs.kernel_rows(arch, headdim, dtype, mask, mods, varlen_totals is not None, seqlen_q,

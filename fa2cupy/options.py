@@ -29,10 +29,9 @@ class KernelOptions:
         head dims (its modifier rows: 2x the mma.sync backward with softcap, 2x with ALiBi, H200); False runs those
         calls on the mma.sync backward.
     hopper_pad_headdim (None): on compute capability 9.0, run a head dim without a Hopper row (say 80, 96, 160) on
-        the Hopper kernels at the next width up that has one (True: padded calls' arrays read unpadded, varlen
-        calls' zero-padded to it), or on the mma.sync kernels at its own width (False); None: from
-        configs.HOPPER_PAD_MIN_HEADDIM on. Each call (forward, backward) goes wider only where the Hopper kernel at
-        that width takes it.
+        the Hopper kernels at the next width up that has one, on the arrays as they are (True), or on the mma.sync
+        kernels at its own width (False); None: from configs.HOPPER_PAD_MIN_HEADDIM on. Each call (forward,
+        backward) goes wider only where the Hopper kernel at that width takes it.
     hopper_masked_min_seqlen (None): causal and windowed forwards take the Hopper kernel from this many query rows
         on (below it the mma.sync kernel is faster); None is the tile table's per-head-dim length
         (configs.HOPPER_MASKED_MIN_SEQLEN), an int that length for every head dim (0: always Hopper).

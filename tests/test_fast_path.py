@@ -341,7 +341,7 @@ def test_varlen_adapt_pads_v_to_the_kernels_head_dim(monkeypatch):
 
 def _choose(kind, check_options, arch=90, options=None, d=96, sq=512, extra=()):
     """The head dim the kernels run at after ``kind.choose`` for a padded call of head dim ``d`` (q, k, v, and the
-    backward's dout, out and lse), NumPy infos: padded calls read their arrays unpadded (``kernel_width``)."""
+    backward's dout, out and lse), NumPy infos: the arrays are read as they are (``kernel_width``)."""
     from fa2cupy import KernelOptions
 
     x = {"q": np.ones((2, sq, 4, d), np.float16), "k": np.ones((2, sq, 2, d), np.float16),
@@ -385,13 +385,14 @@ def _bwd(causal=False, softcap=0.0, dropout_p=0.0, deterministic=False):
 ])
 def test_choose_pads_up_to_a_hopper_width(monkeypatch, kind, opts, kw, padded):
     """On sm_90 a head dim without a Hopper row runs at the next Hopper width up where the Hopper kernel there takes
-    the call (configs.hopper_pad_width, the kinds' choose), its arrays zero-padded by adapt."""
+    the call (configs.hopper_pad_width, the kinds' choose), on its arrays as they are."""
     monkeypatch.setattr(pipeline, "device_of", lambda info: 0)
     assert _choose(attention.FORWARD if kind == "fwd" else attention.BACKWARD, opts, **kw) == padded
 
 
-def test_varlen_forward_pads_its_arrays(monkeypatch):
-    """A varlen forward's ragged tiles go by cp.async (whole rows), so its arrays are padded to the Hopper width."""
+def test_varlen_forward_reads_its_arrays_as_they_are(monkeypatch):
+    """A varlen forward at a head dim between the Hopper widths runs the wider kernel on its own arrays (its ragged
+    tiles' copies stop at their head dim), never on padded copies; paged K/V keep their own width."""
     monkeypatch.setattr(pipeline, "device_of", lambda info: 0)
     x = {"q": np.ones((9, 4, 96), np.float16), "k": np.ones((11, 2, 96), np.float16),
          "v": np.ones((11, 2, 96), np.float16), "cu_seqlens_q": np.array([0, 4, 9], np.int32),
@@ -399,13 +400,13 @@ def test_varlen_forward_pads_its_arrays(monkeypatch):
     infos = {n: arrays.describe(a, n) for n, a in x.items()}
     call = attention.VARLEN_FORWARD.check(infos, (5, 6, 0.0, None, False, (-1, -1), 0.0, False, False), (None, 0))
     attention.VARLEN_FORWARD.choose(call, infos, 90, attention.configs.DEFAULT)
-    assert call.padded == 128 and call.kernel_width is None
+    assert call.padded == 96 and call.kernel_width == 128
     x.update(k=np.ones((3, 16, 2, 96), np.float16), v=np.ones((3, 16, 2, 96), np.float16),
              block_table=np.zeros((2, 1), np.int32))
     infos = {n: arrays.describe(a, n) for n, a in x.items()}
     call = attention.VARLEN_FORWARD.check(infos, (5, 6, 0.0, None, False, (-1, -1), 0.0, False, False), (None, 0))
     attention.VARLEN_FORWARD.choose(call, infos, 90, attention.configs.DEFAULT)
-    assert call.padded == 96  # paged K/V: the pages are used in place
+    assert call.padded == 96 and call.kernel_width is None  # paged K/V: the pages are used in place
 
 
 def test_choose_follows_the_option(monkeypatch):

@@ -376,3 +376,28 @@ def test_padded_head_dims_run_the_wider_kernels_on_unpadded_arrays(d, width):
         run_case(dict(batch=2, seqlen_q=333, seqlen_k=290, nheads=6, nheads_kv=2, headdim=d, causal=causal,
                       window_size=(-1, -1), dtype="bfloat16", softmax_scale=None, deterministic=det,
                       transposed=transposed, seed=d + 7 * causal + det))
+
+
+@pytest.mark.parametrize("d, width", [(80, 128), (96, 128), (160, 192), (224, 256), (40, 64)])
+def test_padded_head_dims_run_varlen_on_unpadded_arrays(d, width):
+    """Varlen at a head dim without a Hopper row: the wider kernels on the packed arrays as they are. Their ragged
+    tiles (a sequence's last, copied by cp.async) stop at d columns, the rest of the tile zero, and so do the ragged
+    output rows; whole tiles go by TMA over maps of d columns. Sequences whose lengths are no multiple of a tile,
+    rows past the last one, GQA with several heads a row (a column written past d lands in the next head's), both
+    masks, a window with softcap, deterministic or not."""
+    _hopper_gpu()
+    from fa2cupy import backward, configs, forward
+
+    names = ("q", "k", "v", "dout", "out", "dq", "dk", "dv")
+    strides = dict.fromkeys(names, (0, 4 * d, d, 1))
+    plan = backward.plan_backward((3, 300, 4, d), (3, 300, 4, d), strides, "bfloat16", 0.1, True, False, 90,
+                                  varlen_totals=(700, 700), width=width)
+    assert plan.config is configs.BACKWARD_HOPPER_TABLE[width] and plan.dq_accum_shape == (4, 700, width + 4)
+    fplan = forward.plan_forward((3, 300, 4, d), (3, 300, 4, d), tuple(strides[n] for n in ("q", "k", "v", "out")),
+                                 "bfloat16", 0.1, False, 90, varlen_totals=(700, 700), width=width)
+    assert fplan.config is configs.FORWARD_HOPPER_TABLE[width]
+    for causal, window, softcap, det in ((True, (-1, -1), 0.0, False), (False, (-1, -1), 0.0, True),
+                                         (False, (70, 20), 3.0, False)):
+        run_varlen_case(dict(lengths_q=[77, 300, 129], lengths_k=[77, 250, 200], nheads=6, nheads_kv=2, headdim=d,
+                             causal=causal, window_size=window, softcap=softcap, alibi=None, extra_rows=5, slack=3,
+                             dtype="bfloat16", deterministic=det, seed=d + 7 * causal + det))

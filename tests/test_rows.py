@@ -40,7 +40,7 @@ def test_info_shows_the_hopper_rows_that_run_on_sm90():
         assert rows[(d, f"yes, seqlen_q >= {shortest}")][0] == "hopper (wgmma)"
         assert rows[(d, f"yes, seqlen_q < {shortest}")][0] == "mma.sync"  # short causal calls: the mma.sync forward
     assert rows[(32, "no")][0] == rows[(32, "yes")][0] == "mma.sync"  # below HOPPER_PAD_MIN_HEADDIM
-    for d, width in ((96, 128), (160, 192), (224, 256)):  # the Hopper kernels at the next width, arrays zero-padded
+    for d, width in ((96, 128), (160, 192), (224, 256)):  # the Hopper kernels at the next width, on the arrays
         assert rows[(d, "no")][0] == rows[(d, "no")][2] == f"hopper (wgmma), at width {width}"
         assert rows[(d, f"yes, seqlen_q < {configs.HOPPER_MASKED_MIN_SEQLEN[width]}")][0] == "mma.sync"
     assert {d for d, _ in rows} == set(configs.HEADDIMS)

@@ -40,6 +40,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN;
     extern __shared__ unsigned char smem_raw[];
     const HopperBwdSmem<Tr> smem(smem_raw);
+    if constexpr (Tr::kVarlen && SlabLoader<Tr::kProducerThreads, Tr::kHeadDim>::kPasses == 1) {
+        // arrays narrower than the kernel: their columns past them in K, V, Q and dO zero (SlabLoader)
+        if (kernel_params.bwd.headdim < Tr::kHeadDim)
+            zero_shared(smem.k, 2 * Tr::KVTile::kBytes + 2 * Tr::kStages * Tr::QTile::kBytes);
+    }
     if (threadIdx.x == 0) {
         bwd_mark(0);  // the block's start
         smem.init_barriers();

@@ -23,9 +23,9 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
     constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kS = Tr::kStages, kLag = kS < 2 ? kS : 2;
     // Tiles into swizzled slabs (zeros from row `valid` on), each thread its chunks (SlabLoader).
     const int ptid = threadIdx.x - Tr::kConsumerThreads;
-    const SlabLoader<Tr::kProducerThreads, Tr::kHeadDim> loader(ptid);
+    const SlabLoader<Tr::kProducerThreads, Tr::kHeadDim> loader(ptid, args.headdim);
     const auto load_tile = [&](auto tile, u32 dst, const u16* src, int row_stride, int valid) {
-        loader.template load<decltype(tile)>(dst, src, row_stride, valid);
+        loader.template load<decltype(tile)>(dst, src, row_stride, valid, args.headdim);
     };
     const int map_batch = Tr::kVarlen ? 0 : batch;  // (varlen: the maps span the packed arrays' rows)
     if (Tr::kTma || args.seqlen_k - key0 >= kN) {  // (varlen: the first thread arrives for all)

@@ -50,9 +50,9 @@ struct HopperBwdTraits {
     static constexpr int kCopyArrivals = kTma ? 1 : kProducerThreads;
     // (By keys, with 128 query rows a step, the consumers need 232: the producer then works in 40.)
     // Wide: padded 24 and 240 (at 40 and 232 the head dim 256 consumers spilled 24 bytes); varlen, whose producer
-    // copies ragged tiles by cp.async (at 24 it spilled 88-104 bytes), 40 and 232 at head dim 192, 56 and 224 at 256
-    // (with dQ_i 64 columns a wgmma; at 40 and 232 that still spilled 12 bytes).
-    static constexpr int kWideProducerRegisters = !Varlen ? 24 : HeadDim == 256 ? 56 : 40;
+    // copies ragged tiles by cp.async (at 24 it spilled 88-104 bytes), 56 and 224 (head dim 256 with dQ_i 64 columns
+    // a wgmma: at 40 and 232 it spilled 12 bytes; 192 spilled 4 there once the copies stopped at the arrays' head dim).
+    static constexpr int kWideProducerRegisters = !Varlen ? 24 : 56;
     // With score modifiers at head dim 128 (padded: TMA copies) 24 and 240: at 56 / 224 the consumers spilled 4 bytes,
     // at 40 / 232 ptxas serialised the bf16 row's wgmmas (C7512); the varlen producer spills at 24 (72 bytes), so that
     // row is not built (configs.HOPPER_BWD_MODS_PADDED_ONLY).

@@ -43,6 +43,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     flash_fwd_hopper(const __grid_constant__ FwdHopperParams kernel_params) {
     extern __shared__ unsigned char smem_raw[];
     const HopperFwdSmem<Tr> smem(smem_raw);
+    if constexpr (Tr::kVarlen && !Tr::kPaged && VarlenLoader<Tr>::kPasses == 1) {
+        // arrays narrower than the kernel: their columns past them in Q, K and V zero (SlabLoader)
+        if (kernel_params.fwd.headdim < Tr::kHeadDim)
+            zero_shared(smem.q, Tr::kQBuffers * Tr::QTile::kBytes + (Tr::kKStages + Tr::kVStages) * Tr::KVTile::kBytes);
+    }
     if (threadIdx.x == 0) smem.init_barriers();
     __syncthreads();
 
@@ -59,7 +64,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                              params.page_shift, params.max_pages, params.num_pages, params.error_claim,
                              params.error_host, kernel_params.tile_counter, kernel_params.tmap_q,
                              kernel_params.tmap_k, kernel_params.tmap_v, kernel_params.tmap_o, params.softcap,
-                             params.alibi_slopes, params.alibi_batch_stride};
+                             params.alibi_slopes, params.alibi_batch_stride, params.headdim};
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const HopperFwdScheduler<Tr::kBlockM> sched(params.max_seqlen_q, params.nheads, kernel_params.batch,
                                                 kernel_params.heads_per_group);

@@ -91,11 +91,12 @@ using VarlenLoader = SlabLoader<Tr::kProducerThreads, Tr::kHeadDim>;
 // item (keep_here), or ptxas holds each array's row offset and the strides' sign words through the item loop, and
 // spills.
 template <class Tr>
-FA2_DEVICE void renew_per_item(const int& ptid, VarlenLoader<Tr>& loader, int& out_row_stride, int& row_pages) {
+FA2_DEVICE void renew_per_item(const int& ptid, const int& cols, VarlenLoader<Tr>& loader, int& out_row_stride,
+                               int& row_pages) {
     if constexpr (Tr::kConsumerWGs == 3) {
         int thread = ptid;
         keep_here(thread);
-        loader = VarlenLoader<Tr>(thread);
+        loader = VarlenLoader<Tr>(thread, cols);
         keep_here(out_row_stride);
         keep_here(row_pages);
     }
@@ -194,14 +195,14 @@ FA2_DEVICE void produce_varlen(const HopperFwdSmem<Tr>& smem, const HopperFwdSch
     // them by lambdas: with the state in a struct of its own, or the stages called directly, the loop compiled to
     // other instructions and registers.)
     const int ptid = threadIdx.x - 32 * Tr::kConsumerWarps;
-    VarlenLoader<Tr> loader(ptid);
+    VarlenLoader<Tr> loader(ptid, args.headdim);
     int out_row_stride = args.o_row_stride, row_pages = args.max_pages;
     u32 tiles = 0;
     u32 items_loaded = 0;
     int exchange = 0;
-    const auto renew = [&] { renew_per_item<Tr>(ptid, loader, out_row_stride, row_pages); };
+    const auto renew = [&] { renew_per_item<Tr>(ptid, args.headdim, loader, out_row_stride, row_pages); };
     const auto load_tile = [&](auto tile, u32 dst, const u16* src, int row_stride, int valid) {
-        loader.template load<decltype(tile)>(dst, src, row_stride, valid);
+        loader.template load<decltype(tile)>(dst, src, row_stride, valid, args.headdim);
     };
     const auto q_buffer = [&] { return ring_slot<Tr::kQBuffers>(items_loaded); };
     const auto store_rows = [&](int buffer) {  // fwd_epilogue.cuh

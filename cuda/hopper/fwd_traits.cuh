@@ -197,6 +197,7 @@ struct HopperFwdArgs {
     float softcap;                           // Mods: 0 for none
     const float* __restrict__ alibi_slopes;  // Mods: null for none
     int alibi_batch_stride;
+    int headdim;  // the arrays' own, which the columns copied and written stop at (the kernel's may be wider)
 };
 
 }  // namespace fa2

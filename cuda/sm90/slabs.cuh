@@ -4,6 +4,7 @@
 #include "common/types.cuh"
 #include "common/hints.cuh"
 #include "sm80/memory.cuh"
+#include "sm90/mbarrier.cuh"
 
 namespace fa2 {
 
@@ -27,6 +28,15 @@ FA2_DEVICE void stmatrix_x4(u32 addr, const u32 (&r)[4]) {
                  : "memory");
 }
 
+// Zeroes `bytes` (a multiple of 16) of shared memory from `from`, every thread of the block a share, fenced for the
+// async proxy (TMA copies, wgmma) that writes and reads it next; the caller synchronises the block after. For the
+// tiles of a call whose arrays are narrower than the kernel: no copy writes the columns past them (SlabLoader).
+FA2_DEVICE void zero_shared(u32 from, int bytes) {
+    for (int at = 16 * threadIdx.x; at < bytes; at += 16 * blockDim.x)
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(from + at), "r"(0) : "memory");
+    fence_proxy_async_smem();
+}
+
 // A producer warpgroup's share of copying tiles of Cols-wide rows into SwizzledSlabs (cp.async): thread `ptid` of
 // Threads copies one 16-byte column chunk of every kRowStep-th row, a multiple of 8 rows apart, so its swizzled
 // position within a row is the same for all of them and its addresses advance by constants. Rows wider than 128
@@ -38,19 +48,30 @@ struct SlabLoader {
     static constexpr int kChunksPerRow = kPassCols / 8, kRowStep = Threads / kChunksPerRow;
     static_assert(kRowStep % 8 == 0, "a thread's rows share one swizzle phase");
     int first_row, column;
-    FA2_DEVICE explicit SlabLoader(int ptid) : first_row(ptid / kChunksPerRow), column(ptid % kChunksPerRow * 8) {}
+    // `cols`: the arrays' own head dim (a multiple of 8), where a kernel wider than it runs on them. Only the last
+    // pass can reach past it, as a narrower head dim runs at the next kernel width up, 64 columns on. With one
+    // pass, a thread whose chunk lies past it copies nothing (its first row is past every tile's: the kernel has
+    // zeroed those columns of its tiles, and TMA copies write zeros there); with more, it fills its last pass's
+    // chunks with zeros. (Compared at each copy, `cols` spilled the varlen backward's producers.)
+    FA2_DEVICE SlabLoader(int ptid, int cols)
+        : first_row(ptid / kChunksPerRow + (kPasses == 1 && ptid % kChunksPerRow * 8 >= cols ? kNoRows : 0)),
+          column(ptid % kChunksPerRow * 8) {}
+    static constexpr int kNoRows = 1 << 16;
     // Tile's rows of `src` (row_stride elements apart) into the tile at `dst`, zeros from row `valid` on.
     template <class Tile>
-    FA2_DEVICE void load(u32 dst, const u16* src, int row_stride, int valid) const {
+    FA2_DEVICE void load(u32 dst, const u16* src, int row_stride, int valid, int cols) const {
         constexpr int kRows = Tile::kBytes / (Cols * 2);
         u32 to = Tile::at(dst, first_row, column);
         const u16* from = src + (i64)first_row * row_stride + column;
         const i64 step = (i64)kRowStep * row_stride;
+        const bool last_pass = kPasses == 1 || column + (kPasses - 1) * 64 < cols;
 #pragma unroll 4  // (4 copies in flight per thread)
         for (int row = first_row; row < kRows; row += kRowStep, to += kRowStep * Tile::kRowBytes, from += step)
 #pragma unroll
-            for (int pass = 0; pass < kPasses; ++pass)
-                cp_async_16(to + pass * Tile::kSlabBytes, row < valid ? from + pass * 64 : src, row < valid);
+            for (int pass = 0; pass < kPasses; ++pass) {
+                const bool copy = row < valid && (pass < kPasses - 1 || last_pass);
+                cp_async_16(to + pass * Tile::kSlabBytes, copy ? from + pass * 64 : src, copy);
+            }
     }
     // Paged K/V: a tile's rows gathered from pages. Lane j of producer warp w holds the address of row 32 w + j
     // (null: zero-filled), and the warp copies its 32 rows 4 at a time, 8 lanes a row, each row's address handed
