@@ -482,7 +482,7 @@ class _VarlenForward(_Forward):
             (_varlen_strides(ready["q"]),) + kv_strides + (_packed_strides(s.nheads, padded),), s.dtype, call.scale,
             call.causal, arch, window_size=call.window_size, softcap=call.softcap,
             alibi_batch_stride=call.alibi_stride, varlen_totals=call.totals, dropout_p=call.dropout_p,
-            paged=call.paged, options=options)
+            paged=call.paged, options=options, width=call.kernel_width)
 
     def allocations(self, call, plan):
         s, total_q = call.shape, call.totals[0]

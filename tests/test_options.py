@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from fa2cupy import options
@@ -135,3 +136,40 @@ def test_backward_planner_chunks_the_hopper_grid(planner):
     assert configs.hopper_bwd_group_chunk(16, 6, 4, "none") == configs.hopper_bwd_group_chunk(16, 6, 4, "window") == 1
     assert chunk(hopper_bwd_chunk_blocks=0) == 1 and chunk(hopper_bwd_chunk_blocks=1) == 1
     assert chunk(hopper_bwd_chunk_blocks=17) == 2 and chunk(hopper_bwd_chunk_blocks=10**6) == 6
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_kinds_plan_at_the_width_choose_picked(planner, monkeypatch, varlen):
+    """A head dim between the Hopper widths (96) plans the Hopper forward and dK/dV kernel of the next width (128)
+    through each kind's plan, padded and varlen: choose's kernel_width reaches the planners."""
+    from fa2cupy import arrays, attention, configs, pipeline
+
+    monkeypatch.setattr(pipeline, "device_of", lambda info: 0)
+    # (NumPy stands in for CuPy in adapt: the arrays are at their head dim already)
+    monkeypatch.setattr(attention, "kernel_ready", lambda x, headdim, width=None: x)
+    monkeypatch.setattr(arrays, "to_cupy", lambda x, info: x)
+    monkeypatch.setattr(attention, "contiguous", lambda x, info: x)
+    h, d = 4, 96
+    if varlen:
+        x = {"q": np.ones((9, h, d), np.float16), "k": np.ones((11, 2, d), np.float16),
+             "v": np.ones((11, 2, d), np.float16), "dout": np.ones((9, h, d), np.float16),
+             "out": np.ones((9, h, d), np.float16), "softmax_lse": np.zeros((h, 9), np.float32),
+             "cu_seqlens_q": np.array([0, 4, 9], np.int32), "cu_seqlens_k": np.array([0, 5, 11], np.int32)}
+        kinds = ((attention.VARLEN_FORWARD, (5, 6, 0.0, None, False, (-1, -1), 0.0, False, False), (None, 0)),
+                 (attention.VARLEN_BACKWARD, (5, 6, None, False, (-1, -1), False, 0.0, 0.0), (1, 0)))
+    else:
+        x = {"q": np.ones((2, 300, h, d), np.float16), "k": np.ones((2, 300, 2, d), np.float16),
+             "v": np.ones((2, 300, 2, d), np.float16), "dout": np.ones((2, 300, h, d), np.float16),
+             "out": np.ones((2, 300, h, d), np.float16), "softmax_lse": np.zeros((2, h, 300), np.float32)}
+        kinds = ((attention.FORWARD, (0.0, None, False, (-1, -1), 0.0, False, False), (None, 0)),
+                 (attention.BACKWARD, (None, False, (-1, -1), False, 0.0, 0.0), (1, 0)))
+    for kind, check_options, values in kinds:
+        named = {n: x[n] for n in kind.arrays if n in x}
+        infos = {n: arrays.describe(a, n) for n, a in named.items()}
+        call = kind.check(infos, check_options, values)
+        kind.choose(call, infos, 90, DEFAULT)
+        assert call.kernel_width == 128
+        plan = kind.plan(call, kind.adapt(call, named, infos), 90, 0, DEFAULT)
+        table = configs.FORWARD_HOPPER_TABLE if kind in (attention.FORWARD, attention.VARLEN_FORWARD) \
+            else configs.BACKWARD_HOPPER_TABLE
+        assert plan.config is table[128], (kind, plan.config)
