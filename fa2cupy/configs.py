@@ -307,10 +307,11 @@ BACKWARD_HOPPER_TABLE: dict[int, HopperBwdConfig] = {
 
 #: Head dims at which the Hopper dK/dV kernel has softcap/ALiBi instantiations (HopperBwdTraits' Mods, the window
 #: variant); padded calls only at HOPPER_BWD_MODS_PADDED_ONLY (head dim 128's row needs 240 consumer registers, at
-#: which the varlen producer, copying ragged tiles by cp.async, spills). KernelOptions(hopper_backward_mods=False)
-#: runs these calls on the mma.sync backward instead (H200, 16k tokens: the rows are 1.9-2.2x faster with softcap,
-#: 2.0-2.2x with ALiBi).
-HOPPER_BWD_MODS_HEADDIMS = (64, 128)
+#: which the varlen producer, copying ragged tiles by cp.async, spills). At the wide head dims only warpgroup 0 applies
+#: the modifiers (hopper/bwd_consumer_wide.cuh). KernelOptions(hopper_backward_mods=False) runs these calls on the
+#: mma.sync backward instead (H200, 16k tokens: the rows at 64 and 128 are 1.9-2.2x faster with softcap, 2.0-2.2x
+#: with ALiBi).
+HOPPER_BWD_MODS_HEADDIMS = (64, 128, 192, 256)
 HOPPER_BWD_MODS_PADDED_ONLY = (128,)
 
 

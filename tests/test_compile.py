@@ -351,11 +351,11 @@ def test_hopper_backward_is_chosen_only_where_it_runs():
         for arch in (80, 86, 89, 100, 120):
             assert configs.hopper_backward_config(arch, d, mods=False) is None
         assert configs.hopper_backward_config(90, d, mods=True) is None
-        # softcap / ALiBi: the modifier rows at head dims 64 and 128 (varlen at 64), the window variant, never dropout
+        # softcap / ALiBi: the modifier rows at every head dim (varlen: not at 128), the window variant, never dropout
         takes = configs.hopper_bwd_takes_mods(d, varlen=False)
-        assert takes == (d in (64, 128)) and configs.hopper_bwd_takes_mods(d, varlen=True) == (d == 64)
-        assert (configs.hopper_backward_config(90, d, mods=True, with_mods=True) is row) == takes
-        assert (configs.hopper_backward_config(90, d, mods=True, with_mods=True, varlen=True) is row) == (d == 64)
+        assert takes and configs.hopper_bwd_takes_mods(d, varlen=True) == (d != 128)
+        assert configs.hopper_backward_config(90, d, mods=True, with_mods=True) is row
+        assert (configs.hopper_backward_config(90, d, mods=True, with_mods=True, varlen=True) is row) == (d != 128)
         assert configs.hopper_backward_config(90, d, mods=True, dropout=True, with_mods=True) is None
         if takes:
             name = row.name_expression("float16", "window", mods=True)

@@ -312,14 +312,14 @@ def test_varlen_keeps_another_sequence_out(d):
 
 
 def test_modifier_rows_are_planned_by_default():
-    """Softcap and ALiBi calls plan the Hopper kernel's modifier rows at head dims 64 and 128 (padded; varlen at
-    64), never with dropout, and the mma.sync backward with KernelOptions(hopper_backward_mods=False)."""
+    """Softcap and ALiBi calls plan the Hopper kernel's modifier rows at every head dim (varlen: not at 128), never
+    with dropout, and the mma.sync backward with KernelOptions(hopper_backward_mods=False)."""
     _hopper_gpu()
     from fa2cupy import backward, configs
     from fa2cupy.options import KernelOptions
 
     off = KernelOptions(hopper_backward_mods=False)
-    for d in (64, 128, 256):
+    for d in (64, 128, 192, 256):
         strides = dict.fromkeys(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), (256 * 8 * d, 8 * d, d, 1))
         shape = (1, 256, 8, d)
 
@@ -327,13 +327,13 @@ def test_modifier_rows_are_planned_by_default():
             return backward.plan_backward(shape, shape, strides, "bfloat16", 0.1, True, False, 90, **kw)
 
         assert isinstance(plan(softcap=5.0, options=off).config, configs.BwdConfig)
-        assert isinstance(plan(softcap=5.0).config, configs.HopperBwdConfig) == (d in (64, 128))
-        assert isinstance(plan(alibi_batch_stride=0).config, configs.HopperBwdConfig) == (d in (64, 128))
+        assert plan(softcap=5.0).config is configs.BACKWARD_HOPPER_TABLE[d]
+        assert plan(alibi_batch_stride=0).config is configs.BACKWARD_HOPPER_TABLE[d]
         assert isinstance(plan(softcap=5.0, dropout_p=0.1).config, configs.BwdConfig)
 
 
 @settings(max_examples=max(10, settings().max_examples // 4), deadline=None)
-@given(mod_cases(headdims=(64, 128)))
+@given(mod_cases(headdims=(64, 128, 192, 256)))
 def test_modifier_rows_match_reference(c):
     """Padded forward and backward with softcap and/or ALiBi (any mask, GQA, negative scales), the backward on the
     Hopper kernel's modifier rows, against the float64 reference (run_mods_case)."""
@@ -344,7 +344,7 @@ def test_modifier_rows_match_reference(c):
     run_mods_case(c)
 
 
-@given(varlen_hopper_cases(headdims=(64,), mods=True))
+@given(varlen_hopper_cases(headdims=(64, 192, 256), mods=True))
 def test_modifier_rows_match_reference_varlen(case):
     _hopper_gpu()
     note(repr(case))

@@ -107,3 +107,24 @@ def test_wide_varlen_backward_matches_reference(case):
     note(repr(case))
     with _wide():
         run_varlen_case(case)
+
+
+@pytest.mark.parametrize("d", WIDE)
+@pytest.mark.parametrize("softcap, alibi, causal, window, det", [
+    (30.0, None, True, (-1, -1), False),  # Gemma 2's softcap
+    (0.0, "batch", False, (-1, -1), True),
+    (5.0, "heads", False, (90, 30), False),
+])
+def test_wide_modifier_rows(d, softcap, alibi, causal, window, det):
+    """Softcap and ALiBi on the wide rows (warpgroup 0 forms P^T from the modified logits and hands warpgroup 1 P^T
+    times the softcap's derivative), padded and varlen, GQA with the query heads a block walks in turn (ALiBi's slope
+    is the step's head's), ragged lengths, deterministic or not."""
+    from test_varlen_mods_gpu import run_mods_case
+
+    _hopper_gpu()
+    run_mods_case(dict(batch=2, seqlen_q=190, seqlen_k=257, nheads=6, nheads_kv=2, headdim=d, causal=causal,
+                       window_size=window, softcap=softcap, alibi=alibi, dtype="bfloat16", softmax_scale=None,
+                       deterministic=det, seed=d + int(softcap)))
+    run_varlen_case(dict(lengths_q=[77, 300, 129], lengths_k=[77, 250, 200], nheads=6, nheads_kv=2, headdim=d,
+                         causal=causal, window_size=window, softcap=softcap, alibi=alibi, extra_rows=5, slack=3,
+                         dtype="bfloat16", deterministic=det, seed=d + 1 + int(softcap)))

@@ -74,7 +74,7 @@ def test_info_table_for_a_given_arch_without_a_gpu():
     assert result.exit_code == 0, result.output
     assert "kernels for sm_90" in result.output and "hopper (wgmma)" in result.output
     # the note on modifier calls names the head dims the Hopper forward and backward take them at
-    assert ("the forward's at d = 128, 192 and 256 (padded calls only at 256), the backward's at d = 64 and 128 "
+    assert ("the forward's at d = 128, 192 and 256 (padded calls only at 256), the backward's at d = 64, 128, 192 and 256 "
             "(padded calls only at 128)") in " ".join(result.output.split())
 
 
@@ -102,7 +102,7 @@ def test_wide_hopper_rows(d):
             want = (configs.FORWARD_HOPPER_TABLE[dm] if hopper
                     else configs.forward_config(90, dm, "float16", "causal", varlen, mods=True))
             assert rows.forward == want
-            # the backward: the Hopper kernel's modifier rows where it has them (d = 64, 128; 128 padded only)
+            # the backward: the Hopper kernel's modifier rows where it has them (every width; 128 padded only)
             want = (configs.BACKWARD_HOPPER_TABLE[dm] if configs.hopper_bwd_takes_mods(dm, varlen)
                     else configs.backward_config(90, dm, "float16", "causal", mods=True))
             assert rows.backward == want

@@ -251,11 +251,13 @@ HOPPER_BWD_VARLEN_CASES = (
     ((33, 190), 2, 1, 64, False, (16, 4), 0.0, False, True),
 )
 # Softcap / ALiBi on the Hopper dK/dV kernel's varlen modifier rows (KernelOptions(hopper_backward_mods=True), head
-# dim 64); the padded ones (64 and 128) run MODS_CASES.
+# dims 64, 192 and 256); the padded ones (every head dim) run MODS_CASES.
 HOPPER_BWD_MODS_CASES = (
     ((70, 0, 1, 130), 4, 2, 64, True, (-1, -1), 5.0, True, False),
     ((33, 190), 2, 1, 64, False, (16, 4), 0.0, True, True),
     ((150,), 2, 2, 64, False, (-1, -1), 3.0, False, False),
+    ((70, 0, 1, 130), 4, 2, 192, True, (-1, -1), 5.0, True, False),
+    ((33, 190), 2, 1, 256, False, (16, 4), 3.0, False, True),
 )
 
 

@@ -4,7 +4,8 @@
 // dV += P^T dO; warpgroup 1 computes dP^T = V dO^T, dS^T = P^T o (dP^T - D) with warpgroup 0's P^T (fp32, handed
 // over in shared memory at barrier kBwdPReady), and dK += dS^T Q, storing dS^T for dQ_i = dS K, which they split by
 // columns (warpgroup 0 columns 0-127, warpgroup 1 the rest). Each holds one 64 x HeadDim accumulator (HeadDim / 2
-// registers), its 64 x 64 scores (32) and its share of dQ_i (64 or 32).
+// registers), its 64 x 64 scores (32) and its share of dQ_i (64 or 32). Score modifiers (softcap, ALiBi) are
+// warpgroup 0's alone: it forms P^T from the modified logits and hands over P^T times the softcap's derivative.
 #pragma once
 #include "common/types.cuh"
 #include "common/math.cuh"
@@ -51,6 +52,41 @@ FA2_DEVICE void dq_wide(const HopperBwdSmem<Tr>& smem, int it, int col0, int w4,
                 st_shared_v2_f32(smem.dq + (row * Tr::kDqPitch + col) * 4, acc_dq[0][nt][2 * half],
                                  acc_dq[0][nt][2 * half + 1]);
             }
+    }
+}
+
+// Warpgroup 0's P^T with score modifiers (ScoreMods of the step's query head), Cap: whether a softcap is on. P^T =
+// exp(logit - L) as scores_to_ds_mods_of forms it stays in `st` (dV's operand), and P^T o dlogit / d(scale s) goes to
+// warpgroup 1 at `px` (its dS^T = that o (dP^T - D)), so the softcap's derivative needs no registers of warpgroup 1.
+template <class Tr, bool Cap, class Masked>
+FA2_DEVICE void wide_p_mods(float (&st)[1][Tr::kBlockM / 8][4], float4* px, const float* lse_s, const Masked& masked,
+                            int key_lo, int key_offset, int lane, int wtid, const ScoreMods& mods, int m0) {
+    constexpr int kQT = Tr::kBlockM / 8;
+    const float tanh_arg = 2.f * kLog2e * mods.cap_inv;
+    const float d0 = static_cast<float>(m0 + mods.diag - key_offset);  // (as in scores_to_ds_mods_of)
+#pragma unroll
+    for (int nt = 0; nt < kQT; ++nt) {
+        float pd[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int qc = nt * 8 + (lane & 3) * 2 + (e & 1), key = key_lo + (e >> 1) * 8;
+            const int offset = key_offset + (e >> 1) * 8 - nt * 8 - (e & 1);  // key - qc
+            const float distance = d0 + static_cast<float>(key_offset - offset);
+            float logit, dcap = 1.f;
+            if constexpr (Cap) {
+                const float t = tanh_of_exp2_arg(st[0][nt][e] * tanh_arg);
+                dcap = fmaf(-t, t, 1.f);
+                logit = mods.cap * t;
+            } else {
+                logit = st[0][nt][e] * mods.scale;
+            }
+            logit = fmaf(-mods.slope, fabsf(distance), logit);
+            float p = fast_exp2(logit * kLog2e - lse_s[qc]);
+            if (masked(offset, key)) p = 0.f;
+            st[0][nt][e] = p;
+            pd[e] = p * dcap;
+        }
+        px[nt * 128 + wtid] = make_float4(pd[0], pd[1], pd[2], pd[3]);
     }
 }
 
@@ -109,7 +145,24 @@ FA2_DEVICE void consume_dkdv_wide(const HopperBwdSmem<Tr>& smem, const HopperBwd
         pin_registers(st);
 
         u32 a[kQT / 2][4];  // P^T (warpgroup 0) or dS^T (warpgroup 1) as A operands, k16 steps over the queries
-        if (wg == 0) {
+        if (wg == 0 && Tr::kMods) {
+            // P^T with the score modifiers (wide_p_mods), the softcap switched once per step (as scores_to_ds_mods).
+            const float* lse_s = smem.stats + s * kM;
+            const int band_hi = m0 + mask.diag() + mask.right(), band_lo = m0 + mask.diag() - mask.left();
+            const auto masked = [&](int offset, int key) {  // offset: key - (query - m0)
+                return key >= args.seqlen_k || (Tr::kMask != kMaskNone && offset > band_hi) ||
+                       (Tr::kMask == kMaskWindow && offset < band_lo);
+            };
+            const int head = kv_head * args.heads_per_kv + it / steps.m_count;  // the step's query head
+            const ScoreMods mods = make_score_mods(args.scale, args.softcap,
+                                                   alibi_slope(args.alibi_slopes, args.alibi_batch_stride, batch, head),
+                                                   args.seqlen_q, args.seqlen_k);
+            if (mods.cap > 0.f)
+                wide_p_mods<Tr, true>(st, px, lse_s, masked, key_lo, key_offset, lane, wtid, mods, m0);
+            else
+                wide_p_mods<Tr, false>(st, px, lse_s, masked, key_lo, key_offset, lane, wtid, mods, m0);
+            named_barrier_arrive<kBwdPReady, kThreads>();
+        } else if (wg == 0) {
             // P^T = exp(S^T scale - L), masked scores 0 (as scores_to_ds), to warpgroup 1 in fp32.
             const float* lse_s = smem.stats + s * kM;
             const int band_hi = m0 + mask.diag() + mask.right(), band_lo = m0 + mask.diag() - mask.left();
@@ -129,7 +182,8 @@ FA2_DEVICE void consume_dkdv_wide(const HopperBwdSmem<Tr>& smem, const HopperBwd
             }
             named_barrier_arrive<kBwdPReady, kThreads>();
         } else {
-            // dS^T = P^T o (dP^T - D), once warpgroup 0's P^T is in (and its reads of the last dS^T are over).
+            // dS^T = P^T o (dP^T - D), once warpgroup 0's P^T is in (and its reads of the last dS^T are over);
+            // with score modifiers P^T o dlogit / d(scale s) is what came.
             const float* dsum_s = smem.stats + (kS + s) * kM;
             named_barrier_sync<kBwdPReady, kThreads>();
 #pragma unroll

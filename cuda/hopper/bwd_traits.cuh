@@ -34,8 +34,8 @@ struct HopperBwdTraits {
     // k/v/dK/dV; seqlen_q/seqlen_k are the maxima, and key blocks past a sequence's end return at once.
     static constexpr bool kVarlen = Varlen;
     // Score modifiers (softcap, ALiBi: ScoreMods in attention/masks.cuh) applied to S^T, the softcap's derivative to
-    // dS^T (scores_to_ds_mods in hopper/bwd_consumer.cuh): head dims 64 and 128 (padded), the window-mask variant
-    // (which expresses every mask), run-time values.
+    // dS^T (scores_to_ds_mods in hopper/bwd_consumer.cuh, wide_p_mods in hopper/bwd_consumer_wide.cuh): every head
+    // dim but varlen 128, the window-mask variant (which expresses every mask), run-time values.
     static constexpr bool kMods = Mods;
     // Padded calls move K, V, Q and dO with the tensor memory accelerator (tensor maps, one producer thread issuing
     // the copies; rows past the sequence read as zeros). Varlen calls move whole tiles of a sequence so too, and a
@@ -95,8 +95,8 @@ struct HopperBwdTraits {
     static_assert(!kWide || (BlockM == 64 && !DqByKeys && (HeadDim == 192 || HeadDim == 256)),
                   "the wide head dims: 64 query rows a step, dQ_i by columns");
     static_assert(kSmemBytes <= 227 * 1024, "the shared memory of one block");
-    static_assert(!Mods || (!kWide && Mask == kMaskWindow && !(Varlen && HeadDim == 128)),
-                  "score modifiers: head dim 64 (padded, varlen) and 128 (padded), window variant");
+    static_assert(!Mods || (Mask == kMaskWindow && !(Varlen && HeadDim == 128)),
+                  "score modifiers: the window variant, not varlen at head dim 128");
     // 128 query rows per step (dQ_i in two wgmma row halves) only by keys: by columns the accumulators do not fit.
     static_assert(BlockM == 64 || (BlockM == 128 && DqByKeys), "64 query rows per step, or 128 with dQ by keys");
     // (At head dim 256 a second slot does not fit beside K, V and the dQ staging tile.)
