@@ -74,8 +74,8 @@ def test_info_table_for_a_given_arch_without_a_gpu():
     assert result.exit_code == 0, result.output
     assert "kernels for sm_90" in result.output and "hopper (wgmma)" in result.output
     # the note on modifier calls names the head dims the Hopper forward and backward take them at
-    assert ("the forward's at d = 128, 192 and 256 (padded calls only at 256), the backward's at d = 64, 128, 192 and 256 "
-            "(padded calls only at 128)") in " ".join(result.output.split())
+    assert ("the forward's at d = 128, 192 and 256 (padded calls only at 256), the backward's at d = 64, 128, 192 "
+            "and 256 (padded calls only at 128)") in " ".join(result.output.split())
 
 
 @pytest.mark.parametrize("d", [192, 256])
