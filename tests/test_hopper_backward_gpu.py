@@ -1,6 +1,6 @@
 """The Hopper backward (cuda/hopper/bwd.cu's dK/dV kernel) on a GPU of compute capability 9.0: it is the kernel the
 library plans there for padded and varlen calls without modifiers at head dims 64 and 128 (192 and 256:
-test_hopper_backward_wide_gpu.py), deterministic or not (dQ added in turns, bitwise repeatable), its
+test_hopper_backward_wide_gpu.py; softcap and ALiBi: test_hopper_backward_mods_gpu.py), deterministic or not (dQ added in turns, bitwise repeatable), its
 gradients match the float64 reference on every mask, grouping, length and layout it takes, and the mma.sync
 backward it replaces for those calls still matches the reference on the same GPU.
 
@@ -10,12 +10,12 @@ Bounds, references and the NaN poisoning of dq/dk/dv are test_backward_gpu's (ch
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, note, settings
+from hypothesis import given, note
 from hypothesis import strategies as st
 
 from gpu_helpers import cupy_module, debug_poison, fa2cupy_module, kernel_options, skip_unless_hopper
 from test_backward_gpu import run_case
-from test_varlen_mods_gpu import mod_cases, run_mods_case, run_varlen_case
+from test_varlen_mods_gpu import run_varlen_case
 
 pytestmark = pytest.mark.gpu
 
@@ -306,49 +306,6 @@ def test_varlen_keeps_another_sequence_out(d):
         assert np.isfinite(got).all(), f"{name}: the next sequence's NaN rows reached this one's gradients"
         tol = 0.05 * float(np.abs(want[0]).max()) + 1e-3
         assert float(np.abs(got - want[0]).max()) <= tol, name
-
-
-# ---------------------------------------------------------------------------------- softcap and ALiBi
-
-
-def test_modifier_rows_are_planned_by_default():
-    """Softcap and ALiBi calls plan the Hopper kernel's modifier rows at every head dim (varlen: not at 128), never
-    with dropout, and the mma.sync backward with KernelOptions(hopper_backward_mods=False)."""
-    _hopper_gpu()
-    from fa2cupy import backward, configs
-    from fa2cupy.options import KernelOptions
-
-    off = KernelOptions(hopper_backward_mods=False)
-    for d in (64, 128, 192, 256):
-        strides = dict.fromkeys(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), (256 * 8 * d, 8 * d, d, 1))
-        shape = (1, 256, 8, d)
-
-        def plan(**kw):
-            return backward.plan_backward(shape, shape, strides, "bfloat16", 0.1, True, False, 90, **kw)
-
-        assert isinstance(plan(softcap=5.0, options=off).config, configs.BwdConfig)
-        assert plan(softcap=5.0).config is configs.BACKWARD_HOPPER_TABLE[d]
-        assert plan(alibi_batch_stride=0).config is configs.BACKWARD_HOPPER_TABLE[d]
-        assert isinstance(plan(softcap=5.0, dropout_p=0.1).config, configs.BwdConfig)
-
-
-@settings(max_examples=max(10, settings().max_examples // 4), deadline=None)
-@given(mod_cases(headdims=(64, 128, 192, 256)))
-def test_modifier_rows_match_reference(c):
-    """Padded forward and backward with softcap and/or ALiBi (any mask, GQA, negative scales), the backward on the
-    Hopper kernel's modifier rows, against the float64 reference (run_mods_case)."""
-    _hopper_gpu()
-    if c["softcap"] == 0.0 and c["alibi"] is None:
-        c["softcap"] = 2.0
-    note(repr(c))
-    run_mods_case(c)
-
-
-@given(varlen_hopper_cases(headdims=(64, 192, 256), mods=True))
-def test_modifier_rows_match_reference_varlen(case):
-    _hopper_gpu()
-    note(repr(case))
-    run_varlen_case(case)
 
 
 # ---------------------------------------------------------------------------------- head dims between the widths

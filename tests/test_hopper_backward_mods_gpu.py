@@ -1,0 +1,72 @@
+"""Softcap and ALiBi on the Hopper backward's modifier rows (HopperBwdTraits' Mods; every head dim, varlen not at
+128) on a GPU of compute capability 9.0: they are the rows planned (the mma.sync backward with
+KernelOptions(hopper_backward_mods=False), and with dropout), and forward and backward match the float64 reference
+across masks, groupings, negative scales and ragged lengths, padded and varlen. (A file of its own: beside the rest
+of test_hopper_backward_gpu.py it ran past one test process's time in bench/dev/gpu_tests.sh.)
+
+Bounds, references and the NaN poisoning of dq/dk/dv are test_backward_gpu's and test_varlen_mods_gpu's.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, note, settings
+
+from gpu_helpers import debug_poison, skip_unless_hopper
+from test_hopper_backward_gpu import varlen_hopper_cases
+from test_varlen_mods_gpu import mod_cases, run_mods_case, run_varlen_case
+
+pytestmark = pytest.mark.gpu
+
+
+def _hopper_gpu():
+    skip_unless_hopper("backward")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def poison_outputs():
+    with debug_poison():
+        yield
+
+
+# ---------------------------------------------------------------------------------- softcap and ALiBi
+
+
+def test_modifier_rows_are_planned_by_default():
+    """Softcap and ALiBi calls plan the Hopper kernel's modifier rows at every head dim (varlen: not at 128), never
+    with dropout, and the mma.sync backward with KernelOptions(hopper_backward_mods=False)."""
+    _hopper_gpu()
+    from fa2cupy import backward, configs
+    from fa2cupy.options import KernelOptions
+
+    off = KernelOptions(hopper_backward_mods=False)
+    for d in (64, 128, 192, 256):
+        strides = dict.fromkeys(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), (256 * 8 * d, 8 * d, d, 1))
+        shape = (1, 256, 8, d)
+
+        def plan(**kw):
+            return backward.plan_backward(shape, shape, strides, "bfloat16", 0.1, True, False, 90, **kw)
+
+        assert isinstance(plan(softcap=5.0, options=off).config, configs.BwdConfig)
+        assert plan(softcap=5.0).config is configs.BACKWARD_HOPPER_TABLE[d]
+        assert plan(alibi_batch_stride=0).config is configs.BACKWARD_HOPPER_TABLE[d]
+        assert isinstance(plan(softcap=5.0, dropout_p=0.1).config, configs.BwdConfig)
+
+
+@settings(max_examples=max(10, settings().max_examples // 4), deadline=None)
+@given(mod_cases(headdims=(64, 128, 192, 256)))
+def test_modifier_rows_match_reference(c):
+    """Padded forward and backward with softcap and/or ALiBi (any mask, GQA, negative scales), the backward on the
+    Hopper kernel's modifier rows, against the float64 reference (run_mods_case)."""
+    _hopper_gpu()
+    if c["softcap"] == 0.0 and c["alibi"] is None:
+        c["softcap"] = 2.0
+    note(repr(c))
+    run_mods_case(c)
+
+
+@given(varlen_hopper_cases(headdims=(64, 192, 256), mods=True))
+def test_modifier_rows_match_reference_varlen(case):
+    _hopper_gpu()
+    note(repr(case))
+    run_varlen_case(case)
