@@ -2,7 +2,8 @@
 # Every `-m gpu` test under tests/ in eight pytest processes side by side on one GPU: the float64 references are
 # CPU work, so the suite (over 15 min in one process) takes 4-6 min this way on an H200, and it fits a device call
 # beside the benchmark. The Hopper backward's, its modifier rows' and the wide head dims' tests have processes of
-# their own, so that a fault there leaves the other groups' CUDA context alone. Each group's log is printed in turn; exit 1 if any failed.
+# their own, so that a fault there leaves the other groups' CUDA context alone. Each group's log is printed in
+# turn; exit 1 if any failed.
 #
 #   bash bench/dev/gpu_tests.sh        # LIMIT=seconds per process (default 360), PYTHON=interpreter
 #
