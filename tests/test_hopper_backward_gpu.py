@@ -1,8 +1,8 @@
 """The Hopper backward (cuda/hopper/bwd.cu's dK/dV kernel) on a GPU of compute capability 9.0: it is the kernel the
 library plans there for padded and varlen calls without modifiers at head dims 64 and 128 (192 and 256:
 test_hopper_backward_wide_gpu.py; softcap and ALiBi: test_hopper_backward_mods_gpu.py), deterministic or not (dQ
-added in turns, bitwise repeatable), its gradients match the float64 reference on every mask, grouping, length and layout it takes, and the mma.sync
-backward it replaces for those calls still matches the reference on the same GPU.
+added in turns, bitwise repeatable), its gradients match the float64 reference on every mask, grouping, length and
+layout it takes, and the mma.sync backward it replaces for those calls still matches the reference on the same GPU.
 
 Bounds, references and the NaN poisoning of dq/dk/dv are test_backward_gpu's (check_gradients, run_case).
 """
