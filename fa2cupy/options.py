@@ -26,7 +26,7 @@ class KernelOptions:
         configs.HOPPER_MODS_HEADDIMS); False runs the mma.sync kernel there.
     hopper_backward (True): the same for the backward's dK/dV kernel (no score modifiers; deterministic or not).
     hopper_backward_mods (True): the Hopper dK/dV kernel for softcap and ALiBi too, at configs.hopper_bwd_takes_mods's
-        head dims (its modifier rows: 2x the mma.sync backward at 64 and 128, 4-5.6x at 192 and 256, H200); False
+        head dims (its modifier rows: 2x the mma.sync backward at 64 and 128, 3.5-5.6x at 192 and 256, H200); False
         runs those calls on the mma.sync backward.
     hopper_pad_headdim (None): on compute capability 9.0, run a head dim without a Hopper row (say 80, 96, 160) on
         the Hopper kernels at the next width up that has one, on the arrays as they are (True), or on the mma.sync
