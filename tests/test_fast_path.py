@@ -379,7 +379,8 @@ def _bwd(causal=False, softcap=0.0, dropout_p=0.0, deterministic=False):
     ("bwd", _bwd(dropout_p=0.1), {}, 96),
     ("fwd", _fwd(softcap=5.0), {}, 128),  # the Hopper forward takes softcap at 128
     ("bwd", _bwd(softcap=5.0), {}, 128),  # so does the Hopper backward (its modifier rows)
-    ("bwd", _bwd(softcap=5.0), dict(d=176), 176),  # ... but not at 192
+    ("bwd", _bwd(softcap=5.0), dict(d=176), 192),  # ... and at 192 (the wide rows)
+    ("bwd", _bwd(softcap=5.0, dropout_p=0.1), dict(d=176), 176),  # never with dropout
     ("fwd", _fwd(causal=True), dict(sq=64), 96),  # a short masked forward: the mma.sync forward
     ("bwd", _bwd(causal=True), dict(sq=64), 128),  # (the backward has no such rule)
 ])
