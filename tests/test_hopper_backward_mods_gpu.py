@@ -12,15 +12,11 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, note, settings
 
-from gpu_helpers import debug_poison, skip_unless_hopper
-from test_hopper_backward_gpu import varlen_hopper_cases
+from gpu_helpers import debug_poison
+from test_hopper_backward_gpu import _hopper_gpu, varlen_hopper_cases
 from test_varlen_mods_gpu import mod_cases, run_mods_case, run_varlen_case
 
 pytestmark = pytest.mark.gpu
-
-
-def _hopper_gpu():
-    skip_unless_hopper("backward")
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -120,9 +120,24 @@ FA2_DEVICE void scores_to_ds(float (&st)[1][Tr::kBlockM / 8][4], float (&dpt)[1]
     }
 }
 
-// One case of scores_to_ds_mods (below), Cap: whether a softcap is on. The logit of each score as the Hopper forward
-// forms it (softcap: cap tanh(scale s / cap) by tanh_of_exp2_arg; else scale s), less ALiBi's slope |distance|
-// (slope 0 without ALiBi); dcap = dlogit / d(scale s), 1 - tanh^2 with a softcap.
+// The logit of raw score s as the Hopper forward forms it (Cap, a softcap: cap tanh(scale s / cap) by
+// tanh_of_exp2_arg, tanh_arg = 2 log2(e) scale / cap; else scale s), less ALiBi's slope |distance| (slope 0 without
+// ALiBi); dcap = dlogit / d(scale s), 1 - tanh^2 with a softcap.
+template <bool Cap>
+FA2_DEVICE float modified_logit(float s, float tanh_arg, const ScoreMods& mods, float distance, float& dcap) {
+    float logit;
+    if constexpr (Cap) {
+        const float t = tanh_of_exp2_arg(s * tanh_arg);
+        dcap = fmaf(-t, t, 1.f);
+        logit = mods.cap * t;
+    } else {
+        dcap = 1.f;
+        logit = s * mods.scale;
+    }
+    return fmaf(-mods.slope, fabsf(distance), logit);
+}
+
+// One case of scores_to_ds_mods (below), Cap: whether a softcap is on; each score's logit by modified_logit.
 template <class Tr, bool Cap, class Masked>
 FA2_DEVICE void scores_to_ds_mods_of(float (&st)[1][Tr::kBlockM / 8][4], float (&dpt)[1][Tr::kBlockM / 8][4],
                                      const float* lse_s, const float* dsum_s, const Masked& masked, int key_lo,
@@ -138,15 +153,8 @@ FA2_DEVICE void scores_to_ds_mods_of(float (&st)[1][Tr::kBlockM / 8][4], float (
             const int qc = nt * 8 + (lane & 3) * 2 + (e & 1), key = key_lo + (e >> 1) * 8;
             const int offset = key_offset + (e >> 1) * 8 - nt * 8 - (e & 1);  // key - qc
             const float distance = d0 + static_cast<float>(key_offset - offset);  // (a constant step from d0)
-            float logit, dcap = 1.f;
-            if constexpr (Cap) {
-                const float t = tanh_of_exp2_arg(st[0][nt][e] * tanh_arg);
-                dcap = fmaf(-t, t, 1.f);
-                logit = mods.cap * t;
-            } else {
-                logit = st[0][nt][e] * mods.scale;
-            }
-            logit = fmaf(-mods.slope, fabsf(distance), logit);
+            float dcap;
+            const float logit = modified_logit<Cap>(st[0][nt][e], tanh_arg, mods, distance, dcap);
             float p = fast_exp2(logit * kLog2e - lse_s[qc]);
             if (masked(offset, key)) p = 0.f;
             dpt[0][nt][e] = p * (dpt[0][nt][e] - dsum_s[qc]) * dcap;

@@ -56,8 +56,9 @@ FA2_DEVICE void dq_wide(const HopperBwdSmem<Tr>& smem, int it, int col0, int w4,
 }
 
 // Warpgroup 0's P^T with score modifiers (ScoreMods of the step's query head), Cap: whether a softcap is on. P^T =
-// exp(logit - L) as scores_to_ds_mods_of forms it stays in `st` (dV's operand), and P^T o dlogit / d(scale s) goes to
-// warpgroup 1 at `px` (its dS^T = that o (dP^T - D)), so the softcap's derivative needs no registers of warpgroup 1.
+// exp(logit - L) (modified_logit, as scores_to_ds_mods_of) stays in `st` (dV's operand), and P^T o dlogit /
+// d(scale s) goes to warpgroup 1 at `px` (its dS^T = that o (dP^T - D)), so the softcap's derivative needs no
+// registers of warpgroup 1.
 template <class Tr, bool Cap, class Masked>
 FA2_DEVICE void wide_p_mods(float (&st)[1][Tr::kBlockM / 8][4], float4* px, const float* lse_s, const Masked& masked,
                             int key_lo, int key_offset, int lane, int wtid, const ScoreMods& mods, int m0) {
@@ -72,15 +73,8 @@ FA2_DEVICE void wide_p_mods(float (&st)[1][Tr::kBlockM / 8][4], float4* px, cons
             const int qc = nt * 8 + (lane & 3) * 2 + (e & 1), key = key_lo + (e >> 1) * 8;
             const int offset = key_offset + (e >> 1) * 8 - nt * 8 - (e & 1);  // key - qc
             const float distance = d0 + static_cast<float>(key_offset - offset);
-            float logit, dcap = 1.f;
-            if constexpr (Cap) {
-                const float t = tanh_of_exp2_arg(st[0][nt][e] * tanh_arg);
-                dcap = fmaf(-t, t, 1.f);
-                logit = mods.cap * t;
-            } else {
-                logit = st[0][nt][e] * mods.scale;
-            }
-            logit = fmaf(-mods.slope, fabsf(distance), logit);
+            float dcap;
+            const float logit = modified_logit<Cap>(st[0][nt][e], tanh_arg, mods, distance, dcap);
             float p = fast_exp2(logit * kLog2e - lse_s[qc]);
             if (masked(offset, key)) p = 0.f;
             st[0][nt][e] = p;
