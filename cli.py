@@ -317,11 +317,12 @@ def tile_table_text(arch: int | None) -> str:
             + (f", from {configs.HOPPER_PAD_MIN_HEADDIM} on at the next Hopper width where the Hopper kernels take "
                "the call" if hopper else "")
             + f"):\n{table}\n"
-            + (f"Softcap and ALiBi run on the Hopper rows above: the forward's at d = "
+            + (f"Softcap, ALiBi and dropout run on the Hopper rows above: the forward's at d = "
                f"{_dims(configs.HOPPER_MODS_HEADDIMS)} (padded calls only at "
                f"{_dims(configs.HOPPER_MODS_PADDED_ONLY)}), the backward's at d = "
                f"{_dims(configs.HOPPER_BWD_MODS_HEADDIMS)} (padded calls only at "
-               f"{_dims(configs.HOPPER_BWD_MODS_PADDED_ONLY)}); elsewhere, and with dropout, modifiers run "
+               f"{_dims(configs.HOPPER_BWD_MODS_PADDED_ONLY)}; dropout not at "
+               f"{_dims(configs.HOPPER_BWD_NO_DROPOUT)}); elsewhere modifiers run "
                if hopper else "Calls with softcap, ALiBi or dropout run ")
             + "the mma.sync rows of their modifier variant (sliding windows those of configs.FORWARD_MASKED_TABLE "
             "where it has one); the deterministic backward runs "

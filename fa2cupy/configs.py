@@ -105,7 +105,7 @@ class HopperFwdConfig:
 
     def name_expression(self, dtype: str, mask: str, mods: bool = False, varlen: bool = False,
                         paged: bool = False) -> str:
-        """``mods``: softcap and ALiBi (HopperFwdTraits::kMods); dropout runs on the mma.sync forward."""
+        """``mods``: softcap, ALiBi and dropout (HopperFwdTraits::kMods)."""
         if paged and not varlen:
             raise ValueError("paged K/V comes with varlen")
         if mods:
@@ -116,8 +116,8 @@ class HopperFwdConfig:
                 f"{self.v_stages}, {self.q_buffers}, {self.consumer_wgs}, {flags}>>")
 
 
-#: The Hopper forward, by head dim: used on compute capability 9.0 for padded and varlen calls (paged K/V too)
-#: without dropout, with softcap and ALiBi at HOPPER_MODS_HEADDIMS (every other case runs FORWARD_TABLE's mma.sync
+#: The Hopper forward, by head dim: used on compute capability 9.0 for padded and varlen calls (paged K/V too),
+#: with softcap, ALiBi and dropout at HOPPER_MODS_HEADDIMS (every other case runs FORWARD_TABLE's mma.sync
 #: kernels). At d=64 a tile's products
 #: take half as long as at d=128 and its softmax as long, so three consumer warpgroups (192-row items) take turns:
 #: 12-14% faster than two at 2k-16k (H100, same process; docs/design.md); d=128 has no registers for a third.
@@ -265,16 +265,19 @@ class HopperBwdConfig:
         step's rows."""
         return headdim + 4
 
-    def smem_bytes(self, atomic_dq: bool = True) -> int:
+    def smem_bytes(self, atomic_dq: bool = True, mods: bool = False) -> int:
         # Must match HopperBwdTraits::kSmemBytes: alignment slack, K and V, the Q/dO ring, the dS^T tiles (two by
         # columns, one by keys), the fp32 dQ staging rows (one tile by columns, a pair by keys), the row statistics,
-        # the mbarriers (kv_full, two per slot, two per staging tile: dq_staged and dq_free). Wide: one dS^T tile
-        # and the fp32 P^T hand-over (block_m x block_n floats) before the statistics.
+        # with ``mods`` dropout's keep flags (per slot block_m / 16 bytes for each thread that forms P^T: 256, or 128
+        # at the wide head dims) and 16 bytes per producer thread, the mbarriers (kv_full, two per slot, two per staging tile: dq_staged and
+        # dq_free). Wide: one dS^T tile and the fp32 P^T hand-over (block_m x block_n floats) before the statistics.
         d, m, n = self.headdim, self.block_m, self.block_n
         ds_tiles, dq_tiles = (1, 2) if self.dq_by_keys else (1, 1) if self.wide else (2, 1)
         p_bytes = m * n * 4 if self.wide else 0
+        dropout = mods and not self.dq_by_keys  # (HopperBwdTraits::kDropout)
+        drop_bytes = self.stages * (128 if self.wide else 256) * (m // 16) + 16 * 128 if dropout else 0
         return (1024 + 2 * n * d * 2 + 2 * self.stages * m * d * 2 + ds_tiles * n * m * 2
-                + dq_tiles * m * self.dq_pitch(d) * 4 + p_bytes + 2 * self.stages * m * 4
+                + dq_tiles * m * self.dq_pitch(d) * 4 + p_bytes + 2 * self.stages * m * 4 + drop_bytes
                 + 8 * (1 + 2 * self.stages + 2 * dq_tiles))
 
     def name_expression(self, dtype: str, mask: str, atomic_dq: bool = True, mods: bool = False,
@@ -288,8 +291,8 @@ class HopperBwdConfig:
 
 
 #: The Hopper backward's dK/dV kernel, by head dim: used on compute capability 9.0 for padded and varlen calls
-#: deterministic or not, with softcap and ALiBi at HOPPER_BWD_MODS_HEADDIMS, never with dropout; every other case
-#: runs BACKWARD_TABLE's mma.sync kernels.
+#: deterministic or not, with softcap, ALiBi and dropout at HOPPER_BWD_MODS_HEADDIMS; every other case runs
+#: BACKWARD_TABLE's mma.sync kernels.
 #: Head dim 64 takes 128 query rows per step (the per-step waits and hand-offs over twice the work) and splits dQ_i
 #: by keys (by columns each warpgroup's 32 would be half a swizzled slab), the two partial sums added in shared
 #: memory before the one reduction per row (docs/design.md). The wide head dims, 192 and 256, take 64 keys per
@@ -305,27 +308,37 @@ BACKWARD_HOPPER_TABLE: dict[int, HopperBwdConfig] = {
 }
 
 
-#: Head dims at which the Hopper dK/dV kernel has softcap/ALiBi instantiations (HopperBwdTraits' Mods, the window
-#: variant); padded calls only at HOPPER_BWD_MODS_PADDED_ONLY (head dim 128's row needs 240 consumer registers, at
+#: Head dims at which the Hopper dK/dV kernel has softcap/ALiBi/dropout instantiations (HopperBwdTraits' Mods, the
+#: window variant); padded calls only at HOPPER_BWD_MODS_PADDED_ONLY (head dim 128's row needs 240 consumer registers, at
 #: which the varlen producer, copying ragged tiles by cp.async, spills). At the wide head dims only warpgroup 0 applies
-#: the modifiers (hopper/bwd_consumer_wide.cuh). KernelOptions(hopper_backward_mods=False) runs these calls on the
+#: the modifiers and draws dropout's numbers (hopper/bwd_consumer_wide.cuh). KernelOptions(hopper_backward_mods=False) runs these calls on the
 #: mma.sync backward instead (H200, 16k tokens: the rows at 64 and 128 are 1.9-2.2x faster with softcap, 2.0-2.2x
 #: with ALiBi).
 HOPPER_BWD_MODS_HEADDIMS = (64, 128, 192, 256)
 HOPPER_BWD_MODS_PADDED_ONLY = (128,)
 
 
-def hopper_bwd_takes_mods(headdim: int, varlen: bool) -> bool:
-    """Whether the Hopper dK/dV kernel has softcap/ALiBi rows for this head dim, padded or varlen."""
+#: Head dims whose Hopper modifier rows take softcap and ALiBi but not dropout (HopperBwdTraits::kDropout: at 64,
+#: 128 query rows a step, the consumers had no registers for dropout's keep flags); dropout there runs on the
+#: mma.sync backward.
+HOPPER_BWD_NO_DROPOUT = (64,)
+
+
+def hopper_bwd_takes_mods(headdim: int, varlen: bool, dropout: bool = False) -> bool:
+    """Whether the Hopper dK/dV kernel has modifier rows for this head dim, padded or varlen, that take softcap and
+    ALiBi, and with ``dropout`` dropout too."""
+    if dropout and headdim in HOPPER_BWD_NO_DROPOUT:
+        return False
     return headdim in HOPPER_BWD_MODS_HEADDIMS and not (varlen and headdim in HOPPER_BWD_MODS_PADDED_ONLY)
 
 
 def hopper_backward_config(arch: int, headdim: int, mods: bool, dropout: bool = False,
                            with_mods: bool = False, varlen: bool = False) -> HopperBwdConfig | None:
     """The Hopper backward's row for this call, or None where the mma.sync backward runs it (padded or varlen, either
-    mode): head dims 64, 128, 192 and 256 without score modifiers or dropout; softcap and ALiBi (``mods`` without
-    ``dropout``) where hopper_bwd_takes_mods and ``with_mods`` (KernelOptions.hopper_backward_mods)."""
-    if arch != 90 or dropout or (mods and not (with_mods and hopper_bwd_takes_mods(headdim, varlen))):
+    mode): head dims 64, 128, 192 and 256 without score modifiers; softcap, ALiBi and dropout (``mods``; ``dropout``
+    counts as one) where hopper_bwd_takes_mods and ``with_mods`` (KernelOptions.hopper_backward_mods)."""
+    mods = mods or dropout
+    if arch != 90 or (mods and not (with_mods and hopper_bwd_takes_mods(headdim, varlen, dropout))):
         return None
     return BACKWARD_HOPPER_TABLE.get(headdim)
 
@@ -547,8 +560,8 @@ def forward_config(arch: int, headdim: int, dtype: str, mask: str, varlen: bool 
 #: Hopper / mma.sync kernel time in one process, with three consumer warpgroups at d=64: d=64 256 1.11x (mma.sync
 #: kept), 512 0.86x, 1024 1.00x; d=128 128 0.93x, 256 0.94x, 512 1.01x; windows d=64 (256, 0) over 512 0.79x,
 #: d=128 (128, 0) over 256 0.96x (docs/design.md).
-#: The head dims at which the Hopper forward takes softcap and ALiBi (HopperFwdTraits' Mods); elsewhere they run on
-#: the mma.sync forward. At HOPPER_MODS_PADDED_ONLY, padded calls only: the d = 256 consumers need 232 registers with
+#: The head dims at which the Hopper forward takes softcap, ALiBi and dropout (HopperFwdTraits' Mods); elsewhere they
+#: run on the mma.sync forward. At HOPPER_MODS_PADDED_ONLY, padded calls only: the d = 256 consumers need 232 registers with
 #: the modifiers (at 224 the window variant spills 40 bytes), which leaves the producer 40, where the varlen
 #: producer's copies spill. At d = 64 (three consumer warpgroups at 160 registers) they spill 152-168 bytes.
 HOPPER_MODS_HEADDIMS = (128, 192, 256)
@@ -599,16 +612,16 @@ def hopper_forward_config(arch: int, headdim: int, dtype: str, dropout: bool = F
                           mask: str = "none", seqlen_q: int | None = None,
                           masked_min_seqlen: int | None = None, mods: bool = False) -> HopperFwdConfig | None:
     """The Hopper forward's row for this call, or None where the mma.sync forward runs it (another GPU, a head
-    dim other than 64, 128, 192 and 256, dropout, softcap or ALiBi (``mods``) at a head dim outside
-    HOPPER_MODS_HEADDIMS (or varlen at HOPPER_MODS_PADDED_ONLY), or a masked
+    dim other than 64, 128, 192 and 256, softcap, ALiBi or dropout (``mods``; ``dropout`` counts as one) at a head
+    dim outside HOPPER_MODS_HEADDIMS (or varlen at HOPPER_MODS_PADDED_ONLY), or a masked
     call shorter than HOPPER_MASKED_MIN_SEQLEN, or than ``masked_min_seqlen`` where given; ``seqlen_q`` None skips
     that last rule). Varlen calls, paged K/V included, run where padded ones would."""
     if dtype not in DTYPE_TAGS:
         raise ValueError(f"dtype must be one of {tuple(DTYPE_TAGS)}, got {dtype}")
     table = FORWARD_HOPPER_TABLE
-    if arch != 90 or dropout or headdim not in table:
+    if arch != 90 or headdim not in table:
         return None
-    if mods and not hopper_takes_mods(headdim, varlen):
+    if (mods or dropout) and not hopper_takes_mods(headdim, varlen):
         return None
     shortest = HOPPER_MASKED_MIN_SEQLEN[headdim] if masked_min_seqlen is None else masked_min_seqlen
     if mask != "none" and seqlen_q is not None and seqlen_q < shortest:
@@ -703,8 +716,9 @@ def kernel_rows(arch: int, headdim: int, dtype: str, mask: str = "none", mods: b
         dtype: "float16" or "bfloat16".
         mask: one of MASKS ("none", "causal", "window"), as forward.kernel_variant gives it (score modifiers run in
             the "window" variant).
-        mods: softcap, ALiBi or dropout (the Hopper forward takes softcap and ALiBi, the Hopper backward none).
-        dropout: whether dropout is among ``mods`` (the Hopper forward does not take it).
+        mods: softcap, ALiBi or dropout (the Hopper kernels' modifier rows take them, configs.hopper_takes_mods and
+            hopper_bwd_takes_mods).
+        dropout: whether dropout is among ``mods``.
         varlen: packed sequences (paged K/V included).
         seqlen_q: query rows (max_seqlen_q for varlen): masked calls shorter than the Hopper forward's minimum run the
             mma.sync forward; None skips that rule.

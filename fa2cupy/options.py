@@ -22,12 +22,12 @@ class KernelOptions:
     """Kernel choices of a call beyond its arguments (see the module docstring). Fields:
 
     hopper_forward (True): run the forward on the Hopper (wgmma, TMA) kernel where the tile table has a row for the
-        call (compute capability 9.0, head dim 64, 128, 192 or 256, no dropout; softcap and ALiBi at
+        call (compute capability 9.0, head dim 64, 128, 192 or 256; softcap, ALiBi and dropout at
         configs.HOPPER_MODS_HEADDIMS); False runs the mma.sync kernel there.
     hopper_backward (True): the same for the backward's dK/dV kernel (no score modifiers; deterministic or not).
-    hopper_backward_mods (True): the Hopper dK/dV kernel for softcap and ALiBi too, at configs.hopper_bwd_takes_mods's
-        head dims (its modifier rows: 2x the mma.sync backward at 64 and 128, 3.5-5.6x at 192 and 256, H200); False
-        runs those calls on the mma.sync backward.
+    hopper_backward_mods (True): the Hopper dK/dV kernel for softcap, ALiBi and dropout too, at
+        configs.hopper_bwd_takes_mods's head dims (its modifier rows: 2x the mma.sync backward at 64 and 128, 3.5-5.6x
+        at 192 and 256, H200); False runs those calls on the mma.sync backward.
     hopper_pad_headdim (None): on compute capability 9.0, run a head dim without a Hopper row (say 80, 96, 160) on
         the Hopper kernels at the next width up that has one, on the arrays as they are (True), or on the mma.sync
         kernels at its own width (False); None: from configs.HOPPER_PAD_MIN_HEADDIM on. Each call (forward,

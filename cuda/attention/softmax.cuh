@@ -84,12 +84,14 @@ struct OnlineSoftmax {
     // the backward needs). A row with no visible key gets output 0 and lse +inf (flash-attn's convention:
     // exp(s - lse) is then 0 in the backward).
     template <int DTiles>
-    FA2_DEVICE void finalize(float (&acc_o)[MTiles][DTiles][4], float (&lse)[kRows], float scale) {
+    // out_scale: a factor of the output (dropout's 256 / threshold), not of the log-sum-exp.
+    FA2_DEVICE void finalize(float (&acc_o)[MTiles][DTiles][4], float (&lse)[kRows], float scale,
+                             float out_scale = 1.f) {
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
             const float sum = quad_sum(row_sum[r]);
             const bool empty = sum == 0.f;  // NaN inputs are left to propagate, never hidden as 0
-            const float inv = empty ? 0.f : 1.f / sum;
+            const float inv = empty ? 0.f : out_scale * (1.f / sum);
             lse[r] = empty ? pos_inf() : row_max[r] * scale + __logf(sum);
             const int mt = r / 2, half = r % 2;
 #pragma unroll

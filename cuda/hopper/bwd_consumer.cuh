@@ -137,44 +137,92 @@ FA2_DEVICE float modified_logit(float s, float tanh_arg, const ScoreMods& mods, 
     return fmaf(-mods.slope, fabsf(distance), logit);
 }
 
-// One case of scores_to_ds_mods (below), Cap: whether a softcap is on; each score's logit by modified_logit.
-template <class Tr, bool Cap, class Masked>
+// Dropout's keep flags of this thread's scores in the step (the producer's draw_drop_flags, this thread's bytes of
+// the slot from `flags`): byte 2 qb + e1 for 32-query block qb and query parity e1, bit 2 a + eh (query member a,
+// key half eh) set where the score is dropped. Each byte is read where its eight scores are formed (held as a word
+// across the step, it took a register the modifier rows at head dim 128 do not have).
+template <class Tr>
+struct DropBits {
+    u32 at;
+    FA2_DEVICE DropBits(u32 flags, int thread) : at(flags + thread * Tr::kDropBytes) {}
+    FA2_DEVICE u32 byte(int qb, int e1) const {
+        u32 v;
+        asm volatile("ld.shared.u8 %0, [%1];\n" : "=r"(v) : "r"(at + 2 * qb + e1) : "memory");
+        return v;
+    }
+    // z of score (a, eh) of `flags` (byte()): keep_scale (256 / threshold) where kept, 0 where dropped.
+    static FA2_DEVICE float factor(float keep_scale, u32 flags, int a, int eh) {
+        return (flags >> (2 * a + eh) & 1u) ? 0.f : keep_scale;
+    }
+};
+
+// One case of scores_to_ds_mods (below), Cap: whether a softcap is on; each score's logit by modified_logit. Drop:
+// dropout (keep flags `drop`), dV's P^T the dropped one, P^T o Z / (1 - p), and dS^T = P^T o (Z o dP^T / (1 - p) -
+// D) (dP of the dropped output).
+template <class Tr, bool Cap, bool Drop, class Masked>
 FA2_DEVICE void scores_to_ds_mods_of(float (&st)[1][Tr::kBlockM / 8][4], float (&dpt)[1][Tr::kBlockM / 8][4],
                                      const float* lse_s, const float* dsum_s, const Masked& masked, int key_lo,
-                                     int key_offset, int lane, const ScoreMods& mods, int m0) {
+                                     int key_offset, int lane, const ScoreMods& mods, int m0,
+                                     const DropBits<Tr>& drop, float keep_scale) {
     constexpr int kQT = Tr::kBlockM / 8;
+    static_assert(kQT % 4 == 0, "query steps of whole 32-query blocks (dropout's)");
     const float tanh_arg = 2.f * kLog2e * mods.cap_inv;
     // distance of this thread's first score (query m0 + (lane & 3) * 2, key key_lo): query + diag - key
     const float d0 = static_cast<float>(m0 + mods.diag - key_offset);
 #pragma unroll
-    for (int nt = 0; nt < kQT; ++nt) {
+    for (int qb = 0; qb < kQT / 4; ++qb)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int qc = nt * 8 + (lane & 3) * 2 + (e & 1), key = key_lo + (e >> 1) * 8;
-            const int offset = key_offset + (e >> 1) * 8 - nt * 8 - (e & 1);  // key - qc
-            const float distance = d0 + static_cast<float>(key_offset - offset);  // (a constant step from d0)
-            float dcap;
-            const float logit = modified_logit<Cap>(st[0][nt][e], tanh_arg, mods, distance, dcap);
-            float p = fast_exp2(logit * kLog2e - lse_s[qc]);
-            if (masked(offset, key)) p = 0.f;
-            dpt[0][nt][e] = p * (dpt[0][nt][e] - dsum_s[qc]) * dcap;
-            st[0][nt][e] = p;
+        for (int e1 = 0; e1 < 2; ++e1) {
+            const u32 flags = Drop ? drop.byte(qb, e1) : 0u;
+#pragma unroll
+            for (int a = 0; a < 4; ++a)
+#pragma unroll
+                for (int eh = 0; eh < 2; ++eh) {
+                    const int nt = 4 * qb + a, e = 2 * eh + e1;
+                    const int qc = nt * 8 + (lane & 3) * 2 + e1, key = key_lo + eh * 8;
+                    const int offset = key_offset + eh * 8 - nt * 8 - e1;  // key - qc
+                    const float distance = d0 + static_cast<float>(key_offset - offset);  // (a constant step from d0)
+                    float dcap;
+                    const float logit = modified_logit<Cap>(st[0][nt][e], tanh_arg, mods, distance, dcap);
+                    float p = fast_exp2(logit * kLog2e - lse_s[qc]);
+                    if (masked(offset, key)) p = 0.f;
+                    if constexpr (Drop) {
+                        const float z = DropBits<Tr>::factor(keep_scale, flags, a, eh);
+                        dpt[0][nt][e] = p * (dpt[0][nt][e] * z - dsum_s[qc]) * dcap;
+                        p *= z;
+                    } else {
+                        dpt[0][nt][e] = p * (dpt[0][nt][e] - dsum_s[qc]) * dcap;
+                    }
+                    st[0][nt][e] = p;
+                }
         }
-    }
 }
 
-// scores_to_ds with score modifiers (ScoreMods of the step's query head): P^T = exp(logit - L), dS^T = P^T o
-// (dP^T - D) o dlogit / d(scale s); the step's first query row m0 gives each score's ALiBi distance. The softcap is
-// switched once per step (uniform), not per score: with the switch in the loop ptxas serialised the d = 128
-// kernel's wgmmas (C7512).
+// scores_to_ds with score modifiers (ScoreMods of the step's query head) and dropout: P^T = exp(logit - L), dS^T =
+// P^T o (dP^T - D) o dlogit / d(scale s) (with dropout as scores_to_ds_mods_of says; `drop_flags`: the step's keep
+// flags, read only with dropout on); the step's first query row m0 gives each score's ALiBi distance. The softcap
+// and dropout are switched once per step (uniform), not per score: with the switch in the loop ptxas serialised the
+// d = 128 kernel's wgmmas (C7512).
 template <class Tr, class Masked>
 FA2_DEVICE void scores_to_ds_mods(float (&st)[1][Tr::kBlockM / 8][4], float (&dpt)[1][Tr::kBlockM / 8][4],
                                   const float* lse_s, const float* dsum_s, const Masked& masked, int key_lo,
-                                  int key_offset, int lane, const ScoreMods& mods, int m0) {
-    if (mods.cap > 0.f)
-        scores_to_ds_mods_of<Tr, true>(st, dpt, lse_s, dsum_s, masked, key_lo, key_offset, lane, mods, m0);
-    else
-        scores_to_ds_mods_of<Tr, false>(st, dpt, lse_s, dsum_s, masked, key_lo, key_offset, lane, mods, m0);
+                                  int key_offset, int lane, const ScoreMods& mods, int m0,
+                                  const HopperBwdArgs& args, u32 drop_flags, int thread) {
+    const DropBits<Tr> drop(drop_flags, thread);
+    if (Tr::kDropout && args.dropout_threshold != 0) {
+        if (mods.cap > 0.f)
+            scores_to_ds_mods_of<Tr, true, true>(st, dpt, lse_s, dsum_s, masked, key_lo, key_offset, lane, mods, m0,
+                                                 drop, args.dropout_scale);
+        else
+            scores_to_ds_mods_of<Tr, false, true>(st, dpt, lse_s, dsum_s, masked, key_lo, key_offset, lane, mods, m0,
+                                                  drop, args.dropout_scale);
+    } else if (mods.cap > 0.f) {
+        scores_to_ds_mods_of<Tr, true, false>(st, dpt, lse_s, dsum_s, masked, key_lo, key_offset, lane, mods, m0,
+                                              drop, 1.f);
+    } else {
+        scores_to_ds_mods_of<Tr, false, false>(st, dpt, lse_s, dsum_s, masked, key_lo, key_offset, lane, mods, m0,
+                                               drop, 1.f);
+    }
 }
 
 // dK and dV, staged in the K and V tiles, out to dk and dv: each 16-byte chunk of the rows these threads staged
@@ -276,7 +324,7 @@ FA2_DEVICE void consume_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
                                   make_score_mods(args.scale, args.softcap,
                                                   alibi_slope(args.alibi_slopes, args.alibi_batch_stride, batch, head),
                                                   args.seqlen_q, args.seqlen_k),
-                                  m0);
+                                  m0, args, smem.drop + s * Tr::kDropSlotBytes, ctid);
         else
             scores_to_ds<Tr>(st, dpt, lse_s, dsum_s, masked, key_lo, key_offset, lane, args.scale_log2);
         u32 pa[kQT / 2][4], dsa[kQT / 2][4];  // P^T and dS^T as A operands, k16 steps over the queries

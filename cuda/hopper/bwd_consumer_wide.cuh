@@ -4,8 +4,9 @@
 // dV += P^T dO; warpgroup 1 computes dP^T = V dO^T, dS^T = P^T o (dP^T - D) with warpgroup 0's P^T (fp32, handed
 // over in shared memory at barrier kBwdPReady), and dK += dS^T Q, storing dS^T for dQ_i = dS K, which they split by
 // columns (warpgroup 0 columns 0-127, warpgroup 1 the rest). Each holds one 64 x HeadDim accumulator (HeadDim / 2
-// registers), its 64 x 64 scores (32) and its share of dQ_i (64 or 32). Score modifiers (softcap, ALiBi) are
-// warpgroup 0's alone: it forms P^T from the modified logits and hands over P^T times the softcap's derivative.
+// registers), its 64 x 64 scores (32) and its share of dQ_i (64 or 32). Score modifiers (softcap, ALiBi) and dropout
+// are warpgroup 0's alone: it forms P^T from the modified logits (and the producer's dropout flags) and hands over
+// P^T times the softcap's derivative, negated where dropout drops the score.
 #pragma once
 #include "common/types.cuh"
 #include "common/math.cuh"
@@ -58,29 +59,47 @@ FA2_DEVICE void dq_wide(const HopperBwdSmem<Tr>& smem, int it, int col0, int w4,
 // Warpgroup 0's P^T with score modifiers (ScoreMods of the step's query head), Cap: whether a softcap is on. P^T =
 // exp(logit - L) (modified_logit, as scores_to_ds_mods_of) stays in `st` (dV's operand), and P^T o dlogit /
 // d(scale s) goes to warpgroup 1 at `px` (its dS^T = that o (dP^T - D)), so the softcap's derivative needs no
-// registers of warpgroup 1.
-template <class Tr, bool Cap, class Masked>
+// registers of warpgroup 1. Drop: dropout (the step's keep flags `drop`), `st` the dropped P^T o Z / (1 - p), and
+// what goes to warpgroup 1 negated where the score is dropped (P^T >= 0: the sign is free), so that it finds Z
+// without the flags (dS^T = |x| o (Z o dP^T - D)).
+template <class Tr, bool Cap, bool Drop, class Masked>
 FA2_DEVICE void wide_p_mods(float (&st)[1][Tr::kBlockM / 8][4], float4* px, const float* lse_s, const Masked& masked,
-                            int key_lo, int key_offset, int lane, int wtid, const ScoreMods& mods, int m0) {
+                            int key_lo, int key_offset, int lane, int wtid, const ScoreMods& mods, int m0,
+                            const DropBits<Tr>& drop, float keep_scale) {
     constexpr int kQT = Tr::kBlockM / 8;
+    static_assert(kQT % 4 == 0, "query steps of whole 32-query blocks (dropout's)");
     const float tanh_arg = 2.f * kLog2e * mods.cap_inv;
     const float d0 = static_cast<float>(m0 + mods.diag - key_offset);  // (as in scores_to_ds_mods_of)
 #pragma unroll
-    for (int nt = 0; nt < kQT; ++nt) {
-        float pd[4];
+    for (int qb = 0; qb < kQT / 4; ++qb) {
+        float pd[4][4];  // [query member][e]
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int qc = nt * 8 + (lane & 3) * 2 + (e & 1), key = key_lo + (e >> 1) * 8;
-            const int offset = key_offset + (e >> 1) * 8 - nt * 8 - (e & 1);  // key - qc
-            const float distance = d0 + static_cast<float>(key_offset - offset);
-            float dcap;
-            const float logit = modified_logit<Cap>(st[0][nt][e], tanh_arg, mods, distance, dcap);
-            float p = fast_exp2(logit * kLog2e - lse_s[qc]);
-            if (masked(offset, key)) p = 0.f;
-            st[0][nt][e] = p;
-            pd[e] = p * dcap;
+        for (int e1 = 0; e1 < 2; ++e1) {
+            const u32 flags = Drop ? drop.byte(qb, e1) : 0u;
+#pragma unroll
+            for (int a = 0; a < 4; ++a)
+#pragma unroll
+                for (int eh = 0; eh < 2; ++eh) {
+                    const int nt = 4 * qb + a, e = 2 * eh + e1;
+                    const int qc = nt * 8 + (lane & 3) * 2 + e1, key = key_lo + eh * 8;
+                    const int offset = key_offset + eh * 8 - nt * 8 - e1;  // key - qc
+                    const float distance = d0 + static_cast<float>(key_offset - offset);
+                    float dcap;
+                    const float logit = modified_logit<Cap>(st[0][nt][e], tanh_arg, mods, distance, dcap);
+                    float p = fast_exp2(logit * kLog2e - lse_s[qc]);
+                    if (masked(offset, key)) p = 0.f;
+                    pd[a][e] = p * dcap;
+                    if constexpr (Drop) {
+                        const float z = DropBits<Tr>::factor(keep_scale, flags, a, eh);
+                        if (z == 0.f) pd[a][e] = -pd[a][e];
+                        p *= z;
+                    }
+                    st[0][nt][e] = p;
+                }
         }
-        px[nt * 128 + wtid] = make_float4(pd[0], pd[1], pd[2], pd[3]);
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+            px[(4 * qb + a) * 128 + wtid] = make_float4(pd[a][0], pd[a][1], pd[a][2], pd[a][3]);
     }
 }
 
@@ -151,10 +170,21 @@ FA2_DEVICE void consume_dkdv_wide(const HopperBwdSmem<Tr>& smem, const HopperBwd
             const ScoreMods mods = make_score_mods(args.scale, args.softcap,
                                                    alibi_slope(args.alibi_slopes, args.alibi_batch_stride, batch, head),
                                                    args.seqlen_q, args.seqlen_k);
-            if (mods.cap > 0.f)
-                wide_p_mods<Tr, true>(st, px, lse_s, masked, key_lo, key_offset, lane, wtid, mods, m0);
-            else
-                wide_p_mods<Tr, false>(st, px, lse_s, masked, key_lo, key_offset, lane, wtid, mods, m0);
+            const DropBits<Tr> drop(smem.drop + s * Tr::kDropSlotBytes, wtid);
+            if (Tr::kDropout && args.dropout_threshold != 0) {
+                if (mods.cap > 0.f)
+                    wide_p_mods<Tr, true, true>(st, px, lse_s, masked, key_lo, key_offset, lane, wtid, mods, m0, drop,
+                                                args.dropout_scale);
+                else
+                    wide_p_mods<Tr, false, true>(st, px, lse_s, masked, key_lo, key_offset, lane, wtid, mods, m0, drop,
+                                                 args.dropout_scale);
+            } else if (mods.cap > 0.f) {
+                wide_p_mods<Tr, true, false>(st, px, lse_s, masked, key_lo, key_offset, lane, wtid, mods, m0, drop,
+                                             1.f);
+            } else {
+                wide_p_mods<Tr, false, false>(st, px, lse_s, masked, key_lo, key_offset, lane, wtid, mods, m0, drop,
+                                              1.f);
+            }
             named_barrier_arrive<kBwdPReady, kThreads>();
         } else if (wg == 0) {
             // P^T = exp(S^T scale - L), masked scores 0 (as scores_to_ds), to warpgroup 1 in fp32.
@@ -177,17 +207,33 @@ FA2_DEVICE void consume_dkdv_wide(const HopperBwdSmem<Tr>& smem, const HopperBwd
             named_barrier_arrive<kBwdPReady, kThreads>();
         } else {
             // dS^T = P^T o (dP^T - D), once warpgroup 0's P^T is in (and its reads of the last dS^T are over);
-            // with score modifiers P^T o dlogit / d(scale s) is what came.
+            // with score modifiers P^T o dlogit / d(scale s) is what came, with dropout negated where dropped
+            // (wide_p_mods): dS^T = |x| o (Z o dP^T - D).
             const float* dsum_s = smem.stats + (kS + s) * kM;
             named_barrier_sync<kBwdPReady, kThreads>();
+            if (Tr::kDropout && args.dropout_threshold != 0) {
+                const float keep_scale = args.dropout_scale;
 #pragma unroll
-            for (int nt = 0; nt < kQT; ++nt) {
-                const float4 p = px[nt * 128 + wtid];
-                const int qc = nt * 8 + (lane & 3) * 2;
-                st[0][nt][0] = p.x * (st[0][nt][0] - dsum_s[qc]);
-                st[0][nt][1] = p.y * (st[0][nt][1] - dsum_s[qc + 1]);
-                st[0][nt][2] = p.z * (st[0][nt][2] - dsum_s[qc]);
-                st[0][nt][3] = p.w * (st[0][nt][3] - dsum_s[qc + 1]);
+                for (int nt = 0; nt < kQT; ++nt) {
+                    const float4 p = px[nt * 128 + wtid];
+                    const float x[4] = {p.x, p.y, p.z, p.w};
+                    const int qc = nt * 8 + (lane & 3) * 2;
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const float z = x[e] < 0.f ? 0.f : keep_scale;
+                        st[0][nt][e] = fabsf(x[e]) * (st[0][nt][e] * z - dsum_s[qc + (e & 1)]);
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int nt = 0; nt < kQT; ++nt) {
+                    const float4 p = px[nt * 128 + wtid];
+                    const int qc = nt * 8 + (lane & 3) * 2;
+                    st[0][nt][0] = p.x * (st[0][nt][0] - dsum_s[qc]);
+                    st[0][nt][1] = p.y * (st[0][nt][1] - dsum_s[qc + 1]);
+                    st[0][nt][2] = p.z * (st[0][nt][2] - dsum_s[qc]);
+                    st[0][nt][3] = p.w * (st[0][nt][3] - dsum_s[qc + 1]);
+                }
             }
         }
 #pragma unroll

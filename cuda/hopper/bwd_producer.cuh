@@ -13,6 +13,46 @@
 
 namespace fa2 {
 
+// Dropout's keep flags of a step (first query row m0, the block's keys from key0) into the slot at `flags`, for the
+// consumer threads that form P^T: thread c's scores are its keys key_lo + 8 eh (rows of S^T: warp W = c / 32 of
+// those threads holds keys 16 W .. 16 W + 15 of the block, lane l keys g = l / 4 and g + 8) and the queries
+// m0 + 32 qb + 8 a + 2 t + e1 (t = l % 4), taken by 32-query block qb and query parity e1: byte 2 qb + e1 of
+// its kDropBytes, bit 2 a + eh set where the score is dropped. One Philox call (key 32 kbi + g, query residue
+// 2 t + e1 of block qb: Dropout's grid) covers that byte of two threads, warps 2 kbi and 2 kbi + 1 (key members
+// 0, 1 and 2, 3), so each call is drawn once and used whole; the producer's threads take the calls in turn.
+// The Philox key and counter words pass through this thread's 16 bytes at `scratch` and are read back per call
+// (volatile): the rounds' keys are then made in the loop, where they are used (hoisted out of it, fourteen of them
+// held registers that the producer, at 24, does not have: it spilled 70-90 bytes).
+template <class Tr>
+FA2_DEVICE void draw_drop_flags(u32 flags, u32 scratch, const Dropout& dropout, int key0, int m0, int ptid) {
+    constexpr int kQBlocks = Tr::kBlockM / 32, kKeyBlocks = Tr::kDropThreads / 64;
+    constexpr int kCalls = kKeyBlocks * 8 * kQBlocks * 8;
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(scratch), "r"(dropout.key0), "r"(dropout.key1),
+                 "r"(dropout.offset), "r"(dropout.bh)
+                 : "memory");
+#pragma unroll 1
+    for (int c = ptid; c < kCalls; c += Tr::kProducerThreads) {
+        const int r_q = c & 7, qb = (c >> 3) % kQBlocks, g = (c / (8 * kQBlocks)) & 7, kbi = c / (64 * kQBlocks);
+        Dropout d = dropout;
+        asm volatile("ld.volatile.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(d.key0), "=r"(d.key1), "=r"(d.offset), "=r"(d.bh)
+                     : "r"(scratch)
+                     : "memory");
+        u32 w[4];
+        d.words_fixed_key(w, d.fix_key(Dropout::group(key0 + 32 * kbi + g)), Dropout::group(m0 + 32 * qb, r_q));
+        u32 lo = 0, hi = 0;  // warp 2 kbi's byte (key members 0, 1), warp 2 kbi + 1's (2, 3)
+#pragma unroll
+        for (int a = 0; a < 4; ++a) {
+            const u32 f = d.drop_flags(w[a]) >> 7;  // member j's flag at bit 8 j
+            lo |= (f & 1u) << (2 * a) | (f >> 8 & 1u) << (2 * a + 1);
+            hi |= (f >> 16 & 1u) << (2 * a) | (f >> 24 & 1u) << (2 * a + 1);
+        }
+        const int thread = 64 * kbi + 4 * g + (r_q >> 1), byte = 2 * qb + (r_q & 1);
+        st_shared_u8(flags + thread * Tr::kDropBytes + byte, lo);
+        st_shared_u8(flags + (thread + 32) * Tr::kDropBytes + byte, hi);
+    }
+}
+
 template <class Tr, class BlockSteps>
 FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs& args,
                              const WindowMask<Tr::kMask>& mask, const BlockSteps& block_steps, const int& kv_head,
@@ -98,7 +138,7 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
             lse_next = args.lse[row], dsum_next = args.dsum[row];
         }
     };
-    load_stats(kv_head * args.heads_per_kv, steps.m_begin * kM);
+    if (!Tr::kDropout) load_stats(kv_head * args.heads_per_kv, steps.m_begin * kM);
     for (int it = 0, head = kv_head * args.heads_per_kv, m0 = steps.m_begin * kM; it < steps.count; ++it) {
         const int s = it % kS;
         mbar_wait(smem.empty(s), ((it / kS) & 1) ^ 1);
@@ -121,15 +161,22 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
                       args.do_row_stride, args.seqlen_q - m0);
             cp_async_fenced_arrive(smem.full(s));
         }
+        if constexpr (Tr::kDropout) {
+            // (the statistics loaded here, not a step ahead: the draw needs the registers)
+            load_stats(head, m0);
+            if (args.dropout_threshold != 0)
+                draw_drop_flags<Tr>(smem.drop + s * Tr::kDropSlotBytes, smem.drop + kS * Tr::kDropSlotBytes + 16 * ptid,
+                                    step_dropout(args, batch, head), key0, m0, ptid);
+        }
         if (ptid < kM) {
             smem.stats[s * kM + ptid] = lse_next * kLog2e;
             smem.stats[(kS + s) * kM + ptid] = dsum_next;
-            mbar_arrive(smem.full(s));  // (release: the stores above)
         }
+        if (Tr::kMods || ptid < kM) mbar_arrive(smem.full(s));  // (release: the stores above)
         if (it >= kLag) reduce_step(it - kLag);
         m0 += kM;  // step it + 1's query head and first row
         if (m0 == (steps.m_begin + steps.m_count) * kM) m0 = steps.m_begin * kM, ++head;
-        if (it + 1 < steps.count) load_stats(head, m0);
+        if (!Tr::kDropout && it + 1 < steps.count) load_stats(head, m0);
     }
     if (kLag == 2 && steps.count >= 2) reduce_step(steps.count - 2);
     if (steps.count >= 1) reduce_step(steps.count - 1);

@@ -83,6 +83,17 @@ struct HopperBwdTraits {
     // Wide: warpgroup 0's fp32 P^T of the step for warpgroup 1 (each thread's 32 scores, the C-fragment layout of
     // both warpgroups alike), kM x kBlockN floats; none otherwise.
     static constexpr int kPxBytes = kWide ? BlockM * kBlockN * 4 : 0;
+    // Mods: dropout's keep flags of each step, drawn by the producer warpgroup (its threads are otherwise idle, and
+    // the consumers have no registers for Philox: drawn there, every modifier row spilled 16-44 bytes), one bit per
+    // score of the threads that form P^T (all 256, or warpgroup 0's 128 at the wide head dims) in the order they
+    // take them: kDropBytes per thread a slot (one per 32-query block and query parity), kDropThreads threads.
+    // Not by keys (head dim 64, 128 query rows a step): there the consumers spilled 4-64 bytes however they took the
+    // flags, so dropout at 64 runs on the mma.sync backward (configs.hopper_bwd_takes_mods).
+    static constexpr bool kDropout = Mods && !DqByKeys;
+    static constexpr int kDropThreads = kWide ? 128 : 256, kDropBytes = BlockM / 16;
+    static constexpr int kDropSlotBytes = kDropout ? kDropThreads * kDropBytes : 0;
+    // (and 16 bytes of each producer thread's own, draw_drop_flags')
+    static constexpr int kDropScratchBytes = kDropout ? 16 * kProducerThreads : 0;
     // kv_full, then full[] and empty[] per ring slot, then dq_staged[] and dq_free[] per staging tile (the
     // consumers hand the staged dQ_i to the producer, which issues its reduction and hands the tile back once
     // it has read it; a pair by keys, as a tile's barriers may then not run a phase ahead of the other's).
@@ -90,7 +101,8 @@ struct HopperBwdTraits {
     // 1 KB of slack: the swizzled slabs start on 1024-byte boundaries.
     static constexpr int kSmemBytes = 1024 + 2 * KVTile::kBytes + 2 * Stages * QTile::kBytes +
                                       kDsTiles * DsTile::kBytes + kDqTiles * kDqBytes + kPxBytes +
-                                      2 * Stages * kBlockM * 4 + 8 * kBarriers;
+                                      2 * Stages * kBlockM * 4 + Stages * kDropSlotBytes + kDropScratchBytes +
+                                      8 * kBarriers;
     static_assert(kDqCols % 64 == 0 && kDqCols1 % 64 == 0, "each warpgroup's dQ columns are whole 64-column slabs");
     static_assert(!kWide || (BlockM == 64 && !DqByKeys && (HeadDim == 192 || HeadDim == 256)),
                   "the wide head dims: 64 query rows a step, dQ_i by columns");
@@ -125,9 +137,11 @@ FA2_DEVICE void bwd_mark(int) {}
 
 // The block's shared memory: K and V (swizzled slabs, 1024-byte aligned), kS slots of Q and of dO, the dS^T tiles,
 // the fp32 dQ staging tiles, at the wide head dims the P^T hand-over (kPxBytes), the row statistics (lse in the log2
-// domain [kS][kM], then D [kS][kM]) and the barriers.
+// domain [kS][kM], then D [kS][kM]), with modifiers dropout's keep flags [kS][kDropThreads][kDropBytes] and the
+// producer threads' 16 bytes each (draw_drop_flags), and the barriers.
 // kv_full: K and V landed (128 cp.async arrivals, or with TMA the first thread's arrival, for all 128 in varlen, and
-// the copies' bytes); full[s]: Q and dO landed in slot s (likewise) and its lse and D are stored (kM arrivals);
+// the copies' bytes); full[s]: Q and dO landed in slot s (likewise) and its lse and D are stored (kM arrivals; with
+// modifiers every producer thread's, its dropout flags stored too);
 // empty[s]: the 256 consumer threads are done with slot s (each arrives for its own reads of lse and D: one arrival
 // per warp after __syncwarp left racecheck a hazard between the other lanes' reads and the producer's next stores);
 // dq_staged[t]: the warps that store the last of dQ_i (by keys warpgroup 1's, adding to warpgroup 0's part) are done
@@ -138,7 +152,7 @@ struct HopperBwdSmem {
     using QTile = typename Tr::QTile;
     using DsTile = typename Tr::DsTile;
     static constexpr int kM = Tr::kBlockM, kS = Tr::kStages;
-    u32 k, v, q, dout, ds, dq, bars, kv_full;
+    u32 k, v, q, dout, ds, dq, bars, kv_full, drop;
     float* stats;
 
     FA2_DEVICE explicit HopperBwdSmem(unsigned char* raw) {
@@ -150,7 +164,8 @@ struct HopperBwdSmem {
         dq = ds + Tr::kDsTiles * DsTile::kBytes;             // fp32 staging, kDqTiles tiles
         // (wide: P^T's kPxBytes, then) lse [kS][kM], then D [kS][kM]
         const u32 stats_at = dq + Tr::kDqTiles * Tr::kDqBytes + Tr::kPxBytes;
-        bars = stats_at + 2 * kS * kM * 4;
+        drop = stats_at + 2 * kS * kM * 4;
+        bars = drop + kS * Tr::kDropSlotBytes + Tr::kDropScratchBytes;
         stats = reinterpret_cast<float*>(raw + (stats_at - smem_u32(raw)));
         kv_full = bars;
     }
@@ -163,7 +178,7 @@ struct HopperBwdSmem {
     FA2_DEVICE void init_barriers() const {
         mbar_init(kv_full, Tr::kCopyArrivals);
         for (int s = 0; s < kS; ++s) {
-            mbar_init(full(s), Tr::kCopyArrivals + kM);
+            mbar_init(full(s), Tr::kCopyArrivals + (Tr::kMods ? Tr::kProducerThreads : kM));
             mbar_init(empty(s), Tr::kConsumerThreads);
         }
         for (int t = 0; t < Tr::kDqTiles; ++t) {
@@ -218,7 +233,24 @@ struct HopperBwdArgs {
     // The arrays' head dim: kHeadDim, or less where the kernel runs wider than the arrays (padded calls: TMA reads
     // zeros past it), and dK and dV have no columns past it to write.
     int headdim;
+    // Mods: dropout's seed and offset (or rng_state, in device memory), its threshold (0: none) and scale, and the
+    // query heads (a step's Philox counter holds batch * nheads + head).
+    const u32* rng_state;
+    u64 seed, offset;
+    u32 dropout_threshold;
+    float dropout_scale;
+    int nheads;
 };
+
+// The dropout of a step's (batch row, query head) (the Mods kernels' producer, draw_drop_flags): the per-call seed
+// and offset, or rng_state's (from L1), read per step so that no register holds them across the steps.
+FA2_DEVICE Dropout step_dropout(const HopperBwdArgs& args, int batch, int head) {
+    u32 seed_lo = (u32)args.seed, seed_hi = (u32)(args.seed >> 32);
+    u32 offset_lo = (u32)args.offset, offset_hi = (u32)(args.offset >> 32);
+    load_rng_state(args.rng_state, seed_lo, seed_hi, offset_lo, offset_hi);
+    return make_dropout(args.dropout_threshold, seed_lo, seed_hi, offset_lo, offset_hi, batch, args.nheads, head,
+                        args.dropout_scale);
+}
 
 // A block's steps: every query head of its group in turn, each over the query tiles with a row that sees one of the
 // block's keys (m_count of them from tile m_begin).

@@ -19,8 +19,8 @@
 //
 // FwdHopperParams (common/params.cuh): flash_fwd's parameters (cuda/fwd.cu) plus the batch size, the heads per L2
 // group, the tile counter (null for the grid stride) and the tensor maps of q, k, v and o (fa2cupy/tensor_maps.py;
-// paged calls have no K or V map); padded and varlen calls, varlen with paged K/V too, with softcap and ALiBi
-// (HopperFwdTraits::kMods) or without (dropout stays on flash_fwd).
+// paged calls have no K or V map); padded and varlen calls, varlen with paged K/V too, with softcap, ALiBi and
+// dropout (HopperFwdTraits::kMods) or without.
 //
 // The kernel assembles its parts: the traits and shared-memory layout (hopper/fwd_traits.cuh), the work items
 // (hopper/scheduler.cuh), the producer (hopper/fwd_producer.cuh), the consumers' stages (hopper/fwd_consumer.cuh)
@@ -64,7 +64,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                              params.page_shift, params.max_pages, params.num_pages, params.error_claim,
                              params.error_host, kernel_params.tile_counter, kernel_params.tmap_q,
                              kernel_params.tmap_k, kernel_params.tmap_v, kernel_params.tmap_o, params.softcap,
-                             params.alibi_slopes, params.alibi_batch_stride, params.headdim};
+                             params.alibi_slopes, params.alibi_batch_stride, params.headdim, params.rng_state,
+                             params.seed, params.offset, params.dropout_threshold, params.dropout_scale};
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const HopperFwdScheduler<Tr::kBlockM> sched(params.max_seqlen_q, params.nheads, kernel_params.batch,
                                                 kernel_params.heads_per_group);
@@ -106,6 +107,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // (kMods: the item's ALiBi slope; the rest of its ScoreMods is rebuilt per tile from the arguments and the
         // mask, so that the loop holds one register for them: held whole, they spilled at d = 256)
         const float slope = Tr::kMods ? alibi_slope(args.alibi_slopes, args.alibi_batch_stride, b, head) : 0.f;
+        const bool drop = Tr::kMods && args.dropout_threshold != 0;  // (kMods) dropout: consumer.drop()
         int n_first, n_blocks, my_first, my_count;
         mask.template key_tiles<Tr::kBlockN>(row0, Tr::kBlockM, n_first, n_blocks);
         mask.template key_tiles<Tr::kBlockN>(wg_row0, 64, my_first, my_count);
@@ -167,6 +169,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             consumer.mark(1);
             consumer.probabilities(mask, slope, n_first, wg_row0, warp_row0, mine_begin, s, softmax, correction);
             scores_to_operand<Tr>(p, s);
+            if (drop) consumer.drop(p, b, head, n_first, warp_row0, mine_begin);
             consumer.mark(2);
             u32 prev = consumer.tiles++;  // tile j - 1, whose V goes into the product with P_{j-1}
             int prev_halves = my_count > 1 ? first_half : first_half & last_half;
@@ -188,6 +191,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 consumer.release(smem.k_empty(ring_slot<kKS>(consumer.tiles)), smem.v_empty(ring_slot<kVS>(prev)));
                 softmax.rescale(acc_o, correction);
                 scores_to_operand<Tr>(p, s);
+                if (drop) consumer.drop(p, b, head, n_first, warp_row0, j);
                 prev = consumer.tiles++;
                 prev_halves = j == mine_end - 1 ? last_half : kBothHalves;
             }
@@ -216,9 +220,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // staging rather than through one helper: a shared one changed both kernels' code and measured slower,
         // docs/design.md.)
         float row_lse[2];
-        // (modified scores: logits in UnitScoreMods' unit)
-        softmax.finalize(acc_o, row_lse, Tr::kMods ? make_unit_score_mods(args.scale, args.softcap, slope, 0, 0).unit
-                                                   : args.scale);
+        // (modified scores: logits in UnitScoreMods' unit; dropout: the kept scores' 256 / threshold)
+        softmax.finalize(acc_o, row_lse,
+                         consumer.modify(slope) ? make_unit_score_mods(args.scale, args.softcap, slope, 0, 0).unit
+                                                : args.scale,
+                         drop ? args.dropout_scale : 1.f);
         consumer.mark(9);
         const u32 q_tile = smem.q + q_buffer * QTile::kBytes;
         static_assert(kDT % 4 == 0, "the output goes out in groups of four n8 consumer.tiles");

@@ -132,6 +132,10 @@ struct HopperFwdConsumer {
         ++tiles;
     }
 
+    // Whether the scores change (kMods: a softcap, or ALiBi with a slope): uniform over the item; a call with
+    // dropout alone keeps the plain kernels' scale, folded into the exponent.
+    FA2_DEVICE bool modify(const float& slope) const { return Tr::kMods && (args.softcap > 0.f || slope != 0.f); }
+
     // The landed scores of the block's tile j: modified (kMods: softcap, and ALiBi of `slope`, into
     // UnitScoreMods' values), masked where some row of the warpgroup cannot see some key, then P.
     FA2_DEVICE void probabilities(const WindowMask<Tr::kMask>& mask, const float& slope, const int& n_first,
@@ -140,7 +144,7 @@ struct HopperFwdConsumer {
         pin_registers(s);
         const int col0 = (n_first + j) * Tr::kBlockN;
         float scale_log2 = args.scale_log2;
-        if constexpr (Tr::kMods) {
+        if (modify(slope)) {
             const UnitScoreMods mods =
                 make_unit_score_mods(args.scale, args.softcap, slope, mask.seqlen_q, mask.seqlen_k);
             mods.template apply<Tr::kMask == kMaskCausal>(s, warp_row0, col0, lane);
@@ -148,6 +152,29 @@ struct HopperFwdConsumer {
         }
         if (mask.tile_needs_mask(wg_row0, 64, col0, Tr::kBlockN)) mask.apply(s, warp_row0, col0, lane);
         softmax.probabilities(s, scale_log2, correction);
+    }
+
+    // Dropout (kMods) on P_j, packed: this warp's 16 rows from warp_row0 (rows g and g + 8 of each Philox call's
+    // 32: half its numbers) against the tile's keys, 32 at a time, for the item's batch row b and head. After the
+    // row sums: the softmax normaliser counts every key, the output only the kept ones (scaled by 256 / threshold
+    // once, at the end). The Philox key and the rows' share of the calls are worked out per tile (a tenth of its
+    // Philox work; rng_state's words from L1), not held across the loop: held, they spilled 20-28 bytes at d = 256.
+    FA2_DEVICE void drop(u32 (&p)[kNT / 2][4], const int& b, const int& head, const int& n_first,
+                         const int& warp_row0, int j) const {
+        u32 seed_lo = (u32)args.seed, seed_hi = (u32)(args.seed >> 32);
+        u32 offset_lo = (u32)args.offset, offset_hi = (u32)(args.offset >> 32);
+        load_rng_state(args.rng_state, seed_lo, seed_hi, offset_lo, offset_hi);
+        const Dropout dropout = make_dropout(args.dropout_threshold, seed_lo, seed_hi, offset_lo, offset_hi, b,
+                                             args.nheads, head, args.dropout_scale);
+        const int col0 = (n_first + j) * Tr::kBlockN;
+        const auto rows = dropout.template fix_rows<1>(warp_row0, lane);
+#pragma unroll
+        for (int kb = 0; kb < Tr::kBlockN / 32; ++kb) {
+            u32 flags[1][2][2];
+            dropout.row_flags<1>(flags, rows, warp_row0, col0 + kb * 32, lane);
+            Dropout::apply_a<1>(reinterpret_cast<u32(&)[1][4]>(p[2 * kb]), flags, 0);
+            Dropout::apply_a<1>(reinterpret_cast<u32(&)[1][4]>(p[2 * kb + 1]), flags, 1);
+        }
     }
 };
 

@@ -37,7 +37,8 @@ struct HopperFwdTraits {
     static constexpr bool kPaged = Paged;
     static_assert(Varlen || !Paged, "paged K/V comes with varlen");
     // Mods: the scores go through the softcap and ALiBi (UnitScoreMods in masks.cuh; either may be off at run time)
-    // before the mask. Dropout stays on flash_fwd. (Shipped at configs.HOPPER_MODS_HEADDIMS.)
+    // before the mask, and dropout drops entries of P (either may be off at run time). (Shipped at
+    // configs.HOPPER_MODS_HEADDIMS.)
     static constexpr bool kMods = Mods;
     // Padded calls move their tiles with the tensor memory accelerator (tensor maps of q, k, v and o: one thread
     // issues a tile's copies, rows past the sequence read as zeros and are not written); varlen calls, whose
@@ -198,6 +199,11 @@ struct HopperFwdArgs {
     const float* __restrict__ alibi_slopes;  // Mods: null for none
     int alibi_batch_stride;
     int headdim;  // the arrays' own, which the columns copied and written stop at (the kernel's may be wider)
+    // Mods: dropout's seed and offset (or rng_state, in device memory), its threshold (0: none) and scale
+    const u32* rng_state;
+    u64 seed, offset;
+    u32 dropout_threshold;
+    float dropout_scale;
 };
 
 }  // namespace fa2
