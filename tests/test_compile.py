@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from fa2cupy import build, configs, decode
+from fa2cupy.options import KernelOptions
 
 nvrtc = pytest.importorskip("cupy_backends.cuda.libs.nvrtc")
 
@@ -286,7 +287,12 @@ def test_hopper_forward_is_chosen_only_where_it_runs():
         assert configs.hopper_forward_config(90, d, "float16") is configs.FORWARD_HOPPER_TABLE[d]
         for arch in (80, 86, 89, 100, 120):  # wgmma is sm_90a's own: not even later GPUs run it
             assert configs.hopper_forward_config(arch, d, "bfloat16") is None
-        assert configs.hopper_forward_config(90, d, "bfloat16", dropout=True) is None
+        # dropout: the modifier rows at 128, 192 and 256 (varlen not at 256), as softcap and ALiBi
+        dropped = configs.hopper_forward_config(90, d, "bfloat16", dropout=True)
+        assert dropped is (configs.FORWARD_HOPPER_TABLE[d] if d in (128, 192, 256) else None)
+        dropped = configs.hopper_forward_config(90, d, "bfloat16", dropout=True, varlen=True)
+        assert dropped is (configs.FORWARD_HOPPER_TABLE[d] if d in (128, 192) else None)
+        assert configs.hopper_forward_config(80, d, "bfloat16", dropout=True) is None
         assert configs.hopper_forward_config(90, d, "bfloat16", varlen=True) is configs.FORWARD_HOPPER_TABLE[d]
         # paged K/V (varlen) runs where packed K/V does (the choice does not look at it), on its own instantiation
         row = configs.FORWARD_HOPPER_TABLE[d]
@@ -306,11 +312,10 @@ def test_hopper_forward_is_chosen_only_where_it_runs():
         configs.hopper_forward_config(90, 64, "float32")
 
 
-def test_hopper_forward_takes_softcap_and_alibi():
-    # Softcap and ALiBi (not dropout) run on the Hopper forward at the head dims of HOPPER_MODS_HEADDIMS (padded only at
-    # HOPPER_MODS_PADDED_ONLY), in their own
-    # instantiations (HopperFwdTraits' Mods) for the masks forward.kernel_variant gives modifier calls: padded causal
-    # and window, varlen and paged window.
+def test_hopper_forward_takes_softcap_alibi_and_dropout():
+    # Softcap, ALiBi and dropout run on the Hopper forward at the head dims of HOPPER_MODS_HEADDIMS (padded only at
+    # HOPPER_MODS_PADDED_ONLY), in their own instantiations (HopperFwdTraits' Mods) for the masks
+    # forward.kernel_variant gives modifier calls: padded causal and window, varlen and paged window.
     from fa2cupy import forward
 
     names = set(configs.hopper_forward_instantiations())
@@ -319,15 +324,17 @@ def test_hopper_forward_takes_softcap_and_alibi():
             for causal in (False, True):
                 mask, mods, _, _ = forward.kernel_variant(causal, (-1, -1), 30.0, False, causal_mods=not varlen)
                 chosen = configs.kernel_rows(90, d, "bfloat16", mask, mods, varlen, seqlen_q=4096)
+                dropped = configs.kernel_rows(90, d, "bfloat16", mask, mods, varlen, seqlen_q=4096, dropout=True)
                 if not configs.hopper_takes_mods(d, varlen):
-                    assert chosen.forward.family == "fwd"
+                    assert chosen.forward.family == "fwd" and dropped.forward.family == "fwd"
                     assert row.name_expression("bfloat16", mask, mods, varlen, paged) not in names
                     continue
-                assert chosen.forward is row
+                assert chosen.forward is row and dropped.forward is row  # (dropout: the same instantiation)
                 name = row.name_expression("bfloat16", mask, mods, varlen, paged)
                 assert name.endswith(f"{str(varlen).lower()}, {str(paged).lower()}, true>>") and name in names
-                dropped = configs.kernel_rows(90, d, "bfloat16", mask, mods, varlen, seqlen_q=4096, dropout=True)
-                assert dropped.forward.family == "fwd"
+    # the modifier rows' head dims: d = 64 (three consumer warpgroups) has none, varlen calls none at 256
+    assert [d for d in configs.FORWARD_HOPPER_TABLE if configs.hopper_takes_mods(d, False)] == [128, 192, 256]
+    assert [d for d in configs.FORWARD_HOPPER_TABLE if configs.hopper_takes_mods(d, True)] == [128, 192]
     # the plain instantiations keep their names (and machine code)
     assert configs.FORWARD_HOPPER_TABLE[128].name_expression("float16", "causal").endswith("fa2::kMaskCausal>>")
 
@@ -351,12 +358,26 @@ def test_hopper_backward_is_chosen_only_where_it_runs():
         for arch in (80, 86, 89, 100, 120):
             assert configs.hopper_backward_config(arch, d, mods=False) is None
         assert configs.hopper_backward_config(90, d, mods=True) is None
-        # softcap / ALiBi: the modifier rows at every head dim (varlen: not at 128), the window variant, never dropout
+        # softcap and ALiBi: the modifier rows at every head dim (varlen: not at 128), the window variant; dropout
+        # there too except at HOPPER_BWD_NO_DROPOUT (d = 64: no registers for its keep flags)
         takes = configs.hopper_bwd_takes_mods(d, varlen=False)
         assert takes and configs.hopper_bwd_takes_mods(d, varlen=True) == (d != 128)
         assert configs.hopper_backward_config(90, d, mods=True, with_mods=True) is row
         assert (configs.hopper_backward_config(90, d, mods=True, with_mods=True, varlen=True) is row) == (d != 128)
-        assert configs.hopper_backward_config(90, d, mods=True, dropout=True, with_mods=True) is None
+        dropped = d not in configs.HOPPER_BWD_NO_DROPOUT
+        assert configs.hopper_bwd_takes_mods(d, varlen=False, dropout=True) == dropped
+        assert (configs.hopper_backward_config(90, d, mods=True, dropout=True, with_mods=True) is row) == dropped
+        assert configs.hopper_backward_config(90, d, mods=False, dropout=True, with_mods=True) is (
+            row if dropped else None)  # (dropout alone is a modifier call)
+        assert (configs.hopper_backward_config(90, d, mods=True, dropout=True, with_mods=True, varlen=True) is row) \
+            == (dropped and d != 128)
+        assert configs.hopper_backward_config(90, d, mods=True, dropout=True) is None  # (hopper_backward_mods=False)
+        assert configs.hopper_backward_config(80, d, mods=True, dropout=True, with_mods=True) is None
+        rows = configs.kernel_rows(90, d, "bfloat16", "window", mods=True, dropout=True)
+        assert (rows.backward is row if dropped else rows.backward.family == "bwd") and rows.backward_dq is None
+        off = configs.kernel_rows(90, d, "bfloat16", "window", mods=True, dropout=True,
+                                  options=KernelOptions(hopper_backward_mods=False))
+        assert off.backward.family == "bwd"
         if takes:
             name = row.name_expression("float16", "window", mods=True)
             assert name.endswith("fa2::kMaskWindow, false, true>>") and name in configs.hopper_backward_instantiations()
@@ -371,6 +392,7 @@ def test_hopper_backward_is_chosen_only_where_it_runs():
         rows = configs.kernel_rows(90, d, "bfloat16", deterministic=True)
         assert rows.backward is row and rows.backward_dq is None  # (no separate dQ kernel)
         assert configs.kernel_rows(80, d, "bfloat16", deterministic=True).backward_dq is not None
+    assert configs.HOPPER_BWD_NO_DROPOUT == (64,)  # (dropout's rows: 128, 192 and 256, varlen 192 and 256)
     # Head dim 64 splits dQ_i by keys: by columns each warpgroup's 32 would be half a swizzled slab.
     assert configs.BACKWARD_HOPPER_TABLE[64].dq_by_keys and not configs.BACKWARD_HOPPER_TABLE[128].dq_by_keys
     for d in (32, 40, 96, 160, 224):

@@ -375,12 +375,17 @@ def _bwd(causal=False, softcap=0.0, dropout_p=0.0, deterministic=False):
     ("fwd", _fwd(), dict(d=32), 32),  # below HOPPER_PAD_MIN_HEADDIM: the mma.sync kernels at 32
     ("fwd", _fwd(), dict(d=128), 128),  # a Hopper width: nothing to pad
     ("fwd", _fwd(), dict(arch=80), 96),  # not Hopper
-    ("fwd", _fwd(dropout_p=0.1), {}, 96),  # the Hopper kernels take no dropout
-    ("bwd", _bwd(dropout_p=0.1), {}, 96),
+    ("fwd", _fwd(dropout_p=0.1), {}, 128),  # the Hopper kernels' modifier rows take dropout at 128
+    ("bwd", _bwd(dropout_p=0.1), {}, 128),
+    ("fwd", _fwd(causal=True, dropout_p=0.1), dict(d=224), 256),  # (padded calls: at 256 too)
+    ("fwd", _fwd(dropout_p=0.1), dict(d=40), 40),  # the Hopper forward at 64 takes no modifiers
+    ("bwd", _bwd(dropout_p=0.1), dict(d=40), 40),  # the Hopper backward at 64 no dropout (HOPPER_BWD_NO_DROPOUT)
+    ("bwd", _bwd(softcap=5.0), dict(d=40), 64),  # (but softcap)
     ("fwd", _fwd(softcap=5.0), {}, 128),  # the Hopper forward takes softcap at 128
     ("bwd", _bwd(softcap=5.0), {}, 128),  # so does the Hopper backward (its modifier rows)
     ("bwd", _bwd(softcap=5.0), dict(d=176), 192),  # ... and at 192 (the wide rows)
-    ("bwd", _bwd(softcap=5.0, dropout_p=0.1), dict(d=176), 176),  # never with dropout
+    ("bwd", _bwd(softcap=5.0, dropout_p=0.1), dict(d=176), 192),  # with dropout too
+    ("fwd", _fwd(softcap=5.0, dropout_p=0.1), dict(d=176), 192),
     ("fwd", _fwd(causal=True), dict(sq=64), 96),  # a short masked forward: the mma.sync forward
     ("bwd", _bwd(causal=True), dict(sq=64), 128),  # (the backward has no such rule)
 ])
@@ -410,6 +415,21 @@ def test_varlen_forward_reads_its_arrays_as_they_are(monkeypatch):
     assert call.padded == 96 and call.kernel_width is None  # paged K/V: the pages are used in place
 
 
+@pytest.mark.parametrize("d, width", [(96, 128), (176, 192), (224, None)])
+def test_varlen_dropout_pads_where_the_hopper_forward_takes_it(monkeypatch, d, width):
+    """A varlen dropout forward runs the Hopper forward's modifier rows at the next width up where they take varlen
+    calls (128 and 192), the mma.sync forward at its own head dim where they do not (256: padded calls only).
+    (Dropout runs in the window variant: max_seqlen_q at least HOPPER_MASKED_MIN_SEQLEN.)"""
+    monkeypatch.setattr(pipeline, "device_of", lambda info: 0)
+    x = {"q": np.ones((900, 4, d), np.float16), "k": np.ones((900, 2, d), np.float16),
+         "v": np.ones((900, 2, d), np.float16), "cu_seqlens_q": np.array([0, 400, 900], np.int32),
+         "cu_seqlens_k": np.array([0, 400, 900], np.int32)}
+    infos = {n: arrays.describe(a, n) for n, a in x.items()}
+    call = attention.VARLEN_FORWARD.check(infos, (500, 500, 0.1, None, False, (-1, -1), 0.0, False, False), (1, 0))
+    attention.VARLEN_FORWARD.choose(call, infos, 90, attention.configs.DEFAULT)
+    assert call.padded == d and call.kernel_width == width
+
+
 def test_choose_follows_the_option(monkeypatch):
     from fa2cupy import KernelOptions
 
@@ -418,3 +438,9 @@ def test_choose_follows_the_option(monkeypatch):
     assert _choose(attention.FORWARD, _fwd(), d=32, options=KernelOptions(hopper_pad_headdim=True)) == 64
     assert _choose(attention.FORWARD, _fwd(), options=KernelOptions(hopper_forward=False)) == 96
     assert _choose(attention.BACKWARD, _bwd(), options=KernelOptions(hopper_backward=False)) == 96
+    # modifier calls (dropout among them) on the mma.sync backward with hopper_backward_mods=False
+    off = KernelOptions(hopper_backward_mods=False)
+    assert _choose(attention.BACKWARD, _bwd(dropout_p=0.1), options=off) == 96
+    assert _choose(attention.BACKWARD, _bwd(softcap=5.0), options=off) == 96
+    assert _choose(attention.FORWARD, _fwd(dropout_p=0.1), options=off) == 128  # (a backward option)
+    assert _choose(attention.FORWARD, _fwd(dropout_p=0.1), options=KernelOptions(hopper_forward=False)) == 96

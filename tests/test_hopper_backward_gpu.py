@@ -1,8 +1,9 @@
 """The Hopper backward (cuda/hopper/bwd.cu's dK/dV kernel) on a GPU of compute capability 9.0: it is the kernel the
 library plans there for padded and varlen calls without modifiers at head dims 64 and 128 (192 and 256:
-test_hopper_backward_wide_gpu.py; softcap and ALiBi: test_hopper_backward_mods_gpu.py), deterministic or not (dQ
-added in turns, bitwise repeatable), its gradients match the float64 reference on every mask, grouping, length and
-layout it takes, and the mma.sync backward it replaces for those calls still matches the reference on the same GPU.
+test_hopper_backward_wide_gpu.py; softcap and ALiBi: test_hopper_backward_mods_gpu.py; dropout:
+test_hopper_dropout_gpu.py), deterministic or not (dQ added in turns, bitwise repeatable), its gradients match the
+float64 reference on every mask, grouping, length and layout it takes, and the mma.sync backward it replaces for
+those calls still matches the reference on the same GPU.
 
 Bounds, references and the NaN poisoning of dq/dk/dv are test_backward_gpu's (check_gradients, run_case).
 """
@@ -55,7 +56,7 @@ def test_hopper_kernel_is_the_one_planned():
     assert isinstance(plan.config, configs.HopperBwdConfig)  # the modifier rows
     plan = backward.plan_backward((1, 256, 8, 128), (1, 256, 8, 128), strides, "bfloat16", 0.1, True, False, 90,
                                   softcap=5.0, dropout_p=0.1)
-    assert isinstance(plan.config, configs.BwdConfig)  # dropout: the mma.sync backward
+    assert isinstance(plan.config, configs.HopperBwdConfig)  # dropout: the modifier rows too
     plan = backward.plan_backward((1, 256, 8, 128), (1, 256, 8, 128), strides, "bfloat16", 0.1, True, False, 90,
                                   varlen_totals=(256, 256))
     assert isinstance(plan.config, configs.HopperBwdConfig) and plan.zero_tail is not None

@@ -1,8 +1,9 @@
 """Softcap and ALiBi on the Hopper backward's modifier rows (HopperBwdTraits' Mods; every head dim, varlen not at
-128) on a GPU of compute capability 9.0: they are the rows planned (the mma.sync backward with
-KernelOptions(hopper_backward_mods=False), and with dropout), and forward and backward match the float64 reference
-across masks, groupings, negative scales and ragged lengths, padded and varlen. (A file of its own: beside the rest
-of test_hopper_backward_gpu.py it ran past one test process's time in bench/dev/gpu_tests.sh.)
+128) on a GPU of compute capability 9.0: they are the rows planned (with dropout too, but at 64; the mma.sync
+backward with KernelOptions(hopper_backward_mods=False)), and forward and backward match the float64 reference
+across masks, groupings, negative scales and ragged lengths, padded and varlen (dropout:
+test_hopper_dropout_gpu.py). (A file of its own: beside the rest of test_hopper_backward_gpu.py it ran past one test
+process's time in bench/dev/gpu_tests.sh.)
 
 Bounds, references and the NaN poisoning of dq/dk/dv are test_backward_gpu's and test_varlen_mods_gpu's.
 """
@@ -29,8 +30,9 @@ def poison_outputs():
 
 
 def test_modifier_rows_are_planned_by_default():
-    """Softcap and ALiBi calls plan the Hopper kernel's modifier rows at every head dim (varlen: not at 128), never
-    with dropout, and the mma.sync backward with KernelOptions(hopper_backward_mods=False)."""
+    """Softcap and ALiBi calls plan the Hopper kernel's modifier rows at every head dim (varlen: not at 128), with
+    dropout too but at configs.HOPPER_BWD_NO_DROPOUT (64), and the mma.sync backward with
+    KernelOptions(hopper_backward_mods=False)."""
     _hopper_gpu()
     from fa2cupy import backward, configs
     from fa2cupy.options import KernelOptions
@@ -46,7 +48,9 @@ def test_modifier_rows_are_planned_by_default():
         assert isinstance(plan(softcap=5.0, options=off).config, configs.BwdConfig)
         assert plan(softcap=5.0).config is configs.BACKWARD_HOPPER_TABLE[d]
         assert plan(alibi_batch_stride=0).config is configs.BACKWARD_HOPPER_TABLE[d]
-        assert isinstance(plan(softcap=5.0, dropout_p=0.1).config, configs.BwdConfig)
+        dropped = plan(softcap=5.0, dropout_p=0.1).config
+        assert (dropped is configs.BACKWARD_HOPPER_TABLE[d] if d != 64 else isinstance(dropped, configs.BwdConfig))
+        assert isinstance(plan(softcap=5.0, dropout_p=0.1, options=off).config, configs.BwdConfig)
 
 
 @settings(max_examples=max(10, settings().max_examples // 4), deadline=None)

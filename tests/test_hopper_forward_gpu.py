@@ -56,7 +56,7 @@ def test_hopper_kernel_is_the_onerecorded_forward_plans():
     assert isinstance(plan.config, configs.FwdConfig)  # no Hopper row for d = 96
     plan = forward.plan_forward((1, 2048, 8, 128), (1, 2048, 8, 128), strides, "bfloat16", 0.1, True, 90,
                                 dropout_p=0.1)
-    assert isinstance(plan.config, configs.FwdConfig)  # dropout stays on the mma.sync kernel
+    assert isinstance(plan.config, configs.HopperFwdConfig)  # dropout on the Hopper kernel's modifier rows
     plan = forward.plan_forward((1, 2048, 8, 128), (1, 2048, 8, 128), strides, "bfloat16", 0.1, True, 90,
                                 softcap=5.0)
     assert isinstance(plan.config, configs.HopperFwdConfig)  # softcap (and ALiBi) on the Hopper kernel

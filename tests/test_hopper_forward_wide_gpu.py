@@ -63,7 +63,7 @@ def test_wide_rows_are_the_ones_planned(d):
                                 options=KernelOptions(hopper_forward=False))
     assert isinstance(plan.config, configs.FwdConfig)
     plan = forward.plan_forward(shape, shape, strides, "bfloat16", 0.1, True, 90, dropout_p=0.1)
-    assert isinstance(plan.config, configs.FwdConfig)  # dropout stays on the mma.sync kernel
+    assert plan.config is configs.FORWARD_HOPPER_TABLE[d]  # dropout: the modifier rows
 
 
 @pytest.mark.parametrize("d", WIDE)

@@ -1,11 +1,11 @@
 """Softcap and ALiBi on the Hopper forward (HopperFwdTraits' Mods: the scores turned into UnitScoreMods' values before
 the mask, the softmax scaled by their unit) on a GPU of compute capability 9.0, at the head dims of
 configs.HOPPER_MODS_HEADDIMS (padded calls only at HOPPER_MODS_PADDED_ONLY): the calls must plan the Hopper kernel
-there (dropout stays on the mma.sync forward, as do the other head dims and varlen calls at the padded-only ones),
-and match the float64 reference, padded and varlen, forward and backward (the backward, on the mma.sync kernels,
-recomputes P from the Hopper forward's lse, so a forward lse in other units fails it), with outputs poisoned before
-each launch. The softcap's tanh is tanh_of_exp2_arg (common/math.cuh) there, tanhf in the mma.sync kernels: the
-Hopper forward with a softcap must also agree with the mma.sync forward to a few bf16 roundings.
+there (with dropout too; the other head dims and varlen calls at the padded-only ones stay on the mma.sync forward),
+and match the float64 reference, padded and varlen, forward and backward (the backward recomputes P from the Hopper
+forward's lse, so a forward lse in other units fails it), with outputs poisoned before each launch. The softcap's
+tanh is tanh_of_exp2_arg (common/math.cuh) there, tanhf in the mma.sync kernels: the Hopper forward with a softcap
+must also agree with the mma.sync forward to a few bf16 roundings. (Dropout's checks: test_hopper_dropout_gpu.py.)
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def test_modifier_calls_plan_the_hopper_forward(d):
             plan = forward.plan_forward(shape, shape, strides, "bfloat16", 0.1, causal, 90, **mods)
             assert plan.config is expected if expected else isinstance(plan.config, configs.FwdConfig)
         plan = forward.plan_forward(shape, shape, strides, "bfloat16", 0.1, causal, 90, softcap=30.0, dropout_p=0.1)
-        assert isinstance(plan.config, configs.FwdConfig)  # dropout: the mma.sync forward
+        assert plan.config is expected if expected else isinstance(plan.config, configs.FwdConfig)  # (dropout too)
     # varlen: the Hopper forward except at the padded-only head dims
     varlen_strides = ((0, 8 * d, d, 1),) * 4
     plan = forward.plan_forward(shape, shape, varlen_strides, "bfloat16", 0.1, True, 90, softcap=30.0,

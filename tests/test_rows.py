@@ -74,15 +74,17 @@ def test_info_table_for_a_given_arch_without_a_gpu():
     assert result.exit_code == 0, result.output
     assert "kernels for sm_90" in result.output and "hopper (wgmma)" in result.output
     # the note on modifier calls names the head dims the Hopper forward and backward take them at
-    assert ("the forward's at d = 128, 192 and 256 (padded calls only at 256), the backward's at d = 64, 128, 192 "
-            "and 256 (padded calls only at 128)") in " ".join(result.output.split())
+    assert ("Softcap, ALiBi and dropout run on the Hopper rows above: the forward's at d = 128, 192 and 256 (padded "
+            "calls only at 256), the backward's at d = 64, 128, 192 and 256 (padded calls only at 128; dropout not "
+            "at 64)") in " ".join(result.output.split())
 
 
 @pytest.mark.parametrize("d", [192, 256])
 def test_wide_hopper_rows(d):
     # d=192 and 256 run on the Hopper forward and dK/dV kernels, padded and varlen, where TMA can copy the arrays;
-    # hopper_forward/hopper_backward=False, dropout and score modifiers in the backward take the mma.sync kernels;
-    # the deterministic backward the Hopper dK/dV kernel, its dQ reductions in turns (no dQ kernel of its own).
+    # hopper_forward/hopper_backward=False take the mma.sync kernels; softcap, ALiBi and dropout the Hopper kernels'
+    # modifier rows (the forward's varlen calls not at 256); the deterministic backward the Hopper dK/dV kernel, its
+    # dQ reductions in turns (no dQ kernel of its own).
     for mask, varlen in ((m, v) for m in configs.MASKS for v in (False, True)):
         rows = configs.kernel_rows(90, d, "bfloat16", mask, varlen=varlen, seqlen_q=4096)
         assert rows.forward is configs.FORWARD_HOPPER_TABLE[d]
@@ -107,8 +109,14 @@ def test_wide_hopper_rows(d):
                     else configs.backward_config(90, dm, "float16", "causal", mods=True))
             assert rows.backward == want
     assert (configs.HOPPER_MODS_HEADDIMS, configs.HOPPER_MODS_PADDED_ONLY) == ((128, 192, 256), (256,))
-    rows = configs.kernel_rows(90, d, "float16", "causal", mods=True, dropout=True)
-    assert rows.forward.family == "fwd" and rows.backward.family == "bwd"
+    for varlen in (False, True):  # dropout: the modifier rows too
+        rows = configs.kernel_rows(90, d, "float16", "causal", mods=True, varlen=varlen, dropout=True)
+        assert rows.forward == (configs.forward_config(90, d, "float16", "causal", varlen, mods=True)
+                                if varlen and d == 256 else configs.FORWARD_HOPPER_TABLE[d])
+        assert rows.backward is configs.BACKWARD_HOPPER_TABLE[d]
+    rows = configs.kernel_rows(90, d, "float16", "causal", mods=True, dropout=True,
+                               options=KernelOptions(hopper_backward_mods=False))
+    assert rows.forward is configs.FORWARD_HOPPER_TABLE[d] and rows.backward.family == "bwd"
     rows = configs.kernel_rows(90, d, "float16", deterministic=True)
     assert rows.backward is configs.BACKWARD_HOPPER_TABLE[d] and rows.backward_dq is None
     # a short masked call: the mma.sync forward, the Hopper backward

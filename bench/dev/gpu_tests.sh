@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Every `-m gpu` test under tests/ in eight pytest processes side by side on one GPU: the float64 references are
+# Every `-m gpu` test under tests/ in nine pytest processes side by side on one GPU: the float64 references are
 # CPU work, so the suite (over 15 min in one process) takes 4-6 min this way on an H200, and it fits a device call
-# beside the benchmark. The Hopper backward's, its modifier rows' and the wide head dims' tests have processes of
-# their own, so that a fault there leaves the other groups' CUDA context alone. Each group's log is printed in
-# turn; exit 1 if any failed.
+# beside the benchmark. The Hopper backward's, its modifier rows', the Hopper kernels' dropout and the wide head
+# dims' tests have processes of their own, so that a fault there leaves the other groups' CUDA context alone. Each
+# group's log is printed in turn; exit 1 if any failed.
 #
 #   bash bench/dev/gpu_tests.sh        # LIMIT=seconds per process (default 360), PYTHON=interpreter
 #
@@ -22,6 +22,7 @@ groups=(
   "tests/test_transformers_gpu.py tests/test_torch_sdpa_gpu.py tests/test_headdim_v_gpu.py"
   "tests/test_hopper_backward_gpu.py"
   "tests/test_hopper_backward_mods_gpu.py"
+  "tests/test_hopper_dropout_gpu.py"
 )
 rest=(tests/)
 for group in "${groups[@]}"; do for f in $group; do rest+=("--ignore=$f"); done; done

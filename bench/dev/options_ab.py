@@ -9,7 +9,8 @@ Cases are the bench grid's (16k tokens, nheads = --hidden / headdim, --group of 
 not). Each round times every implementation once (CUDA events, median of --repeats after warm-up); an
 implementation's figure is its best round. Every option set's result is compared with the first's
 (max |difference| / max |first|) before timing.
---mods times each option set with each modifier (softcap 30, ALiBi slopes in [0, 0.1)): rows NAME+MOD.
+--mods times each option set with each modifier (softcap 30, ALiBi slopes in [0, 0.1), dropout 0.1 with a fixed
+seed): rows NAME+MOD.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ def modifier_kwargs(mod: str, nheads: int) -> dict:
         return {"softcap": 30.0}
     if mod == "alibi":
         return {"alibi_slopes": torch.rand(nheads, device="cuda", dtype=torch.float32) * 0.1}
+    if mod == "dropout":
+        return {"dropout_p": 0.1, "dropout_seed": 1234}
     return {}
 
 
@@ -83,7 +86,7 @@ def main(argv=None) -> int:
     p.add_argument("--causal", choices=["both", "on", "off"], default="both")
     p.add_argument("--modes", default="fwd,bwd")
     p.add_argument("--options", nargs="+", default=["default=", "mma=hopper_forward=0,hopper_backward=0"])
-    p.add_argument("--mods", default="none", help="comma-separated: none, softcap, alibi")
+    p.add_argument("--mods", default="none", help="comma-separated: none, softcap, alibi, dropout (p = 0.1)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--group", type=int, default=1, help="query heads per key/value head (GQA)")

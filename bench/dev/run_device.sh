@@ -32,7 +32,7 @@
 #   The GPU tests and every timing in one call (about 6 minutes on an H200):
 #       QUICK=1 SKIP_CHECK=1 BWD=1 SUSTAIN=1 WINDOW=1 BENCH_ARGS=--no-plot bash bench/dev/run_device.sh
 #
-# The tests step runs every `-m gpu` test under tests/ in four pytest processes side by side
+# The tests step runs every `-m gpu` test under tests/ in nine pytest processes side by side
 # (bench/dev/gpu_tests.sh, ~3.5 min on an H100); `check` verifies the backward too.
 #
 # Files written to $OUT (the device tool returns at most 8): env.txt (nvidia-smi, versions,

@@ -17,10 +17,10 @@ The forward cases run the forward only; BWD_CASES run forward + backward
 contiguous, causal) against ``flash_attn_func`` over each row's keys; decode_deep runs them again with the deep
 ring (d=128 on sm_90), decode_walk with both rings on a pretend 2-SM GPU, where each decode block walks several
 work items, decode_warp with one split and warps that stream whole items (both rings, 1 and 2 pretend SMs);
-fwd_hopper runs the forward, window, varlen (softcap and ALiBi too), padded softcap/ALiBi and paged cases of the
-Hopper forward's head dims (64, 128, 192, 256) on sm_90 with 1 and 2 pretend SMs, so that each persistent block
+fwd_hopper runs the forward, window, varlen (softcap and ALiBi too), padded softcap/ALiBi, dropout and paged cases of
+the Hopper forward's head dims (64, 128, 192, 256) on sm_90 with 1 and 2 pretend SMs, so that each persistent block
 walks many work items; bwd_hopper runs the backward and window cases of the Hopper dK/dV kernel's head dims in both
-modes and its d=64 softcap/ALiBi rows (on sm_90); paged_mma
+modes and its modifier rows with softcap/ALiBi and with dropout (on sm_90); paged_mma
 runs the paged cases on the mma.sync forward (which sm_90 otherwise uses only with modifiers or other head dims);
 dropout runs forward + backward with dropout on every warp tiling of its Philox draw (and one case on the sm86 rows).
 
@@ -259,14 +259,50 @@ HOPPER_BWD_MODS_CASES = (
     ((70, 0, 1, 130), 4, 2, 192, True, (-1, -1), 5.0, True, False),
     ((33, 190), 2, 1, 256, False, (16, 4), 3.0, False, True),
 )
+# Dropout on the Hopper kernels' varlen modifier rows (d = 192: forward and dK/dV kernel), check_varlen's fields and
+# the dropout probability: empty and one-row sequences, a window with softcap and ALiBi, both backward modes.
+HOPPER_DROPOUT_VARLEN_CASES = (
+    ((70, 0, 1, 130), 4, 2, 192, True, (-1, -1), 0.0, False, False, 0.3),
+    ((33, 190), 2, 1, 192, False, (16, 4), 3.0, True, True, 0.1),
+)
 
 
-def check_varlen(i, lengths, h, hkv, d, causal, window, softcap, alibi, det) -> bool:
-    """Varlen (with softcap / ALiBi) forward and backward against the float64 reference."""
+def varlen_dropout_refs(q, k, v, dout, out, cu, ref_kw, dropout_p, seed, offset):
+    """(out, (dq, dk, dv)) of the float64 reference for a varlen dropout call whose q and k/v share ``cu``, sequence
+    by sequence: sequence b drops what batch entry b of a padded call with the same seed and offset drops
+    (fa2cupy.dropout_mask), with the dropout probability the kernels realise (a multiple of 1/256)."""
+    import cupy as cp
+
+    import fa2cupy
+    from fa2cupy.forward import realised_dropout_p
+    from fa2cupy.reference import attention_ref, attention_ref_backward
+
+    longest = max(1, int(np.diff(cu).max()))
+    mask = cp.asnumpy(fa2cupy.dropout_mask(len(cu) - 1, q.shape[1], longest, longest, dropout_p, seed, offset))
+    ref, grads = np.zeros(out.shape), [np.zeros(x.shape) for x in (q, k, v)]
+    slopes = ref_kw["alibi_slopes"]
+    for b in range(len(cu) - 1):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        n = rows.stop - rows.start
+        if n == 0:
+            continue
+        kw = dict(ref_kw, alibi_slopes=None if slopes is None else slopes[b:b + 1],
+                  dropout_p=realised_dropout_p(dropout_p), dropout_mask=mask[b:b + 1, :, :n, :n])
+        ref[rows] = attention_ref(q[None, rows], k[None, rows], v[None, rows], **kw)[0][0]
+        g = attention_ref_backward(dout[None, rows], q[None, rows], k[None, rows], v[None, rows], out=out[None, rows],
+                                   **kw)
+        for x, gx in zip(grads, g):
+            x[rows] = gx[0]
+    return ref, grads
+
+
+def check_varlen(i, lengths, h, hkv, d, causal, window, softcap, alibi, det, dropout_p=0.0) -> bool:
+    """Varlen (with softcap / ALiBi, and dropout) forward and backward against the float64 reference."""
     import cupy as cp
 
     import fa2cupy
     from fa2cupy import testing
+    from fa2cupy.forward import realised_dropout_p
     from fa2cupy.reference import attention_ref_varlen, attention_ref_varlen_backward
 
     rng = np.random.default_rng(300 + i)
@@ -278,21 +314,29 @@ def check_varlen(i, lengths, h, hkv, d, causal, window, softcap, alibi, det) -> 
     kw = dict(causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes)
     ref_kw = dict(kw, alibi_slopes=None if slopes is None else cp.asnumpy(slopes))
     kw["kernel_options"] = KERNEL_OPTIONS
+    if dropout_p:
+        kw.update(dropout_p=dropout_p, dropout_seed=600 + i, dropout_offset=8)
     cu_d = cp.asarray(cu)
     m = max(lengths)
     out, lse, _ = fa2cupy.flash_attn_varlen_func(q, k, v, cu_d, cu_d, m, m, return_attn_probs=True, **kw)
     grads = fa2cupy.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_d, cu_d, m, m, deterministic=det, **kw)
     host = [cp.asnumpy(x).astype(np.float64) for x in (q, k, v, dout, out)]
-    ref, _ = attention_ref_varlen(*host[:3], cu, cu, **ref_kw)
+    if dropout_p:
+        ref, refs = varlen_dropout_refs(*host, cu, ref_kw, dropout_p, 600 + i, 8)
+    else:
+        ref, _ = attention_ref_varlen(*host[:3], cu, cu, **ref_kw)
+        refs = attention_ref_varlen_backward(host[3], *host[:3], cu, cu, out=host[4], **ref_kw)
+    keep = 1 - realised_dropout_p(dropout_p)
     rows = slice(0, int(cu[-1]))
-    ok = np.abs(host[4][rows] - ref[rows]).max() <= testing.out_bound("fp16", np.abs(ref).max())
-    refs = attention_ref_varlen_backward(host[3], *host[:3], cu, cu, out=host[4], **ref_kw)
-    floor = testing.gradient_floor(d ** -0.5, d, np.abs(host[3]).max(), np.abs(host[2]).max(), np.abs(host[0]).max())
+    ok = np.abs(host[4][rows] - ref[rows]).max() <= testing.out_bound("fp16", np.abs(ref).max()) / keep
+    floor = testing.gradient_floor(d ** -0.5 / keep, d, np.abs(host[3]).max(), np.abs(host[2]).max(),
+                                   np.abs(host[0]).max())
     for g, r in zip(grads, refs):
         ok &= np.abs(cp.asnumpy(g).astype(np.float64)[rows] - r[rows]).max() <= testing.gradient_bound(
             "fp16", np.abs(r).max(), floor)
     print(f"varlen {i}: lengths {lengths} h{h}/{hkv} d{d} causal={causal} window={window} softcap={softcap} "
-          f"alibi={alibi} deterministic={det}: {'ok' if ok else 'FAIL'}", flush=True)
+          f"alibi={alibi} deterministic={det}{f' dropout_p={dropout_p}' if dropout_p else ''}: "
+          f"{'ok' if ok else 'FAIL'}", flush=True)
     return bool(ok)
 
 
@@ -308,11 +352,19 @@ DROPOUT_CASES = (
     (1, 65, 65, 4, 2, 64, True, 0.1, True, 5.0),      # softcap and dropout
 )
 DROPOUT_SM86 = ((1, 45, 70, 2, 1, 224, False, 0.4, True, 0.0),)
+# Dropout on the Hopper kernels' padded modifier rows (on sm_90 the forward's and dK/dV kernel's at d = 128 and 256),
+# DROPOUT_CASES' fields: ragged ends on both sides, causal with sq != sk, GQA, softcap and dropout together.
+HOPPER_DROPOUT_CASES = (
+    (1, 150, 190, 4, 2, 128, True, 0.3, False, 0.0),
+    (2, 130, 70, 2, 1, 128, False, 0.1, True, 5.0),
+    (1, 130, 200, 4, 2, 256, True, 0.2, True, 0.0),
+    (1, 200, 90, 2, 1, 256, False, 0.3, False, 3.0),
+)
 
 
-def check_dropout(i, b, sq, sk, h, hkv, d, causal, p, det, softcap=0.0) -> bool:
-    """Dropout forward and backward against the reference applying fa2cupy.dropout_mask's mask, with the dropout
-    probability the kernels realise (a multiple of 1/256)."""
+def check_dropout(i, b, sq, sk, h, hkv, d, causal, p, det, softcap=0.0, backward=True) -> bool:
+    """Dropout forward (and with ``backward`` the backward) against the reference applying fa2cupy.dropout_mask's
+    mask, with the dropout probability the kernels realise (a multiple of 1/256)."""
     import cupy as cp
 
     import fa2cupy
@@ -326,20 +378,24 @@ def check_dropout(i, b, sq, sk, h, hkv, d, causal, p, det, softcap=0.0) -> bool:
     kw = dict(causal=causal, softcap=softcap, dropout_p=p, dropout_seed=1000 + i, dropout_offset=8,
               kernel_options=KERNEL_OPTIONS)
     out, lse, _ = fa2cupy.flash_attn_func(q, k, v, return_attn_probs=True, **kw)
-    grads = fa2cupy.flash_attn_backward(dout, q, k, v, out, lse, deterministic=det, **kw)
+    grads = fa2cupy.flash_attn_backward(dout, q, k, v, out, lse, deterministic=det, **kw) if backward else ()
     mask = cp.asnumpy(fa2cupy.dropout_mask(b, h, sq, sk, p, 1000 + i, 8))
     host = [cp.asnumpy(x).astype(np.float64) for x in (q, k, v, dout, out)]
     pr = realised_dropout_p(p)
-    ref, _ = attention_ref(*host[:3], causal=causal, softcap=softcap, dropout_p=pr, dropout_mask=mask)
+    ref, ref_lse = attention_ref(*host[:3], causal=causal, softcap=softcap, dropout_p=pr, dropout_mask=mask)
     ok = np.abs(host[4] - ref).max() <= testing.out_bound("fp16", np.abs(ref).max()) / (1 - pr)
+    lse_h = cp.asnumpy(lse).astype(np.float64)  # (the lse of the undropped softmax; +inf where no key is seen)
+    live = np.isfinite(ref_lse)
+    ok &= bool(np.all(lse_h[~live] == np.inf)) and bool(
+        np.all(np.abs(lse_h[live] - ref_lse[live]) <= 1e-3 * (1 + np.abs(ref_lse[live]))))
     refs = attention_ref_backward(host[3], *host[:3], causal=causal, softcap=softcap, out=host[4], dropout_p=pr,
-                                  dropout_mask=mask)
+                                  dropout_mask=mask) if backward else ()
     floor = testing.gradient_floor(d ** -0.5 / (1 - pr), d, np.abs(host[3]).max(), np.abs(host[2]).max(),
                                    np.abs(host[0]).max())
     for g, r in zip(grads, refs):
         ok &= np.abs(cp.asnumpy(g).astype(np.float64) - r).max() <= testing.gradient_bound("fp16", np.abs(r).max(), floor)
     print(f"dropout {i}: b{b} sq{sq} sk{sk} h{h}/{hkv} d{d} causal={causal} p={p} deterministic={det} "
-          f"softcap={softcap}: {'ok' if ok else 'FAIL'}", flush=True)
+          f"softcap={softcap}{'' if backward else ' (forward only)'}: {'ok' if ok else 'FAIL'}", flush=True)
     return bool(ok)
 
 
@@ -499,6 +555,12 @@ def main(groups) -> int:
         for i, case in enumerate(c for c in MODS_CASES if c[4] in configs.HOPPER_BWD_MODS_HEADDIMS):
             bad += not check_mods(i, *case, backward=True)  # (padded: d = 128's rows too)
             total += 1
+        for i, case in enumerate(HOPPER_DROPOUT_CASES, start=len(DROPOUT_CASES) + len(DROPOUT_SM86)):
+            bad += not check_dropout(i, *case)  # dropout on the modifier rows
+            total += 1
+        for i, case in enumerate(HOPPER_DROPOUT_VARLEN_CASES):
+            bad += not check_varlen(i, *case)
+            total += 1
         KERNEL_OPTIONS = KernelOptions()
     if "fwd_hopper" in groups:
         for sms in (1, 2):  # (masked calls of every length on the Hopper forward too)
@@ -517,6 +579,12 @@ def main(groups) -> int:
                 total += 1
             for i, case in enumerate(MODS_CASES):
                 bad += not check_mods(i, *case)
+                total += 1
+            for i, case in enumerate(HOPPER_DROPOUT_CASES, start=len(DROPOUT_CASES) + len(DROPOUT_SM86)):
+                bad += not check_dropout(i, *case, backward=False)  # dropout on the modifier rows
+                total += 1
+            for i, case in enumerate(HOPPER_DROPOUT_VARLEN_CASES):
+                bad += not check_varlen(i, *case)
                 total += 1
         KERNEL_OPTIONS = KernelOptions()
     print(f"{total - bad}/{total} passed")
