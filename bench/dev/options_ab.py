@@ -10,7 +10,7 @@ not). Each round times every implementation once (CUDA events, median of --repea
 implementation's figure is its best round. Every option set's result is compared with the first's
 (max |difference| / max |first|) before timing.
 --mods times each option set with each modifier (softcap 30, ALiBi slopes in [0, 0.1), dropout 0.1 with a fixed
-seed): rows NAME+MOD.
+seed): rows NAME+MOD; with dropout SDPA's backends too (cudnn+dropout, flash+dropout).
 """
 
 from __future__ import annotations
@@ -67,9 +67,34 @@ def runners(inp, mode: str, option_sets: dict, dout, dout_t, mods=("none",)):
         try:
             r = B._sdpa_runner(inp, backend) if mode == "fwd" else B._sdpa_backward_runner(inp, dout_t, backend)
             made[sdpa] = r
+            if "dropout" in mods:  # (SDPA's own dropout, the same p: what it costs the peer)
+                made[f"{sdpa}+dropout"] = sdpa_dropout_runner(inp, mode, dout_t, backend)
         except B.Unavailable as exc:
             print(f"  {sdpa}: {exc}")
     return made
+
+
+def sdpa_dropout_runner(inp, mode: str, dout_t, backend: str):
+    """SDPA with one backend and dropout_p = 0.1 (the forward, or the gradient of an output computed once)."""
+    torch, ctx, sdpa, kwargs = B._sdpa_backend(inp, backend)
+    kwargs = dict(kwargs, dropout_p=0.1)
+    if mode == "fwd":
+        def fn():
+            return sdpa(inp.q_t, inp.k_t, inp.v_t, **kwargs)
+    else:
+        q, k, v = (x.detach().requires_grad_(True) for x in (inp.q_t, inp.k_t, inp.v_t))
+        with ctx():
+            out = sdpa(q, k, v, **kwargs)
+
+        def fn():
+            return torch.autograd.grad(out, (q, k, v), dout_t, retain_graph=True)
+    try:
+        with ctx():
+            fn()
+        torch.cuda.synchronize()
+    except Exception as exc:
+        raise B.Unavailable(B._first_line(exc)) from exc
+    return B.Runner(fn, B.TorchEvents(), ctx)
 
 
 def max_rel_diff(a, b) -> float:

@@ -147,7 +147,7 @@ struct DropBits {
     FA2_DEVICE DropBits(u32 flags, int thread) : at(flags + thread * Tr::kDropBytes) {}
     FA2_DEVICE u32 byte(int qb, int e1) const {
         u32 v;
-        asm volatile("ld.shared.u8 %0, [%1];\n" : "=r"(v) : "r"(at + 2 * qb + e1) : "memory");
+        asm volatile("ld.shared.u8 %0, [%1];\n" : "=r"(v) : "r"(at + 2 * qb + e1));
         return v;
     }
     // z of score (a, eh) of `flags` (byte()): keep_scale (256 / threshold) where kept, 0 where dropped.
@@ -156,17 +156,18 @@ struct DropBits {
     }
 };
 
-// One case of scores_to_ds_mods (below), Cap: whether a softcap is on; each score's logit by modified_logit. Drop:
-// dropout (keep flags `drop`), dV's P^T the dropped one, P^T o Z / (1 - p), and dS^T = P^T o (Z o dP^T / (1 - p) -
-// D) (dP of the dropped output).
-template <class Tr, bool Cap, bool Drop, class Masked>
+// One case of scores_to_ds_mods (below), Cap: whether a softcap is on; each score's logit by modified_logit, or
+// without Mods (dropout alone) scale s, folded into the exponent as in scores_to_ds. Drop: dropout (keep flags
+// `drop`), dV's P^T the dropped one, P^T o Z / (1 - p), and dS^T = P^T o (Z o dP^T / (1 - p) - D) (dP of the dropped
+// output).
+template <class Tr, bool Cap, bool Drop, class Masked, bool Mods = true>
 FA2_DEVICE void scores_to_ds_mods_of(float (&st)[1][Tr::kBlockM / 8][4], float (&dpt)[1][Tr::kBlockM / 8][4],
                                      const float* lse_s, const float* dsum_s, const Masked& masked, int key_lo,
                                      int key_offset, int lane, const ScoreMods& mods, int m0,
                                      const DropBits<Tr>& drop, float keep_scale) {
     constexpr int kQT = Tr::kBlockM / 8;
     static_assert(kQT % 4 == 0, "query steps of whole 32-query blocks (dropout's)");
-    const float tanh_arg = 2.f * kLog2e * mods.cap_inv;
+    const float tanh_arg = 2.f * kLog2e * mods.cap_inv, scale_log2 = mods.scale * kLog2e;
     // distance of this thread's first score (query m0 + (lane & 3) * 2, key key_lo): query + diag - key
     const float d0 = static_cast<float>(m0 + mods.diag - key_offset);
 #pragma unroll
@@ -182,13 +183,18 @@ FA2_DEVICE void scores_to_ds_mods_of(float (&st)[1][Tr::kBlockM / 8][4], float (
                     const int qc = nt * 8 + (lane & 3) * 2 + e1, key = key_lo + eh * 8;
                     const int offset = key_offset + eh * 8 - nt * 8 - e1;  // key - qc
                     const float distance = d0 + static_cast<float>(key_offset - offset);  // (a constant step from d0)
-                    float dcap;
-                    const float logit = modified_logit<Cap>(st[0][nt][e], tanh_arg, mods, distance, dcap);
-                    float p = fast_exp2(logit * kLog2e - lse_s[qc]);
+                    float dcap = 1.f, p;
+                    if constexpr (Mods) {
+                        const float logit = modified_logit<Cap>(st[0][nt][e], tanh_arg, mods, distance, dcap);
+                        p = fast_exp2(logit * kLog2e - lse_s[qc]);
+                    } else {
+                        p = fast_exp2(st[0][nt][e] * scale_log2 - lse_s[qc]);
+                    }
                     if (masked(offset, key)) p = 0.f;
                     if constexpr (Drop) {
                         const float z = DropBits<Tr>::factor(keep_scale, flags, a, eh);
-                        dpt[0][nt][e] = p * (dpt[0][nt][e] * z - dsum_s[qc]) * dcap;
+                        dpt[0][nt][e] = Mods ? p * (dpt[0][nt][e] * z - dsum_s[qc]) * dcap
+                                             : p * (dpt[0][nt][e] * z - dsum_s[qc]);
                         p *= z;
                     } else {
                         dpt[0][nt][e] = p * (dpt[0][nt][e] - dsum_s[qc]) * dcap;
@@ -210,7 +216,10 @@ FA2_DEVICE void scores_to_ds_mods(float (&st)[1][Tr::kBlockM / 8][4], float (&dp
                                   const HopperBwdArgs& args, u32 drop_flags, int thread) {
     const DropBits<Tr> drop(drop_flags, thread);
     if (Tr::kDropout && args.dropout_threshold != 0) {
-        if (mods.cap > 0.f)
+        if (!mods.on())  // (dropout alone)
+            scores_to_ds_mods_of<Tr, false, true, Masked, false>(st, dpt, lse_s, dsum_s, masked, key_lo, key_offset,
+                                                                 lane, mods, m0, drop, args.dropout_scale);
+        else if (mods.cap > 0.f)
             scores_to_ds_mods_of<Tr, true, true>(st, dpt, lse_s, dsum_s, masked, key_lo, key_offset, lane, mods, m0,
                                                  drop, args.dropout_scale);
         else

@@ -62,13 +62,13 @@ FA2_DEVICE void dq_wide(const HopperBwdSmem<Tr>& smem, int it, int col0, int w4,
 // registers of warpgroup 1. Drop: dropout (the step's keep flags `drop`), `st` the dropped P^T o Z / (1 - p), and
 // what goes to warpgroup 1 negated where the score is dropped (P^T >= 0: the sign is free), so that it finds Z
 // without the flags (dS^T = |x| o (Z o dP^T - D)).
-template <class Tr, bool Cap, bool Drop, class Masked>
+template <class Tr, bool Cap, bool Drop, class Masked, bool Mods = true>
 FA2_DEVICE void wide_p_mods(float (&st)[1][Tr::kBlockM / 8][4], float4* px, const float* lse_s, const Masked& masked,
                             int key_lo, int key_offset, int lane, int wtid, const ScoreMods& mods, int m0,
                             const DropBits<Tr>& drop, float keep_scale) {
     constexpr int kQT = Tr::kBlockM / 8;
     static_assert(kQT % 4 == 0, "query steps of whole 32-query blocks (dropout's)");
-    const float tanh_arg = 2.f * kLog2e * mods.cap_inv;
+    const float tanh_arg = 2.f * kLog2e * mods.cap_inv, scale_log2 = mods.scale * kLog2e;
     const float d0 = static_cast<float>(m0 + mods.diag - key_offset);  // (as in scores_to_ds_mods_of)
 #pragma unroll
     for (int qb = 0; qb < kQT / 4; ++qb) {
@@ -84,11 +84,15 @@ FA2_DEVICE void wide_p_mods(float (&st)[1][Tr::kBlockM / 8][4], float4* px, cons
                     const int qc = nt * 8 + (lane & 3) * 2 + e1, key = key_lo + eh * 8;
                     const int offset = key_offset + eh * 8 - nt * 8 - e1;  // key - qc
                     const float distance = d0 + static_cast<float>(key_offset - offset);
-                    float dcap;
-                    const float logit = modified_logit<Cap>(st[0][nt][e], tanh_arg, mods, distance, dcap);
-                    float p = fast_exp2(logit * kLog2e - lse_s[qc]);
+                    float dcap = 1.f, p;
+                    if constexpr (Mods) {
+                        const float logit = modified_logit<Cap>(st[0][nt][e], tanh_arg, mods, distance, dcap);
+                        p = fast_exp2(logit * kLog2e - lse_s[qc]);
+                    } else {  // (dropout alone: scale s folded into the exponent)
+                        p = fast_exp2(st[0][nt][e] * scale_log2 - lse_s[qc]);
+                    }
                     if (masked(offset, key)) p = 0.f;
-                    pd[a][e] = p * dcap;
+                    pd[a][e] = Mods ? p * dcap : p;
                     if constexpr (Drop) {
                         const float z = DropBits<Tr>::factor(keep_scale, flags, a, eh);
                         if (z == 0.f) pd[a][e] = -pd[a][e];
@@ -172,7 +176,11 @@ FA2_DEVICE void consume_dkdv_wide(const HopperBwdSmem<Tr>& smem, const HopperBwd
                                                    args.seqlen_q, args.seqlen_k);
             const DropBits<Tr> drop(smem.drop + s * Tr::kDropSlotBytes, wtid);
             if (Tr::kDropout && args.dropout_threshold != 0) {
-                if (mods.cap > 0.f)
+                if (!mods.on())  // (dropout alone)
+                    wide_p_mods<Tr, false, true, decltype(masked), false>(st, px, lse_s, masked, key_lo, key_offset,
+                                                                          lane, wtid, mods, m0, drop,
+                                                                          args.dropout_scale);
+                else if (mods.cap > 0.f)
                     wide_p_mods<Tr, true, true>(st, px, lse_s, masked, key_lo, key_offset, lane, wtid, mods, m0, drop,
                                                 args.dropout_scale);
                 else

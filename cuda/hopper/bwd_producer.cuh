@@ -19,19 +19,20 @@ namespace fa2 {
 // m0 + 32 qb + 8 a + 2 t + e1 (t = l % 4), taken by 32-query block qb and query parity e1: byte 2 qb + e1 of
 // its kDropBytes, bit 2 a + eh set where the score is dropped. One Philox call (key 32 kbi + g, query residue
 // 2 t + e1 of block qb: Dropout's grid) covers that byte of two threads, warps 2 kbi and 2 kbi + 1 (key members
-// 0, 1 and 2, 3), so each call is drawn once and used whole; the producer's threads take the calls in turn.
+// 0, 1 and 2, 3), so each call is drawn once and used whole; the producer's warps 1-3 take the calls in turn (`first`:
+// the thread's index among them).
 // The Philox key and counter words pass through this thread's 16 bytes at `scratch` and are read back per call
 // (volatile): the rounds' keys are then made in the loop, where they are used (hoisted out of it, fourteen of them
 // held registers that the producer, at 24, does not have: it spilled 70-90 bytes).
 template <class Tr>
-FA2_DEVICE void draw_drop_flags(u32 flags, u32 scratch, const Dropout& dropout, int key0, int m0, int ptid) {
+FA2_DEVICE void draw_drop_flags(u32 flags, u32 scratch, const Dropout& dropout, int key0, int m0, int first) {
     constexpr int kQBlocks = Tr::kBlockM / 32, kKeyBlocks = Tr::kDropThreads / 64;
     constexpr int kCalls = kKeyBlocks * 8 * kQBlocks * 8;
     asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(scratch), "r"(dropout.key0), "r"(dropout.key1),
                  "r"(dropout.offset), "r"(dropout.bh)
                  : "memory");
 #pragma unroll 1
-    for (int c = ptid; c < kCalls; c += Tr::kProducerThreads) {
+    for (int c = first; c < kCalls; c += Tr::kProducerThreads - 32) {
         const int r_q = c & 7, qb = (c >> 3) % kQBlocks, g = (c / (8 * kQBlocks)) & 7, kbi = c / (64 * kQBlocks);
         Dropout d = dropout;
         asm volatile("ld.volatile.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
@@ -138,7 +139,7 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
             lse_next = args.lse[row], dsum_next = args.dsum[row];
         }
     };
-    if (!Tr::kDropout) load_stats(kv_head * args.heads_per_kv, steps.m_begin * kM);
+    load_stats(kv_head * args.heads_per_kv, steps.m_begin * kM);
     for (int it = 0, head = kv_head * args.heads_per_kv, m0 = steps.m_begin * kM; it < steps.count; ++it) {
         const int s = it % kS;
         mbar_wait(smem.empty(s), ((it / kS) & 1) ^ 1);
@@ -162,11 +163,10 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
             cp_async_fenced_arrive(smem.full(s));
         }
         if constexpr (Tr::kDropout) {
-            // (the statistics loaded here, not a step ahead: the draw needs the registers)
-            load_stats(head, m0);
-            if (args.dropout_threshold != 0)
+            // (warps 1-3: warp 0's first thread issues the copies and the dQ reductions, which wait for no draw)
+            if (args.dropout_threshold != 0 && ptid >= 32)
                 draw_drop_flags<Tr>(smem.drop + s * Tr::kDropSlotBytes, smem.drop + kS * Tr::kDropSlotBytes + 16 * ptid,
-                                    step_dropout(args, batch, head), key0, m0, ptid);
+                                    step_dropout(args, batch, head), key0, m0, ptid - 32);
         }
         if (ptid < kM) {
             smem.stats[s * kM + ptid] = lse_next * kLog2e;
@@ -176,7 +176,7 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
         if (it >= kLag) reduce_step(it - kLag);
         m0 += kM;  // step it + 1's query head and first row
         if (m0 == (steps.m_begin + steps.m_count) * kM) m0 = steps.m_begin * kM, ++head;
-        if (!Tr::kDropout && it + 1 < steps.count) load_stats(head, m0);
+        if (it + 1 < steps.count) load_stats(head, m0);
     }
     if (kLag == 2 && steps.count >= 2) reduce_step(steps.count - 2);
     if (steps.count >= 1) reduce_step(steps.count - 1);
