@@ -137,17 +137,19 @@ FA2_DEVICE float modified_logit(float s, float tanh_arg, const ScoreMods& mods, 
     return fmaf(-mods.slope, fabsf(distance), logit);
 }
 
-// Dropout's keep flags of this thread's scores in the step (the producer's draw_drop_flags, this thread's bytes of
-// the slot from `flags`): byte 2 qb + e1 for 32-query block qb and query parity e1, bit 2 a + eh (query member a,
-// key half eh) set where the score is dropped. Each byte is read where its eight scores are formed (held as a word
-// across the step, it took a register the modifier rows at head dim 128 do not have).
+// Dropout's keep flags of this thread's scores in the step (the producer's draw_drop_flags): of the 16-bit entries
+// of its pair (lane l of warps 2 kbi and 2 kbi + 1 of the threads that form P^T), its own byte (the low one in warp
+// 2 kbi, the high one in warp 2 kbi + 1) of entry 2 qb + e1 for 32-query block qb and query parity e1, bit 2 a + eh
+// (query member a, key half eh) set where the score is dropped. Each byte is read where its eight scores are formed
+// (held across the step, the flags took a register the modifier rows at head dim 128 do not have).
 template <class Tr>
 struct DropBits {
     u32 at;
-    FA2_DEVICE DropBits(u32 flags, int thread) : at(flags + thread * Tr::kDropBytes) {}
+    FA2_DEVICE DropBits(u32 flags, int thread)
+        : at(flags + (32 * (thread >> 6) + (thread & 31)) * Tr::kDropPairBytes + (thread >> 5 & 1)) {}
     FA2_DEVICE u32 byte(int qb, int e1) const {
         u32 v;
-        asm volatile("ld.shared.u8 %0, [%1];\n" : "=r"(v) : "r"(at + 2 * qb + e1));
+        asm volatile("ld.shared.u8 %0, [%1];\n" : "=r"(v) : "r"(at + (2 * qb + e1) * 2));
         return v;
     }
     // z of score (a, eh) of `flags` (byte()): keep_scale (256 / threshold) where kept, 0 where dropped.

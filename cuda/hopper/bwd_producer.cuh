@@ -16,41 +16,59 @@ namespace fa2 {
 // Dropout's keep flags of a step (first query row m0, the block's keys from key0) into the slot at `flags`, for the
 // consumer threads that form P^T: thread c's scores are its keys key_lo + 8 eh (rows of S^T: warp W = c / 32 of
 // those threads holds keys 16 W .. 16 W + 15 of the block, lane l keys g = l / 4 and g + 8) and the queries
-// m0 + 32 qb + 8 a + 2 t + e1 (t = l % 4), taken by 32-query block qb and query parity e1: byte 2 qb + e1 of
-// its kDropBytes, bit 2 a + eh set where the score is dropped. One Philox call (key 32 kbi + g, query residue
-// 2 t + e1 of block qb: Dropout's grid) covers that byte of two threads, warps 2 kbi and 2 kbi + 1 (key members
-// 0, 1 and 2, 3), so each call is drawn once and used whole; the producer's warps 1-3 take the calls in turn (`first`:
-// the thread's index among them).
-// The Philox key and counter words pass through this thread's 16 bytes at `scratch` and are read back per call
-// (volatile): the rounds' keys are then made in the loop, where they are used (hoisted out of it, fourteen of them
-// held registers that the producer, at 24, does not have: it spilled 70-90 bytes).
+// m0 + 32 qb + 8 a + 2 t + e1 (t = l % 4). One Philox call (key 32 kbi + g, query residue 2 t + e1 of 32-query block
+// qb: Dropout's grid) covers those scores of two threads, lane l of warps 2 kbi and 2 kbi + 1 (key members 0, 1 and
+// 2, 3), so each call is drawn once and used whole: its 16 drop flags go into one 16-bit entry of the pair, entry
+// 2 qb + e1 of pair 32 kbi + l (kDropPairBytes / 2 entries a pair), the flag of query member a and key member j at bit
+// 2 a + j of the low byte (j = 0, 1: warp 2 kbi's) or 2 a + j - 2 of the high byte (warp 2 kbi + 1's): DropBits.
+// Each of the producer's warps 1-3 (index u among them) keeps one key, u % kDropKeys, so that the key's share of the
+// calls is worked out once a step, and takes that key's calls in turn.
+//
+// Registers (the producer works in 24): every value the calls share goes through this thread's 32 bytes at
+// `scratch` and is read back per call (volatile): the Philox key and counter words and the key's share, written per
+// step, and the key's counter word (Dropout::group), written once (drop_flags_setup). Held in registers, ptxas
+// hoisted the rounds' keys and the key's word out of the loops and spilled 4-90 bytes.
 template <class Tr>
-FA2_DEVICE void draw_drop_flags(u32 flags, u32 scratch, const Dropout& dropout, int key0, int m0, int first) {
-    constexpr int kQBlocks = Tr::kBlockM / 32, kKeyBlocks = Tr::kDropThreads / 64;
-    constexpr int kCalls = kKeyBlocks * 8 * kQBlocks * 8;
-    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(scratch), "r"(dropout.key0), "r"(dropout.key1),
-                 "r"(dropout.offset), "r"(dropout.bh)
+FA2_DEVICE void drop_flags_setup(u32 scratch, int key0, int u) {
+    const int key = u % Tr::kDropKeys;
+    st_shared_u32(scratch + 28, Dropout::group(key0 + 32 * (key >> 3) + (key & 7)));
+}
+template <class Tr>
+FA2_DEVICE void draw_drop_flags(u32 flags, u32 scratch, const Dropout& dropout, int key0, int m0, int u) {
+    constexpr int kQBlocks = Tr::kBlockM / 32, kGroups = (Tr::kProducerThreads - 32) / Tr::kDropKeys;
+    static_assert((Tr::kProducerThreads - 32) % Tr::kDropKeys == 0, "whole groups of the keys");
+    u32 key_group;
+    asm volatile("ld.volatile.shared.u32 %0, [%1 + 28];\n" : "=r"(key_group) : "r"(scratch) : "memory");
+    const Dropout::Fixed key_part = dropout.fix_key(key_group);
+    asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n"
+                 "st.shared.v4.b32 [%0 + 16], {%5, %6, %7, %8};\n" ::"r"(scratch),
+                 "r"(dropout.key0), "r"(dropout.key1), "r"(dropout.offset), "r"(dropout.bh), "r"(key_part.v0),
+                 "r"(key_part.v1), "r"(key_part.v2), "r"(key_group)
                  : "memory");
 #pragma unroll 1
-    for (int c = first; c < kCalls; c += Tr::kProducerThreads - 32) {
-        const int r_q = c & 7, qb = (c >> 3) % kQBlocks, g = (c / (8 * kQBlocks)) & 7, kbi = c / (64 * kQBlocks);
+    for (int j = u / Tr::kDropKeys; j < kQBlocks * 8; j += kGroups) {
+        const int qb = j >> 3, r_q = j & 7;
         Dropout d = dropout;
-        asm volatile("ld.volatile.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(d.key0), "=r"(d.key1), "=r"(d.offset), "=r"(d.bh)
+        Dropout::Fixed fixed;
+        u32 kg;
+        asm volatile("ld.volatile.shared.v4.b32 {%0, %1, %2, %3}, [%8];\n"
+                     "ld.volatile.shared.v4.b32 {%4, %5, %6, %7}, [%8 + 16];\n"
+                     : "=r"(d.key0), "=r"(d.key1), "=r"(d.offset), "=r"(d.bh), "=r"(fixed.v0), "=r"(fixed.v1),
+                       "=r"(fixed.v2), "=r"(kg)
                      : "r"(scratch)
                      : "memory");
         u32 w[4];
-        d.words_fixed_key(w, d.fix_key(Dropout::group(key0 + 32 * kbi + g)), Dropout::group(m0 + 32 * qb, r_q));
-        u32 lo = 0, hi = 0;  // warp 2 kbi's byte (key members 0, 1), warp 2 kbi + 1's (2, 3)
+        d.words_fixed_key(w, fixed, Dropout::group(m0 + 32 * qb, r_q));
+        u32 entry = 0;
 #pragma unroll
         for (int a = 0; a < 4; ++a) {
-            const u32 f = d.drop_flags(w[a]) >> 7;  // member j's flag at bit 8 j
-            lo |= (f & 1u) << (2 * a) | (f >> 8 & 1u) << (2 * a + 1);
-            hi |= (f >> 16 & 1u) << (2 * a) | (f >> 24 & 1u) << (2 * a + 1);
+            const u32 y = d.drop_flags(w[a]) >> 7 & 0x01010101u;  // member j's flag at bit 8 j
+            // members 0, 1 at bits 2 a, 2 a + 1 of the low byte, members 2, 3 at those of the high byte
+            entry |= prmt_b32(y | y >> 7, 0u, 0x4420u) << (2 * a);
         }
-        const int thread = 64 * kbi + 4 * g + (r_q >> 1), byte = 2 * qb + (r_q & 1);
-        st_shared_u8(flags + thread * Tr::kDropBytes + byte, lo);
-        st_shared_u8(flags + (thread + 32) * Tr::kDropBytes + byte, hi);
+        // the pair of lane 4 g + t (kg: the key's word, 32-key block and g)
+        const int pair = 32 * (int)((kg >> 3) - ((u32)key0 >> 5)) + 4 * (int)(kg & 7u) + (r_q >> 1);
+        st_shared_u16(flags + pair * Tr::kDropPairBytes + (2 * qb + (r_q & 1)) * 2, entry);
     }
 }
 
@@ -140,6 +158,10 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
         }
     };
     load_stats(kv_head * args.heads_per_kv, steps.m_begin * kM);
+    const u32 drop_scratch = smem.drop + kS * Tr::kDropSlotBytes + 32 * ptid;  // (draw_drop_flags')
+    if constexpr (Tr::kDropout) {
+        if (ptid >= 32) drop_flags_setup<Tr>(drop_scratch, key0, ptid - 32);
+    }
     for (int it = 0, head = kv_head * args.heads_per_kv, m0 = steps.m_begin * kM; it < steps.count; ++it) {
         const int s = it % kS;
         mbar_wait(smem.empty(s), ((it / kS) & 1) ^ 1);
@@ -162,15 +184,16 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
                       args.do_row_stride, args.seqlen_q - m0);
             cp_async_fenced_arrive(smem.full(s));
         }
-        if constexpr (Tr::kDropout) {
-            // (warps 1-3: warp 0's first thread issues the copies and the dQ reductions, which wait for no draw)
-            if (args.dropout_threshold != 0 && ptid >= 32)
-                draw_drop_flags<Tr>(smem.drop + s * Tr::kDropSlotBytes, smem.drop + kS * Tr::kDropSlotBytes + 16 * ptid,
-                                    step_dropout(args, batch, head), key0, m0, ptid - 32);
-        }
         if (ptid < kM) {
             smem.stats[s * kM + ptid] = lse_next * kLog2e;
             smem.stats[(kS + s) * kM + ptid] = dsum_next;
+        }
+        if constexpr (Tr::kDropout) {
+            // (warps 1-3: warp 0's first thread issues the copies and the dQ reductions, which wait for no draw; after
+            // the statistics' stores, so that their registers are free)
+            if (args.dropout_threshold != 0 && ptid >= 32)
+                draw_drop_flags<Tr>(smem.drop + s * Tr::kDropSlotBytes, drop_scratch, step_dropout(args, batch, head),
+                                    key0, m0, ptid - 32);
         }
         if (Tr::kMods || ptid < kM) mbar_arrive(smem.full(s));  // (release: the stores above)
         if (it >= kLag) reduce_step(it - kLag);

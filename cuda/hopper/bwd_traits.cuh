@@ -85,15 +85,17 @@ struct HopperBwdTraits {
     static constexpr int kPxBytes = kWide ? BlockM * kBlockN * 4 : 0;
     // Mods: dropout's keep flags of each step, drawn by the producer warpgroup (its threads are otherwise idle, and
     // the consumers have no registers for Philox: drawn there, every modifier row spilled 16-44 bytes), one bit per
-    // score of the threads that form P^T (all 256, or warpgroup 0's 128 at the wide head dims) in the order they
-    // take them: kDropBytes per thread a slot (one per 32-query block and query parity), kDropThreads threads.
+    // score of the threads that form P^T (kDropThreads: all 256, or warpgroup 0's 128 at the wide head dims), a
+    // 16-bit entry per pair of them (lane l of warps 2 k and 2 k + 1) for each 32-query block and query parity:
+    // kDropPairBytes a pair (draw_drop_flags in hopper/bwd_producer.cuh, DropBits in hopper/bwd_consumer.cuh).
     // Not by keys (head dim 64, 128 query rows a step): there the consumers spilled 4-64 bytes however they took the
     // flags, so dropout at 64 runs on the mma.sync backward (configs.hopper_bwd_takes_mods).
     static constexpr bool kDropout = Mods && !DqByKeys;
-    static constexpr int kDropThreads = kWide ? 128 : 256, kDropBytes = BlockM / 16;
-    static constexpr int kDropSlotBytes = kDropout ? kDropThreads * kDropBytes : 0;
-    // (and 16 bytes of each producer thread's own, draw_drop_flags')
-    static constexpr int kDropScratchBytes = kDropout ? 16 * kProducerThreads : 0;
+    static constexpr int kDropThreads = kWide ? 128 : 256, kDropPairBytes = BlockM / 8;
+    static constexpr int kDropKeys = kDropThreads / 8;  // (the keys of those threads: 32, or 16 at the wide head dims)
+    static constexpr int kDropSlotBytes = kDropout ? kDropThreads / 2 * kDropPairBytes : 0;
+    // (and 32 bytes of each producer thread's own, draw_drop_flags')
+    static constexpr int kDropScratchBytes = kDropout ? 32 * kProducerThreads : 0;
     // kv_full, then full[] and empty[] per ring slot, then dq_staged[] and dq_free[] per staging tile (the
     // consumers hand the staged dQ_i to the producer, which issues its reduction and hands the tile back once
     // it has read it; a pair by keys, as a tile's barriers may then not run a phase ahead of the other's).
@@ -137,8 +139,8 @@ FA2_DEVICE void bwd_mark(int) {}
 
 // The block's shared memory: K and V (swizzled slabs, 1024-byte aligned), kS slots of Q and of dO, the dS^T tiles,
 // the fp32 dQ staging tiles, at the wide head dims the P^T hand-over (kPxBytes), the row statistics (lse in the log2
-// domain [kS][kM], then D [kS][kM]), with modifiers dropout's keep flags [kS][kDropThreads][kDropBytes] and the
-// producer threads' 16 bytes each (draw_drop_flags), and the barriers.
+// domain [kS][kM], then D [kS][kM]), with modifiers dropout's keep flags [kS][kDropThreads / 2][kDropPairBytes] and the
+// producer threads' 32 bytes each (draw_drop_flags), and the barriers.
 // kv_full: K and V landed (128 cp.async arrivals, or with TMA the first thread's arrival, for all 128 in varlen, and
 // the copies' bytes); full[s]: Q and dO landed in slot s (likewise) and its lse and D are stored (kM arrivals; with
 // modifiers every producer thread's, its dropout flags stored too);

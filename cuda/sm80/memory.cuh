@@ -60,8 +60,8 @@ FA2_DEVICE void cp_async_wait() {
 FA2_DEVICE void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 FA2_DEVICE void st_shared_u32(u32 addr, u32 v) { asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v)); }
-FA2_DEVICE void st_shared_u8(u32 addr, u32 v) {
-    asm volatile("st.shared.b8 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+FA2_DEVICE void st_shared_u16(u32 addr, u32 v) {
+    asm volatile("st.shared.b16 [%0], %1;\n" ::"r"(addr), "h"((unsigned short)v) : "memory");
 }
 // `Words` 32-bit words (1 or 2) from shared memory.
 template <int Words>
