@@ -202,9 +202,9 @@ class BwdConfig:
         rows of it."""
         return headdim
 
-    def smem_bytes(self, atomic_dq: bool = True) -> int:
+    def smem_bytes(self, atomic_dq: bool = True, mods: bool = False) -> int:
         # Must match BwdTraits::kSmemBytes: K, V, the Q/dO ring, P^T and dS^T, the row statistics and (atomic
-        # dQ) each warp's dQ scratch, whose shape follows BwdTraits' dQ warp tiling.
+        # dQ) each warp's dQ scratch, whose shape follows BwdTraits' dQ warp tiling (the modifier variant's alike).
         pitch = (self.headdim + 8) * 2
         base = (
             2 * self.block_n * pitch
@@ -268,9 +268,10 @@ class HopperBwdConfig:
     def smem_bytes(self, atomic_dq: bool = True, mods: bool = False) -> int:
         # Must match HopperBwdTraits::kSmemBytes: alignment slack, K and V, the Q/dO ring, the dS^T tiles (two by
         # columns, one by keys), the fp32 dQ staging rows (one tile by columns, a pair by keys), the row statistics,
-        # with ``mods`` dropout's keep flags (per slot block_m / 16 bytes for each thread that forms P^T: 256, or 128
-        # at the wide head dims) and 32 bytes per producer thread, the mbarriers (kv_full, two per slot, two per staging tile: dq_staged and
-        # dq_free). Wide: one dS^T tile and the fp32 P^T hand-over (block_m x block_n floats) before the statistics.
+        # with ``mods`` (not by keys) dropout's keep flags (per slot block_m / 16 bytes for each thread that forms
+        # P^T: 256, or 128 at the wide head dims) and 32 bytes per producer thread, the mbarriers (kv_full, two per
+        # slot, two per staging tile: dq_staged and dq_free). Wide: one dS^T tile and the fp32 P^T hand-over
+        # (block_m x block_n floats) before the statistics.
         d, m, n = self.headdim, self.block_m, self.block_n
         ds_tiles, dq_tiles = (1, 2) if self.dq_by_keys else (1, 1) if self.wide else (2, 1)
         p_bytes = m * n * 4 if self.wide else 0
@@ -309,10 +310,11 @@ BACKWARD_HOPPER_TABLE: dict[int, HopperBwdConfig] = {
 
 
 #: Head dims at which the Hopper dK/dV kernel has softcap/ALiBi/dropout instantiations (HopperBwdTraits' Mods, the
-#: window variant); padded calls only at HOPPER_BWD_MODS_PADDED_ONLY (head dim 128's row needs 240 consumer registers, at
-#: which the varlen producer, copying ragged tiles by cp.async, spills). At the wide head dims only warpgroup 0 applies
-#: the modifiers and draws dropout's numbers (hopper/bwd_consumer_wide.cuh). KernelOptions(hopper_backward_mods=False) runs these calls on the
-#: mma.sync backward instead (H200, 16k tokens: the rows at 64 and 128 are 1.9-2.2x faster with softcap, 2.0-2.2x
+#: window variant); padded calls only at HOPPER_BWD_MODS_PADDED_ONLY (head dim 128's row needs 240 consumer
+#: registers, at which the varlen producer, copying ragged tiles by cp.async, spills). Dropout's keep flags are drawn
+#: by the producer warpgroup; at the wide head dims only warpgroup 0 applies the modifiers and the flags
+#: (hopper/bwd_consumer_wide.cuh). KernelOptions(hopper_backward_mods=False) runs these calls on the mma.sync backward
+#: instead (H200, 16k tokens: the rows at 64 and 128 are 1.9-2.2x faster with softcap, 2.0-2.2x
 #: with ALiBi).
 HOPPER_BWD_MODS_HEADDIMS = (64, 128, 192, 256)
 HOPPER_BWD_MODS_PADDED_ONLY = (128,)
@@ -561,15 +563,15 @@ def forward_config(arch: int, headdim: int, dtype: str, mask: str, varlen: bool 
 #: kept), 512 0.86x, 1024 1.00x; d=128 128 0.93x, 256 0.94x, 512 1.01x; windows d=64 (256, 0) over 512 0.79x,
 #: d=128 (128, 0) over 256 0.96x (docs/design.md).
 #: The head dims at which the Hopper forward takes softcap, ALiBi and dropout (HopperFwdTraits' Mods); elsewhere they
-#: run on the mma.sync forward. At HOPPER_MODS_PADDED_ONLY, padded calls only: the d = 256 consumers need 232 registers with
-#: the modifiers (at 224 the window variant spills 40 bytes), which leaves the producer 40, where the varlen
-#: producer's copies spill. At d = 64 (three consumer warpgroups at 160 registers) they spill 152-168 bytes.
+#: run on the mma.sync forward. At HOPPER_MODS_PADDED_ONLY, padded calls only: the d = 256 consumers need 232
+#: registers with the modifiers (at 224 the window variant spills 40 bytes), which leaves the producer 40, where the
+#: varlen producer's copies spill. At d = 64 (three consumer warpgroups at 160 registers) they spill 152-168 bytes.
 HOPPER_MODS_HEADDIMS = (128, 192, 256)
 HOPPER_MODS_PADDED_ONLY = (256,)
 
 
 def hopper_takes_mods(headdim: int, varlen: bool) -> bool:
-    """Whether the Hopper forward takes softcap and ALiBi at this head dim, for a padded or a varlen call."""
+    """Whether the Hopper forward takes softcap, ALiBi and dropout at this head dim, for a padded or a varlen call."""
     return headdim in HOPPER_MODS_HEADDIMS and not (varlen and headdim in HOPPER_MODS_PADDED_ONLY)
 
 HOPPER_MASKED_MIN_SEQLEN = {64: 512, 128: 128, 192: 128, 256: 128}  # (192, 256: d = 128's, not measured)

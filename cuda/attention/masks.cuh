@@ -341,6 +341,14 @@ FA2_DEVICE Dropout make_dropout(u32 threshold, u32 seed_lo, u32 seed_hi, u32 off
                                 int nheads, int head, float scale) {
     return Dropout{threshold, seed_lo, seed_hi ^ offset_hi, offset_lo, (u32)(batch * nheads + head), scale};
 }
+// The same from the call's 64-bit seed and offset, or rng_state's where given (read where the dropout is made: the
+// Hopper kernels make it per tile or step, so that no register holds it across their loops).
+FA2_DEVICE Dropout make_dropout(u32 threshold, u64 seed, u64 offset, const u32* rng_state, int batch, int nheads,
+                                int head, float scale) {
+    u32 seed_lo = (u32)seed, seed_hi = (u32)(seed >> 32), offset_lo = (u32)offset, offset_hi = (u32)(offset >> 32);
+    load_rng_state(rng_state, seed_lo, seed_hi, offset_lo, offset_hi);
+    return make_dropout(threshold, seed_lo, seed_hi, offset_lo, offset_hi, batch, nheads, head, scale);
+}
 
 // SeqBounds for the whole block, kept in shared memory: info = {seqlen_q, seqlen_k, q_start, k_start}. The tight
 // kernels read these where they use them instead of holding them: one more register across a main loop at the

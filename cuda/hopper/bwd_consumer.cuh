@@ -137,6 +137,40 @@ FA2_DEVICE float modified_logit(float s, float tanh_arg, const ScoreMods& mods, 
     return fmaf(-mods.slope, fabsf(distance), logit);
 }
 
+// P^T of raw score s, unmasked, against *lse_log2 (L in the log2 domain): exp(logit - L) with the score modifiers
+// (Mods: modified_logit, dcap its derivative), or without them (dropout alone) exp(scale s - L), the scale folded
+// into the exponent as in scores_to_ds, dcap 1. (L is read after the logit is formed: read before, as an argument,
+// ptxas scheduled the rows otherwise.)
+template <bool Cap, bool Mods>
+FA2_DEVICE float step_p(float s, const float* lse_log2, float tanh_arg, float scale_log2, const ScoreMods& mods,
+                        float distance, float& dcap) {
+    if constexpr (Mods) {
+        const float logit = modified_logit<Cap>(s, tanh_arg, mods, distance, dcap);
+        return fast_exp2(logit * kLog2e - *lse_log2);
+    }
+    dcap = 1.f;
+    return fast_exp2(s * scale_log2 - *lse_log2);
+}
+
+// A step's case of the modifier rows as compile-time switches, run(Bool<Cap>, Bool<Drop>, Bool<Mods>) (step_p's
+// and DropBits'): chosen once per step (uniform), not per score: with the switch in the loop ptxas serialised the
+// d = 128 kernel's wgmmas (C7512). Without dropout the modifiers are on (slope 0 without ALiBi).
+template <class Tr, class Run>
+FA2_DEVICE void with_step_case(const ScoreMods& mods, bool drop, const Run& run) {
+    if (Tr::kDropout && drop) {
+        if (!mods.on())
+            run(Bool<false>{}, Bool<true>{}, Bool<false>{});  // (dropout alone)
+        else if (mods.cap > 0.f)
+            run(Bool<true>{}, Bool<true>{}, Bool<true>{});
+        else
+            run(Bool<false>{}, Bool<true>{}, Bool<true>{});
+    } else if (mods.cap > 0.f) {
+        run(Bool<true>{}, Bool<false>{}, Bool<true>{});
+    } else {
+        run(Bool<false>{}, Bool<false>{}, Bool<true>{});
+    }
+}
+
 // Dropout's keep flags of this thread's scores in the step (the producer's draw_drop_flags): of the 16-bit entries
 // of its pair (lane l of warps 2 kbi and 2 kbi + 1 of the threads that form P^T), its own byte (the low one in warp
 // 2 kbi, the high one in warp 2 kbi + 1) of entry 2 qb + e1 for 32-query block qb and query parity e1, bit 2 a + eh
@@ -158,11 +192,10 @@ struct DropBits {
     }
 };
 
-// One case of scores_to_ds_mods (below), Cap: whether a softcap is on; each score's logit by modified_logit, or
-// without Mods (dropout alone) scale s, folded into the exponent as in scores_to_ds. Drop: dropout (keep flags
-// `drop`), dV's P^T the dropped one, P^T o Z / (1 - p), and dS^T = P^T o (Z o dP^T / (1 - p) - D) (dP of the dropped
-// output).
-template <class Tr, bool Cap, bool Drop, class Masked, bool Mods = true>
+// One case of scores_to_ds_mods (below) (with_step_case's switches), each score's P^T by step_p. Drop: dropout (keep
+// flags `drop`), dV's P^T the dropped one, P^T o Z / (1 - p), and dS^T = P^T o (Z o dP^T / (1 - p) - D) (dP of the
+// dropped output).
+template <class Tr, bool Cap, bool Drop, bool Mods, class Masked>
 FA2_DEVICE void scores_to_ds_mods_of(float (&st)[1][Tr::kBlockM / 8][4], float (&dpt)[1][Tr::kBlockM / 8][4],
                                      const float* lse_s, const float* dsum_s, const Masked& masked, int key_lo,
                                      int key_offset, int lane, const ScoreMods& mods, int m0,
@@ -185,18 +218,12 @@ FA2_DEVICE void scores_to_ds_mods_of(float (&st)[1][Tr::kBlockM / 8][4], float (
                     const int qc = nt * 8 + (lane & 3) * 2 + e1, key = key_lo + eh * 8;
                     const int offset = key_offset + eh * 8 - nt * 8 - e1;  // key - qc
                     const float distance = d0 + static_cast<float>(key_offset - offset);  // (a constant step from d0)
-                    float dcap = 1.f, p;
-                    if constexpr (Mods) {
-                        const float logit = modified_logit<Cap>(st[0][nt][e], tanh_arg, mods, distance, dcap);
-                        p = fast_exp2(logit * kLog2e - lse_s[qc]);
-                    } else {
-                        p = fast_exp2(st[0][nt][e] * scale_log2 - lse_s[qc]);
-                    }
+                    float dcap;
+                    float p = step_p<Cap, Mods>(st[0][nt][e], lse_s + qc, tanh_arg, scale_log2, mods, distance, dcap);
                     if (masked(offset, key)) p = 0.f;
                     if constexpr (Drop) {
                         const float z = DropBits<Tr>::factor(keep_scale, flags, a, eh);
-                        dpt[0][nt][e] = Mods ? p * (dpt[0][nt][e] * z - dsum_s[qc]) * dcap
-                                             : p * (dpt[0][nt][e] * z - dsum_s[qc]);
+                        dpt[0][nt][e] = p * (dpt[0][nt][e] * z - dsum_s[qc]) * dcap;
                         p *= z;
                     } else {
                         dpt[0][nt][e] = p * (dpt[0][nt][e] - dsum_s[qc]) * dcap;
@@ -208,32 +235,17 @@ FA2_DEVICE void scores_to_ds_mods_of(float (&st)[1][Tr::kBlockM / 8][4], float (
 
 // scores_to_ds with score modifiers (ScoreMods of the step's query head) and dropout: P^T = exp(logit - L), dS^T =
 // P^T o (dP^T - D) o dlogit / d(scale s) (with dropout as scores_to_ds_mods_of says; `drop_flags`: the step's keep
-// flags, read only with dropout on); the step's first query row m0 gives each score's ALiBi distance. The softcap
-// and dropout are switched once per step (uniform), not per score: with the switch in the loop ptxas serialised the
-// d = 128 kernel's wgmmas (C7512).
+// flags, read only with dropout on); the step's first query row m0 gives each score's ALiBi distance.
 template <class Tr, class Masked>
 FA2_DEVICE void scores_to_ds_mods(float (&st)[1][Tr::kBlockM / 8][4], float (&dpt)[1][Tr::kBlockM / 8][4],
                                   const float* lse_s, const float* dsum_s, const Masked& masked, int key_lo,
                                   int key_offset, int lane, const ScoreMods& mods, int m0,
                                   const HopperBwdArgs& args, u32 drop_flags, int thread) {
     const DropBits<Tr> drop(drop_flags, thread);
-    if (Tr::kDropout && args.dropout_threshold != 0) {
-        if (!mods.on())  // (dropout alone)
-            scores_to_ds_mods_of<Tr, false, true, Masked, false>(st, dpt, lse_s, dsum_s, masked, key_lo, key_offset,
-                                                                 lane, mods, m0, drop, args.dropout_scale);
-        else if (mods.cap > 0.f)
-            scores_to_ds_mods_of<Tr, true, true>(st, dpt, lse_s, dsum_s, masked, key_lo, key_offset, lane, mods, m0,
-                                                 drop, args.dropout_scale);
-        else
-            scores_to_ds_mods_of<Tr, false, true>(st, dpt, lse_s, dsum_s, masked, key_lo, key_offset, lane, mods, m0,
-                                                  drop, args.dropout_scale);
-    } else if (mods.cap > 0.f) {
-        scores_to_ds_mods_of<Tr, true, false>(st, dpt, lse_s, dsum_s, masked, key_lo, key_offset, lane, mods, m0,
-                                              drop, 1.f);
-    } else {
-        scores_to_ds_mods_of<Tr, false, false>(st, dpt, lse_s, dsum_s, masked, key_lo, key_offset, lane, mods, m0,
-                                               drop, 1.f);
-    }
+    with_step_case<Tr>(mods, args.dropout_threshold != 0, [&](auto cap, auto dropping, auto modify) {
+        scores_to_ds_mods_of<Tr, decltype(cap)::value, decltype(dropping)::value, decltype(modify)::value>(
+            st, dpt, lse_s, dsum_s, masked, key_lo, key_offset, lane, mods, m0, drop, args.dropout_scale);
+    });
 }
 
 // dK and dV, staged in the K and V tiles, out to dk and dv: each 16-byte chunk of the rows these threads staged

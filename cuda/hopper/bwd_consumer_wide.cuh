@@ -56,13 +56,13 @@ FA2_DEVICE void dq_wide(const HopperBwdSmem<Tr>& smem, int it, int col0, int w4,
     }
 }
 
-// Warpgroup 0's P^T with score modifiers (ScoreMods of the step's query head), Cap: whether a softcap is on. P^T =
-// exp(logit - L) (modified_logit, as scores_to_ds_mods_of) stays in `st` (dV's operand), and P^T o dlogit /
+// Warpgroup 0's P^T with score modifiers (ScoreMods of the step's query head; with_step_case's switches). P^T =
+// exp(logit - L) (step_p, as scores_to_ds_mods_of) stays in `st` (dV's operand), and P^T o dlogit /
 // d(scale s) goes to warpgroup 1 at `px` (its dS^T = that o (dP^T - D)), so the softcap's derivative needs no
 // registers of warpgroup 1. Drop: dropout (the step's keep flags `drop`), `st` the dropped P^T o Z / (1 - p), and
 // what goes to warpgroup 1 negated where the score is dropped (P^T >= 0: the sign is free), so that it finds Z
 // without the flags (dS^T = |x| o (Z o dP^T - D)).
-template <class Tr, bool Cap, bool Drop, class Masked, bool Mods = true>
+template <class Tr, bool Cap, bool Drop, bool Mods, class Masked>
 FA2_DEVICE void wide_p_mods(float (&st)[1][Tr::kBlockM / 8][4], float4* px, const float* lse_s, const Masked& masked,
                             int key_lo, int key_offset, int lane, int wtid, const ScoreMods& mods, int m0,
                             const DropBits<Tr>& drop, float keep_scale) {
@@ -84,15 +84,10 @@ FA2_DEVICE void wide_p_mods(float (&st)[1][Tr::kBlockM / 8][4], float4* px, cons
                     const int qc = nt * 8 + (lane & 3) * 2 + e1, key = key_lo + eh * 8;
                     const int offset = key_offset + eh * 8 - nt * 8 - e1;  // key - qc
                     const float distance = d0 + static_cast<float>(key_offset - offset);
-                    float dcap = 1.f, p;
-                    if constexpr (Mods) {
-                        const float logit = modified_logit<Cap>(st[0][nt][e], tanh_arg, mods, distance, dcap);
-                        p = fast_exp2(logit * kLog2e - lse_s[qc]);
-                    } else {  // (dropout alone: scale s folded into the exponent)
-                        p = fast_exp2(st[0][nt][e] * scale_log2 - lse_s[qc]);
-                    }
+                    float dcap;
+                    float p = step_p<Cap, Mods>(st[0][nt][e], lse_s + qc, tanh_arg, scale_log2, mods, distance, dcap);
                     if (masked(offset, key)) p = 0.f;
-                    pd[a][e] = Mods ? p * dcap : p;
+                    pd[a][e] = p * dcap;
                     if constexpr (Drop) {
                         const float z = DropBits<Tr>::factor(keep_scale, flags, a, eh);
                         if (z == 0.f) pd[a][e] = -pd[a][e];
@@ -163,7 +158,7 @@ FA2_DEVICE void consume_dkdv_wide(const HopperBwdSmem<Tr>& smem, const HopperBwd
 
         u32 a[kQT / 2][4];  // P^T (warpgroup 0) or dS^T (warpgroup 1) as A operands, k16 steps over the queries
         if (wg == 0 && Tr::kMods) {
-            // P^T with the score modifiers (wide_p_mods), the softcap switched once per step (as scores_to_ds_mods).
+            // P^T with the score modifiers and dropout (wide_p_mods), switched once per step (with_step_case).
             const float* lse_s = smem.stats + s * kM;
             const int band_hi = m0 + mask.diag() + mask.right(), band_lo = m0 + mask.diag() - mask.left();
             const auto masked = [&](int offset, int key) {  // offset: key - (query - m0)
@@ -175,24 +170,10 @@ FA2_DEVICE void consume_dkdv_wide(const HopperBwdSmem<Tr>& smem, const HopperBwd
                                                    alibi_slope(args.alibi_slopes, args.alibi_batch_stride, batch, head),
                                                    args.seqlen_q, args.seqlen_k);
             const DropBits<Tr> drop(smem.drop + s * Tr::kDropSlotBytes, wtid);
-            if (Tr::kDropout && args.dropout_threshold != 0) {
-                if (!mods.on())  // (dropout alone)
-                    wide_p_mods<Tr, false, true, decltype(masked), false>(st, px, lse_s, masked, key_lo, key_offset,
-                                                                          lane, wtid, mods, m0, drop,
-                                                                          args.dropout_scale);
-                else if (mods.cap > 0.f)
-                    wide_p_mods<Tr, true, true>(st, px, lse_s, masked, key_lo, key_offset, lane, wtid, mods, m0, drop,
-                                                args.dropout_scale);
-                else
-                    wide_p_mods<Tr, false, true>(st, px, lse_s, masked, key_lo, key_offset, lane, wtid, mods, m0, drop,
-                                                 args.dropout_scale);
-            } else if (mods.cap > 0.f) {
-                wide_p_mods<Tr, true, false>(st, px, lse_s, masked, key_lo, key_offset, lane, wtid, mods, m0, drop,
-                                             1.f);
-            } else {
-                wide_p_mods<Tr, false, false>(st, px, lse_s, masked, key_lo, key_offset, lane, wtid, mods, m0, drop,
-                                              1.f);
-            }
+            with_step_case<Tr>(mods, args.dropout_threshold != 0, [&](auto cap, auto dropping, auto modify) {
+                wide_p_mods<Tr, decltype(cap)::value, decltype(dropping)::value, decltype(modify)::value>(
+                    st, px, lse_s, masked, key_lo, key_offset, lane, wtid, mods, m0, drop, args.dropout_scale);
+            });
             named_barrier_arrive<kBwdPReady, kThreads>();
         } else if (wg == 0) {
             // P^T = exp(S^T scale - L), masked scores 0 (as scores_to_ds), to warpgroup 1 in fp32.

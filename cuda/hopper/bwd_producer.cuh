@@ -192,7 +192,9 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
             // (warps 1-3: warp 0's first thread issues the copies and the dQ reductions, which wait for no draw; after
             // the statistics' stores, so that their registers are free)
             if (args.dropout_threshold != 0 && ptid >= 32)
-                draw_drop_flags<Tr>(smem.drop + s * Tr::kDropSlotBytes, drop_scratch, step_dropout(args, batch, head),
+                draw_drop_flags<Tr>(smem.drop + s * Tr::kDropSlotBytes, drop_scratch,
+                                    make_dropout(args.dropout_threshold, args.seed, args.offset, args.rng_state,
+                                                 batch, args.nheads, head, args.dropout_scale),
                                     key0, m0, ptid - 32);
         }
         if (Tr::kMods || ptid < kM) mbar_arrive(smem.full(s));  // (release: the stores above)

@@ -244,16 +244,6 @@ struct HopperBwdArgs {
     int nheads;
 };
 
-// The dropout of a step's (batch row, query head) (the Mods kernels' producer, draw_drop_flags): the per-call seed
-// and offset, or rng_state's (from L1), read per step so that no register holds them across the steps.
-FA2_DEVICE Dropout step_dropout(const HopperBwdArgs& args, int batch, int head) {
-    u32 seed_lo = (u32)args.seed, seed_hi = (u32)(args.seed >> 32);
-    u32 offset_lo = (u32)args.offset, offset_hi = (u32)(args.offset >> 32);
-    load_rng_state(args.rng_state, seed_lo, seed_hi, offset_lo, offset_hi);
-    return make_dropout(args.dropout_threshold, seed_lo, seed_hi, offset_lo, offset_hi, batch, args.nheads, head,
-                        args.dropout_scale);
-}
-
 // A block's steps: every query head of its group in turn, each over the query tiles with a row that sees one of the
 // block's keys (m_count of them from tile m_begin).
 template <int BlockM>

@@ -161,10 +161,7 @@ struct HopperFwdConsumer {
     // Philox work; rng_state's words from L1), not held across the loop: held, they spilled 20-28 bytes at d = 256.
     FA2_DEVICE void drop(u32 (&p)[kNT / 2][4], const int& b, const int& head, const int& n_first,
                          const int& warp_row0, int j) const {
-        u32 seed_lo = (u32)args.seed, seed_hi = (u32)(args.seed >> 32);
-        u32 offset_lo = (u32)args.offset, offset_hi = (u32)(args.offset >> 32);
-        load_rng_state(args.rng_state, seed_lo, seed_hi, offset_lo, offset_hi);
-        const Dropout dropout = make_dropout(args.dropout_threshold, seed_lo, seed_hi, offset_lo, offset_hi, b,
+        const Dropout dropout = make_dropout(args.dropout_threshold, args.seed, args.offset, args.rng_state, b,
                                              args.nheads, head, args.dropout_scale);
         const int col0 = (n_first + j) * Tr::kBlockN;
         const auto rows = dropout.template fix_rows<1>(warp_row0, lane);
