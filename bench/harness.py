@@ -561,9 +561,9 @@ def fa2cupy_runner(inp: ForwardInputs) -> Runner:
     return Runner(fn, CupyEvents(), contextlib.nullcontext)
 
 
-def _sdpa_backend(inp: ForwardInputs, backend_name: str):
-    """(torch, context factory selecting the SDPA backend, sdpa, its keyword arguments for this case);
-    Unavailable when torch or the backend is missing."""
+def _sdpa_backend(inp: ForwardInputs, backend_name: str, dropout_p: float = 0.0):
+    """(torch, context factory selecting the SDPA backend, sdpa, its keyword arguments for this case, with SDPA's
+    own dropout at ``dropout_p``); Unavailable when torch or the backend is missing."""
     if inp.framework != "torch":
         raise Unavailable("torch not importable")
     torch = _torch()
@@ -577,11 +577,13 @@ def _sdpa_backend(inp: ForwardInputs, backend_name: str):
     kwargs = {"is_causal": inp.case.causal}
     if inp.case.nheads != inp.case.nheads_kv:
         kwargs["enable_gqa"] = True
+    if dropout_p:
+        kwargs["dropout_p"] = dropout_p
     return torch, lambda: sdpa_kernel([backend]), torch.nn.functional.scaled_dot_product_attention, kwargs
 
 
-def _sdpa_runner(inp: ForwardInputs, backend_name: str) -> Runner:
-    torch, ctx, sdpa, kwargs = _sdpa_backend(inp, backend_name)
+def _sdpa_runner(inp: ForwardInputs, backend_name: str, dropout_p: float = 0.0) -> Runner:
+    torch, ctx, sdpa, kwargs = _sdpa_backend(inp, backend_name, dropout_p)
     q, k, v = inp.q_t, inp.k_t, inp.v_t
 
     def fn():
@@ -736,11 +738,12 @@ def fa2cupy_backward_runner(inp: ForwardInputs, dout, mode: str = "bwd", determi
     return Runner(fn, events, ctx)
 
 
-def _sdpa_backward_runner(inp: ForwardInputs, dout_t, backend_name: str, mode: str = "bwd") -> Runner:
+def _sdpa_backward_runner(inp: ForwardInputs, dout_t, backend_name: str, mode: str = "bwd",
+                          dropout_p: float = 0.0) -> Runner:
     """SDPA with one backend; ``bwd`` times ``torch.autograd.grad`` of an output computed
     once (retain_graph), ``fwdbwd`` the SDPA call plus its gradient.  Returns
     (dq, dk, dv) in SDPA's (b, h, s, d) layout."""
-    torch, ctx, sdpa, kwargs = _sdpa_backend(inp, backend_name)
+    torch, ctx, sdpa, kwargs = _sdpa_backend(inp, backend_name, dropout_p)
     q, k, v = (x.detach().requires_grad_(True) for x in (inp.q_t, inp.k_t, inp.v_t))
     try:
         if mode == "bwd":

@@ -89,7 +89,7 @@ def plan_backward(
         dropout_threshold=threshold, dropout_scale=keep_scale, **error_pointers())
 
     pre = _preprocess_launch(q_shape, dtype, fixed)
-    smem = config.smem_bytes(atomic, mods) if hopper else config.smem_bytes(atomic)
+    smem = config.smem_bytes(atomic, mods)
     function = build.get_kernel(config.family, config.name_expression(dtype, mask, atomic, mods,
                                                                       varlen_totals is not None), smem)
     grid = (((seqlen_k + config.block_n - 1) // config.block_n) * config.dslices, nheads_kv, batch)

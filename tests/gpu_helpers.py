@@ -118,14 +118,25 @@ class _WithOptions:
 
 
 @contextlib.contextmanager
+def _recorded_plans(module, name: str):
+    plans, real = [], getattr(module, name)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(module, name, lambda *a, **kw: plans.append(real(*a, **kw)) or plans[-1])
+        yield plans
+
+
 def recorded_forward_plans():
     """The forward plans made inside, in a list (poisoned calls are planned every time)."""
     from fa2cupy import forward
 
-    plans, real = [], forward.plan_forward
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(forward, "plan_forward", lambda *a, **kw: plans.append(real(*a, **kw)) or plans[-1])
-        yield plans
+    return _recorded_plans(forward, "plan_forward")
+
+
+def recorded_backward_plans():
+    """The backward plans made inside, in a list (poisoned calls are planned every time)."""
+    from fa2cupy import backward
+
+    return _recorded_plans(backward, "plan_backward")
 
 
 def skip_unless_hopper(kernel: str) -> None:

@@ -15,7 +15,6 @@ Bounds, references and the NaN poisoning of outputs are test_varlen_mods_gpu's, 
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
 
@@ -27,7 +26,7 @@ from hypothesis import strategies as st
 from fa2cupy import configs
 from fa2cupy.reference import attention_ref, attention_ref_backward
 from gpu_helpers import (UNIT_ROUNDOFF, cupy_module as _cupy, debug_poison, fa2cupy_module, kernel_options,
-                         recorded_forward_plans)
+                         recorded_backward_plans, recorded_forward_plans)
 # (imported here, not inside a Hypothesis test: importing applies @given, which Hypothesis refuses while a test runs)
 from test_hopper_backward_gpu import _hopper_gpu, varlen_hopper_cases
 from test_varlen_mods_gpu import _check_grads, _check_out, _host, _randn, _slopes, _varlen_inputs, mod_cases
@@ -45,17 +44,6 @@ EXAMPLES = max(10, settings().max_examples // 8)
 def poison_outputs():
     with debug_poison():
         yield
-
-
-@contextlib.contextmanager
-def recorded_backward_plans():
-    """The backward plans made inside, in a list (poisoned calls are planned every time)."""
-    from fa2cupy import backward
-
-    plans, real = [], backward.plan_backward
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(backward, "plan_backward", lambda *a, **kw: plans.append(real(*a, **kw)) or plans[-1])
-        yield plans
 
 
 def _on_hopper():

@@ -36,6 +36,9 @@ def parse_options(text: str) -> tuple[str, KernelOptions]:
     return name, KernelOptions(**fields)
 
 
+DROPOUT_P = 0.1  # (--mods dropout: fa2cupy's and SDPA's)
+
+
 def modifier_kwargs(mod: str, nheads: int) -> dict:
     torch = B._torch()
     if mod == "softcap":
@@ -43,7 +46,7 @@ def modifier_kwargs(mod: str, nheads: int) -> dict:
     if mod == "alibi":
         return {"alibi_slopes": torch.rand(nheads, device="cuda", dtype=torch.float32) * 0.1}
     if mod == "dropout":
-        return {"dropout_p": 0.1, "dropout_seed": 1234}
+        return {"dropout_p": DROPOUT_P, "dropout_seed": 1234}
     return {}
 
 
@@ -64,37 +67,14 @@ def runners(inp, mode: str, option_sets: dict, dout, dout_t, mods=("none",)):
             fn = functools.partial(fa2cupy.flash_attn_backward, dout, q, k, v, out, lse, **kw)
         made[name] = B.Runner(fn, B.TorchEvents(), stream)
     for sdpa, backend in (("cudnn", "CUDNN_ATTENTION"), ("flash", "FLASH_ATTENTION")):
-        try:
-            r = B._sdpa_runner(inp, backend) if mode == "fwd" else B._sdpa_backward_runner(inp, dout_t, backend)
-            made[sdpa] = r
-            if "dropout" in mods:  # (SDPA's own dropout, the same p: what it costs the peer)
-                made[f"{sdpa}+dropout"] = sdpa_dropout_runner(inp, mode, dout_t, backend)
-        except B.Unavailable as exc:
-            print(f"  {sdpa}: {exc}")
+        # (with dropout among the modifiers, SDPA's own dropout too, the same p: what it costs the peer)
+        for name, p in ((sdpa, 0.0),) + (((f"{sdpa}+dropout", DROPOUT_P),) if "dropout" in mods else ()):
+            try:
+                made[name] = (B._sdpa_runner(inp, backend, dropout_p=p) if mode == "fwd"
+                              else B._sdpa_backward_runner(inp, dout_t, backend, dropout_p=p))
+            except B.Unavailable as exc:
+                print(f"  {name}: {exc}")
     return made
-
-
-def sdpa_dropout_runner(inp, mode: str, dout_t, backend: str):
-    """SDPA with one backend and dropout_p = 0.1 (the forward, or the gradient of an output computed once)."""
-    torch, ctx, sdpa, kwargs = B._sdpa_backend(inp, backend)
-    kwargs = dict(kwargs, dropout_p=0.1)
-    if mode == "fwd":
-        def fn():
-            return sdpa(inp.q_t, inp.k_t, inp.v_t, **kwargs)
-    else:
-        q, k, v = (x.detach().requires_grad_(True) for x in (inp.q_t, inp.k_t, inp.v_t))
-        with ctx():
-            out = sdpa(q, k, v, **kwargs)
-
-        def fn():
-            return torch.autograd.grad(out, (q, k, v), dout_t, retain_graph=True)
-    try:
-        with ctx():
-            fn()
-        torch.cuda.synchronize()
-    except Exception as exc:
-        raise B.Unavailable(B._first_line(exc)) from exc
-    return B.Runner(fn, B.TorchEvents(), ctx)
 
 
 def max_rel_diff(a, b) -> float:
