@@ -12,13 +12,15 @@ import pytest
 from hypothesis import given, note
 from hypothesis import strategies as st
 
+from fa2cupy import configs
 from fa2cupy.options import KernelOptions
+from fa2cupy.reference import attention_ref
 from gpu_helpers import (cupy_module as _cupy, debug_poison, fa2cupy_module, kernel_options, recorded_forward_plans,
                          skip_unless_hopper)
 from test_forward_gpu import run_case
 # (imported here, not inside a Hypothesis test: importing it applies @given, which Hypothesis refuses while a test
 # runs, as a nested @given)
-from test_varlen_mods_gpu import _check_out, _host, _randn
+from test_varlen_mods_gpu import _check_out, _check_padded, _host, _randn, _slopes
 
 pytestmark = pytest.mark.gpu
 
@@ -39,7 +41,7 @@ def _kernel(hopper: bool, **options):
     return kernel_options(hopper_forward=hopper, hopper_masked_min_seqlen=0, **options)
 
 
-def test_hopper_kernel_is_the_onerecorded_forward_plans():
+def test_hopper_kernel_is_the_one():
     _hopper_gpu()
     from fa2cupy import configs, forward
 
@@ -307,3 +309,31 @@ def test_tile_counter_matches_grid_stride_varlen(sms, causal, window):
     ref_out, ref_lse = attention_ref_varlen(_host(q), _host(k), _host(v), cu_seqlens(lengths), cu_seqlens(lengths),
                                             causal=causal, window_size=window)
     _check_out(*results[True], ref_out, ref_lse, v, "bfloat16")
+
+
+
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
+@pytest.mark.parametrize("mod", ["none", "softcap", "alibi"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_climbing_row_maxima(d, mod, causal):
+    """Keys whose scores spread more and more along the sequence (scale 4 / sqrt(d)): each row's max climbs over
+    many tiles, by less and by more than the 2^8 the forward lets P run up to before it rescales the output
+    (OnlineSoftmax::probabilities_lazy), on the Hopper forward, against the float64 reference (output and lse)."""
+    _hopper_gpu()
+    if mod != "none" and not configs.hopper_takes_mods(d, varlen=False):
+        pytest.skip(f"modifiers run on the mma.sync forward at d = {d}")
+    fa = fa2cupy_module()
+    cp = _cupy()
+    rng = np.random.default_rng(d * 10 + causal)
+    b, sq, sk, h = 1, 192, 1100, 2
+    q, k, v = (_randn(rng, (b, n, h, d), "bfloat16") for n in (sq, sk, sk))
+    ramp = cp.asarray(np.linspace(0.25, 4.0, sk, dtype=np.float32))[None, :, None, None]
+    k = (k.astype(cp.float32) * ramp).astype(k.dtype)
+    slopes = _slopes(rng, b, h, False) if mod == "alibi" else None
+    kw = dict(softmax_scale=4 / d ** 0.5, causal=causal, softcap=50.0 if mod == "softcap" else 0.0)
+    with _kernel(True), recorded_forward_plans() as plans:
+        out, lse, _ = fa.flash_attn_func(q, k, v, return_attn_probs=True, alibi_slopes=slopes, **kw)
+    assert plans and all(isinstance(p.config, configs.HopperFwdConfig) for p in plans)
+    ref_out, ref_lse = attention_ref(_host(q), _host(k), _host(v),
+                                     alibi_slopes=None if slopes is None else _host(slopes), **kw)
+    _check_padded(out, lse, ref_out, ref_lse, v, "bfloat16")

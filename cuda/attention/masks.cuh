@@ -434,16 +434,18 @@ struct UnitScoreMods {
 
     // s: one warpgroup warp's raw scores in C-fragment layout (rows from row0, columns from col0) -> values v.
     // NonNegative: every visible score's d is >= 0 (causal), so |d| is d (the masked ones are -inf after).
-    template <bool NonNegative, int NTiles>
+    // FmaTanhs: of each fragment's four softcapped scores, how many take tanh_of_exp2_arg_fma (its reciprocal on the
+    // FMA pipe) rather than tanh_of_exp2_arg (on the MUFU, like both exp2s).
+    template <bool NonNegative, int FmaTanhs = 0, int NTiles>
     FA2_DEVICE void apply(float (&s)[1][NTiles][4], int row0, int col0, int lane) const {
         switch (kind) {
-            case kCap: return apply_kind<kCap, NonNegative>(s, row0, col0, lane);
-            case kCapAlibi: return apply_kind<kCapAlibi, NonNegative>(s, row0, col0, lane);
-            case kAlibi: return apply_kind<kAlibi, NonNegative>(s, row0, col0, lane);
-            default: return apply_kind<kAlibiUnscaled, NonNegative>(s, row0, col0, lane);
+            case kCap: return apply_kind<kCap, NonNegative, FmaTanhs>(s, row0, col0, lane);
+            case kCapAlibi: return apply_kind<kCapAlibi, NonNegative, FmaTanhs>(s, row0, col0, lane);
+            case kAlibi: return apply_kind<kAlibi, NonNegative, FmaTanhs>(s, row0, col0, lane);
+            default: return apply_kind<kAlibiUnscaled, NonNegative, FmaTanhs>(s, row0, col0, lane);
         }
     }
-    template <Kind K, bool NonNegative, int NTiles>
+    template <Kind K, bool NonNegative, int FmaTanhs, int NTiles>
     FA2_DEVICE void apply_kind(float (&s)[1][NTiles][4], int row0, int col0, int lane) const {
         constexpr bool kCapped = K == kCap || K == kCapAlibi;
         // d of this thread's first column of the tile, for its two rows
@@ -454,7 +456,7 @@ struct UnitScoreMods {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 float v = s[0][nt][e];
-                if constexpr (kCapped) v = tanh_of_exp2_arg(v * arg);
+                if constexpr (kCapped) v = e < FmaTanhs ? tanh_of_exp2_arg_fma(v * arg) : tanh_of_exp2_arg(v * arg);
                 if constexpr (K == kAlibiUnscaled) v *= arg;
                 if constexpr (K != kCap) {
                     const float d = d_row[e >> 1] - static_cast<float>(nt * 8 + (e & 1));

@@ -68,6 +68,53 @@ struct OnlineSoftmax {
             }
         }
     }
+    // probabilities() that keeps every row's reference max (so its output needs no rescale) while no row of the
+    // warp's grows past it by more than 2^kLazyLog2 in P: then P runs up to 2^kLazyLog2 instead of 1, exact in
+    // fp32 and in the 16-bit P as a ratio to the row's max. Returns whether the warp's rows moved (every row to its
+    // new max, as probabilities() does): only then must the output take `correction` (rescale). Warp-uniform.
+    static constexpr float kLazyLog2 = 8.f;
+    FA2_DEVICE bool probabilities_lazy(float (&s)[MTiles][NTiles][4], float scale_log2, float (&correction)[kRows]) {
+        float tile_max[kRows];
+        bool grow = false;
+#pragma unroll
+        for (int mt = 0; mt < MTiles; ++mt)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int r = mt * 2 + half;
+                float m = row_max[r];
+#pragma unroll
+                for (int nt = 0; nt < NTiles; ++nt) m = fmaxf(m, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
+                tile_max[r] = quad_max(m);
+                // (-inf - -inf: NaN, no growth: a row that has seen only masked keys keeps shift 0)
+                grow |= (tile_max[r] - row_max[r]) * scale_log2 > kLazyLog2;
+            }
+        grow = __any_sync(0xffffffffu, grow);
+#pragma unroll
+        for (int mt = 0; mt < MTiles; ++mt) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int r = mt * 2 + half;
+                float shift;
+                if (grow) {
+                    shift = tile_max[r] == -pos_inf() ? 0.f : tile_max[r] * scale_log2;
+                    correction[r] = fast_exp2(row_max[r] * scale_log2 - shift);
+                    row_max[r] = tile_max[r];
+                    row_sum[r] *= correction[r];
+                } else {
+                    shift = row_max[r] == -pos_inf() ? 0.f : row_max[r] * scale_log2;
+                }
+#pragma unroll
+                for (int nt = 0; nt < NTiles; ++nt) {
+#pragma unroll
+                    for (int e = 2 * half; e < 2 * half + 2; ++e) {
+                        s[mt][nt][e] = fast_exp2(s[mt][nt][e] * scale_log2 - shift);
+                        row_sum[r] += s[mt][nt][e];
+                    }
+                }
+            }
+        }
+        return grow;
+    }
     template <int DTiles>
     FA2_DEVICE void rescale(float (&acc_o)[MTiles][DTiles][4], const float (&correction)[kRows]) {
 #pragma unroll

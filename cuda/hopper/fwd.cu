@@ -184,12 +184,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                 consumer.issue_pv(acc_o, p, ring_slot<kVS>(prev), prev_halves);
                 consumer.turn_pass();
                 wgmma_wait<1>();
-                consumer.probabilities(mask, slope, n_first, wg_row0, warp_row0, j, s, softmax, correction);
+                const bool moved =
+                    consumer.probabilities(mask, slope, n_first, wg_row0, warp_row0, j, s, softmax, correction);
                 wgmma_wait<0>();
                 pin_registers(acc_o);
                 pin_registers(p);
                 consumer.release(smem.k_empty(ring_slot<kKS>(consumer.tiles)), smem.v_empty(ring_slot<kVS>(prev)));
-                softmax.rescale(acc_o, correction);
+                if (moved) softmax.rescale(acc_o, correction);
                 scores_to_operand<Tr>(p, s);
                 if (drop) consumer.drop(p, b, head, n_first, warp_row0, j);
                 prev = consumer.tiles++;

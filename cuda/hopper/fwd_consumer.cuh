@@ -137,8 +137,9 @@ struct HopperFwdConsumer {
     FA2_DEVICE bool modify(const float& slope) const { return Tr::kMods && (args.softcap > 0.f || slope != 0.f); }
 
     // The landed scores of the block's tile j: modified (kMods: softcap, and ALiBi of `slope`, into
-    // UnitScoreMods' values), masked where some row of the warpgroup cannot see some key, then P.
-    FA2_DEVICE void probabilities(const WindowMask<Tr::kMask>& mask, const float& slope, const int& n_first,
+    // UnitScoreMods' values), masked where some row of the warpgroup cannot see some key, then P against each
+    // row's reference max (OnlineSoftmax::probabilities_lazy): whether O must take `correction`.
+    FA2_DEVICE bool probabilities(const WindowMask<Tr::kMask>& mask, const float& slope, const int& n_first,
                                   const int& wg_row0, const int& warp_row0, int j, float (&s)[1][kNT][4],
                                   Softmax& softmax, float (&correction)[2]) const {
         pin_registers(s);
@@ -147,11 +148,13 @@ struct HopperFwdConsumer {
         if (modify(slope)) {
             const UnitScoreMods mods =
                 make_unit_score_mods(args.scale, args.softcap, slope, mask.seqlen_q, mask.seqlen_k);
-            mods.template apply<Tr::kMask == kMaskCausal>(s, warp_row0, col0, lane);
+            mods.template apply<Tr::kMask == kMaskCausal, Tr::kFmaTanhs>(s, warp_row0, col0, lane);
             scale_log2 = mods.scale_log2();
         }
         if (mask.tile_needs_mask(wg_row0, 64, col0, Tr::kBlockN)) mask.apply(s, warp_row0, col0, lane);
+        if constexpr (Tr::kLazyRescale) return softmax.probabilities_lazy(s, scale_log2, correction);
         softmax.probabilities(s, scale_log2, correction);
+        return true;
     }
 
     // Dropout (kMods) on P_j, packed: this warp's 16 rows from warp_row0 (rows g and g + 8 of each Philox call's
