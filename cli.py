@@ -319,7 +319,10 @@ def tile_table_text(arch: int | None) -> str:
             + f"):\n{table}\n"
             + (f"Softcap, ALiBi and dropout run on the Hopper rows above: the forward's at d = "
                f"{_dims(configs.HOPPER_MODS_HEADDIMS)} (padded calls only at "
-               f"{_dims(configs.HOPPER_MODS_PADDED_ONLY)}), the backward's at d = "
+               f"{_dims(configs.HOPPER_MODS_PADDED_ONLY)}"
+               + "".join(f"; at d = {d} on {row.consumer_wgs} consumer warpgroups"
+                         for d, row in configs.FORWARD_HOPPER_MODS_TABLE.items())
+               + f"), the backward's at d = "
                f"{_dims(configs.HOPPER_BWD_MODS_HEADDIMS)} (padded calls only at "
                f"{_dims(configs.HOPPER_BWD_MODS_PADDED_ONLY)}; dropout not at "
                f"{_dims(configs.HOPPER_BWD_NO_DROPOUT)}); elsewhere modifiers run "

@@ -132,6 +132,19 @@ FORWARD_HOPPER_TABLE: dict[int, HopperFwdConfig] = {
     192: HopperFwdConfig(192, 64, 2, 3, 2),
     256: HopperFwdConfig(256, 64, 2, 3, 1),
 }
+#: The Hopper forward's modifier rows (softcap, ALiBi, dropout) where they differ from FORWARD_HOPPER_TABLE's: at
+#: d = 64 two consumer warpgroups (224 registers a thread), as the three of the plain row (160) spill 152-168 bytes
+#: with the modifiers.
+FORWARD_HOPPER_MODS_TABLE: dict[int, HopperFwdConfig] = {
+    64: HopperFwdConfig(64, 128, 4, 4, 2, 2),
+}
+
+
+def hopper_forward_row(headdim: int, mods: bool = False) -> HopperFwdConfig:
+    """The Hopper forward's row at this head dim (a key of FORWARD_HOPPER_TABLE), for calls with score modifiers or
+    dropout (``mods``: FORWARD_HOPPER_MODS_TABLE's where it has one) or without."""
+    return FORWARD_HOPPER_MODS_TABLE.get(headdim, FORWARD_HOPPER_TABLE[headdim]) if mods else \
+        FORWARD_HOPPER_TABLE[headdim]
 
 
 def _fwd(headdim, block_m, block_n, warps, stages=2, min_blocks=1, q_in_regs=False) -> FwdConfig:
@@ -562,11 +575,11 @@ def forward_config(arch: int, headdim: int, dtype: str, mask: str, varlen: bool 
 #: Hopper / mma.sync kernel time in one process, with three consumer warpgroups at d=64: d=64 256 1.11x (mma.sync
 #: kept), 512 0.86x, 1024 1.00x; d=128 128 0.93x, 256 0.94x, 512 1.01x; windows d=64 (256, 0) over 512 0.79x,
 #: d=128 (128, 0) over 256 0.96x (docs/design.md).
-#: The head dims at which the Hopper forward takes softcap, ALiBi and dropout (HopperFwdTraits' Mods); elsewhere they
-#: run on the mma.sync forward. At HOPPER_MODS_PADDED_ONLY, padded calls only: the d = 256 consumers need 232
-#: registers with the modifiers (at 224 the window variant spills 40 bytes), which leaves the producer 40, where the
-#: varlen producer's copies spill. At d = 64 (three consumer warpgroups at 160 registers) they spill 152-168 bytes.
-HOPPER_MODS_HEADDIMS = (128, 192, 256)
+#: The head dims at which the Hopper forward takes softcap, ALiBi and dropout (HopperFwdTraits' Mods, on
+#: hopper_forward_row(d, mods=True)); elsewhere they run on the mma.sync forward. At HOPPER_MODS_PADDED_ONLY, padded
+#: calls only: the d = 256 consumers need 232 registers with the modifiers (at 224 the window variant spills 40
+#: bytes), which leaves the producer 40, where the varlen producer's copies spill.
+HOPPER_MODS_HEADDIMS = (64, 128, 192, 256)
 HOPPER_MODS_PADDED_ONLY = (256,)
 
 
@@ -628,7 +641,7 @@ def hopper_forward_config(arch: int, headdim: int, dtype: str, dropout: bool = F
     shortest = HOPPER_MASKED_MIN_SEQLEN[headdim] if masked_min_seqlen is None else masked_min_seqlen
     if mask != "none" and seqlen_q is not None and seqlen_q < shortest:
         return None
-    return table[headdim]
+    return hopper_forward_row(headdim, mods or dropout)
 
 
 #: On compute capability 9.0 a head dim without a Hopper row (FORWARD_HOPPER_TABLE, BACKWARD_HOPPER_TABLE) runs on
@@ -673,10 +686,10 @@ def hopper_forward_instantiations() -> list[str]:
                   for varlen, paged in ((False, False), (True, False), (True, True)))
     modified = (("causal", True, False, False), ("window", True, False, False), ("window", True, True, False),
                 ("window", True, True, True))
-    return sorted(config.name_expression(dtype, mask, mods, varlen=varlen, paged=paged)
-                  for config in FORWARD_HOPPER_TABLE.values() for dtype in DTYPE_TAGS
+    return sorted(hopper_forward_row(d, mods).name_expression(dtype, mask, mods, varlen=varlen, paged=paged)
+                  for d in FORWARD_HOPPER_TABLE for dtype in DTYPE_TAGS
                   for mask, mods, varlen, paged in (*plain, *modified)
-                  if not mods or hopper_takes_mods(config.headdim, varlen))
+                  if not mods or hopper_takes_mods(d, varlen))
 
 
 def backward_config(arch: int, headdim: int, dtype: str, mask: str, mods: bool = False) -> BwdConfig:

@@ -80,7 +80,8 @@ HOPPER_FAMILIES = {
                    len(configs.DTYPE_TAGS) * (len(configs.FORWARD_HOPPER_TABLE) * len(configs.MASKS) * 3
                                               + len(configs.HOPPER_MODS_HEADDIMS) * 4
                                               - len(configs.HOPPER_MODS_PADDED_ONLY) * 2),
-                   lambda: [(c, c.smem_bytes) for c in configs.FORWARD_HOPPER_TABLE.values()],
+                   lambda: [(c, c.smem_bytes) for c in (*configs.FORWARD_HOPPER_TABLE.values(),
+                                                         *configs.FORWARD_HOPPER_MODS_TABLE.values())],
                    "fa2::flash_fwd_hopper<"),
     # (backward: padded and varlen for every mask; with softcap/ALiBi the window variant at HOPPER_BWD_MODS_HEADDIMS,
     # padded only at HOPPER_BWD_MODS_PADDED_ONLY)
@@ -287,11 +288,12 @@ def test_hopper_forward_is_chosen_only_where_it_runs():
         assert configs.hopper_forward_config(90, d, "float16") is configs.FORWARD_HOPPER_TABLE[d]
         for arch in (80, 86, 89, 100, 120):  # wgmma is sm_90a's own: not even later GPUs run it
             assert configs.hopper_forward_config(arch, d, "bfloat16") is None
-        # dropout: the modifier rows at 128, 192 and 256 (varlen not at 256), as softcap and ALiBi
+        # dropout: the modifier rows (varlen not at 256), as softcap and ALiBi
         dropped = configs.hopper_forward_config(90, d, "bfloat16", dropout=True)
-        assert dropped is (configs.FORWARD_HOPPER_TABLE[d] if d in (128, 192, 256) else None)
+        assert dropped is configs.hopper_forward_row(d, mods=True)
+        assert (dropped is configs.FORWARD_HOPPER_TABLE[d]) == (d != 64)  # (d = 64: two consumer warpgroups)
         dropped = configs.hopper_forward_config(90, d, "bfloat16", dropout=True, varlen=True)
-        assert dropped is (configs.FORWARD_HOPPER_TABLE[d] if d in (128, 192) else None)
+        assert dropped is (configs.hopper_forward_row(d, mods=True) if d in (64, 128, 192) else None)
         assert configs.hopper_forward_config(80, d, "bfloat16", dropout=True) is None
         assert configs.hopper_forward_config(90, d, "bfloat16", varlen=True) is configs.FORWARD_HOPPER_TABLE[d]
         # paged K/V (varlen) runs where packed K/V does (the choice does not look at it), on its own instantiation
@@ -319,7 +321,8 @@ def test_hopper_forward_takes_softcap_alibi_and_dropout():
     from fa2cupy import forward
 
     names = set(configs.hopper_forward_instantiations())
-    for d, row in configs.FORWARD_HOPPER_TABLE.items():
+    for d in configs.FORWARD_HOPPER_TABLE:
+        row = configs.hopper_forward_row(d, mods=True)
         for varlen, paged in ((False, False), (True, False), (True, True)):
             for causal in (False, True):
                 mask, mods, _, _ = forward.kernel_variant(causal, (-1, -1), 30.0, False, causal_mods=not varlen)
@@ -332,9 +335,12 @@ def test_hopper_forward_takes_softcap_alibi_and_dropout():
                 assert chosen.forward is row and dropped.forward is row  # (dropout: the same instantiation)
                 name = row.name_expression("bfloat16", mask, mods, varlen, paged)
                 assert name.endswith(f"{str(varlen).lower()}, {str(paged).lower()}, true>>") and name in names
-    # the modifier rows' head dims: d = 64 (three consumer warpgroups) has none, varlen calls none at 256
-    assert [d for d in configs.FORWARD_HOPPER_TABLE if configs.hopper_takes_mods(d, False)] == [128, 192, 256]
-    assert [d for d in configs.FORWARD_HOPPER_TABLE if configs.hopper_takes_mods(d, True)] == [128, 192]
+    # the modifier rows' head dims: every width, varlen calls not at 256; d = 64's on two consumer warpgroups (its
+    # plain row's three spill with the modifiers)
+    assert [d for d in configs.FORWARD_HOPPER_TABLE if configs.hopper_takes_mods(d, False)] == [64, 128, 192, 256]
+    assert [d for d in configs.FORWARD_HOPPER_TABLE if configs.hopper_takes_mods(d, True)] == [64, 128, 192]
+    assert configs.hopper_forward_row(64, mods=True).consumer_wgs == 2
+    assert configs.FORWARD_HOPPER_TABLE[64].consumer_wgs == 3
     # the plain instantiations keep their names (and machine code)
     assert configs.FORWARD_HOPPER_TABLE[128].name_expression("float16", "causal").endswith("fa2::kMaskCausal>>")
 

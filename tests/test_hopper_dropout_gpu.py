@@ -58,7 +58,7 @@ def _expected_rows(d: int, varlen: bool):
     (and any masked length): the Hopper rows at d's Hopper width where they take dropout, else None (the mma.sync
     kernels')."""
     width = configs.hopper_pad_width(90, d) or d
-    forward = configs.FORWARD_HOPPER_TABLE[width] if configs.hopper_takes_mods(width, varlen) else None
+    forward = configs.hopper_forward_row(width, mods=True) if configs.hopper_takes_mods(width, varlen) else None
     backward = (configs.BACKWARD_HOPPER_TABLE[width] if configs.hopper_bwd_takes_mods(width, varlen, dropout=True)
                 else None)
     return forward, backward
@@ -93,15 +93,15 @@ def _same_bits(name, a, b):
 
 @pytest.mark.parametrize("d", sorted(configs.FORWARD_HOPPER_TABLE))
 def test_dropout_calls_plan_the_hopper_rows(d):
-    """Dropout (alone, and with softcap) plans the Hopper forward's modifier rows at 128, 192 and 256 (varlen: 128
-    and 192) and the Hopper dK/dV kernel's at 128, 192 and 256 (varlen: 192 and 256; at 64 its modifier rows take
+    """Dropout (alone, and with softcap) plans the Hopper forward's modifier rows at 64, 128, 192 and 256 (varlen:
+    not 256) and the Hopper dK/dV kernel's at 128, 192 and 256 (varlen: 192 and 256; at 64 its modifier rows take
     softcap and ALiBi only); the mma.sync kernels elsewhere, and the mma.sync backward with
     KernelOptions(hopper_backward_mods=False)."""
     _hopper_gpu()
     from fa2cupy import backward, forward
     from fa2cupy.options import KernelOptions
 
-    assert (configs.HOPPER_MODS_HEADDIMS, configs.HOPPER_MODS_PADDED_ONLY) == ((128, 192, 256), (256,))
+    assert (configs.HOPPER_MODS_HEADDIMS, configs.HOPPER_MODS_PADDED_ONLY) == ((64, 128, 192, 256), (256,))
     assert (configs.HOPPER_BWD_MODS_HEADDIMS, configs.HOPPER_BWD_MODS_PADDED_ONLY) == ((64, 128, 192, 256), (128,))
     assert configs.HOPPER_BWD_NO_DROPOUT == (64,)
     shape = (1, 2048, 8, d)
@@ -109,7 +109,7 @@ def test_dropout_calls_plan_the_hopper_rows(d):
     for varlen in (False, True):
         row_strides = (0 if varlen else 2048 * 8 * d, 8 * d, d, 1)
         extra = dict(varlen_totals=(2048, 2048)) if varlen else {}
-        fwd_row = configs.FORWARD_HOPPER_TABLE[d] if d in ((128, 192) if varlen else (128, 192, 256)) else None
+        fwd_row = configs.hopper_forward_row(d, mods=True) if not (varlen and d == 256) else None
         bwd_row = configs.BACKWARD_HOPPER_TABLE[d] if d in ((192, 256) if varlen else (128, 192, 256)) else None
         for causal, mods in itertools.product((False, True), ({}, {"softcap": 5.0})):
             plan = forward.plan_forward(shape, shape, (row_strides,) * 4, "bfloat16", 0.1, causal, 90, dropout_p=0.1,
@@ -142,14 +142,14 @@ def test_dropout_at_head_dims_between_the_widths(d, width):
     names = ("q", "k", "v", "dout", "out", "dq", "dk", "dv")
     strides = (300 * 4 * d, 4 * d, d, 1)
     plan = forward.plan_forward(shape, shape, (strides,) * 4, "bfloat16", 0.1, True, 90, dropout_p=0.1, width=width)
-    assert plan.config is configs.FORWARD_HOPPER_TABLE[width]
+    assert plan.config is configs.hopper_forward_row(width, mods=True)
     plan = backward.plan_backward(shape, shape, dict.fromkeys(names, strides), "bfloat16", 0.1, True, False, 90,
                                   dropout_p=0.1, width=width)
     assert plan.config is configs.BACKWARD_HOPPER_TABLE[width]
     varlen = (0, 4 * d, d, 1)  # (varlen: the forward's rows not at 256, the backward's not at 128)
     plan = forward.plan_forward((3, 300, 4, d), (3, 300, 4, d), (varlen,) * 4, "bfloat16", 0.1, True, 90,
                                 dropout_p=0.1, varlen_totals=(700, 700), width=width)
-    _assert_rows([plan], configs.FORWARD_HOPPER_TABLE[width] if width != 256 else None, configs.FwdConfig)
+    _assert_rows([plan], configs.hopper_forward_row(width, mods=True) if width != 256 else None, configs.FwdConfig)
     plan = backward.plan_backward((3, 300, 4, d), (3, 300, 4, d), dict.fromkeys(names, varlen), "bfloat16", 0.1,
                                   True, False, 90, dropout_p=0.1, varlen_totals=(700, 700), width=width)
     _assert_rows([plan], configs.BACKWARD_HOPPER_TABLE[width] if width != 128 else None, configs.BwdConfig)

@@ -55,7 +55,7 @@ def test_modifier_calls_plan_the_hopper_forward(d):
 
     strides = ((2048 * 8 * d, 8 * d, d, 1),) * 4
     shape = (1, 2048, 8, d)
-    expected = configs.FORWARD_HOPPER_TABLE[d] if d in HOPPER_MODS_HEADDIMS else None
+    expected = configs.hopper_forward_row(d, mods=True) if d in HOPPER_MODS_HEADDIMS else None
     for causal in (False, True):
         for mods in ({"softcap": 30.0}, {"alibi_batch_stride": 0}):
             plan = forward.plan_forward(shape, shape, strides, "bfloat16", 0.1, causal, 90, **mods)
@@ -66,7 +66,7 @@ def test_modifier_calls_plan_the_hopper_forward(d):
     varlen_strides = ((0, 8 * d, d, 1),) * 4
     plan = forward.plan_forward(shape, shape, varlen_strides, "bfloat16", 0.1, True, 90, softcap=30.0,
                                 varlen_totals=(2048, 2048))
-    assert plan.config is configs.FORWARD_HOPPER_TABLE[d] if configs.hopper_takes_mods(d, varlen=True) else (
+    assert plan.config is configs.hopper_forward_row(d, mods=True) if configs.hopper_takes_mods(d, varlen=True) else (
         isinstance(plan.config, configs.FwdConfig))
 
 

@@ -74,8 +74,8 @@ def test_info_table_for_a_given_arch_without_a_gpu():
     assert result.exit_code == 0, result.output
     assert "kernels for sm_90" in result.output and "hopper (wgmma)" in result.output
     # the note on modifier calls names the head dims the Hopper forward and backward take them at
-    assert ("Softcap, ALiBi and dropout run on the Hopper rows above: the forward's at d = 128, 192 and 256 (padded "
-            "calls only at 256), the backward's at d = 64, 128, 192 and 256 (padded calls only at 128; dropout not "
+    assert ("Softcap, ALiBi and dropout run on the Hopper rows above: the forward's at d = 64, 128, 192 and 256 "
+            "(padded calls only at 256; at d = 64 on 2 consumer warpgroups), the backward's at d = 64, 128, 192 and 256 (padded calls only at 128; dropout not "
             "at 64)") in " ".join(result.output.split())
 
 
@@ -108,7 +108,7 @@ def test_wide_hopper_rows(d):
             want = (configs.BACKWARD_HOPPER_TABLE[dm] if configs.hopper_bwd_takes_mods(dm, varlen)
                     else configs.backward_config(90, dm, "float16", "causal", mods=True))
             assert rows.backward == want
-    assert (configs.HOPPER_MODS_HEADDIMS, configs.HOPPER_MODS_PADDED_ONLY) == ((128, 192, 256), (256,))
+    assert (configs.HOPPER_MODS_HEADDIMS, configs.HOPPER_MODS_PADDED_ONLY) == ((64, 128, 192, 256), (256,))
     for varlen in (False, True):  # dropout: the modifier rows too
         rows = configs.kernel_rows(90, d, "float16", "causal", mods=True, varlen=varlen, dropout=True)
         assert rows.forward == (configs.forward_config(90, d, "float16", "causal", varlen, mods=True)

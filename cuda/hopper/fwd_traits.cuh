@@ -59,13 +59,13 @@ struct HopperFwdTraits {
     static_assert(!kWideMods || !Varlen, "d = 256 with modifiers: padded calls only");
     // O rescaled only once a row's max has moved far (OnlineSoftmax::probabilities_lazy): H200, 8k, 16 heads of 128
     // (or 2048 / d), bf16, the plain kernels 2-3% faster at d = 128, 12-13% at 192, 17% at 256 (docs/design.md).
-    // Not with modifiers at d = 128 (ALiBi and dropout 3-5% slower with it, softcap no faster), nor in the d = 256
-    // window kernel with modifiers, whose 232-register consumers spill 12-28 bytes with it.
-    static constexpr bool kLazyRescale = !(Mods && HeadDim == 128) && !(kWideMods && Mask == kMaskWindow);
-    // Of each four softcapped scores, how many take tanh's reciprocal on the FMA pipe (UnitScoreMods::apply): at
-    // d = 128, whose softcap leaves the MUFU the busiest pipe (65% of its peak against the tensor cores' 43%, ncu),
-    // one of four is 5-9% faster; two no faster, and at 192 and 256 none is best.
-    static constexpr int kFmaTanhs = HeadDim == 128 ? 1 : 0;
+    // Not with modifiers at d = 64 and 128 (ALiBi 3-8% and dropout up to 6% slower with it, softcap no faster), nor
+    // in the d = 256 window kernel with modifiers, whose 232-register consumers spill 12-28 bytes with it.
+    static constexpr bool kLazyRescale = !(Mods && HeadDim <= 128) && !(kWideMods && Mask == kMaskWindow);
+    // Of each four softcapped scores, how many take tanh's reciprocal on the FMA pipe (UnitScoreMods::apply): where
+    // the softcap leaves the MUFU the busiest pipe (d = 128: 65% of its peak against the tensor cores' 43%, ncu), one
+    // of four at d = 128 (5-9% faster; two no faster) and two at d = 64 (10-13%; one 6-8%); at 192 and 256 none.
+    static constexpr int kFmaTanhs = HeadDim == 128 ? 1 : HeadDim == 64 ? 2 : 0;
     static constexpr int kProducerRegisters = ConsumerWGs == 2 ? (kWideMods ? 40 : 56) : 32,
                          kConsumerRegisters = ConsumerWGs == 2 ? (kWideMods ? 232 : 224) : 160;
     // setmaxnreg.inc waits until the registers the producer gave back cover the increase, so the warpgroups'
