@@ -122,12 +122,15 @@ def _float16_stand_ins(names) -> set[str]:
 
 
 def _machine_names(family: str, arch: str) -> set[str]:
-    """The instantiations of `family` compiled to machine code for `arch`: of its table families' rows every one but
-    the float16 ones, of which one per kernel template and variant (the Hopper families: all)."""
+    """The instantiations of `family` compiled to machine code for `arch`: of its table families' rows (the Hopper
+    families: all their instantiations) every one but the float16 ones, of which one per kernel template and
+    variant: they compile as their bfloat16 twins (test_instantiations_compile_without_spills checks the pairs)."""
     home = _home_names(family, arch)
-    if family in HOPPER_FAMILIES:
-        return home
     return {n for n in home if not _F16.search(n)} | _float16_stand_ins(home)
+
+
+def _all_names(family: str) -> list[str]:
+    return (FAMILIES[family] if family in FAMILIES else HOPPER_FAMILIES[family][0])()
 
 
 def _jobs(targets):
@@ -137,10 +140,9 @@ def _jobs(targets):
     for family, arch in sorted(targets):
         machine = sorted(_machine_names(family, arch))
         jobs += [(family, arch, machine[i : i + 4], False) for i in range(0, len(machine), 4)]
-        if family in FAMILIES:
-            others = sorted(set(FAMILIES[family]()) - set(machine))
-            if others:
-                jobs.append((family, arch, others, True))
+        others = sorted(set(_all_names(family)) - set(machine))
+        if others:
+            jobs.append((family, arch, others, True))
     return jobs
 
 
@@ -242,15 +244,24 @@ def test_hopper_kernels_compile_without_spills(family, compiled):
     names = instantiations()
     assert len(names) == count
     result = compiled[(family, "90a")]
-    assert sorted(result.machine) == sorted(names) and not result.front_end
+    # every bfloat16 instantiation in machine code, and of the float16 ones one per mask and variant (the others
+    # through the front end)
+    machine = _machine_names(family, "90a")
+    assert sorted(result.machine) == sorted(machine)
+    assert sorted(result.front_end) == sorted(set(names) - machine)
+    assert set(result.lowered) == set(names)
+    assert {_variant(n) for n in names if _F16.search(n)} == {_variant(n) for n in machine if _F16.search(n)}
     assert all(len(binary) > 0 for binary in result.binaries)
     for log in result.logs:
         # ptxas's performance advisories (C75xx): C7512 is "wgmma serialized due to insufficient register
         # resources", which the unmasked backward had at 232 registers before its mask test was simplified (each
         # HGMMA then waited for the last).
         assert "C75" not in log, [line for line in log.splitlines() if "C75" in line]
-    for name in names:
+    for name in machine:
         assert result.reports[result.lowered[name]] == (0, 0), f"{name} spills on sm_90a"
+    for name in (n for n in machine if _F16.search(n)):  # the float16 stand-ins compile as their bfloat16 twins
+        mine, theirs = (result.full_reports[result.lowered[n]] for n in (name, _F16.sub("fa2::bf16", name)))
+        assert mine[1:] == theirs[1:] and mine[0] <= theirs[0], f"{name}: {mine}, its bfloat16 twin {theirs}"
 
 
 @pytest.mark.parametrize(("family", "define", "arch"), [("fwd_hopper", "FA2_FWD_TRACE", "90a"),

@@ -378,7 +378,7 @@ def _bwd(causal=False, softcap=0.0, dropout_p=0.0, deterministic=False):
     ("fwd", _fwd(dropout_p=0.1), {}, 128),  # the Hopper kernels' modifier rows take dropout at 128
     ("bwd", _bwd(dropout_p=0.1), {}, 128),
     ("fwd", _fwd(causal=True, dropout_p=0.1), dict(d=224), 256),  # (padded calls: at 256 too)
-    ("fwd", _fwd(dropout_p=0.1), dict(d=40), 40),  # the Hopper forward at 64 takes no modifiers
+    ("fwd", _fwd(dropout_p=0.1), dict(d=40), 64),  # the Hopper forward's d = 64 modifier row takes dropout
     ("bwd", _bwd(dropout_p=0.1), dict(d=40), 40),  # the Hopper backward at 64 no dropout (HOPPER_BWD_NO_DROPOUT)
     ("bwd", _bwd(softcap=5.0), dict(d=40), 64),  # (but softcap)
     ("fwd", _fwd(softcap=5.0), {}, 128),  # the Hopper forward takes softcap at 128
