@@ -17,7 +17,8 @@ otherwise each tree plans with this package's tables. Make the trees on the
 machine that sends the command: a remote machine's copy of the repository may not have the commit to unpack.
 
 A case is ``fwd<d>:<mask>:<seqlen>[:<mods>]`` with mask none, causal or window<left> (left, 0) and mods softcap
-(30), alibi (slopes in [0, 0.1)) or softcap+alibi; bf16, 16k tokens per batch (at least one sequence), hidden 2048.
+(30), alibi (slopes in [0, 0.1)), dropout (p = 0.1, seed 0) or a ``+``-joined set of them (``softcap+alibi``); bf16,
+16k tokens per batch (at least one sequence), hidden 2048.
 """
 
 import argparse
@@ -38,6 +39,7 @@ DEFAULT_CASES = ("fwd128:none:2048", "fwd128:causal:1024", "fwd128:causal:2048",
 
 
 SOFTCAP = 30.0
+DROPOUT_P = 0.1
 
 
 def parse_case(case: str):
@@ -64,6 +66,7 @@ def plans_for(tree: str, cases):
         plans[case] = forward.plan_forward(shape, shape, (strides,) * 4, "bfloat16", d ** -0.5, mask != "none", 90,
                                            window_size=window, softcap=SOFTCAP if "softcap" in mods else 0.0,
                                            alibi_batch_stride=0 if "alibi" in mods else None,
+                                           dropout_p=DROPOUT_P if "dropout" in mods else 0.0,
                                            config=config if config and config.headdim == d else None)
     return plans
 
