@@ -192,21 +192,23 @@ struct DropBits {
     }
 };
 
-// One case of scores_to_ds_mods (below) (with_step_case's switches), each score's P^T by step_p. Drop: dropout (keep
-// flags `drop`), dV's P^T the dropped one, P^T o Z / (1 - p), and dS^T = P^T o (Z o dP^T / (1 - p) - D) (dP of the
-// dropped output).
-template <class Tr, bool Cap, bool Drop, bool Mods, class Masked>
-FA2_DEVICE void scores_to_ds_mods_of(float (&st)[1][Tr::kBlockM / 8][4], float (&dpt)[1][Tr::kBlockM / 8][4],
-                                     const float* lse_s, const float* dsum_s, const Masked& masked, int key_lo,
-                                     int key_offset, int lane, const ScoreMods& mods, int m0,
-                                     const DropBits<Tr>& drop, float keep_scale) {
+// Each of this thread's scores in a step of the modifier rows, in the order of its dropout flags (32-query block qb,
+// query parity e1, query member a, key half eh): P^T by step_p (0 where masked), the softcap's derivative dcap and,
+// with Drop, dropout's factor z (DropBits::factor; 1 without), handed to score(nt, e, qc, a, p, dcap, z) (qc: the
+// score's query column in the step), and block_done(qb) after each 32-query block. The narrow rows'
+// scores_to_ds_mods_of and the wide rows' wide_p_mods take their scores so.
+template <class Tr, bool Cap, bool Drop, bool Mods, class Masked, class Score, class BlockDone>
+FA2_DEVICE void for_each_step_score(const float (&st)[1][Tr::kBlockM / 8][4], const float* lse_s,
+                                    const Masked& masked, int key_lo, int key_offset, int lane, const ScoreMods& mods,
+                                    int m0, const DropBits<Tr>& drop, float keep_scale, const Score& score,
+                                    const BlockDone& block_done) {
     constexpr int kQT = Tr::kBlockM / 8;
     static_assert(kQT % 4 == 0, "query steps of whole 32-query blocks (dropout's)");
     const float tanh_arg = 2.f * kLog2e * mods.cap_inv, scale_log2 = mods.scale * kLog2e;
     // distance of this thread's first score (query m0 + (lane & 3) * 2, key key_lo): query + diag - key
     const float d0 = static_cast<float>(m0 + mods.diag - key_offset);
 #pragma unroll
-    for (int qb = 0; qb < kQT / 4; ++qb)
+    for (int qb = 0; qb < kQT / 4; ++qb) {
 #pragma unroll
         for (int e1 = 0; e1 < 2; ++e1) {
             const u32 flags = Drop ? drop.byte(qb, e1) : 0u;
@@ -221,16 +223,32 @@ FA2_DEVICE void scores_to_ds_mods_of(float (&st)[1][Tr::kBlockM / 8][4], float (
                     float dcap;
                     float p = step_p<Cap, Mods>(st[0][nt][e], lse_s + qc, tanh_arg, scale_log2, mods, distance, dcap);
                     if (masked(offset, key)) p = 0.f;
-                    if constexpr (Drop) {
-                        const float z = DropBits<Tr>::factor(keep_scale, flags, a, eh);
-                        dpt[0][nt][e] = p * (dpt[0][nt][e] * z - dsum_s[qc]) * dcap;
-                        p *= z;
-                    } else {
-                        dpt[0][nt][e] = p * (dpt[0][nt][e] - dsum_s[qc]) * dcap;
-                    }
-                    st[0][nt][e] = p;
+                    score(nt, e, qc, a, p, dcap, Drop ? DropBits<Tr>::factor(keep_scale, flags, a, eh) : 1.f);
                 }
         }
+        block_done(qb);
+    }
+}
+
+// One case of scores_to_ds_mods (below) (with_step_case's switches). Drop: dropout (keep flags `drop`), dV's P^T the
+// dropped one, P^T o Z / (1 - p), and dS^T = P^T o (Z o dP^T / (1 - p) - D) (dP of the dropped output).
+template <class Tr, bool Cap, bool Drop, bool Mods, class Masked>
+FA2_DEVICE void scores_to_ds_mods_of(float (&st)[1][Tr::kBlockM / 8][4], float (&dpt)[1][Tr::kBlockM / 8][4],
+                                     const float* lse_s, const float* dsum_s, const Masked& masked, int key_lo,
+                                     int key_offset, int lane, const ScoreMods& mods, int m0,
+                                     const DropBits<Tr>& drop, float keep_scale) {
+    for_each_step_score<Tr, Cap, Drop, Mods>(
+        st, lse_s, masked, key_lo, key_offset, lane, mods, m0, drop, keep_scale,
+        [&](int nt, int e, int qc, int, float p, float dcap, float z) {
+            if constexpr (Drop) {
+                dpt[0][nt][e] = p * (dpt[0][nt][e] * z - dsum_s[qc]) * dcap;
+                p *= z;
+            } else {
+                dpt[0][nt][e] = p * (dpt[0][nt][e] - dsum_s[qc]) * dcap;
+            }
+            st[0][nt][e] = p;
+        },
+        [](int) {});
 }
 
 // scores_to_ds with score modifiers (ScoreMods of the step's query head) and dropout: P^T = exp(logit - L), dS^T =

@@ -57,7 +57,7 @@ FA2_DEVICE void dq_wide(const HopperBwdSmem<Tr>& smem, int it, int col0, int w4,
 }
 
 // Warpgroup 0's P^T with score modifiers (ScoreMods of the step's query head; with_step_case's switches). P^T =
-// exp(logit - L) (step_p, as scores_to_ds_mods_of) stays in `st` (dV's operand), and P^T o dlogit /
+// exp(logit - L) (for_each_step_score, as in scores_to_ds_mods_of) stays in `st` (dV's operand), and P^T o dlogit /
 // d(scale s) goes to warpgroup 1 at `px` (its dS^T = that o (dP^T - D)), so the softcap's derivative needs no
 // registers of warpgroup 1. Drop: dropout (the step's keep flags `drop`), `st` the dropped P^T o Z / (1 - p), and
 // what goes to warpgroup 1 negated where the score is dropped (P^T >= 0: the sign is free), so that it finds Z
@@ -66,40 +66,22 @@ template <class Tr, bool Cap, bool Drop, bool Mods, class Masked>
 FA2_DEVICE void wide_p_mods(float (&st)[1][Tr::kBlockM / 8][4], float4* px, const float* lse_s, const Masked& masked,
                             int key_lo, int key_offset, int lane, int wtid, const ScoreMods& mods, int m0,
                             const DropBits<Tr>& drop, float keep_scale) {
-    constexpr int kQT = Tr::kBlockM / 8;
-    static_assert(kQT % 4 == 0, "query steps of whole 32-query blocks (dropout's)");
-    const float tanh_arg = 2.f * kLog2e * mods.cap_inv, scale_log2 = mods.scale * kLog2e;
-    const float d0 = static_cast<float>(m0 + mods.diag - key_offset);  // (as in scores_to_ds_mods_of)
-#pragma unroll
-    for (int qb = 0; qb < kQT / 4; ++qb) {
-        float pd[4][4];  // [query member][e]
-#pragma unroll
-        for (int e1 = 0; e1 < 2; ++e1) {
-            const u32 flags = Drop ? drop.byte(qb, e1) : 0u;
+    float pd[4][4];  // [query member][e] of the 32-query block at hand
+    for_each_step_score<Tr, Cap, Drop, Mods>(
+        st, lse_s, masked, key_lo, key_offset, lane, mods, m0, drop, keep_scale,
+        [&](int nt, int e, int, int a, float p, float dcap, float z) {
+            pd[a][e] = p * dcap;
+            if constexpr (Drop) {
+                if (z == 0.f) pd[a][e] = -pd[a][e];
+                p *= z;
+            }
+            st[0][nt][e] = p;
+        },
+        [&](int qb) {
 #pragma unroll
             for (int a = 0; a < 4; ++a)
-#pragma unroll
-                for (int eh = 0; eh < 2; ++eh) {
-                    const int nt = 4 * qb + a, e = 2 * eh + e1;
-                    const int qc = nt * 8 + (lane & 3) * 2 + e1, key = key_lo + eh * 8;
-                    const int offset = key_offset + eh * 8 - nt * 8 - e1;  // key - qc
-                    const float distance = d0 + static_cast<float>(key_offset - offset);
-                    float dcap;
-                    float p = step_p<Cap, Mods>(st[0][nt][e], lse_s + qc, tanh_arg, scale_log2, mods, distance, dcap);
-                    if (masked(offset, key)) p = 0.f;
-                    pd[a][e] = p * dcap;
-                    if constexpr (Drop) {
-                        const float z = DropBits<Tr>::factor(keep_scale, flags, a, eh);
-                        if (z == 0.f) pd[a][e] = -pd[a][e];
-                        p *= z;
-                    }
-                    st[0][nt][e] = p;
-                }
-        }
-#pragma unroll
-        for (int a = 0; a < 4; ++a)
-            px[(4 * qb + a) * 128 + wtid] = make_float4(pd[a][0], pd[a][1], pd[a][2], pd[a][3]);
-    }
+                px[(4 * qb + a) * 128 + wtid] = make_float4(pd[a][0], pd[a][1], pd[a][2], pd[a][3]);
+        });
 }
 
 template <class Tr, class BlockSteps>

@@ -63,15 +63,6 @@ FA2_DEVICE void st_shared_u32(u32 addr, u32 v) { asm volatile("st.shared.b32 [%0
 FA2_DEVICE void st_shared_u16(u32 addr, u32 v) {
     asm volatile("st.shared.b16 [%0], %1;\n" ::"r"(addr), "h"((unsigned short)v) : "memory");
 }
-// `Words` 32-bit words (1 or 2) from shared memory.
-template <int Words>
-FA2_DEVICE void ld_shared_words(u32 addr, u32 (&r)[Words]) {
-    static_assert(Words == 1 || Words == 2, "one or two words");
-    if constexpr (Words == 1)
-        asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(r[0]) : "r"(addr) : "memory");
-    else
-        asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr) : "memory");
-}
 FA2_DEVICE void st_shared_v2_f32(u32 addr, float a, float b) {
     asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b) : "memory");
 }
