@@ -143,8 +143,8 @@ FORWARD_HOPPER_MODS_TABLE: dict[int, HopperFwdConfig] = {
 def hopper_forward_row(headdim: int, mods: bool = False) -> HopperFwdConfig:
     """The Hopper forward's row at this head dim (a key of FORWARD_HOPPER_TABLE), for calls with score modifiers or
     dropout (``mods``: FORWARD_HOPPER_MODS_TABLE's where it has one) or without."""
-    return FORWARD_HOPPER_MODS_TABLE.get(headdim, FORWARD_HOPPER_TABLE[headdim]) if mods else \
-        FORWARD_HOPPER_TABLE[headdim]
+    row = FORWARD_HOPPER_TABLE[headdim]
+    return FORWARD_HOPPER_MODS_TABLE.get(headdim, row) if mods else row
 
 
 def _fwd(headdim, block_m, block_n, warps, stages=2, min_blocks=1, q_in_regs=False) -> FwdConfig:
@@ -633,15 +633,13 @@ def hopper_forward_config(arch: int, headdim: int, dtype: str, dropout: bool = F
     that last rule). Varlen calls, paged K/V included, run where padded ones would."""
     if dtype not in DTYPE_TAGS:
         raise ValueError(f"dtype must be one of {tuple(DTYPE_TAGS)}, got {dtype}")
-    table = FORWARD_HOPPER_TABLE
-    if arch != 90 or headdim not in table:
-        return None
-    if (mods or dropout) and not hopper_takes_mods(headdim, varlen):
+    mods = mods or dropout
+    if arch != 90 or headdim not in FORWARD_HOPPER_TABLE or (mods and not hopper_takes_mods(headdim, varlen)):
         return None
     shortest = HOPPER_MASKED_MIN_SEQLEN[headdim] if masked_min_seqlen is None else masked_min_seqlen
     if mask != "none" and seqlen_q is not None and seqlen_q < shortest:
         return None
-    return hopper_forward_row(headdim, mods or dropout)
+    return hopper_forward_row(headdim, mods)
 
 
 #: On compute capability 9.0 a head dim without a Hopper row (FORWARD_HOPPER_TABLE, BACKWARD_HOPPER_TABLE) runs on

@@ -75,8 +75,8 @@ def test_info_table_for_a_given_arch_without_a_gpu():
     assert "kernels for sm_90" in result.output and "hopper (wgmma)" in result.output
     # the note on modifier calls names the head dims the Hopper forward and backward take them at
     assert ("Softcap, ALiBi and dropout run on the Hopper rows above: the forward's at d = 64, 128, 192 and 256 "
-            "(padded calls only at 256; at d = 64 on 2 consumer warpgroups), the backward's at d = 64, 128, 192 and 256 (padded calls only at 128; dropout not "
-            "at 64)") in " ".join(result.output.split())
+            "(padded calls only at 256; at d = 64 on 2 consumer warpgroups), the backward's at d = 64, 128, 192 and "
+            "256 (padded calls only at 128; dropout not at 64)") in " ".join(result.output.split())
 
 
 @pytest.mark.parametrize("d", [192, 256])
