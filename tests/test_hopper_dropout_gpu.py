@@ -336,6 +336,14 @@ def test_rng_state_gives_the_bits_of_the_int_seed_and_offset_varlen():
         _same_bits(name, first[name], again[name])
 
 
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
+def test_dropout_over_many_items(d):
+    """Padded dropout on the Hopper rows with more work items than an H200 has SMs (so that each persistent block
+    takes several), items whose rows see no key (causal, 360 more queries than keys) and a last query tile whose
+    second warpgroup has no rows (1060 = 8 x 128 + 36), against the reference."""
+    run_dropout_case(_fixed_case(d, batch=2, seqlen_q=1060, seqlen_k=700, nheads=8, nheads_kv=4))
+
+
 @pytest.mark.parametrize("d", [128, 256])
 def test_hopper_rows_drop_what_the_mma_sync_kernels_drop(d):
     """The same seed and offset: the Hopper rows give the same bits call after call (deterministic backward), and

@@ -467,12 +467,16 @@ struct UnitScoreMods {
     }
 };
 
+// Fast: the divisions by fast_quotient (the d = 256 modifier kernels: with IEEE division's slow path their window
+// kernel spilled 12 bytes with the lazy rescale; at d = 128 fast_quotient's scaling spilled instead).
+template <bool Fast = false>
 FA2_DEVICE UnitScoreMods make_unit_score_mods(float scale, float softcap, float slope, int seqlen_q, int seqlen_k) {
+    const auto quotient = [](float a, float b) { return Fast ? fast_quotient(a, b) : a / b; };
     const int diag = seqlen_k - seqlen_q;
     if (softcap > 0.f)
-        return {slope != 0.f ? UnitScoreMods::kCapAlibi : UnitScoreMods::kCap, 2.f * kLog2e * scale / softcap,
-                slope / softcap, softcap, diag};
-    if (scale > 0.f) return {UnitScoreMods::kAlibi, 1.f, slope / scale, scale, diag};
+        return {slope != 0.f ? UnitScoreMods::kCapAlibi : UnitScoreMods::kCap, quotient(2.f * kLog2e * scale, softcap),
+                quotient(slope, softcap), softcap, diag};
+    if (scale > 0.f) return {UnitScoreMods::kAlibi, 1.f, quotient(slope, scale), scale, diag};
     return {UnitScoreMods::kAlibiUnscaled, scale, slope, 1.f, diag};
 }
 

@@ -30,6 +30,14 @@ FA2_DEVICE float tanh_of_exp2_arg_fma(float x2) {
 }
 // prmt.b32: result byte n is byte (selector >> 4 n) & 7 of the pair {a (bytes 0-3), b (4-7)}, or, where bit 3 of
 // that nibble is set, that byte's top bit repeated eight times (__byte_perm drops the bit, and with it this mode).
+// a / b by __fdividef (MUFU.RCP and a multiply, two ulps: no slow path, for which ptxas keeps a register), with a
+// and b first scaled down by 2^64 where |b| > 2^64 (__fdividef returns 0 for |b| > 2^126): the quotient then
+// underflows only where the exact one does. (b normal: __fdividef flushes a denormal one.)
+FA2_DEVICE float fast_quotient(float a, float b) {
+    const float k = fabsf(b) > 0x1p64f ? 0x1p-64f : 1.f;
+    return __fdividef(a * k, b * k);
+}
+
 FA2_DEVICE u32 prmt_b32(u32 a, u32 b, u32 selector) {
     u32 r;
     asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "r"(selector));

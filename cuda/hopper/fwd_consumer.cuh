@@ -147,7 +147,7 @@ struct HopperFwdConsumer {
         float scale_log2 = args.scale_log2;
         if (modify(slope)) {
             const UnitScoreMods mods =
-                make_unit_score_mods(args.scale, args.softcap, slope, mask.seqlen_q, mask.seqlen_k);
+                make_unit_score_mods<Tr::kWideMods>(args.scale, args.softcap, slope, mask.seqlen_q, mask.seqlen_k);
             mods.template apply<Tr::kMask == kMaskCausal, Tr::kFmaTanhs>(s, warp_row0, col0, lane);
             scale_log2 = mods.scale_log2();
         }

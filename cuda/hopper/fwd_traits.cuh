@@ -59,9 +59,10 @@ struct HopperFwdTraits {
     static_assert(!kWideMods || !Varlen, "d = 256 with modifiers: padded calls only");
     // O rescaled only once a row's max has moved far (OnlineSoftmax::probabilities_lazy): H200, 8k, 16 heads of 128
     // (or 2048 / d), bf16, the plain kernels 2-3% faster at d = 128, 12-13% at 192, 17% at 256 (docs/design.md).
-    // Not with modifiers at d = 64 and 128 (ALiBi 3-8% and dropout up to 6% slower with it, softcap no faster), nor
-    // in the d = 256 window kernel with modifiers, whose 232-register consumers spill 12-28 bytes with it.
-    static constexpr bool kLazyRescale = !(Mods && HeadDim <= 128) && !(kWideMods && Mask == kMaskWindow);
+    // Not with modifiers at d = 64 and 128 (ALiBi 3-8% and dropout up to 6% slower with it, softcap no faster). (The
+    // d = 256 window kernel with modifiers, which non-causal calls with them run: 0.835 -> 0.99 of the plain call
+    // with none switched on, softcap 0.63 -> 0.67.)
+    static constexpr bool kLazyRescale = !(Mods && HeadDim <= 128);
     // Of each four softcapped scores, how many take tanh's reciprocal on the FMA pipe (UnitScoreMods::apply): where
     // the softcap leaves the MUFU the busiest pipe (d = 128: 65% of its peak against the tensor cores' 43%, ncu), one
     // of four at d = 128 (5-9% faster; two no faster) and two at d = 64 (10-13%; one 6-8%); at 192 and 256 none.
