@@ -17,8 +17,9 @@ otherwise each tree plans with this package's tables. Make the trees on the
 machine that sends the command: a remote machine's copy of the repository may not have the commit to unpack.
 
 A case is ``fwd<d>:<mask>:<seqlen>[:<mods>]`` with mask none, causal or window<left> (left, 0) and mods softcap
-(30), alibi (slopes in [0, 0.1)), dropout (p = 0.1, seed 0) or a ``+``-joined set of them (``softcap+alibi``); bf16,
-16k tokens per batch (at least one sequence), hidden 2048.
+(30), alibi (slopes in [0, 0.1)), alibi0 (slopes 0: the modifier kernel with nothing switched on, what the kernel
+itself costs beside the plain one), dropout (p = 0.1, seed 0) or a ``+``-joined set of them (``softcap+alibi``);
+bf16, 16k tokens per batch (at least one sequence), hidden 2048.
 """
 
 import argparse
@@ -96,7 +97,10 @@ def main():
         q, k, v = ((rng.standard_normal(shape, dtype=cupy.float32).view(cupy.uint32) >> 16).astype(cupy.uint16)
                    for _ in range(3))
         lse = cupy.empty((batch, heads, seqlen), cupy.float32)
-        slopes = rng.uniform(0, 0.1, heads, dtype=cupy.float32) if "alibi" in mods else None
+        slopes = None
+        if "alibi" in mods:  # (alibi0: zero slopes)
+            slopes = (cupy.zeros(heads, cupy.float32) if "alibi0" in mods
+                      else rng.uniform(0, 0.1, heads, dtype=cupy.float32))
         arrays = dict(q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, softmax_lse=lse.data.ptr,
                       alibi_slopes=0 if slopes is None else slopes.data.ptr)
         outs = {}
