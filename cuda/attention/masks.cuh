@@ -474,8 +474,8 @@ FA2_DEVICE UnitScoreMods make_unit_score_mods(float scale, float softcap, float 
     const auto quotient = [](float a, float b) { return Fast ? fast_quotient(a, b) : a / b; };
     const int diag = seqlen_k - seqlen_q;
     if (softcap > 0.f)
-        return {slope != 0.f ? UnitScoreMods::kCapAlibi : UnitScoreMods::kCap, quotient(2.f * kLog2e * scale, softcap),
-                quotient(slope, softcap), softcap, diag};
+        return {slope != 0.f ? UnitScoreMods::kCapAlibi : UnitScoreMods::kCap,
+                quotient(2.f * kLog2e * scale, softcap), quotient(slope, softcap), softcap, diag};
     if (scale > 0.f) return {UnitScoreMods::kAlibi, 1.f, quotient(slope, scale), scale, diag};
     return {UnitScoreMods::kAlibiUnscaled, scale, slope, 1.f, diag};
 }

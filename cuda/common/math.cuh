@@ -28,8 +28,6 @@ FA2_DEVICE float tanh_of_exp2_arg_fma(float x2) {
     r *= fmaf(-d, r, 2.f);
     return fmaf(-2.f, r, 1.f);
 }
-// prmt.b32: result byte n is byte (selector >> 4 n) & 7 of the pair {a (bytes 0-3), b (4-7)}, or, where bit 3 of
-// that nibble is set, that byte's top bit repeated eight times (__byte_perm drops the bit, and with it this mode).
 // a / b by __fdividef (MUFU.RCP and a multiply, two ulps: no slow path, for which ptxas keeps a register), with a
 // and b first scaled down by 2^64 where |b| > 2^64 (__fdividef returns 0 for |b| > 2^126): the quotient then
 // underflows only where the exact one does. (b normal: __fdividef flushes a denormal one.)
@@ -38,6 +36,8 @@ FA2_DEVICE float fast_quotient(float a, float b) {
     return __fdividef(a * k, b * k);
 }
 
+// prmt.b32: result byte n is byte (selector >> 4 n) & 7 of the pair {a (bytes 0-3), b (4-7)}, or, where bit 3 of
+// that nibble is set, that byte's top bit repeated eight times (__byte_perm drops the bit, and with it this mode).
 FA2_DEVICE u32 prmt_b32(u32 a, u32 b, u32 selector) {
     u32 r;
     asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "r"(selector));
