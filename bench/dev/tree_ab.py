@@ -44,9 +44,14 @@ DROPOUT_P = 0.1
 
 
 def parse_case(case: str):
-    """(head dim, mask, seqlen, modifiers) of ``fwd<d>:<mask>:<seqlen>[:<mods>]``."""
+    """(head dim, mask, seqlen, set of modifiers) of ``fwd<d>:<mask>:<seqlen>[:<mods>]``; alibi0 counts as alibi
+    too (its slopes are zeros)."""
     fields = case.split(":")
-    return int(fields[0][3:]), fields[1], int(fields[2]), fields[3] if len(fields) > 3 else ""
+    mods = set(fields[3].split("+")) if len(fields) > 3 else set()
+    unknown = mods - {"softcap", "alibi", "alibi0", "dropout"}
+    if unknown:
+        raise SystemExit(f"{case}: unknown modifiers {sorted(unknown)}")
+    return int(fields[0][3:]), fields[1], int(fields[2]), mods | ({"alibi"} if "alibi0" in mods else set())
 
 
 def plans_for(tree: str, cases):
@@ -98,7 +103,7 @@ def main():
                    for _ in range(3))
         lse = cupy.empty((batch, heads, seqlen), cupy.float32)
         slopes = None
-        if "alibi" in mods:  # (alibi0: zero slopes)
+        if "alibi" in mods:
             slopes = (cupy.zeros(heads, cupy.float32) if "alibi0" in mods
                       else rng.uniform(0, 0.1, heads, dtype=cupy.float32))
         arrays = dict(q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, softmax_lse=lse.data.ptr,
