@@ -623,6 +623,14 @@ def hopper_bwd_group_chunk(key_tiles: int, groups: int, heads_per_kv: int, mask:
     return max(1, min(groups, -(-chunk_blocks // max(key_tiles, 1))))
 
 
+def hopper_bwd_rotates(group_blocks: int, sms: int) -> bool:
+    """Whether the deterministic Hopper backward without a mask may walk each block's query tiles from a start of its
+    own (cuda/hopper/bwd_traits.cuh, rotated_start): there a block waits for blocks after it in the grid, so a
+    launch chunk's blocks (``group_blocks``, its groups' key tiles) must all be on the GPU at once; they may take
+    half the ``sms`` at most, which leaves room for other streams' kernels."""
+    return 0 < group_blocks <= sms // 2
+
+
 def hopper_forward_config(arch: int, headdim: int, dtype: str, dropout: bool = False, varlen: bool = False,
                           mask: str = "none", seqlen_q: int | None = None,
                           masked_min_seqlen: int | None = None, mods: bool = False) -> HopperFwdConfig | None:

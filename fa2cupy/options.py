@@ -57,8 +57,9 @@ class KernelOptions:
         8 x 1k (2 splits) +4-7%.
     decode_stream_evict_first (None): force K/V copies under an L2 evict-first policy (True) or under none (False);
         None: only for calls whose K/V bytes exceed the L2 size.
-    sm_count (None): the SMs that persistent grids (the Hopper forward) and split-KV decoding are sized for; None
-        is the device's count. Tests pretend a small GPU with it, so that few blocks walk many work items.
+    sm_count (None): the SMs that persistent grids (the Hopper forward), split-KV decoding and the deterministic
+        Hopper backward's rotated walks (configs.hopper_bwd_rotates) are sized for; None is the device's count.
+        Tests pretend a small GPU with it, so that few blocks walk many work items.
     debug_poison (False): fill every output and gradient with NaN before the launch, so an element a kernel fails
         to write shows up as NaN instead of as whatever the allocator handed back (tests). Such calls take the
         checked path every time.

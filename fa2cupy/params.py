@@ -109,7 +109,7 @@ class BwdParams(_Params):
 
 class BwdHopperParams(_Params):
     _fields_ = _layout([
-        ("bwd", BwdParams), ("group_chunk", _i32), ("dq_semaphore", _ptr),
+        ("bwd", BwdParams), ("group_chunk", _i32), ("dq_rotate", _i32), ("dq_semaphore", _ptr),
         ("tmap_q", TensorMap, TENSOR_MAP_ALIGN), ("tmap_k", TensorMap, TENSOR_MAP_ALIGN),
         ("tmap_v", TensorMap, TENSOR_MAP_ALIGN), ("tmap_do", TensorMap, TENSOR_MAP_ALIGN),
     ])

@@ -207,6 +207,8 @@ def test_launch_order_chunks(d, causal):
     [
         (2, 1000, 1000, 4, 2, True, (-1, -1)),  # GQA, many key tiles adding to each query tile
         (1, 700, 900, 2, 2, False, (-1, -1)),  # no mask: every key tile adds to every query tile
+        (2, 1000, 1000, 4, 2, False, (-1, -1)),  # no mask, GQA: walks rotated (each block from its own query tile)
+        (1, 1100, 450, 2, 1, False, (-1, -1)),  # rotated, more query tiles than key tiles, ragged ends
         (1, 900, 500, 2, 1, True, (-1, -1)),  # sq > sk: rows that see no key
         (1, 800, 800, 2, 1, False, (150, 40)),  # a band: the turns counted from its first key tile
     ],
@@ -220,25 +222,56 @@ def test_deterministic_hopper_backward(d, b, sq, sk, h, hkv, causal, window):
                   seed=sq + sk + d))
 
 
-@pytest.mark.parametrize("d", [64, 256])
-def test_deterministic_hopper_backward_varlen(d):
-    """The turns per sequence of a varlen call (empty and one-row sequences, ragged ends): gradients match the
-    reference and repeat bitwise."""
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
+def test_deterministic_walks_rotate_without_a_mask(d):
+    """deterministic=True without a mask: where a (kv head, batch) group's blocks fit on half the SMs, each block
+    walks the query tiles from a start of its own (configs.hopper_bwd_rotates), so dQ's sum runs in another order
+    than with the walks all from the first tile (an sm_count too small for the group): both match the reference and
+    repeat bitwise, and they differ in dQ's last bits (the rotated order ran)."""
     _hopper_gpu()
     cp = cupy_module()
     fa = fa2cupy_module()
-    case = dict(lengths_q=[300, 0, 1, 700], lengths_k=[500, 3, 1, 700], nheads=4, nheads_kv=2, headdim=d, causal=True,
-                window_size=(-1, -1), softcap=0.0, alibi=None, extra_rows=5, slack=9, dtype="bfloat16",
-                deterministic=True, seed=d)
+    import numpy as np
+
+    from test_backward_gpu import check_gradients, make_input
+
+    rng = np.random.default_rng(d)
+    q, dout = (make_input(rng, (2, 1500, 4, d), "bfloat16") for _ in range(2))
+    k, v = (make_input(rng, (2, 1200, 2, d), "bfloat16") for _ in range(2))
+    out, lse, _ = fa.flash_attn_func(q, k, v, return_attn_probs=True)
+    key_tiles = -(-1200 // (128 if d <= 128 else 64))
+    runs = {}
+    for sms in (132, 2 * key_tiles - 1):  # (rotated; a group more than half the SMs: not)
+        with kernel_options(sm_count=sms):
+            runs[sms] = [fa.flash_attn_backward(dout, q, k, v, out, lse, deterministic=True) for _ in range(2)]
+        check_gradients(dout, q, k, v, out, runs[sms][0], None, False, "bfloat16")
+        for name, x, y in zip("qkv", *runs[sms]):
+            assert cp.array_equal(x.view(cp.uint16), y.view(cp.uint16)), f"d{name} differs between two runs"
+    rotated, straight = runs[132][0], runs[2 * key_tiles - 1][0]
+    assert not cp.array_equal(rotated[0].view(cp.uint16), straight[0].view(cp.uint16)), "dQ summed in one order"
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("d", [64, 256])
+def test_deterministic_hopper_backward_varlen(d, causal):
+    """The turns per sequence of a varlen call (empty and one-row sequences, ragged ends; without a mask, walks
+    rotated in the sequences with as many query tiles as key tiles or more): gradients match the reference and
+    repeat bitwise."""
+    _hopper_gpu()
+    cp = cupy_module()
+    fa = fa2cupy_module()
+    case = dict(lengths_q=[300, 0, 1, 700], lengths_k=[500, 3, 1, 700], nheads=4, nheads_kv=2, headdim=d,
+                causal=causal, window_size=(-1, -1), softcap=0.0, alibi=None, extra_rows=5, slack=9,
+                dtype="bfloat16", deterministic=True, seed=d)
     run_varlen_case(case)
     from test_varlen_mods_gpu import _varlen_inputs
 
     x, cu_q, cu_k, _ = _varlen_inputs(case)
     cu_q, cu_k = cp.asarray(cu_q), cp.asarray(cu_k)
-    out, lse, _ = fa.flash_attn_varlen_func(x["q"], x["k"], x["v"], cu_q, cu_k, 709, 709, causal=True,
+    out, lse, _ = fa.flash_attn_varlen_func(x["q"], x["k"], x["v"], cu_q, cu_k, 709, 709, causal=causal,
                                             return_attn_probs=True)
     runs = [fa.flash_attn_varlen_backward(x["dout"], x["q"], x["k"], x["v"], out, lse, cu_q, cu_k, 709, 709,
-                                          causal=True, deterministic=True) for _ in range(3)]
+                                          causal=causal, deterministic=True) for _ in range(3)]
     for name, *gs in zip("qkv", *runs):
         for g in gs[1:]:
             assert cp.array_equal(gs[0].view(cp.uint16), g.view(cp.uint16)), f"d{name} differs between runs"

@@ -173,3 +173,26 @@ def test_kinds_plan_at_the_width_choose_picked(planner, monkeypatch, varlen):
         table = configs.FORWARD_HOPPER_TABLE if kind in (attention.FORWARD, attention.VARLEN_FORWARD) \
             else configs.BACKWARD_HOPPER_TABLE
         assert plan.config is table[128], (kind, plan.config)
+
+
+def test_deterministic_planner_rotates_the_walks_where_a_group_fits(planner):
+    """deterministic=True without a mask on the Hopper dK/dV kernel: BwdHopperParams.dq_rotate lets each block walk
+    the query tiles from a start of its own (cuda/hopper/bwd_traits.cuh), only where a launch chunk's blocks take
+    at most half the SMs (sm_count); with a mask, or not deterministic, never."""
+    from fa2cupy import backward, configs
+
+    strides = dict.fromkeys(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), (2048 * 8 * 64, 8 * 64, 64, 1))
+
+    def rotate(causal=False, deterministic=True, **fields):
+        plan = backward.plan_backward((3, 2048, 8, 64), (3, 2048, 2, 64), strides, "bfloat16", 0.1, causal,
+                                      deterministic, 90, options=KernelOptions(**fields))
+        assert plan.main.grid[0] == 16 and plan.dq_semaphores == (3 * 8 * 16 if deterministic else 0)
+        return plan.main.params.dq_rotate
+
+    assert rotate(sm_count=132) == 1 and rotate(sm_count=32) == 1
+    assert rotate(sm_count=31) == 0  # (16 blocks a group: more than half of 31 SMs)
+    assert rotate(sm_count=64, hopper_bwd_chunk_blocks=17) == 1  # (two groups a chunk: 32 blocks)
+    assert rotate(sm_count=63, hopper_bwd_chunk_blocks=17) == 0
+    assert rotate(causal=True, sm_count=132) == 0 and rotate(deterministic=False, sm_count=132) == 0
+    assert configs.hopper_bwd_rotates(66, 132) and not configs.hopper_bwd_rotates(67, 132)
+    assert not configs.hopper_bwd_rotates(0, 132)

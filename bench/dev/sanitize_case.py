@@ -227,6 +227,8 @@ HOPPER_BWD_CASES = (
     B.Case(2, 190, 130, 2, 1, 64, True, "bf16"),
     B.Case(1, 200, 300, 4, 2, 192, True, "bf16"),
     B.Case(2, 190, 130, 2, 1, 256, False, "fp16"),
+    B.Case(1, 300, 200, 4, 2, 64, False, "bf16"),  # (deterministic: walks rotated, more query tiles than key tiles)
+    B.Case(1, 300, 200, 2, 1, 192, False, "fp16"),
 )
 
 # (lengths, h, hkv, d, causal, window_size, softcap, alibi, deterministic): varlen forward + backward.

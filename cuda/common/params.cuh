@@ -170,6 +170,7 @@ struct BwdParams {
 struct BwdHopperParams {
     BwdParams bwd;
     int group_chunk;  // (kv head, batch) groups whose blocks launch key tile by key tile (bwd_dkdv_hopper)
+    int dq_rotate;    // deterministic walks without a mask may rotate: a group's blocks fit on the GPU at once
     int* dq_semaphore;  // per call, deterministic=True: a zeroed int per (batch, head, query tile); else null
     TensorMap tmap_q;  // per call, as the pointers
     TensorMap tmap_k;

@@ -104,6 +104,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         HopperBwdSteps<kM> steps;
         mask.template query_tiles<kM>(key0, kN, steps.m_begin, steps.m_count);
         steps.count = params.heads_per_kv * steps.m_count;
+        const int key_tiles = (seqlen_k + kN - 1) / kN;  // (deterministic: rotated_start)
+        steps.rotated = Tr::kMask == kMaskNone && kernel_params.dq_rotate && steps.m_count >= key_tiles;
+        steps.m_shift = steps.rotated ? rotated_start(key0 / kN, key_tiles, steps.m_count) : 0;
         return steps;
     };
     // The roles, each called through a lambda over the kernel's state, as they were compiled when written in the

@@ -117,7 +117,7 @@ FA2_DEVICE void consume_dkdv_wide(const HopperBwdSmem<Tr>& smem, const HopperBwd
     if (ctid == 0) bwd_mark(1);  // K and V in
     const Steps steps = block_steps();
     const int m_first = steps.m_begin * kM, m_last = (steps.m_begin + steps.m_count - 1) * kM;
-    for (int it = 0, m0 = m_first; it < steps.count; ++it, m0 = m0 == m_last ? m_first : m0 + kM) {
+    for (int it = 0, m0 = steps.first_m0(); it < steps.count; ++it, m0 = m0 == m_last ? m_first : m0 + kM) {
         const int s = kS == 1 ? 0 : it % kS;
         const u32 q_s = smem.q + s * QTile::kBytes, do_s = smem.dout + s * QTile::kBytes;
         // S^T's B (Q) and dV's B (dO) for warpgroup 0, dP^T's (dO) and dK's (Q) for warpgroup 1.

@@ -114,13 +114,15 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
     // head dim 64 beside the statistics loaded a step ahead); the accumulator row is an int, as rows of 272
     // bytes or more fit in device memory.
     //
-    // Deterministic (args.dq_semaphore set): the key tiles whose blocks add to a query tile's dQ do so in turn, from
-    // the last of them to the first, so that the sum has one order. The turn flag of (head, query tile) counts the
-    // additions done; this block's turn is the number of those key tiles after its own (the mask's key_tiles over
-    // the tile's rows, which are exactly the key tiles whose walks include the tile). Under a causal mask a
-    // block's walk reaches a tile steps after the block of the next key tile did (both walk up from their first
-    // visible query tile, the next block's later), without one they reach it together and the turns stagger the
-    // blocks by a reduction each; the blocks launch last key tile first, so the block waited for has started.
+    // Deterministic (args.dq_semaphore set): the key tiles whose blocks add to a query tile's dQ do so in turn, so
+    // that the sum has one order. The turn flag of (head, query tile) counts the additions done, and a turn passes
+    // once the addition is done in memory. The order is from the last of those key tiles to the first: this block's
+    // turn is the number of them after its own (the mask's key_tiles over the tile's rows, which are exactly the key
+    // tiles whose walks include the tile). Under a causal mask a block's walk reaches a tile steps after the block
+    // of the next key tile did (both walk up from their first visible query tile, the next block's later), without
+    // one they reach it together and the turns stagger the blocks by a reduction each; the blocks launch last key
+    // tile first, so the block waited for has started. Rotated walks (steps.rotated: no mask, the group's blocks all
+    // on the GPU at once) take their turns in the order their walks reach the tile instead (rotated_turn).
     const auto reduce_step = [&](int j) {
         if (ptid != 0) return;
         const int head = kv_head * args.heads_per_kv + j / steps.m_count, m0 = steps.m0(j);
@@ -129,10 +131,17 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
         mbar_wait(smem.dq_staged(t), (j / Tr::kDqTiles) & 1);
         int* turn_flag = nullptr;
         if (args.dq_semaphore != nullptr) {
-            int first, count;
-            mask.template key_tiles<kN>(m0, rows, first, count);
+            int turn;
+            if (steps.rotated) {
+                const int key_tiles = (args.seqlen_k + kN - 1) / kN;
+                turn = rotated_turn(key0 / kN, key_tiles, steps.m_count, m0 / kM - steps.m_begin);
+            } else {
+                int first, count;
+                mask.template key_tiles<kN>(m0, rows, first, count);
+                turn = first + count - 1 - key0 / kN;
+            }
             turn_flag = args.dq_semaphore + head * args.sem_tiles + m0 / kM;
-            wait_for_turn(turn_flag, first + count - 1 - key0 / kN);
+            wait_for_turn(turn_flag, turn);
         }
         bulk_reduce_add_f32(args.dq_accum + (i64)row * Tr::kDqPitch, smem.dq + t * Tr::kDqBytes,
                             rows * Tr::kDqPitch * 4);
@@ -157,12 +166,12 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
             lse_next = args.lse[row], dsum_next = args.dsum[row];
         }
     };
-    load_stats(kv_head * args.heads_per_kv, steps.m_begin * kM);
+    load_stats(kv_head * args.heads_per_kv, steps.first_m0());
     const u32 drop_scratch = smem.drop + kS * Tr::kDropSlotBytes + 32 * ptid;  // (draw_drop_flags')
     if constexpr (Tr::kDropout) {
         if (ptid >= 32) drop_flags_setup<Tr>(drop_scratch, key0, ptid - 32);
     }
-    for (int it = 0, head = kv_head * args.heads_per_kv, m0 = steps.m_begin * kM; it < steps.count; ++it) {
+    for (int it = 0, head = kv_head * args.heads_per_kv, m0 = steps.first_m0(); it < steps.count; ++it) {
         const int s = it % kS;
         mbar_wait(smem.empty(s), ((it / kS) & 1) ^ 1);
         if (Tr::kTma || args.seqlen_q - m0 >= kM) {  // (varlen: the first thread arrives for all)
@@ -199,8 +208,9 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
         }
         if (Tr::kMods || ptid < kM) mbar_arrive(smem.full(s));  // (release: the stores above)
         if (it >= kLag) reduce_step(it - kLag);
-        m0 += kM;  // step it + 1's query head and first row
-        if (m0 == (steps.m_begin + steps.m_count) * kM) m0 = steps.m_begin * kM, ++head;
+        m0 += kM;  // step it + 1's query head and first row (the next head's where the walk is back at its start)
+        if (m0 == (steps.m_begin + steps.m_count) * kM) m0 = steps.m_begin * kM, head += steps.m_shift == 0;
+        if (steps.m_shift != 0 && m0 == steps.first_m0()) ++head;
         if (it + 1 < steps.count) load_stats(head, m0);
     }
     if (kLag == 2 && steps.count >= 2) reduce_step(steps.count - 2);

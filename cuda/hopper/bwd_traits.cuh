@@ -245,12 +245,28 @@ struct HopperBwdArgs {
 };
 
 // A block's steps: every query head of its group in turn, each over the query tiles with a row that sees one of the
-// block's keys (m_count of them from tile m_begin).
+// block's keys (m_count of them from tile m_begin), from tile m_begin + m_shift round to the one before it.
 template <int BlockM>
 struct HopperBwdSteps {
-    int m_begin, m_count, count;
+    int m_begin, m_count, count, m_shift;
+    bool rotated;  // (deterministic: the walks of rotated_start, the turns of rotated_turn)
     // Step j's first query row (the producer's loads walk them in order instead, a division per step fewer).
-    FA2_DEVICE int m0(int j) const { return (m_begin + j % m_count) * BlockM; }
+    FA2_DEVICE int m0(int j) const { return (m_begin + (j + m_shift) % m_count) * BlockM; }
+    FA2_DEVICE int first_m0() const { return (m_begin + m_shift) * BlockM; }
 };
+
+// The deterministic backward's walks without a mask, where every block of a (kv head, batch) group is on the GPU at
+// once (BwdHopperParams::dq_rotate) and the query tiles are at least as many as the key tiles: key tile n of
+// key_tiles starts at query tile n m_count / key_tiles and wraps round, so that at every step the group's blocks add
+// to different query tiles. (Walking from the same tile, they all reach it together and take their turns there,
+// each a reduction behind the one before, and the staircase costs the start of every block: 20% at 2k tokens.)
+FA2_DEVICE int rotated_start(int n, int key_tiles, int m_count) { return n * m_count / key_tiles; }
+// Key tile n's turn at query tile m of such walks: the key tiles whose walks reach m before its own, those whose
+// starts lie in (its start, m] round the cycle (starts rise with n, one tile apart at least).
+FA2_DEVICE int rotated_turn(int n, int key_tiles, int m_count, int m) {
+    // key tiles starting at or before m: start(n') <= m  <=>  n' < (m + 1) key_tiles / m_count
+    const int upto = min(key_tiles, ((m + 1) * key_tiles + m_count - 1) / m_count);
+    return m >= rotated_start(n, key_tiles, m_count) ? upto - n - 1 : key_tiles - 1 - n + upto;
+}
 
 }  // namespace fa2
