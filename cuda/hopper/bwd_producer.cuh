@@ -116,13 +116,14 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
     //
     // Deterministic (args.dq_semaphore set): the key tiles whose blocks add to a query tile's dQ do so in turn, so
     // that the sum has one order. The turn flag of (head, query tile) counts the additions done, and a turn passes
-    // once the addition is done in memory. The order is from the last of those key tiles to the first: this block's
-    // turn is the number of them after its own (the mask's key_tiles over the tile's rows, which are exactly the key
-    // tiles whose walks include the tile). Under a causal mask a block's walk reaches a tile steps after the block
-    // of the next key tile did (both walk up from their first visible query tile, the next block's later), without
-    // one they reach it together and the turns stagger the blocks by a reduction each; the blocks launch last key
-    // tile first, so the block waited for has started. Rotated walks (steps.rotated: no mask, the group's blocks all
-    // on the GPU at once) take their turns in the order their walks reach the tile instead (rotated_turn).
+    // once the addition is done in memory; the staging tile goes back to the consumers as soon as it is read, before
+    // that. The order is from the last of those key tiles to the first: this block's turn is the number of them
+    // after its own (the mask's key_tiles over the tile's rows, which are exactly the key tiles whose walks include
+    // the tile). Under a causal mask a block's walk reaches a tile steps after the block of the next key tile did
+    // (both walk up from their first visible query tile, the next block's later), without one they reach it
+    // together and the turns stagger the blocks by a reduction each; the blocks launch last key tile first, so the
+    // block waited for has started. Rotated walks (steps.rotated: no mask, the group's blocks all on the GPU at
+    // once) take their turns in the order their walks reach the tile instead (rotated_turn).
     const auto reduce_step = [&](int j) {
         if (ptid != 0) return;
         const int head = kv_head * args.heads_per_kv + j / steps.m_count, m0 = steps.m0(j);
@@ -146,13 +147,12 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
         bulk_reduce_add_f32(args.dq_accum + (i64)row * Tr::kDqPitch, smem.dq + t * Tr::kDqBytes,
                             rows * Tr::kDqPitch * 4);
         bulk_commit();
+        bulk_wait_read<0>();
+        mbar_arrive(smem.dq_free(t));  // (the staging tile is read: the consumers may stage the next step's dQ)
         if (turn_flag != nullptr) {
             bulk_wait<0>();  // (the addition done, not only its reads)
             pass_turn(turn_flag);
-        } else {
-            bulk_wait_read<0>();
         }
-        mbar_arrive(smem.dq_free(t));
     };
     // Thread ptid < kM's row statistics of a step, lse (+inf past seqlen_q, so that P = 0: plain loads, which a
     // zero-filling copy cannot give) and D, loaded a step ahead: their wait falls under the wait for the slot,
