@@ -19,6 +19,7 @@
 #include "sm80/mma.cuh"
 #include "sm80/smem_tile.cuh"
 #include "sm80/tile_mma.cuh"
+#include "sm90/grid_dependencies.cuh"
 #include "attention/masks.cuh"
 
 namespace fa2 {
@@ -91,6 +92,7 @@ struct BwdTraits {
 template <class Elem>
 __global__ void __launch_bounds__(256)
     bwd_preprocess(const __grid_constant__ BwdParams kernel_params) {
+    allow_next_grid();  // (a programmatic dK/dV kernel: its blocks take SMs as these leave, and wait for D)
     const BwdParams params = kernel_params;  // (read through a local copy: common/params.cuh)
     const u16* __restrict__ dout = params.dout;
     const u16* __restrict__ out = params.out;
@@ -781,6 +783,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 template <class Elem>
 __global__ void __launch_bounds__(256)
     bwd_convert_dq(const __grid_constant__ BwdParams kernel_params) {
+    wait_for_prior_grids();  // (launched programmatically after the Hopper dK/dV kernel: its additions)
     const BwdParams params = kernel_params;  // (read through a local copy: common/params.cuh)
     const float* __restrict__ dq_accum = params.dq_accum;
     u16* __restrict__ dq = params.dq;

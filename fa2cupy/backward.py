@@ -105,6 +105,7 @@ def plan_backward(
         main = build.Launch(function, grid, (config.threads, 1, 1), smem,
                             params.BwdHopperParams(bwd=fixed, group_chunk=chunk, dq_rotate=rotate),
                             tuple(f"bwd.{name}" for name in MAIN_PER_CALL) + (("dq_semaphore",) if semaphores else ()),
+                            programmatic=options.hopper_bwd_programmatic,
                             maps=("tmap_q", "tmap_k", "tmap_v", "tmap_do"))
         tile_rows = {"q": config.block_m, "k": config.block_n, "v": config.block_n, "dout": config.block_m}
         maps = tensor_maps.TileMaps([tensor_maps.layout(shapes[n], strides[n], tile_rows[n]) for n in shapes])
@@ -114,7 +115,7 @@ def plan_backward(
     if not atomic:
         dq = _dq_launch(rows.backward_dq, q_shape, dtype, mask, mods, fixed)
     else:
-        convert = _convert_launch(q_shape, dtype, fixed)
+        convert = _convert_launch(q_shape, dtype, fixed, hopper and options.hopper_bwd_programmatic)
         dq_accum_shape = (nheads, total_q, dq_pitch) if varlen_totals else (batch, nheads, seqlen_q, dq_pitch)
     zero_tail = _zero_tail_launch(q_shape, k_shape, strides, varlen_totals, fixed) if varlen_totals else None
     dsum_shape = (nheads, total_q) if varlen_totals else (batch, nheads, seqlen_q)
@@ -146,12 +147,13 @@ def _dq_launch(dq_config, q_shape, dtype, mask, mods, fixed: params.BwdParams) -
                         (dq_config.threads, 1, 1), dq_config.smem_bytes, fixed, DQ_PER_CALL)
 
 
-def _convert_launch(q_shape, dtype, fixed: params.BwdParams) -> build.Launch:
-    """The atomic backward's last launch: the fp32 dQ accumulator, scaled, into dq's dtype and strides."""
+def _convert_launch(q_shape, dtype, fixed: params.BwdParams, programmatic: bool = False) -> build.Launch:
+    """The atomic backward's last launch: the fp32 dQ accumulator, scaled, into dq's dtype and strides
+    (``programmatic``: launched to start while the kernel before it finishes, sm_90)."""
     batch, seqlen_q, nheads, headdim = q_shape
     return build.Launch(build.get_kernel("bwd", f"fa2::bwd_convert_dq<{configs.DTYPE_TAGS[dtype]}>", 0),
                         ((seqlen_q * (headdim // 8) + 255) // 256, nheads, batch), (256, 1, 1), 0, fixed,
-                        ("dq_accum", "dq", "cu_seqlens_q"))
+                        ("dq_accum", "dq", "cu_seqlens_q"), programmatic)
 
 
 def _zero_tail_launch(q_shape, k_shape, strides, varlen_totals, fixed: params.BwdParams) -> build.Launch:

@@ -42,6 +42,9 @@ class KernelOptions:
     hopper_bwd_chunk_blocks (None): the Hopper dK/dV grid launches in chunks of (kv head, batch) groups of at least
         this many blocks, key tile by key tile within a chunk (longest first under a causal mask); 0 launches each
         group's key tiles in turn; None is configs.HOPPER_BWD_CHUNK_BLOCKS for causal GQA calls, 0 for the rest.
+    hopper_bwd_programmatic (True): the Hopper dK/dV kernel and the dQ conversion after it launch with programmatic
+        stream serialization (sm_90), each starting while the kernel before it finishes: the dK/dV kernel loads K
+        and V before it waits for the preprocess's D, the conversion only waits.
     decode_deep_ring (None): force the decode kernel's deep-ring row (True) or the table's row (False) where a row
         has a deep-ring twin; None lets configs.decode_config choose by the work item's length.
     decode_warp_items (None): force warp items in decode (each warp streams whole work items alone; True, wherever
@@ -73,6 +76,7 @@ class KernelOptions:
     tile_counter: bool = True
     hopper_l2_group_bytes: int | None = None
     hopper_bwd_chunk_blocks: int | None = None
+    hopper_bwd_programmatic: bool = True
     decode_deep_ring: bool | None = None
     decode_warp_items: bool | None = None
     decode_warp_items_max_tiles: int = 128
@@ -115,7 +119,7 @@ _KINDS = {
     "hopper_pad_headdim": "optional bool",
     "hopper_masked_min_seqlen": "optional int",
     "tile_counter": "bool", "hopper_l2_group_bytes": "optional int",
-    "hopper_bwd_chunk_blocks": "optional int", "decode_deep_ring": "optional bool",
+    "hopper_bwd_chunk_blocks": "optional int", "hopper_bwd_programmatic": "bool", "decode_deep_ring": "optional bool",
     "decode_warp_items": "optional bool", "decode_warp_items_max_tiles": "int",
     "decode_programmatic_launch": "optional bool", "decode_programmatic_min_splits": "int",
     "decode_stream_evict_first": "optional bool", "sm_count": "optional int", "debug_poison": "bool",

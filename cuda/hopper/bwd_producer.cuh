@@ -7,6 +7,7 @@
 #include "sm80/memory.cuh"
 #include "sm90/mbarrier.cuh"
 #include "sm90/tma.cuh"
+#include "sm90/grid_dependencies.cuh"
 #include "sm90/slabs.cuh"
 #include "attention/masks.cuh"
 #include "hopper/bwd_traits.cuh"
@@ -166,6 +167,9 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
             lse_next = args.lse[row], dsum_next = args.dsum[row];
         }
     };
+    // (launched programmatically, sm_90: the preprocess's D and zeroed dQ accumulator, and the turn flags, only
+    // from here on; K and V, like Q and dO, are the call's inputs, written before the preprocess started)
+    wait_for_prior_grids();
     load_stats(kv_head * args.heads_per_kv, steps.first_m0());
     const u32 drop_scratch = smem.drop + kS * Tr::kDropSlotBytes + 32 * ptid;  // (draw_drop_flags')
     if constexpr (Tr::kDropout) {
