@@ -196,3 +196,21 @@ def test_deterministic_planner_rotates_the_walks_where_a_group_fits(planner):
     assert rotate(causal=True, sm_count=132) == 0 and rotate(deterministic=False, sm_count=132) == 0
     assert configs.hopper_bwd_rotates(66, 132) and not configs.hopper_bwd_rotates(67, 132)
     assert not configs.hopper_bwd_rotates(0, 132)
+
+
+def test_hopper_backward_launches_programmatically_unless_told_not_to(planner):
+    """hopper_bwd_programmatic (default True): the Hopper dK/dV kernel and the dQ conversion after it launch with
+    programmatic stream serialization (their kernels wait for the one before: cuda/sm90/grid_dependencies.cuh); the
+    preprocess, first of the call, never does, nor the mma.sync backward's launches."""
+    from fa2cupy import backward
+
+    strides = dict.fromkeys(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), (2048 * 8 * 64, 8 * 64, 64, 1))
+
+    def programmatic(**fields):
+        plan = backward.plan_backward((3, 2048, 8, 64), (3, 2048, 2, 64), strides, "bfloat16", 0.1, True, False, 90,
+                                      options=KernelOptions(**fields))
+        return tuple(launch._config is not None for launch in (plan.preprocess, plan.main, plan.convert))
+
+    assert programmatic() == (False, True, True)
+    assert programmatic(hopper_bwd_programmatic=False) == (False, False, False)
+    assert programmatic(hopper_backward=False) == (False, False, False)
