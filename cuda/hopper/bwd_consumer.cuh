@@ -333,7 +333,7 @@ FA2_DEVICE void consume_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
     const Steps steps = block_steps();
     // Step it's first query row, walked as the producer does (steps.m0 takes a run-time division a step).
     const int m_first = steps.m_begin * kM, m_last = (steps.m_begin + steps.m_count - 1) * kM;
-    const int m_stop = steps.m_shift != 0 ? steps.first_m0() - kM : m_last;  // a head's last step's
+    const int m_stop = steps.m_shift != 0 ? steps.first_m0() - kM : m_last;  // (a head's last step, then the next)
     int head = kv_head * args.heads_per_kv;  // the step's query head (with modifiers: its ALiBi slope's)
     for (int it = 0, m0 = steps.first_m0(); it < steps.count;
          ++it, head += m0 == m_stop, m0 = m0 == m_last ? m_first : m0 + kM) {
