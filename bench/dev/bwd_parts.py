@@ -1,0 +1,103 @@
+"""The backward's launches timed apart: the preprocess (D = rowsum(dO o O) and the zeroed fp32 dQ accumulator), the
+dK/dV kernel, the dQ conversion, and the three as one call, with the Hopper backward's programmatic launches
+(KernelOptions.hopper_bwd_programmatic) and without. Timing only: fp16 inputs, a fixed lse, nothing checked.
+
+    python bench/dev/bwd_parts.py                                    # 2k, b = 8: d 64 (32 heads), 96, 128
+    python bench/dev/bwd_parts.py --cases 2x8192x16x128 --causal on
+
+A case is BATCHxSEQLENxHEADSxHEADDIM (head dims without a Hopper row run at the width the library picks). Each
+figure is the median over --repeats of a 5-launch mean, in microseconds; "main alone" launches the dK/dV kernel back
+to back, so with programmatic launches each overlaps the one before (its start and its last wave).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from fa2cupy import backward, configs  # noqa: E402
+from fa2cupy.options import KernelOptions  # noqa: E402
+
+
+def time_us(cp, fn, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        for _ in range(5):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(cp.cuda.get_elapsed_time(start, end) / 5 * 1000)
+    return statistics.median(samples)
+
+
+def run_case(cp, batch: int, seqlen: int, heads: int, headdim: int, causal: bool, programmatic: bool,
+             repeats: int) -> str:
+    shape = (batch, seqlen, heads, headdim)
+    strides = dict.fromkeys(("q", "k", "v", "dout", "out", "dq", "dk", "dv"),
+                            (seqlen * heads * headdim, heads * headdim, headdim, 1))
+    options = KernelOptions(hopper_bwd_programmatic=programmatic)
+    mask = "causal" if causal else "none"
+    width = configs.padded_call_width(90, headdim, "float16", True, mask, seqlen_q=seqlen, options=options)
+    plan = backward.plan_backward(shape, shape, strides, "float16", headdim ** -0.5, causal, False, 90,
+                                  options=options, width=width)
+    rand = cp.random.default_rng(0)
+    q, k, v, out, dout = (rand.standard_normal(shape, dtype=cp.float32).astype(cp.float16) for _ in range(5))
+    lse = cp.full((batch, heads, seqlen), 10.0, cp.float32)  # (P = exp(s - 10): small, finite)
+    dq, dk, dv = (cp.empty_like(q) for _ in range(3))
+    dsum, accum = cp.empty(plan.dsum_shape, cp.float32), cp.empty(plan.dq_accum_shape, cp.float32)
+    stream = cp.cuda.get_current_stream().ptr
+    ptr = {name: x.data.ptr for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout))}
+    maps = backward.maps_writer(plan, ptr["q"], ptr["k"], ptr["v"], ptr["dout"])
+    main_args = (ptr["q"], ptr["k"], ptr["v"], ptr["dout"], lse.data.ptr, dsum.data.ptr, accum.data.ptr,
+                 dk.data.ptr, dv.data.ptr, 0, 0, 0, 0, 7, 0)
+
+    def pre():
+        plan.preprocess(stream, (ptr["dout"], ptr["out"], dsum.data.ptr, accum.data.ptr, 0))
+
+    def dkdv():
+        plan.main(stream, main_args, maps)
+
+    def convert():
+        plan.convert(stream, (accum.data.ptr, dq.data.ptr, 0))
+
+    def call():
+        pre()
+        dkdv()
+        convert()
+
+    t = {name: time_us(cp, fn, repeats) for name, fn in (("pre", pre), ("main", dkdv), ("convert", convert),
+                                                         ("call", call))}
+    flops = 2.5 * 4 * batch * heads * seqlen * seqlen * headdim / (2 if causal else 1)
+    return (f"b{batch} s{seqlen} h{heads} d{headdim} {'causal' if causal else 'full  '} "
+            f"{'programmatic' if programmatic else 'plain       '}: preprocess {t['pre']:7.1f}  main alone "
+            f"{t['main']:8.1f}  conversion {t['convert']:6.1f}  call {t['call']:8.1f} us | call "
+            f"{flops / t['call'] / 1e6:4.0f} TFLOPs/s, preprocess + conversion "
+            f"{(t['pre'] + t['convert']) / t['call'] * 100:.1f}%")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cases", default="8x2048x32x64,8x2048x21x96,8x2048x16x128")
+    p.add_argument("--causal", choices=["both", "on", "off"], default="both")
+    p.add_argument("--repeats", type=int, default=15)
+    args = p.parse_args(argv)
+    import cupy as cp
+
+    for spec in args.cases.split(","):
+        batch, seqlen, heads, headdim = (int(x) for x in spec.split("x"))
+        for causal in {"both": (False, True), "on": (True,), "off": (False,)}[args.causal]:
+            for programmatic in (True, False):
+                print(run_case(cp, batch, seqlen, heads, headdim, causal, programmatic, args.repeats), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
