@@ -101,7 +101,7 @@ def plan_backward(
         rotate = 0
         if deterministic:  # (an int per batch row, query head and query tile of block_m rows)
             semaphores = batch * nheads * -(-seqlen_q // config.block_m)
-            rotate = int(mask == "none" and configs.hopper_bwd_rotates(grid[0] * chunk, _sm_count(options)))
+            rotate = int(mask == "none" and configs.hopper_bwd_rotates(grid[0] * chunk, build.sm_count(options.sm_count)))
         main = build.Launch(function, grid, (config.threads, 1, 1), smem,
                             params.BwdHopperParams(bwd=fixed, group_chunk=chunk, dq_rotate=rotate),
                             tuple(f"bwd.{name}" for name in MAIN_PER_CALL) + (("dq_semaphore",) if semaphores else ()),
@@ -120,12 +120,6 @@ def plan_backward(
     zero_tail = _zero_tail_launch(q_shape, k_shape, strides, varlen_totals, fixed) if varlen_totals else None
     dsum_shape = (nheads, total_q) if varlen_totals else (batch, nheads, seqlen_q)
     return BackwardPlan(pre, main, dq, convert, zero_tail, dsum_shape, dq_accum_shape, config, maps, semaphores)
-
-
-def _sm_count(options: KernelOptions) -> int:
-    import cupy
-
-    return options.sm_count or build.device_attribute(cupy.cuda.runtime.getDevice(), "MultiProcessorCount")
 
 
 def _preprocess_launch(q_shape, dtype, fixed: params.BwdParams) -> build.Launch:

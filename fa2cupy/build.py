@@ -131,6 +131,18 @@ def device_attribute(device: int, name: str) -> int:
 _attributes: dict[tuple[int, str], int] = {}
 
 
+def sm_count(override: int | None = None, device: int | None = None) -> int:
+    """The SMs that grids are sized for: ``override`` (KernelOptions.sm_count) where given, else the count of
+    ``device`` (None: the current one)."""
+    if override:
+        return override
+    if device is None:
+        import cupy
+
+        device = cupy.cuda.runtime.getDevice()
+    return device_attribute(device, "MultiProcessorCount")
+
+
 def clear_memory_cache() -> None:
     """Forget compiled kernels in this process (the on-disk cache stays); used to time cold compiles."""
     _kernels.clear()

@@ -76,10 +76,6 @@ class DecodePlan:
         return found[1]
 
 
-def _sm_count(device: int) -> int:
-    return build.device_attribute(device, "MultiProcessorCount")
-
-
 def choose_num_splits(blocks: int, sms: int, max_seqlen_k: int, tile_keys: int) -> int:
     """Splits per (batch row, kv head, row block): enough that the ``blocks`` x splits cover the GPU's ``sms``
     once (floor: a second, partial wave would cost a whole wave), and each split keeps at least one key tile
@@ -169,7 +165,7 @@ def plan_decode(q_shape, strides, dtype: str, *, nheads_kv: int, cache_rows: int
     if extras.window_left != UNLIMITED_WINDOW:  # a row sees at most left + 1 + right keys: split only those
         max_seqlen_k = min(max_seqlen_k, extras.window_left + seqlen_q + min(extras.window_right, max_seqlen_k))
     row_blocks = -(-seqlen_q * group // 16)
-    sms = options.sm_count or _sm_count(device)
+    sms = build.sm_count(options.sm_count, device)
     splits, config = _splits_and_row(batch * nheads_kv * row_blocks, sms, max_seqlen_k, arch, headdim, num_splits,
                                      config, options)
     function = build.get_kernel("decode", config.name_expression(dtype, causal, paged, use_extras),

@@ -196,10 +196,8 @@ def _forward_params(q_shape, k_shape, strides, softmax_scale, left, right, softc
 def _persistent_grid(grid, mask, seqlen_k, headdim, group, options) -> tuple:
     """The Hopper forward's persistent blocks, one per SM at most, for the work items of ``grid``: (grid, whether
     a tile counter hands out the items, heads per L2 group)."""
-    import cupy
-
     items = grid[0] * grid[1] * grid[2]
-    sms = options.sm_count or build.device_attribute(cupy.cuda.runtime.getDevice(), "MultiProcessorCount")
+    sms = build.sm_count(options.sm_count)
     persistent = (min(items, sms), 1, 1)
     # Items of different lengths (a mask) go to whichever block asks next, longest first within L2 groups.
     tile_counter = options.tile_counter and mask != "none" and items > persistent[0]

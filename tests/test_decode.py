@@ -165,7 +165,6 @@ def _h100_like_planner(monkeypatch):
     monkeypatch.setattr(build, "get_kernel", lambda *args: Function())
     monkeypatch.setattr(build, "device_attribute",
                         lambda device, name: {"L2CacheSize": 50 * 2**20, "MultiProcessorCount": 132}[name])
-    monkeypatch.setattr(decode, "_sm_count", lambda device: 132)
     monkeypatch.setattr(decode, "_opt_in_smem", lambda config, device: config.smem_bytes)
     monkeypatch.setattr(decode, "_attention_grid", lambda function, config, device, items, sms: (items, 1024))
     strides = {name: (0, 0, 0, 2) for name in ("q", "k_cache", "v_cache", "k", "v")}
