@@ -239,7 +239,9 @@ def test_deterministic_walks_rotate_without_a_mask(d):
     q, dout = (make_input(rng, (2, 1500, 4, d), "bfloat16") for _ in range(2))
     k, v = (make_input(rng, (2, 1200, 2, d), "bfloat16") for _ in range(2))
     out, lse, _ = fa.flash_attn_func(q, k, v, return_attn_probs=True)
-    key_tiles = -(-1200 // (128 if d <= 128 else 64))
+    from fa2cupy import configs
+
+    key_tiles = -(-1200 // configs.BACKWARD_HOPPER_TABLE[d].block_n)
     runs = {}
     for sms in (132, 2 * key_tiles - 1):  # (rotated; a group more than half the SMs: not)
         with kernel_options(sm_count=sms):

@@ -13,29 +13,15 @@ to back, so with programmatic launches each overlaps the one before (its start a
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from fa2cupy import backward, configs  # noqa: E402
-from fa2cupy.options import KernelOptions  # noqa: E402
+from fa2cupy import backward, configs
+from fa2cupy.options import KernelOptions
+from fa2cupy_bench import harness as B
 
 
-def time_us(cp, fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        start.record()
-        for _ in range(5):
-            fn()
-        end.record()
-        end.synchronize()
-        samples.append(cp.cuda.get_elapsed_time(start, end) / 5 * 1000)
-    return statistics.median(samples)
+def time_us(fn, repeats: int) -> float:
+    return B.time_gpu(fn, B.CupyEvents(), warmup=3, repeats=repeats, batch=5).median_ms * 1000
 
 
 def run_case(cp, batch: int, seqlen: int, heads: int, headdim: int, causal: bool, programmatic: bool,
@@ -73,7 +59,7 @@ def run_case(cp, batch: int, seqlen: int, heads: int, headdim: int, causal: bool
         dkdv()
         convert()
 
-    t = {name: time_us(cp, fn, repeats) for name, fn in (("pre", pre), ("main", dkdv), ("convert", convert),
+    t = {name: time_us(fn, repeats) for name, fn in (("pre", pre), ("main", dkdv), ("convert", convert),
                                                          ("call", call))}
     flops = 2.5 * 4 * batch * heads * seqlen * seqlen * headdim / (2 if causal else 1)
     return (f"b{batch} s{seqlen} h{heads} d{headdim} {'causal' if causal else 'full  '} "
@@ -93,7 +79,7 @@ def main(argv=None) -> int:
 
     for spec in args.cases.split(","):
         batch, seqlen, heads, headdim = (int(x) for x in spec.split("x"))
-        for causal in {"both": (False, True), "on": (True,), "off": (False,)}[args.causal]:
+        for causal in B.causal_options(args.causal):
             for programmatic in (True, False):
                 print(run_case(cp, batch, seqlen, heads, headdim, causal, programmatic, args.repeats), flush=True)
     return 0
