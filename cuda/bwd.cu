@@ -779,33 +779,57 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// dQ = scale * dq_accum in the input dtype; one thread per 8 columns of one row.
+// dQ = scale * dq_accum in the input dtype; one thread per 8 columns of one row. A row that sees no key is zero,
+// its accumulator row not read. After the Hopper dK/dV kernel with arrival counts (dq_arrivals), launched
+// programmatically while that kernel's last blocks still run: thread 0 waits for the count of each query tile of
+// the block's rows to reach the key tiles that add to it (a tile whose rows see no key has none), and the block's
+// barrier hands the additions on to every thread. Otherwise the whole kernel before it is waited for.
 template <class Elem>
 __global__ void __launch_bounds__(256)
     bwd_convert_dq(const __grid_constant__ BwdParams kernel_params) {
-    wait_for_prior_grids();  // (launched programmatically after the Hopper dK/dV kernel: its additions)
     const BwdParams params = kernel_params;  // (read through a local copy: common/params.cuh)
     const float* __restrict__ dq_accum = params.dq_accum;
     u16* __restrict__ dq = params.dq;
-    int seqlen_q = params.max_seqlen_q, seqlen_k_unused = 0;
+    int seqlen_q = params.max_seqlen_q, seqlen_k = params.max_seqlen_k;
     const int chunks = params.headdim / 8;
     const int idx = blockIdx.x * 256 + threadIdx.x;
     const int row = idx / chunks, c = (idx % chunks) * 8;
     const int head = blockIdx.y, batch = blockIdx.z;
-    const SeqBounds seq(params.cu_seqlens_q, nullptr, batch, params.total_q, 0, params.error_claim, params.error_host,
-                        seqlen_q, seqlen_k_unused);
+    const SeqBounds seq(params.cu_seqlens_q, params.cu_seqlens_k, batch, params.total_q, params.total_k,
+                        params.error_claim, params.error_host, seqlen_q, seqlen_k);
+    // (the window form of every mask: the bounds of the none and causal ones are unlimited sides)
+    const WindowMask<kMaskWindow> mask{seqlen_q, seqlen_k, params.window_left, params.window_right};
+    if (params.dq_arrivals == nullptr) {
+        wait_for_prior_grids();  // (launched programmatically after the Hopper dK/dV kernel: its additions)
+    } else {
+        if (threadIdx.x == 0) {
+            const int bm = params.arrival_block_m, bn = params.arrival_block_n;
+            const int first_row = blockIdx.x * 256 / chunks;
+            const int last_row = min((blockIdx.x * 256 + 255) / chunks, seqlen_q - 1);
+            const int* counts =
+                params.dq_arrivals + ((i64)batch * params.nheads + head) * ((params.max_seqlen_q + bm - 1) / bm);
+            for (int t = first_row / bm; t <= last_row / bm; ++t) {
+                // (WindowMask::key_tiles over the tile's rows, at a run-time tile width)
+                const int begin = mask.key_begin(t * bm), end = mask.key_end(t * bm, min(bm, seqlen_q - t * bm));
+                const int first = begin / bn, last = end > 0 ? (end + bn - 1) / bn : 0;
+                if (last > first) wait_for_count(counts + t, last - first);
+            }
+        }
+        __syncthreads();
+    }
     if (row >= seqlen_q) return;
     const i64 row_g = seq.q_start + row;
-    const float* src =
-        dq_accum + (batch * params.stat_batch_stride + head * params.stat_head_stride + row_g) * params.dq_pitch + c;
-    const float scale = params.scale;
-    u32 lo[4], hi[4], packed[4];
-    ld_global_v4(src, lo);
-    ld_global_v4(src + 4, hi);
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        packed[i] = Mma<Elem>::pack(__uint_as_float(lo[2 * i]) * scale, __uint_as_float(lo[2 * i + 1]) * scale);
-        packed[2 + i] = Mma<Elem>::pack(__uint_as_float(hi[2 * i]) * scale, __uint_as_float(hi[2 * i + 1]) * scale);
+    u32 packed[4] = {0u, 0u, 0u, 0u};
+    if (mask.key_end(row, 1) > mask.key_begin(row)) {
+        const i64 stat = batch * params.stat_batch_stride + head * params.stat_head_stride + row_g;
+        const float* src = dq_accum + stat * params.dq_pitch + c;
+        const float scale = params.scale;
+        // (from L2: with arrival counts, other blocks write the accumulator while this kernel runs)
+        const float4 lo = ld_relaxed_gpu_v4(src), hi = ld_relaxed_gpu_v4(src + 4);
+        packed[0] = Mma<Elem>::pack(lo.x * scale, lo.y * scale);
+        packed[1] = Mma<Elem>::pack(lo.z * scale, lo.w * scale);
+        packed[2] = Mma<Elem>::pack(hi.x * scale, hi.y * scale);
+        packed[3] = Mma<Elem>::pack(hi.z * scale, hi.w * scale);
     }
     st_global_v4(dq + batch * params.dq_batch_stride + row_g * params.dq_row_stride + head * params.dq_head_stride + c,
                  packed);

@@ -29,9 +29,11 @@ class BackwardPlan:
     # The Hopper dK/dV kernel's tensor maps of q, k, v and dout (the tiles it moves with TMA: all of a padded call's,
     # a varlen call's whole ones): encoded into the main launch's struct (its tmap_* fields) for each call's pointers.
     tensor_maps: tensor_maps.TileMaps | None = None
-    # deterministic=True on the Hopper dK/dV kernel: the number of its turn flags (an int per batch row, query head
-    # and query tile), zeroed for each launch (run_backward) and passed as BwdHopperParams.dq_semaphore; else 0.
+    # The Hopper dK/dV kernel's counts of completed dQ additions (an int per batch row, query head and query tile:
+    # turn flags when deterministic), zeroed for each call (run_backward) and passed as BwdHopperParams.dq_semaphore,
+    # and to the conversion as BwdParams.dq_arrivals where it converts tile by tile (convert_counted); else 0.
     dq_semaphores: int = 0
+    convert_counted: bool = False
 
 
 def plan_backward(
@@ -95,15 +97,18 @@ def plan_backward(
     grid = (((seqlen_k + config.block_n - 1) // config.block_n) * config.dslices, nheads_kv, batch)
     maps = None
     semaphores = 0
+    counted = hopper and options.hopper_bwd_early_convert
     if hopper:
         chunk = configs.hopper_bwd_group_chunk(grid[0], nheads_kv * batch, nheads // nheads_kv, mask,
                                               options.hopper_bwd_chunk_blocks)
         rotate = 0
-        if deterministic:  # (an int per batch row, query head and query tile of block_m rows)
+        if deterministic or counted:  # (an int per batch row, query head and query tile of block_m rows)
             semaphores = batch * nheads * -(-seqlen_q // config.block_m)
+        if deterministic:
             rotate = int(mask == "none" and configs.hopper_bwd_rotates(grid[0] * chunk, build.sm_count(options.sm_count)))
         main = build.Launch(function, grid, (config.threads, 1, 1), smem,
-                            params.BwdHopperParams(bwd=fixed, group_chunk=chunk, dq_rotate=rotate),
+                            params.BwdHopperParams(bwd=fixed, group_chunk=chunk, dq_rotate=rotate,
+                                                   deterministic=int(deterministic)),
                             tuple(f"bwd.{name}" for name in MAIN_PER_CALL) + (("dq_semaphore",) if semaphores else ()),
                             programmatic=options.hopper_bwd_programmatic,
                             maps=("tmap_q", "tmap_k", "tmap_v", "tmap_do"))
@@ -115,11 +120,13 @@ def plan_backward(
     if not atomic:
         dq = _dq_launch(rows.backward_dq, q_shape, dtype, mask, mods, fixed)
     else:
-        convert = _convert_launch(q_shape, dtype, fixed, hopper and options.hopper_bwd_programmatic)
+        convert = _convert_launch(q_shape, dtype, fixed, hopper and options.hopper_bwd_programmatic,
+                                  (config.block_m, config.block_n) if counted else None)
         dq_accum_shape = (nheads, total_q, dq_pitch) if varlen_totals else (batch, nheads, seqlen_q, dq_pitch)
     zero_tail = _zero_tail_launch(q_shape, k_shape, strides, varlen_totals, fixed) if varlen_totals else None
     dsum_shape = (nheads, total_q) if varlen_totals else (batch, nheads, seqlen_q)
-    return BackwardPlan(pre, main, dq, convert, zero_tail, dsum_shape, dq_accum_shape, config, maps, semaphores)
+    return BackwardPlan(pre, main, dq, convert, zero_tail, dsum_shape, dq_accum_shape, config, maps, semaphores,
+                        counted)
 
 
 def _preprocess_launch(q_shape, dtype, fixed: params.BwdParams) -> build.Launch:
@@ -141,13 +148,20 @@ def _dq_launch(dq_config, q_shape, dtype, mask, mods, fixed: params.BwdParams) -
                         (dq_config.threads, 1, 1), dq_config.smem_bytes, fixed, DQ_PER_CALL)
 
 
-def _convert_launch(q_shape, dtype, fixed: params.BwdParams, programmatic: bool = False) -> build.Launch:
+def _convert_launch(q_shape, dtype, fixed: params.BwdParams, programmatic: bool = False,
+                    counted: tuple | None = None) -> build.Launch:
     """The atomic backward's last launch: the fp32 dQ accumulator, scaled, into dq's dtype and strides
-    (``programmatic``: launched to start while the kernel before it finishes, sm_90)."""
+    (``programmatic``: launched to start while the kernel before it finishes, sm_90). ``counted``: the Hopper
+    dK/dV kernel's (block_m, block_n), whose per-tile arrival counts the conversion waits for, a tile at a time
+    (a call then passes them as "dq_arrivals")."""
     batch, seqlen_q, nheads, headdim = q_shape
-    return build.Launch(build.get_kernel("bwd", f"fa2::bwd_convert_dq<{configs.DTYPE_TAGS[dtype]}>", 0),
-                        ((seqlen_q * (headdim // 8) + 255) // 256, nheads, batch), (256, 1, 1), 0, fixed,
-                        ("dq_accum", "dq", "cu_seqlens_q"), programmatic)
+    launch = build.Launch(build.get_kernel("bwd", f"fa2::bwd_convert_dq<{configs.DTYPE_TAGS[dtype]}>", 0),
+                          ((seqlen_q * (headdim // 8) + 255) // 256, nheads, batch), (256, 1, 1), 0, fixed,
+                          ("dq_accum", "dq", "cu_seqlens_q", "cu_seqlens_k") + (("dq_arrivals",) if counted else ()),
+                          programmatic)
+    if counted:
+        launch.params.set(arrival_block_m=counted[0], arrival_block_n=counted[1])
+    return launch
 
 
 def _zero_tail_launch(q_shape, k_shape, strides, varlen_totals, fixed: params.BwdParams) -> build.Launch:
@@ -193,19 +207,19 @@ def run_backward(plan: BackwardPlan, pointers: dict, values: tuple, stream_ptr: 
     if plan.convert is None:
         dq_accum = 0  # (deterministic: no accumulator)
     seed, offset = values
+    flags, pointer = None, 0  # (no counts where there are no query tiles: a call without query rows)
+    if plan.dq_semaphores:
+        # The counts, fresh and zeroed on the stream for each call (as the forward's tile counter), so that calls on
+        # other streams or replayed from CUDA graphs never share them; before the preprocess, so that it and the
+        # dK/dV kernel are adjacent launches (programmatic).
+        flags, pointer = arrays.new_zeroed_raw(plan.dq_semaphores, "int32", framework, device, stream_ptr)
     plan.preprocess(stream_ptr, (dout, out, dsum, dq_accum, cu_q))
     main_args = (q, k, v, dout, lse, dsum, dq_accum, dk, dv, cu_q, cu_k, alibi, rng_state, seed, offset)
-    if plan.dq_semaphores:
-        # The turn flags, fresh and zeroed on the stream for each launch (as the forward's tile counter), so that
-        # launches on other streams or replayed from CUDA graphs never share them.
-        flags, pointer = arrays.new_zeroed_raw(plan.dq_semaphores, "int32", framework, device, stream_ptr)
-        plan.main(stream_ptr, main_args + (pointer,), maps_writer(plan, q, k, v, dout))
-        del flags  # (stream-ordered allocators: reused only by work queued after this launch)
-    else:
-        plan.main(stream_ptr, main_args, maps_writer(plan, q, k, v, dout))
+    plan.main(stream_ptr, main_args + ((pointer,) if plan.dq_semaphores else ()), maps_writer(plan, q, k, v, dout))
     if plan.dq is not None:
         plan.dq(stream_ptr, (q, k, v, dout, lse, dsum, dq, cu_q, cu_k, alibi, rng_state, seed, offset))
     else:
-        plan.convert(stream_ptr, (dq_accum, dq, cu_q))
+        plan.convert(stream_ptr, (dq_accum, dq, cu_q, cu_k) + ((pointer,) if plan.convert_counted else ()))
+    del flags  # (stream-ordered allocators: reused only by work queued after these launches)
     if plan.zero_tail is not None:
         plan.zero_tail(stream_ptr, (dq, dk, dv, cu_q, cu_k))

@@ -283,8 +283,8 @@ class HopperBwdConfig:
         # columns, one by keys), the fp32 dQ staging rows (one tile by columns, a pair by keys), the row statistics,
         # with ``mods`` (not by keys) dropout's keep flags (per slot block_m / 16 bytes for each thread that forms
         # P^T: 256, or 128 at the wide head dims) and 32 bytes per producer thread, the mbarriers (kv_full, two per
-        # slot, two per staging tile: dq_staged and dq_free). Wide: one dS^T tile and the fp32 P^T hand-over
-        # (block_m x block_n floats) before the statistics.
+        # slot, two per staging tile: dq_staged and dq_free) and the producer's 8 bytes (the two steps not yet counted).
+        # Wide: one dS^T tile and the fp32 P^T hand-over (block_m x block_n floats) before the statistics.
         d, m, n = self.headdim, self.block_m, self.block_n
         ds_tiles, dq_tiles = (1, 2) if self.dq_by_keys else (1, 1) if self.wide else (2, 1)
         p_bytes = m * n * 4 if self.wide else 0
@@ -292,7 +292,7 @@ class HopperBwdConfig:
         drop_bytes = self.stages * (128 if self.wide else 256) * (m // 16) + 32 * 128 if dropout else 0
         return (1024 + 2 * n * d * 2 + 2 * self.stages * m * d * 2 + ds_tiles * n * m * 2
                 + dq_tiles * m * self.dq_pitch(d) * 4 + p_bytes + 2 * self.stages * m * 4 + drop_bytes
-                + 8 * (1 + 2 * self.stages + 2 * dq_tiles))
+                + 8 * (1 + 2 * self.stages + 2 * dq_tiles) + 8)
 
     def name_expression(self, dtype: str, mask: str, atomic_dq: bool = True, mods: bool = False,
                         varlen: bool = False) -> str:

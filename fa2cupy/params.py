@@ -103,13 +103,14 @@ class BwdParams(_Params):
         ("dq_pitch", _i32), ("lanes", _i32),
         ("window_left", _i32), ("window_right", _i32), ("scale", _f32), ("scale_log2", _f32), ("softcap", _f32),
         ("alibi_batch_stride", _i32), ("dropout_threshold", _u32), ("dropout_scale", _f32),
-        ("seed", _u64), ("offset", _u64),
+        ("seed", _u64), ("offset", _u64), ("dq_arrivals", _ptr), ("arrival_block_m", _i32), ("arrival_block_n", _i32),
     ])
 
 
 class BwdHopperParams(_Params):
     _fields_ = _layout([
-        ("bwd", BwdParams), ("group_chunk", _i32), ("dq_rotate", _i32), ("dq_semaphore", _ptr),
+        ("bwd", BwdParams), ("group_chunk", _i32), ("dq_rotate", _i32), ("deterministic", _i32),
+        ("dq_semaphore", _ptr),
         ("tmap_q", TensorMap, TENSOR_MAP_ALIGN), ("tmap_k", TensorMap, TENSOR_MAP_ALIGN),
         ("tmap_v", TensorMap, TENSOR_MAP_ALIGN), ("tmap_do", TensorMap, TENSOR_MAP_ALIGN),
     ])

@@ -253,6 +253,38 @@ def test_deterministic_walks_rotate_without_a_mask(d):
     assert not cp.array_equal(rotated[0].view(cp.uint16), straight[0].view(cp.uint16)), "dQ summed in one order"
 
 
+@pytest.mark.parametrize("d", [64, 192])
+@pytest.mark.parametrize(
+    "sq,sk,causal,window",
+    [(1500, 1200, False, (-1, -1)), (900, 500, True, (-1, -1)), (1000, 1000, False, (200, 30))],
+)
+def test_early_conversion_converts_each_tile_once_complete(d, sq, sk, causal, window):
+    """hopper_bwd_early_convert: the conversion takes each dQ tile once the dK/dV kernel's count of its additions is
+    complete (rows that see no key zero, under the NaN poisoning of dq), where the other waits for the whole kernel.
+    Deterministic, the two give the same bits; not, both match the reference."""
+    _hopper_gpu()
+    cp = cupy_module()
+    fa = fa2cupy_module()
+    import numpy as np
+
+    from test_backward_gpu import check_gradients, make_input
+
+    rng = np.random.default_rng(sq + d)
+    q, dout = (make_input(rng, (2, sq, 4, d), "bfloat16") for _ in range(2))
+    k, v = (make_input(rng, (2, sk, 2, d), "bfloat16") for _ in range(2))
+    out, lse, _ = fa.flash_attn_func(q, k, v, causal=causal, window_size=window, return_attn_probs=True)
+    runs, ref = {}, None
+    for early in (True, False):
+        with kernel_options(hopper_bwd_early_convert=early, debug_poison=True):
+            for deterministic in (True, False):
+                runs[early, deterministic] = fa.flash_attn_backward(dout, q, k, v, out, lse, causal=causal,
+                                                                    window_size=window, deterministic=deterministic)
+                ref = check_gradients(dout, q, k, v, out, runs[early, deterministic], None, causal, "bfloat16",
+                                      ref=ref, window_size=window)[0]
+    for name, x, y in zip("qkv", runs[True, True], runs[False, True]):
+        assert cp.array_equal(x.view(cp.uint16), y.view(cp.uint16)), f"d{name} differs with the early conversion"
+
+
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("d", [64, 256])
 def test_deterministic_hopper_backward_varlen(d, causal):

@@ -186,7 +186,7 @@ def test_deterministic_planner_rotates_the_walks_where_a_group_fits(planner):
     def rotate(causal=False, deterministic=True, **fields):
         plan = backward.plan_backward((3, 2048, 8, 64), (3, 2048, 2, 64), strides, "bfloat16", 0.1, causal,
                                       deterministic, 90, options=KernelOptions(**fields))
-        assert plan.main.grid[0] == 16 and plan.dq_semaphores == (3 * 8 * 16 if deterministic else 0)
+        assert plan.main.grid[0] == 16 and plan.main.params.deterministic == deterministic
         return plan.main.params.dq_rotate
 
     assert rotate(sm_count=132) == 1 and rotate(sm_count=32) == 1
@@ -196,6 +196,31 @@ def test_deterministic_planner_rotates_the_walks_where_a_group_fits(planner):
     assert rotate(causal=True, sm_count=132) == 0 and rotate(deterministic=False, sm_count=132) == 0
     assert configs.hopper_bwd_rotates(66, 132) and not configs.hopper_bwd_rotates(67, 132)
     assert not configs.hopper_bwd_rotates(0, 132)
+
+
+def test_hopper_backward_counts_each_dq_tile_for_an_early_conversion(planner):
+    """hopper_bwd_early_convert (default False): the Hopper dK/dV kernel counts the completed dQ additions of each
+    (batch, head, query tile of block_m rows) in ints zeroed per call (the turn flags when deterministic), and the
+    conversion takes them as dq_arrivals with the kernel's tile sizes, to convert each tile once its count is
+    complete; False: counts only when deterministic, and the conversion waits for the whole kernel."""
+    from fa2cupy import backward, configs
+
+    strides = dict.fromkeys(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), (2000 * 8 * 64, 8 * 64, 64, 1))
+    for deterministic in (False, True):
+        for early in (True, False):
+            plan = backward.plan_backward((3, 2000, 8, 64), (3, 2000, 2, 64), strides, "bfloat16", 0.1, True,
+                                          deterministic, 90, options=KernelOptions(hopper_bwd_early_convert=early))
+            config = configs.BACKWARD_HOPPER_TABLE[64]
+            assert plan.config is config and plan.convert_counted == early
+            counts = 3 * 8 * -(-2000 // config.block_m) if early or deterministic else 0
+            assert plan.dq_semaphores == counts
+            assert (plan.main.per_call[-1] == "dq_semaphore") == (counts > 0)
+            assert ("dq_arrivals" in plan.convert.per_call) == early
+            assert (plan.convert.params.arrival_block_m, plan.convert.params.arrival_block_n) == (
+                (config.block_m, config.block_n) if early else (0, 0))
+    # the mma.sync backward neither counts nor converts early
+    plan = backward.plan_backward((3, 2000, 8, 64), (3, 2000, 2, 64), strides, "bfloat16", 0.1, True, False, 80)
+    assert plan.dq_semaphores == 0 and not plan.convert_counted and "dq_arrivals" not in plan.convert.per_call
 
 
 def test_hopper_backward_launches_programmatically_unless_told_not_to(planner):

@@ -1,5 +1,6 @@
 """The backward's launches timed apart: the preprocess (D = rowsum(dO o O) and the zeroed fp32 dQ accumulator), the
-dK/dV kernel, the dQ conversion, and the three as one call, with the Hopper backward's programmatic launches
+dK/dV kernel, the dQ conversion, and the three as one call (the conversion after the whole kernel, and early: tile by
+tile, KernelOptions.hopper_bwd_early_convert), with the Hopper backward's programmatic launches
 (KernelOptions.hopper_bwd_programmatic) and without. Timing only: fp16 inputs, a fixed lse, nothing checked.
 
     python bench/dev/bwd_parts.py                                    # 2k, b = 8: d 64 (32 heads), 96, 128
@@ -29,11 +30,14 @@ def run_case(cp, batch: int, seqlen: int, heads: int, headdim: int, causal: bool
     shape = (batch, seqlen, heads, headdim)
     strides = dict.fromkeys(("q", "k", "v", "dout", "out", "dq", "dk", "dv"),
                             (seqlen * heads * headdim, heads * headdim, headdim, 1))
-    options = KernelOptions(hopper_bwd_programmatic=programmatic)
     mask = "causal" if causal else "none"
-    width = configs.padded_call_width(90, headdim, "float16", True, mask, seqlen_q=seqlen, options=options)
-    plan = backward.plan_backward(shape, shape, strides, "float16", headdim ** -0.5, causal, False, 90,
-                                  options=options, width=width)
+    plans = {}
+    for early in (False, True):  # (the parts timed apart: the plan whose conversion waits for the whole kernel)
+        options = KernelOptions(hopper_bwd_programmatic=programmatic, hopper_bwd_early_convert=early)
+        width = configs.padded_call_width(90, headdim, "float16", True, mask, seqlen_q=seqlen, options=options)
+        plans[early] = backward.plan_backward(shape, shape, strides, "float16", headdim ** -0.5, causal, False, 90,
+                                              options=options, width=width)
+    plan = plans[False]
     rand = cp.random.default_rng(0)
     q, k, v, out, dout = (rand.standard_normal(shape, dtype=cp.float32).astype(cp.float16) for _ in range(5))
     lse = cp.full((batch, heads, seqlen), 10.0, cp.float32)  # (P = exp(s - 10): small, finite)
@@ -44,6 +48,8 @@ def run_case(cp, batch: int, seqlen: int, heads: int, headdim: int, causal: bool
     maps = backward.maps_writer(plan, ptr["q"], ptr["k"], ptr["v"], ptr["dout"])
     main_args = (ptr["q"], ptr["k"], ptr["v"], ptr["dout"], lse.data.ptr, dsum.data.ptr, accum.data.ptr,
                  dk.data.ptr, dv.data.ptr, 0, 0, 0, 0, 7, 0)
+    pointers = dict(backward.NO_POINTERS, softmax_lse=lse.data.ptr, dsum=dsum.data.ptr, dq_accum=accum.data.ptr,
+                    dq=dq.data.ptr, dk=dk.data.ptr, dv=dv.data.ptr, **ptr)
 
     def pre():
         plan.preprocess(stream, (ptr["dout"], ptr["out"], dsum.data.ptr, accum.data.ptr, 0))
@@ -52,21 +58,19 @@ def run_case(cp, batch: int, seqlen: int, heads: int, headdim: int, causal: bool
         plan.main(stream, main_args, maps)
 
     def convert():
-        plan.convert(stream, (accum.data.ptr, dq.data.ptr, 0))
+        plan.convert(stream, (accum.data.ptr, dq.data.ptr, 0, 0))
 
-    def call():
-        pre()
-        dkdv()
-        convert()
+    def call(early):
+        return lambda: backward.run_backward(plans[early], pointers, (7, 0), stream)
 
     t = {name: time_us(fn, repeats) for name, fn in (("pre", pre), ("main", dkdv), ("convert", convert),
-                                                         ("call", call))}
+                                                         ("call", call(False)), ("early", call(True)))}
     flops = 2.5 * 4 * batch * heads * seqlen * seqlen * headdim / (2 if causal else 1)
     return (f"b{batch} s{seqlen} h{heads} d{headdim} {'causal' if causal else 'full  '} "
             f"{'programmatic' if programmatic else 'plain       '}: preprocess {t['pre']:7.1f}  main alone "
-            f"{t['main']:8.1f}  conversion {t['convert']:6.1f}  call {t['call']:8.1f} us | call "
-            f"{flops / t['call'] / 1e6:4.0f} TFLOPs/s, preprocess + conversion "
-            f"{(t['pre'] + t['convert']) / t['call'] * 100:.1f}%")
+            f"{t['main']:8.1f}  conversion {t['convert']:6.1f}  call {t['call']:8.1f} us, with the early "
+            f"conversion {t['early']:8.1f} us | call {flops / t['call'] / 1e6:4.0f} / {flops / t['early'] / 1e6:4.0f} "
+            f"TFLOPs/s, preprocess + conversion {(t['pre'] + t['convert']) / t['call'] * 100:.1f}%")
 
 
 def main(argv=None) -> int:

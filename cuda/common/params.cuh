@@ -164,6 +164,12 @@ struct BwdParams {
     float dropout_scale;
     u64 seed;  // per call, as the forward's
     u64 offset;
+    // bwd_convert_dq after the Hopper dK/dV kernel: per call, that kernel's count of completed additions per
+    // (batch, head, query tile of arrival_block_m rows), which the conversion waits for tile by tile (null: it
+    // waits for the whole kernel); and the key tiles (arrival_block_n keys) whose blocks add to each query tile.
+    int* dq_arrivals;
+    int arrival_block_m;
+    int arrival_block_n;
 };
 
 // bwd_dkdv_hopper (hopper/bwd.cu): the backward's parameters and the tensor maps of q, k, v and dout.
@@ -171,7 +177,10 @@ struct BwdHopperParams {
     BwdParams bwd;
     int group_chunk;  // (kv head, batch) groups whose blocks launch key tile by key tile (bwd_dkdv_hopper)
     int dq_rotate;    // deterministic walks without a mask may rotate: a group's blocks fit on the GPU at once
-    int* dq_semaphore;  // per call, deterministic=True: a zeroed int per (batch, head, query tile); else null
+    int deterministic;  // dQ added to each query tile in turns (dq_semaphore: the turn flags)
+    // per call, deterministic or counted (BwdParams::dq_arrivals): a zeroed int per (batch, head, query tile), which
+    // counts the tile's completed additions; else null
+    int* dq_semaphore;
     TensorMap tmap_q;  // per call, as the pointers
     TensorMap tmap_k;
     TensorMap tmap_v;

@@ -45,6 +45,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         if (kernel_params.bwd.headdim < Tr::kHeadDim)
             zero_shared(smem.k, 2 * Tr::KVTile::kBytes + 2 * Tr::kStages * Tr::QTile::kBytes);
     }
+    // (a programmatic dQ conversion after this kernel may launch once every block has started: its blocks then take
+    // the SMs of the last wave as they empty, and convert each query tile once its additions are counted)
+    allow_next_grid();
     if (threadIdx.x == 0) {
         bwd_mark(0);  // the block's start
         smem.init_barriers();
@@ -60,9 +63,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // chunk key tile by key tile: under a causal mask key tile j walks the query tiles from j on, so the longest
     // blocks of the chunk's groups start first and the short ones fill the tail (configs.HOPPER_BWD_CHUNK_BLOCKS:
     // causal GQA grids 7-20% faster than with each group's key tiles in turn). group_chunk 1 is the grid's order.
-    // Deterministic (dq_semaphore set): the key tiles that add to a query tile's dQ take turns from the last to the
+    // Deterministic: the key tiles that add to a query tile's dQ take turns from the last to the
     // first (hopper/bwd_producer.cuh), so they launch last first: the block a turn waits for started earlier.
-    const bool deterministic = kernel_params.dq_semaphore != nullptr;
+    const bool deterministic = kernel_params.deterministic != 0;
     int kv_head, batch, key0;
     {
         const int tiles = gridDim.x, groups = gridDim.y * gridDim.z;
@@ -73,7 +76,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         const int tile = r / in_chunk;
         kv_head = group % gridDim.y, batch = group / gridDim.y, key0 = (deterministic ? tiles - 1 - tile : tile) * kN;
     }
-    const int sem_tiles = (params.max_seqlen_q + kM - 1) / kM;  // (deterministic: the turn flags' query tiles)
+    const int sem_tiles = (params.max_seqlen_q + kM - 1) / kM;  // (the turn flags' or arrival counts' query tiles)
     const HopperBwdArgs args{params.q, params.k, params.v, params.dout, params.lse, params.dsum, params.dq_accum,
                              params.dk, params.dv, params.q_batch_stride, params.q_row_stride, params.q_head_stride,
                              params.k_batch_stride, params.k_row_stride, params.k_head_stride, params.v_batch_stride,
@@ -83,9 +86,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                              params.dv_head_stride, params.stat_batch_stride, params.stat_head_stride, seqlen_q,
                              seqlen_k, params.heads_per_kv, params.scale, params.scale_log2, kernel_params.tmap_q,
                              kernel_params.tmap_k, kernel_params.tmap_v, kernel_params.tmap_do,
-                             deterministic ? kernel_params.dq_semaphore + (i64)batch * params.nheads * sem_tiles
-                                           : nullptr,
-                             sem_tiles, params.softcap, params.alibi_slopes, params.alibi_batch_stride,
+                             kernel_params.dq_semaphore != nullptr
+                                 ? kernel_params.dq_semaphore + (i64)batch * params.nheads * sem_tiles
+                                 : nullptr,
+                             sem_tiles, deterministic, params.softcap, params.alibi_slopes, params.alibi_batch_stride,
                              params.headdim, params.rng_state, params.seed, params.offset,
                              params.dropout_threshold, params.dropout_scale, params.nheads};
     int q_start = 0, k_start = 0;  // the sequence's first rows (varlen)

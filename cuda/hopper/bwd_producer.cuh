@@ -115,6 +115,12 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
     // head dim 64 beside the statistics loaded a step ahead); the accumulator row is an int, as rows of 272
     // bytes or more fit in device memory.
     //
+    // Counted (args.dq_semaphore set, not deterministic): once a step's addition is done in memory, the tile's count
+    // goes up by one (release), so that the dQ conversion can take each tile once its count reaches the key tiles
+    // that add to it, while this kernel still runs (BwdParams::dq_arrivals). A step's addition is counted two steps
+    // later, before that step's is issued (the wait for its completion then seldom waits), the last two after the
+    // walk.
+    //
     // Deterministic (args.dq_semaphore set): the key tiles whose blocks add to a query tile's dQ do so in turn, so
     // that the sum has one order. The turn flag of (head, query tile) counts the additions done, and a turn passes
     // once the addition is done in memory; the staging tile goes back to the consumers as soon as it is read, before
@@ -125,14 +131,24 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
     // together and the turns stagger the blocks by a reduction each; the blocks launch last key tile first, so the
     // block waited for has started. Rotated walks (steps.rotated: no mask, the group's blocks all on the GPU at
     // once) take their turns in the order their walks reach the tile instead (rotated_turn).
+    // (counted: the last two steps whose additions are issued but not yet counted, as their flags' indices, the
+    // later first; -1: none)
+    if (ptid == 0) st_shared_u32(smem.uncounted(), ~0u), st_shared_u32(smem.uncounted() + 4, ~0u);
     const auto reduce_step = [&](int j) {
         if (ptid != 0) return;
         const int head = kv_head * args.heads_per_kv + j / steps.m_count, m0 = steps.m0(j);
-        const int row = int(batch * args.stat_batch_stride + head * args.stat_head_stride + q_start + m0);
-        const int t = j % Tr::kDqTiles, rows = min(kM, args.seqlen_q - m0);
+        const int t = j % Tr::kDqTiles, rows = min(kM, args.seqlen_q - m0), tile = head * args.sem_tiles + m0 / kM;
         mbar_wait(smem.dq_staged(t), (j / Tr::kDqTiles) & 1);
-        int* turn_flag = nullptr;
-        if (args.dq_semaphore != nullptr) {
+        bool pass = false;  // (deterministic: the turn passed on once the addition is done)
+        if (args.dq_semaphore != nullptr && !args.deterministic) {
+            const int older = ld_shared_s32(smem.uncounted() + 4);
+            if (older >= 0) {
+                bulk_wait<1>();  // (the addition two steps back done; the last may still run)
+                pass_turn(args.dq_semaphore + older);
+            }
+            st_shared_u32(smem.uncounted() + 4, ld_shared_s32(smem.uncounted()));
+            st_shared_u32(smem.uncounted(), tile);
+        } else if (args.dq_semaphore != nullptr) {
             int turn;
             if (steps.rotated) {
                 const int key_tiles = (args.seqlen_k + kN - 1) / kN;
@@ -142,17 +158,18 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
                 mask.template key_tiles<kN>(m0, rows, first, count);
                 turn = first + count - 1 - key0 / kN;
             }
-            turn_flag = args.dq_semaphore + head * args.sem_tiles + m0 / kM;
-            wait_for_turn(turn_flag, turn);
+            wait_for_turn(args.dq_semaphore + tile, turn);
+            pass = true;
         }
+        const int row = int(batch * args.stat_batch_stride + head * args.stat_head_stride + q_start + m0);
         bulk_reduce_add_f32(args.dq_accum + (i64)row * Tr::kDqPitch, smem.dq + t * Tr::kDqBytes,
                             rows * Tr::kDqPitch * 4);
         bulk_commit();
         bulk_wait_read<0>();
         mbar_arrive(smem.dq_free(t));  // (the staging tile is read: the consumers may stage the next step's dQ)
-        if (turn_flag != nullptr) {
+        if (pass) {
             bulk_wait<0>();  // (the addition done, not only its reads)
-            pass_turn(turn_flag);
+            pass_turn(args.dq_semaphore + tile);
         }
     };
     // Thread ptid < kM's row statistics of a step, lse (+inf past seqlen_q, so that P = 0: plain loads, which a
@@ -167,7 +184,7 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
             lse_next = args.lse[row], dsum_next = args.dsum[row];
         }
     };
-    // (launched programmatically, sm_90: the preprocess's D and zeroed dQ accumulator, and the turn flags, only
+    // (launched programmatically, sm_90: the preprocess's D and zeroed dQ accumulator, and the counts, only
     // from here on; K and V, like Q and dO, are the call's inputs, written before the preprocess started)
     wait_for_prior_grids();
     load_stats(kv_head * args.heads_per_kv, steps.first_m0());
@@ -220,6 +237,12 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
     if (kLag == 2 && steps.count >= 2) reduce_step(steps.count - 2);
     if (steps.count >= 1) reduce_step(steps.count - 1);
     bulk_wait<0>();
+    if (ptid == 0 && args.dq_semaphore != nullptr && !args.deterministic) {
+        for (int i = 0; i < 2; ++i) {
+            const int uncounted = ld_shared_s32(smem.uncounted() + 4 * i);
+            if (uncounted >= 0) pass_turn(args.dq_semaphore + uncounted);
+        }
+    }
     if (ptid == 0) bwd_mark(6);  // the producer's end
     cp_async_wait_all();  // leave nothing in flight into shared memory
 }

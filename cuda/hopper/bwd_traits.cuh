@@ -104,7 +104,7 @@ struct HopperBwdTraits {
     static constexpr int kSmemBytes = 1024 + 2 * KVTile::kBytes + 2 * Stages * QTile::kBytes +
                                       kDsTiles * DsTile::kBytes + kDqTiles * kDqBytes + kPxBytes +
                                       2 * Stages * kBlockM * 4 + Stages * kDropSlotBytes + kDropScratchBytes +
-                                      8 * kBarriers;
+                                      8 * kBarriers + 8;
     static_assert(kDqCols % 64 == 0 && kDqCols1 % 64 == 0, "each warpgroup's dQ columns are whole 64-column slabs");
     static_assert(!kWide || (BlockM == 64 && !DqByKeys && (HeadDim == 192 || HeadDim == 256)),
                   "the wide head dims: 64 query rows a step, dQ_i by columns");
@@ -140,7 +140,8 @@ FA2_DEVICE void bwd_mark(int) {}
 // The block's shared memory: K and V (swizzled slabs, 1024-byte aligned), kS slots of Q and of dO, the dS^T tiles,
 // the fp32 dQ staging tiles, at the wide head dims the P^T hand-over (kPxBytes), the row statistics (lse in the log2
 // domain [kS][kM], then D [kS][kM]), with modifiers dropout's keep flags [kS][kDropThreads / 2][kDropPairBytes] and the
-// producer threads' 32 bytes each (draw_drop_flags), and the barriers.
+// producer threads' 32 bytes each (draw_drop_flags), the barriers, and the producer's first thread's 8 bytes
+// (reduce_step's two steps not yet counted, kept here: in registers across the walk, the producers spilled).
 // kv_full: K and V landed (128 cp.async arrivals, or with TMA the first thread's arrival, for all 128 in varlen, and
 // the copies' bytes); full[s]: Q and dO landed in slot s (likewise) and its lse and D are stored (kM arrivals; with
 // modifiers every producer thread's, its dropout flags stored too);
@@ -175,6 +176,7 @@ struct HopperBwdSmem {
     FA2_DEVICE u32 empty(int s) const { return bars + 8 * (1 + kS + s); }
     FA2_DEVICE u32 dq_staged(int t) const { return bars + 8 * (1 + 2 * kS + t); }
     FA2_DEVICE u32 dq_free(int t) const { return bars + 8 * (1 + 2 * kS + Tr::kDqTiles + t); }
+    FA2_DEVICE u32 uncounted() const { return bars + 8 * Tr::kBarriers; }
 
     // By one thread, before the block's first barrier.
     FA2_DEVICE void init_barriers() const {
@@ -224,10 +226,12 @@ struct HopperBwdArgs {
     const TensorMap& tmap_k;
     const TensorMap& tmap_v;
     const TensorMap& tmap_do;
-    // Deterministic dQ (else null): this batch row's turn flags, one per (head, query tile of BlockM rows), of
-    // sem_tiles per head.
+    // This batch row's ints, one per (head, query tile of BlockM rows), of sem_tiles per head, which count the
+    // tile's completed additions (else null): turn flags when deterministic, else read by bwd_convert_dq, which
+    // converts each tile once its count is complete (BwdParams::dq_arrivals).
     int* dq_semaphore;
     int sem_tiles;
+    bool deterministic;
     // Score modifiers (kMods): the softcap (0: none) and the ALiBi slopes (null: none) of (batch, query head).
     float softcap;
     const float* alibi_slopes;

@@ -60,6 +60,11 @@ FA2_DEVICE void cp_async_wait() {
 FA2_DEVICE void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 FA2_DEVICE void st_shared_u32(u32 addr, u32 v) { asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v)); }
+FA2_DEVICE int ld_shared_s32(u32 addr) {
+    int v;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+    return v;
+}
 FA2_DEVICE void st_shared_u16(u32 addr, u32 v) {
     asm volatile("st.shared.b16 [%0], %1;\n" ::"r"(addr), "h"((unsigned short)v) : "memory");
 }
@@ -131,5 +136,16 @@ FA2_DEVICE void st_global_v4(void* ptr, const u32 (&r)[4]) {
 // Release and acquire at GPU scope in one fence: with a block barrier before it (release) or after it (acquire),
 // one thread's fence orders the whole block's memory accesses around an atomic flag (fences are cumulative).
 FA2_DEVICE void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+
+// Waits until a global int that other blocks count up reads `value` or more (acquire, GPU scope: what they wrote
+// before their release of it comes before this thread's accesses after the wait).
+FA2_DEVICE void wait_for_count(const int* flag, int value) {
+    int now;
+    for (;;) {
+        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(now) : "l"(flag) : "memory");
+        if (now >= value) break;
+        __nanosleep(64);
+    }
+}
 
 }  // namespace fa2

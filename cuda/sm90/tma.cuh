@@ -2,6 +2,7 @@
 // reductions, and the bulk groups that track them.
 #pragma once
 #include "common/types.cuh"
+#include "sm80/memory.cuh"
 
 namespace fa2 {
 
@@ -49,12 +50,7 @@ FA2_DEVICE void bulk_wait() {  // ... and completed
 // and pass the turn on (release). Bulk operations are in the async proxy: a fence orders them after the wait, and
 // before the release once their bulk group has completed (bulk_wait).
 FA2_DEVICE void wait_for_turn(const int* flag, int turn) {
-    int now;
-    for (;;) {
-        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(now) : "l"(flag) : "memory");
-        if (now == turn) break;
-        __nanosleep(64);
-    }
+    wait_for_count(flag, turn);
     asm volatile("fence.proxy.async.global;\n" ::: "memory");
 }
 FA2_DEVICE void pass_turn(int* flag) {
