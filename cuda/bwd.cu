@@ -809,10 +809,9 @@ __global__ void __launch_bounds__(256)
             const int* counts =
                 params.dq_arrivals + ((i64)batch * params.nheads + head) * ((params.max_seqlen_q + bm - 1) / bm);
             for (int t = first_row / bm; t <= last_row / bm; ++t) {
-                // (WindowMask::key_tiles over the tile's rows, at a run-time tile width)
-                const int begin = mask.key_begin(t * bm), end = mask.key_end(t * bm, min(bm, seqlen_q - t * bm));
-                const int first = begin / bn, last = end > 0 ? (end + bn - 1) / bn : 0;
-                if (last > first) wait_for_count(counts + t, last - first);
+                int first, count;
+                mask.key_tiles(t * bm, min(bm, seqlen_q - t * bm), bn, first, count);
+                if (count > 0) wait_for_count(counts + t, count);
             }
         }
         __syncthreads();

@@ -39,12 +39,16 @@ struct WindowMask {
         return end < seqlen_k ? end : seqlen_k;
     }
     // The key tiles of BlockN keys that rows [row0, row0 + rows) visit: from tile `first`, `count` of them (0: none
-    // is visible); tiles wholly outside every row's window are skipped.
+    // is visible); tiles wholly outside every row's window are skipped. (The tile width as a template argument in
+    // the kernels; at run time in bwd_convert_dq, which counts the Hopper dK/dV kernel's tiles.)
     template <int BlockN>
     FA2_DEVICE void key_tiles(int row0, int rows, int& first, int& count) const {
+        key_tiles(row0, rows, BlockN, first, count);
+    }
+    FA2_DEVICE void key_tiles(int row0, int rows, int block_n, int& first, int& count) const {
         const int end = key_end(row0, rows);
-        first = key_begin(row0) / BlockN;
-        const int last = end > 0 ? (end + BlockN - 1) / BlockN : 0;
+        first = key_begin(row0) / block_n;
+        const int last = end > 0 ? (end + block_n - 1) / block_n : 0;
         count = last > first ? last - first : 0;
     }
     // Whether query row `row` sees key `col`.
