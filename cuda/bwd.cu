@@ -808,7 +808,9 @@ __global__ void __launch_bounds__(256)
             const int last_row = min((blockIdx.x * 256 + 255) / chunks, seqlen_q - 1);
             const int* counts =
                 params.dq_arrivals + ((i64)batch * params.nheads + head) * ((params.max_seqlen_q + bm - 1) / bm);
-            for (int t = first_row / bm; t <= last_row / bm; ++t) {
+            // (none past the sequence's last row: a varlen sequence without query rows has last_row -1, whose
+            // tile, -1 / bm, is 0 in C)
+            for (int t = first_row / bm; first_row <= last_row && t <= last_row / bm; ++t) {
                 int first, count;
                 mask.key_tiles(t * bm, min(bm, seqlen_q - t * bm), bn, first, count);
                 if (count > 0) wait_for_count(counts + t, count);
