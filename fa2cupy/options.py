@@ -45,11 +45,12 @@ class KernelOptions:
     hopper_bwd_programmatic (True): the Hopper dK/dV kernel and the dQ conversion after it launch with programmatic
         stream serialization (sm_90), each starting while the kernel before it finishes: the dK/dV kernel loads K
         and V before it waits for the preprocess's D, the conversion only waits.
-    hopper_bwd_early_convert (False): the Hopper dK/dV kernel counts the completed dQ additions of each query tile,
+    hopper_bwd_early_convert (None): the Hopper dK/dV kernel counts the completed dQ additions of each query tile,
         and the conversion after it converts each tile once its count is complete, so that (launched
-        programmatically) it runs in the dK/dV kernel's last wave instead of after it (H200: 3-10% faster at 8k
-        and causal, 2-4% slower at 2k without a mask at d 80 and 128; docs/design.md); False converts after the
-        whole kernel.
+        programmatically) it runs in the dK/dV kernel's last wave instead of after it (True); False converts after
+        the whole kernel; None: masked calls and long ones (configs.hopper_bwd_early_converts; H200: 3-10% faster
+        at 8k and causal, up to 7% slower at 2k and 4k without a mask, docs/design.md). Varlen calls always convert
+        after the whole kernel.
     decode_deep_ring (None): force the decode kernel's deep-ring row (True) or the table's row (False) where a row
         has a deep-ring twin; None lets configs.decode_config choose by the work item's length.
     decode_warp_items (None): force warp items in decode (each warp streams whole work items alone; True, wherever
@@ -82,7 +83,7 @@ class KernelOptions:
     hopper_l2_group_bytes: int | None = None
     hopper_bwd_chunk_blocks: int | None = None
     hopper_bwd_programmatic: bool = True
-    hopper_bwd_early_convert: bool = False
+    hopper_bwd_early_convert: bool | None = None
     decode_deep_ring: bool | None = None
     decode_warp_items: bool | None = None
     decode_warp_items_max_tiles: int = 128
@@ -125,7 +126,7 @@ _KINDS = {
     "hopper_pad_headdim": "optional bool",
     "hopper_masked_min_seqlen": "optional int",
     "tile_counter": "bool", "hopper_l2_group_bytes": "optional int",
-    "hopper_bwd_chunk_blocks": "optional int", "hopper_bwd_programmatic": "bool", "hopper_bwd_early_convert": "bool",
+    "hopper_bwd_chunk_blocks": "optional int", "hopper_bwd_programmatic": "bool", "hopper_bwd_early_convert": "optional bool",
     "decode_deep_ring": "optional bool",
     "decode_warp_items": "optional bool", "decode_warp_items_max_tiles": "int",
     "decode_programmatic_launch": "optional bool", "decode_programmatic_min_splits": "int",

@@ -46,7 +46,10 @@ def test_hopper_kernel_is_the_one_planned():
     plan = backward.plan_backward((1, 256, 8, 128), (1, 256, 8, 128), strides, "bfloat16", 0.1, True, False, 90)
     assert isinstance(plan.config, configs.HopperBwdConfig)
     assert plan.main.block == (384, 1, 1) and plan.main.grid == (2, 8, 1)
-    assert plan.convert is not None and plan.dq is None and plan.dq_semaphores == 0
+    # (causal: the dK/dV kernel counts each dQ tile's additions for the early conversion, 1 x 8 x 4 counts)
+    assert plan.convert is not None and plan.dq is None and plan.convert_counted and plan.dq_semaphores == 1 * 8 * 4
+    plan = backward.plan_backward((1, 256, 8, 128), (1, 256, 8, 128), strides, "bfloat16", 0.1, False, False, 90)
+    assert plan.convert is not None and not plan.convert_counted and plan.dq_semaphores == 0
     # deterministic=True: the same kernel, its dQ additions in turns over 1 x 8 x 4 flags (no dQ kernel of its own)
     plan = backward.plan_backward((1, 256, 8, 128), (1, 256, 8, 128), strides, "bfloat16", 0.1, True, True, 90)
     assert isinstance(plan.config, configs.HopperBwdConfig) and plan.dq is None and plan.convert is not None

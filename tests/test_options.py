@@ -199,28 +199,47 @@ def test_deterministic_planner_rotates_the_walks_where_a_group_fits(planner):
 
 
 def test_hopper_backward_counts_each_dq_tile_for_an_early_conversion(planner):
-    """hopper_bwd_early_convert (default False): the Hopper dK/dV kernel counts the completed dQ additions of each
-    (batch, head, query tile of block_m rows) in ints zeroed per call (the turn flags when deterministic), and the
-    conversion takes them as dq_arrivals with the kernel's tile sizes, to convert each tile once its count is
-    complete; False: counts only when deterministic, and the conversion waits for the whole kernel."""
+    """hopper_bwd_early_convert: the Hopper dK/dV kernel counts the completed dQ additions of each (batch, head,
+    query tile of block_m rows) in ints zeroed per call (the turn flags when deterministic), and the conversion
+    takes them as dq_arrivals with the kernel's tile sizes, to convert each tile once its count is complete (True);
+    False: counts only when deterministic, and the conversion waits for the whole kernel; None (the default): early
+    for masked calls, and unmasked ones from configs.HOPPER_BWD_EARLY_CONVERT_MIN_SEQLEN query rows on; never
+    varlen calls."""
     from fa2cupy import backward, configs
 
-    strides = dict.fromkeys(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), (2000 * 8 * 64, 8 * 64, 64, 1))
-    for deterministic in (False, True):
-        for early in (True, False):
-            plan = backward.plan_backward((3, 2000, 8, 64), (3, 2000, 2, 64), strides, "bfloat16", 0.1, True,
-                                          deterministic, 90, options=KernelOptions(hopper_bwd_early_convert=early))
-            config = configs.BACKWARD_HOPPER_TABLE[64]
-            assert plan.config is config and plan.convert_counted == early
-            counts = 3 * 8 * -(-2000 // config.block_m) if early or deterministic else 0
-            assert plan.dq_semaphores == counts
-            assert (plan.main.per_call[-1] == "dq_semaphore") == (counts > 0)
-            assert ("dq_arrivals" in plan.convert.per_call) == early
-            assert (plan.convert.params.arrival_block_m, plan.convert.params.arrival_block_n) == (
-                (config.block_m, config.block_n) if early else (0, 0))
+    def plan(seqlen, causal, deterministic, early):
+        strides = dict.fromkeys(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), (seqlen * 8 * 64, 8 * 64, 64, 1))
+        return backward.plan_backward((3, seqlen, 8, 64), (3, seqlen, 2, 64), strides, "bfloat16", 0.1, causal,
+                                      deterministic, 90, options=KernelOptions(hopper_bwd_early_convert=early))
+
+    config = configs.BACKWARD_HOPPER_TABLE[64]
+    long = configs.HOPPER_BWD_EARLY_CONVERT_MIN_SEQLEN
+    assert 4096 < long <= 8192
+    for seqlen, causal, default in ((2000, True, True), (2000, False, False), (long, False, True),
+                                    (long - 1, False, False)):
+        for deterministic in (False, True):
+            for early in (True, False, None):
+                built = plan(seqlen, causal, deterministic, early)
+                counted = default if early is None else early
+                assert built.config is config and built.convert_counted == counted
+                counts = 3 * 8 * -(-seqlen // config.block_m) if counted or deterministic else 0
+                assert built.dq_semaphores == counts
+                assert (built.main.per_call[-1] == "dq_semaphore") == (counts > 0)
+                assert ("dq_arrivals" in built.convert.per_call) == counted
+                assert (built.convert.params.arrival_block_m, built.convert.params.arrival_block_n) == (
+                    (config.block_m, config.block_n) if counted else (0, 0))
+    # varlen calls convert after the whole kernel, even when asked for the early conversion
+    for early in (True, None):
+        strides = dict.fromkeys(("q", "dout", "out", "dq"), (0, 8 * 64, 64, 1))
+        strides.update(dict.fromkeys(("k", "v", "dk", "dv"), (0, 2 * 64, 64, 1)))
+        built = backward.plan_backward((3, 9000, 8, 64), (3, 9000, 2, 64), strides, "bfloat16", 0.1, True, False, 90,
+                                       varlen_totals=(20000, 20000),
+                                       options=KernelOptions(hopper_bwd_early_convert=early))
+        assert built.config is config and not built.convert_counted and built.dq_semaphores == 0
     # the mma.sync backward neither counts nor converts early
-    plan = backward.plan_backward((3, 2000, 8, 64), (3, 2000, 2, 64), strides, "bfloat16", 0.1, True, False, 80)
-    assert plan.dq_semaphores == 0 and not plan.convert_counted and "dq_arrivals" not in plan.convert.per_call
+    strides = dict.fromkeys(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), (2000 * 8 * 64, 8 * 64, 64, 1))
+    built = backward.plan_backward((3, 2000, 8, 64), (3, 2000, 2, 64), strides, "bfloat16", 0.1, True, False, 80)
+    assert built.dq_semaphores == 0 and not built.convert_counted and "dq_arrivals" not in built.convert.per_call
 
 
 def test_hopper_backward_launches_programmatically_unless_told_not_to(planner):
