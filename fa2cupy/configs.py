@@ -625,7 +625,7 @@ def hopper_bwd_group_chunk(key_tiles: int, groups: int, heads_per_kv: int, mask:
 
 #: Unmasked Hopper backward calls convert dQ early (KernelOptions.hopper_bwd_early_convert) from this many query
 #: rows on; masked ones (causal, windows) always. H200, bf16, 16k tokens, against converting after the whole dK/dV
-#: kernel in turns in one process: causal level to +3% at 2k and 4k and +3-10% at 8k; without a mask 0-5% faster at
+#: kernel in turns in one process: causal level to +3% at 2k and 4k and +4-10% at 8k; without a mask 0-5% faster at
 #: 8k, but level to 7% slower at 4k and level to 4% slower at 2k (d = 64, 80, 128; docs/design.md).
 HOPPER_BWD_EARLY_CONVERT_MIN_SEQLEN = 8192
 
@@ -634,9 +634,9 @@ def hopper_bwd_early_converts(mask: str, seqlen_q: int, early_convert: bool | No
                               varlen: bool = False) -> bool:
     """Whether the Hopper backward's dQ conversion takes each query tile once the dK/dV kernel's additions to it are
     counted complete (``early_convert``, KernelOptions.hopper_bwd_early_convert, where given): None is every masked
-    call, and unmasked ones of HOPPER_BWD_EARLY_CONVERT_MIN_SEQLEN query rows or more. Never varlen calls: with
-    sequences of no query rows among others such a call did not complete on an H200 (every count complete, cause
-    not found; docs/design.md), so they convert after the whole kernel."""
+    call, and unmasked ones of HOPPER_BWD_EARLY_CONVERT_MIN_SEQLEN query rows or more. Never varlen calls, whatever
+    ``early_convert`` says: with a sequence of keys but no query rows among others, such a call does not complete on
+    an H200 (cause not known; docs/design.md)."""
     if varlen:
         return False
     if early_convert is not None:
