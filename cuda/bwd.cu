@@ -804,8 +804,9 @@ __global__ void __launch_bounds__(256)
     } else {
         if (threadIdx.x == 0) {
             const int bm = params.arrival_block_m, bn = params.arrival_block_n;
-            const int first_row = blockIdx.x * 256 / chunks;
-            const int last_row = min((blockIdx.x * 256 + 255) / chunks, seqlen_q - 1);
+            // (signed: min of an unsigned blockIdx expression and seqlen_q - 1 = -1 would be the unsigned one)
+            const int first_row = int(blockIdx.x) * 256 / chunks;
+            const int last_row = min((int(blockIdx.x) * 256 + 255) / chunks, seqlen_q - 1);
             const int* counts =
                 params.dq_arrivals + ((i64)batch * params.nheads + head) * ((params.max_seqlen_q + bm - 1) / bm);
             // (none past the sequence's last row: a varlen sequence without query rows has last_row -1, whose

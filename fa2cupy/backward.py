@@ -97,8 +97,7 @@ def plan_backward(
     grid = (((seqlen_k + config.block_n - 1) // config.block_n) * config.dslices, nheads_kv, batch)
     maps = None
     semaphores = 0
-    counted = hopper and configs.hopper_bwd_early_converts(mask, seqlen_q, options.hopper_bwd_early_convert,
-                                                          varlen_totals is not None)
+    counted = hopper and configs.hopper_bwd_early_converts(mask, seqlen_q, options.hopper_bwd_early_convert)
     if hopper:
         chunk = configs.hopper_bwd_group_chunk(grid[0], nheads_kv * batch, nheads // nheads_kv, mask,
                                               options.hopper_bwd_chunk_blocks)

@@ -630,15 +630,11 @@ def hopper_bwd_group_chunk(key_tiles: int, groups: int, heads_per_kv: int, mask:
 HOPPER_BWD_EARLY_CONVERT_MIN_SEQLEN = 8192
 
 
-def hopper_bwd_early_converts(mask: str, seqlen_q: int, early_convert: bool | None = None,
-                              varlen: bool = False) -> bool:
+def hopper_bwd_early_converts(mask: str, seqlen_q: int, early_convert: bool | None = None) -> bool:
     """Whether the Hopper backward's dQ conversion takes each query tile once the dK/dV kernel's additions to it are
     counted complete (``early_convert``, KernelOptions.hopper_bwd_early_convert, where given): None is every masked
-    call, and unmasked ones of HOPPER_BWD_EARLY_CONVERT_MIN_SEQLEN query rows or more. Never varlen calls, whatever
-    ``early_convert`` says: with a sequence of keys but no query rows among others, such a call does not complete on
-    an H200 (cause not known; docs/design.md)."""
-    if varlen:
-        return False
+    call, and unmasked ones of HOPPER_BWD_EARLY_CONVERT_MIN_SEQLEN query rows or more (``seqlen_q``: a varlen
+    call's max_seqlen_q)."""
     if early_convert is not None:
         return early_convert
     return mask != "none" or seqlen_q >= HOPPER_BWD_EARLY_CONVERT_MIN_SEQLEN

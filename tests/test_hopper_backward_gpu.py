@@ -288,6 +288,35 @@ def test_early_conversion_converts_each_tile_once_complete(d, sq, sk, causal, wi
         assert cp.array_equal(x.view(cp.uint16), y.view(cp.uint16)), f"d{name} differs with the early conversion"
 
 
+@pytest.mark.parametrize("d,causal", [(64, False), (128, True), (192, False)])
+def test_early_conversion_varlen(d, causal):
+    """The early conversion in a varlen call with a sequence of keys but no query rows (its dK/dV blocks walk no
+    step, its conversion blocks wait for no count), one of query rows but no keys (rows zero, waiting for nothing)
+    and a one-row one: gradients match the reference converting early and late, deterministic or not, and
+    deterministic runs give the same bits both ways."""
+    _hopper_gpu()
+    cp = cupy_module()
+    fa = fa2cupy_module()
+    from test_varlen_mods_gpu import _varlen_inputs
+
+    case = dict(lengths_q=[300, 0, 1, 700, 129], lengths_k=[500, 3, 1, 700, 0], nheads=4, nheads_kv=2, headdim=d,
+                causal=causal, window_size=(-1, -1), softcap=0.0, alibi=None, extra_rows=5, slack=9,
+                dtype="bfloat16", deterministic=False, seed=d)
+    x, cu_q, cu_k, _ = _varlen_inputs(case)
+    cu_q, cu_k = cp.asarray(cu_q), cp.asarray(cu_k)
+    out, lse, _ = fa.flash_attn_varlen_func(x["q"], x["k"], x["v"], cu_q, cu_k, 709, 709, causal=causal,
+                                            return_attn_probs=True)
+    runs = {}
+    for early in (True, False):
+        with kernel_options(hopper_bwd_early_convert=early, debug_poison=True):
+            for deterministic in (False, True):
+                run_varlen_case(dict(case, deterministic=deterministic))
+            runs[early] = fa.flash_attn_varlen_backward(x["dout"], x["q"], x["k"], x["v"], out, lse, cu_q, cu_k, 709,
+                                                        709, causal=causal, deterministic=True)
+    for name, a, b in zip("qkv", runs[True], runs[False]):
+        assert cp.array_equal(a.view(cp.uint16), b.view(cp.uint16)), f"d{name} differs with the early conversion"
+
+
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("d", [64, 256])
 def test_deterministic_hopper_backward_varlen(d, causal):

@@ -203,8 +203,8 @@ def test_hopper_backward_counts_each_dq_tile_for_an_early_conversion(planner):
     query tile of block_m rows) in ints zeroed per call (the turn flags when deterministic), and the conversion
     takes them as dq_arrivals with the kernel's tile sizes, to convert each tile once its count is complete (True);
     False: counts only when deterministic, and the conversion waits for the whole kernel; None (the default): early
-    for masked calls, and unmasked ones from configs.HOPPER_BWD_EARLY_CONVERT_MIN_SEQLEN query rows on; never
-    varlen calls."""
+    for masked calls, and unmasked ones from configs.HOPPER_BWD_EARLY_CONVERT_MIN_SEQLEN query rows on, varlen
+    calls by their max_seqlen_q as padded ones by their length."""
     from fa2cupy import backward, configs
 
     def plan(seqlen, causal, deterministic, early):
@@ -228,14 +228,17 @@ def test_hopper_backward_counts_each_dq_tile_for_an_early_conversion(planner):
                 assert ("dq_arrivals" in built.convert.per_call) == counted
                 assert (built.convert.params.arrival_block_m, built.convert.params.arrival_block_n) == (
                     (config.block_m, config.block_n) if counted else (0, 0))
-    # varlen calls convert after the whole kernel, even when asked for the early conversion
-    for early in (True, None):
-        strides = dict.fromkeys(("q", "dout", "out", "dq"), (0, 8 * 64, 64, 1))
-        strides.update(dict.fromkeys(("k", "v", "dk", "dv"), (0, 2 * 64, 64, 1)))
-        built = backward.plan_backward((3, 9000, 8, 64), (3, 9000, 2, 64), strides, "bfloat16", 0.1, True, False, 90,
-                                       varlen_totals=(20000, 20000),
+    # varlen calls as padded ones, by max_seqlen_q (the counts: an int per batch row, head and tile of it)
+    strides = dict.fromkeys(("q", "dout", "out", "dq"), (0, 8 * 64, 64, 1))
+    strides.update(dict.fromkeys(("k", "v", "dk", "dv"), (0, 2 * 64, 64, 1)))
+    for max_q, causal, early, counted in ((2000, True, None, True), (2000, False, None, False),
+                                          (long, False, None, True), (2000, False, True, True),
+                                          (2000, True, False, False)):
+        built = backward.plan_backward((3, max_q, 8, 64), (3, max_q, 2, 64), strides, "bfloat16", 0.1, causal, False,
+                                       90, varlen_totals=(5000, 5000),
                                        options=KernelOptions(hopper_bwd_early_convert=early))
-        assert built.config is config and not built.convert_counted and built.dq_semaphores == 0
+        assert built.config is config and built.convert_counted == counted
+        assert built.dq_semaphores == (3 * 8 * -(-max_q // config.block_m) if counted else 0)
     # the mma.sync backward neither counts nor converts early
     strides = dict.fromkeys(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), (2000 * 8 * 64, 8 * 64, 64, 1))
     built = backward.plan_backward((3, 2000, 8, 64), (3, 2000, 2, 64), strides, "bfloat16", 0.1, True, False, 80)
