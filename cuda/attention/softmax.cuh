@@ -46,24 +46,13 @@ struct OnlineSoftmax {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int r = mt * 2 + half;
-                float tile_max = row_max[r];
-#pragma unroll
-                for (int nt = 0; nt < NTiles; ++nt)
-                    tile_max = fmaxf(tile_max, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
-                const float new_max = quad_max(tile_max);
+                const float new_max = tile_row_max(s, mt, half, row_max[r]);
                 // A row that has seen only masked keys keeps max -inf; shift by 0 so exp2 gives 0, not NaN.
                 const float shift = new_max == -pos_inf() ? 0.f : new_max * scale_log2;
                 correction[r] = fast_exp2(row_max[r] * scale_log2 - shift);
                 row_max[r] = new_max;
                 float sum = 0.f;
-#pragma unroll
-                for (int nt = 0; nt < NTiles; ++nt) {
-#pragma unroll
-                    for (int e = 2 * half; e < 2 * half + 2; ++e) {
-                        s[mt][nt][e] = fast_exp2(s[mt][nt][e] * scale_log2 - shift);
-                        sum += s[mt][nt][e];
-                    }
-                }
+                exponentiate_row(s, mt, half, scale_log2, shift, sum);
                 row_sum[r] = row_sum[r] * correction[r] + sum;
             }
         }
@@ -81,10 +70,7 @@ struct OnlineSoftmax {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int r = mt * 2 + half;
-                float m = row_max[r];
-#pragma unroll
-                for (int nt = 0; nt < NTiles; ++nt) m = fmaxf(m, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
-                tile_max[r] = quad_max(m);
+                tile_max[r] = tile_row_max(s, mt, half, row_max[r]);
                 // (-inf - -inf: NaN, no growth: a row that has seen only masked keys keeps shift 0)
                 grow |= (tile_max[r] - row_max[r]) * scale_log2 > kLazyLog2;
             }
@@ -103,17 +89,28 @@ struct OnlineSoftmax {
                 } else {
                     shift = row_max[r] == -pos_inf() ? 0.f : row_max[r] * scale_log2;
                 }
-#pragma unroll
-                for (int nt = 0; nt < NTiles; ++nt) {
-#pragma unroll
-                    for (int e = 2 * half; e < 2 * half + 2; ++e) {
-                        s[mt][nt][e] = fast_exp2(s[mt][nt][e] * scale_log2 - shift);
-                        row_sum[r] += s[mt][nt][e];
-                    }
-                }
+                exponentiate_row(s, mt, half, scale_log2, shift, row_sum[r]);
             }
         }
         return grow;
+    }
+    // The max of row `half` of m16 tile mt over this tile's scores and `m`, across the quad.
+    static FA2_DEVICE float tile_row_max(const float (&s)[MTiles][NTiles][4], int mt, int half, float m) {
+#pragma unroll
+        for (int nt = 0; nt < NTiles; ++nt) m = fmaxf(m, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
+        return quad_max(m);
+    }
+    // That row's scores to exp2(s scale_log2 - shift) in place, each added to `sum` (this thread's partial).
+    static FA2_DEVICE void exponentiate_row(float (&s)[MTiles][NTiles][4], int mt, int half, float scale_log2,
+                                            float shift, float& sum) {
+#pragma unroll
+        for (int nt = 0; nt < NTiles; ++nt) {
+#pragma unroll
+            for (int e = 2 * half; e < 2 * half + 2; ++e) {
+                s[mt][nt][e] = fast_exp2(s[mt][nt][e] * scale_log2 - shift);
+                sum += s[mt][nt][e];
+            }
+        }
     }
     template <int DTiles>
     FA2_DEVICE void rescale(float (&acc_o)[MTiles][DTiles][4], const float (&correction)[kRows]) {

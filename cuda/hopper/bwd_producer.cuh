@@ -152,7 +152,7 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
             int turn;
             if (steps.rotated) {
                 const int key_tiles = (args.seqlen_k + kN - 1) / kN;
-                turn = rotated_turn(key0 / kN, key_tiles, steps.m_count, m0 / kM - steps.m_begin);
+                turn = rotated_turn(key0 / kN, key_tiles, steps.m_count, steps.m_shift, m0 / kM - steps.m_begin);
             } else {
                 int first, count;
                 mask.template key_tiles<kN>(m0, rows, first, count);
@@ -230,8 +230,8 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
         if (Tr::kMods || ptid < kM) mbar_arrive(smem.full(s));  // (release: the stores above)
         if (it >= kLag) reduce_step(it - kLag);
         m0 += kM;  // step it + 1's query head and first row (the next head's where the walk is back at its start)
-        if (m0 == (steps.m_begin + steps.m_count) * kM) m0 = steps.m_begin * kM, head += steps.m_shift == 0;
-        if (steps.m_shift != 0 && m0 == steps.first_m0()) ++head;
+        if (m0 == (steps.m_begin + steps.m_count) * kM) m0 = steps.m_begin * kM;
+        if (m0 == steps.first_m0()) ++head;
         if (it + 1 < steps.count) load_stats(head, m0);
     }
     if (kLag == 2 && steps.count >= 2) reduce_step(steps.count - 2);

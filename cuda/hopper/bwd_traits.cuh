@@ -265,12 +265,13 @@ struct HopperBwdSteps {
 // to different query tiles. (Walking from the same tile, they all reach it together and take their turns there,
 // each a reduction behind the one before, and the staircase costs the start of every block: 20% at 2k tokens.)
 FA2_DEVICE int rotated_start(int n, int key_tiles, int m_count) { return n * m_count / key_tiles; }
-// Key tile n's turn at query tile m of such walks: the key tiles whose walks reach m before its own, those whose
-// starts lie in (its start, m] round the cycle (starts rise with n, one tile apart at least).
-FA2_DEVICE int rotated_turn(int n, int key_tiles, int m_count, int m) {
+// Key tile n's turn at query tile m of such walks, its own walk starting at tile `start` (rotated_start): the key
+// tiles whose walks reach m before its own, those whose starts lie in (start, m] round the cycle (starts rise with
+// n, one tile apart at least).
+FA2_DEVICE int rotated_turn(int n, int key_tiles, int m_count, int start, int m) {
     // key tiles starting at or before m: start(n') <= m  <=>  n' < (m + 1) key_tiles / m_count
     const int upto = min(key_tiles, ((m + 1) * key_tiles + m_count - 1) / m_count);
-    return m >= rotated_start(n, key_tiles, m_count) ? upto - n - 1 : key_tiles - 1 - n + upto;
+    return m >= start ? upto - n - 1 : key_tiles - 1 - n + upto;
 }
 
 }  // namespace fa2
