@@ -97,7 +97,8 @@ def plan_backward(
     grid = (((seqlen_k + config.block_n - 1) // config.block_n) * config.dslices, nheads_kv, batch)
     maps = None
     semaphores = 0
-    counted = hopper and configs.hopper_bwd_early_converts(mask, seqlen_q, options.hopper_bwd_early_convert)
+    counted = hopper and configs.hopper_bwd_early_converts(mask, seqlen_q, options.hopper_bwd_early_convert,
+                                                          config.wide)
     if hopper:
         chunk = configs.hopper_bwd_group_chunk(grid[0], nheads_kv * batch, nheads // nheads_kv, mask,
                                               options.hopper_bwd_chunk_blocks)

@@ -630,14 +630,16 @@ def hopper_bwd_group_chunk(key_tiles: int, groups: int, heads_per_kv: int, mask:
 HOPPER_BWD_EARLY_CONVERT_MIN_SEQLEN = 8192
 
 
-def hopper_bwd_early_converts(mask: str, seqlen_q: int, early_convert: bool | None = None) -> bool:
+def hopper_bwd_early_converts(mask: str, seqlen_q: int, early_convert: bool | None = None,
+                              wide: bool = False) -> bool:
     """Whether the Hopper backward's dQ conversion takes each query tile once the dK/dV kernel's additions to it are
     counted complete (``early_convert``, KernelOptions.hopper_bwd_early_convert, where given): None is every masked
     call, and unmasked ones of HOPPER_BWD_EARLY_CONVERT_MIN_SEQLEN query rows or more (``seqlen_q``: a varlen
-    call's max_seqlen_q)."""
+    call's max_seqlen_q), on the 128-key rows only: not on the ``wide`` ones (HopperBwdConfig.wide, head dims 192
+    and 256), where it measured slower (H200, 16k tokens: d = 192 10-13%)."""
     if early_convert is not None:
         return early_convert
-    return mask != "none" or seqlen_q >= HOPPER_BWD_EARLY_CONVERT_MIN_SEQLEN
+    return not wide and (mask != "none" or seqlen_q >= HOPPER_BWD_EARLY_CONVERT_MIN_SEQLEN)
 
 
 def hopper_bwd_rotates(group_blocks: int, sms: int) -> bool:

@@ -204,7 +204,8 @@ def test_hopper_backward_counts_each_dq_tile_for_an_early_conversion(planner):
     takes them as dq_arrivals with the kernel's tile sizes, to convert each tile once its count is complete (True);
     False: counts only when deterministic, and the conversion waits for the whole kernel; None (the default): early
     for masked calls, and unmasked ones from configs.HOPPER_BWD_EARLY_CONVERT_MIN_SEQLEN query rows on, varlen
-    calls by their max_seqlen_q as padded ones by their length."""
+    calls by their max_seqlen_q as padded ones by their length; not on the wide rows (head dims 192, 256) unless
+    asked for."""
     from fa2cupy import backward, configs
 
     def plan(seqlen, causal, deterministic, early):
@@ -239,6 +240,14 @@ def test_hopper_backward_counts_each_dq_tile_for_an_early_conversion(planner):
                                        options=KernelOptions(hopper_bwd_early_convert=early))
         assert built.config is config and built.convert_counted == counted
         assert built.dq_semaphores == (3 * 8 * -(-max_q // config.block_m) if counted else 0)
+    # the wide rows convert after the whole kernel unless asked for the early conversion
+    for d in (192, 256):
+        strides = dict.fromkeys(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), (9000 * 8 * d, 8 * d, d, 1))
+        for causal, early in ((True, None), (False, None), (True, False), (False, True)):
+            built = backward.plan_backward((1, 9000, 8, d), (1, 9000, 8, d), strides, "bfloat16", 0.1, causal, False,
+                                           90, options=KernelOptions(hopper_bwd_early_convert=early))
+            wide = configs.BACKWARD_HOPPER_TABLE[d]
+            assert built.config is wide and wide.wide and built.convert_counted == bool(early)
     # the mma.sync backward neither counts nor converts early
     strides = dict.fromkeys(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), (2000 * 8 * 64, 8 * 64, 64, 1))
     built = backward.plan_backward((3, 2000, 8, 64), (3, 2000, 2, 64), strides, "bfloat16", 0.1, True, False, 80)
