@@ -624,9 +624,10 @@ def hopper_bwd_group_chunk(key_tiles: int, groups: int, heads_per_kv: int, mask:
 
 
 #: Unmasked Hopper backward calls convert dQ early (KernelOptions.hopper_bwd_early_convert) from this many query
-#: rows on; masked ones (causal, windows) always. H200, bf16, 16k tokens, against converting after the whole dK/dV
-#: kernel in turns in one process: causal level to +3% at 2k and 4k and +4-10% at 8k; without a mask 0-5% faster at
-#: 8k, but level to 7% slower at 4k and level to 4% slower at 2k (d = 64, 80, 128; docs/design.md).
+#: rows on; masked ones (causal, windows) always; the wide rows (192, 256) never by default. H200, bf16, 16k tokens,
+#: against converting after the whole dK/dV kernel in turns in one process: causal level to +3% at 2k and 4k and
+#: +4-10% at 8k; without a mask 0-5% faster at 8k, but level to 7% slower at 4k and level to 4% slower at 2k
+#: (d = 64, 80, 128); d = 192 10-17% slower at every length, d = 256 level to 3% either way (docs/design.md).
 HOPPER_BWD_EARLY_CONVERT_MIN_SEQLEN = 8192
 
 
@@ -636,7 +637,7 @@ def hopper_bwd_early_converts(mask: str, seqlen_q: int, early_convert: bool | No
     counted complete (``early_convert``, KernelOptions.hopper_bwd_early_convert, where given): None is every masked
     call, and unmasked ones of HOPPER_BWD_EARLY_CONVERT_MIN_SEQLEN query rows or more (``seqlen_q``: a varlen
     call's max_seqlen_q), on the 128-key rows only: not on the ``wide`` ones (HopperBwdConfig.wide, head dims 192
-    and 256), where it measured slower (H200, 16k tokens: d = 192 10-13%)."""
+    and 256), where it measured slower (H200, 16k tokens: d = 192 10-17%)."""
     if early_convert is not None:
         return early_convert
     return not wide and (mask != "none" or seqlen_q >= HOPPER_BWD_EARLY_CONVERT_MIN_SEQLEN)

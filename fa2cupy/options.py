@@ -48,8 +48,9 @@ class KernelOptions:
     hopper_bwd_early_convert (None): the Hopper dK/dV kernel counts the completed dQ additions of each query tile,
         and the conversion after it converts each tile once its count is complete, so that (launched
         programmatically) it runs in the dK/dV kernel's last wave instead of after it (True); False converts after
-        the whole kernel; None: masked calls and long ones (configs.hopper_bwd_early_converts; H200: 3-10% faster
-        at 8k and causal, up to 7% slower at 2k and 4k without a mask, docs/design.md).
+        the whole kernel; None: masked calls and long ones at head dims up to 128 (configs.hopper_bwd_early_converts;
+        H200: 3-10% faster at 8k and causal, up to 7% slower at 2k and 4k without a mask, 10-17% slower at head dim
+        192, docs/design.md).
     decode_deep_ring (None): force the decode kernel's deep-ring row (True) or the table's row (False) where a row
         has a deep-ring twin; None lets configs.decode_config choose by the work item's length.
     decode_warp_items (None): force warp items in decode (each warp streams whole work items alone; True, wherever

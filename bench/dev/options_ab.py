@@ -11,6 +11,11 @@ implementation's figure is its best round. Every option set's result is compared
 (max |difference| / max |first|) before timing.
 --mods times each option set with each modifier (softcap 30, ALiBi slopes in [0, 0.1), dropout 0.1 with a fixed
 seed): rows NAME+MOD; with dropout SDPA's backends too (cudnn+dropout, flash+dropout).
+--varlen runs fa2cupy's calls on the same tokens packed as batch sequences of seqlen (flash_attn_varlen_func and
+flash_attn_varlen_backward; SDPA stays on the padded batch), e.g. the backward's dQ conversion early and late:
+
+    python bench/dev/options_ab.py --varlen --modes bwd --headdim 64,128 --seqlens 1024,2048,8192 \
+        --options default= early=hopper_bwd_early_convert=1 late=hopper_bwd_early_convert=0
 """
 
 from __future__ import annotations
@@ -50,9 +55,18 @@ def modifier_kwargs(mod: str, nheads: int) -> dict:
     return {}
 
 
-def runners(inp, mode: str, option_sets: dict, dout, dout_t, mods=("none",)):
+def runners(inp, mode: str, option_sets: dict, dout, dout_t, mods=("none",), varlen: bool = False):
     c = inp.case.causal
     q, k, v = inp.q, inp.k, inp.v
+    if varlen:  # (the batch's rows packed: (batch * seqlen, heads, d) views, one sequence per batch row)
+        batch, seqlen = q.shape[:2]
+        cu = B._torch().arange(0, (batch + 1) * seqlen, seqlen, device=q.device, dtype=B._torch().int32)
+        q, k, v, dout = (x.reshape(batch * seqlen, *x.shape[2:]) for x in (q, k, v, dout))
+        fwd_fn, bwd_fn = (functools.partial(f, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=seqlen,
+                                            max_seqlen_k=seqlen)
+                          for f in (fa2cupy.flash_attn_varlen_func, fa2cupy.flash_attn_varlen_backward))
+    else:
+        fwd_fn, bwd_fn = fa2cupy.flash_attn_func, fa2cupy.flash_attn_backward
     made = {}
     mod_kw = {mod: modifier_kwargs(mod, inp.case.nheads) for mod in mods}  # (one set of slopes for every row)
     stream = B._external_stream_ctx()  # (fa2cupy on torch's stream, so that torch's events bracket it)
@@ -60,11 +74,11 @@ def runners(inp, mode: str, option_sets: dict, dout, dout_t, mods=("none",)):
         kw = dict(causal=c, kernel_options=opts, **mod_kw[mod])
         name = name if mod == "none" else f"{name}+{mod}"
         if mode == "fwd":
-            fn = functools.partial(fa2cupy.flash_attn_func, q, k, v, **kw)
+            fn = functools.partial(fwd_fn, q, k, v, **kw)
         else:
             with stream():
-                out, lse, _ = fa2cupy.flash_attn_func(q, k, v, return_attn_probs=True, **kw)
-            fn = functools.partial(fa2cupy.flash_attn_backward, dout, q, k, v, out, lse, **kw)
+                out, lse, _ = fwd_fn(q, k, v, return_attn_probs=True, **kw)
+            fn = functools.partial(bwd_fn, dout, q, k, v, out, lse, **kw)
         made[name] = B.Runner(fn, B.TorchEvents(), stream)
     for sdpa, backend in (("cudnn", "CUDNN_ATTENTION"), ("flash", "FLASH_ATTENTION")):
         # (with dropout among the modifiers, SDPA's own dropout too, the same p: what it costs the peer)
@@ -96,6 +110,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--group", type=int, default=1, help="query heads per key/value head (GQA)")
     p.add_argument("--hidden", type=int, default=2048, help="model width: nheads = hidden // headdim")
+    p.add_argument("--varlen", action="store_true", help="fa2cupy's calls on the batch packed as varlen sequences")
     p.add_argument("--json")
     args = p.parse_args(argv)
     option_sets = dict(parse_options(t) for t in args.options)
@@ -112,7 +127,7 @@ def main(argv=None) -> int:
                     dout = B._random_like(inp.q, 1)
                     dout_t = dout.transpose(1, 2).contiguous()
                     mods = args.mods.split(",")
-                    made = runners(inp, mode, option_sets, dout, dout_t, mods)
+                    made = runners(inp, mode, option_sets, dout, dout_t, mods, args.varlen)
                     diffs = {}
                     for mod in mods:  # (each modifier's rows against its first option set's)
                         ref = None
@@ -130,12 +145,13 @@ def main(argv=None) -> int:
                             best[name] = min(best.get(name, float("inf")), t.median_ms)
                     flops = B.attention_flops(case, mode)
                     tf = {n: B.tflops_per_s(flops, ms) for n, ms in best.items()}
-                    row = {"mode": mode, "label": case.label, "tflops": tf, "diff_vs_" + first: diffs}
+                    label = case.label + (" varlen" if args.varlen else "")
+                    row = {"mode": mode, "label": label, "tflops": tf, "diff_vs_" + first: diffs}
                     rows.append(row)
                     ratios = "  ".join(f"{n}/cudnn {tf[n] / tf['cudnn']:.2f}" for n in option_sets if "cudnn" in tf)
                     ratios += "".join(f"  {n}/{n.split('+')[0]} {tf[n] / tf[n.split('+')[0]]:.2f}" for n in tf
                                       if "+" in n and n.split("+")[0] in tf)
-                    print(f"{mode} {case.label:30s} " + " ".join(f"{n} {v:6.1f}" for n, v in tf.items()) +
+                    print(f"{mode} {label:30s} " + " ".join(f"{n} {v:6.1f}" for n, v in tf.items()) +
                           f"  | {ratios}  | diff {max(diffs.values()):.1e}", flush=True)
                     del made, inp, dout, dout_t
     if args.json:
