@@ -102,11 +102,10 @@ def plan_backward(
     if hopper:
         chunk = configs.hopper_bwd_group_chunk(grid[0], nheads_kv * batch, nheads // nheads_kv, mask,
                                               options.hopper_bwd_chunk_blocks)
-        rotate = 0
         if deterministic or counted:  # (an int per batch row, query head and query tile of block_m rows)
             semaphores = batch * nheads * -(-seqlen_q // config.block_m)
-        if deterministic:
-            rotate = int(mask == "none" and configs.hopper_bwd_rotates(grid[0] * chunk, build.sm_count(options.sm_count)))
+        rotate = int(deterministic and mask == "none"
+                     and configs.hopper_bwd_rotates(grid[0] * chunk, build.sm_count(options.sm_count)))
         main = build.Launch(function, grid, (config.threads, 1, 1), smem,
                             params.BwdHopperParams(bwd=fixed, group_chunk=chunk, dq_rotate=rotate,
                                                    deterministic=int(deterministic)),
