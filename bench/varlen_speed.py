@@ -17,7 +17,12 @@ Two comparisons, each timed back to back with the same timer as ``fa2cupy bench`
   (rounds of every tree, each keeping its best round), so that kernel versions compare on one clock (--mma: on the
   mma.sync forward);
 * with --paged: the varlen forward reading K/V through a shuffled block_table of pages of each given size against
-  the packed varlen forward on the same keys (the page look-ups' cost), and the paged call on the mma.sync forward.
+  the packed varlen forward on the same keys (the page look-ups' cost), and the paged call on the mma.sync forward;
+* with --grid: only the equal-length comparison, over every head dim of --headdims (--hidden / d heads each), every
+  sequence length of --seqlens, causal and not, each case's four calls in rounds taking turns (a case's best round
+  per call), one line per case: the bar's grid in one run.
+
+    python bench/varlen_speed.py --grid --headdims 64,80,96,128,192,256 --seqlens 2048,8192,16384
 """
 
 import argparse
@@ -101,6 +106,10 @@ def main():
     parser.add_argument("--rounds", type=int, default=4, help="timing rounds (equal lengths, or --trees)")
     parser.add_argument("--backward", action="store_true", help="with --trees: the equal-length backwards too")
     parser.add_argument("--mma", action="store_true", help="with --trees: the forwards on the mma.sync kernel")
+    parser.add_argument("--grid", action="store_true", help="equal lengths over --headdims x --seqlens x masks")
+    parser.add_argument("--headdims", default="64,80,96,128,192,256", help="with --grid")
+    parser.add_argument("--seqlens", default="2048,8192,16384", help="with --grid")
+    parser.add_argument("--hidden", type=int, default=2048, help="with --grid: heads = hidden // headdim")
     args = parser.parse_args()
     h, d, causal = args.heads, args.headdim, args.causal
     rng = cupy.random.default_rng(0)
@@ -112,6 +121,8 @@ def main():
     if args.trees:
         CALL["kernel_options"] = MMA if args.mma else None
         return compare_trees(args, rand, events)
+    if args.grid:
+        return grid(args, rand, events)
 
     for seqlen in (1024, 4096):
         calls = equal_length_calls(rand, args.tokens // seqlen, seqlen, h, d, causal)
@@ -167,6 +178,27 @@ def main():
         print(f"paged K/V, pages of {page_size}, mixed lengths causal={causal}: paged fwd {pf:.3f} ms, packed fwd "
               f"{vf:.3f} ms: paged speed / packed {vf / pf:.3f}x (bitwise equal: {same}); paged on the mma.sync "
               f"forward {mf:.3f} ms ({mf / pf:.2f}x the time)", flush=True)
+
+
+def grid(args, rand, events):
+    """Equal-length varlen against padded, forward and backward, over head dims x sequence lengths x masks: each
+    case's four calls timed in rounds taking turns, each call's best round (the bar's grid in one run)."""
+    for d in (int(x) for x in args.headdims.split(",")):
+        h = max(1, args.hidden // d)
+        for seqlen in (int(x) for x in args.seqlens.split(",")):
+            for causal in (False, True):
+                b = max(1, args.tokens // seqlen)
+                calls = equal_length_calls(rand, b, seqlen, h, d, causal)
+                best = dict.fromkeys(calls, float("inf"))
+                for _ in range(args.rounds):
+                    for name, call in calls.items():
+                        best[name] = min(best[name], B.time_gpu(call, events, warmup=3, repeats=10).median_ms)
+                fwd = flops([seqlen] * b, h, d, causal, False)
+                print(f"d {d:3d} ({h:2d} heads) {b:2d}x{seqlen:<5d} causal={int(causal)}: TFLOPs/s padded / varlen "
+                      f"fwd {fwd / best['padded fwd'] / 1e9:4.0f} / {fwd / best['varlen fwd'] / 1e9:4.0f} bwd "
+                      f"{2.5 * fwd / best['padded bwd'] / 1e9:4.0f} / {2.5 * fwd / best['varlen bwd'] / 1e9:4.0f} | "
+                      f"varlen speed / padded: fwd {best['padded fwd'] / best['varlen fwd']:.3f}x bwd "
+                      f"{best['padded bwd'] / best['varlen bwd']:.3f}x (best of {args.rounds} rounds)", flush=True)
 
 
 def compare_trees(args, rand, events):
