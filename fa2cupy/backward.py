@@ -92,8 +92,11 @@ def plan_backward(
 
     pre = _preprocess_launch(q_shape, dtype, fixed)
     smem = config.smem_bytes(atomic, mods)
-    function = build.get_kernel(config.family, config.name_expression(dtype, mask, atomic, mods,
-                                                                      varlen_totals is not None), smem)
+    varlen = varlen_totals is not None
+    # (a call narrower than the Hopper row: its score products leave out the k16 steps of the zero columns)
+    score_dim = (configs.hopper_bwd_score_dim(headdim, config.headdim, mods, mask, varlen),) if hopper else ()
+    function = build.get_kernel(config.family, config.name_expression(dtype, mask, atomic, mods, varlen, *score_dim),
+                                smem)
     grid = (((seqlen_k + config.block_n - 1) // config.block_n) * config.dslices, nheads_kv, batch)
     maps = None
     semaphores = 0

@@ -295,11 +295,19 @@ class HopperBwdConfig:
                 + 8 * (1 + 2 * self.stages + 2 * dq_tiles) + 8)
 
     def name_expression(self, dtype: str, mask: str, atomic_dq: bool = True, mods: bool = False,
-                        varlen: bool = False) -> str:
+                        varlen: bool = False, score_dim: int | None = None) -> str:
+        """``score_dim``: HopperBwdTraits' ScoreDim, the head dim of the score products (hopper_bwd_score_dim);
+        None or the row's own head dim for the row's."""
         if mods and (not hopper_bwd_takes_mods(self.headdim, varlen) or mask != "window"):
             raise ValueError(f"the Hopper backward takes softcap and ALiBi at head dims {HOPPER_BWD_MODS_HEADDIMS} "
                              f"(varlen: not {HOPPER_BWD_MODS_PADDED_ONLY}), in the window-mask variant")
-        tail = (f", {str(varlen).lower()}, true" if mods else ", true" if varlen else "")
+        if score_dim not in (None, self.headdim) and (mods or score_dim not in HOPPER_BWD_SCORE_DIMS[self.headdim]):
+            raise ValueError(f"the Hopper backward's {self.headdim} row has score products over "
+                             f"{HOPPER_BWD_SCORE_DIMS[self.headdim]} too, without modifiers; got {score_dim}")
+        if score_dim not in (None, self.headdim):
+            tail = f", {str(varlen).lower()}, false, {score_dim}"
+        else:
+            tail = (f", {str(varlen).lower()}, true" if mods else ", true" if varlen else "")
         return (f"fa2::bwd_dkdv_hopper<fa2::HopperBwdTraits<{self.headdim}, {self.block_m}, {self.stages}, "
                 f"{str(self.dq_by_keys).lower()}, {DTYPE_TAGS[dtype]}, {MASK_TAGS[mask]}{tail}>>")
 
@@ -320,6 +328,29 @@ BACKWARD_HOPPER_TABLE: dict[int, HopperBwdConfig] = {
     192: HopperBwdConfig(192, 64, 2, False),
     256: HopperBwdConfig(256, 64, 1, False),
 }
+
+#: The narrower head dims each Hopper backward row also has instantiations for (HopperBwdTraits' ScoreDim, without
+#: modifiers): a call whose arrays are narrower than the row (configs.padded_call_width) has zeros in every tile
+#: column past its head dim, and those instantiations leave the zero columns' k16 steps out of S^T = K Q^T and
+#: dP^T = V dO^T (the products whose k is the head dim; dK, dV and dQ_i keep the row's width). The head dims of
+#: Stable Diffusion (80, 160) and Phi-3 (96); docs/design.md has what they gain.
+HOPPER_BWD_SCORE_DIMS: dict[int, tuple[int, ...]] = {64: (), 128: (80, 96), 192: (160,), 256: ()}
+
+
+def hopper_bwd_has_score_dims(width: int, mask: str, varlen: bool) -> bool:
+    """Whether the ``width`` row's kernel for this mask and layout has the HOPPER_BWD_SCORE_DIMS instantiations: not
+    the varlen window kernel at 128, whose consumers spilled 12 bytes with them."""
+    return not (width == 128 and varlen and mask == "window")
+
+
+def hopper_bwd_score_dim(headdim: int, width: int, mods: bool = False, mask: str = "none",
+                         varlen: bool = False) -> int:
+    """The score products' head dim for a call of head dim ``headdim`` on the Hopper backward's ``width`` row: the
+    smallest of HOPPER_BWD_SCORE_DIMS[width] that holds it, else the row's own (so with modifiers, whose rows have no
+    such instantiations, and where hopper_bwd_has_score_dims says no)."""
+    fits = [d for d in HOPPER_BWD_SCORE_DIMS.get(width, ()) if d >= headdim]
+    usable = fits and not mods and headdim < width and hopper_bwd_has_score_dims(width, mask, varlen)
+    return min(fits) if usable else width
 
 
 #: Head dims at which the Hopper dK/dV kernel has softcap/ALiBi/dropout instantiations (HopperBwdTraits' Mods, the
@@ -360,8 +391,11 @@ def hopper_backward_config(arch: int, headdim: int, mods: bool, dropout: bool = 
 
 def hopper_backward_instantiations() -> list[str]:
     """Name expressions of every Hopper backward instantiation (compiled for sm_90a)."""
-    plain = [config.name_expression(dtype, mask, varlen=varlen) for config in BACKWARD_HOPPER_TABLE.values()
-             for dtype in DTYPE_TAGS for mask in MASKS for varlen in (False, True)]
+    plain = [config.name_expression(dtype, mask, varlen=varlen, score_dim=score_dim)
+             for config in BACKWARD_HOPPER_TABLE.values()
+             for dtype in DTYPE_TAGS for mask in MASKS for varlen in (False, True)
+             for score_dim in (config.headdim, *HOPPER_BWD_SCORE_DIMS[config.headdim])
+             if score_dim == config.headdim or hopper_bwd_has_score_dims(config.headdim, mask, varlen)]
     mods = [BACKWARD_HOPPER_TABLE[d].name_expression(dtype, "window", mods=True, varlen=varlen)
             for d in HOPPER_BWD_MODS_HEADDIMS for dtype in DTYPE_TAGS for varlen in (False, True)
             if hopper_bwd_takes_mods(d, varlen)]

@@ -84,11 +84,15 @@ HOPPER_FAMILIES = {
                                                          *configs.FORWARD_HOPPER_MODS_TABLE.values())],
                    "fa2::flash_fwd_hopper<"),
     # (backward: padded and varlen for every mask; with softcap/ALiBi the window variant at HOPPER_BWD_MODS_HEADDIMS,
-    # padded only at HOPPER_BWD_MODS_PADDED_ONLY)
+    # padded only at HOPPER_BWD_MODS_PADDED_ONLY; the rows' narrower score products (HOPPER_BWD_SCORE_DIMS) likewise
+    # for every mask, but not varlen window at 128)
     "bwd_hopper": (configs.hopper_backward_instantiations,
                    len(configs.DTYPE_TAGS) * (len(configs.BACKWARD_HOPPER_TABLE) * len(configs.MASKS) * 2
                                               + len(configs.HOPPER_BWD_MODS_HEADDIMS) * 2
-                                              - len(configs.HOPPER_BWD_MODS_PADDED_ONLY)),
+                                              - len(configs.HOPPER_BWD_MODS_PADDED_ONLY)
+                                              + sum(map(len, configs.HOPPER_BWD_SCORE_DIMS.values()))
+                                              * len(configs.MASKS) * 2
+                                              - len(configs.HOPPER_BWD_SCORE_DIMS[128])),
                    lambda: [(c, c.smem_bytes()) for c in configs.BACKWARD_HOPPER_TABLE.values()],
                    "fa2::bwd_dkdv_hopper<"),
 }
@@ -427,6 +431,31 @@ def test_hopper_backward_wide_rows():
     assert configs.BACKWARD_HOPPER_TABLE[256].stages == 1
     for d in (64, 128):
         assert not configs.BACKWARD_HOPPER_TABLE[d].wide and configs.BACKWARD_HOPPER_TABLE[d].block_n == 128
+
+
+def test_hopper_backward_score_dims():
+    """A call narrower than its Hopper backward row (configs.padded_call_width) takes the row's instantiation whose
+    score products S^T and dP^T stop at the smallest HOPPER_BWD_SCORE_DIMS entry that holds its head dim (k16 steps
+    of zero columns left out), where the row has one; modifier calls and the varlen window kernel at 128 keep the
+    row's own."""
+    assert configs.HOPPER_BWD_SCORE_DIMS == {64: (), 128: (80, 96), 192: (160,), 256: ()}
+    cases = {(80, 128): 80, (72, 128): 80, (66, 128): 80, (81, 128): 96, (96, 128): 96, (100, 128): 128,
+             (128, 128): 128, (160, 192): 160, (136, 192): 160, (168, 192): 192, (224, 256): 256, (40, 64): 64}
+    for (d, width), want in cases.items():
+        for mask, varlen in itertools.product(configs.MASKS, (False, True)):
+            got = configs.hopper_bwd_score_dim(d, width, False, mask, varlen)
+            assert got == (width if (width, mask, varlen) == (128, "window", True) else want), (d, width, mask, varlen)
+            assert configs.hopper_bwd_score_dim(d, width, True, mask, varlen) == width  # (modifiers)
+            row = configs.BACKWARD_HOPPER_TABLE[width]
+            name = row.name_expression("bfloat16", mask, varlen=varlen, score_dim=got)
+            assert name in configs.hopper_backward_instantiations()
+            if got != width:
+                assert name.endswith(f", {str(varlen).lower()}, false, {got}>>")
+    row = configs.BACKWARD_HOPPER_TABLE[128]
+    assert row.name_expression("float16", "none", score_dim=128) == row.name_expression("float16", "none")
+    for bad in dict(score_dim=112), dict(score_dim=80, mods=True, mask="window"):
+        with pytest.raises(ValueError, match="score products"):
+            row.name_expression("float16", bad.pop("mask", "none"), **bad)
 
 
 def test_every_table_entry_fits_its_family():

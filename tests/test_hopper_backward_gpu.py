@@ -411,12 +411,14 @@ def test_varlen_keeps_another_sequence_out(d):
 # ---------------------------------------------------------------------------------- head dims between the widths
 
 
-@pytest.mark.parametrize("d, width", [(80, 128), (96, 128), (160, 192), (224, 256), (40, 64)])
+@pytest.mark.parametrize("d, width", [(80, 128), (72, 128), (96, 128), (160, 192), (144, 192), (224, 256),
+                                      (40, 64)])
 def test_padded_head_dims_run_the_wider_kernels_on_unpadded_arrays(d, width):
     """A head dim without a Hopper row plans the Hopper forward and dK/dV kernel of the next width on the arrays as
     they are (their tensor maps span d columns; the dQ accumulator is the wider kernel's), and the results match the
     reference: GQA with several heads a row, so that a column written past d would land in the next head's, with
-    poisoned outputs, both masks, deterministic or not, and transposed (strided) inputs."""
+    poisoned outputs, both masks, deterministic or not, and transposed (strided) inputs. At 72 and 144 the score
+    products stop at 80 and 160 (configs.hopper_bwd_score_dim), past the arrays' own columns."""
     _hopper_gpu()
     from fa2cupy import backward, configs, forward
 
@@ -435,7 +437,8 @@ def test_padded_head_dims_run_the_wider_kernels_on_unpadded_arrays(d, width):
                       transposed=transposed, seed=d + 7 * causal + det))
 
 
-@pytest.mark.parametrize("d, width", [(80, 128), (96, 128), (160, 192), (224, 256), (40, 64)])
+@pytest.mark.parametrize("d, width", [(80, 128), (72, 128), (96, 128), (160, 192), (144, 192), (224, 256),
+                                      (40, 64)])
 def test_padded_head_dims_run_varlen_on_unpadded_arrays(d, width):
     """Varlen at a head dim without a Hopper row: the wider kernels on the packed arrays as they are. Their ragged
     tiles (a sequence's last, copied by cp.async) stop at d columns, the rest of the tile zero, and so do the ragged

@@ -254,6 +254,34 @@ def test_hopper_backward_counts_each_dq_tile_for_an_early_conversion(planner):
     assert built.dq_semaphores == 0 and not built.convert_counted and "dq_arrivals" not in built.convert.per_call
 
 
+def test_backward_planner_trims_the_score_products_of_narrower_calls(planner, monkeypatch):
+    """A call narrower than its Hopper row (padded_call_width) gets the row's instantiation whose S^T and dP^T stop at
+    configs.hopper_bwd_score_dim; calls at the row's own head dim, with modifiers, or on the mma.sync backward keep
+    their names."""
+    from fa2cupy import backward, build, configs
+
+    names = []
+    monkeypatch.setattr(build, "get_kernel", lambda family, name, smem: names.append(name) or type("F", (), {"ptr": 0}))
+
+    def name(d, width=None, arch=90, varlen=False, **kw):
+        strides = dict.fromkeys(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), (0 if varlen else 600 * 4 * d, 4 * d,
+                                                                                  d, 1))
+        backward.plan_backward((2, 300, 4, d), (2, 300, 4, d), strides, "bfloat16", 0.1, False, False, arch,
+                               width=width, varlen_totals=(600, 600) if varlen else None, **kw)
+        return next(n for n in reversed(names) if "dkdv" in n)
+
+    assert name(80, 128).endswith("fa2::kMaskNone, false, false, 80>>")
+    assert name(72, 128, varlen=True).endswith("fa2::kMaskNone, true, false, 80>>")
+    assert name(88, 128).endswith(", false, false, 96>>") and name(144, 192).endswith(", false, false, 160>>")
+    assert name(128) == configs.BACKWARD_HOPPER_TABLE[128].name_expression("bfloat16", "none")
+    assert name(104, 128) == configs.BACKWARD_HOPPER_TABLE[128].name_expression("bfloat16", "none")
+    assert name(80, 128, varlen=True, window_size=(32, 0)) == configs.BACKWARD_HOPPER_TABLE[128].name_expression(
+        "bfloat16", "window", varlen=True)  # (no such instantiation of the varlen window kernel at 128)
+    assert name(80, 128, softcap=5.0) == configs.BACKWARD_HOPPER_TABLE[128].name_expression("bfloat16", "window",
+                                                                                            mods=True)
+    assert name(80, arch=80).startswith("fa2::bwd_dkdv<fa2::BwdTraits<")  # (the mma.sync backward)
+
+
 def test_hopper_backward_launches_programmatically_unless_told_not_to(planner):
     """hopper_bwd_programmatic (default True): the Hopper dK/dV kernel and the dQ conversion after it launch with
     programmatic stream serialization (their kernels wait for the one before: cuda/sm90/grid_dependencies.cuh); the

@@ -20,7 +20,8 @@ work items, decode_warp with one split and warps that stream whole items (both r
 fwd_hopper runs the forward, window, varlen (softcap and ALiBi too), padded softcap/ALiBi, dropout and paged cases of
 the Hopper forward's head dims (64, 128, 192, 256) on sm_90 with 1 and 2 pretend SMs, so that each persistent block
 walks many work items; bwd_hopper runs the backward and window cases of the Hopper dK/dV kernel's head dims in both
-modes and its modifier rows with softcap/ALiBi and with dropout (on sm_90); paged_mma
+modes (and of head dims between them: 72, 96, 144, varlen 80 and 160, on the instantiations whose score products
+stop short of the row's width) and its modifier rows with softcap/ALiBi and with dropout (on sm_90); paged_mma
 runs the paged cases on the mma.sync forward (which sm_90 otherwise uses only with modifiers or other head dims);
 dropout runs forward + backward with dropout on every warp tiling of its Philox draw (and one case on the sm86 rows).
 
@@ -229,6 +230,9 @@ HOPPER_BWD_CASES = (
     B.Case(2, 190, 130, 2, 1, 256, False, "fp16"),
     B.Case(1, 300, 200, 4, 2, 64, False, "bf16"),  # (deterministic: walks rotated, more query tiles than key tiles)
     B.Case(1, 300, 200, 2, 1, 192, False, "fp16"),
+    B.Case(1, 200, 300, 4, 2, 72, True, "bf16"),   # (the 128 row, score products over 80 columns)
+    B.Case(2, 190, 130, 2, 1, 96, False, "fp16"),  # (over 96)
+    B.Case(1, 130, 200, 2, 1, 144, True, "bf16"),  # (the 192 row, over 160)
 )
 
 # (lengths, h, hkv, d, causal, window_size, softcap, alibi, deterministic): varlen forward + backward.
@@ -251,6 +255,8 @@ HOPPER_BWD_VARLEN_CASES = (
     ((33, 190), 2, 1, 256, False, (16, 4), 0.0, False, False),
     ((70, 0, 1, 130), 4, 2, 128, True, (-1, -1), 0.0, False, True),  # deterministic: the turns per sequence
     ((33, 190), 2, 1, 64, False, (16, 4), 0.0, False, True),
+    ((70, 0, 1, 130), 4, 2, 80, True, (-1, -1), 0.0, False, False),  # (score products over 80 of the 128 row's)
+    ((33, 190), 2, 1, 160, False, (-1, -1), 0.0, False, True),
 )
 # Softcap / ALiBi on the Hopper dK/dV kernel's varlen modifier rows (KernelOptions(hopper_backward_mods=True), head
 # dims 64, 192 and 256); the padded ones (every head dim) run MODS_CASES.

@@ -20,14 +20,14 @@ namespace fa2 {
 
 // S^T = K Q^T and dP^T = V dO^T for this warpgroup's 64 keys (K and V rows at k_rows and v_rows, the step's Q
 // and dO tiles at q_s and do_s), both operands from shared memory: k16 steps 32 bytes apart in a slab, then the
-// next slab.
+// next slab, over the score products' head dim (HopperBwdTraits::kScoreDim).
 template <class Tr>
 FA2_DEVICE void issue_st_dpt(float (&st)[1][Tr::kBlockM / 8][4], float (&dpt)[1][Tr::kBlockM / 8][4], u32 k_rows,
                              u32 v_rows, u32 q_s, u32 do_s) {
     using KVTile = typename Tr::KVTile;
     using QTile = typename Tr::QTile;
     using Elem = typename Tr::Elem;
-    constexpr int kM = Tr::kBlockM, kKSteps = Tr::kHeadDim / 16;
+    constexpr int kM = Tr::kBlockM, kKSteps = Tr::kScoreKSteps;
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kKSteps; ++kk) {
@@ -303,7 +303,7 @@ FA2_DEVICE void consume_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
     using Elem = typename Tr::Elem;
     using Steps = HopperBwdSteps<Tr::kBlockM>;
     constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kS = Tr::kStages;
-    constexpr int kKSteps = Tr::kHeadDim / 16, kDT = Tr::kHeadDim / 8, kQT = kM / 8;
+    constexpr int kDT = Tr::kHeadDim / 8, kQT = kM / 8;
     // Warpgroup wg owns keys 64 wg .. 64 wg + 63 of the tile (warp w of it 16 of them) for S^T, dP^T, dK and dV,
     // and dQ_i's columns dq_col0 .. + kDqCols over keys dq_key0 .. + kDqKeys.
     const int wg = warp_uniform(warp >> 2), w4 = warp & 3, ctid = threadIdx.x;

@@ -95,7 +95,7 @@ FA2_DEVICE void consume_dkdv_wide(const HopperBwdSmem<Tr>& smem, const HopperBwd
     using Elem = typename Tr::Elem;
     using Steps = HopperBwdSteps<Tr::kBlockM>;
     constexpr int kM = Tr::kBlockM, kS = Tr::kStages, kThreads = Tr::kConsumerThreads;
-    constexpr int kKSteps = Tr::kHeadDim / 16, kDT = Tr::kHeadDim / 8, kQT = kM / 8;
+    constexpr int kKSteps = Tr::kScoreKSteps, kDT = Tr::kHeadDim / 8, kQT = kM / 8;  // (S^T's, dP^T's k16 steps)
     static_assert(kM == 64 && Tr::kBlockN == 64, "64 keys by 64 query rows");
     // At head dim 256 dV or dK is waited for before dQ_i is issued: with P^T or dS^T (16 registers) held across
     // dQ_i beside the 128 of the accumulator and the 64 of dQ_i, the consumers spilled 56 bytes at 240 registers.

@@ -18,9 +18,16 @@ namespace fa2 {
 enum HopperBwdBarrier : int { kBwdConsumers = 1, kBwdDqHandoff = 3, kBwdPReady = 4 };
 
 template <int HeadDim, int BlockM, int Stages, bool DqByKeys, class Elem_, int Mask, bool Varlen = false,
-          bool Mods = false>
+          bool Mods = false, int ScoreDim = HeadDim>
 struct HopperBwdTraits {
     using Elem = Elem_;
+    // The head dim the score products S^T = K Q^T and dP^T = V dO^T run over: a call whose arrays are narrower than
+    // HeadDim (80 or 96 on the 128 row, 160 on the 192 row: configs.hopper_bwd_score_dim) has zeros in every tile
+    // column past its own head dim, so their k16 steps add nothing and are left out (the other products keep the
+    // row's width: their head dim is wgmma's N, which the layouts of dK, dV and dQ_i are built on).
+    static constexpr int kScoreDim = ScoreDim, kScoreKSteps = ScoreDim / 16;
+    static_assert(ScoreDim % 16 == 0 && ScoreDim <= HeadDim && ScoreDim > HeadDim - 64,
+                  "the score products' head dim: k16 steps within the row's last 64-column slab");
     // Wide head dims (192, 256): 64 keys a block, both consumer warpgroups on the same keys (consume_dkdv_wide):
     // warpgroup 0 computes S^T, P^T and dV, warpgroup 1 dP^T, dS^T (P^T handed over in shared memory) and dK, so
     // that each holds one 64 x HeadDim accumulator (HeadDim / 2 registers a thread); dQ_i by columns, warpgroup 0
