@@ -339,7 +339,7 @@ HOPPER_BWD_SCORE_DIMS: dict[int, tuple[int, ...]] = {64: (), 128: (80, 96), 192:
 
 def hopper_bwd_has_score_dims(width: int, mask: str, varlen: bool) -> bool:
     """Whether the ``width`` row's kernel for this mask and layout has the HOPPER_BWD_SCORE_DIMS instantiations: not
-    the varlen window kernel at 128, whose consumers spilled 12 bytes with them."""
+    the varlen window kernel at 128, which spilled 12 bytes with them."""
     return not (width == 128 and varlen and mask == "window")
 
 
