@@ -301,10 +301,12 @@ class HopperBwdConfig:
         if mods and (not hopper_bwd_takes_mods(self.headdim, varlen) or mask != "window"):
             raise ValueError(f"the Hopper backward takes softcap and ALiBi at head dims {HOPPER_BWD_MODS_HEADDIMS} "
                              f"(varlen: not {HOPPER_BWD_MODS_PADDED_ONLY}), in the window-mask variant")
-        if score_dim not in (None, self.headdim) and (mods or score_dim not in HOPPER_BWD_SCORE_DIMS[self.headdim]):
+        trimmed = score_dim not in (None, self.headdim)
+        if trimmed and (mods or score_dim not in hopper_bwd_score_dims(self.headdim, mask, varlen)):
             raise ValueError(f"the Hopper backward's {self.headdim} row has score products over "
-                             f"{HOPPER_BWD_SCORE_DIMS[self.headdim]} too, without modifiers; got {score_dim}")
-        if score_dim not in (None, self.headdim):
+                             f"{hopper_bwd_score_dims(self.headdim, mask, varlen)} too, without modifiers; got "
+                             f"{score_dim}")
+        if trimmed:
             tail = f", {str(varlen).lower()}, false, {score_dim}"
         else:
             tail = (f", {str(varlen).lower()}, true" if mods else ", true" if varlen else "")
@@ -337,20 +339,19 @@ BACKWARD_HOPPER_TABLE: dict[int, HopperBwdConfig] = {
 HOPPER_BWD_SCORE_DIMS: dict[int, tuple[int, ...]] = {64: (), 128: (80, 96), 192: (160,), 256: ()}
 
 
-def hopper_bwd_has_score_dims(width: int, mask: str, varlen: bool) -> bool:
-    """Whether the ``width`` row's kernel for this mask and layout has the HOPPER_BWD_SCORE_DIMS instantiations: not
-    the varlen window kernel at 128, which spilled 12 bytes with them."""
-    return not (width == 128 and varlen and mask == "window")
+def hopper_bwd_score_dims(width: int, mask: str, varlen: bool) -> tuple[int, ...]:
+    """The narrower score products the ``width`` row's kernel for this mask and layout has: HOPPER_BWD_SCORE_DIMS's,
+    but none for the varlen window kernel at 128, which spilled 12 bytes with them."""
+    return () if (width, mask, varlen) == (128, "window", True) else HOPPER_BWD_SCORE_DIMS.get(width, ())
 
 
 def hopper_bwd_score_dim(headdim: int, width: int, mods: bool = False, mask: str = "none",
                          varlen: bool = False) -> int:
     """The score products' head dim for a call of head dim ``headdim`` on the Hopper backward's ``width`` row: the
-    smallest of HOPPER_BWD_SCORE_DIMS[width] that holds it, else the row's own (so with modifiers, whose rows have no
-    such instantiations, and where hopper_bwd_has_score_dims says no)."""
-    fits = [d for d in HOPPER_BWD_SCORE_DIMS.get(width, ()) if d >= headdim]
-    usable = fits and not mods and headdim < width and hopper_bwd_has_score_dims(width, mask, varlen)
-    return min(fits) if usable else width
+    smallest of hopper_bwd_score_dims that holds it, else the row's own (so always with modifiers, whose rows have no
+    such instantiations)."""
+    fits = [d for d in hopper_bwd_score_dims(width, mask, varlen) if d >= headdim] if not mods else []
+    return min(fits, default=width)
 
 
 #: Head dims at which the Hopper dK/dV kernel has softcap/ALiBi/dropout instantiations (HopperBwdTraits' Mods, the
@@ -394,8 +395,7 @@ def hopper_backward_instantiations() -> list[str]:
     plain = [config.name_expression(dtype, mask, varlen=varlen, score_dim=score_dim)
              for config in BACKWARD_HOPPER_TABLE.values()
              for dtype in DTYPE_TAGS for mask in MASKS for varlen in (False, True)
-             for score_dim in (config.headdim, *HOPPER_BWD_SCORE_DIMS[config.headdim])
-             if score_dim == config.headdim or hopper_bwd_has_score_dims(config.headdim, mask, varlen)]
+             for score_dim in (config.headdim, *hopper_bwd_score_dims(config.headdim, mask, varlen))]
     mods = [BACKWARD_HOPPER_TABLE[d].name_expression(dtype, "window", mods=True, varlen=varlen)
             for d in HOPPER_BWD_MODS_HEADDIMS for dtype in DTYPE_TAGS for varlen in (False, True)
             if hopper_bwd_takes_mods(d, varlen)]
