@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Every `-m gpu` test under tests/ in nine pytest processes side by side on one GPU: the float64 references are
-# CPU work, so the suite (over 15 min in one process) takes 4-6 min this way on an H200, and it fits a device call
-# beside the benchmark. The Hopper backward's, its modifier rows', the Hopper kernels' dropout and the wide head
-# dims' tests have processes of their own, so that a fault there leaves the other groups' CUDA context alone. Each
-# group's log is printed in turn; exit 1 if any failed.
+# Every `-m gpu` test under tests/ in eleven pytest processes side by side on one GPU: the float64 references are
+# CPU work, so the suite (over 15 min in one process) takes about 4 min this way on an H200. The Hopper backward's,
+# its modifier rows', the Hopper kernels' dropout and the wide head dims' tests have processes of their own, so
+# that a fault there leaves the other groups' CUDA context alone; the Hopper backward's file, the longest, is split
+# by test id over three processes. Each group's log is printed in turn; exit 1 if any failed.
 #
 #   bash bench/dev/gpu_tests.sh        # LIMIT=seconds per process (default 360), PYTHON=interpreter
 #
@@ -20,11 +20,11 @@ groups=(
   "tests/test_torch.py tests/test_jax.py tests/test_packed.py tests/test_varlen_mods_gpu.py"
   "tests/test_hopper_forward_wide_gpu.py tests/test_hopper_backward_wide_gpu.py"
   "tests/test_transformers_gpu.py tests/test_torch_sdpa_gpu.py tests/test_headdim_v_gpu.py"
-  "tests/test_hopper_backward_gpu.py"
   "tests/test_hopper_backward_mods_gpu.py"
   "tests/test_hopper_dropout_gpu.py"
 )
-rest=(tests/)
+split_file=tests/test_hopper_backward_gpu.py split_parts=3
+rest=(tests/ "--ignore=$split_file")
 for group in "${groups[@]}"; do for f in $group; do rest+=("--ignore=$f"); done; done
 logs=$(mktemp -d)
 pids=()
@@ -36,7 +36,12 @@ for n in "${!groups[@]}"; do
   # shellcheck disable=SC2086
   run "$n" ${groups[$n]} & pids+=($!)
 done
-run "${#groups[@]}" "${rest[@]}" & pids+=($!)
+ids=$("$PY" -m pytest -q -m gpu -p no:cacheprovider --collect-only "$split_file" 2>/dev/null | grep '::')
+for ((k = 0; k < split_parts; k++)); do
+  # shellcheck disable=SC2046
+  run "${#pids[@]}" $(awk -v k=$k -v n=$split_parts 'NR % n == k' <<< "$ids") & pids+=($!)
+done
+run "${#pids[@]}" "${rest[@]}" & pids+=($!)
 failed=0
 for n in "${!pids[@]}"; do
   wait "${pids[$n]}"; rc=$?
