@@ -1,0 +1,127 @@
+"""A/B timing of backward kernel sources: the same backward calls built from several copies of cuda/ (say, HEAD's
+sources unpacked by `git archive` beside the edited ones), timed in turns within one process, as tree_ab.py does for
+the forward (each variant run back to back for --sustain seconds before its timed calls, and each round starting at
+the next variant). Each variant keeps its best round's median; dQ, dK and dV are compared with the first variant's.
+
+    mkdir -p ab_trees/base && git archive HEAD cuda | tar -x -C ab_trees/base
+    python bench/dev/bwd_tree_ab.py --trees base=ab_trees/base/cuda new=cuda --cases bwd80:none:8192 bwd128:causal:2048
+
+A tree may name the Hopper dQ accumulator's pad after an @ (``new8=path/cuda@pad=8``: rows of head dim + 8 floats,
+for sources whose HopperBwdTraits::kDqPitch differs from this package's configs.HopperBwdConfig.dq_pitch): its calls
+are planned with that pitch.
+
+A case is ``bwd<d>:<mask>:<seqlen>[:det]`` with mask none or causal, ``det`` for deterministic=True; bf16, 16k
+tokens per batch, 2048 / d heads (head dims without a Hopper row at the width the library picks). The kernel
+parameter structs are this package's: a tree must take the same fields, or a prefix of them (a field added at a
+struct's end is ignored by sources that do not read it). Timing: random q, k, v and dO with a fixed lse (P = exp(s
+- 10), small and finite), so nothing is checked against a reference: run the GPU tests for that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import cupy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from fa2cupy_bench import harness as B  # noqa: E402
+from fa2cupy import backward, build, configs  # noqa: E402
+from fa2cupy.options import KernelOptions  # noqa: E402
+
+DEFAULT_CASES = ("bwd64:none:2048", "bwd80:none:8192", "bwd96:none:8192", "bwd128:none:8192", "bwd128:causal:2048")
+
+
+def parse_case(case: str):
+    """(head dim, causal, seqlen, deterministic) of ``bwd<d>:<mask>:<seqlen>[:det]``."""
+    fields = case.split(":")
+    if not fields[0].startswith("bwd") or fields[1] not in ("none", "causal") or fields[3:] not in ([], ["det"]):
+        raise SystemExit(f"{case}: expected bwd<d>:none|causal:<seqlen>[:det]")
+    return int(fields[0][3:]), fields[1] == "causal", int(fields[2]), fields[3:] == ["det"]
+
+
+def shape_of(d: int, seqlen: int):
+    return max(1, 16384 // seqlen), seqlen, 2048 // d, d
+
+
+def plans_for(tree: str, cases):
+    """Each case planned against the kernels of the sources in ``tree`` (compiled now, kept by the plans)."""
+    tree, _, extra = tree.partition("@")
+    build.use_sources(tree)
+    plans = {}
+    own_pitch = configs.HopperBwdConfig.__dict__["dq_pitch"]  # (the staticmethod itself, to put back)
+    if extra:
+        pad = int(extra.removeprefix("pad="))
+        configs.HopperBwdConfig.dq_pitch = staticmethod(lambda headdim: headdim + pad)
+    try:
+        for case in cases:
+            plans[case] = plan_case(case)
+    finally:
+        configs.HopperBwdConfig.dq_pitch = own_pitch
+    return plans
+
+
+def plan_case(case: str):
+    d, causal, seqlen, det = parse_case(case)
+    shape = shape_of(d, seqlen)
+    row = shape[2] * d
+    strides = dict.fromkeys(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), (shape[1] * row, row, d, 1))
+    mask = "causal" if causal else "none"
+    width = configs.padded_call_width(90, d, "bfloat16", True, mask, seqlen_q=seqlen, options=KernelOptions())
+    return backward.plan_backward(shape, shape, strides, "bfloat16", d ** -0.5, causal, det, 90, width=width)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--trees", nargs="+", required=True, help="name=path/to/cuda ...")
+    parser.add_argument("--cases", nargs="*", default=DEFAULT_CASES)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--sustain", type=float, default=1.0,
+                        help="seconds of back-to-back calls before each variant's timed ones, so that each is timed "
+                             "at the clock its own load settles to (fa2cupy_bench.harness.sustain)")
+    args = parser.parse_args()
+    trees = dict(item.split("=", 1) for item in args.trees)
+    variants = {name: plans_for(path, args.cases) for name, path in trees.items()}
+    rng = cupy.random.default_rng(1)
+    stream = cupy.cuda.get_current_stream()
+    bits = lambda shape: (rng.standard_normal(shape, dtype=cupy.float32).view(cupy.uint32) >> 16).astype(  # noqa: E731
+        cupy.uint16)
+    widen = lambda x: (x.astype(cupy.uint32) << 16).view(cupy.float32)  # noqa: E731
+    for case in args.cases:
+        d, causal, seqlen, det = parse_case(case)
+        shape = shape_of(d, seqlen)
+        q, k, v, out, dout = (bits(shape) for _ in range(5))
+        lse = cupy.full(shape[:1] + shape[2:3] + shape[1:2], 10.0, cupy.float32)
+        outs, best = {}, {}
+        calls = {}
+        for name, plans in variants.items():
+            plan = plans[case]
+            grads = [cupy.full(shape, 0x7FC0, cupy.uint16) for _ in range(3)]  # NaN
+            dsum, accum = cupy.empty(plan.dsum_shape, cupy.float32), cupy.empty(plan.dq_accum_shape, cupy.float32)
+            pointers = dict(backward.NO_POINTERS, q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, out=out.data.ptr,
+                            dout=dout.data.ptr, softmax_lse=lse.data.ptr, dsum=dsum.data.ptr,
+                            dq_accum=accum.data.ptr, dq=grads[0].data.ptr, dk=grads[1].data.ptr,
+                            dv=grads[2].data.ptr)
+            calls[name] = (lambda plan=plan, pointers=pointers: backward.run_backward(plan, pointers, (0, 0),
+                                                                                         stream.ptr))
+            calls[name]()
+            outs[name] = [widen(g) for g in grads]
+            calls[name].keep = (grads, dsum, accum)
+        first = next(iter(outs.values()))
+        diffs = {name: max(float(cupy.abs(a - b).max()) for a, b in zip(o, first)) for name, o in outs.items()}
+        names = list(calls)
+        for r in range(args.rounds):  # (each round starts at the next variant: none is always timed first)
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                ms = B.time_gpu(calls[name], B.CupyEvents(), warmup=3, repeats=args.repeats,
+                                sustain_seconds=args.sustain).median_ms
+                best[name] = min(best.get(name, ms), ms)
+        flops = 2.5 * 4 * shape[0] * shape[2] * seqlen * seqlen * d / (2 if causal else 1)
+        base = next(iter(best.values()))
+        print(f"{case:22s} " + "  ".join(f"{name} {flops / ms / 1e9:6.1f} TFLOPs/s ({base / ms:5.3f}x, "
+                                          f"max|diff| {diffs[name]:.2g})" for name, ms in best.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
