@@ -55,7 +55,8 @@ def launches(q, k, v, dout, window):
         return lambda: launch(stream, values, *maps)
 
     pre, conv = call(plan.preprocess), call(plan.convert)
-    main = call(plan.main, backward.maps_writer(plan, fields["q"], fields["k"], fields["v"], fields["dout"]))
+    main = call(plan.main, backward.maps_writer(plan, fields["q"], fields["k"], fields["v"], fields["dout"],
+                                                      fields["dq_accum"]))
     return keep, pre, main, conv
 
 

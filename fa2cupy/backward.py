@@ -109,14 +109,20 @@ def plan_backward(
             semaphores = batch * nheads * -(-seqlen_q // config.block_m)
         rotate = int(deterministic and mask == "none"
                      and configs.hopper_bwd_rotates(grid[0] * chunk, build.sm_count(options.sm_count)))
+        by_map = config.dq_by_map(headdim)
         main = build.Launch(function, grid, (config.threads, 1, 1), smem,
                             params.BwdHopperParams(bwd=fixed, group_chunk=chunk, dq_rotate=rotate,
-                                                   deterministic=int(deterministic)),
+                                                   deterministic=int(deterministic), dq_by_map=int(by_map)),
                             tuple(f"bwd.{name}" for name in MAIN_PER_CALL) + (("dq_semaphore",) if semaphores else ()),
                             programmatic=options.hopper_bwd_programmatic,
-                            maps=("tmap_q", "tmap_k", "tmap_v", "tmap_do"))
+                            maps=("tmap_q", "tmap_k", "tmap_v", "tmap_do", "tmap_dq"))
         tile_rows = {"q": config.block_m, "k": config.block_n, "v": config.block_n, "dout": config.block_m}
-        maps = tensor_maps.TileMaps([tensor_maps.layout(shapes[n], strides[n], tile_rows[n]) for n in shapes])
+        # (and with dq_by_map the dQ accumulator's, whose reductions add only the arrays' head dim of each staged row)
+        accumulator_rows = nheads * total_q if varlen_totals else batch * nheads * seqlen_q
+        accumulator = (tensor_maps.accumulator_layout(accumulator_rows, headdim, dq_pitch, config.block_m)
+                       if by_map else None)
+        maps = tensor_maps.TileMaps([tensor_maps.layout(shapes[n], strides[n], tile_rows[n]) for n in shapes]
+                                    + [accumulator])
     else:
         main = build.Launch(function, grid, (config.threads, 1, 1), smem, fixed, MAIN_PER_CALL)
     dq = convert = dq_accum_shape = None
@@ -181,10 +187,10 @@ def _zero_tail_launch(q_shape, k_shape, strides, varlen_totals, fixed: params.Bw
     return launch
 
 
-def maps_writer(plan: BackwardPlan, q: int, k: int, v: int, dout: int):
+def maps_writer(plan: BackwardPlan, q: int, k: int, v: int, dout: int, dq_accum: int):
     """What the main launch takes as ``write_maps`` for these pointers: the plan's tensor maps encoded for them
     (None where the plan has none)."""
-    return None if plan.tensor_maps is None else plan.tensor_maps.writer((q, k, v, dout))
+    return None if plan.tensor_maps is None else plan.tensor_maps.writer((q, k, v, dout, dq_accum))
 
 
 #: The device pointers a backward launch takes, by name. A launch reads every one: its ``pointers`` start from
@@ -218,7 +224,7 @@ def run_backward(plan: BackwardPlan, pointers: dict, values: tuple, stream_ptr: 
         flags, pointer = arrays.new_zeroed_raw(plan.dq_semaphores, "int32", framework, device, stream_ptr)
     plan.preprocess(stream_ptr, (dout, out, dsum, dq_accum, cu_q))
     main_args = (q, k, v, dout, lse, dsum, dq_accum, dk, dv, cu_q, cu_k, alibi, rng_state, seed, offset)
-    plan.main(stream_ptr, main_args + ((pointer,) if plan.dq_semaphores else ()), maps_writer(plan, q, k, v, dout))
+    plan.main(stream_ptr, main_args + ((pointer,) if plan.dq_semaphores else ()), maps_writer(plan, q, k, v, dout, dq_accum))
     if plan.dq is not None:
         plan.dq(stream_ptr, (q, k, v, dout, lse, dsum, dq, cu_q, cu_k, alibi, rng_state, seed, offset))
     else:

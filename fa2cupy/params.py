@@ -110,9 +110,11 @@ class BwdParams(_Params):
 class BwdHopperParams(_Params):
     _fields_ = _layout([
         ("bwd", BwdParams), ("group_chunk", _i32), ("dq_rotate", _i32), ("deterministic", _i32),
+        ("dq_by_map", _i32),
         ("dq_semaphore", _ptr),
         ("tmap_q", TensorMap, TENSOR_MAP_ALIGN), ("tmap_k", TensorMap, TENSOR_MAP_ALIGN),
         ("tmap_v", TensorMap, TENSOR_MAP_ALIGN), ("tmap_do", TensorMap, TENSOR_MAP_ALIGN),
+        ("tmap_dq", TensorMap, TENSOR_MAP_ALIGN),
     ])
 
 

@@ -6,7 +6,8 @@ sizes, strides, the box a copy moves and the shared-memory swizzle. The driver e
 takes by value as a ``__grid_constant__`` parameter. The maps here view a ``(batch, seqlen, nheads, headdim)`` array
 as four dimensions, innermost first: the head dim, the head, the row, the batch row; a box is 64 columns (128 bytes,
 the 128-byte swizzle of cuda/sm90/slabs.cuh's SwizzledSlabs) by one head by a tile's rows. Rows past ``seqlen`` read
-as zeros and are not written.
+as zeros and are not written. The backward's fp32 dQ accumulator has a map of two dimensions (:func:`accumulator_layout`)
+for its reductions.
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ import ctypes
 from . import build
 
 _UINT16 = 1  # CU_TENSOR_MAP_DATA_TYPE_UINT16 (fp16 and bf16 alike: the copies move bits)
+_FLOAT32 = 7  # CU_TENSOR_MAP_DATA_TYPE_FLOAT32 (the reductions add fp32)
 _INTERLEAVE_NONE = 0
+_SWIZZLE_NONE = 0
 _SWIZZLE_128B = 3
+_L2_PROMOTION_NONE = 0
 _L2_PROMOTION_128B = 2
 _L2_PROMOTION_256B = 3
 _OOB_FILL_ZEROS = 0  # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE
@@ -38,6 +42,14 @@ def layout(shape, strides, rows: int):
     dims = (headdim, nheads, seqlen, batch)
     byte_strides = (2 * head_stride, 2 * row_stride, 2 * batch_stride)
     return dims, byte_strides, (64, 1, rows, 1)
+
+
+def accumulator_layout(rows: int, columns: int, pitch: int, box_rows: int):
+    """``(dims, byte strides, box)`` of the map of the Hopper backward's fp32 dQ accumulator, ``rows`` rows of
+    ``pitch`` floats, spanning the first ``columns`` of each (the arrays' head dim): a box is a staging tile as the
+    kernel stores it, ``pitch`` floats by ``box_rows`` rows, and a reduction of it adds only the columns inside the
+    map (cuda/sm90/tma.cuh: tma_reduce_add_2d). ``pitch`` is at most 256, a box's limit."""
+    return (columns, max(1, rows)), (4 * pitch,), (pitch, box_rows)
 
 
 def l2_promotion(dims, byte_strides) -> int:
@@ -82,9 +94,12 @@ class TileMaps:
                 self._arrays.append(None)
                 continue
             dims, byte_strides, box = entry
-            self._arrays.append(((ctypes.c_uint64 * 4)(*dims), (ctypes.c_uint64 * 3)(*byte_strides),
-                                 (ctypes.c_uint32 * 4)(*box), (ctypes.c_uint32 * 4)(1, 1, 1, 1),
-                                 l2_promotion(dims, byte_strides)))
+            rank = len(dims)
+            # (four dimensions: a 16-bit array's tiles, swizzled; two: the fp32 accumulator's, as stored)
+            kind = ((_UINT16, _SWIZZLE_128B, l2_promotion(dims, byte_strides)) if rank == 4
+                    else (_FLOAT32, _SWIZZLE_NONE, _L2_PROMOTION_NONE))
+            self._arrays.append((rank, (ctypes.c_uint64 * rank)(*dims), (ctypes.c_uint64 * (rank - 1))(*byte_strides),
+                                 (ctypes.c_uint32 * rank)(*box), (ctypes.c_uint32 * rank)(*(1,) * rank), *kind))
         self._last = [None] * len(layouts)
 
     def writer(self, pointers):
@@ -96,12 +111,13 @@ class TileMaps:
         for i, (address, pointer) in enumerate(zip(addresses, pointers)):
             if self._arrays[i] is None or self._last[i] == (address, pointer):
                 continue
-            dims, byte_strides, box, element_strides, promotion = self._arrays[i]
-            status = lib.cuTensorMapEncodeTiled(address, _UINT16, 4, pointer, dims, byte_strides, box,
-                                                element_strides, _INTERLEAVE_NONE, _SWIZZLE_128B, promotion,
+            rank, dims, byte_strides, box, element_strides, dtype, swizzle, promotion = self._arrays[i]
+            status = lib.cuTensorMapEncodeTiled(address, dtype, rank, pointer, dims, byte_strides, box,
+                                                element_strides, _INTERLEAVE_NONE, swizzle, promotion,
                                                 _OOB_FILL_ZEROS)
             if status:
                 self._last[i] = None
-                raise RuntimeError(f"cuTensorMapEncodeTiled failed for array {i} (q, k, v, out or dout) with dims "
+                raise RuntimeError(f"cuTensorMapEncodeTiled failed for array {i} (q, k, v, out or dout, then the dQ "
+                                   f"accumulator) with dims "
                                    f"{tuple(dims)}, byte strides {tuple(byte_strides)}: {build.driver_error(status)}")
             self._last[i] = (address, pointer)

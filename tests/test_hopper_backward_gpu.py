@@ -106,7 +106,7 @@ def test_arrays_tma_cannot_copy_run_the_mma_sync_backward():
 @pytest.mark.parametrize("d", [64, 128])
 def test_preprocess_clears_the_padded_accumulator_rows(d):
     """bwd_preprocess gives D = rowsum(dO * O) and clears every float of the Hopper kernel's dQ accumulator rows, their
-    pad (d + 4 floats a row, never read) included: a 32-byte sector left partly unwritten costs the L2 a DRAM read
+    pad (d + 8 floats a row, never read) included: a 32-byte sector left partly unwritten costs the L2 a DRAM read
     before its write-back (docs/design.md)."""
     _hopper_gpu()
     import cupy
@@ -119,7 +119,7 @@ def test_preprocess_clears_the_padded_accumulator_rows(d):
     dout, out = (rng.standard_normal(shape, dtype=cupy.float32).astype(cupy.float16) for _ in range(2))
     strides = dict.fromkeys(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), tuple(s // 2 for s in out.strides))
     plan = backward.plan_backward(shape, shape, strides, "float16", d**-0.5, True, False, 90)
-    assert plan.dq_accum_shape == (2, 3, 201, d + 4)
+    assert plan.dq_accum_shape == (2, 3, 201, d + 8)
     dsum = cupy.full(plan.dsum_shape, float("nan"), cupy.float32)
     accum = cupy.full(plan.dq_accum_shape, float("nan"), cupy.float32)
     plan.preprocess(cupy.cuda.get_current_stream().ptr, (dout.data.ptr, out.data.ptr, dsum.data.ptr, accum.data.ptr, 0))
@@ -415,7 +415,8 @@ def test_varlen_keeps_another_sequence_out(d):
                                       (40, 64)])
 def test_padded_head_dims_run_the_wider_kernels_on_unpadded_arrays(d, width):
     """A head dim without a Hopper row plans the Hopper forward and dK/dV kernel of the next width on the arrays as
-    they are (their tensor maps span d columns; the dQ accumulator is the wider kernel's), and the results match the
+    they are (their tensor maps span d columns; the dQ accumulator is the wider kernel's, its whole query tiles added
+through a map of d columns), and the results match the
     reference: GQA with several heads a row, so that a column written past d would land in the next head's, with
     poisoned outputs, both masks, deterministic or not, and transposed (strided) inputs. At 72 and 144 the score
     products stop at 80 and 160 (configs.hopper_bwd_score_dim), past the arrays' own columns."""
@@ -426,8 +427,11 @@ def test_padded_head_dims_run_the_wider_kernels_on_unpadded_arrays(d, width):
     strides = dict.fromkeys(names, (300 * 4 * d, 4 * d, d, 1))
     plan = backward.plan_backward((1, 300, 4, d), (1, 300, 4, d), strides, "bfloat16", 0.1, True, False, 90,
                                   width=width)
-    assert plan.config is configs.BACKWARD_HOPPER_TABLE[width] and plan.dq_accum_shape == (1, 4, 300, width + 4)
-    assert tuple(plan.tensor_maps._arrays[0][0]) == (d, 4, 300, 1)  # (the map spans the array's d columns)
+    assert plan.config is configs.BACKWARD_HOPPER_TABLE[width] and plan.dq_accum_shape == (1, 4, 300, width + 8)
+    assert tuple(plan.tensor_maps._arrays[0][1]) == (d, 4, 300, 1)  # (the map spans the array's d columns)
+    # (whole query tiles' dQ through a map of the accumulator's d columns, but at 256: its box would pass 256)
+    accumulator = plan.tensor_maps._arrays[4]
+    assert accumulator is None if width == 256 else tuple(accumulator[1]) == (d, 4 * 300)
     fplan = forward.plan_forward((1, 300, 4, d), (1, 300, 4, d), tuple(strides[n] for n in ("q", "k", "v", "out")),
                                  "bfloat16", 0.1, False, 90, width=width)
     assert fplan.config is configs.FORWARD_HOPPER_TABLE[width]
@@ -452,7 +456,9 @@ def test_padded_head_dims_run_varlen_on_unpadded_arrays(d, width):
     strides = dict.fromkeys(names, (0, 4 * d, d, 1))
     plan = backward.plan_backward((3, 300, 4, d), (3, 300, 4, d), strides, "bfloat16", 0.1, True, False, 90,
                                   varlen_totals=(700, 700), width=width)
-    assert plan.config is configs.BACKWARD_HOPPER_TABLE[width] and plan.dq_accum_shape == (4, 700, width + 4)
+    assert plan.config is configs.BACKWARD_HOPPER_TABLE[width] and plan.dq_accum_shape == (4, 700, width + 8)
+    accumulator = plan.tensor_maps._arrays[4]
+    assert accumulator is None if width == 256 else tuple(accumulator[1]) == (d, 4 * 700)
     fplan = forward.plan_forward((3, 300, 4, d), (3, 300, 4, d), tuple(strides[n] for n in ("q", "k", "v", "out")),
                                  "bfloat16", 0.1, False, 90, varlen_totals=(700, 700), width=width)
     assert fplan.config is configs.FORWARD_HOPPER_TABLE[width]

@@ -57,7 +57,7 @@ def test_wide_kernel_is_the_one_planned(d):
     plan = backward.plan_backward(shape, shape, strides, "bfloat16", 0.1, True, False, 90)
     assert plan.config is configs.BACKWARD_HOPPER_TABLE[d]
     assert plan.main.block == (384, 1, 1) and plan.main.grid == (5, 8, 1)  # 64-key blocks
-    assert plan.convert is not None and plan.dq is None and plan.dq_accum_shape == (1, 8, 300, d + 4)
+    assert plan.convert is not None and plan.dq is None and plan.dq_accum_shape == (1, 8, 300, d + 8)
     plan = backward.plan_backward(shape, shape, strides, "bfloat16", 0.1, True, True, 90)
     # deterministic: the same kernel, dQ tiles added in a fixed order through one turn counter per query tile
     assert plan.config is configs.BACKWARD_HOPPER_TABLE[d] and plan.dq is None and plan.dq_semaphores == 8 * 5

@@ -121,7 +121,7 @@ def test_mirrors_have_every_cuda_field_in_order():
 
 def test_tensor_maps_sit_on_64_byte_boundaries():
     for struct, names in ((params.FwdHopperParams, ("tmap_q", "tmap_k", "tmap_v", "tmap_o")),
-                          (params.BwdHopperParams, ("tmap_q", "tmap_k", "tmap_v", "tmap_do"))):
+                          (params.BwdHopperParams, ("tmap_q", "tmap_k", "tmap_v", "tmap_do", "tmap_dq"))):
         assert params.alignment(struct) == 64 and ctypes.sizeof(struct) % 64 == 0
         for name in names:
             offset, ctype = params.field(struct, name)

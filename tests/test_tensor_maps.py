@@ -119,3 +119,25 @@ def test_maps_the_kernel_does_not_read_are_never_encoded(monkeypatch):
     maps = tensor_maps.TileMaps([layout, None, None, layout])
     maps.writer((16, 32, 48, 64))((4096, 4224, 4352, 4480))
     assert [c[:2] for c in driver.calls] == [(4096, 16), (4480, 64)]
+
+
+def test_the_dq_accumulator_map_spans_the_head_dim_of_rows_as_staged(monkeypatch):
+    # (the Hopper backward's dQ reductions: a staging tile's rows of `pitch` floats, only the call's columns added)
+    dims, strides, box = tensor_maps.accumulator_layout(2 * 16 * 1000, 80, 136, 64)
+    assert (dims, strides, box) == ((80, 32000), (544,), (136, 64))
+    driver = _Driver()
+    monkeypatch.setattr(build, "_driver", lambda: driver)
+    tile = tensor_maps.layout((2, 1000, 16, 80), (1000 * 16 * 80, 16 * 80, 80, 1), 64)
+    maps = tensor_maps.TileMaps([tile, None, None, None, (dims, strides, box)])
+    maps.writer((16, 0, 0, 0, 64))((4096, 0, 0, 0, 4608))
+    assert driver.calls[1] == (4608, 64, (80, 32000), (544,), (136, 64), 0)  # fp32, no swizzle, no promotion
+
+
+def test_only_calls_narrower_than_their_row_reduce_dq_through_the_map():
+    from fa2cupy import configs
+
+    row128, row64, row256 = (configs.HopperBwdConfig(d, m, 2, d == 64) for d, m in ((128, 64), (64, 128), (256, 64)))
+    assert row128.dq_pitch(128) == 136  # (rows on 32-byte sectors)
+    assert [row128.dq_by_map(d) for d in (80, 96, 120, 128)] == [True, True, True, False]
+    assert row64.dq_by_map(40) and not row64.dq_by_map(64)
+    assert not row256.dq_by_map(224)  # (a box of 264 columns is past TMA's 256)

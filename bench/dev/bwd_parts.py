@@ -45,7 +45,7 @@ def run_case(cp, batch: int, seqlen: int, heads: int, headdim: int, causal: bool
     dsum, accum = cp.empty(plan.dsum_shape, cp.float32), cp.empty(plan.dq_accum_shape, cp.float32)
     stream = cp.cuda.get_current_stream().ptr
     ptr = {name: x.data.ptr for name, x in (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout))}
-    maps = backward.maps_writer(plan, ptr["q"], ptr["k"], ptr["v"], ptr["dout"])
+    maps = backward.maps_writer(plan, ptr["q"], ptr["k"], ptr["v"], ptr["dout"], accum.data.ptr)
     main_args = (ptr["q"], ptr["k"], ptr["v"], ptr["dout"], lse.data.ptr, dsum.data.ptr, accum.data.ptr,
                  dk.data.ptr, dv.data.ptr, 0, 0, 0, 0, 7, 0)
     pointers = dict(backward.NO_POINTERS, softmax_lse=lse.data.ptr, dsum=dsum.data.ptr, dq_accum=accum.data.ptr,

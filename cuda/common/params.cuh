@@ -178,6 +178,7 @@ struct BwdHopperParams {
     int group_chunk;  // (kv head, batch) groups whose blocks launch key tile by key tile (bwd_dkdv_hopper)
     int dq_rotate;    // deterministic walks without a mask may rotate: a group's blocks fit on the GPU at once
     int deterministic;  // dQ added to each query tile in turns (dq_semaphore: the turn flags)
+    int dq_by_map;      // whole query tiles' dQ added through tmap_dq (calls narrower than the kernel's head dim)
     // per call, deterministic or counted (BwdParams::dq_arrivals): a zeroed int per (batch, head, query tile), which
     // counts the tile's completed additions; else null
     int* dq_semaphore;
@@ -185,6 +186,9 @@ struct BwdHopperParams {
     TensorMap tmap_k;
     TensorMap tmap_v;
     TensorMap tmap_do;
+    // per call: dq_accum as (BwdParams::headdim columns, rows of dq_pitch floats), for the dQ reductions of whole
+    // query tiles (dq_by_map; else never encoded)
+    TensorMap tmap_dq;
 };
 
 // The decode family (decode.cu: decode_attention, kvcache_append, rotary_q). q: (batch, seqlen_q, nheads, d) (the

@@ -85,7 +85,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                              params.dk_head_stride, params.dv_batch_stride, params.dv_row_stride,
                              params.dv_head_stride, params.stat_batch_stride, params.stat_head_stride, seqlen_q,
                              seqlen_k, params.heads_per_kv, params.scale, params.scale_log2, kernel_params.tmap_q,
-                             kernel_params.tmap_k, kernel_params.tmap_v, kernel_params.tmap_do,
+                             kernel_params.tmap_k, kernel_params.tmap_v, kernel_params.tmap_do, kernel_params.tmap_dq,
+                             kernel_params.dq_by_map != 0,
                              kernel_params.dq_semaphore != nullptr
                                  ? kernel_params.dq_semaphore + (i64)batch * params.nheads * sem_tiles
                                  : nullptr,

@@ -162,8 +162,11 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
             pass = true;
         }
         const int row = int(batch * args.stat_batch_stride + head * args.stat_head_stride + q_start + m0);
-        bulk_reduce_add_f32(args.dq_accum + (i64)row * Tr::kDqPitch, smem.dq + t * Tr::kDqBytes,
-                            rows * Tr::kDqPitch * 4);
+        const u32 staged = smem.dq + t * Tr::kDqBytes;
+        if (Tr::kDqReduceByMap && args.dq_by_map && rows == kM)
+            tma_reduce_add_2d(args.tmap_dq, 0, row, staged);
+        else
+            bulk_reduce_add_f32(args.dq_accum + (i64)row * Tr::kDqPitch, staged, rows * Tr::kDqPitch * 4);
         bulk_commit();
         bulk_wait_read<0>();
         mbar_arrive(smem.dq_free(t));  // (the staging tile is read: the consumers may stage the next step's dQ)

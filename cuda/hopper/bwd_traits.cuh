@@ -76,12 +76,19 @@ struct HopperBwdTraits {
     // Wide: warpgroup 0's columns (128; warpgroup 1's are kDqCols1, the rest) over all 64 keys.
     static constexpr int kDqCols = kWide ? 128 : DqByKeys ? HeadDim : HeadDim / 2,
                          kDqKeys = DqByKeys ? kBlockN / 2 : kBlockN, kDqCols1 = kWide ? HeadDim - 128 : kDqCols;
-    // The fp32 dQ tile staged for the bulk reduction, one row per query, padded against bank conflicts; the
-    // accumulator's rows have the same pitch (kDqPitch floats, the pad never read), so that one operation adds the
-    // whole step. By keys a pair, by the step's parity, so that warpgroup 0 stores the next step's part while this
-    // one's is reduced (by columns one tile, which both warpgroups wait for: a second does not fit beside the rest
-    // at head dim 128).
-    static constexpr int kDqPitch = HeadDim + 4, kDqBytes = kBlockM * kDqPitch * 4, kDqTiles = DqByKeys ? 2 : 1;
+    // The fp32 dQ tile staged for the bulk reduction, one row per query, padded (8 floats: rows on 32-byte
+    // sectors, and the staging stores 2 wavefronts a warp as with 4) against bank conflicts; the accumulator's rows
+    // have the same pitch (kDqPitch floats, the pad never read), so that one operation adds the whole step. By keys
+    // a pair, by the step's parity, so that warpgroup 0 stores the next step's part while this one's is reduced (by
+    // columns one tile, which both warpgroups wait for: a second does not fit beside the rest at head dim 128).
+    static constexpr int kDqPitch = HeadDim + 8, kDqBytes = kBlockM * kDqPitch * 4, kDqTiles = DqByKeys ? 2 : 1;
+    // A call narrower than the row (args.dq_by_map) sends a whole query tile's staged dQ_i out by one tensor
+    // reduction through a map of the accumulator that spans the arrays' head dim (args.tmap_dq): the columns past
+    // it, zeros, are clipped and never reach L2 (at d = 80 on this row 80 of 136 floats a row). A call at the row's
+    // width adds whole rows by one bulk reduction: through the map it ran 0-2% slower. A box has at most 256
+    // columns, so not at head dim 256 (pitch 264); a sequence's last, ragged tile goes out by the bulk reduction
+    // too; and so does every tile of the varlen modifier row at 64, which spilled 16 bytes with the map's.
+    static constexpr bool kDqReduceByMap = kDqPitch <= 256 && !(Varlen && Mods && DqByKeys);
     // dS^T: by columns double-buffered, so a warpgroup writes the next one while the other may still read this
     // one; by keys each warpgroup reads only its own rows, after its own wait.
     // Wide: one, which only warpgroup 1 writes, after the kBwdPReady barrier that warpgroup 0 reaches once its
@@ -233,6 +240,8 @@ struct HopperBwdArgs {
     const TensorMap& tmap_k;
     const TensorMap& tmap_v;
     const TensorMap& tmap_do;
+    const TensorMap& tmap_dq;  // (kDqReduceByMap: dq_accum's first `headdim` columns)
+    bool dq_by_map;            // (kDqReduceByMap: whole query tiles' dQ_i through tmap_dq)
     // This batch row's ints, one per (head, query tile of BlockM rows), of sem_tiles per head, which count the
     // tile's completed additions (else null): turn flags when deterministic, else read by bwd_convert_dq, which
     // converts each tile once its count is complete (BwdParams::dq_arrivals).

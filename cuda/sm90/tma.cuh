@@ -36,6 +36,17 @@ FA2_DEVICE void tma_store(const TensorMap& map, int column, int head, int row, i
                  : "memory");
 }
 
+// The fp32 box of shared memory at `src` added element-wise to `map` (a 2-dimensional fp32 map: columns, rows) at
+// (column, row), in this thread's bulk group: elements outside the map are not written, so a box wider than the
+// map's columns adds only those (the Hopper backward's dQ rows, staged wider than the call's head dim). src written
+// by ordinary stores: fence_proxy_async_smem and a barrier first; wait_read before it is rewritten.
+FA2_DEVICE void tma_reduce_add_2d(const TensorMap& map, int column, int row, u32 src) {
+    asm volatile("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(
+                     reinterpret_cast<u64>(&map)),
+                 "r"(column), "r"(row), "r"(src)
+                 : "memory");
+}
+
 FA2_DEVICE void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 template <int N>
 FA2_DEVICE void bulk_wait_read() {  // this thread's bulk groups but the last N have read their shared memory
