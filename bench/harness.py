@@ -394,6 +394,23 @@ class CupyEvents:
         self.cupy.cuda.runtime.deviceSynchronize()
 
 
+def add_tree_arguments(parser, tree_help: str, cases, rounds: int, repeats: int, sustain_seconds: float) -> None:
+    """The arguments of the kernel-source A/B tools (bench/dev/tree_ab.py, bwd_tree_ab.py): --trees, --cases (default
+    ``cases``), --rounds, --repeats and --sustain; :func:`trees_of` reads --trees."""
+    parser.add_argument("--trees", nargs="+", required=True, help=tree_help)
+    parser.add_argument("--cases", nargs="*", default=cases)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--sustain", type=float, default=sustain_seconds,
+                        help="seconds of back-to-back calls before each variant's timed ones, so that each is timed "
+                             "at the clock its own load settles to (sustain)")
+
+
+def trees_of(specs) -> dict:
+    """--trees' ``name=spec`` items as {name: spec} (a spec may hold '=' itself)."""
+    return dict(item.split("=", 1) for item in specs)
+
+
 def sustain(fn: Callable[[], Any], sync: Callable[[], None], seconds: float) -> int:
     """Calls ``fn`` back to back for ``seconds`` (synchronising every 8 calls, so the queue stays short) and returns
     how many calls it made. A GPU at its power limit sets its clock by the load it runs within a fraction of a

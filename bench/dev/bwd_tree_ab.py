@@ -74,15 +74,10 @@ def plan_case(case: str):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--trees", nargs="+", required=True, help="name=path/to/cuda ...")
-    parser.add_argument("--cases", nargs="*", default=DEFAULT_CASES)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--sustain", type=float, default=1.0,
-                        help="seconds of back-to-back calls before each variant's timed ones, so that each is timed "
-                             "at the clock its own load settles to (fa2cupy_bench.harness.sustain)")
+    B.add_tree_arguments(parser, "name=path/to/cuda[@pad=N] ...", DEFAULT_CASES, rounds=3, repeats=10,
+                         sustain_seconds=1.0)
     args = parser.parse_args()
-    trees = dict(item.split("=", 1) for item in args.trees)
+    trees = B.trees_of(args.trees)
     variants = {name: plans_for(path, args.cases) for name, path in trees.items()}
     rng = cupy.random.default_rng(1)
     stream = cupy.cuda.get_current_stream()

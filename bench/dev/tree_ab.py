@@ -79,17 +79,12 @@ def plans_for(tree: str, cases):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--trees", nargs="+", required=True, help="name=path/to/cuda[@row] ...")
-    parser.add_argument("--cases", nargs="*", default=DEFAULT_CASES)
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--sustain", type=float, default=0.0,
-                        help="seconds of back-to-back launches before each variant's timed calls, so that each is "
-                             "timed at the clock its own load settles to (fa2cupy_bench.harness.sustain)")
+    B.add_tree_arguments(parser, "name=path/to/cuda[@row] ...", DEFAULT_CASES, rounds=4, repeats=20,
+                         sustain_seconds=0.0)
     parser.add_argument("--ncu", action="store_true",
                         help="no timing: each case once per tree inside cudaProfilerStart/Stop, for Nsight Compute")
     args = parser.parse_args()
-    trees = dict(item.split("=") for item in args.trees)
+    trees = B.trees_of(args.trees)
     variants = {name: plans_for(path, args.cases) for name, path in trees.items()}
     rng = cupy.random.default_rng(1)
     stream = cupy.cuda.get_current_stream()
