@@ -224,7 +224,8 @@ def run_backward(plan: BackwardPlan, pointers: dict, values: tuple, stream_ptr: 
         flags, pointer = arrays.new_zeroed_raw(plan.dq_semaphores, "int32", framework, device, stream_ptr)
     plan.preprocess(stream_ptr, (dout, out, dsum, dq_accum, cu_q))
     main_args = (q, k, v, dout, lse, dsum, dq_accum, dk, dv, cu_q, cu_k, alibi, rng_state, seed, offset)
-    plan.main(stream_ptr, main_args + ((pointer,) if plan.dq_semaphores else ()), maps_writer(plan, q, k, v, dout, dq_accum))
+    plan.main(stream_ptr, main_args + ((pointer,) if plan.dq_semaphores else ()),
+              maps_writer(plan, q, k, v, dout, dq_accum))
     if plan.dq is not None:
         plan.dq(stream_ptr, (q, k, v, dout, lse, dsum, dq, cu_q, cu_k, alibi, rng_state, seed, offset))
     else:

@@ -6,8 +6,8 @@ sizes, strides, the box a copy moves and the shared-memory swizzle. The driver e
 takes by value as a ``__grid_constant__`` parameter. The maps here view a ``(batch, seqlen, nheads, headdim)`` array
 as four dimensions, innermost first: the head dim, the head, the row, the batch row; a box is 64 columns (128 bytes,
 the 128-byte swizzle of cuda/sm90/slabs.cuh's SwizzledSlabs) by one head by a tile's rows. Rows past ``seqlen`` read
-as zeros and are not written. The backward's fp32 dQ accumulator has a map of two dimensions (:func:`accumulator_layout`)
-for its reductions.
+as zeros and are not written. The backward's fp32 dQ accumulator has a map of two dimensions
+(:func:`accumulator_layout`) for its reductions.
 """
 
 from __future__ import annotations
