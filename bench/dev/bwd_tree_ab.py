@@ -10,11 +10,12 @@ A tree may name the Hopper dQ accumulator's pad after an @ (``new8=path/cuda@pad
 for sources whose HopperBwdTraits::kDqPitch differs from this package's configs.HopperBwdConfig.dq_pitch): its calls
 are planned with that pitch.
 
-A case is ``bwd<d>:<mask>:<seqlen>[:det]`` with mask none or causal, ``det`` for deterministic=True; bf16, 16k
+A case is ``bwd<d>:<mask>:<seqlen>[:det][:softcap]`` with mask none or causal, ``det`` for deterministic=True,
+``softcap`` for a softcap of 30; bf16, 16k
 tokens per batch, 2048 / d heads (head dims without a Hopper row at the width the library picks). The kernel
 parameter structs are this package's: a tree must take the same fields, or a prefix of them (a field added at a
-struct's end is ignored by sources that do not read it). Timing: random q, k, v and dO with a fixed lse (P = exp(s
-- 10), small and finite), so nothing is checked against a reference: run the GPU tests for that.
+struct's end is ignored by sources that do not read it). Timing: random q, k, v and dO with a fixed lse (P = exp(logit
+- 10 - softcap), small and finite), so nothing is checked against a reference: run the GPU tests for that.
 """
 
 from __future__ import annotations
@@ -30,15 +31,19 @@ from fa2cupy_bench import harness as B  # noqa: E402
 from fa2cupy import backward, build, configs  # noqa: E402
 from fa2cupy.options import KernelOptions  # noqa: E402
 
+SOFTCAP = 30.0
 DEFAULT_CASES = ("bwd64:none:2048", "bwd80:none:8192", "bwd96:none:8192", "bwd128:none:8192", "bwd128:causal:2048")
 
 
 def parse_case(case: str):
-    """(head dim, causal, seqlen, deterministic) of ``bwd<d>:<mask>:<seqlen>[:det]``."""
+    """(head dim, causal, seqlen, deterministic, softcap) of ``bwd<d>:<mask>:<seqlen>[:det][:softcap]``."""
     fields = case.split(":")
-    if not fields[0].startswith("bwd") or fields[1] not in ("none", "causal") or fields[3:] not in ([], ["det"]):
-        raise SystemExit(f"{case}: expected bwd<d>:none|causal:<seqlen>[:det]")
-    return int(fields[0][3:]), fields[1] == "causal", int(fields[2]), fields[3:] == ["det"]
+    extra = set(fields[3:])
+    if (not fields[0].startswith("bwd") or len(fields) < 3 or fields[1] not in ("none", "causal")
+            or not extra <= {"det", "softcap"}):
+        raise SystemExit(f"{case}: expected bwd<d>:none|causal:<seqlen>[:det][:softcap]")
+    softcap = SOFTCAP if "softcap" in extra else 0.0
+    return int(fields[0][3:]), fields[1] == "causal", int(fields[2]), "det" in extra, softcap
 
 
 def shape_of(d: int, seqlen: int):
@@ -63,13 +68,14 @@ def plans_for(tree: str, cases):
 
 
 def plan_case(case: str):
-    d, causal, seqlen, det = parse_case(case)
+    d, causal, seqlen, det, softcap = parse_case(case)
     shape = shape_of(d, seqlen)
     row = shape[2] * d
     strides = dict.fromkeys(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), (shape[1] * row, row, d, 1))
     mask = "causal" if causal else "none"
     width = configs.padded_call_width(90, d, "bfloat16", True, mask, seqlen_q=seqlen, options=KernelOptions())
-    return backward.plan_backward(shape, shape, strides, "bfloat16", d ** -0.5, causal, det, 90, width=width)
+    return backward.plan_backward(shape, shape, strides, "bfloat16", d ** -0.5, causal, det, 90, width=width,
+                                  softcap=softcap)
 
 
 def main():
@@ -85,10 +91,11 @@ def main():
         cupy.uint16)
     widen = lambda x: (x.astype(cupy.uint32) << 16).view(cupy.float32)  # noqa: E731
     for case in args.cases:
-        d, causal, seqlen, det = parse_case(case)
+        d, causal, seqlen, det, softcap = parse_case(case)
         shape = shape_of(d, seqlen)
         q, k, v, out, dout = (bits(shape) for _ in range(5))
-        lse = cupy.full(shape[:1] + shape[2:3] + shape[1:2], 10.0, cupy.float32)
+        # (P = exp(logit - lse): small and finite, the softcap's logits up to 30)
+        lse = cupy.full(shape[:1] + shape[2:3] + shape[1:2], 10.0 + softcap, cupy.float32)
         outs, best = {}, {}
         calls = {}
         for name, plans in variants.items():
