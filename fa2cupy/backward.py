@@ -109,7 +109,7 @@ def plan_backward(
             semaphores = batch * nheads * -(-seqlen_q // config.block_m)
         rotate = int(deterministic and mask == "none"
                      and configs.hopper_bwd_rotates(grid[0] * chunk, build.sm_count(options.sm_count)))
-        by_map = config.dq_by_map(headdim)
+        by_map = config.dq_by_map(headdim, varlen, mods)
         main = build.Launch(function, grid, (config.threads, 1, 1), smem,
                             params.BwdHopperParams(bwd=fixed, group_chunk=chunk, dq_rotate=rotate,
                                                    deterministic=int(deterministic), dq_by_map=int(by_map)),

@@ -279,13 +279,14 @@ class HopperBwdConfig:
         256 4%, 128 2-3%)."""
         return headdim + 8
 
-    def dq_by_map(self, headdim: int) -> bool:
+    def dq_by_map(self, headdim: int, varlen: bool = False, mods: bool = False) -> bool:
         """Whether a call of this (arrays') head dim adds whole query tiles' dQ through a map of the accumulator's
         first ``headdim`` columns (BwdHopperParams.dq_by_map, tmap_dq): calls narrower than the row, whose staged
         columns past their head dim are zeros (at the row's width the map's reductions ran 0-2% slower than whole
-        rows'); a box has at most 256 columns, so not at 256 (HopperBwdTraits::kDqReduceByMap, which also leaves the
-        varlen modifier row at 64 on whole rows)."""
-        return headdim < self.headdim and self.dq_pitch(self.headdim) <= 256
+        rows'), where the kernel has that path (HopperBwdTraits::kDqReduceByMap): a box has at most 256 columns, so
+        not at 256, and not in the varlen modifier row at 64 (16 bytes spilled with it)."""
+        return (headdim < self.headdim and self.dq_pitch(self.headdim) <= 256
+                and not (varlen and mods and self.dq_by_keys))
 
     def smem_bytes(self, atomic_dq: bool = True, mods: bool = False) -> int:
         # Must match HopperBwdTraits::kSmemBytes: alignment slack, K and V, the Q/dO ring, the dS^T tiles (two by

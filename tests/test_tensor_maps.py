@@ -141,3 +141,4 @@ def test_only_calls_narrower_than_their_row_reduce_dq_through_the_map():
     assert [row128.dq_by_map(d) for d in (80, 96, 120, 128)] == [True, True, True, False]
     assert row64.dq_by_map(40) and not row64.dq_by_map(64)
     assert not row256.dq_by_map(224)  # (a box of 264 columns is past TMA's 256)
+    assert row64.dq_by_map(40, varlen=True) and not row64.dq_by_map(40, varlen=True, mods=True)  # (spilled)

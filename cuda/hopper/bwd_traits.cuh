@@ -241,7 +241,7 @@ struct HopperBwdArgs {
     const TensorMap& tmap_v;
     const TensorMap& tmap_do;
     const TensorMap& tmap_dq;  // (kDqReduceByMap: dq_accum's first `headdim` columns)
-    bool dq_by_map;            // (kDqReduceByMap: whole query tiles' dQ_i through tmap_dq)
+    bool dq_by_map;            // (whole query tiles' dQ_i through tmap_dq: configs.HopperBwdConfig.dq_by_map)
     // This batch row's ints, one per (head, query tile of BlockM rows), of sem_tiles per head, which count the
     // tile's completed additions (else null): turn flags when deterministic, else read by bwd_convert_dq, which
     // converts each tile once its count is complete (BwdParams::dq_arrivals).
