@@ -337,3 +337,30 @@ def test_climbing_row_maxima(d, mod, causal):
     ref_out, ref_lse = attention_ref(_host(q), _host(k), _host(v),
                                      alibi_slopes=None if slopes is None else _host(slopes), **kw)
     _check_padded(out, lse, ref_out, ref_lse, v, "bfloat16")
+
+
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q", [100, 320])
+def test_alibi_far_from_the_diagonal(d, causal, seqlen_q):
+    """ALiBi on keys up to 2.6k from the diagonal and on both sides of it, with slopes up to 1: the part of the bias
+    constant along a row, which the Hopper forward leaves to the softmax on tiles that lie on one side of the
+    diagonal (UnitScoreMods::apply, RowBias), reaches thousands where the scores themselves are a few units; every tile
+    kind (one-sided either way, crossing) in one call, against the float64 reference (output and lse)."""
+    _hopper_gpu()
+    if not configs.hopper_takes_mods(d, varlen=False):
+        pytest.skip(f"modifiers run on the mma.sync forward at d = {d}")
+    fa = fa2cupy_module()
+    cp = _cupy()
+    rng = np.random.default_rng(d + 7 * causal + seqlen_q)
+    # causal: keys 2.6k long, the diagonal at their end (every tile on its left); non-causal: 2.6k queries whose
+    # diagonal runs from far left of the keys into them (tiles on either side, and crossing it)
+    sq, sk = (seqlen_q, 2600) if causal else (2600, 4 * seqlen_q)
+    q, k, v = (_randn(rng, (1, n, 3, d), "bfloat16") for n in (sq, sk, sk))
+    slopes = cp.asarray(np.array([1.0, 0.05, 0.002], np.float32))
+    kw = dict(causal=causal)
+    with _kernel(True), recorded_forward_plans() as plans:
+        out, lse, _ = fa.flash_attn_func(q, k, v, return_attn_probs=True, alibi_slopes=slopes, **kw)
+    assert plans and all(isinstance(p.config, configs.HopperFwdConfig) for p in plans)
+    ref_out, ref_lse = attention_ref(_host(q), _host(k), _host(v), alibi_slopes=_host(slopes), **kw)
+    _check_padded(out, lse, ref_out, ref_lse, v, "bfloat16")

@@ -420,12 +420,18 @@ struct ScoreMods {
 //   softcap:      v = tanh(scale s / cap) - slope / cap * |d|   (unit cap)
 //   ALiBi alone:  v = s - slope / scale * |d|                   (unit scale: no multiply per score)
 //   ALiBi, scale 0: v = scale s - slope |d|                     (unit 1)
-// d = row + diag - col is one float per row and tile less a constant per element: no int-to-float conversion per
-// score, and no multiply by the scale or the cap per score: with three MUFU operations per softcapped score (tanh's
-// exp2 and reciprocal, the softmax's exp2) the forward is otherwise bound by its issue slots; the fewer FMA-pipe
-// operations took softcap 238 -> 389 and ALiBi 400 -> 510 TFLOPs/s (d=128, causal, 8k, H200), while a reciprocal
-// by Newton's iteration on the FMA pipe instead of the MUFU measured 4% slower than this. Built per tile from the
-// arguments, like ScoreMods.
+// No int-to-float conversion per score, and no multiply by the scale or the cap per score: with three MUFU
+// operations per softcapped score (tanh's exp2 and reciprocal, the softmax's exp2) the forward is otherwise bound by
+// its issue slots; the fewer FMA-pipe operations took softcap 238 -> 389 and ALiBi 400 -> 510 TFLOPs/s (d=128,
+// causal, 8k, H200), while a reciprocal by Newton's iteration on the FMA pipe instead of the MUFU measured 4% slower
+// than this. Built per tile from the arguments, like ScoreMods.
+//
+// ALiBi's distance d = row + diag - col is d_r - c along a thread's row r, with d_r that of the thread's first
+// column and c = 8 nt + e a constant of the fragment. Where every score of the warp's tile lies on one side of the
+// diagonal (sign sd of d: every tile of a causal call; all but those that cross it otherwise), slope |d| is
+// sd slope d_r - sd slope c: v = fma(sd slope, c, v0) is one FMA with an immediate per score, and the row's part
+// -sd slope d_r goes to the softmax as its bias (RowBias); on a tile that crosses the diagonal each score takes
+// fma(-slope, |d_r - c|, v0), two.
 struct UnitScoreMods {
     enum Kind : int { kCap, kCapAlibi, kAlibi, kAlibiUnscaled };
     Kind kind;
@@ -436,38 +442,65 @@ struct UnitScoreMods {
 
     FA2_DEVICE float scale_log2() const { return unit * kLog2e; }
 
-    // s: one warpgroup warp's raw scores in C-fragment layout (rows from row0, columns from col0) -> values v.
+    // s: one warpgroup warp's raw scores in C-fragment layout (rows from row0, the warp's 16, and columns from
+    // col0) -> values v, with bias[r] the part of row r's values left to the softmax (0 without ALiBi).
     // NonNegative: every visible score's d is >= 0 (causal), so |d| is d (the masked ones are -inf after).
     // FmaTanhs: of each fragment's four softcapped scores, how many take tanh_of_exp2_arg_fma (its reciprocal on the
-    // FMA pipe) rather than tanh_of_exp2_arg (on the MUFU, like both exp2s).
-    template <bool NonNegative, int FmaTanhs = 0, int NTiles>
-    FA2_DEVICE void apply(float (&s)[1][NTiles][4], int row0, int col0, int lane) const {
+    // FMA pipe) rather than tanh_of_exp2_arg (on the MUFU, like both exp2s). OneSided: without NonNegative, whether
+    // tiles on one side of the diagonal take the one-FMA form (else every tile takes |d|: fewer registers).
+    template <bool NonNegative, int FmaTanhs = 0, bool OneSided = true, int NTiles>
+    FA2_DEVICE void apply(float (&s)[1][NTiles][4], int row0, int col0, int lane, float (&bias)[2]) const {
         switch (kind) {
-            case kCap: return apply_kind<kCap, NonNegative, FmaTanhs>(s, row0, col0, lane);
-            case kCapAlibi: return apply_kind<kCapAlibi, NonNegative, FmaTanhs>(s, row0, col0, lane);
-            case kAlibi: return apply_kind<kAlibi, NonNegative, FmaTanhs>(s, row0, col0, lane);
-            default: return apply_kind<kAlibiUnscaled, NonNegative, FmaTanhs>(s, row0, col0, lane);
+            case kCap: return apply_kind<kCap, NonNegative, FmaTanhs, OneSided>(s, row0, col0, lane, bias);
+            case kCapAlibi: return apply_kind<kCapAlibi, NonNegative, FmaTanhs, OneSided>(s, row0, col0, lane, bias);
+            case kAlibi: return apply_kind<kAlibi, NonNegative, FmaTanhs, OneSided>(s, row0, col0, lane, bias);
+            default: return apply_kind<kAlibiUnscaled, NonNegative, FmaTanhs, OneSided>(s, row0, col0, lane, bias);
         }
     }
-    template <Kind K, bool NonNegative, int FmaTanhs, int NTiles>
-    FA2_DEVICE void apply_kind(float (&s)[1][NTiles][4], int row0, int col0, int lane) const {
+    template <Kind K, bool NonNegative, int FmaTanhs, bool OneSided, int NTiles>
+    FA2_DEVICE void apply_kind(float (&s)[1][NTiles][4], int row0, int col0, int lane, float (&bias)[2]) const {
         constexpr bool kCapped = K == kCap || K == kCapAlibi;
+        if constexpr (K != kAlibi) {
+#pragma unroll
+            for (int nt = 0; nt < NTiles; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float& v = s[0][nt][e];
+                    if constexpr (kCapped)
+                        v = e < FmaTanhs ? tanh_of_exp2_arg_fma(v * arg) : tanh_of_exp2_arg(v * arg);
+                    else
+                        v *= arg;
+                }
+        }
+        if constexpr (K == kCap) return;
         // d of this thread's first column of the tile, for its two rows
         const float d0 = static_cast<float>(row0 + (lane >> 2) + diag - col0 - (lane & 3) * 2);
         const float d_row[2] = {d0, d0 + 8.f};
+        // the side of the diagonal of every score of the warp's tile: 1 (d >= 0), -1 (d <= 0), 0 both (warp-uniform)
+        int side = 1;
+        if constexpr (!NonNegative && !OneSided) {
+            side = 0;
+        } else if constexpr (!NonNegative) {
+            const int d_max = row0 + 15 + diag - col0, d_min = row0 + diag - col0 - (NTiles * 8 - 1);
+            side = d_min >= 0 ? 1 : d_max <= 0 ? -1 : 0;
+        }
+        if (side != 0) {
+            const float side_slope = side > 0 ? slope : -slope;
+            bias[0] = -side_slope * d_row[0];
+            bias[1] = -side_slope * d_row[1];
 #pragma unroll
-        for (int nt = 0; nt < NTiles; ++nt)
+            for (int nt = 0; nt < NTiles; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float v = s[0][nt][e];
-                if constexpr (kCapped) v = e < FmaTanhs ? tanh_of_exp2_arg_fma(v * arg) : tanh_of_exp2_arg(v * arg);
-                if constexpr (K == kAlibiUnscaled) v *= arg;
-                if constexpr (K != kCap) {
-                    const float d = d_row[e >> 1] - static_cast<float>(nt * 8 + (e & 1));
-                    v = fmaf(-slope, NonNegative ? d : fabsf(d), v);
-                }
-                s[0][nt][e] = v;
-            }
+                for (int e = 0; e < 4; ++e)
+                    s[0][nt][e] = fmaf(side_slope, static_cast<float>(nt * 8 + (e & 1)), s[0][nt][e]);
+        } else {
+#pragma unroll
+            for (int nt = 0; nt < NTiles; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    s[0][nt][e] =
+                        fmaf(-slope, fabsf(d_row[e >> 1] - static_cast<float>(nt * 8 + (e & 1))), s[0][nt][e]);
+        }
     }
 };
 

@@ -11,6 +11,25 @@
 
 namespace fa2 {
 
+// A per-row offset of a tile's scores (RowBias): score s of row r stands for s + bias[r]. The Hopper forward's ALiBi
+// leaves the part of its bias that is constant along a thread's row to the softmax: one add per row to the tile's
+// max and one FMA per row to the exponent's shift, instead of an add per score (UnitScoreMods::apply).
+// headroom (probabilities_lazy): where a row's reference max moves, it moves that far past the row's new max, so
+// that scores still climbing (ALiBi's bias, tile by tile towards the diagonal) stay under it for more tiles. P then
+// starts at 2^-(headroom scale_log2): only for a 16-bit P with fp32's exponent range (bf16), where that costs no
+// relative precision.
+template <int Rows>
+struct RowBias {
+    static constexpr bool kOn = true;
+    float v[Rows];
+    float headroom;
+    FA2_DEVICE float operator[](int r) const { return v[r]; }
+};
+struct NoRowBias {
+    static constexpr bool kOn = false;
+    FA2_DEVICE float operator[](int) const { return 0.f; }
+};
+
 template <int MTiles, int NTiles>
 struct OnlineSoftmax {
     static constexpr int kRows = MTiles * 2;
@@ -40,19 +59,22 @@ struct OnlineSoftmax {
 
     // update() in two halves, for kernels whose previous O += P V is still in flight while the next scores turn
     // into probabilities: the factor each row's running output must take, then its rescale once that has landed.
-    FA2_DEVICE void probabilities(float (&s)[MTiles][NTiles][4], float scale_log2, float (&correction)[kRows]) {
+    // bias (RowBias): the scores' per-row offsets; the running max, the sums and the lse are those of s + bias.
+    template <class Bias = NoRowBias>
+    FA2_DEVICE void probabilities(float (&s)[MTiles][NTiles][4], float scale_log2, float (&correction)[kRows],
+                                  const Bias& bias = Bias{}) {
 #pragma unroll
         for (int mt = 0; mt < MTiles; ++mt) {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int r = mt * 2 + half;
-                const float new_max = tile_row_max(s, mt, half, row_max[r]);
+                const float new_max = tile_row_max(s, mt, half, row_max[r], bias, r);
                 // A row that has seen only masked keys keeps max -inf; shift by 0 so exp2 gives 0, not NaN.
                 const float shift = new_max == -pos_inf() ? 0.f : new_max * scale_log2;
                 correction[r] = fast_exp2(row_max[r] * scale_log2 - shift);
                 row_max[r] = new_max;
                 float sum = 0.f;
-                exponentiate_row(s, mt, half, scale_log2, shift, sum);
+                exponentiate_row(s, mt, half, scale_log2, biased_shift(shift, scale_log2, bias, r), sum);
                 row_sum[r] = row_sum[r] * correction[r] + sum;
             }
         }
@@ -62,7 +84,9 @@ struct OnlineSoftmax {
     // fp32 and in the 16-bit P as a ratio to the row's max. Returns whether the warp's rows moved (every row to its
     // new max, as probabilities() does): only then must the output take `correction` (rescale). Warp-uniform.
     static constexpr float kLazyLog2 = 8.f;
-    FA2_DEVICE bool probabilities_lazy(float (&s)[MTiles][NTiles][4], float scale_log2, float (&correction)[kRows]) {
+    template <class Bias = NoRowBias>
+    FA2_DEVICE bool probabilities_lazy(float (&s)[MTiles][NTiles][4], float scale_log2, float (&correction)[kRows],
+                                       const Bias& bias = Bias{}) {
         float tile_max[kRows];
         bool grow = false;
 #pragma unroll
@@ -70,7 +94,7 @@ struct OnlineSoftmax {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int r = mt * 2 + half;
-                tile_max[r] = tile_row_max(s, mt, half, row_max[r]);
+                tile_max[r] = tile_row_max(s, mt, half, row_max[r], bias, r);
                 // (-inf - -inf: NaN, no growth: a row that has seen only masked keys keeps shift 0)
                 grow |= (tile_max[r] - row_max[r]) * scale_log2 > kLazyLog2;
             }
@@ -82,23 +106,43 @@ struct OnlineSoftmax {
                 const int r = mt * 2 + half;
                 float shift;
                 if (grow) {
-                    shift = tile_max[r] == -pos_inf() ? 0.f : tile_max[r] * scale_log2;
+                    // (a row whose max has not moved keeps its reference, so that its headroom does not pile up)
+                    float ref = tile_max[r];
+                    if constexpr (Bias::kOn) ref = tile_max[r] > row_max[r] ? tile_max[r] + bias.headroom : row_max[r];
+                    shift = ref == -pos_inf() ? 0.f : ref * scale_log2;
                     correction[r] = fast_exp2(row_max[r] * scale_log2 - shift);
-                    row_max[r] = tile_max[r];
+                    row_max[r] = ref;
                     row_sum[r] *= correction[r];
                 } else {
                     shift = row_max[r] == -pos_inf() ? 0.f : row_max[r] * scale_log2;
                 }
-                exponentiate_row(s, mt, half, scale_log2, shift, row_sum[r]);
+                exponentiate_row(s, mt, half, scale_log2, biased_shift(shift, scale_log2, bias, r), row_sum[r]);
             }
         }
         return grow;
     }
-    // The max of row `half` of m16 tile mt over this tile's scores and `m`, across the quad.
-    static FA2_DEVICE float tile_row_max(const float (&s)[MTiles][NTiles][4], int mt, int half, float m) {
+    // The max of row `half` of m16 tile mt (row r) over this tile's scores (plus the row's bias) and `m`, across
+    // the quad.
+    template <class Bias = NoRowBias>
+    static FA2_DEVICE float tile_row_max(const float (&s)[MTiles][NTiles][4], int mt, int half, float m,
+                                         const Bias& bias = Bias{}, int r = 0) {
+        if constexpr (Bias::kOn) {
+            float local = -pos_inf();
 #pragma unroll
-        for (int nt = 0; nt < NTiles; ++nt) m = fmaxf(m, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
-        return quad_max(m);
+            for (int nt = 0; nt < NTiles; ++nt)
+                local = fmaxf(local, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
+            return quad_max(fmaxf(m, local + bias[r]));  // (-inf + bias: -inf)
+        } else {
+#pragma unroll
+            for (int nt = 0; nt < NTiles; ++nt) m = fmaxf(m, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
+            return quad_max(m);
+        }
+    }
+    // The exponent's shift for a row's scores s whose values are s + bias: exp2((s + bias) c - shift).
+    template <class Bias>
+    static FA2_DEVICE float biased_shift(float shift, float scale_log2, const Bias& bias, int r) {
+        if constexpr (Bias::kOn) return fmaf(-bias[r], scale_log2, shift);
+        else return shift;
     }
     // That row's scores to exp2(s scale_log2 - shift) in place, each added to `sum` (this thread's partial).
     static FA2_DEVICE void exponentiate_row(float (&s)[MTiles][NTiles][4], int mt, int half, float scale_log2,

@@ -22,6 +22,11 @@ template <class E>
 constexpr int kElemBytes = 2;
 template <>
 constexpr int kElemBytes<f32> = 4;
+// Whether the 16-bit type has fp32's exponent range (bf16; fp16 reaches only 2^-24 .. 65504).
+template <class E>
+constexpr bool kWideExponent = false;
+template <>
+constexpr bool kWideExponent<bf16> = true;
 
 #define FA2_DEVICE __device__ __forceinline__
 
