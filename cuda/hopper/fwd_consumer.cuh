@@ -145,18 +145,19 @@ struct HopperFwdConsumer {
         pin_registers(s);
         const int col0 = (n_first + j) * Tr::kBlockN;
         float scale_log2 = args.scale_log2;
-        RowBias<2> bias{{0.f, 0.f}, 0.f};  // (kMods: ALiBi's part constant along a thread's row, and its headroom)
+        // (kAlibiRowBias: ALiBi's part constant along a thread's row, and its headroom)
+        RowBias<2> bias{{0.f, 0.f}, 0.f};
         if (modify(slope)) {
             const UnitScoreMods mods =
                 make_unit_score_mods<Tr::kWideMods>(args.scale, args.softcap, slope, mask.seqlen_q, mask.seqlen_k);
-            mods.template apply<Tr::kMask == kMaskCausal, Tr::kFmaTanhs, !Tr::kWideMods>(s, warp_row0, col0, lane,
-                                                                                           bias.v);
+            mods.template apply<Tr::kMask == kMaskCausal, Tr::kFmaTanhs, Tr::kAlibiRowBias>(s, warp_row0, col0, lane,
+                                                                                              bias.v);
             scale_log2 = mods.scale_log2();
             if constexpr (Tr::kAlibiHeadroomLog2 > 0.f)
                 if (slope != 0.f) bias.headroom = __fdividef(Tr::kAlibiHeadroomLog2, scale_log2);
         }
         if (mask.tile_needs_mask(wg_row0, 64, col0, Tr::kBlockN)) mask.apply(s, warp_row0, col0, lane);
-        if constexpr (Tr::kMods) {
+        if constexpr (Tr::kAlibiRowBias) {
             if constexpr (Tr::kLazyRescale) return softmax.probabilities_lazy(s, scale_log2, correction, bias);
             softmax.probabilities(s, scale_log2, correction, bias);
         } else {

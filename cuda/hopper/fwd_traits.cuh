@@ -63,12 +63,14 @@ struct HopperFwdTraits {
     // d = 256 window kernel with modifiers, which non-causal calls with them run: 0.835 -> 0.99 of the plain call
     // with none switched on, softcap 0.63 -> 0.67.)
     static constexpr bool kLazyRescale = !(Mods && HeadDim <= 128);
+    // ALiBi on warp tiles that lie on one side of the diagonal as one FMA a score and a per-row bias to the softmax
+    // (UnitScoreMods::apply, RowBias). Not in the d = 256 window kernel, which non-causal calls with modifiers run:
+    // it spilled 84 bytes at 232 registers; it keeps two operations a score and the softmax without a bias.
+    static constexpr bool kAlibiRowBias = Mods && !(kWideMods && Mask == kMaskWindow);
     // With ALiBi, whose bias climbs tile by tile towards the diagonal and so moves the rows' maxima past the lazy
     // rescale's threshold at most steps, a row's reference max moves 2^kAlibiHeadroomLog2 past its new max (RowBias'
-    // headroom): bf16 only, where P's exponent reaches as far as fp32's. (Not in the d = 256 window kernel, which
-    // non-causal calls with modifiers run: it spilled 8 bytes at 232 registers.)
-    static constexpr float kAlibiHeadroomLog2 =
-        kLazyRescale && Mods && kWideExponent<Elem> && !(kWideMods && Mask == kMaskWindow) ? 32.f : 0.f;
+    // headroom): bf16 only, where P's exponent reaches as far as fp32's.
+    static constexpr float kAlibiHeadroomLog2 = kAlibiRowBias && kLazyRescale && kWideExponent<Elem> ? 32.f : 0.f;
     // Of each four softcapped scores, how many take tanh's reciprocal on the FMA pipe (UnitScoreMods::apply): where
     // the softcap leaves the MUFU the busiest pipe (d = 128: 65% of its peak against the tensor cores' 43%, ncu), one
     // of four at d = 128 (5-9% faster; two no faster) and two at d = 64 (10-13%; one 6-8%); at 192 and 256 none.
