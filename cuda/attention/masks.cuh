@@ -477,13 +477,8 @@ struct UnitScoreMods {
         const float d0 = static_cast<float>(row0 + (lane >> 2) + diag - col0 - (lane & 3) * 2);
         const float d_row[2] = {d0, d0 + 8.f};
         // the side of the diagonal of every score of the warp's tile: 1 (d >= 0), -1 (d <= 0), 0 both (warp-uniform)
-        int side = 1;
-        if constexpr (!NonNegative && !OneSided) {
-            side = 0;
-        } else if constexpr (!NonNegative) {
-            const int d_max = row0 + 15 + diag - col0, d_min = row0 + diag - col0 - (NTiles * 8 - 1);
-            side = d_min >= 0 ? 1 : d_max <= 0 ? -1 : 0;
-        }
+        const int d_max = row0 + 15 + diag - col0, d_min = row0 + diag - col0 - (NTiles * 8 - 1);
+        const int side = NonNegative ? 1 : !OneSided ? 0 : d_min >= 0 ? 1 : d_max <= 0 ? -1 : 0;
         if (side != 0) {
             const float side_slope = side > 0 ? slope : -slope;
             bias[0] = -side_slope * d_row[0];

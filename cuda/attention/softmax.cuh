@@ -18,17 +18,15 @@ namespace fa2 {
 // that scores still climbing (ALiBi's bias, tile by tile towards the diagonal) stay under it for more tiles. P then
 // starts at 2^-(headroom scale_log2): only for a 16-bit P with fp32's exponent range (bf16), where that costs no
 // relative precision.
-template <int Rows>
+// On = false: no bias (the softmax's code is then that of plain scores, whatever the fields hold).
+template <int Rows, bool On = true>
 struct RowBias {
-    static constexpr bool kOn = true;
+    static constexpr bool kOn = On;
     float v[Rows];
     float headroom;
     FA2_DEVICE float operator[](int r) const { return v[r]; }
 };
-struct NoRowBias {
-    static constexpr bool kOn = false;
-    FA2_DEVICE float operator[](int) const { return 0.f; }
-};
+using NoRowBias = RowBias<1, false>;
 
 template <int MTiles, int NTiles>
 struct OnlineSoftmax {
@@ -126,17 +124,11 @@ struct OnlineSoftmax {
     template <class Bias = NoRowBias>
     static FA2_DEVICE float tile_row_max(const float (&s)[MTiles][NTiles][4], int mt, int half, float m,
                                          const Bias& bias = Bias{}, int r = 0) {
-        if constexpr (Bias::kOn) {
-            float local = -pos_inf();
+        float local = Bias::kOn ? -pos_inf() : m;  // (with a bias, m joins after it: -inf + bias is -inf)
 #pragma unroll
-            for (int nt = 0; nt < NTiles; ++nt)
-                local = fmaxf(local, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
-            return quad_max(fmaxf(m, local + bias[r]));  // (-inf + bias: -inf)
-        } else {
-#pragma unroll
-            for (int nt = 0; nt < NTiles; ++nt) m = fmaxf(m, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
-            return quad_max(m);
-        }
+        for (int nt = 0; nt < NTiles; ++nt) local = fmaxf(local, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
+        if constexpr (Bias::kOn) local = fmaxf(m, local + bias[r]);
+        return quad_max(local);
     }
     // The exponent's shift for a row's scores s whose values are s + bias: exp2((s + bias) c - shift).
     template <class Bias>

@@ -146,7 +146,7 @@ struct HopperFwdConsumer {
         const int col0 = (n_first + j) * Tr::kBlockN;
         float scale_log2 = args.scale_log2;
         // (kAlibiRowBias: ALiBi's part constant along a thread's row, and its headroom)
-        RowBias<2> bias{{0.f, 0.f}, 0.f};
+        RowBias<2, Tr::kAlibiRowBias> bias{{0.f, 0.f}, 0.f};
         if (modify(slope)) {
             const UnitScoreMods mods =
                 make_unit_score_mods<Tr::kWideMods>(args.scale, args.softcap, slope, mask.seqlen_q, mask.seqlen_k);
@@ -157,13 +157,8 @@ struct HopperFwdConsumer {
                 if (slope != 0.f) bias.headroom = __fdividef(Tr::kAlibiHeadroomLog2, scale_log2);
         }
         if (mask.tile_needs_mask(wg_row0, 64, col0, Tr::kBlockN)) mask.apply(s, warp_row0, col0, lane);
-        if constexpr (Tr::kAlibiRowBias) {
-            if constexpr (Tr::kLazyRescale) return softmax.probabilities_lazy(s, scale_log2, correction, bias);
-            softmax.probabilities(s, scale_log2, correction, bias);
-        } else {
-            if constexpr (Tr::kLazyRescale) return softmax.probabilities_lazy(s, scale_log2, correction);
-            softmax.probabilities(s, scale_log2, correction);
-        }
+        if constexpr (Tr::kLazyRescale) return softmax.probabilities_lazy(s, scale_log2, correction, bias);
+        softmax.probabilities(s, scale_log2, correction, bias);
         return true;
     }
 
