@@ -28,7 +28,7 @@ import cupy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from fa2cupy_bench import harness as B  # noqa: E402
-from fa2cupy import backward, build, configs  # noqa: E402
+from fa2cupy import arrays, backward, build, configs  # noqa: E402
 from fa2cupy.options import KernelOptions  # noqa: E402
 
 SOFTCAP = 30.0
@@ -87,9 +87,7 @@ def main():
     variants = {name: plans_for(path, args.cases) for name, path in trees.items()}
     rng = cupy.random.default_rng(1)
     stream = cupy.cuda.get_current_stream()
-    bits = lambda shape: (rng.standard_normal(shape, dtype=cupy.float32).view(cupy.uint32) >> 16).astype(  # noqa: E731
-        cupy.uint16)
-    widen = lambda x: (x.astype(cupy.uint32) << 16).view(cupy.float32)  # noqa: E731
+    bits = lambda shape: arrays.bf16_bits(cupy, rng.standard_normal(shape, dtype=cupy.float32))  # noqa: E731
     for case in args.cases:
         d, causal, seqlen, det, softcap = parse_case(case)
         shape = shape_of(d, seqlen)
@@ -109,7 +107,7 @@ def main():
             calls[name] = (lambda plan=plan, pointers=pointers: backward.run_backward(plan, pointers, (0, 0),
                                                                                          stream.ptr))
             calls[name]()
-            outs[name] = [widen(g) for g in grads]
+            outs[name] = [arrays.bf16_bits_to_float(cupy, g) for g in grads]
             calls[name].keep = (grads, dsum, accum)
         first = next(iter(outs.values()))
         diffs = {name: max(float(cupy.abs(a - b).max()) for a, b in zip(o, first)) for name, o in outs.items()}

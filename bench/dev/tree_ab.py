@@ -32,7 +32,7 @@ import cupy.cuda.profiler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from fa2cupy_bench import harness as B  # noqa: E402
-from fa2cupy import build, configs, forward  # noqa: E402
+from fa2cupy import arrays, build, configs, forward  # noqa: E402
 
 DEFAULT_CASES = ("fwd128:none:2048", "fwd128:causal:1024", "fwd128:causal:2048", "fwd128:none:16384",
                  "fwd128:causal:16384", "fwd64:none:8192", "fwd64:causal:8192", "fwd128:causal:65536",
@@ -93,9 +93,8 @@ def main():
         heads = 2048 // d
         batch = max(1, 16384 // seqlen)
         shape = (batch, seqlen, heads, d)
-        # bf16 bit patterns (CuPy has no bfloat16 type): the top halves of float32 normals
-        q, k, v = ((rng.standard_normal(shape, dtype=cupy.float32).view(cupy.uint32) >> 16).astype(cupy.uint16)
-                   for _ in range(3))
+        # bf16 bit patterns (CuPy has no bfloat16 type)
+        q, k, v = (arrays.bf16_bits(cupy, rng.standard_normal(shape, dtype=cupy.float32)) for _ in range(3))
         lse = cupy.empty((batch, heads, seqlen), cupy.float32)
         slopes = None
         if "alibi" in mods:
@@ -109,9 +108,8 @@ def main():
             forward.run_forward(plans[case], dict(forward.NO_POINTERS, **arrays, out=out.data.ptr), (0, 0),
                                 stream.ptr)
             outs[name] = out
-        widen = lambda bits: (bits.astype(cupy.uint32) << 16).view(cupy.float32)  # noqa: E731
-        first = widen(next(iter(outs.values())))
-        diffs = {name: float(cupy.abs(widen(o) - first).max()) for name, o in outs.items()}
+        first = arrays.bf16_bits_to_float(cupy, next(iter(outs.values())))
+        diffs = {name: float(cupy.abs(arrays.bf16_bits_to_float(cupy, o) - first).max()) for name, o in outs.items()}
         out = cupy.empty(shape, cupy.uint16)
         best = {name: float("inf") for name in variants}
         rounds = {name: [] for name in variants}
