@@ -16,7 +16,8 @@ A tree may name a Hopper row after an @ (HopperFwdConfig's fields after the head
 otherwise each tree plans with this package's tables. Make the trees on the
 machine that sends the command: a remote machine's copy of the repository may not have the commit to unpack.
 
-A case is ``fwd<d>:<mask>:<seqlen>[:<mods>]`` with mask none, causal or window<left> (left, 0) and mods softcap
+A case is ``fwd<d>:<mask>:<seqlen>[:<mods>]`` with mask none, causal, window<left> (left, 0) or
+window<left>_<right> (window100000_100000: a call without a mask on the window kernels) and mods softcap
 (30), alibi (slopes in [0, 0.1)), alibi0 (slopes 0: the modifier kernel with nothing switched on, what the kernel
 itself costs beside the plain one), dropout (p = 0.1, seed 0) or a ``+``-joined set of them (``softcap+alibi``);
 bf16, 16k tokens per batch (at least one sequence), hidden 2048.
@@ -54,6 +55,14 @@ def parse_case(case: str):
     return int(fields[0][3:]), fields[1], int(fields[2]), mods | ({"alibi"} if "alibi0" in mods else set())
 
 
+def window_of(mask: str) -> tuple[int, int]:
+    """A case's window_size: (left, right) of window<left>[_<right>] (right 0 when left out), else (-1, -1)."""
+    if not mask.startswith("window"):
+        return -1, -1
+    left, _, right = mask[6:].partition("_")
+    return int(left), int(right or 0)
+
+
 def plans_for(tree: str, cases):
     """Each case planned against the kernels of the sources in ``tree`` (compiled now, kept by the plans)."""
     tree, _, row = tree.partition("@")
@@ -67,9 +76,10 @@ def plans_for(tree: str, cases):
         d, mask, seqlen, mods = parse_case(case)
         heads = 2048 // d
         shape = (max(1, 16384 // seqlen), seqlen, heads, d)
-        window = (int(mask[6:]), 0) if mask.startswith("window") else (-1, -1)
+        window = window_of(mask)
+        causal = mask == "causal" or window[1] == 0
         strides = (shape[1] * heads * d, heads * d, d, 1)
-        plans[case] = forward.plan_forward(shape, shape, (strides,) * 4, "bfloat16", d ** -0.5, mask != "none", 90,
+        plans[case] = forward.plan_forward(shape, shape, (strides,) * 4, "bfloat16", d ** -0.5, causal, 90,
                                            window_size=window, softcap=SOFTCAP if "softcap" in mods else 0.0,
                                            alibi_batch_stride=0 if "alibi" in mods else None,
                                            dropout_p=DROPOUT_P if "dropout" in mods else 0.0,
@@ -100,12 +110,12 @@ def main():
         if "alibi" in mods:
             slopes = (cupy.zeros(heads, cupy.float32) if "alibi0" in mods
                       else rng.uniform(0, 0.1, heads, dtype=cupy.float32))
-        arrays = dict(q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, softmax_lse=lse.data.ptr,
+        inputs = dict(q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, softmax_lse=lse.data.ptr,
                       alibi_slopes=0 if slopes is None else slopes.data.ptr)
         outs = {}
         for name, plans in variants.items():
             out = cupy.full(shape, 0x7FC0, cupy.uint16)  # NaN
-            forward.run_forward(plans[case], dict(forward.NO_POINTERS, **arrays, out=out.data.ptr), (0, 0),
+            forward.run_forward(plans[case], dict(forward.NO_POINTERS, **inputs, out=out.data.ptr), (0, 0),
                                 stream.ptr)
             outs[name] = out
         first = arrays.bf16_bits_to_float(cupy, next(iter(outs.values())))
@@ -119,7 +129,7 @@ def main():
                 print(f"profiled: {case} {name} (diff {diffs[name]:.1e})", flush=True)
                 cupy.cuda.runtime.deviceSynchronize()
                 cupy.cuda.profiler.start()
-                forward.run_forward(variants[name][case], dict(forward.NO_POINTERS, **arrays, out=out.data.ptr),
+                forward.run_forward(variants[name][case], dict(forward.NO_POINTERS, **inputs, out=out.data.ptr),
                                     (0, 0), stream.ptr)
                 cupy.cuda.runtime.deviceSynchronize()
                 cupy.cuda.profiler.stop()
@@ -127,7 +137,7 @@ def main():
         for r in range(args.rounds):
             for name in (names if r % 2 == 0 else names[::-1]):
                 plan = variants[name][case]
-                pointers = dict(forward.NO_POINTERS, **arrays, out=out.data.ptr)
+                pointers = dict(forward.NO_POINTERS, **inputs, out=out.data.ptr)
                 launch = lambda: forward.run_forward(plan, pointers, (0, 0), stream.ptr)  # noqa: E731
                 for _ in range(3):
                     launch()
@@ -147,7 +157,9 @@ def main():
         elif mask == "causal":
             flops = 2 * batch * heads * seqlen * (seqlen + 1) * d
         else:
-            flops = 4 * batch * heads * B.band_pairs(seqlen, int(mask[6:])) * d
+            left, right = window_of(mask)
+            pairs = sum(min(i + right, seqlen - 1) - max(i - left, 0) + 1 for i in range(seqlen))
+            flops = 4 * batch * heads * pairs * d
         base = best[names[0]]
         cells = "  ".join(f"{n} {best[n]:.3f} ms {flops / best[n] / 1e9:.0f} TF/s ({best[n] / base:.3f}, "
                           f"diff {diffs[n]:.1e})" for n in names)
