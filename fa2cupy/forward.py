@@ -159,7 +159,9 @@ def plan_forward(
         return ForwardPlan(launch, config)
     # The Hopper forward: persistent blocks, one per SM at most, walking the work items.
     grid, tile_counter, heads_per_group = _persistent_grid(grid, mask, seqlen_k, headdim, nheads // nheads_kv, options)
-    hopper = params.FwdHopperParams(fwd=fixed, batch=batch, heads_per_group=heads_per_group)
+    unit, unit_inv = unit_mods_constants(softmax_scale, softcap)
+    hopper = params.FwdHopperParams(fwd=fixed, batch=batch, heads_per_group=heads_per_group, mods_unit=unit,
+                                    mods_unit_inv=unit_inv)
     per_call = tuple(f"fwd.{name}" for name in PER_CALL) + (("tile_counter",) if tile_counter else ())
     launch = build.Launch(function, grid, (config.threads, 1, 1), config.smem_bytes, hopper, per_call,
                           maps=("tmap_q", "tmap_k", "tmap_v", "tmap_o"))
@@ -167,6 +169,14 @@ def plan_forward(
     maps = tensor_maps.TileMaps([tensor_maps.layout(shape, s, r) if m else None
                                  for shape, s, r, m in zip(shapes, strides, rows, mapped)])
     return ForwardPlan(launch, config, tile_counter, maps)
+
+
+def unit_mods_constants(softmax_scale: float, softcap: float) -> tuple[float, float]:
+    """The Hopper forward's softcap and ALiBi constants per call (UnitModsConstants, cuda/attention/masks.cuh): the
+    unit of the modified scores (the cap, else the scale, else 1) and its reciprocal, which takes ALiBi's slope into
+    that unit."""
+    unit = softcap if softcap > 0 else softmax_scale if softmax_scale > 0 else 1.0
+    return unit, 1.0 / unit
 
 
 def _forward_params(q_shape, k_shape, strides, softmax_scale, left, right, softcap, alibi_batch_stride,

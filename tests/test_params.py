@@ -171,3 +171,13 @@ def test_no_argument_is_located_by_counting_positions():
     for module in (forward, backward, decode, build):
         source = inspect.getsource(module)
         assert not positional.search(source), (module.__name__, positional.search(source).group(0))
+
+
+def test_unit_mods_constants():
+    # the unit of the Hopper forward's modified scores and its reciprocal (UnitModsConstants): the cap, else the scale,
+    # else 1
+    from fa2cupy import forward
+
+    assert forward.unit_mods_constants(0.125, 30.0) == (30.0, 1 / 30.0)
+    assert forward.unit_mods_constants(0.125, 0.0) == (0.125, 8.0)
+    assert forward.unit_mods_constants(0.0, 0.0) == (1.0, 1.0)

@@ -424,7 +424,7 @@ struct ScoreMods {
 // operations per softcapped score (tanh's exp2 and reciprocal, the softmax's exp2) the forward is otherwise bound by
 // its issue slots; the fewer FMA-pipe operations took softcap 238 -> 389 and ALiBi 400 -> 510 TFLOPs/s (d=128,
 // causal, 8k, H200), while a reciprocal by Newton's iteration on the FMA pipe instead of the MUFU measured 4% slower
-// than this. Built per tile from the arguments, like ScoreMods.
+// than this. Built per tile from the call's UnitModsConstants and the item's slope.
 //
 // ALiBi's distance d = row + diag - col is d_r - c along a thread's row r, with d_r that of the thread's first
 // column and c = 8 nt + e a constant of the fragment. Where every score of the warp's tile lies on one side of the
@@ -499,17 +499,23 @@ struct UnitScoreMods {
     }
 };
 
-// Fast: the divisions by fast_quotient (the d = 256 modifier kernels: with IEEE division's slow path their window
-// kernel spilled 12 bytes with the lazy rescale; at d = 128 fast_quotient's scaling spilled instead).
-template <bool Fast = false>
-FA2_DEVICE UnitScoreMods make_unit_score_mods(float scale, float softcap, float slope, int seqlen_q, int seqlen_k) {
-    const auto quotient = [](float a, float b) { return Fast ? fast_quotient(a, b) : a / b; };
+// A call's UnitScoreMods constants, worked out once on the host (fa2cupy/forward.py, unit_mods_constants): the
+// unit and its reciprocal, which takes an ALiBi slope into the unit with one multiply (once per work item).
+struct UnitModsConstants {
+    float unit, unit_inv;
+};
+
+// unit_slope: the ALiBi slope times c.unit_inv. The softcap's argument is divided out per tile (fast_quotient: a
+// MUFU reciprocal): taken from the host too, it measured 3-4.5% slower at d = 256 causal, the schedule ptxas gave
+// the softcap's loop (docs/design.md).
+FA2_DEVICE UnitScoreMods make_unit_score_mods(const UnitModsConstants& c, float scale, float softcap,
+                                              float unit_slope, int seqlen_q, int seqlen_k) {
     const int diag = seqlen_k - seqlen_q;
     if (softcap > 0.f)
-        return {slope != 0.f ? UnitScoreMods::kCapAlibi : UnitScoreMods::kCap,
-                quotient(2.f * kLog2e * scale, softcap), quotient(slope, softcap), softcap, diag};
-    if (scale > 0.f) return {UnitScoreMods::kAlibi, 1.f, quotient(slope, scale), scale, diag};
-    return {UnitScoreMods::kAlibiUnscaled, scale, slope, 1.f, diag};
+        return {unit_slope != 0.f ? UnitScoreMods::kCapAlibi : UnitScoreMods::kCap,
+                fast_quotient(2.f * kLog2e * scale, softcap), unit_slope, c.unit, diag};
+    if (scale > 0.f) return {UnitScoreMods::kAlibi, 1.f, unit_slope, c.unit, diag};
+    return {UnitScoreMods::kAlibiUnscaled, scale, unit_slope, c.unit, diag};
 }
 
 // step(Bool<modify>{}, Bool<drop>{}): the modifier kernels' run-time switches (score modifiers on, dropout on),

@@ -88,6 +88,9 @@ struct FwdHopperParams {
     int batch;            // the work items' batch rows (the persistent grid's size does not say)
     int heads_per_group;  // heads per L2 group of the tile counter's order (hopper/scheduler.cuh)
     int* tile_counter;    // per call: zeroed before the launch, or null for the grid stride
+    // Softcap and ALiBi (HopperFwdTraits::kMods): UnitModsConstants' fields (attention/masks.cuh)
+    float mods_unit;
+    float mods_unit_inv;
     TensorMap tmap_q;     // per call, as the pointers
     TensorMap tmap_k;
     TensorMap tmap_v;

@@ -64,6 +64,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                              params.page_shift, params.max_pages, params.num_pages, params.error_claim,
                              params.error_host, kernel_params.tile_counter, kernel_params.tmap_q,
                              kernel_params.tmap_k, kernel_params.tmap_v, kernel_params.tmap_o, params.softcap,
+                             {kernel_params.mods_unit, kernel_params.mods_unit_inv},
                              params.alibi_slopes, params.alibi_batch_stride, params.headdim, params.rng_state,
                              params.seed, params.offset, params.dropout_threshold, params.dropout_scale};
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -104,9 +105,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         const HopperFwdBounds seq{slot[1], slot[2], slot[3], 0};
         const int seqlen_q = seq.seqlen_q;
         const WindowMask<Tr::kMask> mask{seqlen_q, seq.seqlen_k, args.window_left, args.window_right};
-        // (kMods: the item's ALiBi slope; the rest of its ScoreMods is rebuilt per tile from the arguments and the
-        // mask, so that the loop holds one register for them: held whole, they spilled at d = 256)
-        const float slope = Tr::kMods ? alibi_slope(args.alibi_slopes, args.alibi_batch_stride, b, head) : 0.f;
+        // (kMods: the item's ALiBi slope in UnitScoreMods' unit; the rest of its UnitScoreMods is rebuilt per tile
+        // from the call's constants and the mask, so that the loop holds one register for them: held whole, they
+        // spilled at d = 256)
+        const float slope =
+            Tr::kMods ? alibi_slope(args.alibi_slopes, args.alibi_batch_stride, b, head) * args.mods.unit_inv : 0.f;
         const bool drop = Tr::kMods && args.dropout_threshold != 0;  // (kMods) dropout: consumer.drop()
         int n_first, n_blocks, my_first, my_count;
         mask.template key_tiles<Tr::kBlockN>(row0, Tr::kBlockM, n_first, n_blocks);
@@ -223,8 +226,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         float row_lse[2];
         // (modified scores: logits in UnitScoreMods' unit; dropout: the kept scores' 256 / threshold)
         softmax.finalize(acc_o, row_lse,
-                         consumer.modify(slope) ? make_unit_score_mods(args.scale, args.softcap, slope, 0, 0).unit
-                                                : args.scale,
+                         consumer.modify(slope) ? args.mods.unit : args.scale,
                          drop ? args.dropout_scale : 1.f);
         consumer.mark(9);
         const u32 q_tile = smem.q + q_buffer * QTile::kBytes;

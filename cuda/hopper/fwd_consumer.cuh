@@ -136,7 +136,7 @@ struct HopperFwdConsumer {
     // dropout alone keeps the plain kernels' scale, folded into the exponent.
     FA2_DEVICE bool modify(const float& slope) const { return Tr::kMods && (args.softcap > 0.f || slope != 0.f); }
 
-    // The landed scores of the block's tile j: modified (kMods: softcap, and ALiBi of `slope`, into
+    // The landed scores of the block's tile j: modified (kMods: softcap, and ALiBi of `slope` in their unit, into
     // UnitScoreMods' values), masked where some row of the warpgroup cannot see some key, then P against each
     // row's reference max (OnlineSoftmax::probabilities_lazy): whether O must take `correction`.
     FA2_DEVICE bool probabilities(const WindowMask<Tr::kMask>& mask, const float& slope, const int& n_first,
@@ -149,12 +149,12 @@ struct HopperFwdConsumer {
         RowBias<2, Tr::kAlibiRowBias> bias{{0.f, 0.f}, 0.f};
         if (modify(slope)) {
             const UnitScoreMods mods =
-                make_unit_score_mods<Tr::kWideMods>(args.scale, args.softcap, slope, mask.seqlen_q, mask.seqlen_k);
+                make_unit_score_mods(args.mods, args.scale, args.softcap, slope, mask.seqlen_q, mask.seqlen_k);
             mods.template apply<Tr::kMask == kMaskCausal, Tr::kFmaTanhs, Tr::kAlibiRowBias>(s, warp_row0, col0, lane,
                                                                                               bias.v);
             scale_log2 = mods.scale_log2();
             if constexpr (Tr::kAlibiHeadroomLog2 > 0.f)
-                if (slope != 0.f) bias.headroom = __fdividef(Tr::kAlibiHeadroomLog2, scale_log2);
+                if (slope != 0.f) bias.headroom = (Tr::kAlibiHeadroomLog2 / kLog2e) * args.mods.unit_inv;
         }
         if (mask.tile_needs_mask(wg_row0, 64, col0, Tr::kBlockN)) mask.apply(s, warp_row0, col0, lane);
         if constexpr (Tr::kLazyRescale) return softmax.probabilities_lazy(s, scale_log2, correction, bias);

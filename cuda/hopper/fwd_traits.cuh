@@ -214,6 +214,7 @@ struct HopperFwdArgs {
     const TensorMap& tmap_v;
     const TensorMap& tmap_o;
     float softcap;                           // Mods: 0 for none
+    UnitModsConstants mods;                  // Mods: softcap and ALiBi's call constants
     const float* __restrict__ alibi_slopes;  // Mods: null for none
     int alibi_batch_stride;
     int headdim;  // the arrays' own, which the columns copied and written stop at (the kernel's may be wider)
