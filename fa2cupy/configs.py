@@ -750,12 +750,12 @@ def padded_call_width(arch: int, headdim: int, dtype: str, backward: bool, mask:
 
 def hopper_forward_instantiations() -> list[str]:
     """Name expressions of every Hopper forward instantiation (compiled for sm_90a): without score modifiers for
-    every mask, with them (softcap, ALiBi) for the masks forward.kernel_variant gives modifier calls (padded: causal
-    and window; varlen: window)."""
+    every mask, with them (softcap, ALiBi, dropout) for the masks forward.kernel_variant gives modifier calls
+    (padded: causal and window; varlen: window) and, padded, without a mask (KernelOptions.hopper_unmasked_mods)."""
     plain = tuple((mask, False, varlen, paged) for mask in MASKS
                   for varlen, paged in ((False, False), (True, False), (True, True)))
-    modified = (("causal", True, False, False), ("window", True, False, False), ("window", True, True, False),
-                ("window", True, True, True))
+    modified = (("causal", True, False, False), ("none", True, False, False), ("window", True, False, False),
+                ("window", True, True, False), ("window", True, True, True))
     return sorted(hopper_forward_row(d, mods).name_expression(dtype, mask, mods, varlen=varlen, paged=paged)
                   for d in FORWARD_HOPPER_TABLE for dtype in DTYPE_TAGS
                   for mask, mods, varlen, paged in (*plain, *modified)

@@ -149,6 +149,9 @@ def plan_forward(
     if config is None or (isinstance(config, configs.HopperFwdConfig) and not tma):
         config = configs.kernel_rows(arch, headdim, dtype, mask, mods, varlen_totals is not None, seqlen_q,
                                      options=options, tma=tma, dropout=dropout_p > 0).forward
+    if (mods and mask == "window" and left == right == checks.UNLIMITED_WINDOW and varlen_totals is None
+            and dropout_p == 0 and isinstance(config, configs.HopperFwdConfig) and options.hopper_unmasked_mods):
+        mask = "none"  # (the padded Hopper forward's unmasked modifier kernel: no run-time window bounds)
     function = build.get_kernel(config.family, config.name_expression(dtype, mask, mods, varlen_totals is not None,
                                                                       paged is not None), config.smem_bytes)
     fixed = _forward_params(q_shape, k_shape, strides, softmax_scale, left, right, softcap, alibi_batch_stride,

@@ -62,6 +62,16 @@ def test_modifier_calls_plan_the_hopper_forward(d):
             assert plan.config is expected if expected else isinstance(plan.config, configs.FwdConfig)
         plan = forward.plan_forward(shape, shape, strides, "bfloat16", 0.1, causal, 90, softcap=30.0, dropout_p=0.1)
         assert plan.config is expected if expected else isinstance(plan.config, configs.FwdConfig)  # (dropout too)
+    if expected:
+        # without a mask: the unmasked modifier kernel, or with hopper_unmasked_mods=False (or with dropout) the
+        # window one
+        from fa2cupy import KernelOptions, build
+
+        for unmasked, dropout_p, mask in ((True, 0.0, "none"), (False, 0.0, "window"), (True, 0.1, "window")):
+            plan = forward.plan_forward(shape, shape, strides, "bfloat16", 0.1, False, 90, alibi_batch_stride=0,
+                                        dropout_p=dropout_p, options=KernelOptions(hopper_unmasked_mods=unmasked))
+            assert plan.launch.function is build.get_kernel(
+                "fwd_hopper", expected.name_expression("bfloat16", mask, True), expected.smem_bytes), (unmasked, mask)
     # varlen: the Hopper forward except at the padded-only head dims
     varlen_strides = ((0, 8 * d, d, 1),) * 4
     plan = forward.plan_forward(shape, shape, varlen_strides, "bfloat16", 0.1, True, 90, softcap=30.0,
