@@ -209,11 +209,14 @@ def attention_flops(case: Case, mode: str = "fwd") -> float:
     return f * FLOP_FACTORS[mode]
 
 
-def band_pairs(seqlen: int, left: int) -> int:
-    """Query-key pairs a (left, 0) window sees over ``seqlen`` tokens (query i sees keys max(0, i - left) .. i):
-    forward FLOPs are 4 d of them per head."""
-    near = min(left, seqlen)  # the first rows, which see every key up to themselves
-    return near * (near + 1) // 2 + (seqlen - near) * (left + 1)
+def band_pairs(seqlen: int, left: int, right: int = 0) -> int:
+    """Query-key pairs a (left, right) window sees over ``seqlen`` tokens (query i sees keys max(0, i - left) ..
+    min(seqlen - 1, i + right)): forward FLOPs are 4 d of them per head. The square less the two triangles the
+    window leaves out."""
+    def outside(width):  # pairs more than `width` from the diagonal on one side
+        n = max(seqlen - 1 - width, 0)
+        return n * (n + 1) // 2
+    return seqlen * seqlen - outside(left) - outside(right)
 
 
 def tflops_per_s(flops: float, ms: float | None) -> float | None:

@@ -478,6 +478,7 @@ def test_bench_cases_pass_sustain_to_every_timing(monkeypatch, mode):
 
 
 @pytest.mark.parametrize("seqlen,left", [(1, 0), (1, 5), (10, 0), (10, 3), (10, 9), (10, 10), (10, 50), (4097, 4096)])
-def test_band_pairs_counts_every_visible_pair(seqlen, left):
+@pytest.mark.parametrize("right", [0, 1, 4, 9, 60])
+def test_band_pairs_counts_every_visible_pair(seqlen, left, right):
     i, j = np.arange(seqlen)[:, None], np.arange(seqlen)[None, :]   # every (query, key) pair, by broadcasting
-    assert B.band_pairs(seqlen, left) == int(((j <= i) & (j >= i - left)).sum())
+    assert B.band_pairs(seqlen, left, right) == int(((j <= i + right) & (j >= i - left)).sum())

@@ -157,9 +157,7 @@ def main():
         elif mask == "causal":
             flops = 2 * batch * heads * seqlen * (seqlen + 1) * d
         else:
-            left, right = window_of(mask)
-            pairs = sum(min(i + right, seqlen - 1) - max(i - left, 0) + 1 for i in range(seqlen))
-            flops = 4 * batch * heads * pairs * d
+            flops = 4 * batch * heads * B.band_pairs(seqlen, *window_of(mask)) * d
         base = best[names[0]]
         cells = "  ".join(f"{n} {best[n]:.3f} ms {flops / best[n] / 1e9:.0f} TF/s ({best[n] / base:.3f}, "
                           f"diff {diffs[n]:.1e})" for n in names)
