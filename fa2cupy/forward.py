@@ -35,13 +35,16 @@ class ForwardPlan:
 
 
 def kernel_variant(causal: bool, window_size, softcap: float, alibi: bool, dropout_p: float = 0.0,
-                   causal_mods: bool = False) -> tuple[str, bool, int, int]:
+                   causal_mods: bool = False, unmasked_mods: bool = False) -> tuple[str, bool, int, int]:
     """``(mask, mods, left, right)``: the kernel variant (configs.VARIANTS) and window bounds for the options.
     Softcap, ALiBi and dropout run in the modifier variant, built on the window mask, which expresses every mask;
-    with ``causal_mods`` (the padded forward, configs.FORWARD_VARIANTS) a causal call takes the causal one."""
+    with ``causal_mods`` (the padded forward, configs.FORWARD_VARIANTS) a causal call takes the causal one, and with
+    ``unmasked_mods`` (the padded Hopper forward, KernelOptions.hopper_unmasked_mods) a call without a mask or
+    dropout the unmasked one (with dropout it measured slower there than the window one)."""
     mask, left, right = checks.window_bounds(causal, window_size)
     mods = softcap > 0 or alibi or dropout_p > 0
-    if mods and not (causal_mods and mask == "causal"):
+    keep = (causal_mods and mask == "causal") or (unmasked_mods and mask == "none" and dropout_p == 0)
+    if mods and not keep:
         mask = "window"
     return mask, mods, left, right
 
@@ -149,9 +152,10 @@ def plan_forward(
     if config is None or (isinstance(config, configs.HopperFwdConfig) and not tma):
         config = configs.kernel_rows(arch, headdim, dtype, mask, mods, varlen_totals is not None, seqlen_q,
                                      options=options, tma=tma, dropout=dropout_p > 0).forward
-    if (mods and mask == "window" and left == right == checks.UNLIMITED_WINDOW and varlen_totals is None
-            and dropout_p == 0 and isinstance(config, configs.HopperFwdConfig) and options.hopper_unmasked_mods):
-        mask = "none"  # (the padded Hopper forward's unmasked modifier kernel: no run-time window bounds)
+    # (the unmasked modifier variant is the padded Hopper forward's alone, so it is chosen once the row is)
+    if isinstance(config, configs.HopperFwdConfig) and varlen_totals is None and options.hopper_unmasked_mods:
+        mask = kernel_variant(causal, window_size, softcap, alibi_batch_stride is not None, dropout_p,
+                              causal_mods=True, unmasked_mods=True)[0]
     function = build.get_kernel(config.family, config.name_expression(dtype, mask, mods, varlen_totals is not None,
                                                                       paged is not None), config.smem_bytes)
     fixed = _forward_params(q_shape, k_shape, strides, softmax_scale, left, right, softcap, alibi_batch_stride,

@@ -332,7 +332,7 @@ def test_hopper_forward_is_chosen_only_where_it_runs():
 def test_hopper_forward_takes_softcap_alibi_and_dropout():
     # Softcap, ALiBi and dropout run on the Hopper forward at the head dims of HOPPER_MODS_HEADDIMS (padded only at
     # HOPPER_MODS_PADDED_ONLY), in their own instantiations (HopperFwdTraits' Mods) for the masks
-    # forward.kernel_variant gives modifier calls: padded causal and window, varlen and paged window.
+    # forward.kernel_variant gives modifier calls: padded causal, none and window, varlen and paged window.
     from fa2cupy import forward
 
     names = set(configs.hopper_forward_instantiations())
@@ -340,7 +340,8 @@ def test_hopper_forward_takes_softcap_alibi_and_dropout():
         row = configs.hopper_forward_row(d, mods=True)
         for varlen, paged in ((False, False), (True, False), (True, True)):
             for causal in (False, True):
-                mask, mods, _, _ = forward.kernel_variant(causal, (-1, -1), 30.0, False, causal_mods=not varlen)
+                mask, mods, _, _ = forward.kernel_variant(causal, (-1, -1), 30.0, False, causal_mods=not varlen,
+                                                          unmasked_mods=not varlen)
                 chosen = configs.kernel_rows(90, d, "bfloat16", mask, mods, varlen, seqlen_q=4096)
                 dropped = configs.kernel_rows(90, d, "bfloat16", mask, mods, varlen, seqlen_q=4096, dropout=True)
                 if not configs.hopper_takes_mods(d, varlen):

@@ -133,6 +133,14 @@ def test_padded_causal_calls_with_modifiers_take_the_causal_modifier_variant():
     assert forward.kernel_variant(True, (-1, -1), 0.0, False, 0.1)[:2] == ("window", True)  # (the backward)
     assert forward.kernel_variant(True, (8, -1), 30.0, False, causal_mods=True)[:2] == ("window", True)
     assert forward.kernel_variant(False, (-1, -1), 30.0, False, causal_mods=True)[:2] == ("window", True)
+    # the padded Hopper forward's unmasked modifier variant: calls without a mask or dropout
+    unmasked = dict(causal_mods=True, unmasked_mods=True)
+    assert forward.kernel_variant(False, (-1, -1), 30.0, False, **unmasked)[:2] == ("none", True)
+    assert forward.kernel_variant(False, (-1, -1), 0.0, True, **unmasked)[:2] == ("none", True)
+    assert forward.kernel_variant(False, (-1, -1), 30.0, False, 0.1, **unmasked)[:2] == ("window", True)
+    assert forward.kernel_variant(False, (8, -1), 0.0, True, **unmasked)[:2] == ("window", True)
+    assert forward.kernel_variant(True, (-1, -1), 0.0, True, **unmasked)[:2] == ("causal", True)
+    assert forward.kernel_variant(False, (-1, -1), 0.0, False, **unmasked)[:2] == ("none", False)
     shipped = set(configs.forward_instantiations())
     for dtype in configs.DTYPE_TAGS:
         for (fam, d), config in configs.FORWARD_TABLE.items():
