@@ -9,8 +9,8 @@ the layout of that tree's cuda/) from OLD_REV (unpacked by ``git archive``, no w
 compiles the instantiations both ship for ARCH (the tables of that arch's families: 80 -> sm80 and sm86, 90 ->
 sm90, 90a -> the Hopper lists; ``--all``: every instantiation of the family) and that contain every filter string,
 disassembles them with nvdisasm and prints SAME or DIFF per kernel, with ptxas's register counts where they differ.
-Kernel-parameter offsets, the kernel's own symbol, label numbers and the numbers NVRTC gives its internal helpers
-(which depend on the other kernels in the module) are normalised, so a kernel whose instructions
+Kernel-parameter offsets, the kernel's own symbol, label numbers, runs of blanks and the numbers NVRTC gives its
+internal helpers (which depend on the other kernels in the module) are normalised, so a kernel whose instructions
 did not change prints SAME even when the parameter list grew: the proof that a change left a kernel's code alone.
 
 The compiler is NVRTC with the runtime's options (what fa2cupy builds on a GPU), or nvcc with ``--nvcc``. Results
@@ -38,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+NORMALISATION = "2"  # (part of the cache key: bump when _disassemble's normalisation changes)
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fa2cupy" / "sass_diff"
 
 #: The instantiation lists of each family, and the table families whose rows a compile target stands for.
@@ -93,6 +94,7 @@ def _disassemble(cubin: bytes, work: Path) -> dict[str, list[str]]:
         if instruction and current:
             ins = re.sub(r"c\[0x0\]\[0x[0-9a-f]+\]", "c[0x0][param]", instruction.group(1))
             ins = re.sub(r"__internal_\d+_", "__internal_", ins)  # (helpers numbered per module)
+            ins = re.sub(r"\s+", " ", ins)  # (nvdisasm pads branch-target notes by the labels' widths)
             kernels[current].append(re.sub(r"`\(_Z\w+\)", "`(self)", ins))
     for name, lines in kernels.items():
         labels: dict[str, str] = {}
@@ -192,7 +194,8 @@ def sass(info: dict, arch: str, names: list[str], nvcc: bool, jobs: int, work: P
 
 def cached_sass(info: dict, arch: str, names: list[str], nvcc: bool, jobs: int, work: Path) -> dict[str, dict]:
     """sass() through a cache keyed by the source's content (so an unchanged family, or OLD_REV's, compiles once)."""
-    key = hashlib.sha256("\0".join([_compiler_version(nvcc), info["source"], *info["options"], arch]).encode())
+    key = hashlib.sha256("\0".join([_compiler_version(nvcc), info["source"], *info["options"], arch,
+                                     NORMALISATION]).encode())
     key = key.hexdigest()[:24]
     cache = CACHE / f"{'nvcc' if nvcc else 'nvrtc'}_{key}.json.gz"
     known = json.loads(gzip.decompress(cache.read_bytes())) if cache.is_file() else {}

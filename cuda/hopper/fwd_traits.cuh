@@ -60,12 +60,13 @@ struct HopperFwdTraits {
     // O rescaled only once a row's max has moved far (OnlineSoftmax::probabilities_lazy): H200, 8k, 16 heads of 128
     // (or 2048 / d), bf16, the plain kernels 2-3% faster at d = 128, 12-13% at 192, 17% at 256 (docs/design.md).
     // Not with modifiers at d = 64 and 128 (ALiBi 3-8% and dropout up to 6% slower with it, softcap no faster). (The
-    // d = 256 window kernel with modifiers, which non-causal calls with them run: 0.835 -> 0.99 of the plain call
-    // with none switched on, softcap 0.63 -> 0.67.)
+    // d = 256 window kernel with modifiers, which windowed modifier calls and non-causal ones with dropout run: 0.835
+    // -> 0.99 of the plain call with none switched on, softcap 0.63 -> 0.67.)
     static constexpr bool kLazyRescale = !(Mods && HeadDim <= 128);
     // ALiBi on warp tiles that lie on one side of the diagonal as one FMA a score and a per-row bias to the softmax
-    // (UnitScoreMods::apply, RowBias). Not in the d = 256 window kernel, which non-causal calls with modifiers run:
-    // it spilled 84 bytes at 232 registers; it keeps two operations a score and the softmax without a bias.
+    // (UnitScoreMods::apply, RowBias). Not in the d = 256 window kernel: it spilled 84 bytes at 232 registers; it
+    // keeps two operations a score and the softmax without a bias (calls without a mask or dropout take the unmasked
+    // kernel, which has both: forward.kernel_variant).
     static constexpr bool kAlibiRowBias = Mods && !(kWideMods && Mask == kMaskWindow);
     // With ALiBi, whose bias climbs tile by tile towards the diagonal and so moves the rows' maxima past the lazy
     // rescale's threshold at most steps, a row's reference max moves 2^kAlibiHeadroomLog2 past its new max (RowBias'
