@@ -409,6 +409,19 @@ def add_tree_arguments(parser, tree_help: str, cases, rounds: int, repeats: int,
                              "at the clock its own load settles to (sustain)")
 
 
+def kernel_options_of(text: str):
+    """KernelOptions with the fields of ``key=value,key=value`` changed (values: ints, 1/0 for bools, none): the
+    option sets of bench/dev/options_ab.py and the trees of tree_ab.py."""
+    from fa2cupy import KernelOptions
+
+    fields = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        kind = str(KernelOptions.__dataclass_fields__[key].type)
+        fields[key] = None if value == "none" else bool(int(value)) if "bool" in kind else int(value)
+    return KernelOptions(**fields)
+
+
 def trees_of(specs) -> dict:
     """--trees' ``name=spec`` items as {name: spec} (a spec may hold '=' itself)."""
     return dict(item.split("=", 1) for item in specs)

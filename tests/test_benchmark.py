@@ -482,3 +482,15 @@ def test_bench_cases_pass_sustain_to_every_timing(monkeypatch, mode):
 def test_band_pairs_counts_every_visible_pair(seqlen, left, right):
     i, j = np.arange(seqlen)[:, None], np.arange(seqlen)[None, :]   # every (query, key) pair, by broadcasting
     assert B.band_pairs(seqlen, left, right) == int(((j <= i + right) & (j >= i - left)).sum())
+
+
+def test_kernel_options_of_reads_option_sets():
+    # options_ab.py's option sets and tree_ab.py's trees: ints, 1/0 for bools, none; nothing changed for ""
+    from fa2cupy import KernelOptions
+
+    assert B.kernel_options_of("") == KernelOptions()
+    options = B.kernel_options_of("hopper_alibi_only=0,hopper_masked_min_seqlen=none,sm_count=2")
+    assert options == KernelOptions(hopper_alibi_only=False, hopper_masked_min_seqlen=None, sm_count=2)
+    assert B.kernel_options_of("hopper_pad_headdim=1").hopper_pad_headdim is True
+    with pytest.raises(KeyError):
+        B.kernel_options_of("no_such_option=1")

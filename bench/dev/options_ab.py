@@ -33,12 +33,7 @@ from fa2cupy_bench import harness as B
 def parse_options(text: str) -> tuple[str, KernelOptions]:
     """NAME=key=value,key=value (values: ints, 1/0 for bools, none)."""
     name, _, rest = text.partition("=")
-    fields = {}
-    for item in filter(None, rest.split(",")):
-        key, _, value = item.partition("=")
-        kind = KernelOptions.__dataclass_fields__[key].type
-        fields[key] = None if value == "none" else bool(int(value)) if "bool" in str(kind) else int(value)
-    return name, KernelOptions(**fields)
+    return name, B.kernel_options_of(rest)
 
 
 DROPOUT_P = 0.1  # (--mods dropout: fa2cupy's and SDPA's)

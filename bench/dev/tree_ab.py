@@ -11,7 +11,8 @@ between two trees without it, 0.5% with 2 s: docs/design.md, "How figures are me
         python bench/dev/tree_ab.py --ncu --trees ...     # each case once per tree, in the order printed: SM cycles
     (from the repository root, after ``pip install -e .``: the harness is the installed package ``fa2cupy_bench``)
 
-A tree may name a Hopper row after an @ (HopperFwdConfig's fields after the head dim, for d=128 or, as
+A tree may name KernelOptions fields after a + (``general=cuda+hopper_alibi_only=0``: values ints, 1/0 for bools,
+none) and a Hopper row after an @ (HopperFwdConfig's fields after the head dim, for d=128 or, as
 ``@64:128,4,4,2,3``, another head dim; consumer_wgs may be left out: 2), which then runs every case of that head dim;
 otherwise each tree plans with this package's tables. Make the trees on the
 machine that sends the command: a remote machine's copy of the repository may not have the commit to unpack.
@@ -64,7 +65,10 @@ def window_of(mask: str) -> tuple[int, int]:
 
 
 def plans_for(tree: str, cases):
-    """Each case planned against the kernels of the sources in ``tree`` (compiled now, kept by the plans)."""
+    """Each case planned against the kernels of the sources in ``tree`` (compiled now, kept by the plans), with the
+    KernelOptions named after a ``+``."""
+    tree, _, options = tree.partition("+")
+    options = B.kernel_options_of(options)
     tree, _, row = tree.partition("@")
     config = None
     if row:  # [d:]block_n,k_stages,v_stages,q_buffers[,consumer_wgs] (d=128 when no head dim is named)
@@ -83,7 +87,8 @@ def plans_for(tree: str, cases):
                                            window_size=window, softcap=SOFTCAP if "softcap" in mods else 0.0,
                                            alibi_batch_stride=0 if "alibi" in mods else None,
                                            dropout_p=DROPOUT_P if "dropout" in mods else 0.0,
-                                           config=config if config and config.headdim == d else None)
+                                           config=config if config and config.headdim == d else None,
+                                           options=options)
     return plans
 
 
