@@ -104,12 +104,16 @@ class HopperFwdConfig:
             8 * (2 * self.k_stages + self.v_stages + 2 * self.q_buffers) + 4 * (7 * self.q_buffers + 2))
 
     def name_expression(self, dtype: str, mask: str, mods: bool = False, varlen: bool = False,
-                        paged: bool = False) -> str:
-        """``mods``: softcap, ALiBi and dropout (HopperFwdTraits::kMods)."""
+                        paged: bool = False, alibi_only: bool = False) -> str:
+        """``mods``: softcap, ALiBi and dropout (HopperFwdTraits::kMods); ``alibi_only``: the modifier kernel with
+        ALiBi's code alone (kAlibiOnly: padded, no window)."""
         if paged and not varlen:
             raise ValueError("paged K/V comes with varlen")
+        if alibi_only and not (mods and not varlen and mask != "window"):
+            raise ValueError("the ALiBi-only kernel is a padded modifier kernel without a window")
         if mods:
             flags = f"{DTYPE_TAGS[dtype]}, {MASK_TAGS[mask]}, {str(varlen).lower()}, {str(paged).lower()}, true"
+            flags += ", true" if alibi_only else ""
         else:
             flags = f"{DTYPE_TAGS[dtype]}, {MASK_TAGS[mask]}{', true' if varlen else ''}{', true' if paged else ''}"
         return (f"fa2::flash_fwd_hopper<fa2::HopperFwdTraits<{self.headdim}, {self.block_n}, {self.k_stages}, "
@@ -751,14 +755,18 @@ def padded_call_width(arch: int, headdim: int, dtype: str, backward: bool, mask:
 def hopper_forward_instantiations() -> list[str]:
     """Name expressions of every Hopper forward instantiation (compiled for sm_90a): without score modifiers for
     every mask, with them (softcap, ALiBi, dropout) for the masks forward.kernel_variant gives modifier calls
-    (padded: causal and window; varlen: window) and, padded, without a mask (KernelOptions.hopper_unmasked_mods)."""
-    plain = tuple((mask, False, varlen, paged) for mask in MASKS
+    (padded: causal and window; varlen: window) and, padded, without a mask (KernelOptions.hopper_unmasked_mods),
+    and the padded ALiBi-only kernels without a mask and causal (forward.alibi_only_kernel)."""
+    plain = tuple((mask, False, varlen, paged, False) for mask in MASKS
                   for varlen, paged in ((False, False), (True, False), (True, True)))
-    modified = (("causal", True, False, False), ("none", True, False, False), ("window", True, False, False),
-                ("window", True, True, False), ("window", True, True, True))
-    return sorted(hopper_forward_row(d, mods).name_expression(dtype, mask, mods, varlen=varlen, paged=paged)
+    modified = (("causal", True, False, False, False), ("none", True, False, False, False),
+                ("window", True, False, False, False), ("window", True, True, False, False),
+                ("window", True, True, True, False), ("causal", True, False, False, True),
+                ("none", True, False, False, True))
+    return sorted(hopper_forward_row(d, mods).name_expression(dtype, mask, mods, varlen=varlen, paged=paged,
+                                                              alibi_only=alibi_only)
                   for d in FORWARD_HOPPER_TABLE for dtype in DTYPE_TAGS
-                  for mask, mods, varlen, paged in (*plain, *modified)
+                  for mask, mods, varlen, paged, alibi_only in (*plain, *modified)
                   if not mods or hopper_takes_mods(d, varlen))
 
 

@@ -49,6 +49,15 @@ def kernel_variant(causal: bool, window_size, softcap: float, alibi: bool, dropo
     return mask, mods, left, right
 
 
+def alibi_only_kernel(mask: str, mods: bool, softcap: float, alibi: bool, dropout_p: float,
+                      softmax_scale: float) -> bool:
+    """Whether a padded Hopper forward call of kernel variant ``(mask, mods)`` (:func:`kernel_variant`) runs the
+    ALiBi-only kernel (HopperFwdTraits::kAlibiOnly, KernelOptions.hopper_alibi_only): ALiBi its one modifier, at a
+    positive scale in fp32, as the kernel takes it (UnitScoreMods' kAlibi), without a mask or causal."""
+    return bool(mods and mask in ("none", "causal") and alibi and softcap <= 0 and dropout_p <= 0
+                and np.float32(softmax_scale) > 0)
+
+
 def dropout_threshold(dropout_p: float) -> int:
     """The kernels' keep threshold for ``dropout_p``: a score is kept iff its 8-bit Philox number (cuda/attention/masks.cuh,
     Dropout) is below it, so the keep probability is threshold / 256 exactly. round((1 - p) * 256), at least 1;
@@ -152,12 +161,17 @@ def plan_forward(
     if config is None or (isinstance(config, configs.HopperFwdConfig) and not tma):
         config = configs.kernel_rows(arch, headdim, dtype, mask, mods, varlen_totals is not None, seqlen_q,
                                      options=options, tma=tma, dropout=dropout_p > 0).forward
-    # (the unmasked modifier variant is the padded Hopper forward's alone, so it is chosen once the row is)
-    if isinstance(config, configs.HopperFwdConfig) and varlen_totals is None and options.hopper_unmasked_mods:
+    # (the unmasked modifier variant and the ALiBi-only kernel are the padded Hopper forward's alone, so they are
+    # chosen once the row is)
+    padded_hopper = isinstance(config, configs.HopperFwdConfig) and varlen_totals is None
+    if padded_hopper and options.hopper_unmasked_mods:
         mask = kernel_variant(causal, window_size, softcap, alibi_batch_stride is not None, dropout_p,
                               causal_mods=True, unmasked_mods=True)[0]
-    function = build.get_kernel(config.family, config.name_expression(dtype, mask, mods, varlen_totals is not None,
-                                                                      paged is not None), config.smem_bytes)
+    alibi_only = padded_hopper and options.hopper_alibi_only and alibi_only_kernel(
+        mask, mods, softcap, alibi_batch_stride is not None, dropout_p, softmax_scale)
+    variant = (dtype, mask, mods, varlen_totals is not None, paged is not None)
+    name = config.name_expression(*variant, alibi_only=True) if alibi_only else config.name_expression(*variant)
+    function = build.get_kernel(config.family, name, config.smem_bytes)
     fixed = _forward_params(q_shape, k_shape, strides, softmax_scale, left, right, softcap, alibi_batch_stride,
                             varlen_totals, dropout_p, paged)
     grid = ((seqlen_q + config.block_m - 1) // config.block_m, nheads, batch)

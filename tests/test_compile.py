@@ -359,6 +359,16 @@ def test_hopper_forward_takes_softcap_alibi_and_dropout():
     assert configs.FORWARD_HOPPER_TABLE[64].consumer_wgs == 3
     # the plain instantiations keep their names (and machine code)
     assert configs.FORWARD_HOPPER_TABLE[128].name_expression("float16", "causal").endswith("fa2::kMaskCausal>>")
+    # the ALiBi-only kernels (HopperFwdTraits::kAlibiOnly): padded, without a mask and causal, at every modifier
+    # head dim and dtype; no windowed or varlen one
+    alibi_only = {n for n in names if n.endswith("false, false, true, true>>")}
+    assert alibi_only == {configs.hopper_forward_row(d, mods=True).name_expression(dtype, mask, True, alibi_only=True)
+                          for d in configs.HOPPER_MODS_HEADDIMS for dtype in configs.DTYPE_TAGS
+                          for mask in ("none", "causal")}
+    for kw in (dict(mask="window"), dict(mask="none", varlen=True), dict(mask="none", mods=False)):
+        with pytest.raises(ValueError, match="ALiBi-only"):
+            configs.hopper_forward_row(128, mods=True).name_expression("float16", **dict(dict(mods=True), **kw),
+                                                                        alibi_only=True)
 
 
 def test_hopper_forward_wide_rows():

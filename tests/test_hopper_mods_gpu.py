@@ -64,20 +64,65 @@ def test_modifier_calls_plan_the_hopper_forward(d):
         assert plan.config is expected if expected else isinstance(plan.config, configs.FwdConfig)  # (dropout too)
     if expected:
         # without a mask: the unmasked modifier kernel, or with hopper_unmasked_mods=False (or with dropout) the
-        # window one
+        # window one (softcap: ALiBi alone runs the ALiBi-only kernel, below)
         from fa2cupy import KernelOptions, build
 
         for unmasked, dropout_p, mask in ((True, 0.0, "none"), (False, 0.0, "window"), (True, 0.1, "window")):
-            plan = forward.plan_forward(shape, shape, strides, "bfloat16", 0.1, False, 90, alibi_batch_stride=0,
+            plan = forward.plan_forward(shape, shape, strides, "bfloat16", 0.1, False, 90, softcap=30.0,
                                         dropout_p=dropout_p, options=KernelOptions(hopper_unmasked_mods=unmasked))
             assert plan.launch.function is build.get_kernel(
                 "fwd_hopper", expected.name_expression("bfloat16", mask, True), expected.smem_bytes), (unmasked, mask)
+        # ALiBi alone at a positive scale, without a mask or causal: the ALiBi-only kernel; with softcap too, at
+        # scale 0 or with hopper_alibi_only=False the modifier kernel
+        for causal in (False, True):
+            mask = "causal" if causal else "none"
+            for kw, alibi_only in (({}, True), (dict(options=KernelOptions(hopper_alibi_only=False)), False),
+                                   (dict(softcap=30.0), False), (dict(softmax_scale=0.0), False)):
+                scale = kw.pop("softmax_scale", 0.1)
+                plan = forward.plan_forward(shape, shape, strides, "bfloat16", scale, causal, 90,
+                                            alibi_batch_stride=0, **kw)
+                assert plan.launch.function is build.get_kernel(
+                    "fwd_hopper", expected.name_expression("bfloat16", mask, True, alibi_only=alibi_only),
+                    expected.smem_bytes), (causal, kw)
     # varlen: the Hopper forward except at the padded-only head dims
     varlen_strides = ((0, 8 * d, d, 1),) * 4
     plan = forward.plan_forward(shape, shape, varlen_strides, "bfloat16", 0.1, True, 90, softcap=30.0,
                                 varlen_totals=(2048, 2048))
     assert plan.config is configs.hopper_forward_row(d, mods=True) if configs.hopper_takes_mods(d, varlen=True) else (
         isinstance(plan.config, configs.FwdConfig))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", HOPPER_DIMS)
+def test_alibi_only_kernel_matches_modifier_kernel_and_reference(d, causal, dtype):
+    """ALiBi alone runs the ALiBi-only kernel (HopperFwdTraits::kAlibiOnly), whose arithmetic is the modifier
+    kernel's: the same bits as that kernel (hopper_alibi_only=False) and the float64 reference, with per-batch
+    slopes, ragged tiles and more keys than queries (the causal diagonal bottom-right)."""
+    from fa2cupy import build
+    from fa2cupy.reference import attention_ref
+    from test_varlen_mods_gpu import _check_padded, _host
+
+    fa = fa2cupy_module()
+    rng = np.random.default_rng()
+    b, sq, sk, h = 2, 130, 300, 4
+    q, k, v = (_randn(rng, (b, n, h, d), dtype) for n in (sq, sk, sk))
+    slopes = _slopes(rng, b, h, per_batch=True)
+    kw = dict(causal=causal, alibi_slopes=slopes)
+    results = {}
+    for alibi_only in (True, False):
+        with _on_hopper(), kernel_options(hopper_alibi_only=alibi_only), recorded_forward_plans() as plans:
+            out, lse, _ = fa.flash_attn_func(q, k, v, return_attn_probs=True, **kw)
+        row = configs.hopper_forward_row(d, mods=True)
+        name = row.name_expression(dtype, "causal" if causal else "none", True, alibi_only=alibi_only)
+        assert [p.launch.function for p in plans] == [build.get_kernel("fwd_hopper", name, row.smem_bytes)]
+        results[alibi_only] = (out, lse)
+    (out, lse), (general_out, general_lse) = results[True], results[False]
+    np.testing.assert_array_equal(_host(out), _host(general_out))
+    np.testing.assert_array_equal(_host(lse), _host(general_lse))
+    ref_out, ref_lse = attention_ref(*(_host(x) for x in (q, k, v)), causal=causal,
+                                     alibi_slopes=_cupy().asnumpy(slopes))
+    _check_padded(out, lse, ref_out, ref_lse, v, dtype)
 
 
 @settings(deadline=None)

@@ -175,14 +175,18 @@ def check_window(i, sq, sk, h, hkv, d, causal, window) -> bool:
     return bool(ok)
 
 # (sq, sk, h, hkv, d, causal, softcap, alibi): padded forward with a score modifier on the Hopper rows that take
-# them (configs.hopper_takes_mods), ragged ends on both sides.
+# them (configs.hopper_takes_mods), ragged ends on both sides; ALiBi alone runs the ALiBi-only kernels (at every
+# head dim, without a mask or causal).
 MODS_CASES = (
     (150, 190, 4, 2, 64, False, 3.0, True),
+    (150, 190, 4, 2, 64, True, 0.0, True),
     (130, 200, 4, 2, 128, True, 5.0, False),
     (200, 90, 2, 1, 128, False, 0.0, True),
     (130, 200, 4, 2, 192, True, 3.0, True),
     (130, 200, 4, 2, 192, False, 3.0, True),
+    (130, 200, 4, 2, 192, False, 0.0, True),
     (200, 150, 2, 1, 256, True, 5.0, False),
+    (200, 150, 2, 1, 256, True, 0.0, True),
     (90, 200, 2, 2, 256, False, 0.0, True),
 )
 

@@ -448,8 +448,10 @@ struct UnitScoreMods {
     // FmaTanhs: of each fragment's four softcapped scores, how many take tanh_of_exp2_arg_fma (its reciprocal on the
     // FMA pipe) rather than tanh_of_exp2_arg (on the MUFU, like both exp2s). OneSided: without NonNegative, whether
     // tiles on one side of the diagonal take the one-FMA form (else every tile takes |d|: fewer registers).
-    template <bool NonNegative, int FmaTanhs = 0, bool OneSided = true, int NTiles>
+    // AlibiOnly: the kind is kAlibi (ALiBi alone at a positive scale), so the others' code is left out.
+    template <bool NonNegative, int FmaTanhs = 0, bool OneSided = true, bool AlibiOnly = false, int NTiles>
     FA2_DEVICE void apply(float (&s)[1][NTiles][4], int row0, int col0, int lane, float (&bias)[2]) const {
+        if constexpr (AlibiOnly) return apply_kind<kAlibi, NonNegative, FmaTanhs, OneSided>(s, row0, col0, lane, bias);
         switch (kind) {
             case kCap: return apply_kind<kCap, NonNegative, FmaTanhs, OneSided>(s, row0, col0, lane, bias);
             case kCapAlibi: return apply_kind<kCapAlibi, NonNegative, FmaTanhs, OneSided>(s, row0, col0, lane, bias);

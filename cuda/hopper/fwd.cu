@@ -20,7 +20,7 @@
 // FwdHopperParams (common/params.cuh): flash_fwd's parameters (cuda/fwd.cu) plus the batch size, the heads per L2
 // group, the tile counter (null for the grid stride) and the tensor maps of q, k, v and o (fa2cupy/tensor_maps.py;
 // paged calls have no K or V map); padded and varlen calls, varlen with paged K/V too, with softcap, ALiBi and
-// dropout (HopperFwdTraits::kMods) or without.
+// dropout (HopperFwdTraits::kMods; padded ALiBi alone: kAlibiOnly) or without.
 //
 // The kernel assembles its parts: the traits and shared-memory layout (hopper/fwd_traits.cuh), the work items
 // (hopper/scheduler.cuh), the producer (hopper/fwd_producer.cuh), the consumers' stages (hopper/fwd_consumer.cuh)
@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         // spilled at d = 256)
         const float slope =
             Tr::kMods ? alibi_slope(args.alibi_slopes, args.alibi_batch_stride, b, head) * args.mods.unit_inv : 0.f;
-        const bool drop = Tr::kMods && args.dropout_threshold != 0;  // (kMods) dropout: consumer.drop()
+        const bool drop = Tr::kMods && !Tr::kAlibiOnly && args.dropout_threshold != 0;  // dropout: consumer.drop()
         int n_first, n_blocks, my_first, my_count;
         mask.template key_tiles<Tr::kBlockN>(row0, Tr::kBlockM, n_first, n_blocks);
         mask.template key_tiles<Tr::kBlockN>(wg_row0, 64, my_first, my_count);

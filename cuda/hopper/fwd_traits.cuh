@@ -17,7 +17,7 @@ namespace fa2 {
 enum HopperFwdBarrier : int { kFwdTurn0 = 1, kFwdTurn1 = 2, kFwdTurn2 = 3, kFwdTurnThreads = 256 };
 
 template <int HeadDim, int BlockN, int KStages, int VStages, int QBuffers, int ConsumerWGs, class Elem_, int Mask,
-          bool Varlen = false, bool Paged = false, bool Mods = false>
+          bool Varlen = false, bool Paged = false, bool Mods = false, bool AlibiOnly = false>
 struct HopperFwdTraits {
     using Elem = Elem_;
     // Consumer warpgroups of 64 rows each, taking turns to issue: with three (d=64, where a tile's products are
@@ -40,6 +40,13 @@ struct HopperFwdTraits {
     // before the mask, and dropout drops entries of P (either may be off at run time). (Shipped at
     // configs.HOPPER_MODS_HEADDIMS.)
     static constexpr bool kMods = Mods;
+    // AlibiOnly (with Mods, padded calls without a mask or causal): the modifier kernel with only ALiBi's code in
+    // it, for calls whose one modifier is ALiBi at a positive scale (forward.alibi_only_kernel): no softcap, no
+    // dropout, one UnitScoreMods kind, 41-59% fewer instructions than the modifier kernel, whose softcap and
+    // dropout paths sit beside ALiBi's. H200, bf16, 8k, in turns against it: ALiBi +4-7% at d = 64 and 256, +3%
+    // at 128, level at 192 (docs/design.md).
+    static constexpr bool kAlibiOnly = AlibiOnly;
+    static_assert(!AlibiOnly || (Mods && !Varlen && Mask != kMaskWindow), "the ALiBi kernel: padded, no window");
     // Padded calls move their tiles with the tensor memory accelerator (tensor maps of q, k, v and o: one thread
     // issues a tile's copies, rows past the sequence read as zeros and are not written); varlen calls, whose
     // tiles end inside the packed arrays, so too for Q, whole output tiles and, with packed K/V, whole K/V tiles,
