@@ -75,10 +75,11 @@ FAMILIES = {
 # launch asks for, the kernel template's name).
 HOPPER_FAMILIES = {
     # (forward: padded, varlen and paged for every mask; with softcap/ALiBi padded causal, window and none, varlen
-    # and paged window, at the head dims of HOPPER_MODS_HEADDIMS; padded only at HOPPER_MODS_PADDED_ONLY)
+    # and paged window, at the head dims of HOPPER_MODS_HEADDIMS; padded only at HOPPER_MODS_PADDED_ONLY; ALiBi
+    # alone padded causal and none)
     "fwd_hopper": (configs.hopper_forward_instantiations,
                    len(configs.DTYPE_TAGS) * (len(configs.FORWARD_HOPPER_TABLE) * len(configs.MASKS) * 3
-                                              + len(configs.HOPPER_MODS_HEADDIMS) * 5
+                                              + len(configs.HOPPER_MODS_HEADDIMS) * (5 + 2)
                                               - len(configs.HOPPER_MODS_PADDED_ONLY) * 2),
                    lambda: [(c, c.smem_bytes) for c in (*configs.FORWARD_HOPPER_TABLE.values(),
                                                          *configs.FORWARD_HOPPER_MODS_TABLE.values())],
