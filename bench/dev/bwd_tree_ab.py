@@ -10,8 +10,8 @@ A tree may name the Hopper dQ accumulator's pad after an @ (``new8=path/cuda@pad
 for sources whose HopperBwdTraits::kDqPitch differs from this package's configs.HopperBwdConfig.dq_pitch): its calls
 are planned with that pitch.
 
-A case is ``bwd<d>:<mask>:<seqlen>[:det][:softcap]`` with mask none or causal, ``det`` for deterministic=True,
-``softcap`` for a softcap of 30; bf16, 16k
+A case is ``bwd<d>:<mask>:<seqlen>[:det][:softcap][:alibi]`` with mask none or causal, ``det`` for
+deterministic=True, ``softcap`` for a softcap of 30, ``alibi`` for ALiBi slopes in [0, 0.1); bf16, 16k
 tokens per batch, 2048 / d heads (head dims without a Hopper row at the width the library picks). The kernel
 parameter structs are this package's: a tree must take the same fields, or a prefix of them (a field added at a
 struct's end is ignored by sources that do not read it). Timing: random q, k, v and dO with a fixed lse (P = exp(logit
@@ -36,14 +36,15 @@ DEFAULT_CASES = ("bwd64:none:2048", "bwd80:none:8192", "bwd96:none:8192", "bwd12
 
 
 def parse_case(case: str):
-    """(head dim, causal, seqlen, deterministic, softcap) of ``bwd<d>:<mask>:<seqlen>[:det][:softcap]``."""
+    """(head dim, causal, seqlen, deterministic, softcap, alibi) of
+    ``bwd<d>:<mask>:<seqlen>[:det][:softcap][:alibi]``."""
     fields = case.split(":")
     extra = set(fields[3:])
     if (not fields[0].startswith("bwd") or len(fields) < 3 or fields[1] not in ("none", "causal")
-            or not extra <= {"det", "softcap"}):
-        raise SystemExit(f"{case}: expected bwd<d>:none|causal:<seqlen>[:det][:softcap]")
+            or not extra <= {"det", "softcap", "alibi"}):
+        raise SystemExit(f"{case}: expected bwd<d>:none|causal:<seqlen>[:det][:softcap][:alibi]")
     softcap = SOFTCAP if "softcap" in extra else 0.0
-    return int(fields[0][3:]), fields[1] == "causal", int(fields[2]), "det" in extra, softcap
+    return int(fields[0][3:]), fields[1] == "causal", int(fields[2]), "det" in extra, softcap, "alibi" in extra
 
 
 def shape_of(d: int, seqlen: int):
@@ -68,14 +69,14 @@ def plans_for(tree: str, cases):
 
 
 def plan_case(case: str):
-    d, causal, seqlen, det, softcap = parse_case(case)
+    d, causal, seqlen, det, softcap, alibi = parse_case(case)
     shape = shape_of(d, seqlen)
     row = shape[2] * d
     strides = dict.fromkeys(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), (shape[1] * row, row, d, 1))
     mask = "causal" if causal else "none"
     width = configs.padded_call_width(90, d, "bfloat16", True, mask, seqlen_q=seqlen, options=KernelOptions())
     return backward.plan_backward(shape, shape, strides, "bfloat16", d ** -0.5, causal, det, 90, width=width,
-                                  softcap=softcap)
+                                  softcap=softcap, alibi_batch_stride=0 if alibi else None)
 
 
 def main():
@@ -89,9 +90,10 @@ def main():
     stream = cupy.cuda.get_current_stream()
     bits = lambda shape: arrays.bf16_bits(cupy, rng.standard_normal(shape, dtype=cupy.float32))  # noqa: E731
     for case in args.cases:
-        d, causal, seqlen, det, softcap = parse_case(case)
+        d, causal, seqlen, det, softcap, alibi = parse_case(case)
         shape = shape_of(d, seqlen)
         q, k, v, out, dout = (bits(shape) for _ in range(5))
+        slopes = rng.uniform(0, 0.1, shape[2], dtype=cupy.float32) if alibi else None
         # (P = exp(logit - lse): small and finite, the softcap's logits up to 30)
         lse = cupy.full(shape[:1] + shape[2:3] + shape[1:2], 10.0 + softcap, cupy.float32)
         outs, best = {}, {}
@@ -103,12 +105,12 @@ def main():
             pointers = dict(backward.NO_POINTERS, q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, out=out.data.ptr,
                             dout=dout.data.ptr, softmax_lse=lse.data.ptr, dsum=dsum.data.ptr,
                             dq_accum=accum.data.ptr, dq=grads[0].data.ptr, dk=grads[1].data.ptr,
-                            dv=grads[2].data.ptr)
+                            dv=grads[2].data.ptr, alibi_slopes=0 if slopes is None else slopes.data.ptr)
             calls[name] = (lambda plan=plan, pointers=pointers: backward.run_backward(plan, pointers, (0, 0),
                                                                                          stream.ptr))
             calls[name]()
             outs[name] = [arrays.bf16_bits_to_float(cupy, g) for g in grads]
-            calls[name].keep = (grads, dsum, accum)
+            calls[name].keep = (grads, dsum, accum, slopes)
         first = next(iter(outs.values()))
         diffs = {name: max(float(cupy.abs(a - b).max()) for a, b in zip(o, first)) for name, o in outs.items()}
         names = list(calls)
