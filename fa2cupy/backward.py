@@ -91,12 +91,16 @@ def plan_backward(
         dropout_threshold=threshold, dropout_scale=keep_scale, **error_pointers())
 
     pre = _preprocess_launch(q_shape, dtype, fixed)
-    smem = config.smem_bytes(atomic, mods)
     varlen = varlen_totals is not None
+    # (padded calls whose one modifier is ALiBi: the Hopper dK/dV kernel's ALiBi-only instantiation)
+    alibi_only = (hopper and options.hopper_alibi_only and mods and not varlen and alibi_batch_stride is not None
+                  and softcap <= 0 and dropout_p <= 0)
+    smem = config.smem_bytes(atomic, mods, alibi_only=True) if alibi_only else config.smem_bytes(atomic, mods)
     # (a call narrower than the Hopper row: its score products leave out the k16 steps of the zero columns)
     score_dim = (configs.hopper_bwd_score_dim(headdim, config.headdim, mods, mask, varlen),) if hopper else ()
-    function = build.get_kernel(config.family, config.name_expression(dtype, mask, atomic, mods, varlen, *score_dim),
-                                smem)
+    variant = (dtype, mask, atomic, mods, varlen, *score_dim)
+    name = config.name_expression(*variant, alibi_only=True) if alibi_only else config.name_expression(*variant)
+    function = build.get_kernel(config.family, name, smem)
     grid = (((seqlen_k + config.block_n - 1) // config.block_n) * config.dslices, nheads_kv, batch)
     maps = None
     semaphores = 0

@@ -292,26 +292,29 @@ class HopperBwdConfig:
         return (headdim < self.headdim and self.dq_pitch(self.headdim) <= 256
                 and not (varlen and mods and self.dq_by_keys))
 
-    def smem_bytes(self, atomic_dq: bool = True, mods: bool = False) -> int:
+    def smem_bytes(self, atomic_dq: bool = True, mods: bool = False, alibi_only: bool = False) -> int:
         # Must match HopperBwdTraits::kSmemBytes: alignment slack, K and V, the Q/dO ring, the dS^T tiles (two by
         # columns, one by keys), the fp32 dQ staging rows (one tile by columns, a pair by keys), the row statistics,
-        # with ``mods`` (not by keys) dropout's keep flags (per slot block_m / 16 bytes for each thread that forms
+        # with ``mods`` (not by keys, not ``alibi_only``) dropout's keep flags (per slot block_m / 16 bytes for each thread that forms
         # P^T: 256, or 128 at the wide head dims) and 32 bytes per producer thread, the mbarriers (kv_full, two per
         # slot, two per staging tile: dq_staged and dq_free) and the producer's 8 bytes (the two steps not yet counted).
         # Wide: one dS^T tile and the fp32 P^T hand-over (block_m x block_n floats) before the statistics.
         d, m, n = self.headdim, self.block_m, self.block_n
         ds_tiles, dq_tiles = (1, 2) if self.dq_by_keys else (1, 1) if self.wide else (2, 1)
         p_bytes = m * n * 4 if self.wide else 0
-        dropout = mods and not self.dq_by_keys  # (HopperBwdTraits::kDropout)
+        dropout = mods and not self.dq_by_keys and not alibi_only  # (HopperBwdTraits::kDropout)
         drop_bytes = self.stages * (128 if self.wide else 256) * (m // 16) + 32 * 128 if dropout else 0
         return (1024 + 2 * n * d * 2 + 2 * self.stages * m * d * 2 + ds_tiles * n * m * 2
                 + dq_tiles * m * self.dq_pitch(d) * 4 + p_bytes + 2 * self.stages * m * 4 + drop_bytes
                 + 8 * (1 + 2 * self.stages + 2 * dq_tiles) + 8)
 
     def name_expression(self, dtype: str, mask: str, atomic_dq: bool = True, mods: bool = False,
-                        varlen: bool = False, score_dim: int | None = None) -> str:
+                        varlen: bool = False, score_dim: int | None = None, alibi_only: bool = False) -> str:
         """``score_dim``: HopperBwdTraits' ScoreDim, the head dim of the score products (hopper_bwd_score_dim);
-        None or the row's own head dim for the row's."""
+        None or the row's own head dim for the row's. ``alibi_only``: the modifier kernel with ALiBi's code alone
+        (HopperBwdTraits' AlibiOnly: padded calls)."""
+        if alibi_only and (not mods or varlen or score_dim not in (None, self.headdim)):
+            raise ValueError("the Hopper backward's ALiBi-only kernel is a padded modifier kernel at the row's head dim")
         if mods and (not hopper_bwd_takes_mods(self.headdim, varlen) or mask != "window"):
             raise ValueError(f"the Hopper backward takes softcap and ALiBi at head dims {HOPPER_BWD_MODS_HEADDIMS} "
                              f"(varlen: not {HOPPER_BWD_MODS_PADDED_ONLY}), in the window-mask variant")
@@ -322,6 +325,8 @@ class HopperBwdConfig:
                              f"{score_dim}")
         if trimmed:
             tail = f", {str(varlen).lower()}, false, {score_dim}"
+        elif alibi_only:
+            tail = f", false, true, {self.headdim}, true"
         else:
             tail = (f", {str(varlen).lower()}, true" if mods else ", true" if varlen else "")
         return (f"fa2::bwd_dkdv_hopper<fa2::HopperBwdTraits<{self.headdim}, {self.block_m}, {self.stages}, "
@@ -405,13 +410,16 @@ def hopper_backward_config(arch: int, headdim: int, mods: bool, dropout: bool = 
 
 
 def hopper_backward_instantiations() -> list[str]:
-    """Name expressions of every Hopper backward instantiation (compiled for sm_90a)."""
+    """Name expressions of every Hopper backward instantiation (compiled for sm_90a): the modifier kernels' padded
+    ALiBi-only ones too (backward.plan_backward)."""
     plain = [config.name_expression(dtype, mask, varlen=varlen, score_dim=score_dim)
              for config in BACKWARD_HOPPER_TABLE.values()
              for dtype in DTYPE_TAGS for mask in MASKS for varlen in (False, True)
              for score_dim in (config.headdim, *hopper_bwd_score_dims(config.headdim, mask, varlen))]
-    mods = [BACKWARD_HOPPER_TABLE[d].name_expression(dtype, "window", mods=True, varlen=varlen)
-            for d in HOPPER_BWD_MODS_HEADDIMS for dtype in DTYPE_TAGS for varlen in (False, True)
+    mods = [BACKWARD_HOPPER_TABLE[d].name_expression(dtype, "window", mods=True, varlen=varlen,
+                                                     alibi_only=alibi_only)
+            for d in HOPPER_BWD_MODS_HEADDIMS for dtype in DTYPE_TAGS
+            for varlen, alibi_only in ((False, False), (True, False), (False, True))
             if hopper_bwd_takes_mods(d, varlen)]
     return sorted(plain + mods)
 

@@ -32,10 +32,11 @@ class KernelOptions:
         Hopper forward's unmasked modifier kernel, which has no run-time window bounds (H200, d = 256, 8k: ALiBi 7%
         and softcap 2% faster; with dropout up to 7% slower at d = 192, so those keep the window kernel); False runs
         them in the window-mask modifier kernel.
-    hopper_alibi_only (True): padded calls without a mask or causal whose one modifier is ALiBi (no softcap, no
-        dropout, a positive scale) run the Hopper forward's ALiBi-only kernel, the modifier kernel without the
-        others' code (H200, 8k: 4-7% faster at d = 64 and 256, 3% at 128, level at 192); False runs them in the
-        modifier kernel.
+    hopper_alibi_only (True): padded calls whose one modifier is ALiBi (no softcap, no dropout) run the Hopper
+        kernels' ALiBi-only instantiations, the modifier kernels without the others' code: the forward's without a
+        mask or causal at a positive scale (H200, 8k: 4-7% faster at d = 64 and 256, 3% at 128, level at 192), the
+        dK/dV kernel's for every mask (5-6% faster at d = 128, 2-3% at 64, 192 and 256); False runs them in the
+        modifier kernels.
     hopper_pad_headdim (None): on compute capability 9.0, run a head dim without a Hopper row (say 80, 96, 160) on
         the Hopper kernels at the next width up that has one, on the arrays as they are (True), or on the mma.sync
         kernels at its own width (False); None: from configs.HOPPER_PAD_MIN_HEADDIM on. Each call (forward,

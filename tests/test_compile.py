@@ -85,11 +85,11 @@ HOPPER_FAMILIES = {
                                                          *configs.FORWARD_HOPPER_MODS_TABLE.values())],
                    "fa2::flash_fwd_hopper<"),
     # (backward: padded and varlen for every mask; with softcap/ALiBi the window variant at HOPPER_BWD_MODS_HEADDIMS,
-    # padded only at HOPPER_BWD_MODS_PADDED_ONLY; the rows' narrower score products (HOPPER_BWD_SCORE_DIMS) likewise
-    # for every mask, but not varlen window at 128)
+    # padded only at HOPPER_BWD_MODS_PADDED_ONLY, and its padded ALiBi-only kernel; the rows' narrower score
+    # products (HOPPER_BWD_SCORE_DIMS) likewise for every mask, but not varlen window at 128)
     "bwd_hopper": (configs.hopper_backward_instantiations,
                    len(configs.DTYPE_TAGS) * (len(configs.BACKWARD_HOPPER_TABLE) * len(configs.MASKS) * 2
-                                              + len(configs.HOPPER_BWD_MODS_HEADDIMS) * 2
+                                              + len(configs.HOPPER_BWD_MODS_HEADDIMS) * 3
                                               - len(configs.HOPPER_BWD_MODS_PADDED_ONLY)
                                               + sum(map(len, configs.HOPPER_BWD_SCORE_DIMS.values()))
                                               * len(configs.MASKS) * 2
@@ -296,6 +296,28 @@ def test_hopper_shared_memory_matches_the_kernel(family):
     # the wide rows too (forward: their Q buffers, which also stage the output rows, and rings take 217 and 225 KB;
     # backward: 64-key blocks with the P^T hand-over, 219 and 218.5 KB)
     assert {config.headdim for config, _ in rows} == {64, 128, 192, 256}
+
+
+def test_hopper_backward_modifier_shared_memory_matches_the_kernel():
+    # The modifier kernels' byte counts (dropout's keep-flag slots) and the ALiBi-only ones' (none) against the
+    # traits' kSmemBytes.
+    prefix = "fa2::bwd_dkdv_hopper<"
+    cases = [(c, alibi_only) for c in configs.BACKWARD_HOPPER_TABLE.values()
+             if configs.hopper_bwd_takes_mods(c.headdim, False) for alibi_only in (False, True)]
+    probes = [f"__device__ int fa2_probe_{i} = "
+              f"{c.name_expression('float16', 'window', mods=True, alibi_only=a)[len(prefix):-1]}::kSmemBytes;"
+              for i, (c, a) in enumerate(cases)]
+    ptx = _probe_ptx("bwd_hopper", probes, "90a")
+    for i, (config, alibi_only) in enumerate(cases):
+        found = re.search(rf"fa2_probe_{i} = (\d+);", ptx)
+        smem_bytes = config.smem_bytes(mods=True, alibi_only=alibi_only)
+        assert found and int(found[1]) == smem_bytes <= 227 * 1024, (config, alibi_only)
+    assert len(cases) == 2 * len(configs.HOPPER_BWD_MODS_HEADDIMS)
+    # (padded calls with modifiers only, at the row's own head dim)
+    row = configs.BACKWARD_HOPPER_TABLE[192]
+    for kw in (dict(mods=True, varlen=True), dict(mods=False), dict(mods=True, score_dim=160)):
+        with pytest.raises(ValueError, match="ALiBi-only"):
+            row.name_expression("float16", "window", alibi_only=True, **kw)
 
 
 def test_hopper_forward_is_chosen_only_where_it_runs():

@@ -70,3 +70,40 @@ def test_modifier_rows_match_reference_varlen(case):
     _hopper_gpu()
     note(repr(case))
     run_varlen_case(case)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
+def test_alibi_only_backward_matches_modifier_kernel(d, causal):
+    """ALiBi alone runs the dK/dV kernel's ALiBi-only instantiation (HopperBwdTraits' AlibiOnly), whose arithmetic
+    is the modifier kernel's: with deterministic=True (dQ added in a fixed order) the same bits as that kernel
+    (KernelOptions.hopper_alibi_only=False), which test_modifier_rows_match_reference holds to the float64
+    reference; per-batch slopes, ragged tiles, more keys than queries, GQA, fresh inputs and poisoned gradients."""
+    _hopper_gpu()
+    import numpy as np
+
+    from fa2cupy import build, configs
+    from gpu_helpers import fa2cupy_module, kernel_options, recorded_backward_plans
+    from test_varlen_mods_gpu import _host, _randn, _slopes
+
+    fa = fa2cupy_module()
+    rng = np.random.default_rng()
+    dtype = "bfloat16" if d in (128, 256) else "float16"
+    b, sq, sk, h, hkv = 2, 130, 200, 4, 2
+    q, dout = _randn(rng, (b, sq, h, d), dtype), _randn(rng, (b, sq, h, d), dtype)
+    k, v = _randn(rng, (b, sk, hkv, d), dtype), _randn(rng, (b, sk, hkv, d), dtype)
+    kw = dict(causal=causal, alibi_slopes=_slopes(rng, b, h, per_batch=True))
+    out, lse, _ = fa.flash_attn_func(q, k, v, return_attn_probs=True, **kw)
+    row = configs.BACKWARD_HOPPER_TABLE[d]
+    grads = {}
+    for alibi_only in (True, False):
+        with kernel_options(hopper_alibi_only=alibi_only), recorded_backward_plans() as plans:
+            grads[alibi_only] = [_host(g) for g in fa.flash_attn_backward(dout, q, k, v, out, lse,
+                                                                           deterministic=True, **kw)]
+        name = row.name_expression(dtype, "window", True, True, alibi_only=alibi_only)
+        smem = row.smem_bytes(True, True, alibi_only=alibi_only)
+        assert len(plans) == 1 and plans[0].main.smem_bytes == smem
+        assert plans[0].main.function is build.get_kernel("bwd_hopper", name, smem)
+    for new, general in zip(grads[True], grads[False]):
+        assert not np.isnan(new).any()
+        np.testing.assert_array_equal(new, general)

@@ -157,7 +157,9 @@ FA2_DEVICE float step_p(float s, const float* lse_log2, float tanh_arg, float sc
 // d = 128 kernel's wgmmas (C7512). Without dropout the modifiers are on (slope 0 without ALiBi).
 template <class Tr, class Run>
 FA2_DEVICE void with_step_case(const ScoreMods& mods, bool drop, const Run& run) {
-    if (Tr::kDropout && drop) {
+    if constexpr (Tr::kAlibiOnly) {  // (ALiBi alone: the modifiers on, no softcap, no dropout)
+        run(Bool<false>{}, Bool<false>{}, Bool<true>{});
+    } else if (Tr::kDropout && drop) {
         if (!mods.on())
             run(Bool<false>{}, Bool<true>{}, Bool<false>{});  // (dropout alone)
         else if (mods.cap > 0.f)

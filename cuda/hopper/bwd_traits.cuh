@@ -18,7 +18,7 @@ namespace fa2 {
 enum HopperBwdBarrier : int { kBwdConsumers = 1, kBwdDqHandoff = 3, kBwdPReady = 4 };
 
 template <int HeadDim, int BlockM, int Stages, bool DqByKeys, class Elem_, int Mask, bool Varlen = false,
-          bool Mods = false, int ScoreDim = HeadDim>
+          bool Mods = false, int ScoreDim = HeadDim, bool AlibiOnly = false>
 struct HopperBwdTraits {
     using Elem = Elem_;
     // The head dim the score products S^T = K Q^T and dP^T = V dO^T run over: a call whose arrays are narrower than
@@ -44,6 +44,13 @@ struct HopperBwdTraits {
     // dS^T (scores_to_ds_mods in hopper/bwd_consumer.cuh, wide_p_mods in hopper/bwd_consumer_wide.cuh): every head
     // dim but varlen 128, the window-mask variant (which expresses every mask), run-time values.
     static constexpr bool kMods = Mods;
+    // AlibiOnly (with Mods, padded calls): the modifier kernel with only ALiBi's code in it, for calls whose one
+    // modifier is ALiBi (backward.plan_backward, KernelOptions.hopper_alibi_only): one case of with_step_case, no
+    // dropout (kDropout: no keep flags drawn or read), about half the modifier kernel's instructions. H200, bf16,
+    // in turns against it: ALiBi d = 128 +6% causal and +5% non-causal at 8k, +2-3% at 64, 192 and 256
+    // (docs/design.md).
+    static constexpr bool kAlibiOnly = AlibiOnly;
+    static_assert(!AlibiOnly || (Mods && !Varlen), "the ALiBi-only kernel: padded calls with modifiers");
     // Padded calls move K, V, Q and dO with the tensor memory accelerator (tensor maps, one producer thread issuing
     // the copies; rows past the sequence read as zeros). Varlen calls move whole tiles of a sequence so too, and a
     // sequence's last, ragged tile with every producer thread's cp.async, whose zeros past its rows keep another
@@ -104,7 +111,7 @@ struct HopperBwdTraits {
     // kDropPairBytes a pair (draw_drop_flags in hopper/bwd_producer.cuh, DropBits in hopper/bwd_consumer.cuh).
     // Not by keys (head dim 64, 128 query rows a step): there the consumers spilled 4-64 bytes however they took the
     // flags, so dropout at 64 runs on the mma.sync backward (configs.hopper_bwd_takes_mods).
-    static constexpr bool kDropout = Mods && !DqByKeys;
+    static constexpr bool kDropout = Mods && !DqByKeys && !AlibiOnly;
     static constexpr int kDropThreads = kWide ? 128 : 256, kDropPairBytes = BlockM / 8;
     static constexpr int kDropKeys = kDropThreads / 8;  // (the keys of those threads: 32, or 16 at the wide head dims)
     static constexpr int kDropSlotBytes = kDropout ? kDropThreads / 2 * kDropPairBytes : 0;
