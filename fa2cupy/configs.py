@@ -295,9 +295,10 @@ class HopperBwdConfig:
     def smem_bytes(self, atomic_dq: bool = True, mods: bool = False, alibi_only: bool = False) -> int:
         # Must match HopperBwdTraits::kSmemBytes: alignment slack, K and V, the Q/dO ring, the dS^T tiles (two by
         # columns, one by keys), the fp32 dQ staging rows (one tile by columns, a pair by keys), the row statistics,
-        # with ``mods`` (not by keys, not ``alibi_only``) dropout's keep flags (per slot block_m / 16 bytes for each thread that forms
-        # P^T: 256, or 128 at the wide head dims) and 32 bytes per producer thread, the mbarriers (kv_full, two per
-        # slot, two per staging tile: dq_staged and dq_free) and the producer's 8 bytes (the two steps not yet counted).
+        # with ``mods`` (not by keys, not ``alibi_only``) dropout's keep flags (per slot block_m / 16 bytes for each
+        # thread that forms P^T: 256, or 128 at the wide head dims) and 32 bytes per producer thread, the mbarriers
+        # (kv_full, two per slot, two per staging tile: dq_staged and dq_free) and the producer's 8 bytes (the two
+        # steps not yet counted).
         # Wide: one dS^T tile and the fp32 P^T hand-over (block_m x block_n floats) before the statistics.
         d, m, n = self.headdim, self.block_m, self.block_n
         ds_tiles, dq_tiles = (1, 2) if self.dq_by_keys else (1, 1) if self.wide else (2, 1)
@@ -314,7 +315,8 @@ class HopperBwdConfig:
         None or the row's own head dim for the row's. ``alibi_only``: the modifier kernel with ALiBi's code alone
         (HopperBwdTraits' AlibiOnly: padded calls)."""
         if alibi_only and (not mods or varlen or score_dim not in (None, self.headdim)):
-            raise ValueError("the Hopper backward's ALiBi-only kernel is a padded modifier kernel at the row's head dim")
+            raise ValueError("the Hopper backward's ALiBi-only kernel is a padded modifier kernel at the row's "
+                             "head dim")
         if mods and (not hopper_bwd_takes_mods(self.headdim, varlen) or mask != "window"):
             raise ValueError(f"the Hopper backward takes softcap and ALiBi at head dims {HOPPER_BWD_MODS_HEADDIMS} "
                              f"(varlen: not {HOPPER_BWD_MODS_PADDED_ONLY}), in the window-mask variant")
