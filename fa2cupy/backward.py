@@ -10,7 +10,7 @@ import operator
 from dataclasses import dataclass
 
 from . import arrays, build, configs, params, tensor_maps
-from .forward import _LOG2E, dropout_scalars, error_pointers, kernel_variant, stride_fields
+from .forward import _LOG2E, alibi_only_kernel, dropout_scalars, error_pointers, kernel_variant, stride_fields
 from .options import DEFAULT, KernelOptions
 
 
@@ -93,8 +93,8 @@ def plan_backward(
     pre = _preprocess_launch(q_shape, dtype, fixed)
     varlen = varlen_totals is not None
     # (padded calls whose one modifier is ALiBi: the Hopper dK/dV kernel's ALiBi-only instantiation)
-    alibi_only = (hopper and options.hopper_alibi_only and mods and not varlen and alibi_batch_stride is not None
-                  and softcap <= 0 and dropout_p <= 0)
+    alibi_only = hopper and not varlen and options.hopper_alibi_only and alibi_only_kernel(
+        mask, softcap, alibi_batch_stride is not None, dropout_p, softmax_scale, backward=True)
     smem = config.smem_bytes(atomic, mods, alibi_only=True) if alibi_only else config.smem_bytes(atomic, mods)
     # (a call narrower than the Hopper row: its score products leave out the k16 steps of the zero columns)
     score_dim = (configs.hopper_bwd_score_dim(headdim, config.headdim, mods, mask, varlen),) if hopper else ()

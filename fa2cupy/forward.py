@@ -49,13 +49,14 @@ def kernel_variant(causal: bool, window_size, softcap: float, alibi: bool, dropo
     return mask, mods, left, right
 
 
-def alibi_only_kernel(mask: str, mods: bool, softcap: float, alibi: bool, dropout_p: float,
-                      softmax_scale: float) -> bool:
-    """Whether a padded Hopper forward call of kernel variant ``(mask, mods)`` (:func:`kernel_variant`) runs the
-    ALiBi-only kernel (HopperFwdTraits::kAlibiOnly, KernelOptions.hopper_alibi_only): ALiBi its one modifier, at a
-    positive scale in fp32, as the kernel takes it (UnitScoreMods' kAlibi), without a mask or causal."""
-    return bool(mods and mask in ("none", "causal") and alibi and softcap <= 0 and dropout_p <= 0
-                and np.float32(softmax_scale) > 0)
+def alibi_only_kernel(mask: str, softcap: float, alibi: bool, dropout_p: float, softmax_scale: float,
+                      backward: bool = False) -> bool:
+    """Whether a padded call on the Hopper kernels whose variant has mask ``mask`` (:func:`kernel_variant`) runs their
+    ALiBi-only instantiation (HopperFwdTraits' and HopperBwdTraits' AlibiOnly, KernelOptions.hopper_alibi_only):
+    ALiBi its one modifier; the forward's only without a mask or causal, at a positive scale in fp32 as the kernel
+    takes it (UnitScoreMods' kAlibi), the dK/dV kernel's (``backward``) for every mask."""
+    alone = alibi and softcap <= 0 and dropout_p <= 0
+    return bool(alone and (backward or (mask in ("none", "causal") and np.float32(softmax_scale) > 0)))
 
 
 def dropout_threshold(dropout_p: float) -> int:
@@ -168,7 +169,7 @@ def plan_forward(
         mask = kernel_variant(causal, window_size, softcap, alibi_batch_stride is not None, dropout_p,
                               causal_mods=True, unmasked_mods=True)[0]
     alibi_only = padded_hopper and options.hopper_alibi_only and alibi_only_kernel(
-        mask, mods, softcap, alibi_batch_stride is not None, dropout_p, softmax_scale)
+        mask, softcap, alibi_batch_stride is not None, dropout_p, softmax_scale)
     variant = (dtype, mask, mods, varlen_totals is not None, paged is not None)
     name = config.name_expression(*variant, alibi_only=True) if alibi_only else config.name_expression(*variant)
     function = build.get_kernel(config.family, name, config.smem_bytes)

@@ -141,16 +141,22 @@ def test_padded_causal_calls_with_modifiers_take_the_causal_modifier_variant():
     assert forward.kernel_variant(False, (8, -1), 0.0, True, **unmasked)[:2] == ("window", True)
     assert forward.kernel_variant(True, (-1, -1), 0.0, True, **unmasked)[:2] == ("causal", True)
     assert forward.kernel_variant(False, (-1, -1), 0.0, False, **unmasked)[:2] == ("none", False)
-    # the padded Hopper forward's ALiBi-only kernel: ALiBi alone at a positive fp32 scale, no mask or causal
-    assert forward.alibi_only_kernel("none", True, 0.0, True, 0.0, 0.125)
-    assert forward.alibi_only_kernel("causal", True, 0.0, True, 0.0, 0.125)
-    assert not forward.alibi_only_kernel("window", True, 0.0, True, 0.0, 0.125)
-    assert not forward.alibi_only_kernel("none", True, 30.0, True, 0.0, 0.125)  # (softcap too)
-    assert not forward.alibi_only_kernel("none", True, 0.0, True, 0.1, 0.125)  # (dropout too)
-    assert not forward.alibi_only_kernel("none", True, 30.0, False, 0.0, 0.125)  # (softcap alone)
-    assert not forward.alibi_only_kernel("none", True, 0.0, True, 0.0, 0.0)  # (UnitScoreMods' unscaled kind)
-    assert not forward.alibi_only_kernel("none", True, 0.0, True, 0.0, 1e-50)  # (0 in fp32)
-    assert not forward.alibi_only_kernel("none", False, 0.0, False, 0.0, 0.125)
+    # the padded Hopper kernels' ALiBi-only instantiations: ALiBi alone; the forward's at a positive fp32 scale, no
+    # mask or causal, the dK/dV kernel's for every mask and scale
+    assert forward.alibi_only_kernel("none", 0.0, True, 0.0, 0.125)
+    assert forward.alibi_only_kernel("causal", 0.0, True, 0.0, 0.125)
+    assert not forward.alibi_only_kernel("window", 0.0, True, 0.0, 0.125)
+    assert not forward.alibi_only_kernel("none", 30.0, True, 0.0, 0.125)  # (softcap too)
+    assert not forward.alibi_only_kernel("none", 0.0, True, 0.1, 0.125)  # (dropout too)
+    assert not forward.alibi_only_kernel("none", 30.0, False, 0.0, 0.125)  # (softcap alone)
+    assert not forward.alibi_only_kernel("none", 0.0, True, 0.0, 0.0)  # (UnitScoreMods' unscaled kind)
+    assert not forward.alibi_only_kernel("none", 0.0, True, 0.0, 1e-50)  # (0 in fp32)
+    assert not forward.alibi_only_kernel("none", 0.0, False, 0.0, 0.125)
+    for mask, scale in (("window", 0.125), ("window", -0.125), ("none", 0.0)):
+        assert forward.alibi_only_kernel(mask, 0.0, True, 0.0, scale, backward=True)
+    assert not forward.alibi_only_kernel("window", 30.0, True, 0.0, 0.125, backward=True)
+    assert not forward.alibi_only_kernel("window", 0.0, True, 0.1, 0.125, backward=True)
+    assert not forward.alibi_only_kernel("window", 0.0, False, 0.0, 0.125, backward=True)
     shipped = set(configs.forward_instantiations())
     for dtype in configs.DTYPE_TAGS:
         for (fam, d), config in configs.FORWARD_TABLE.items():

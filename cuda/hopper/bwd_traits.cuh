@@ -45,7 +45,7 @@ struct HopperBwdTraits {
     // dim but varlen 128, the window-mask variant (which expresses every mask), run-time values.
     static constexpr bool kMods = Mods;
     // AlibiOnly (with Mods, padded calls): the modifier kernel with only ALiBi's code in it, for calls whose one
-    // modifier is ALiBi (backward.plan_backward, KernelOptions.hopper_alibi_only): one case of with_step_case, no
+    // modifier is ALiBi (forward.alibi_only_kernel, KernelOptions.hopper_alibi_only): one case of with_step_case, no
     // dropout (kDropout: no keep flags drawn or read), about half the modifier kernel's instructions. H200, bf16,
     // in turns against it: ALiBi d = 128 +6% causal and +5% non-causal at 8k, +2-3% at 64, 192 and 256
     // (docs/design.md).
