@@ -3,9 +3,10 @@ the mask, the softmax scaled by their unit) on a GPU of compute capability 9.0, 
 configs.HOPPER_MODS_HEADDIMS (padded calls only at HOPPER_MODS_PADDED_ONLY): the calls must plan the Hopper kernel
 there (with dropout too; the other head dims and varlen calls at the padded-only ones stay on the mma.sync forward),
 and match the float64 reference, padded and varlen, forward and backward (the backward recomputes P from the Hopper
-forward's lse, so a forward lse in other units fails it), with outputs poisoned before each launch. The softcap's
-tanh is tanh_of_exp2_arg (common/math.cuh) there, tanhf in the mma.sync kernels: the Hopper forward with a softcap
-must also agree with the mma.sync forward to a few bf16 roundings. (Dropout's checks: test_hopper_dropout_gpu.py.)
+forward's lse, so a forward lse in other units fails it), with outputs poisoned before each launch. Both forwards
+take the softcap's tanh as fast_tanh (common/math.cuh), the Hopper one in UnitScoreMods' units: the Hopper forward
+with a softcap must also agree with the mma.sync forward to a few bf16 roundings. (Dropout's checks:
+test_hopper_dropout_gpu.py.)
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ def test_paged_modifiers_equal_packed(d, page_size):
 @given(st.sampled_from(HOPPER_DIMS), st.sampled_from(["float16", "bfloat16"]), st.booleans(),
        st.integers(0, 2**32 - 1))
 def test_hopper_modifiers_agree_with_the_mma_sync_forward(d, dtype, alibi, seed):
-    """tanh_of_exp2_arg (Hopper) against tanhf (mma.sync) on one causal GQA call with a softcap (and ALiBi)."""
+    """The Hopper forward against the mma.sync forward on one causal GQA call with a softcap (and ALiBi)."""
     skip_unless_hopper("forward")
     fa2cupy = fa2cupy_module()
     cp = _cupy()

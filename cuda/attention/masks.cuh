@@ -387,9 +387,16 @@ struct ScoreMods {
     // The final logit of raw score s at (row, col); dcap receives d(logit) / d(scale * s) from the softcap,
     // 1 - tanh^2 (1 without a softcap): the backward's dS picks it up.
     FA2_DEVICE float logit(float s, int row, int col, float& dcap) const {
+        return cap > 0.f ? logit_of<true>(s, row, col, dcap) : logit_of<false>(s, row, col, dcap);
+    }
+    // logit() with the softcap's switch (Capped: cap > 0) taken outside, for loops that switch once: where logit()'s
+    // branch is if-converted, both sides are computed for every score (the decode kernel's rows at d >= 192 then
+    // spilled 30-98 bytes).
+    template <bool Capped>
+    FA2_DEVICE float logit_of(float s, int row, int col, float& dcap) const {
         float x;
-        if (cap > 0.f) {
-            const float t = tanhf(s * cap_inv);
+        if constexpr (Capped) {
+            const float t = fast_tanh(s * cap_inv);
             dcap = 1.f - t * t;
             x = cap * t;
         } else {
@@ -420,11 +427,10 @@ struct ScoreMods {
 //   softcap:      v = tanh(scale s / cap) - slope / cap * |d|   (unit cap)
 //   ALiBi alone:  v = s - slope / scale * |d|                   (unit scale: no multiply per score)
 //   ALiBi, scale 0: v = scale s - slope |d|                     (unit 1)
-// No int-to-float conversion per score, and no multiply by the scale or the cap per score: with three MUFU
-// operations per softcapped score (tanh's exp2 and reciprocal, the softmax's exp2) the forward is otherwise bound by
-// its issue slots; the fewer FMA-pipe operations took softcap 238 -> 389 and ALiBi 400 -> 510 TFLOPs/s (d=128,
-// causal, 8k, H200), while a reciprocal by Newton's iteration on the FMA pipe instead of the MUFU measured 4% slower
-// than this. Built per tile from the call's UnitModsConstants and the item's slope.
+// No int-to-float conversion per score, and no multiply by the scale or the cap per score: beside a softcapped
+// score's MUFU operations (then three: tanh as an exp2 and a reciprocal, the softmax's exp2) the forward was bound
+// by its issue slots; the fewer FMA-pipe operations took softcap 238 -> 389 and ALiBi 400 -> 510 TFLOPs/s (d=128,
+// causal, 8k, H200). Built per tile from the call's UnitModsConstants and the item's slope.
 //
 // ALiBi's distance d = row + diag - col is d_r - c along a thread's row r, with d_r that of the thread's first
 // column and c = 8 nt + e a constant of the fragment. Where every score of the warp's tile lies on one side of the
@@ -435,7 +441,7 @@ struct ScoreMods {
 struct UnitScoreMods {
     enum Kind : int { kCap, kCapAlibi, kAlibi, kAlibiUnscaled };
     Kind kind;
-    float arg;    // softcap: 2 log2(e) scale / cap, tanh_of_exp2_arg's argument per raw score; else the prescale
+    float arg;    // softcap: scale / cap, tanh's argument per raw score; else the prescale
     float slope;  // ALiBi slope in units of `unit`
     float unit;
     int diag;     // seqlen_k - seqlen_q
@@ -445,21 +451,20 @@ struct UnitScoreMods {
     // s: one warpgroup warp's raw scores in C-fragment layout (rows from row0, the warp's 16, and columns from
     // col0) -> values v, with bias[r] the part of row r's values left to the softmax (0 without ALiBi).
     // NonNegative: every visible score's d is >= 0 (causal), so |d| is d (the masked ones are -inf after).
-    // FmaTanhs: of each fragment's four softcapped scores, how many take tanh_of_exp2_arg_fma (its reciprocal on the
-    // FMA pipe) rather than tanh_of_exp2_arg (on the MUFU, like both exp2s). OneSided: without NonNegative, whether
-    // tiles on one side of the diagonal take the one-FMA form (else every tile takes |d|: fewer registers).
+    // OneSided: without NonNegative, whether tiles on one side of the diagonal take the one-FMA form (else every
+    // tile takes |d|: fewer registers).
     // AlibiOnly: the kind is kAlibi (ALiBi alone at a positive scale), so the others' code is left out.
-    template <bool NonNegative, int FmaTanhs = 0, bool OneSided = true, bool AlibiOnly = false, int NTiles>
+    template <bool NonNegative, bool OneSided = true, bool AlibiOnly = false, int NTiles>
     FA2_DEVICE void apply(float (&s)[1][NTiles][4], int row0, int col0, int lane, float (&bias)[2]) const {
-        if constexpr (AlibiOnly) return apply_kind<kAlibi, NonNegative, FmaTanhs, OneSided>(s, row0, col0, lane, bias);
+        if constexpr (AlibiOnly) return apply_kind<kAlibi, NonNegative, OneSided>(s, row0, col0, lane, bias);
         switch (kind) {
-            case kCap: return apply_kind<kCap, NonNegative, FmaTanhs, OneSided>(s, row0, col0, lane, bias);
-            case kCapAlibi: return apply_kind<kCapAlibi, NonNegative, FmaTanhs, OneSided>(s, row0, col0, lane, bias);
-            case kAlibi: return apply_kind<kAlibi, NonNegative, FmaTanhs, OneSided>(s, row0, col0, lane, bias);
-            default: return apply_kind<kAlibiUnscaled, NonNegative, FmaTanhs, OneSided>(s, row0, col0, lane, bias);
+            case kCap: return apply_kind<kCap, NonNegative, OneSided>(s, row0, col0, lane, bias);
+            case kCapAlibi: return apply_kind<kCapAlibi, NonNegative, OneSided>(s, row0, col0, lane, bias);
+            case kAlibi: return apply_kind<kAlibi, NonNegative, OneSided>(s, row0, col0, lane, bias);
+            default: return apply_kind<kAlibiUnscaled, NonNegative, OneSided>(s, row0, col0, lane, bias);
         }
     }
-    template <Kind K, bool NonNegative, int FmaTanhs, bool OneSided, int NTiles>
+    template <Kind K, bool NonNegative, bool OneSided, int NTiles>
     FA2_DEVICE void apply_kind(float (&s)[1][NTiles][4], int row0, int col0, int lane, float (&bias)[2]) const {
         constexpr bool kCapped = K == kCap || K == kCapAlibi;
         if constexpr (K != kAlibi) {
@@ -469,7 +474,7 @@ struct UnitScoreMods {
                 for (int e = 0; e < 4; ++e) {
                     float& v = s[0][nt][e];
                     if constexpr (kCapped)
-                        v = e < FmaTanhs ? tanh_of_exp2_arg_fma(v * arg) : tanh_of_exp2_arg(v * arg);
+                        v = fast_tanh(v * arg);
                     else
                         v *= arg;
                 }
@@ -515,7 +520,7 @@ FA2_DEVICE UnitScoreMods make_unit_score_mods(const UnitModsConstants& c, float 
     const int diag = seqlen_k - seqlen_q;
     if (softcap > 0.f)
         return {unit_slope != 0.f ? UnitScoreMods::kCapAlibi : UnitScoreMods::kCap,
-                fast_quotient(2.f * kLog2e * scale, softcap), unit_slope, c.unit, diag};
+                fast_quotient(scale, softcap), unit_slope, c.unit, diag};
     if (scale > 0.f) return {UnitScoreMods::kAlibi, 1.f, unit_slope, c.unit, diag};
     return {UnitScoreMods::kAlibiUnscaled, scale, unit_slope, c.unit, diag};
 }

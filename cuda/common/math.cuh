@@ -9,24 +9,15 @@ FA2_DEVICE float fast_exp2(float x) {
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
     return y;
 }
-// tanh(x2 / (2 log2 e)), the argument's factor 2 log2(e) folded into the caller's multiply: 1 - 2 / (2^x2 + 1) from
-// one exp2 and one reciprocal, absolute error about 1e-7 (tanhf's own is below 1e-7 too, but its branches and
-// polynomial take registers the Hopper forward's rows do not have; tanh.approx.f32 is one MUFU operation but off by
-// up to 5e-4 relative, 0.015 in a logit under softcap 30). 2^x2 overflowing to inf gives 1, underflowing to 0 -1.
-FA2_DEVICE float tanh_of_exp2_arg(float x2) {
-    float r;
-    asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(fast_exp2(x2) + 1.f));
-    return fmaf(-2.f, r, 1.f);
-}
-// tanh_of_exp2_arg with the reciprocal on the FMA pipe (for kernels whose MUFU is the busier pipe): a first guess
-// from the float's bits (5% off) and two Newton steps, 6.4e-6 relative, so tanh within 1.3e-5 (4e-4 in a logit under
-// softcap 30, a tenth of a 16-bit P's rounding). 2^x2 is held below 2^64, where the guess from the bits still holds.
-FA2_DEVICE float tanh_of_exp2_arg_fma(float x2) {
-    const float d = fast_exp2(fminf(x2, 64.f)) + 1.f;
-    float r = __int_as_float(0x7EF311C3 - __float_as_int(d));
-    r *= fmaf(-d, r, 2.f);
-    r *= fmaf(-d, r, 2.f);
-    return fmaf(-2.f, r, 1.f);
+// The softcap's tanh, every kernel's (so that a backward recomputes the logits its forward formed, whichever kernels
+// ran them): tanh.approx.f32, one MUFU operation, relative error at most about 2^-11 (PTX ISA), as flash-attn's
+// kernels take it (cutlass::fast_tanh). The exact forms cost the Hopper kernels their speed: 1 - 2 / (2^x + 1) is two
+// MUFU operations, three a score with P's exp2, and the softcap forward ran 12-18% slower with it at d = 64 and 128
+// (docs/design.md). Saturates to +-1; NaN stays NaN.
+FA2_DEVICE float fast_tanh(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
 }
 // a / b by __fdividef (MUFU.RCP and a multiply, two ulps: no slow path, for which ptxas keeps a register), with a
 // and b first scaled down by 2^64 where |b| > 2^64 (__fdividef returns 0 for |b| > 2^126): the quotient then

@@ -43,24 +43,33 @@ FA2_DEVICE void score_tile(float (&s)[1][kNT][4], const DecodeCall<Tr>& call, co
     // Mask keys past this split's end and, under the causal mask, past each row's own query.
     const int first = call.tile_first(cur, j);
     if constexpr (Tr::kExtras) {
-        // Final logits (softcap, ALiBi), then the window: a key's distance from the row's diagonal decides.
+        // Final logits (softcap, ALiBi), then the window: a key's distance from the row's diagonal decides. (The
+        // softcap is the call's, the same in both rows' ScoreMods: switched once.)
+        const auto final_logits = [&](auto capped) {
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int query = call.by_heads_per_kv.div(cur.row0 + (lane >> 2) + half * 8);
+            for (int half = 0; half < 2; ++half) {
+                const int query = call.by_heads_per_kv.div(cur.row0 + (lane >> 2) + half * 8);
 #pragma unroll
-            for (int nt = 0; nt < kNT; ++nt) {
+                for (int nt = 0; nt < kNT; ++nt) {
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int key = first + nt * 8 + (lane & 3) * 2 + e;
-                    const int dist = key - query - window.diag();
-                    float unused;
-                    const float x = mods[half].logit(s[0][nt][2 * half + e], query, key, unused);
-                    s[0][nt][2 * half + e] =
-                        key >= cur.key_end || dist > params.window_right || dist < -params.window_left ? -pos_inf()
-                                                                                                       : x;
+                    for (int e = 0; e < 2; ++e) {
+                        const int key = first + nt * 8 + (lane & 3) * 2 + e;
+                        const int dist = key - query - window.diag();
+                        float unused;
+                        const float x = mods[half].template logit_of<decltype(capped)::value>(
+                            s[0][nt][2 * half + e], query, key, unused);
+                        s[0][nt][2 * half + e] =
+                            key >= cur.key_end || dist > params.window_right || dist < -params.window_left
+                                ? -pos_inf()
+                                : x;
+                    }
                 }
             }
-        }
+        };
+        if (mods[0].cap > 0.f)
+            final_logits(Bool<true>{});
+        else
+            final_logits(Bool<false>{});
     } else {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {

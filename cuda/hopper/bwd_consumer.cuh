@@ -120,14 +120,14 @@ FA2_DEVICE void scores_to_ds(float (&st)[1][Tr::kBlockM / 8][4], float (&dpt)[1]
     }
 }
 
-// The logit of raw score s as the Hopper forward forms it (Cap, a softcap: cap tanh(scale s / cap) by
-// tanh_of_exp2_arg, tanh_arg = 2 log2(e) scale / cap; else scale s), less ALiBi's slope |distance| (slope 0 without
-// ALiBi); dcap = dlogit / d(scale s), 1 - tanh^2 with a softcap.
+// The logit of raw score s as the Hopper forward forms it (Cap, a softcap: cap tanh(scale s / cap) by fast_tanh;
+// else scale s), less ALiBi's slope |distance| (slope 0 without ALiBi); dcap = dlogit / d(scale s), 1 - tanh^2 with
+// a softcap.
 template <bool Cap>
-FA2_DEVICE float modified_logit(float s, float tanh_arg, const ScoreMods& mods, float distance, float& dcap) {
+FA2_DEVICE float modified_logit(float s, const ScoreMods& mods, float distance, float& dcap) {
     float logit;
     if constexpr (Cap) {
-        const float t = tanh_of_exp2_arg(s * tanh_arg);
+        const float t = fast_tanh(s * mods.cap_inv);
         dcap = fmaf(-t, t, 1.f);
         logit = mods.cap * t;
     } else {
@@ -142,10 +142,10 @@ FA2_DEVICE float modified_logit(float s, float tanh_arg, const ScoreMods& mods, 
 // into the exponent as in scores_to_ds, dcap 1. (L is read after the logit is formed: read before, as an argument,
 // ptxas scheduled the rows otherwise.)
 template <bool Cap, bool Mods>
-FA2_DEVICE float step_p(float s, const float* lse_log2, float tanh_arg, float scale_log2, const ScoreMods& mods,
-                        float distance, float& dcap) {
+FA2_DEVICE float step_p(float s, const float* lse_log2, float scale_log2, const ScoreMods& mods, float distance,
+                        float& dcap) {
     if constexpr (Mods) {
-        const float logit = modified_logit<Cap>(s, tanh_arg, mods, distance, dcap);
+        const float logit = modified_logit<Cap>(s, mods, distance, dcap);
         return fast_exp2(logit * kLog2e - *lse_log2);
     }
     dcap = 1.f;
@@ -206,7 +206,7 @@ FA2_DEVICE void for_each_step_score(const float (&st)[1][Tr::kBlockM / 8][4], co
                                     const BlockDone& block_done) {
     constexpr int kQT = Tr::kBlockM / 8;
     static_assert(kQT % 4 == 0, "query steps of whole 32-query blocks (dropout's)");
-    const float tanh_arg = 2.f * kLog2e * mods.cap_inv, scale_log2 = mods.scale * kLog2e;
+    const float scale_log2 = mods.scale * kLog2e;
     // distance of this thread's first score (query m0 + (lane & 3) * 2, key key_lo): query + diag - key
     const float d0 = static_cast<float>(m0 + mods.diag - key_offset);
 #pragma unroll
@@ -223,7 +223,7 @@ FA2_DEVICE void for_each_step_score(const float (&st)[1][Tr::kBlockM / 8][4], co
                     const int offset = key_offset + eh * 8 - nt * 8 - e1;  // key - qc
                     const float distance = d0 + static_cast<float>(key_offset - offset);  // (a constant step from d0)
                     float dcap;
-                    float p = step_p<Cap, Mods>(st[0][nt][e], lse_s + qc, tanh_arg, scale_log2, mods, distance, dcap);
+                    float p = step_p<Cap, Mods>(st[0][nt][e], lse_s + qc, scale_log2, mods, distance, dcap);
                     if (masked(offset, key)) p = 0.f;
                     score(nt, e, qc, a, p, dcap, Drop ? DropBits<Tr>::factor(keep_scale, flags, a, eh) : 1.f);
                 }

@@ -150,7 +150,7 @@ struct HopperFwdConsumer {
         if (modify(slope)) {
             const UnitScoreMods mods =
                 make_unit_score_mods(args.mods, args.scale, args.softcap, slope, mask.seqlen_q, mask.seqlen_k);
-            mods.template apply<Tr::kMask == kMaskCausal, Tr::kFmaTanhs, Tr::kAlibiRowBias, Tr::kAlibiOnly>(
+            mods.template apply<Tr::kMask == kMaskCausal, Tr::kAlibiRowBias, Tr::kAlibiOnly>(
                 s, warp_row0, col0, lane, bias.v);
             scale_log2 = mods.scale_log2();
             if constexpr (Tr::kAlibiHeadroomLog2 > 0.f)

@@ -79,10 +79,6 @@ struct HopperFwdTraits {
     // rescale's threshold at most steps, a row's reference max moves 2^kAlibiHeadroomLog2 past its new max (RowBias'
     // headroom): bf16 only, where P's exponent reaches as far as fp32's.
     static constexpr float kAlibiHeadroomLog2 = kAlibiRowBias && kLazyRescale && kWideExponent<Elem> ? 32.f : 0.f;
-    // Of each four softcapped scores, how many take tanh's reciprocal on the FMA pipe (UnitScoreMods::apply): where
-    // the softcap leaves the MUFU the busiest pipe (d = 128: 65% of its peak against the tensor cores' 43%, ncu), one
-    // of four at d = 128 (5-9% faster; two no faster) and two at d = 64 (10-13%; one 6-8%); at 192 and 256 none.
-    static constexpr int kFmaTanhs = HeadDim == 128 ? 1 : HeadDim == 64 ? 2 : 0;
     static constexpr int kProducerRegisters = ConsumerWGs == 2 ? (kWideMods ? 40 : 56) : 32,
                          kConsumerRegisters = ConsumerWGs == 2 ? (kWideMods ? 232 : 224) : 160;
     // setmaxnreg.inc waits until the registers the producer gave back cover the increase, so the warpgroups'
