@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from fa2cupy import configs
 from fa2cupy.configs import FORWARD_HOPPER_TABLE, HOPPER_MODS_HEADDIMS
 from gpu_helpers import (UNIT_ROUNDOFF, cupy_module as _cupy, debug_poison, fa2cupy_module,
-                         kernel_options, recorded_forward_plans, skip_unless_hopper)
+                         kernel_options, np_dtype, recorded_forward_plans, skip_unless_hopper)
 # (imported here, not inside a Hypothesis test: importing applies @given, which Hypothesis refuses while a test runs)
 from test_paged_varlen_gpu import paged_case_arrays, paged_equals_packed
 from test_hopper_backward_gpu import varlen_hopper_cases
@@ -124,6 +124,31 @@ def test_alibi_only_kernel_matches_modifier_kernel_and_reference(d, causal, dtyp
     ref_out, ref_lse = attention_ref(*(_host(x) for x in (q, k, v)), causal=causal,
                                      alibi_slopes=_cupy().asnumpy(slopes))
     _check_padded(out, lse, ref_out, ref_lse, v, dtype)
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "window"])
+@pytest.mark.parametrize("d", HOPPER_DIMS)
+def test_softcap_fixed_max_matches_reference(d, mask):
+    """bf16 softcap calls without ALiBi and softcap <= 50 take P against a fixed reference max of 0 (from d = 128:
+    HopperFwdTraits::kCapFixedMax): against the float64 reference with the logits pushed to both ends of the cap
+    (q scaled up), at softcap 50 (the largest such), 3 and 51 (the running max), with rows that see no key (more
+    queries than keys under the causal mask; a window that leaves some rows none) and ragged tiles."""
+    from fa2cupy.reference import attention_ref
+    from test_varlen_mods_gpu import _check_padded, _host
+
+    fa = fa2cupy_module()
+    rng = np.random.default_rng()
+    b, sq, sk, h = 2, 300, 190, 4
+    q = _cupy().asarray((rng.standard_normal((b, sq, h, d), dtype=np.float32) * 8).astype(np_dtype("bfloat16")))
+    k, v = (_randn(rng, (b, sk, h, d), "bfloat16") for _ in range(2))
+    kw = dict(causal=mask == "causal", window_size=(3, 0) if mask == "window" else (-1, -1))
+    for cap in (50.0, 3.0, 51.0):
+        with _on_hopper(), recorded_forward_plans() as plans:
+            out, lse, _ = fa.flash_attn_func(q, k, v, softcap=cap, return_attn_probs=True, **kw)
+        _assert_hopper(plans)
+        ref_out, ref_lse = attention_ref(*(_host(x) for x in (q, k, v)), softcap=cap, **kw)
+        assert np.isinf(ref_lse).any() or mask == "none"  # rows without a visible key are in the test
+        _check_padded(out, lse, ref_out, ref_lse, v, "bfloat16")
 
 
 @settings(deadline=None)

@@ -157,6 +157,12 @@ struct HopperFwdConsumer {
                 if (slope != 0.f) bias.headroom = (Tr::kAlibiHeadroomLog2 / kLog2e) * args.mods.unit_inv;
         }
         if (mask.tile_needs_mask(wg_row0, 64, col0, Tr::kBlockN)) mask.apply(s, warp_row0, col0, lane);
+        if constexpr (Tr::kCapFixedMax) {
+            if (args.softcap > 0.f && args.softcap <= Tr::kCapFixedMaxLimit && slope == 0.f) {
+                softmax.probabilities_fixed(s, scale_log2);
+                return false;
+            }
+        }
         if constexpr (Tr::kLazyRescale) return softmax.probabilities_lazy(s, scale_log2, correction, bias);
         softmax.probabilities(s, scale_log2, correction, bias);
         return true;
