@@ -222,7 +222,8 @@ def flash_attn_func(
             ``j`` iff ``i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right``; -1 = no limit on
             that side; with ``causal`` the right side is 0. Key tiles outside every row's window are skipped, so
             the cost falls with the window.
-        softcap: ``> 0`` passes the scaled scores through ``softcap * tanh(s / softcap)`` (Gemma 2, Grok).
+        softcap: ``> 0`` passes the scaled scores through ``softcap * tanh(s / softcap)`` (Gemma 2, Grok); the
+            kernels take tanh as ``tanh.approx.f32``, as flash-attn's do (within 1.1e-5 of tanh, H200).
         alibi_slopes: float32 ``(nheads,)`` or ``(batch, nheads)``: adds the ALiBi bias ``-slope * |i + seqlen_k -
             seqlen_q - j|`` to the (capped) scores.
         dropout_p: in [0, 1): each entry of P is dropped with this probability, realised as the nearest multiple
