@@ -95,12 +95,12 @@ def plan_backward(
     # (padded calls whose one modifier is ALiBi: the Hopper dK/dV kernel's ALiBi-only instantiation)
     alibi_only = hopper and not varlen and options.hopper_alibi_only and alibi_only_kernel(
         mask, softcap, alibi_batch_stride is not None, dropout_p, softmax_scale, backward=True)
-    smem = config.smem_bytes(atomic, mods, alibi_only=True) if alibi_only else config.smem_bytes(atomic, mods)
+    only = {"alibi_only": True} if alibi_only else {}  # (a Hopper row's keyword: the mma.sync rows have none)
+    smem = config.smem_bytes(atomic, mods, **only)
     # (a call narrower than the Hopper row: its score products leave out the k16 steps of the zero columns)
     score_dim = (configs.hopper_bwd_score_dim(headdim, config.headdim, mods, mask, varlen),) if hopper else ()
-    variant = (dtype, mask, atomic, mods, varlen, *score_dim)
-    name = config.name_expression(*variant, alibi_only=True) if alibi_only else config.name_expression(*variant)
-    function = build.get_kernel(config.family, name, smem)
+    function = build.get_kernel(config.family,
+                                config.name_expression(dtype, mask, atomic, mods, varlen, *score_dim, **only), smem)
     grid = (((seqlen_k + config.block_n - 1) // config.block_n) * config.dslices, nheads_kv, batch)
     maps = None
     semaphores = 0

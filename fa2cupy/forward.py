@@ -170,9 +170,9 @@ def plan_forward(
                               causal_mods=True, unmasked_mods=True)[0]
     alibi_only = padded_hopper and options.hopper_alibi_only and alibi_only_kernel(
         mask, softcap, alibi_batch_stride is not None, dropout_p, softmax_scale)
-    variant = (dtype, mask, mods, varlen_totals is not None, paged is not None)
-    name = config.name_expression(*variant, alibi_only=True) if alibi_only else config.name_expression(*variant)
-    function = build.get_kernel(config.family, name, config.smem_bytes)
+    only = {"alibi_only": True} if alibi_only else {}  # (a Hopper row's keyword: the mma.sync rows have none)
+    function = build.get_kernel(config.family, config.name_expression(dtype, mask, mods, varlen_totals is not None,
+                                                                      paged is not None, **only), config.smem_bytes)
     fixed = _forward_params(q_shape, k_shape, strides, softmax_scale, left, right, softcap, alibi_batch_stride,
                             varlen_totals, dropout_p, paged)
     grid = ((seqlen_q + config.block_m - 1) // config.block_m, nheads, batch)
