@@ -132,7 +132,8 @@ def test_softcap_fixed_max_matches_reference(d, mask):
     """bf16 softcap calls without ALiBi and softcap <= 50 take P against a fixed reference max of 0 (from d = 128:
     HopperFwdTraits::kCapFixedMax): against the float64 reference with the logits pushed to both ends of the cap
     (q scaled up), at softcap 50 (the largest such), 3 and 51 (the running max), with rows that see no key (more
-    queries than keys under the causal mask; a window that leaves some rows none) and ragged tiles."""
+    queries than keys under the causal mask; a window that leaves some rows none) and ragged tiles (tiles without a
+    mask take the tanh and P in one pass, the others in two)."""
     from fa2cupy.reference import attention_ref
     from test_varlen_mods_gpu import _check_padded, _host
 

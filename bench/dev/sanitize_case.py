@@ -17,11 +17,12 @@ The forward cases run the forward only; BWD_CASES run forward + backward
 contiguous, causal) against ``flash_attn_func`` over each row's keys; decode_deep runs them again with the deep
 ring (d=128 on sm_90), decode_walk with both rings on a pretend 2-SM GPU, where each decode block walks several
 work items, decode_warp with one split and warps that stream whole items (both rings, 1 and 2 pretend SMs);
-fwd_hopper runs the forward, window, varlen (softcap and ALiBi too), padded softcap/ALiBi, dropout and paged cases of
-the Hopper forward's head dims (64, 128, 192, 256) on sm_90 with 1 and 2 pretend SMs, so that each persistent block
-walks many work items; bwd_hopper runs the backward and window cases of the Hopper dK/dV kernel's head dims in both
-modes (and of head dims between them: 72, 96, 144, varlen 80 and 160, on the instantiations whose score products
-stop short of the row's width) and its modifier rows with softcap/ALiBi and with dropout (on sm_90); paged_mma
+fwd_hopper runs the forward, window, varlen (softcap and ALiBi too), padded softcap/ALiBi (fp16; and bf16 softcap
+against the fixed max), dropout and paged cases of the Hopper forward's head dims (64, 128, 192, 256) on sm_90 with
+1 and 2 pretend SMs, so that each persistent block walks many work items; bwd_hopper runs the backward and window
+cases of the Hopper dK/dV kernel's head dims in both modes (and of head dims between them: 72, 96, 144, varlen 80
+and 160, on the instantiations whose score products stop short of the row's width) and its modifier rows with
+softcap/ALiBi and with dropout (on sm_90); paged_mma
 runs the paged cases on the mma.sync forward (which sm_90 otherwise uses only with modifiers or other head dims);
 dropout runs forward + backward with dropout on every warp tiling of its Philox draw (and one case on the sm86 rows).
 
@@ -189,11 +190,21 @@ MODS_CASES = (
     (200, 150, 2, 1, 256, True, 0.0, True),
     (90, 200, 2, 2, 256, False, 0.0, True),
 )
+# MODS_CASES' fields for bf16 softcap without ALiBi, q scaled by 8 so that the logits reach both ends of the cap: at
+# softcap <= 50 the Hopper rows above d = 64 take P against a fixed reference max (HopperFwdTraits::kCapFixedMax), in
+# one pass with the tanh on tiles without a mask; 60 keeps the running max.
+CAP_FIXED_CASES = (
+    (150, 330, 4, 2, 128, False, 30.0, False),
+    (330, 200, 4, 2, 128, True, 50.0, False),
+    (130, 200, 4, 2, 192, True, 30.0, False),
+    (200, 150, 2, 1, 256, False, 50.0, False),
+    (200, 150, 2, 1, 256, True, 60.0, False),
+)
 
 
-def check_mods(i, sq, sk, h, hkv, d, causal, softcap, alibi, backward=False) -> bool:
+def check_mods(i, sq, sk, h, hkv, d, causal, softcap, alibi, backward=False, dtype="fp16", q_scale=1.0) -> bool:
     """Forward (and with ``backward`` the backward) with softcap / ALiBi against the float64 reference (fa2cupy
-    check's bounds)."""
+    check's bounds); q scaled by ``q_scale`` before rounding to ``dtype``."""
     import cupy as cp
 
     import fa2cupy
@@ -201,25 +212,26 @@ def check_mods(i, sq, sk, h, hkv, d, causal, softcap, alibi, backward=False) -> 
     from fa2cupy.reference import attention_ref, attention_ref_backward
 
     rng = np.random.default_rng(250 + i)
-    q, k, v = (cp.asarray(rng.standard_normal(s, dtype=np.float32)).astype(cp.float16)
-               for s in ((2, sq, h, d), (2, sk, hkv, d), (2, sk, hkv, d)))
+    rounded = [B.round_host(rng.standard_normal(s, dtype=np.float32) * (q_scale if n == 0 else 1.0), dtype)
+               for n, s in enumerate(((2, sq, h, d), (2, sk, hkv, d), (2, sk, hkv, d)))]
+    q, k, v = (B.to_device(payload, dtype, "cupy") for payload, _ in rounded)
     slopes = rng.uniform(0, 0.3, (2, h)).astype(np.float32) if alibi else None
     slopes_d = None if slopes is None else cp.asarray(slopes)
     out, lse, _ = fa2cupy.flash_attn_func(q, k, v, causal=causal, softcap=softcap, alibi_slopes=slopes_d,
                                           kernel_options=KERNEL_OPTIONS, return_attn_probs=True)
-    host = [cp.asnumpy(x).astype(np.float64) for x in (q, k, v, out)]
+    host = [values for _, values in rounded] + [cp.asnumpy(out).astype(np.float64)]
     ref, _ = attention_ref(*host[:3], causal=causal, softcap=softcap, alibi_slopes=slopes)
-    ok = np.abs(host[3] - ref).max() <= testing.out_bound("fp16", np.abs(ref).max())
+    ok = np.abs(host[3] - ref).max() <= testing.out_bound(dtype, np.abs(ref).max())
     if backward:
-        dout = cp.asarray(rng.standard_normal(out.shape, dtype=np.float32)).astype(cp.float16)
+        dout_payload, dout64 = B.round_host(rng.standard_normal(out.shape, dtype=np.float32), dtype)
+        dout = B.to_device(dout_payload, dtype, "cupy")
         grads = fa2cupy.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, softcap=softcap,
                                             alibi_slopes=slopes_d, kernel_options=KERNEL_OPTIONS)
-        dout64 = cp.asnumpy(dout).astype(np.float64)
         refs = attention_ref_backward(dout64, *host[:3], None, causal, (-1, -1), softcap, slopes, out=host[3])
         for _, err, bound in testing.gradient_errors([cp.asnumpy(g) for g in grads], dout64, *host[:3], host[3],
-                                                     "fp16", None, causal, ref_grads=refs):
+                                                     dtype, None, causal, ref_grads=refs):
             ok &= err <= bound
-    print(f"mods {i}: sq{sq} sk{sk} h{h}/{hkv} d{d} causal={causal} softcap={softcap} alibi={alibi}"
+    print(f"mods {i}: {dtype} sq{sq} sk{sk} h{h}/{hkv} d{d} causal={causal} softcap={softcap} alibi={alibi}"
           f"{' (+ backward)' if backward else ''}: {'ok' if ok else 'FAIL'}", flush=True)
     return bool(ok)
 
@@ -592,6 +604,9 @@ def main(groups) -> int:
                 total += 1
             for i, case in enumerate(MODS_CASES):
                 bad += not check_mods(i, *case)
+                total += 1
+            for i, case in enumerate(CAP_FIXED_CASES, start=len(MODS_CASES)):
+                bad += not check_mods(i, *case, dtype="bf16", q_scale=8.0)
                 total += 1
             for i, case in enumerate(HOPPER_DROPOUT_CASES, start=len(DROPOUT_CASES) + len(DROPOUT_SM86)):
                 bad += not check_dropout(i, *case, backward=False)  # dropout on the modifier rows

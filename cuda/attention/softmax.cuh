@@ -28,6 +28,11 @@ struct RowBias {
 };
 using NoRowBias = RowBias<1, false>;
 
+// The scores themselves as the logits (OnlineSoftmax::probabilities_fixed's default).
+struct Scores {
+    FA2_DEVICE float operator()(float x) const { return x; }
+};
+
 template <int MTiles, int NTiles>
 struct OnlineSoftmax {
     static constexpr int kRows = MTiles * 2;
@@ -122,14 +127,16 @@ struct OnlineSoftmax {
     // probabilities() against a reference max of 0 for every row, for scores whose exponent exp2(s scale_log2)
     // stays within range without a shift (the Hopper forward's softcapped values: |s| <= 1 and scale_log2 =
     // softcap log2(e), HopperFwdTraits::kCapFixedMax): no row max, no quad shuffle, and the output never takes a
-    // correction.
-    FA2_DEVICE void probabilities_fixed(float (&s)[MTiles][NTiles][4], float scale_log2) {
+    // correction. logit: a function applied to each score first, in the same pass as its exponential (the softcap's
+    // tanh: HopperFwdConsumer::probabilities).
+    template <class Logit = Scores>
+    FA2_DEVICE void probabilities_fixed(float (&s)[MTiles][NTiles][4], float scale_log2, Logit logit = Logit{}) {
 #pragma unroll
         for (int mt = 0; mt < MTiles; ++mt)
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 row_max[mt * 2 + half] = 0.f;
-                exponentiate_row(s, mt, half, scale_log2, 0.f, row_sum[mt * 2 + half]);
+                exponentiate_row(s, mt, half, scale_log2, 0.f, row_sum[mt * 2 + half], logit);
             }
     }
     // The max of row `half` of m16 tile mt (row r) over this tile's scores (plus the row's bias) and `m`, across
@@ -149,14 +156,15 @@ struct OnlineSoftmax {
         if constexpr (Bias::kOn) return fmaf(-bias[r], scale_log2, shift);
         else return shift;
     }
-    // That row's scores to exp2(s scale_log2 - shift) in place, each added to `sum` (this thread's partial).
+    // That row's scores to exp2(logit(s) scale_log2 - shift) in place, each added to `sum` (this thread's partial).
+    template <class Logit = Scores>
     static FA2_DEVICE void exponentiate_row(float (&s)[MTiles][NTiles][4], int mt, int half, float scale_log2,
-                                            float shift, float& sum) {
+                                            float shift, float& sum, Logit logit = Logit{}) {
 #pragma unroll
         for (int nt = 0; nt < NTiles; ++nt) {
 #pragma unroll
             for (int e = 2 * half; e < 2 * half + 2; ++e) {
-                s[mt][nt][e] = fast_exp2(s[mt][nt][e] * scale_log2 - shift);
+                s[mt][nt][e] = fast_exp2(logit(s[mt][nt][e]) * scale_log2 - shift);
                 sum += s[mt][nt][e];
             }
         }
