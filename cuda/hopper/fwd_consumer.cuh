@@ -136,6 +136,12 @@ struct HopperFwdConsumer {
     // dropout alone keeps the plain kernels' scale, folded into the exponent.
     FA2_DEVICE bool modify(const float& slope) const { return Tr::kMods && (args.softcap > 0.f || slope != 0.f); }
 
+    // Whether the item's scores take P against the fixed reference max (kCapFixedMax): a softcap within
+    // kCapFixedMaxLimit, without ALiBi.
+    FA2_DEVICE bool cap_fixed(const float& slope) const {
+        return args.softcap > 0.f && args.softcap <= Tr::kCapFixedMaxLimit && slope == 0.f;
+    }
+
     // The landed scores of the block's tile j: modified (kMods: softcap, and ALiBi of `slope` in their unit, into
     // UnitScoreMods' values), masked where some row of the warpgroup cannot see some key, then P against each
     // row's reference max (OnlineSoftmax::probabilities_lazy): whether O must take `correction`.
@@ -144,20 +150,20 @@ struct HopperFwdConsumer {
     // FMA-pipe work around them. Taken in two passes (the tanh in UnitScoreMods::apply, then the mask and the
     // exponentials), the first pass issued its 64 tanh back to back behind its 64 multiplies and the second started
     // only after it: the MUFU pipe was 57% busy and the tensor cores 56% (ncu, d = 128, 8k), against 75% in the plain
-    // kernel. One pass: 4.6% faster at d = 128 and 192, level at 256 (docs/design.md).
+    // kernel (docs/design.md, "The tanh and P in one pass").
     FA2_DEVICE bool probabilities(const WindowMask<Tr::kMask>& mask, const float& slope, const int& n_first,
                                   const int& wg_row0, const int& warp_row0, int j, float (&s)[1][kNT][4],
                                   Softmax& softmax, float (&correction)[2]) const {
         pin_registers(s);
         const int col0 = (n_first + j) * Tr::kBlockN;
-        const bool masked = mask.tile_needs_mask(wg_row0, 64, col0, Tr::kBlockN);
-        const bool cap_fixed =
-            Tr::kCapFixedMax && args.softcap > 0.f && args.softcap <= Tr::kCapFixedMaxLimit && slope == 0.f;
-        if (cap_fixed && !masked) {
-            // (UnitScoreMods' kCap values and scale: tanh(s scale / cap), in units of the cap)
-            const float arg = fast_quotient(args.scale, args.softcap);
-            softmax.probabilities_fixed(s, args.mods.unit * kLog2e, [arg](float x) { return fast_tanh(x * arg); });
-            return false;
+        if constexpr (Tr::kCapFixedMax) {
+            if (cap_fixed(slope) && !mask.tile_needs_mask(wg_row0, 64, col0, Tr::kBlockN)) {
+                // (UnitScoreMods' kCap values and scale: tanh(s scale / cap), in units of the cap)
+                const float arg = fast_quotient(args.scale, args.softcap);
+                softmax.probabilities_fixed(s, args.mods.unit * kLog2e,
+                                            [arg](float x) { return fast_tanh(x * arg); });
+                return false;
+            }
         }
         float scale_log2 = args.scale_log2;
         // (kAlibiRowBias: ALiBi's part constant along a thread's row, and its headroom)
@@ -171,10 +177,12 @@ struct HopperFwdConsumer {
             if constexpr (Tr::kAlibiHeadroomLog2 > 0.f)
                 if (slope != 0.f) bias.headroom = (Tr::kAlibiHeadroomLog2 / kLog2e) * args.mods.unit_inv;
         }
-        if (masked) mask.apply(s, warp_row0, col0, lane);
-        if (cap_fixed) {
-            softmax.probabilities_fixed(s, scale_log2);
-            return false;
+        if (mask.tile_needs_mask(wg_row0, 64, col0, Tr::kBlockN)) mask.apply(s, warp_row0, col0, lane);
+        if constexpr (Tr::kCapFixedMax) {
+            if (cap_fixed(slope)) {
+                softmax.probabilities_fixed(s, scale_log2);
+                return false;
+            }
         }
         if constexpr (Tr::kLazyRescale) return softmax.probabilities_lazy(s, scale_log2, correction, bias);
         softmax.probabilities(s, scale_log2, correction, bias);
