@@ -447,6 +447,8 @@ struct UnitScoreMods {
     int diag;     // seqlen_k - seqlen_q
 
     FA2_DEVICE float scale_log2() const { return unit * kLog2e; }
+    // A softcapped value (kCap, kCapAlibi) before ALiBi: tanh(scale s / cap) of raw score s.
+    FA2_DEVICE float capped(float s) const { return fast_tanh(s * arg); }
 
     // s: one warpgroup warp's raw scores in C-fragment layout (rows from row0, the warp's 16, and columns from
     // col0) -> values v, with bias[r] the part of row r's values left to the softmax (0 without ALiBi).
@@ -474,7 +476,7 @@ struct UnitScoreMods {
                 for (int e = 0; e < 4; ++e) {
                     float& v = s[0][nt][e];
                     if constexpr (kCapped)
-                        v = fast_tanh(v * arg);
+                        v = capped(v);
                     else
                         v *= arg;
                 }
@@ -512,15 +514,20 @@ struct UnitModsConstants {
     float unit, unit_inv;
 };
 
+// make_unit_score_mods' softcap kinds (softcap > 0): kCapAlibi, or kCap where unit_slope is 0.
+FA2_DEVICE UnitScoreMods capped_unit_score_mods(const UnitModsConstants& c, float scale, float softcap,
+                                                float unit_slope, int diag) {
+    return {unit_slope != 0.f ? UnitScoreMods::kCapAlibi : UnitScoreMods::kCap, fast_quotient(scale, softcap),
+            unit_slope, c.unit, diag};
+}
+
 // unit_slope: the ALiBi slope times c.unit_inv. The softcap's argument is divided out per tile (fast_quotient: a
 // MUFU reciprocal): taken from the host too, it measured 3-4.5% slower at d = 256 causal, the schedule ptxas gave
 // the softcap's loop (docs/design.md).
 FA2_DEVICE UnitScoreMods make_unit_score_mods(const UnitModsConstants& c, float scale, float softcap,
                                               float unit_slope, int seqlen_q, int seqlen_k) {
     const int diag = seqlen_k - seqlen_q;
-    if (softcap > 0.f)
-        return {unit_slope != 0.f ? UnitScoreMods::kCapAlibi : UnitScoreMods::kCap,
-                fast_quotient(scale, softcap), unit_slope, c.unit, diag};
+    if (softcap > 0.f) return capped_unit_score_mods(c, scale, softcap, unit_slope, diag);
     if (scale > 0.f) return {UnitScoreMods::kAlibi, 1.f, unit_slope, c.unit, diag};
     return {UnitScoreMods::kAlibiUnscaled, scale, unit_slope, c.unit, diag};
 }

@@ -158,10 +158,9 @@ struct HopperFwdConsumer {
         const int col0 = (n_first + j) * Tr::kBlockN;
         if constexpr (Tr::kCapFixedMax) {
             if (cap_fixed(slope) && !mask.tile_needs_mask(wg_row0, 64, col0, Tr::kBlockN)) {
-                // (UnitScoreMods' kCap values and scale: tanh(s scale / cap), in units of the cap)
-                const float arg = fast_quotient(args.scale, args.softcap);
-                softmax.probabilities_fixed(s, args.mods.unit * kLog2e,
-                                            [arg](float x) { return fast_tanh(x * arg); });
+                // (kCap: no ALiBi, so no diagonal)
+                const UnitScoreMods mods = capped_unit_score_mods(args.mods, args.scale, args.softcap, 0.f, 0);
+                softmax.probabilities_fixed(s, mods.scale_log2(), [mods](float x) { return mods.capped(x); });
                 return false;
             }
         }
