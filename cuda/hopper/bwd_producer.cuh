@@ -133,9 +133,17 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
     // once) take their turns in the order their walks reach the tile instead (rotated_turn).
     // (counted: the last two steps whose additions are issued but not yet counted, as their flags' indices, the
     // later first; -1: none)
+    //
+    // Who issues them: the first thread, between its loads; or in deterministic mode, in padded calls of 64 query
+    // rows a step without modifiers (warps 2 and 3 have nothing else to do there), the first thread of warp 3, each
+    // step as soon as it is staged, so that the waits for the turns and for each addition hold up no load. (The
+    // switch is read from the arguments where it is used: held in a register across the walk, or tested in a kernel
+    // that has no such reducer, it cost the 24-register producers 4-24 bytes of spills. Warp 3 whole, as a thread of
+    // warp 2 alone, beside its warp's other lanes in the walk, hung the kernel.)
+    constexpr bool kOwnReducer = Tr::kTma && !Tr::kMods && kM == 64;
     if (ptid == 0) st_shared_u32(smem.uncounted(), ~0u), st_shared_u32(smem.uncounted() + 4, ~0u);
     const auto reduce_step = [&](int j) {
-        if (ptid != 0) return;
+        if (ptid != (kOwnReducer && args.deterministic ? 96 : 0)) return;
         const int head = kv_head * args.heads_per_kv + j / steps.m_count, m0 = steps.m0(j);
         const int t = j % Tr::kDqTiles, rows = min(kM, args.seqlen_q - m0), tile = head * args.sem_tiles + m0 / kM;
         mbar_wait(smem.dq_staged(t), (j / Tr::kDqTiles) & 1);
@@ -191,6 +199,11 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
     // from here on; K and V, like Q and dO, are the call's inputs, written before the preprocess started)
     wait_for_prior_grids();
     load_stats(kv_head * args.heads_per_kv, steps.first_m0());
+    if (kOwnReducer && args.deterministic && ptid >= 96) {  // (warp 3: its first thread reduces, the rest are done)
+        if (ptid == 96)
+            for (int j = 0; j < steps.count; ++j) reduce_step(j);  // (each waits for its addition to be done)
+        return;
+    }
     const u32 drop_scratch = smem.drop + kS * Tr::kDropSlotBytes + 32 * ptid;  // (draw_drop_flags')
     if constexpr (Tr::kDropout) {
         if (ptid >= 32) drop_flags_setup<Tr>(drop_scratch, key0, ptid - 32);
@@ -231,14 +244,16 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
                                     key0, m0, ptid - 32);
         }
         if (Tr::kMods || ptid < kM) mbar_arrive(smem.full(s));  // (release: the stores above)
-        if (it >= kLag) reduce_step(it - kLag);
+        if (it >= kLag && !(kOwnReducer && args.deterministic)) reduce_step(it - kLag);
         m0 += kM;  // step it + 1's query head and first row (the next head's where the walk is back at its start)
         if (m0 == (steps.m_begin + steps.m_count) * kM) m0 = steps.m_begin * kM;
         if (m0 == steps.first_m0()) ++head;
         if (it + 1 < steps.count) load_stats(head, m0);
     }
-    if (kLag == 2 && steps.count >= 2) reduce_step(steps.count - 2);
-    if (steps.count >= 1) reduce_step(steps.count - 1);
+    if (!(kOwnReducer && args.deterministic)) {
+        if (kLag == 2 && steps.count >= 2) reduce_step(steps.count - 2);
+        if (steps.count >= 1) reduce_step(steps.count - 1);
+    }
     bulk_wait<0>();
     if (ptid == 0 && args.dq_semaphore != nullptr && !args.deterministic) {
         for (int i = 0; i < 2; ++i) {
