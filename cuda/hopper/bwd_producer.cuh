@@ -134,13 +134,14 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
     // (counted: the last two steps whose additions are issued but not yet counted, as their flags' indices, the
     // later first; -1: none)
     //
-    // Who issues them: the first thread, between its loads; or in deterministic mode, in padded calls of 64 query
-    // rows a step without modifiers (warps 2 and 3 have nothing else to do there), the first thread of warp 3, each
-    // step as soon as it is staged, so that the waits for the turns and for each addition hold up no load. (The
+    // Who issues them: the first thread, between its loads; or in deterministic mode, in padded calls without
+    // modifiers, the first thread of warp 3, each step as soon as it is staged, so that the waits for the turns and
+    // for each addition hold up no load. Warps 2 and 3 have nothing else to do there but, with 128 query rows a step
+    // (head dim 64), store row statistics: warp 2 then stores warp 3's rows too. (The
     // switch is read from the arguments where it is used: held in a register across the walk, or tested in a kernel
     // that has no such reducer, it cost the 24-register producers 4-24 bytes of spills. Warp 3 whole, as a thread of
     // warp 2 alone, beside its warp's other lanes in the walk, hung the kernel.)
-    constexpr bool kOwnReducer = Tr::kTma && !Tr::kMods && kM == 64;
+    constexpr bool kOwnReducer = Tr::kTma && !Tr::kMods;
     if (ptid == 0) st_shared_u32(smem.uncounted(), ~0u), st_shared_u32(smem.uncounted() + 4, ~0u);
     const auto reduce_step = [&](int j) {
         if (ptid != (kOwnReducer && args.deterministic ? 96 : 0)) return;
@@ -186,13 +187,24 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
     // Thread ptid < kM's row statistics of a step, lse (+inf past seqlen_q, so that P = 0: plain loads, which a
     // zero-filling copy cannot give) and D, loaded a step ahead: their wait falls under the wait for the slot,
     // not on the way to the step's full barrier (nothing reads them before the step's stores).
-    float lse_next = 0.f, dsum_next = 0.f;
+    // (with 128 rows a step and warp 3 reducing, warp 2's threads also take warp 3's rows, ptid + 32)
+    float lse_next = 0.f, dsum_next = 0.f, lse_next3 = 0.f, dsum_next3 = 0.f;
     const auto load_stats = [&](int head, int m0) {
         if (ptid >= kM) return;
         lse_next = pos_inf(), dsum_next = 0.f;
         if (m0 + ptid < args.seqlen_q) {
             const int row = int(batch * args.stat_batch_stride + head * args.stat_head_stride + q_start + m0 + ptid);
             lse_next = args.lse[row], dsum_next = args.dsum[row];
+        }
+        if constexpr (kOwnReducer && kM == 128) {
+            if (args.deterministic && ptid >= 64 && ptid < 96) {
+                lse_next3 = pos_inf(), dsum_next3 = 0.f;
+                if (m0 + ptid + 32 < args.seqlen_q) {
+                    const int row =
+                        int(batch * args.stat_batch_stride + head * args.stat_head_stride + q_start + m0 + ptid + 32);
+                    lse_next3 = args.lse[row], dsum_next3 = args.dsum[row];
+                }
+            }
         }
     };
     // (launched programmatically, sm_90: the preprocess's D and zeroed dQ accumulator, and the counts, only
@@ -243,7 +255,17 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
                                                  batch, args.nheads, head, args.dropout_scale),
                                     key0, m0, ptid - 32);
         }
-        if (Tr::kMods || ptid < kM) mbar_arrive(smem.full(s));  // (release: the stores above)
+        if constexpr (kOwnReducer && kM == 128) {
+            if (args.deterministic && ptid >= 64 && ptid < 96) {  // (warp 3's rows too, and arriving for them)
+                smem.stats[s * kM + ptid + 32] = lse_next3 * kLog2e;
+                smem.stats[(kS + s) * kM + ptid + 32] = dsum_next3;
+                mbar_arrive_count(smem.full(s), 2);
+            } else if (ptid < kM) {
+                mbar_arrive(smem.full(s));
+            }
+        } else if (Tr::kMods || ptid < kM) {
+            mbar_arrive(smem.full(s));  // (release: the stores above)
+        }
         if (it >= kLag && !(kOwnReducer && args.deterministic)) reduce_step(it - kLag);
         m0 += kM;  // step it + 1's query head and first row (the next head's where the walk is back at its start)
         if (m0 == (steps.m_begin + steps.m_count) * kM) m0 = steps.m_begin * kM;

@@ -16,6 +16,10 @@ FA2_DEVICE void mbar_init(u32 bar, u32 count) {
 FA2_DEVICE void mbar_arrive(u32 bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
+// `count` arrivals at once (a thread that stands in for others).
+FA2_DEVICE void mbar_arrive_count(u32 bar, u32 count) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
 FA2_DEVICE bool mbar_try_wait(u32 bar, u32 parity) {
     u32 done;
     asm volatile(
