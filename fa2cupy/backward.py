@@ -32,6 +32,7 @@ class BackwardPlan:
     # The Hopper dK/dV kernel's counts of completed dQ additions (an int per batch row, query head and query tile:
     # turn flags when deterministic), zeroed for each call (run_backward) and passed as BwdHopperParams.dq_semaphore,
     # and to the conversion as BwdParams.dq_arrivals where it converts tile by tile (convert_counted); else 0.
+    # Deterministic at the wide head dims: a plane of such ints per half of the tiles' rows (turn_planes).
     dq_semaphores: int = 0
     convert_counted: bool = False
 
@@ -104,13 +105,17 @@ def plan_backward(
     grid = (((seqlen_k + config.block_n - 1) // config.block_n) * config.dslices, nheads_kv, batch)
     maps = None
     semaphores = 0
-    counted = hopper and configs.hopper_bwd_early_converts(mask, seqlen_q, options.hopper_bwd_early_convert,
-                                                          config.wide)
+    # (deterministic calls whose flags are in two planes, one per half of the tiles' rows, convert after the whole
+    # kernel: the conversion's count is an int per tile)
+    planes = config.turn_planes(varlen, mods) if hopper and deterministic else 1
+    counted = hopper and planes == 1 and configs.hopper_bwd_early_converts(
+        mask, seqlen_q, options.hopper_bwd_early_convert, config.wide)
     if hopper:
         chunk = configs.hopper_bwd_group_chunk(grid[0], nheads_kv * batch, nheads // nheads_kv, mask,
                                               options.hopper_bwd_chunk_blocks)
         if deterministic or counted:  # (an int per batch row, query head and query tile of block_m rows)
             semaphores = batch * nheads * -(-seqlen_q // config.block_m)
+        semaphores *= planes
         rotate = int(deterministic and mask == "none"
                      and configs.hopper_bwd_rotates(grid[0] * chunk, build.sm_count(options.sm_count)))
         by_map = config.dq_by_map(headdim, varlen, mods)

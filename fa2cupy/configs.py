@@ -292,6 +292,12 @@ class HopperBwdConfig:
         return (headdim < self.headdim and self.dq_pitch(self.headdim) <= 256
                 and not (varlen and mods and self.dq_by_keys))
 
+    def turn_planes(self, varlen: bool, mods: bool) -> int:
+        """Must match HopperBwdTraits::kTurnPlanes: the deterministic turn flags' planes (each an int per batch
+        row, head and query tile): two at the wide head dims in padded calls without modifiers, whose kernels add
+        each half of a step's dQ rows on turns of its own, else one."""
+        return 2 if self.wide and not varlen and not mods else 1
+
     def smem_bytes(self, atomic_dq: bool = True, mods: bool = False, alibi_only: bool = False) -> int:
         # Must match HopperBwdTraits::kSmemBytes: alignment slack, K and V, the Q/dO ring, the dS^T tiles (two by
         # columns, one by keys), the fp32 dQ staging rows (one tile by columns, a pair by keys), the row statistics,

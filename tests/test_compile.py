@@ -320,6 +320,22 @@ def test_hopper_backward_modifier_shared_memory_matches_the_kernel():
             row.name_expression("float16", "window", alibi_only=True, **kw)
 
 
+def test_hopper_backward_turn_planes_match_the_kernel():
+    # The deterministic turn flags a call allocates (configs.HopperBwdConfig.turn_planes) against the traits'
+    # kTurnPlanes: padded and varlen, with and without modifiers, wherever the row has that kernel.
+    prefix = "fa2::bwd_dkdv_hopper<"
+    cases = [(c, varlen, mods) for c in configs.BACKWARD_HOPPER_TABLE.values() for varlen in (False, True)
+             for mods in (False, True) if not mods or configs.hopper_bwd_takes_mods(c.headdim, varlen)]
+    probes = [f"__device__ int fa2_probe_{i} = "
+              f"{c.name_expression('float16', 'window' if mods else 'none', mods=mods, varlen=varlen)[len(prefix):-1]}"
+              f"::kTurnPlanes;" for i, (c, varlen, mods) in enumerate(cases)]
+    ptx = _probe_ptx("bwd_hopper", probes, "90a")
+    for i, (config, varlen, mods) in enumerate(cases):
+        found = re.search(rf"fa2_probe_{i} = (\d+);", ptx)
+        assert found and int(found[1]) == config.turn_planes(varlen, mods), (config, varlen, mods)
+    assert {c.headdim for c, v, m in cases if c.turn_planes(v, m) == 2} == {192, 256}
+
+
 def test_hopper_forward_is_chosen_only_where_it_runs():
     for d in (64, 128, 192, 256):
         assert configs.hopper_forward_config(90, d, "bfloat16") is configs.FORWARD_HOPPER_TABLE[d]

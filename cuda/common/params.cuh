@@ -183,7 +183,7 @@ struct BwdHopperParams {
     int deterministic;  // dQ added to each query tile in turns (dq_semaphore: the turn flags)
     int dq_by_map;      // whole query tiles' dQ added through tmap_dq (calls narrower than the kernel's head dim)
     // per call, deterministic or counted (BwdParams::dq_arrivals): a zeroed int per (batch, head, query tile), which
-    // counts the tile's completed additions; else null
+    // counts the tile's completed additions (deterministic: HopperBwdTraits::kTurnPlanes planes of them); else null
     int* dq_semaphore;
     TensorMap tmap_q;  // per call, as the pointers
     TensorMap tmap_k;

@@ -137,14 +137,19 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
     // Who issues them: the first thread, between its loads; or in deterministic mode, in padded calls without
     // modifiers, the first thread of warp 3, each step as soon as it is staged, so that the waits for the turns and
     // for each addition hold up no load. Warps 2 and 3 have nothing else to do there but, with 128 query rows a step
-    // (head dim 64), store row statistics: warp 2 then stores warp 3's rows too. (The
+    // (head dim 64), store row statistics: warp 2 then stores warp 3's rows too. At the wide head dims the first
+    // threads of warps 2 and 3 each add half of the step's rows, on turns of their own (HopperBwdTraits::kTurnPlanes:
+    // a turn passes once its half is added, so the next block's first half goes in while this one's second is in
+    // flight). (The
     // switch is read from the arguments where it is used: held in a register across the walk, or tested in a kernel
     // that has no such reducer, it cost the 24-register producers 4-24 bytes of spills. Warp 3 whole, as a thread of
     // warp 2 alone, beside its warp's other lanes in the walk, hung the kernel.)
     constexpr bool kOwnReducer = Tr::kTma && !Tr::kMods;
     if (ptid == 0) st_shared_u32(smem.uncounted(), ~0u), st_shared_u32(smem.uncounted() + 4, ~0u);
     const auto reduce_step = [&](int j) {
-        if (ptid != (kOwnReducer && args.deterministic ? 96 : 0)) return;
+        if (ptid != (kOwnReducer && args.deterministic ? 96 : 0) &&
+            !(Tr::kTurnPlanes == 2 && args.deterministic && ptid == 64))
+            return;
         const int head = kv_head * args.heads_per_kv + j / steps.m_count, m0 = steps.m0(j);
         const int t = j % Tr::kDqTiles, rows = min(kM, args.seqlen_q - m0), tile = head * args.sem_tiles + m0 / kM;
         mbar_wait(smem.dq_staged(t), (j / Tr::kDqTiles) & 1);
@@ -166,6 +171,23 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
                 int first, count;
                 mask.template key_tiles<kN>(m0, rows, first, count);
                 turn = first + count - 1 - key0 / kN;
+            }
+            if constexpr (Tr::kTurnPlanes == 2) {
+                // Half p of the rows (warp 2's thread the first, warp 3's the second) on its flag in plane p of
+                // the call's flags (plane 0 first, each the batch rows', heads' and tiles' flags).
+                const int p = ptid == 64 ? 0 : 1, half = kM / 2, n = min(half, rows - p * half);
+                int* flag = args.dq_semaphore + tile + p * int(gridDim.z) * args.nheads * args.sem_tiles;
+                wait_for_turn(flag, turn);
+                const int row = int(batch * args.stat_batch_stride + head * args.stat_head_stride + q_start + m0);
+                if (n > 0)
+                    bulk_reduce_add_f32(args.dq_accum + (i64)(row + p * half) * Tr::kDqPitch,
+                                        smem.dq + (t * kM + p * half) * Tr::kDqPitch * 4, n * Tr::kDqPitch * 4);
+                bulk_commit();
+                bulk_wait_read<0>();
+                mbar_arrive(smem.dq_free(t));
+                bulk_wait<0>();
+                pass_turn(flag);
+                return;
             }
             wait_for_turn(args.dq_semaphore + tile, turn);
             pass = true;
@@ -211,8 +233,9 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
     // from here on; K and V, like Q and dO, are the call's inputs, written before the preprocess started)
     wait_for_prior_grids();
     load_stats(kv_head * args.heads_per_kv, steps.first_m0());
-    if (kOwnReducer && args.deterministic && ptid >= 96) {  // (warp 3: its first thread reduces, the rest are done)
-        if (ptid == 96)
+    // (warp 3, and warp 2 with two reducing threads: their first threads reduce, the rest are done)
+    if (kOwnReducer && args.deterministic && ptid >= (Tr::kTurnPlanes == 2 ? 64 : 96)) {
+        if (ptid == 64 || ptid == 96)
             for (int j = 0; j < steps.count; ++j) reduce_step(j);  // (each waits for its addition to be done)
         return;
     }

@@ -56,6 +56,11 @@ struct HopperBwdTraits {
     // sequence's last, ragged tile with every producer thread's cp.async, whose zeros past its rows keep another
     // sequence's rows (which may hold anything) out of the products.
     static constexpr bool kTma = !Varlen;
+    // Deterministic mode at the wide head dims, padded without modifiers: a step's dQ reduction in two halves of its
+    // rows, each issued by a producer thread of its own (warps 2 and 3, produce_dkdv) and taking turns on flags of
+    // its own (a plane of the call's flags each), so that the next key tile's block may add the first half while
+    // this block's second is still in flight.
+    static constexpr int kTurnPlanes = kWide && !Varlen && !Mods ? 2 : 1;
     // Two consumer warpgroups and a producer warpgroup, whose registers go to the consumers (setmaxnreg): a
     // consumer holds dK and dV (64 keys x the head dim each) and S^T, dP^T (64 x BlockM) at once.
     static constexpr int kConsumerWarps = 8, kConsumerThreads = 256, kProducerThreads = 128, kThreads = 384;
@@ -199,8 +204,9 @@ struct HopperBwdSmem {
     FA2_DEVICE u32 dq_free(int t) const { return bars + 8 * (1 + 2 * kS + Tr::kDqTiles + t); }
     FA2_DEVICE u32 uncounted() const { return bars + 8 * Tr::kBarriers; }
 
-    // By one thread, before the block's first barrier.
-    FA2_DEVICE void init_barriers() const {
+    // By one thread, before the block's first barrier (`deterministic`: dq_free takes an arrival from each of the
+    // kTurnPlanes reducing threads).
+    FA2_DEVICE void init_barriers(bool deterministic) const {
         mbar_init(kv_full, Tr::kCopyArrivals);
         for (int s = 0; s < kS; ++s) {
             mbar_init(full(s), Tr::kCopyArrivals + (Tr::kMods ? Tr::kProducerThreads : kM));
@@ -208,7 +214,7 @@ struct HopperBwdSmem {
         }
         for (int t = 0; t < Tr::kDqTiles; ++t) {
             mbar_init(dq_staged(t), Tr::kDqByKeys ? Tr::kConsumerWarps / 2 : Tr::kConsumerWarps);
-            mbar_init(dq_free(t), 1);
+            mbar_init(dq_free(t), deterministic ? Tr::kTurnPlanes : 1);
         }
     }
 };
@@ -250,8 +256,9 @@ struct HopperBwdArgs {
     const TensorMap& tmap_dq;  // (kDqReduceByMap: dq_accum's first `headdim` columns)
     bool dq_by_map;            // (whole query tiles' dQ_i through tmap_dq: configs.HopperBwdConfig.dq_by_map)
     // This batch row's ints, one per (head, query tile of BlockM rows), of sem_tiles per head, which count the
-    // tile's completed additions (else null): turn flags when deterministic, else read by bwd_convert_dq, which
-    // converts each tile once its count is complete (BwdParams::dq_arrivals).
+    // tile's completed additions (else null): turn flags when deterministic (with kTurnPlanes planes of the call's
+    // flags, plane p gridDim.z * nheads * sem_tiles ints on), else read by bwd_convert_dq, which converts each tile
+    // once its count is complete (BwdParams::dq_arrivals).
     int* dq_semaphore;
     int sem_tiles;
     bool deterministic;
