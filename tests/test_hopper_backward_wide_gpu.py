@@ -59,8 +59,10 @@ def test_wide_kernel_is_the_one_planned(d):
     assert plan.main.block == (384, 1, 1) and plan.main.grid == (5, 8, 1)  # 64-key blocks
     assert plan.convert is not None and plan.dq is None and plan.dq_accum_shape == (1, 8, 300, d + 8)
     plan = backward.plan_backward(shape, shape, strides, "bfloat16", 0.1, True, True, 90)
-    # deterministic: the same kernel, dQ tiles added in a fixed order through one turn counter per query tile
-    assert plan.config is configs.BACKWARD_HOPPER_TABLE[d] and plan.dq is None and plan.dq_semaphores == 8 * 5
+    # deterministic: the same kernel, dQ tiles added in a fixed order through turn counters per query tile, one for
+    # each half of its rows (two planes), and converted after the whole kernel
+    assert plan.config is configs.BACKWARD_HOPPER_TABLE[d] and plan.dq is None and plan.dq_semaphores == 8 * 5 * 2
+    assert not plan.convert_counted
     plan = backward.plan_backward(shape, shape, strides, "bfloat16", 0.1, True, False, 90, varlen_totals=(300, 300))
     assert plan.config is configs.BACKWARD_HOPPER_TABLE[d] and plan.zero_tail is not None
 
