@@ -5,14 +5,39 @@
     python bench/dev/deterministic_ab.py --cases 128:16:16 --seqlens 8192 --causal on
 
 Cases are HEADDIM:NHEADS:NHEADS_KV. Prints TFLOPs/s (2.5x the forward's FLOPs) of each mode and their ratio.
+--varlen runs the same tokens packed as batch sequences of seqlen (flash_attn_varlen_backward); --mods softcap or
+alibi gives every call that score modifier (options_ab.py's: softcap 30, ALiBi slopes in [0, 0.1)).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 from fa2cupy_bench import harness as B
+from options_ab import modifier_kwargs
+
+
+def runner(inp, dout, deterministic: bool, varlen: bool, mod: str) -> B.Runner:
+    """fa2cupy's backward of one forward's out and lse, padded or packed as varlen, with the modifier ``mod``."""
+    import fa2cupy  # noqa: PLC0415
+
+    q, k, v = inp.q, inp.k, inp.v
+    kw = dict(causal=inp.case.causal, **modifier_kwargs(mod, inp.case.nheads))
+    fwd_fn, bwd_fn = fa2cupy.flash_attn_func, fa2cupy.flash_attn_backward
+    if varlen:  # (the batch's rows packed: (batch * seqlen, heads, d) views, one sequence per batch row)
+        batch, seqlen = q.shape[:2]
+        cu = B._torch().arange(0, (batch + 1) * seqlen, seqlen, device=q.device, dtype=B._torch().int32)
+        q, k, v, dout = (x.reshape(batch * seqlen, *x.shape[2:]) for x in (q, k, v, dout))
+        fwd_fn, bwd_fn = (functools.partial(f, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=seqlen,
+                                            max_seqlen_k=seqlen)
+                          for f in (fa2cupy.flash_attn_varlen_func, fa2cupy.flash_attn_varlen_backward))
+    stream = B._external_stream_ctx()  # (fa2cupy on torch's stream, so that torch's events bracket it)
+    with stream():
+        out, lse, _ = fwd_fn(q, k, v, return_attn_probs=True, **kw)
+    return B.Runner(lambda: bwd_fn(dout, q, k, v, out, lse, deterministic=deterministic, **kw), B.TorchEvents(),
+                    stream)
 
 
 def main(argv=None) -> int:
@@ -22,6 +47,8 @@ def main(argv=None) -> int:
     p.add_argument("--causal", choices=["both", "on", "off"], default="both")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--varlen", action="store_true", help="the batch packed as varlen sequences")
+    p.add_argument("--mods", default="none", choices=["none", "softcap", "alibi"])
     args = p.parse_args(argv)
     for spec in args.cases.split(","):
         d, h, hkv = (int(x) for x in spec.split(":"))
@@ -31,7 +58,7 @@ def main(argv=None) -> int:
                               causal=causal)
                 inp = B.make_forward_inputs(case, 0, "torch")
                 dout = B._random_like(inp.q, 1)
-                runners = {det: B.fa2cupy_backward_runner(inp, dout, deterministic=det) for det in (False, True)}
+                runners = {det: runner(inp, dout, det, args.varlen, args.mods) for det in (False, True)}
                 best = {}
                 for _ in range(args.rounds):
                     for det, r in runners.items():
@@ -39,7 +66,8 @@ def main(argv=None) -> int:
                             ms = B.time_gpu(r.fn, r.events, warmup=5, repeats=args.repeats).median_ms
                         best[det] = min(best.get(det, float("inf")), ms)
                 flops = B.attention_flops(case, "bwd")
-                print(f"{case.label:36s} default {B.tflops_per_s(flops, best[False]):6.1f}  deterministic "
+                label = " ".join([case.label] + ["varlen"] * args.varlen + [args.mods] * (args.mods != "none"))
+                print(f"{label:44s} default {B.tflops_per_s(flops, best[False]):6.1f}  deterministic "
                       f"{B.tflops_per_s(flops, best[True]):6.1f}  ratio {best[False] / best[True]:.3f}", flush=True)
     return 0
 
