@@ -73,6 +73,20 @@ FA2_DEVICE void draw_drop_flags(u32 flags, u32 scratch, const Dropout& dropout, 
     }
 }
 
+// A ragged Q/dO tile pair (varlen) by warps 0 and 1 alone, for all four producer warps' shares: thread ptid takes
+// its own and thread ptid + 64's.
+template <class Tr>
+FA2_DEVICE void load_ragged_by_two_warps(u32 q_dst, u32 do_dst, const u16* q, const u16* dout, int q_stride,
+                                         int do_stride, int valid, int ptid, int cols) {
+    using QTile = typename Tr::QTile;
+#pragma unroll 1
+    for (int part = 0; part < 2; ++part) {
+        const SlabLoader<Tr::kProducerThreads, Tr::kHeadDim> share(ptid + 64 * part, cols);
+        share.template load<QTile>(q_dst, q, q_stride, valid, cols);
+        share.template load<QTile>(do_dst, dout, do_stride, valid, cols);
+    }
+}
+
 template <class Tr, class BlockSteps>
 FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs& args,
                              const WindowMask<Tr::kMask>& mask, const BlockSteps& block_steps, const int& kv_head,
@@ -134,17 +148,19 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
     // (counted: the last two steps whose additions are issued but not yet counted, as their flags' indices, the
     // later first; -1: none)
     //
-    // Who issues them: the first thread, between its loads; or in deterministic mode, in padded calls without
-    // modifiers, the first thread of warp 3, each step as soon as it is staged, so that the waits for the turns and
-    // for each addition hold up no load. Warps 2 and 3 have nothing else to do there but, with 128 query rows a step
-    // (head dim 64), store row statistics: warp 2 then stores warp 3's rows too. At the wide head dims the first
-    // threads of warps 2 and 3 each add half of the step's rows, on turns of their own (HopperBwdTraits::kTurnPlanes:
-    // a turn passes once its half is added, so the next block's first half goes in while this one's second is in
-    // flight). (The
-    // switch is read from the arguments where it is used: held in a register across the walk, or tested in a kernel
-    // that has no such reducer, it cost the 24-register producers 4-24 bytes of spills. Warp 3 whole, as a thread of
-    // warp 2 alone, beside its warp's other lanes in the walk, hung the kernel.)
-    constexpr bool kOwnReducer = Tr::kTma && !Tr::kMods;
+    // Who issues them: the first thread, between its loads; or in deterministic mode, in calls without modifiers
+    // (padded, and varlen at head dim 128), the first thread of warp 3, each step as soon as it is staged, so that
+    // the waits for the turns and for each addition hold up no load. Warps 2 and 3 have nothing else to do there but,
+    // with 128 query rows a step (head dim 64), store row statistics: warp 2 then stores warp 3's rows too; and in
+    // varlen calls copy a sequence's ragged tiles: warps 0 and 1 then copy them for all four. At the wide head dims
+    // the first threads of warps 2 and 3 each add half of the step's rows, on turns of their own
+    // (HopperBwdTraits::kTurnPlanes: a turn passes once its half is added, so the next block's first half goes in
+    // while this one's second is in flight). Varlen calls at the other head dims keep the first thread: there the
+    // 40- and 56-register producers spilled 16-124 bytes. (The switch is read from the arguments where it is used:
+    // held in a register across the walk, or tested in a kernel that has no such reducer, it cost the 24-register
+    // producers 4-24 bytes of spills. Warp 3 whole, as a thread of warp 2 alone, beside its warp's other lanes in the
+    // walk, hung the kernel.)
+    constexpr bool kOwnReducer = !Tr::kMods && (Tr::kTma || (kM == 64 && !Tr::kWide));
     if (ptid == 0) st_shared_u32(smem.uncounted(), ~0u), st_shared_u32(smem.uncounted() + 4, ~0u);
     const auto reduce_step = [&](int j) {
         if (ptid != (kOwnReducer && args.deterministic ? 96 : 0) &&
@@ -243,57 +259,82 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
     if constexpr (Tr::kDropout) {
         if (ptid >= 32) drop_flags_setup<Tr>(drop_scratch, key0, ptid - 32);
     }
-    for (int it = 0, head = kv_head * args.heads_per_kv, m0 = steps.first_m0(); it < steps.count; ++it) {
-        const int s = it % kS;
-        mbar_wait(smem.empty(s), ((it / kS) & 1) ^ 1);
-        if (Tr::kTma || args.seqlen_q - m0 >= kM) {  // (varlen: the first thread arrives for all)
-            if (ptid == 0) {
-                mbar_arrive_expect_tx<Tr::kCopyArrivals>(smem.full(s), 2 * QTile::kBytes);
-                tma_load_tile<QTile>(smem.q + s * QTile::kBytes, args.tmap_q, head, q_start + m0, map_batch,
-                                     smem.full(s));
-                tma_load_tile<QTile>(smem.dout + s * QTile::kBytes, args.tmap_do, head, q_start + m0, map_batch,
-                                     smem.full(s));
-            }
-        } else {
-            load_tile(QTile{}, smem.q + s * QTile::kBytes,
-                      args.q + batch * args.q_batch_stride + (i64)(q_start + m0) * args.q_row_stride +
-                          head * args.q_head_stride,
-                      args.q_row_stride, args.seqlen_q - m0);
-            load_tile(QTile{}, smem.dout + s * QTile::kBytes,
-                      args.dout + batch * args.do_batch_stride + (i64)(q_start + m0) * args.do_row_stride +
-                          head * args.do_head_stride,
-                      args.do_row_stride, args.seqlen_q - m0);
-            cp_async_fenced_arrive(smem.full(s));
-        }
-        if (ptid < kM) {
-            smem.stats[s * kM + ptid] = lse_next * kLog2e;
-            smem.stats[(kS + s) * kM + ptid] = dsum_next;
-        }
-        if constexpr (Tr::kDropout) {
-            // (warps 1-3: warp 0's first thread issues the copies and the dQ reductions, which wait for no draw; after
-            // the statistics' stores, so that their registers are free)
-            if (args.dropout_threshold != 0 && ptid >= 32)
-                draw_drop_flags<Tr>(smem.drop + s * Tr::kDropSlotBytes, drop_scratch,
-                                    make_dropout(args.dropout_threshold, args.seed, args.offset, args.rng_state,
-                                                 batch, args.nheads, head, args.dropout_scale),
-                                    key0, m0, ptid - 32);
-        }
-        if constexpr (kOwnReducer && kM == 128) {
-            if (args.deterministic && ptid >= 64 && ptid < 96) {  // (warp 3's rows too, and arriving for them)
-                smem.stats[s * kM + ptid + 32] = lse_next3 * kLog2e;
-                smem.stats[(kS + s) * kM + ptid + 32] = dsum_next3;
+    // The walk. Varlen kernels instantiate it twice, for deterministic calls (warp 3 reducing: warps 0 and 1 copy a
+    // sequence's ragged tiles for all four warps) and the others: with that choice made per step, the 56-register
+    // producers spilled 12-64 bytes.
+    const auto walk = [&](auto split_copies) {
+        constexpr bool kSplitCopies = decltype(split_copies)::value;
+        for (int it = 0, head = kv_head * args.heads_per_kv, m0 = steps.first_m0(); it < steps.count; ++it) {
+            const int s = it % kS;
+            mbar_wait(smem.empty(s), ((it / kS) & 1) ^ 1);
+            if (Tr::kTma || args.seqlen_q - m0 >= kM) {  // (varlen: the first thread arrives for all)
+                if (ptid == 0) {
+                    mbar_arrive_expect_tx<Tr::kCopyArrivals>(smem.full(s), 2 * QTile::kBytes);
+                    tma_load_tile<QTile>(smem.q + s * QTile::kBytes, args.tmap_q, head, q_start + m0, map_batch,
+                                         smem.full(s));
+                    tma_load_tile<QTile>(smem.dout + s * QTile::kBytes, args.tmap_do, head, q_start + m0, map_batch,
+                                         smem.full(s));
+                }
+            } else if constexpr (!kSplitCopies) {
+                load_tile(QTile{}, smem.q + s * QTile::kBytes,
+                          args.q + batch * args.q_batch_stride + (i64)(q_start + m0) * args.q_row_stride +
+                              head * args.q_head_stride,
+                          args.q_row_stride, args.seqlen_q - m0);
+                load_tile(QTile{}, smem.dout + s * QTile::kBytes,
+                          args.dout + batch * args.do_batch_stride + (i64)(q_start + m0) * args.do_row_stride +
+                              head * args.do_head_stride,
+                          args.do_row_stride, args.seqlen_q - m0);
+                cp_async_fenced_arrive(smem.full(s));
+            } else if (ptid < 64) {  // (each thread its own share and that of thread ptid + 64, and arrives for both)
+                load_ragged_by_two_warps<Tr>(
+                    smem.q + s * QTile::kBytes, smem.dout + s * QTile::kBytes,
+                    args.q + batch * args.q_batch_stride + (i64)(q_start + m0) * args.q_row_stride +
+                        head * args.q_head_stride,
+                    args.dout + batch * args.do_batch_stride + (i64)(q_start + m0) * args.do_row_stride +
+                        head * args.do_head_stride,
+                    args.q_row_stride, args.do_row_stride, args.seqlen_q - m0, ptid, args.headdim);
+                cp_async_wait_all();
+                fence_proxy_async_smem();
                 mbar_arrive_count(smem.full(s), 2);
-            } else if (ptid < kM) {
-                mbar_arrive(smem.full(s));
             }
-        } else if (Tr::kMods || ptid < kM) {
-            mbar_arrive(smem.full(s));  // (release: the stores above)
+            if (ptid < kM) {
+                smem.stats[s * kM + ptid] = lse_next * kLog2e;
+                smem.stats[(kS + s) * kM + ptid] = dsum_next;
+            }
+            if constexpr (Tr::kDropout) {
+                // (warps 1-3: warp 0's first thread issues the copies and the dQ reductions, which wait for no draw;
+                // after the statistics' stores, so that their registers are free)
+                if (args.dropout_threshold != 0 && ptid >= 32)
+                    draw_drop_flags<Tr>(smem.drop + s * Tr::kDropSlotBytes, drop_scratch,
+                                        make_dropout(args.dropout_threshold, args.seed, args.offset, args.rng_state,
+                                                     batch, args.nheads, head, args.dropout_scale),
+                                        key0, m0, ptid - 32);
+            }
+            if constexpr (kOwnReducer && kM == 128) {
+                if (args.deterministic && ptid >= 64 && ptid < 96) {  // (warp 3's rows too, and arriving for them)
+                    smem.stats[s * kM + ptid + 32] = lse_next3 * kLog2e;
+                    smem.stats[(kS + s) * kM + ptid + 32] = dsum_next3;
+                    mbar_arrive_count(smem.full(s), 2);
+                } else if (ptid < kM) {
+                    mbar_arrive(smem.full(s));
+                }
+            } else if (Tr::kMods || ptid < kM) {
+                mbar_arrive(smem.full(s));  // (release: the stores above)
+            }
+            if (it >= kLag && !(kOwnReducer && args.deterministic)) reduce_step(it - kLag);
+            m0 += kM;  // step it + 1's query head and first row (the next head's where the walk is back at its start)
+            if (m0 == (steps.m_begin + steps.m_count) * kM) m0 = steps.m_begin * kM;
+            if (m0 == steps.first_m0()) ++head;
+            if (it + 1 < steps.count) load_stats(head, m0);
         }
-        if (it >= kLag && !(kOwnReducer && args.deterministic)) reduce_step(it - kLag);
-        m0 += kM;  // step it + 1's query head and first row (the next head's where the walk is back at its start)
-        if (m0 == (steps.m_begin + steps.m_count) * kM) m0 = steps.m_begin * kM;
-        if (m0 == steps.first_m0()) ++head;
-        if (it + 1 < steps.count) load_stats(head, m0);
+    };
+    if constexpr (!Tr::kTma && kOwnReducer) {
+        if (args.deterministic)
+            walk(Bool<true>{});
+        else
+            walk(Bool<false>{});
+    } else {
+        walk(Bool<false>{});
     }
     if (!(kOwnReducer && args.deterministic)) {
         if (kLag == 2 && steps.count >= 2) reduce_step(steps.count - 2);
