@@ -12,11 +12,10 @@ alibi gives every call that score modifier (options_ab.py's: softcap 30, ALiBi s
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 
 from fa2cupy_bench import harness as B
-from options_ab import modifier_kwargs
+from options_ab import modifier_kwargs, packed_varlen
 
 
 def runner(inp, dout, deterministic: bool, varlen: bool, mod: str) -> B.Runner:
@@ -26,13 +25,8 @@ def runner(inp, dout, deterministic: bool, varlen: bool, mod: str) -> B.Runner:
     q, k, v = inp.q, inp.k, inp.v
     kw = dict(causal=inp.case.causal, **modifier_kwargs(mod, inp.case.nheads))
     fwd_fn, bwd_fn = fa2cupy.flash_attn_func, fa2cupy.flash_attn_backward
-    if varlen:  # (the batch's rows packed: (batch * seqlen, heads, d) views, one sequence per batch row)
-        batch, seqlen = q.shape[:2]
-        cu = B._torch().arange(0, (batch + 1) * seqlen, seqlen, device=q.device, dtype=B._torch().int32)
-        q, k, v, dout = (x.reshape(batch * seqlen, *x.shape[2:]) for x in (q, k, v, dout))
-        fwd_fn, bwd_fn = (functools.partial(f, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=seqlen,
-                                            max_seqlen_k=seqlen)
-                          for f in (fa2cupy.flash_attn_varlen_func, fa2cupy.flash_attn_varlen_backward))
+    if varlen:
+        q, k, v, dout, fwd_fn, bwd_fn = packed_varlen(q, k, v, dout)
     stream = B._external_stream_ctx()  # (fa2cupy on torch's stream, so that torch's events bracket it)
     with stream():
         out, lse, _ = fwd_fn(q, k, v, return_attn_probs=True, **kw)
