@@ -149,18 +149,17 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
     // later first; -1: none)
     //
     // Who issues them: the first thread, between its loads; or in deterministic mode, in calls without modifiers
-    // (padded, and varlen at head dim 128), the first thread of warp 3, each step as soon as it is staged, so that
-    // the waits for the turns and for each addition hold up no load. Warps 2 and 3 have nothing else to do there but,
-    // with 128 query rows a step (head dim 64), store row statistics: warp 2 then stores warp 3's rows too; and in
-    // varlen calls copy a sequence's ragged tiles: warps 0 and 1 then copy them for all four. At the wide head dims
-    // the first threads of warps 2 and 3 each add half of the step's rows, on turns of their own
-    // (HopperBwdTraits::kTurnPlanes: a turn passes once its half is added, so the next block's first half goes in
-    // while this one's second is in flight). Varlen calls at the other head dims keep the first thread: there the
-    // 40- and 56-register producers spilled 16-124 bytes. (The switch is read from the arguments where it is used:
-    // held in a register across the walk, or tested in a kernel that has no such reducer, it cost the 24-register
-    // producers 4-24 bytes of spills. Warp 3 whole, as a thread of warp 2 alone, beside its warp's other lanes in the
-    // walk, hung the kernel.)
-    constexpr bool kOwnReducer = !Tr::kMods && (Tr::kTma || (kM == 64 && !Tr::kWide));
+    // (padded, and varlen of 64 query rows a step), the first thread of warp 3, each step as soon as it is staged, so
+    // that the waits for the turns and for each addition hold up no load. Warps 2 and 3 have nothing else to do there
+    // but, with 128 query rows a step (head dim 64), store row statistics: warp 2 then stores warp 3's rows too; and in
+    // varlen calls copy a sequence's ragged tiles: warps 0 and 1 then copy them for all four. At the wide head dims the
+    // first threads of warps 2 and 3 each add half of the step's rows, on turns of their own
+    // (HopperBwdTraits::kTurnPlanes: a turn passes once its half is added, so the next block's first half goes in while
+    // this one's second is in flight). Varlen calls at head dim 64 keep the first thread: there the 40-register
+    // producer spilled 124 bytes. (The switch is read from the arguments where it is used: held in a register across
+    // the walk, or tested in a kernel that has no such reducer, it cost the 24-register producers 4-24 bytes of spills.
+    // Warp 3 whole, as a thread of warp 2 alone, beside its warp's other lanes in the walk, hung the kernel.)
+    constexpr bool kOwnReducer = !Tr::kMods && (Tr::kTma || kM == 64);
     if (ptid == 0) st_shared_u32(smem.uncounted(), ~0u), st_shared_u32(smem.uncounted() + 4, ~0u);
     const auto reduce_step = [&](int j) {
         if (ptid != (kOwnReducer && args.deterministic ? 96 : 0) &&
@@ -260,8 +259,8 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
         if (ptid >= 32) drop_flags_setup<Tr>(drop_scratch, key0, ptid - 32);
     }
     // The walk. Varlen kernels instantiate it twice, for deterministic calls (warp 3 reducing: warps 0 and 1 copy a
-    // sequence's ragged tiles for all four warps) and the others: with that choice made per step, the 56-register
-    // producers spilled 12-64 bytes.
+    // sequence's ragged tiles for all four warps) and the others: with that choice made per step, the head dim 128
+    // producer spilled 12-64 bytes.
     const auto walk = [&](auto split_copies) {
         constexpr bool kSplitCopies = decltype(split_copies)::value;
         for (int it = 0, head = kv_head * args.heads_per_kv, m0 = steps.first_m0(); it < steps.count; ++it) {

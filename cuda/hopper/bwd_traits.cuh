@@ -56,11 +56,11 @@ struct HopperBwdTraits {
     // sequence's last, ragged tile with every producer thread's cp.async, whose zeros past its rows keep another
     // sequence's rows (which may hold anything) out of the products.
     static constexpr bool kTma = !Varlen;
-    // Deterministic mode at the wide head dims, padded without modifiers: a step's dQ reduction in two halves of its
+    // Deterministic mode at the wide head dims without modifiers: a step's dQ reduction in two halves of its
     // rows, each issued by a producer thread of its own (warps 2 and 3, produce_dkdv) and taking turns on flags of
     // its own (a plane of the call's flags each), so that the next key tile's block may add the first half while
     // this block's second is still in flight.
-    static constexpr int kTurnPlanes = kWide && !Varlen && !Mods ? 2 : 1;
+    static constexpr int kTurnPlanes = kWide && !Mods ? 2 : 1;
     // Two consumer warpgroups and a producer warpgroup, whose registers go to the consumers (setmaxnreg): a
     // consumer holds dK and dV (64 keys x the head dim each) and S^T, dP^T (64 x BlockM) at once.
     static constexpr int kConsumerWarps = 8, kConsumerThreads = 256, kProducerThreads = 128, kThreads = 384;
@@ -69,9 +69,10 @@ struct HopperBwdTraits {
     static constexpr int kCopyArrivals = kTma ? 1 : kProducerThreads;
     // (By keys, with 128 query rows a step, the consumers need 232: the producer then works in 40.)
     // Wide: padded 24 and 240 (at 40 and 232 the head dim 256 consumers spilled 24 bytes); varlen, whose producer
-    // copies ragged tiles by cp.async (at 24 it spilled 88-104 bytes), 56 and 224 (head dim 256 with dQ_i 64 columns
-    // a wgmma: at 40 and 232 it spilled 12 bytes; 192 spilled 4 there once the copies stopped at the arrays' head dim).
-    static constexpr int kWideProducerRegisters = !Varlen ? 24 : 56;
+    // copies ragged tiles by cp.async (at 24 it spilled 88-104 bytes), 72 and 216 (at 56 and 224 the deterministic
+    // mode's two reducing threads and split copies spilled 16-68 bytes; at 40 and 232 head dim 256 with dQ_i 64
+    // columns a wgmma spilled 12 bytes), with modifiers 56 and 224 (at 72 and 216 its consumers spilled 8 bytes).
+    static constexpr int kWideProducerRegisters = !Varlen ? 24 : Mods ? 56 : 72;
     // With score modifiers at head dim 128 (padded: TMA copies) 24 and 240: at 56 / 224 the consumers spilled 4 bytes,
     // at 40 / 232 ptxas serialised the bf16 row's wgmmas (C7512); the varlen producer spills at 24 (72 bytes), so that
     // row is not built (configs.HOPPER_BWD_MODS_PADDED_ONLY).
