@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as _dt
+import functools
 import importlib.metadata
 import json
 import math
@@ -745,29 +746,46 @@ def _external_stream_ctx():
     return lambda: stream
 
 
-def fa2cupy_backward_runner(inp: ForwardInputs, dout, mode: str = "bwd", deterministic: bool = False) -> Runner:
+def packed_varlen(q, k, v, dout):
+    """The batch's rows packed as varlen sequences ((batch * seqlen, heads, d) views, one sequence per batch row),
+    with fa2cupy's varlen forward and backward bound to their cu_seqlens: (q, k, v, dout, forward, backward)."""
+    import fa2cupy  # noqa: PLC0415
+
+    batch, seqlen = q.shape[:2]
+    cu = _torch().arange(0, (batch + 1) * seqlen, seqlen, device=q.device, dtype=_torch().int32)
+    q, k, v, dout = (x.reshape(batch * seqlen, *x.shape[2:]) for x in (q, k, v, dout))
+    fwd_fn, bwd_fn = (functools.partial(f, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=seqlen, max_seqlen_k=seqlen)
+                      for f in (fa2cupy.flash_attn_varlen_func, fa2cupy.flash_attn_varlen_backward))
+    return q, k, v, dout, fwd_fn, bwd_fn
+
+
+def fa2cupy_backward_runner(inp: ForwardInputs, dout, mode: str = "bwd", deterministic: bool = False,
+                            varlen: bool = False, **call_kwargs) -> Runner:
     """fa2cupy's backward (``bwd``: out/lse from one forward, timed call = backward only)
-    or forward + backward (``fwdbwd``).  The call returns (dq, dk, dv)."""
+    or forward + backward (``fwdbwd``).  The call returns (dq, dk, dv). ``varlen``: the batch packed as varlen
+    sequences (:func:`packed_varlen`, torch inputs); ``call_kwargs`` go to both calls (softcap=, alibi_slopes=)."""
     try:
         import fa2cupy  # noqa: PLC0415
 
-        backward = fa2cupy.flash_attn_backward
+        forward, backward = fa2cupy.flash_attn_func, fa2cupy.flash_attn_backward
     except Exception as exc:
         raise Unavailable(_first_line(exc)) from exc
-    c = inp.case.causal
     q, k, v = inp.q, inp.k, inp.v
+    if varlen:
+        q, k, v, dout, forward, backward = packed_varlen(q, k, v, dout)
+    kw = dict(causal=inp.case.causal, **call_kwargs)
     ctx = _external_stream_ctx() if inp.framework == "torch" else contextlib.nullcontext
     events = TorchEvents() if inp.framework == "torch" else CupyEvents()
     if mode == "bwd":
         with ctx():
-            out, lse, _ = fa2cupy.flash_attn_func(q, k, v, causal=c, return_attn_probs=True)
+            out, lse, _ = forward(q, k, v, return_attn_probs=True, **kw)
 
         def fn():
-            return backward(dout, q, k, v, out, lse, causal=c, deterministic=deterministic)
+            return backward(dout, q, k, v, out, lse, deterministic=deterministic, **kw)
     else:
         def fn():
-            o, l_, _ = fa2cupy.flash_attn_func(q, k, v, causal=c, return_attn_probs=True)
-            return backward(dout, q, k, v, o, l_, causal=c, deterministic=deterministic)
+            o, l_, _ = forward(q, k, v, return_attn_probs=True, **kw)
+            return backward(dout, q, k, v, o, l_, deterministic=deterministic, **kw)
     return Runner(fn, events, ctx)
 
 

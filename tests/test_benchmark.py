@@ -494,3 +494,22 @@ def test_kernel_options_of_reads_option_sets():
     assert B.kernel_options_of("hopper_pad_headdim=1").hopper_pad_headdim is True
     with pytest.raises(KeyError):
         B.kernel_options_of("no_such_option=1")
+
+
+def test_packed_varlen_views_the_batch_as_one_sequence_per_row():
+    # The varlen timing helpers pack a (batch, seqlen, heads, d) batch as batch sequences of seqlen, zero-copy, with
+    # fa2cupy's varlen calls bound to cu_seqlens 0, seqlen, 2 seqlen, ... (no GPU: CPU torch tensors, nothing called)
+    torch = pytest.importorskip("torch")
+    q = torch.arange(3 * 5 * 2 * 4, dtype=torch.float32).reshape(3, 5, 2, 4)
+    k, v, dout = q + 1, q + 2, q + 3
+    pq, pk, pv, pdout, fwd, bwd = B.packed_varlen(q, k, v, dout)
+    for packed, original in ((pq, q), (pk, k), (pv, v), (pdout, dout)):
+        assert packed.shape == (15, 2, 4) and packed.data_ptr() == original.data_ptr()
+        assert torch.equal(packed[5:10], original[1])
+    import fa2cupy
+
+    assert fwd.func is fa2cupy.flash_attn_varlen_func and bwd.func is fa2cupy.flash_attn_varlen_backward
+    for f in (fwd, bwd):
+        assert f.keywords["cu_seqlens_q"].tolist() == [0, 5, 10, 15] and f.keywords["cu_seqlens_k"] is f.keywords[
+            "cu_seqlens_q"]
+        assert f.keywords["max_seqlen_q"] == f.keywords["max_seqlen_k"] == 5

@@ -15,23 +15,7 @@ import argparse
 import sys
 
 from fa2cupy_bench import harness as B
-from options_ab import modifier_kwargs, packed_varlen
-
-
-def runner(inp, dout, deterministic: bool, varlen: bool, mod: str) -> B.Runner:
-    """fa2cupy's backward of one forward's out and lse, padded or packed as varlen, with the modifier ``mod``."""
-    import fa2cupy  # noqa: PLC0415
-
-    q, k, v = inp.q, inp.k, inp.v
-    kw = dict(causal=inp.case.causal, **modifier_kwargs(mod, inp.case.nheads))
-    fwd_fn, bwd_fn = fa2cupy.flash_attn_func, fa2cupy.flash_attn_backward
-    if varlen:
-        q, k, v, dout, fwd_fn, bwd_fn = packed_varlen(q, k, v, dout)
-    stream = B._external_stream_ctx()  # (fa2cupy on torch's stream, so that torch's events bracket it)
-    with stream():
-        out, lse, _ = fwd_fn(q, k, v, return_attn_probs=True, **kw)
-    return B.Runner(lambda: bwd_fn(dout, q, k, v, out, lse, deterministic=deterministic, **kw), B.TorchEvents(),
-                    stream)
+from options_ab import modifier_kwargs
 
 
 def main(argv=None) -> int:
@@ -52,7 +36,9 @@ def main(argv=None) -> int:
                               causal=causal)
                 inp = B.make_forward_inputs(case, 0, "torch")
                 dout = B._random_like(inp.q, 1)
-                runners = {det: runner(inp, dout, det, args.varlen, args.mods) for det in (False, True)}
+                kw = modifier_kwargs(args.mods, h)  # (one set of ALiBi slopes for both modes)
+                runners = {det: B.fa2cupy_backward_runner(inp, dout, deterministic=det, varlen=args.varlen, **kw)
+                           for det in (False, True)}
                 best = {}
                 for _ in range(args.rounds):
                     for det, r in runners.items():

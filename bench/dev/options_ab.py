@@ -50,22 +50,11 @@ def modifier_kwargs(mod: str, nheads: int) -> dict:
     return {}
 
 
-def packed_varlen(q, k, v, dout):
-    """The batch's rows packed as varlen sequences ((batch * seqlen, heads, d) views, one sequence per batch row),
-    with fa2cupy's varlen forward and backward bound to their cu_seqlens: (q, k, v, dout, forward, backward)."""
-    batch, seqlen = q.shape[:2]
-    cu = B._torch().arange(0, (batch + 1) * seqlen, seqlen, device=q.device, dtype=B._torch().int32)
-    q, k, v, dout = (x.reshape(batch * seqlen, *x.shape[2:]) for x in (q, k, v, dout))
-    fwd_fn, bwd_fn = (functools.partial(f, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=seqlen, max_seqlen_k=seqlen)
-                      for f in (fa2cupy.flash_attn_varlen_func, fa2cupy.flash_attn_varlen_backward))
-    return q, k, v, dout, fwd_fn, bwd_fn
-
-
 def runners(inp, mode: str, option_sets: dict, dout, dout_t, mods=("none",), varlen: bool = False):
     c = inp.case.causal
     q, k, v = inp.q, inp.k, inp.v
     if varlen:
-        q, k, v, dout, fwd_fn, bwd_fn = packed_varlen(q, k, v, dout)
+        q, k, v, dout, fwd_fn, bwd_fn = B.packed_varlen(q, k, v, dout)
     else:
         fwd_fn, bwd_fn = fa2cupy.flash_attn_func, fa2cupy.flash_attn_backward
     made = {}
