@@ -168,6 +168,17 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
         const int head = kv_head * args.heads_per_kv + j / steps.m_count, m0 = steps.m0(j);
         const int t = j % Tr::kDqTiles, rows = min(kM, args.seqlen_q - m0), tile = head * args.sem_tiles + m0 / kM;
         mbar_wait(smem.dq_staged(t), (j / Tr::kDqTiles) & 1);
+        // This thread's rows of the step, from r0 (with two reducing threads, warp 2's the first half and warp 3's
+        // the second, each on its flag in plane p of the call's flags: plane 0 first, each the batch rows', heads'
+        // and tiles' flags)
+        int r0 = 0, n = rows, flag = tile;
+        if constexpr (Tr::kTurnPlanes == 2) {
+            if (args.deterministic) {
+                const int p = ptid == 64 ? 0 : 1;
+                r0 = p * (kM / 2), n = min(kM / 2, rows - r0);
+                flag += p * int(gridDim.z) * args.nheads * args.sem_tiles;
+            }
+        }
         bool pass = false;  // (deterministic: the turn passed on once the addition is done)
         if (args.dq_semaphore != nullptr && !args.deterministic) {
             const int older = ld_shared_s32(smem.uncounted() + 4);
@@ -187,38 +198,21 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
                 mask.template key_tiles<kN>(m0, rows, first, count);
                 turn = first + count - 1 - key0 / kN;
             }
-            if constexpr (Tr::kTurnPlanes == 2) {
-                // Half p of the rows (warp 2's thread the first, warp 3's the second) on its flag in plane p of
-                // the call's flags (plane 0 first, each the batch rows', heads' and tiles' flags).
-                const int p = ptid == 64 ? 0 : 1, half = kM / 2, n = min(half, rows - p * half);
-                int* flag = args.dq_semaphore + tile + p * int(gridDim.z) * args.nheads * args.sem_tiles;
-                wait_for_turn(flag, turn);
-                const int row = int(batch * args.stat_batch_stride + head * args.stat_head_stride + q_start + m0);
-                if (n > 0)
-                    bulk_reduce_add_f32(args.dq_accum + (i64)(row + p * half) * Tr::kDqPitch,
-                                        smem.dq + (t * kM + p * half) * Tr::kDqPitch * 4, n * Tr::kDqPitch * 4);
-                bulk_commit();
-                bulk_wait_read<0>();
-                mbar_arrive(smem.dq_free(t));
-                bulk_wait<0>();
-                pass_turn(flag);
-                return;
-            }
-            wait_for_turn(args.dq_semaphore + tile, turn);
+            wait_for_turn(args.dq_semaphore + flag, turn);
             pass = true;
         }
-        const int row = int(batch * args.stat_batch_stride + head * args.stat_head_stride + q_start + m0);
-        const u32 staged = smem.dq + t * Tr::kDqBytes;
-        if (Tr::kDqReduceByMap && args.dq_by_map && rows == kM)
+        const int row = int(batch * args.stat_batch_stride + head * args.stat_head_stride + q_start + m0) + r0;
+        const u32 staged = smem.dq + (t * kM + r0) * Tr::kDqPitch * 4;
+        if (Tr::kDqReduceByMap && args.dq_by_map && n == kM)
             tma_reduce_add_2d(args.tmap_dq, 0, row, staged);
-        else
-            bulk_reduce_add_f32(args.dq_accum + (i64)row * Tr::kDqPitch, staged, rows * Tr::kDqPitch * 4);
+        else if (Tr::kTurnPlanes == 1 || n > 0)  // (a second half may be empty; a step's rows never are)
+            bulk_reduce_add_f32(args.dq_accum + (i64)row * Tr::kDqPitch, staged, n * Tr::kDqPitch * 4);
         bulk_commit();
         bulk_wait_read<0>();
         mbar_arrive(smem.dq_free(t));  // (the staging tile is read: the consumers may stage the next step's dQ)
         if (pass) {
             bulk_wait<0>();  // (the addition done, not only its reads)
-            pass_turn(args.dq_semaphore + tile);
+            pass_turn(args.dq_semaphore + flag);
         }
     };
     // Thread ptid < kM's row statistics of a step, lse (+inf past seqlen_q, so that P = 0: plain loads, which a
