@@ -294,9 +294,10 @@ class HopperBwdConfig:
 
     def turn_planes(self, varlen: bool, mods: bool) -> int:
         """Must match HopperBwdTraits::kTurnPlanes: the deterministic turn flags' planes (each an int per batch
-        row, head and query tile): two at the wide head dims without modifiers, whose kernels add each half of a
-        step's dQ rows on turns of its own, else one (``varlen`` as well as padded)."""
-        return 2 if self.wide and not mods else 1
+        row, head and query tile): two at the wide head dims, whose kernels add each half of a step's dQ rows on
+        turns of its own (calls with dropout use only the first), else one (``varlen`` and ``mods`` as well as
+        padded and plain)."""
+        return 2 if self.wide else 1
 
     def smem_bytes(self, atomic_dq: bool = True, mods: bool = False, alibi_only: bool = False) -> int:
         # Must match HopperBwdTraits::kSmemBytes: alignment slack, K and V, the Q/dO ring, the dS^T tiles (two by

@@ -50,7 +50,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     allow_next_grid();
     if (threadIdx.x == 0) {
         bwd_mark(0);  // the block's start
-        smem.init_barriers(kernel_params.deterministic != 0);
+        smem.init_barriers(Tr::own_reducers(kernel_params.deterministic != 0, kernel_params.bwd.dropout_threshold));
     }
     __syncthreads();
 

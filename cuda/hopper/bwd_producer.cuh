@@ -4,6 +4,7 @@
 #pragma once
 #include "common/types.cuh"
 #include "common/math.cuh"
+#include "common/warp.cuh"
 #include "sm80/memory.cuh"
 #include "sm90/mbarrier.cuh"
 #include "sm90/tma.cuh"
@@ -148,23 +149,32 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
     // (counted: the last two steps whose additions are issued but not yet counted, as their flags' indices, the
     // later first; -1: none)
     //
-    // Who issues them: the first thread, between its loads; or in deterministic mode, in calls without modifiers
-    // (padded, and varlen of 64 query rows a step), the first thread of warp 3, each step as soon as it is staged, so
-    // that the waits for the turns and for each addition hold up no load. Warps 2 and 3 have nothing else to do there
-    // but, with 128 query rows a step (head dim 64), store row statistics: warp 2 then stores warp 3's rows too; and in
-    // varlen calls copy a sequence's ragged tiles: warps 0 and 1 then copy them for all four. At the wide head dims the
-    // first threads of warps 2 and 3 each add half of the step's rows, on turns of their own
-    // (HopperBwdTraits::kTurnPlanes: a turn passes once its half is added, so the next block's first half goes in while
-    // this one's second is in flight). Varlen calls at head dim 64 keep the first thread: there the 40-register
-    // producer spilled 124 bytes. (The switch is read from the arguments where it is used: held in a register across
-    // the walk, or tested in a kernel that has no such reducer, it cost the 24-register producers 4-24 bytes of spills.
-    // Warp 3 whole, as a thread of warp 2 alone, beside its warp's other lanes in the walk, hung the kernel.)
-    constexpr bool kOwnReducer = !Tr::kMods && (Tr::kTma || kM == 64);
+    // Who issues them: the first thread, between its loads; or in deterministic calls without dropout, in padded
+    // kernels and varlen ones of 64 query rows a step (HopperBwdTraits::own_reducers), the first thread of warp 3,
+    // each step as soon as it is staged, so that the waits for the turns and for each addition hold up no load.
+    // Warps 2 and 3 have nothing else to do there but, with 128 query rows a step (head dim 64), store row
+    // statistics: warp 2 then stores warp 3's rows too; in varlen calls copy a sequence's ragged tiles: warps 0 and 1
+    // then copy them for all four; and in modifier kernels arrive on each step's full barrier (which counts every
+    // producer thread, for dropout's draws): the barrier then counts warps 0 and 1 alone (init_barriers). The
+    // branch that takes those warps out of the walk is on a warp-uniform index: as a per-thread branch, it cost the
+    // 24-register modifier producers 52-64 bytes of spills in the walk. At the wide head dims the first
+    // threads of warps 2 and 3 each add half of the step's rows, on turns of their own (HopperBwdTraits::kTurnPlanes:
+    // a turn passes once its half is added, so the next block's first half goes in while this one's second is in
+    // flight). Varlen calls at head dim 64 keep the first thread: there the 40-register producer spilled 124 bytes.
+    // (The switch is read from the arguments where it is used: held in a register across the walk, or tested in a
+    // kernel that has no such reducer, it cost the 24-register producers 4-24 bytes of spills. Warp 3 whole, as a
+    // thread of warp 2 alone, beside its warp's other lanes in the walk, hung the kernel.)
+    constexpr bool kOwnReducer = Tr::kOwnReducers;
+    const auto own = [&] {  // (HopperBwdTraits::own_reducers, the threshold read only in kernels with dropout)
+        if constexpr (Tr::kDropout)
+            return kOwnReducer && args.deterministic && args.dropout_threshold == 0;
+        else
+            return kOwnReducer && args.deterministic;
+    };
     if (ptid == 0) st_shared_u32(smem.uncounted(), ~0u), st_shared_u32(smem.uncounted() + 4, ~0u);
-    const auto reduce_step = [&](int j) {
-        if (ptid != (kOwnReducer && args.deterministic ? 96 : 0) &&
-            !(Tr::kTurnPlanes == 2 && args.deterministic && ptid == 64))
-            return;
+    // (own_now: own(), passed where the caller knows it)
+    const auto reduce_step = [&](int j, bool own_now) {
+        if (ptid != (own_now ? 96 : 0) && !(Tr::kTurnPlanes == 2 && own_now && ptid == 64)) return;
         const int head = kv_head * args.heads_per_kv + j / steps.m_count, m0 = steps.m0(j);
         const int t = j % Tr::kDqTiles, rows = min(kM, args.seqlen_q - m0), tile = head * args.sem_tiles + m0 / kM;
         mbar_wait(smem.dq_staged(t), (j / Tr::kDqTiles) & 1);
@@ -173,7 +183,7 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
         // and tiles' flags)
         int r0 = 0, n = rows, flag = tile;
         if constexpr (Tr::kTurnPlanes == 2) {
-            if (args.deterministic) {
+            if (own_now) {
                 const int p = ptid == 64 ? 0 : 1;
                 r0 = p * (kM / 2), n = min(kM / 2, rows - r0);
                 flag += p * int(gridDim.z) * args.nheads * args.sem_tiles;
@@ -220,7 +230,7 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
     // not on the way to the step's full barrier (nothing reads them before the step's stores).
     // (with 128 rows a step and warp 3 reducing, warp 2's threads also take warp 3's rows, ptid + 32)
     float lse_next = 0.f, dsum_next = 0.f, lse_next3 = 0.f, dsum_next3 = 0.f;
-    const auto load_stats = [&](int head, int m0) {
+    const auto load_stats = [&](int head, int m0, bool own_now) {
         if (ptid >= kM) return;
         lse_next = pos_inf(), dsum_next = 0.f;
         if (m0 + ptid < args.seqlen_q) {
@@ -228,7 +238,7 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
             lse_next = args.lse[row], dsum_next = args.dsum[row];
         }
         if constexpr (kOwnReducer && kM == 128) {
-            if (args.deterministic && ptid >= 64 && ptid < 96) {
+            if (own_now && ptid >= 64 && ptid < 96) {
                 lse_next3 = pos_inf(), dsum_next3 = 0.f;
                 if (m0 + ptid + 32 < args.seqlen_q) {
                     const int row =
@@ -241,22 +251,29 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
     // (launched programmatically, sm_90: the preprocess's D and zeroed dQ accumulator, and the counts, only
     // from here on; K and V, like Q and dO, are the call's inputs, written before the preprocess started)
     wait_for_prior_grids();
-    load_stats(kv_head * args.heads_per_kv, steps.first_m0());
-    // (warp 3, and warp 2 with two reducing threads: their first threads reduce, the rest are done)
-    if (kOwnReducer && args.deterministic && ptid >= (Tr::kTurnPlanes == 2 ? 64 : 96)) {
+    load_stats(kv_head * args.heads_per_kv, steps.first_m0(), own());
+    // (warp 3, and warp 2 with 64 query rows a step: the first threads of the reducing ones reduce, the rest are done)
+    if (own() && warp_uniform(ptid >> 5) >= (kM == 64 ? 2 : 3)) {  // (uniform: see above)
         if (ptid == 64 || ptid == 96)
-            for (int j = 0; j < steps.count; ++j) reduce_step(j);  // (each waits for its addition to be done)
+            for (int j = 0; j < steps.count; ++j) reduce_step(j, true);  // (each waits for its addition to be done)
         return;
     }
     const u32 drop_scratch = smem.drop + kS * Tr::kDropSlotBytes + 32 * ptid;  // (draw_drop_flags')
     if constexpr (Tr::kDropout) {
         if (ptid >= 32) drop_flags_setup<Tr>(drop_scratch, key0, ptid - 32);
     }
-    // The walk. Varlen kernels instantiate it twice, for deterministic calls (warp 3 reducing: warps 0 and 1 copy a
-    // sequence's ragged tiles for all four warps) and the others: with that choice made per step, the head dim 128
-    // producer spilled 12-64 bytes.
-    const auto walk = [&](auto split_copies) {
-        constexpr bool kSplitCopies = decltype(split_copies)::value;
+    // The walk. Varlen kernels instantiate it twice, for calls with reducers of their own (warps 0 and 1 then copy
+    // a sequence's ragged tiles for all four warps) and the others: with that choice made per step, the head dim 128
+    // producer spilled 12-64 bytes. (own_case: Const<1> or <0> there, <-1> in padded kernels: own() per step)
+    const auto walk = [&](auto own_case) {
+        constexpr int kCase = decltype(own_case)::value;
+        const auto own_here = [&] {
+            if constexpr (kCase < 0)
+                return own();
+            else
+                return kCase == 1;
+        };
+        constexpr bool kSplitCopies = !Tr::kTma && kCase == 1;
         for (int it = 0, head = kv_head * args.heads_per_kv, m0 = steps.first_m0(); it < steps.count; ++it) {
             const int s = it % kS;
             mbar_wait(smem.empty(s), ((it / kS) & 1) ^ 1);
@@ -294,7 +311,7 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
                 smem.stats[s * kM + ptid] = lse_next * kLog2e;
                 smem.stats[(kS + s) * kM + ptid] = dsum_next;
             }
-            if constexpr (Tr::kDropout) {
+            if constexpr (Tr::kDropout && kCase != 1) {
                 // (warps 1-3: warp 0's first thread issues the copies and the dQ reductions, which wait for no draw;
                 // after the statistics' stores, so that their registers are free)
                 if (args.dropout_threshold != 0 && ptid >= 32)
@@ -304,7 +321,7 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
                                         key0, m0, ptid - 32);
             }
             if constexpr (kOwnReducer && kM == 128) {
-                if (args.deterministic && ptid >= 64 && ptid < 96) {  // (warp 3's rows too, and arriving for them)
+                if (own_here() && ptid >= 64 && ptid < 96) {  // (warp 3's rows too, and arriving for them)
                     smem.stats[s * kM + ptid + 32] = lse_next3 * kLog2e;
                     smem.stats[(kS + s) * kM + ptid + 32] = dsum_next3;
                     mbar_arrive_count(smem.full(s), 2);
@@ -314,24 +331,24 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
             } else if (Tr::kMods || ptid < kM) {
                 mbar_arrive(smem.full(s));  // (release: the stores above)
             }
-            if (it >= kLag && !(kOwnReducer && args.deterministic)) reduce_step(it - kLag);
+            if (it >= kLag && !own_here()) reduce_step(it - kLag, false);
             m0 += kM;  // step it + 1's query head and first row (the next head's where the walk is back at its start)
             if (m0 == (steps.m_begin + steps.m_count) * kM) m0 = steps.m_begin * kM;
             if (m0 == steps.first_m0()) ++head;
-            if (it + 1 < steps.count) load_stats(head, m0);
+            if (it + 1 < steps.count) load_stats(head, m0, own_here());
         }
     };
-    if constexpr (!Tr::kTma && kOwnReducer) {
-        if (args.deterministic)
-            walk(Bool<true>{});
+    if constexpr (kOwnReducer && !Tr::kTma) {
+        if (own())
+            walk(Const<1>{});
         else
-            walk(Bool<false>{});
+            walk(Const<0>{});
     } else {
-        walk(Bool<false>{});
+        walk(Const<kOwnReducer ? -1 : 0>{});
     }
-    if (!(kOwnReducer && args.deterministic)) {
-        if (kLag == 2 && steps.count >= 2) reduce_step(steps.count - 2);
-        if (steps.count >= 1) reduce_step(steps.count - 1);
+    if (!own()) {
+        if (kLag == 2 && steps.count >= 2) reduce_step(steps.count - 2, false);
+        if (steps.count >= 1) reduce_step(steps.count - 1, false);
     }
     bulk_wait<0>();
     if (ptid == 0 && args.dq_semaphore != nullptr && !args.deterministic) {

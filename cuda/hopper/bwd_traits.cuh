@@ -56,11 +56,17 @@ struct HopperBwdTraits {
     // sequence's last, ragged tile with every producer thread's cp.async, whose zeros past its rows keep another
     // sequence's rows (which may hold anything) out of the products.
     static constexpr bool kTma = !Varlen;
-    // Deterministic mode at the wide head dims without modifiers: a step's dQ reduction in two halves of its
-    // rows, each issued by a producer thread of its own (warps 2 and 3, produce_dkdv) and taking turns on flags of
-    // its own (a plane of the call's flags each), so that the next key tile's block may add the first half while
-    // this block's second is still in flight.
-    static constexpr int kTurnPlanes = kWide && !Mods ? 2 : 1;
+    // Deterministic calls add each step's dQ from producer threads of their own (produce_dkdv: warp 3's first, or
+    // warps 2 and 3's at the wide head dims) where the kernel can spare them: padded kernels and varlen ones of 64
+    // query rows a step but the d = 256 modifier row (kOwnReducers: its 56-register producer spilled 20 bytes with
+    // them), in calls that draw no dropout flags (warps 1-3 draw them). Other deterministic calls add from the
+    // first producer thread, between its loads.
+    static constexpr bool kOwnReducers = kTma || (BlockM == 64 && !(Mods && HeadDim == 256));
+    // At the wide head dims, with reducers of their own: a step's dQ reduction in two halves of its rows, each
+    // issued by one of those threads and taking turns on flags of its own (a plane of the call's flags each), so
+    // that the next key tile's block may add the first half while this block's second is still in flight. (The
+    // first thread adds whole rows on plane 0's flags.)
+    static constexpr int kTurnPlanes = kWide ? 2 : 1;
     // Two consumer warpgroups and a producer warpgroup, whose registers go to the consumers (setmaxnreg): a
     // consumer holds dK and dV (64 keys x the head dim each) and S^T, dP^T (64 x BlockM) at once.
     static constexpr int kConsumerWarps = 8, kConsumerThreads = 256, kProducerThreads = 128, kThreads = 384;
@@ -118,6 +124,10 @@ struct HopperBwdTraits {
     // Not by keys (head dim 64, 128 query rows a step): there the consumers spilled 4-64 bytes however they took the
     // flags, so dropout at 64 runs on the mma.sync backward (configs.hopper_bwd_takes_mods).
     static constexpr bool kDropout = Mods && !DqByKeys && !AlibiOnly;
+    // Whether a call's dQ reductions run on the reducers of their own (kOwnReducers above).
+    FA2_DEVICE static bool own_reducers(bool deterministic, u32 dropout_threshold) {
+        return kOwnReducers && deterministic && (!kDropout || dropout_threshold == 0);
+    }
     static constexpr int kDropThreads = kWide ? 128 : 256, kDropPairBytes = BlockM / 8;
     static constexpr int kDropKeys = kDropThreads / 8;  // (the keys of those threads: 32, or 16 at the wide head dims)
     static constexpr int kDropSlotBytes = kDropout ? kDropThreads / 2 * kDropPairBytes : 0;
@@ -205,17 +215,18 @@ struct HopperBwdSmem {
     FA2_DEVICE u32 dq_free(int t) const { return bars + 8 * (1 + 2 * kS + Tr::kDqTiles + t); }
     FA2_DEVICE u32 uncounted() const { return bars + 8 * Tr::kBarriers; }
 
-    // By one thread, before the block's first barrier (`deterministic`: dq_free takes an arrival from each of the
-    // kTurnPlanes reducing threads).
-    FA2_DEVICE void init_barriers(bool deterministic) const {
+    // By one thread, before the block's first barrier (`own_reducers`: Tr::own_reducers, dq_free then takes an
+    // arrival from each of the kTurnPlanes reducing threads, and a modifier kernel's full[] with 64 query rows a step
+    // none from warps 2 and 3, which leave the walk to reduce).
+    FA2_DEVICE void init_barriers(bool own_reducers) const {
         mbar_init(kv_full, Tr::kCopyArrivals);
         for (int s = 0; s < kS; ++s) {
-            mbar_init(full(s), Tr::kCopyArrivals + (Tr::kMods ? Tr::kProducerThreads : kM));
+            mbar_init(full(s), Tr::kCopyArrivals + (Tr::kMods ? Tr::kProducerThreads - (own_reducers && kM == 64 ? 64 : 0) : kM));
             mbar_init(empty(s), Tr::kConsumerThreads);
         }
         for (int t = 0; t < Tr::kDqTiles; ++t) {
             mbar_init(dq_staged(t), Tr::kDqByKeys ? Tr::kConsumerWarps / 2 : Tr::kConsumerWarps);
-            mbar_init(dq_free(t), deterministic ? Tr::kTurnPlanes : 1);
+            mbar_init(dq_free(t), own_reducers ? Tr::kTurnPlanes : 1);
         }
     }
 };
