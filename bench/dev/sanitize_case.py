@@ -202,9 +202,10 @@ CAP_FIXED_CASES = (
 )
 
 
-def check_mods(i, sq, sk, h, hkv, d, causal, softcap, alibi, backward=False, dtype="fp16", q_scale=1.0) -> bool:
-    """Forward (and with ``backward`` the backward) with softcap / ALiBi against the float64 reference (fa2cupy
-    check's bounds); q scaled by ``q_scale`` before rounding to ``dtype``."""
+def check_mods(i, sq, sk, h, hkv, d, causal, softcap, alibi, backward=False, dtype="fp16", q_scale=1.0,
+               deterministic=False) -> bool:
+    """Forward (and with ``backward`` the backward, ``deterministic`` or not) with softcap / ALiBi against the
+    float64 reference (fa2cupy check's bounds); q scaled by ``q_scale`` before rounding to ``dtype``."""
     import cupy as cp
 
     import fa2cupy
@@ -226,13 +227,15 @@ def check_mods(i, sq, sk, h, hkv, d, causal, softcap, alibi, backward=False, dty
         dout_payload, dout64 = B.round_host(rng.standard_normal(out.shape, dtype=np.float32), dtype)
         dout = B.to_device(dout_payload, dtype, "cupy")
         grads = fa2cupy.flash_attn_backward(dout, q, k, v, out, lse, causal=causal, softcap=softcap,
-                                            alibi_slopes=slopes_d, kernel_options=KERNEL_OPTIONS)
+                                            alibi_slopes=slopes_d, deterministic=deterministic,
+                                            kernel_options=KERNEL_OPTIONS)
         refs = attention_ref_backward(dout64, *host[:3], None, causal, (-1, -1), softcap, slopes, out=host[3])
         for _, err, bound in testing.gradient_errors([cp.asnumpy(g) for g in grads], dout64, *host[:3], host[3],
                                                      dtype, None, causal, ref_grads=refs):
             ok &= err <= bound
     print(f"mods {i}: {dtype} sq{sq} sk{sk} h{h}/{hkv} d{d} causal={causal} softcap={softcap} alibi={alibi}"
-          f"{' (+ backward)' if backward else ''}: {'ok' if ok else 'FAIL'}", flush=True)
+          f"{' (+ deterministic backward)' if backward and deterministic else ' (+ backward)' if backward else ''}: "
+          f"{'ok' if ok else 'FAIL'}", flush=True)
     return bool(ok)
 
 
@@ -282,6 +285,7 @@ HOPPER_BWD_MODS_CASES = (
     ((33, 190), 2, 1, 64, False, (16, 4), 0.0, True, True),
     ((150,), 2, 2, 64, False, (-1, -1), 3.0, False, False),
     ((70, 0, 1, 130), 4, 2, 192, True, (-1, -1), 5.0, True, False),
+    ((70, 0, 1, 130), 4, 2, 192, False, (-1, -1), 3.0, True, True),
     ((33, 190), 2, 1, 256, False, (16, 4), 3.0, False, True),
 )
 # Dropout on the Hopper kernels' varlen modifier rows (d = 192: forward and dK/dV kernel), check_varlen's fields and
@@ -578,8 +582,9 @@ def main(groups) -> int:
             bad += not check_varlen(i, *case)
             total += 1
         for i, case in enumerate(c for c in MODS_CASES if c[4] in configs.HOPPER_BWD_MODS_HEADDIMS):
-            bad += not check_mods(i, *case, backward=True)  # (padded: d = 128's rows too)
-            total += 1
+            for det in (False, True):  # (padded: d = 128's rows too)
+                bad += not check_mods(i, *case, backward=True, deterministic=det)
+                total += 1
         for i, case in enumerate(HOPPER_DROPOUT_CASES, start=len(DROPOUT_CASES) + len(DROPOUT_SM86)):
             bad += not check_dropout(i, *case)  # dropout on the modifier rows
             total += 1
