@@ -248,14 +248,14 @@ def test_hopper_backward_counts_each_dq_tile_for_an_early_conversion(planner):
                                            90, options=KernelOptions(hopper_bwd_early_convert=early))
             wide = configs.BACKWARD_HOPPER_TABLE[d]
             assert built.config is wide and wide.wide and built.convert_counted == bool(early)
-            # deterministic: a plane of turn flags per half of the tiles' rows (padded, no modifiers), converted
-            # after the whole kernel even when asked for the early conversion
-            for softcap, planes in ((0.0, 2), (5.0, 1)):
+            # deterministic: a plane of turn flags per half of the tiles' rows (with or without modifiers; calls
+            # with dropout use the first), converted after the whole kernel even when asked for the early conversion
+            for softcap, dropout_p in ((0.0, 0.0), (5.0, 0.0), (5.0, 0.1)):
                 built = backward.plan_backward((1, 9000, 8, d), (1, 9000, 8, d), strides, "bfloat16", 0.1, causal,
-                                               True, 90, softcap=softcap,
+                                               True, 90, softcap=softcap, dropout_p=dropout_p,
                                                options=KernelOptions(hopper_bwd_early_convert=early))
-                assert built.dq_semaphores == 8 * -(-9000 // wide.block_m) * planes
-                assert built.convert_counted == (bool(early) and planes == 1)
+                assert built.dq_semaphores == 8 * -(-9000 // wide.block_m) * 2
+                assert not built.convert_counted
     # the mma.sync backward neither counts nor converts early
     strides = dict.fromkeys(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), (2000 * 8 * 64, 8 * 64, 64, 1))
     built = backward.plan_backward((3, 2000, 8, 64), (3, 2000, 2, 64), strides, "bfloat16", 0.1, True, False, 80)
