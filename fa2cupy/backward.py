@@ -9,7 +9,7 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 
-from . import arrays, build, configs, params, tensor_maps
+from . import arrays, build, checks, configs, params, tensor_maps
 from .forward import _LOG2E, alibi_only_kernel, dropout_scalars, error_pointers, kernel_variant, stride_fields
 from .options import DEFAULT, KernelOptions
 
@@ -116,7 +116,9 @@ def plan_backward(
         if deterministic or counted:  # (an int per batch row, query head and query tile of block_m rows)
             semaphores = batch * nheads * -(-seqlen_q // config.block_m)
         semaphores *= planes
-        rotate = int(deterministic and mask == "none"
+        # (calls without a mask: the modifier calls' window kernel too, whose window is then unlimited both ways)
+        unmasked = mask == "none" or (left == checks.UNLIMITED_WINDOW and right == checks.UNLIMITED_WINDOW)
+        rotate = int(deterministic and unmasked
                      and configs.hopper_bwd_rotates(grid[0] * chunk, build.sm_count(options.sm_count)))
         by_map = config.dq_by_map(headdim, varlen, mods)
         main = build.Launch(function, grid, (config.threads, 1, 1), smem,

@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         mask.template query_tiles<kM>(key0, kN, steps.m_begin, steps.m_count);
         steps.count = params.heads_per_kv * steps.m_count;
         const int key_tiles = (seqlen_k + kN - 1) / kN;  // (deterministic: rotated_start)
-        steps.rotated = Tr::kMask == kMaskNone && kernel_params.dq_rotate && steps.m_count >= key_tiles;
+        steps.rotated = Tr::kRotates && kernel_params.dq_rotate && steps.m_count >= key_tiles;
         steps.m_shift = steps.rotated ? rotated_start(key0 / kN, key_tiles, steps.m_count) : 0;
         return steps;
     };

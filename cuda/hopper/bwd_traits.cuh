@@ -67,6 +67,12 @@ struct HopperBwdTraits {
     // that the next key tile's block may add the first half while this block's second is still in flight. (The
     // first thread adds whole rows on plane 0's flags.)
     static constexpr int kTurnPlanes = kWide ? 2 : 1;
+    // Deterministic calls without a mask may rotate their walks (BwdHopperParams::dq_rotate, HopperBwdSteps): the
+    // kernels without a mask, and the padded modifier kernels of 128 key rows a block, which run such calls on the
+    // window mask, unlimited both ways (their walks then cover every query tile from the first). Not the wide
+    // modifier kernels (their 24-register producers spilled 4-12 bytes with the rotation's offsets) nor varlen
+    // modifier kernels (16-20 bytes at head dim 64).
+    static constexpr bool kRotates = Mask == kMaskNone || (Mask == kMaskWindow && Mods && !Varlen && !kWide);
     // Two consumer warpgroups and a producer warpgroup, whose registers go to the consumers (setmaxnreg): a
     // consumer holds dK and dV (64 keys x the head dim each) and S^T, dP^T (64 x BlockM) at once.
     static constexpr int kConsumerWarps = 8, kConsumerThreads = 256, kProducerThreads = 128, kThreads = 384;
