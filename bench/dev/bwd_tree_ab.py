@@ -10,9 +10,10 @@ A tree may name the Hopper dQ accumulator's pad after an @ (``new8=path/cuda@pad
 for sources whose HopperBwdTraits::kDqPitch differs from this package's configs.HopperBwdConfig.dq_pitch): its calls
 are planned with that pitch.
 
-A case is ``bwd<d>:<mask>:<seqlen>[:det][:softcap][:alibi][:varlen]`` with mask none or causal, ``det`` for
-deterministic=True, ``softcap`` for a softcap of 30, ``alibi`` for ALiBi slopes in [0, 0.1), ``varlen`` for the
-batch packed as varlen sequences of the seqlen (flash_attn_varlen_backward's kernels); bf16, 16k tokens per batch,
+A case is ``bwd<d>:<mask>:<seqlen>[:det][:softcap][:alibi][:dropout][:varlen]`` with mask none or causal, ``det``
+for deterministic=True, ``softcap`` for a softcap of 30, ``alibi`` for ALiBi slopes in [0, 0.1), ``dropout`` for
+dropout_p = 0.1 (a fixed seed), ``varlen`` for the batch packed as varlen sequences of the seqlen
+(flash_attn_varlen_backward's kernels); bf16, 16k tokens per batch,
 2048 / d heads (head dims without a Hopper row at the width the library picks). The kernel
 parameter structs are this package's: a tree must take the same fields, or a prefix of them (a field added at a
 struct's end is ignored by sources that do not read it). Timing: random q, k, v and dO with a fixed lse (P = exp(logit
@@ -33,20 +34,21 @@ from fa2cupy import arrays, backward, build, configs  # noqa: E402
 from fa2cupy.options import KernelOptions  # noqa: E402
 
 SOFTCAP = 30.0
+DROPOUT_P, DROPOUT_SEED = 0.1, (1234, 0)  # (the seed and offset of every dropout call)
 DEFAULT_CASES = ("bwd64:none:2048", "bwd80:none:8192", "bwd96:none:8192", "bwd128:none:8192", "bwd128:causal:2048")
 
 
 def parse_case(case: str):
-    """(head dim, causal, seqlen, deterministic, softcap, alibi, varlen) of
-    ``bwd<d>:<mask>:<seqlen>[:det][:softcap][:alibi][:varlen]``."""
+    """(head dim, causal, seqlen, deterministic, softcap, alibi, dropout_p, varlen) of
+    ``bwd<d>:<mask>:<seqlen>[:det][:softcap][:alibi][:dropout][:varlen]``."""
     fields = case.split(":")
     extra = set(fields[3:])
     if (not fields[0].startswith("bwd") or len(fields) < 3 or fields[1] not in ("none", "causal")
-            or not extra <= {"det", "softcap", "alibi", "varlen"}):
-        raise SystemExit(f"{case}: expected bwd<d>:none|causal:<seqlen>[:det][:softcap][:alibi][:varlen]")
+            or not extra <= {"det", "softcap", "alibi", "dropout", "varlen"}):
+        raise SystemExit(f"{case}: expected bwd<d>:none|causal:<seqlen>[:det][:softcap][:alibi][:dropout][:varlen]")
     softcap = SOFTCAP if "softcap" in extra else 0.0
     return (int(fields[0][3:]), fields[1] == "causal", int(fields[2]), "det" in extra, softcap, "alibi" in extra,
-            "varlen" in extra)
+            DROPOUT_P if "dropout" in extra else 0.0, "varlen" in extra)
 
 
 def shape_of(d: int, seqlen: int):
@@ -71,19 +73,20 @@ def plans_for(tree: str, cases):
 
 
 def plan_case(case: str):
-    d, causal, seqlen, det, softcap, alibi, varlen = parse_case(case)
+    d, causal, seqlen, det, softcap, alibi, dropout_p, varlen = parse_case(case)
     shape = shape_of(d, seqlen)
     row = shape[2] * d
     # (varlen: (batch * seqlen, heads, d) arrays, the batch stride unused)
     strides = dict.fromkeys(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), (0 if varlen else shape[1] * row,
                                                                                 row, d, 1))
     mask = "causal" if causal else "none"
-    mods = bool(softcap) or alibi
+    mods = bool(softcap) or alibi or dropout_p > 0
     width = configs.padded_call_width(90, d, "bfloat16", True, mask, mods, varlen, seqlen_q=seqlen,
-                                      options=KernelOptions())
+                                      options=KernelOptions(), dropout=dropout_p > 0)
     totals = (shape[0] * seqlen,) * 2 if varlen else None
     return backward.plan_backward(shape, shape, strides, "bfloat16", d ** -0.5, causal, det, 90, width=width,
-                                  softcap=softcap, alibi_batch_stride=0 if alibi else None, varlen_totals=totals)
+                                  softcap=softcap, alibi_batch_stride=0 if alibi else None, varlen_totals=totals,
+                                  dropout_p=dropout_p)
 
 
 def main():
@@ -97,7 +100,8 @@ def main():
     stream = cupy.cuda.get_current_stream()
     bits = lambda shape: arrays.bf16_bits(cupy, rng.standard_normal(shape, dtype=cupy.float32))  # noqa: E731
     for case in args.cases:
-        d, causal, seqlen, det, softcap, alibi, varlen = parse_case(case)
+        d, causal, seqlen, det, softcap, alibi, dropout_p, varlen = parse_case(case)
+        seed = DROPOUT_SEED if dropout_p else (0, 0)
         shape = shape_of(d, seqlen)
         q, k, v, out, dout = (bits(shape) for _ in range(5))
         slopes = rng.uniform(0, 0.1, shape[2], dtype=cupy.float32) if alibi else None
@@ -116,7 +120,7 @@ def main():
                             dq_accum=accum.data.ptr, dq=grads[0].data.ptr, dk=grads[1].data.ptr,
                             dv=grads[2].data.ptr, alibi_slopes=0 if slopes is None else slopes.data.ptr,
                             cu_seqlens_q=cu.data.ptr if varlen else 0, cu_seqlens_k=cu.data.ptr if varlen else 0)
-            calls[name] = (lambda plan=plan, pointers=pointers: backward.run_backward(plan, pointers, (0, 0),
+            calls[name] = (lambda plan=plan, pointers=pointers: backward.run_backward(plan, pointers, seed,
                                                                                          stream.ptr))
             calls[name]()
             outs[name] = [arrays.bf16_bits_to_float(cupy, g) for g in grads]
