@@ -227,7 +227,10 @@ struct HopperBwdSmem {
     FA2_DEVICE void init_barriers(bool own_reducers) const {
         mbar_init(kv_full, Tr::kCopyArrivals);
         for (int s = 0; s < kS; ++s) {
-            mbar_init(full(s), Tr::kCopyArrivals + (Tr::kMods ? Tr::kProducerThreads - (own_reducers && kM == 64 ? 64 : 0) : kM));
+            // (the statistics' arrivals: every producer thread's with modifiers, but for warps 2 and 3 when they
+            // reduce at 64 query rows a step; else the kM threads' that store them)
+            const int stats = Tr::kMods ? Tr::kProducerThreads - (own_reducers && kM == 64 ? 64 : 0) : kM;
+            mbar_init(full(s), Tr::kCopyArrivals + stats);
             mbar_init(empty(s), Tr::kConsumerThreads);
         }
         for (int t = 0; t < Tr::kDqTiles; ++t) {

@@ -13,12 +13,13 @@ namespace fa2 {
 FA2_DEVICE void mbar_init(u32 bar, u32 count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
+// `Arrivals` arrivals at once (more than one: a thread that stands in for others).
+template <u32 Arrivals = 1>
 FA2_DEVICE void mbar_arrive(u32 bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-// `count` arrivals at once (a thread that stands in for others).
-FA2_DEVICE void mbar_arrive_count(u32 bar, u32 count) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+    if constexpr (Arrivals == 1)
+        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+    else
+        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "n"(Arrivals) : "memory");
 }
 FA2_DEVICE bool mbar_try_wait(u32 bar, u32 parity) {
     u32 done;
@@ -41,13 +42,15 @@ FA2_DEVICE void cp_async_mbar_arrive(u32 bar) {
 // Orders this thread's view of shared memory written through the generic proxy (cp.async, st.shared) before
 // the tensor cores read it through the async proxy (wgmma operands).
 FA2_DEVICE void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-// One arrival on `bar` once this thread's cp.async writes have landed and been fenced over to the async proxy, so
-// that the threads waiting on `bar` read them with wgmma without a fence of their own. The thread waits for the
-// copies here: for the rare tile (a varlen sequence's ragged one) beside tiles that come by TMA.
+// `Arrivals` arrivals on `bar` (more than one: a thread that copied others' shares too) once this thread's cp.async
+// writes have landed and been fenced over to the async proxy, so that the threads waiting on `bar` read them with
+// wgmma without a fence of their own. The thread waits for the copies here: for the rare tile (a varlen sequence's
+// ragged one) beside tiles that come by TMA.
+template <u32 Arrivals = 1>
 FA2_DEVICE void cp_async_fenced_arrive(u32 bar) {
     cp_async_wait_all();
     fence_proxy_async_smem();
-    mbar_arrive(bar);
+    mbar_arrive<Arrivals>(bar);
 }
 
 // `Arrivals` arrivals on `bar` (one thread standing in for others where the barrier counts every copying thread)
@@ -58,7 +61,7 @@ FA2_DEVICE void mbar_arrive_expect_tx(u32 bar, u32 bytes) {
         asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
     } else {
         asm volatile("mbarrier.expect_tx.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "n"(Arrivals) : "memory");
+        mbar_arrive<Arrivals>(bar);
     }
 }
 
