@@ -107,7 +107,7 @@ def plan_backward(
     semaphores = 0
     # (deterministic calls whose flags are in two planes, one per half of the tiles' rows, convert after the whole
     # kernel: the conversion's count is an int per tile)
-    planes = config.turn_planes(varlen, mods) if hopper and deterministic else 1
+    planes = config.turn_planes if hopper and deterministic else 1
     counted = hopper and planes == 1 and configs.hopper_bwd_early_converts(
         mask, seqlen_q, options.hopper_bwd_early_convert, config.wide)
     if hopper:
@@ -116,8 +116,9 @@ def plan_backward(
         if deterministic or counted:  # (an int per batch row, query head and query tile of block_m rows)
             semaphores = batch * nheads * -(-seqlen_q // config.block_m)
         semaphores *= planes
-        # (calls without a mask: the modifier calls' window kernel too, whose window is then unlimited both ways)
-        unmasked = mask == "none" or (left == checks.UNLIMITED_WINDOW and right == checks.UNLIMITED_WINDOW)
+        # (calls without a mask, whose window is unlimited both ways, on whichever kernel variant: the modifier
+        # calls' is the window one)
+        unmasked = left == right == checks.UNLIMITED_WINDOW
         rotate = int(deterministic and unmasked
                      and configs.hopper_bwd_rotates(grid[0] * chunk, build.sm_count(options.sm_count)))
         by_map = config.dq_by_map(headdim, varlen, mods)

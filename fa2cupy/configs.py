@@ -292,11 +292,12 @@ class HopperBwdConfig:
         return (headdim < self.headdim and self.dq_pitch(self.headdim) <= 256
                 and not (varlen and mods and self.dq_by_keys))
 
-    def turn_planes(self, varlen: bool, mods: bool) -> int:
+    @property
+    def turn_planes(self) -> int:
         """Must match HopperBwdTraits::kTurnPlanes: the deterministic turn flags' planes (each an int per batch
         row, head and query tile): two at the wide head dims, whose kernels add each half of a step's dQ rows on
-        turns of its own (calls with dropout use only the first), else one (``varlen`` and ``mods`` as well as
-        padded and plain)."""
+        turns of its own (calls with dropout use only the first), else one; padded or varlen, with modifiers or
+        not."""
         return 2 if self.wide else 1
 
     def smem_bytes(self, atomic_dq: bool = True, mods: bool = False, alibi_only: bool = False) -> int:

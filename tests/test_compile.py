@@ -332,8 +332,8 @@ def test_hopper_backward_turn_planes_match_the_kernel():
     ptx = _probe_ptx("bwd_hopper", probes, "90a")
     for i, (config, varlen, mods) in enumerate(cases):
         found = re.search(rf"fa2_probe_{i} = (\d+);", ptx)
-        assert found and int(found[1]) == config.turn_planes(varlen, mods), (config, varlen, mods)
-    assert {c.headdim for c, v, m in cases if c.turn_planes(v, m) == 2} == {192, 256}
+        assert found and int(found[1]) == config.turn_planes, (config, varlen, mods)
+    assert {c.headdim for c, v, m in cases if c.turn_planes == 2} == {192, 256}
 
 
 def test_hopper_forward_is_chosen_only_where_it_runs():
