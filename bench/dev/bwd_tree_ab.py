@@ -13,10 +13,9 @@ are planned with that pitch.
 A case is ``bwd<d>:<mask>:<seqlen>[:det][:softcap][:alibi][:dropout][:varlen]`` with mask none or causal, ``det``
 for deterministic=True, ``softcap`` for a softcap of 30, ``alibi`` for ALiBi slopes in [0, 0.1), ``dropout`` for
 dropout_p = 0.1 (a fixed seed), ``varlen`` for the batch packed as varlen sequences of the seqlen
-(flash_attn_varlen_backward's kernels); bf16, 16k tokens per batch,
-2048 / d heads (head dims without a Hopper row at the width the library picks). The kernel
-parameter structs are this package's: a tree must take the same fields, or a prefix of them (a field added at a
-struct's end is ignored by sources that do not read it). Timing: random q, k, v and dO with a fixed lse (P = exp(logit
+(flash_attn_varlen_backward's kernels); bf16, 16k tokens per batch, 2048 / d heads (head dims without a Hopper row
+at the width the library picks). The kernel parameter structs are this package's: a tree must take the same fields,
+or a prefix of them (a field added at a struct's end is ignored by sources that do not read it). Timing: random q, k, v and dO with a fixed lse (P = exp(logit
 - 10 - softcap), small and finite), so nothing is checked against a reference: run the GPU tests for that.
 """
 
