@@ -189,6 +189,8 @@ MODS_CASES = (
     (200, 150, 2, 1, 256, True, 5.0, False),
     (200, 150, 2, 1, 256, True, 0.0, True),
     (90, 200, 2, 2, 256, False, 0.0, True),
+    (300, 200, 2, 1, 192, False, 3.0, False),  # (deterministic: walks rotated, more query tiles than key tiles)
+    (260, 130, 2, 1, 256, False, 0.0, True),
 )
 # MODS_CASES' fields for bf16 softcap without ALiBi, q scaled by 8 so that the logits reach both ends of the cap: at
 # softcap <= 50 the Hopper rows above d = 64 take P against a fixed reference max (HopperFwdTraits::kCapFixedMax), in

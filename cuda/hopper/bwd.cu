@@ -105,20 +105,27 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // The steps (HopperBwdSteps). Each warp role works them out after its setmaxnreg: worked out before it, they
     // were live across it and spilled at head dim 64.
     const WindowMask<Tr::kMask> mask{seqlen_q, seqlen_k, params.window_left, params.window_right};
+    // Whether a block of m_count query tiles walks them rotated (deterministic: rotated_start, and the turns of
+    // rotated_turn). Worked out where it is used: held across the producer's walk, the predicate spilled 4-12 bytes
+    // in the 24-register wide modifier producers.
+    const auto walks_rotated = [&](int m_count) {
+        return Tr::kRotates && kernel_params.dq_rotate && m_count >= (seqlen_k + kN - 1) / kN;
+    };
     const auto block_steps = [&] {
         HopperBwdSteps<kM> steps;
         mask.template query_tiles<kM>(key0, kN, steps.m_begin, steps.m_count);
         steps.count = params.heads_per_kv * steps.m_count;
-        const int key_tiles = (seqlen_k + kN - 1) / kN;  // (deterministic: rotated_start)
-        steps.rotated = Tr::kRotates && kernel_params.dq_rotate && steps.m_count >= key_tiles;
-        steps.m_shift = steps.rotated ? rotated_start(key0 / kN, key_tiles, steps.m_count) : 0;
+        steps.m_shift = walks_rotated(steps.m_count) ? rotated_start(key0 / kN, (seqlen_k + kN - 1) / kN, steps.m_count)
+                                                     : 0;
         return steps;
     };
     // The roles, each called through a lambda over the kernel's state, as they were compiled when written in the
     // kernel (called directly, ptxas numbered a varlen sequence's bounds in other registers).
     if (warp >= Tr::kConsumerWarps) {
         warpgroup_release_registers<Tr::kProducerRegisters>();
-        [&] { produce_dkdv<Tr>(smem, args, mask, block_steps, kv_head, batch, key0, q_start, k_start); }();
+        [&] {
+            produce_dkdv<Tr>(smem, args, mask, block_steps, walks_rotated, kv_head, batch, key0, q_start, k_start);
+        }();
         return;
     }
     warpgroup_claim_registers<Tr::kConsumerRegisters>();

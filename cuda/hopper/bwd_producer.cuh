@@ -88,9 +88,10 @@ FA2_DEVICE void load_ragged_by_two_warps(u32 q_dst, u32 do_dst, const u16* q, co
     }
 }
 
-template <class Tr, class BlockSteps>
+template <class Tr, class BlockSteps, class WalksRotated>
 FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs& args,
-                             const WindowMask<Tr::kMask>& mask, const BlockSteps& block_steps, const int& kv_head,
+                             const WindowMask<Tr::kMask>& mask, const BlockSteps& block_steps,
+                             const WalksRotated& walks_rotated, const int& kv_head,
                              const int& batch, const int& key0, const int& q_start, const int& k_start) {
     using KVTile = typename Tr::KVTile;
     using QTile = typename Tr::QTile;
@@ -202,7 +203,7 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
             st_shared_u32(smem.uncounted(), tile);
         } else if (args.dq_semaphore != nullptr) {
             int turn;
-            if (steps.rotated) {
+            if (walks_rotated(steps.m_count)) {
                 const int key_tiles = (args.seqlen_k + kN - 1) / kN;
                 turn = rotated_turn(key0 / kN, key_tiles, steps.m_count, steps.m_shift, m0 / kM - steps.m_begin);
             } else {
@@ -313,8 +314,9 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
             }
             if constexpr (Tr::kDropout && kCase != 1) {
                 // (warps 1-3: warp 0's first thread issues the copies and the dQ reductions, which wait for no draw;
-                // after the statistics' stores, so that their registers are free)
-                if (args.dropout_threshold != 0 && ptid >= 32)
+                // after the statistics' stores, so that their registers are free; on a warp-uniform index, whose
+                // predicate ptxas holds in a uniform register: per thread, it spilled 4 bytes at head dim 192)
+                if (args.dropout_threshold != 0 && warp_uniform(ptid >> 5) >= 1)
                     draw_drop_flags<Tr>(smem.drop + s * Tr::kDropSlotBytes, drop_scratch,
                                         make_dropout(args.dropout_threshold, args.seed, args.offset, args.rng_state,
                                                      batch, args.nheads, head, args.dropout_scale),

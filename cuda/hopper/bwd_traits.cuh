@@ -68,11 +68,10 @@ struct HopperBwdTraits {
     // first thread adds whole rows on plane 0's flags.)
     static constexpr int kTurnPlanes = kWide ? 2 : 1;
     // Deterministic calls without a mask may rotate their walks (BwdHopperParams::dq_rotate, HopperBwdSteps): the
-    // kernels without a mask, and the padded modifier kernels of 128 key rows a block, which run such calls on the
-    // window mask, unlimited both ways (their walks then cover every query tile from the first). Not the wide
-    // modifier kernels (their 24-register producers spilled 4-12 bytes with the rotation's offsets) nor varlen
-    // modifier kernels (16-20 bytes at head dim 64).
-    static constexpr bool kRotates = Mask == kMaskNone || (Mask == kMaskWindow && Mods && !Varlen && !kWide);
+    // kernels without a mask, and the padded modifier kernels, which run such calls on the window mask, unlimited
+    // both ways (their walks then cover every query tile from the first). Not the varlen modifier kernels (their
+    // producers spilled 16-20 bytes at head dim 64).
+    static constexpr bool kRotates = Mask == kMaskNone || (Mask == kMaskWindow && Mods && !Varlen);
     // Two consumer warpgroups and a producer warpgroup, whose registers go to the consumers (setmaxnreg): a
     // consumer holds dK and dV (64 keys x the head dim each) and S^T, dP^T (64 x BlockM) at once.
     static constexpr int kConsumerWarps = 8, kConsumerThreads = 256, kProducerThreads = 128, kThreads = 384;
@@ -303,8 +302,7 @@ struct HopperBwdArgs {
 // block's keys (m_count of them from tile m_begin), from tile m_begin + m_shift round to the one before it.
 template <int BlockM>
 struct HopperBwdSteps {
-    int m_begin, m_count, count, m_shift;
-    bool rotated;  // (deterministic: the walks of rotated_start, the turns of rotated_turn)
+    int m_begin, m_count, count, m_shift;  // (m_shift: rotated_start's where the walks rotate, else 0)
     // Step j's first query row (the producer's loads walk them in order instead, a division per step fewer).
     FA2_DEVICE int m0(int j) const { return (m_begin + (j + m_shift) % m_count) * BlockM; }
     FA2_DEVICE int first_m0() const { return (m_begin + m_shift) * BlockM; }
