@@ -113,10 +113,11 @@ def main():
         for name, plans in variants.items():
             plan = plans[case]
             grads = [cupy.full(shape, 0x7FC0, cupy.uint16) for _ in range(3)]  # NaN
-            dsum, accum = cupy.empty(plan.dsum_shape, cupy.float32), cupy.empty(plan.dq_accum_shape, cupy.float32)
+            dsum = cupy.empty(plan.dsum_shape, cupy.float32)
+            accum = cupy.empty(plan.dq_accum_shape or (1,), cupy.float32)  # (None: the plan takes none, as 0)
             pointers = dict(backward.NO_POINTERS, q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, out=out.data.ptr,
                             dout=dout.data.ptr, softmax_lse=lse.data.ptr, dsum=dsum.data.ptr,
-                            dq_accum=accum.data.ptr, dq=grads[0].data.ptr, dk=grads[1].data.ptr,
+                            dq_accum=accum.data.ptr if plan.dq_accum_shape else 0, dq=grads[0].data.ptr, dk=grads[1].data.ptr,
                             dv=grads[2].data.ptr, alibi_slopes=0 if slopes is None else slopes.data.ptr,
                             cu_seqlens_q=cu.data.ptr if varlen else 0, cu_seqlens_k=cu.data.ptr if varlen else 0)
             calls[name] = (lambda plan=plan, pointers=pointers: backward.run_backward(plan, pointers, seed,

@@ -150,8 +150,8 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
     // (counted: the last two steps whose additions are issued but not yet counted, as their flags' indices, the
     // later first; -1: none)
     //
-    // Who issues them: the first thread, between its loads; or in deterministic calls without dropout, in padded
-    // kernels and varlen ones of 64 query rows a step (HopperBwdTraits::own_reducers), the first thread of warp 3,
+    // Who issues them: the first thread, between its loads; or in deterministic calls without dropout, in the
+    // kernels HopperBwdTraits::kOwnReducers names (HopperBwdTraits::own_reducers), the first thread of warp 3,
     // each step as soon as it is staged, so that the waits for the turns and for each addition hold up no load.
     // Warps 2 and 3 have nothing else to do there but, with 128 query rows a step (head dim 64), store row
     // statistics: warp 2 then stores warp 3's rows too; in varlen calls copy a sequence's ragged tiles: warps 0 and 1
@@ -339,6 +339,10 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
             if (m0 == steps.first_m0()) ++head;
             if (it + 1 < steps.count) load_stats(head, m0, own_here());
         }
+        if constexpr (!Tr::kTma) {  // (varlen: the last steps' reductions, kLag behind the loads, here: held past
+            if (!own_here())      // the walk, the count's predicate spilled 4 bytes at head dim 64)
+                for (int j = max(steps.count - kLag, 0); j < steps.count; ++j) reduce_step(j, false);
+        }
     };
     if constexpr (kOwnReducer && !Tr::kTma) {
         if (own())
@@ -348,9 +352,11 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
     } else {
         walk(Const<kOwnReducer ? -1 : 0>{});
     }
-    if (!own()) {
-        if (kLag == 2 && steps.count >= 2) reduce_step(steps.count - 2, false);
-        if (steps.count >= 1) reduce_step(steps.count - 1, false);
+    if constexpr (Tr::kTma) {
+        if (!own()) {  // (the last steps' reductions, kLag behind the loads)
+            if (kLag == 2 && steps.count >= 2) reduce_step(steps.count - 2, false);
+            if (steps.count >= 1) reduce_step(steps.count - 1, false);
+        }
     }
     bulk_wait<0>();
     if (ptid == 0 && args.dq_semaphore != nullptr && !args.deterministic) {

@@ -57,11 +57,11 @@ struct HopperBwdTraits {
     // sequence's rows (which may hold anything) out of the products.
     static constexpr bool kTma = !Varlen;
     // Deterministic calls add each step's dQ from producer threads of their own (produce_dkdv: warp 3's first, or
-    // warps 2 and 3's at the wide head dims) where the kernel can spare them: padded kernels and varlen ones of 64
-    // query rows a step but the d = 256 modifier row (kOwnReducers: its 56-register producer spilled 20 bytes with
-    // them), in calls that draw no dropout flags (warps 1-3 draw them). Other deterministic calls add from the
-    // first producer thread, between its loads.
-    static constexpr bool kOwnReducers = kTma || (BlockM == 64 && !(Mods && HeadDim == 256));
+    // warps 2 and 3's at the wide head dims) where the kernel can spare them: padded kernels, varlen ones without
+    // modifiers, and varlen modifier ones of 64 query rows a step but the d = 256 row (kOwnReducers: its 56-register
+    // producer spilled 20 bytes with them), in calls that draw no dropout flags (warps 1-3 draw them). Other
+    // deterministic calls add from the first producer thread, between its loads.
+    static constexpr bool kOwnReducers = kTma || !Mods || (BlockM == 64 && HeadDim != 256);
     // At the wide head dims, with reducers of their own: a step's dQ reduction in two halves of its rows, each
     // issued by one of those threads and taking turns on flags of its own (a plane of the call's flags each), so
     // that the next key tile's block may add the first half while this block's second is still in flight. (The
