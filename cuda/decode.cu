@@ -238,7 +238,7 @@ __global__ void __launch_bounds__(256)
 
     const Rotary rot{params.rotary_cos, params.rotary_sin, params.rotary_dim, params.seqlen_ro,
                      params.rotary_interleaved != 0};
-    const int chunks_per_row = params.headdim / 8;
+    const int chunks_per_row = max(params.headdim, params.headdim_v) / 8;  // (k's and v's columns, the wider's)
     const i64 chunks = (i64)params.batch * params.seqlen_new * params.nheads_kv * chunks_per_row;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < chunks; i += (i64)gridDim.x * blockDim.x) {
         const int c = (int)(i % chunks_per_row) * 8;
@@ -256,19 +256,23 @@ __global__ void __launch_bounds__(256)
             slot = pos;
         }
         u32 chunk[4];
-        const u16* k_row =
-            k_new + b * params.k_new_batch_stride + (i64)t * params.k_new_row_stride + head * params.k_new_head_stride;
-        ld_global_v4(k_row + c, chunk);
-        if constexpr (Extras) rotate_chunk<Elem>(chunk, k_row, c, pos, rot);
-        st_global_v4(k_cache + row_base * params.k_batch_stride + (i64)slot * params.k_row_stride +
-                         head * params.k_head_stride + c,
-                     chunk);
-        ld_global_v4(v_new + b * params.v_new_batch_stride + (i64)t * params.v_new_row_stride +
-                         head * params.v_new_head_stride + c,
-                     chunk);
-        st_global_v4(v_cache + row_base * params.v_batch_stride + (i64)slot * params.v_row_stride +
-                         head * params.v_head_stride + c,
-                     chunk);
+        if (c < params.headdim) {
+            const u16* k_row = k_new + b * params.k_new_batch_stride + (i64)t * params.k_new_row_stride +
+                               head * params.k_new_head_stride;
+            ld_global_v4(k_row + c, chunk);
+            if constexpr (Extras) rotate_chunk<Elem>(chunk, k_row, c, pos, rot);
+            st_global_v4(k_cache + row_base * params.k_batch_stride + (i64)slot * params.k_row_stride +
+                             head * params.k_head_stride + c,
+                         chunk);
+        }
+        if (c < params.headdim_v) {
+            ld_global_v4(v_new + b * params.v_new_batch_stride + (i64)t * params.v_new_row_stride +
+                             head * params.v_new_head_stride + c,
+                         chunk);
+            st_global_v4(v_cache + row_base * params.v_batch_stride + (i64)slot * params.v_row_stride +
+                             head * params.v_head_stride + c,
+                         chunk);
+        }
     }
 }
 
@@ -311,10 +315,12 @@ __global__ void __launch_bounds__(256)
     }
 }
 
-// q: (batch, seqlen_q, nheads, d); k/v cache: (batch_cache, capacity, nheads_kv, d) or paged (pages, page_size,
-// nheads_kv, d) with block_table (batch, max_pages); row b attends to its first cache_seqlens[b] + seqlen_new keys
-// (the append kernel has written the new ones). out: (batch, seqlen_q, nheads, d) contiguous; lse_out: (batch,
-// nheads, seqlen_q) or null. With more than one split: partial_out (splits, batch * seqlen_q * nheads, d) fp32,
+// q: (batch, seqlen_q, nheads, d); k/v cache: (batch_cache, capacity, nheads_kv, d / d_v) or paged (pages,
+// page_size, nheads_kv, d / d_v) with block_table (batch, max_pages), d = headdim and d_v = headdim_v, each at most
+// the instantiation's (the tiles' columns past them are zeros); row b attends to its first cache_seqlens[b] +
+// seqlen_new keys (the append kernel has written the new ones). out: (batch, seqlen_q, nheads, d_v) contiguous;
+// lse_out: (batch, nheads, seqlen_q) or null. With more than one split: partial_out (splits, batch * seqlen_q *
+// nheads, d_v) fp32,
 // partial_lse (splits, batch * seqlen_q * nheads), arrivals (batch * groups) int32 zeroed before the launch.
 // Tr::kExtras: alibi_slopes float32 (batch, nheads) with batch stride alibi_batch_stride (0 for (nheads,)) or null;
 // cache_leftpad (batch,) or null (contiguous caches only): row b's keys are slots [cache_leftpad[b], cache_seqlens[b]

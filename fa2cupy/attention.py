@@ -523,7 +523,7 @@ def flash_attn_varlen_func(
 
     Args:
         q: ``(total_q, nheads, headdim)``; k, v: ``(total_k, nheads_kv, headdim)`` (v's head dim may differ, as
-            in :func:`flash_attn_func`; not with ``block_table``): the sequences' tokens one after another
+            in :func:`flash_attn_func`, page pools included): the sequences' tokens one after another
             (dtypes, head grouping and layout rules as in :func:`flash_attn_func`).
         cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)`` on the GPU: sequence ``b`` is rows
             ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of q (and of k/v with cu_seqlens_k). Lengths may be 0.

@@ -400,12 +400,9 @@ def _check_paged_varlen(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, block_table: A
     num_pages, page_size = k.shape[0], k.shape[1]
     if num_pages < 1 or page_size < 1:
         raise ValueError(f"k has shape {k.shape}; with block_table it needs at least one page of at least one row")
-    if tuple(v.shape[:2]) != (num_pages, page_size):
-        raise ValueError(f"v has shape {v.shape} but k has {k.shape}; k and v must have the same shape")
-    if v.shape[3] != k.shape[3]:
-        raise NotImplementedError(
-            f"v has headdim {v.shape[3]} but k has {k.shape[3]}: with block_table (paged K/V) v's head dim must be "
-            f"k's; packed K/V (no block_table) takes a v head dim of its own")
+    if tuple(v.shape[:3]) != tuple(k.shape[:3]):
+        raise ValueError(f"v has shape {v.shape} but k has {k.shape}; with block_table they must agree on every "
+                         f"axis but the last (v's head dim may differ)")
     capacity = block_table.shape[1] * page_size
     if max_seqlen_k > capacity:
         raise ValueError(f"max_seqlen_k = {max_seqlen_k} exceeds what block_table can address: max_pages "
@@ -670,6 +667,12 @@ class KvcacheCall:
     scale: float
     causal: bool
     extras: DecodeExtras
+    headdim_v: int = 0  # v_cache's (and the output's) where it differs from headdim; 0: the same
+
+    @property
+    def dv(self) -> int:
+        """v_cache's head dim: the output's."""
+        return self.headdim_v or self.headdim
 
 
 def check_kvcache_args(infos: dict, cache_seqlens, *, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -678,7 +681,7 @@ def check_kvcache_args(infos: dict, cache_seqlens, *, softmax_scale=None, causal
     ArrayInfo for each array given, cache_seqlens included when it is an array) and its scalar options; needs no
     GPU. Raises TypeError / ValueError naming the argument and what is allowed."""
     cap = _check_kvcache_options(infos, softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits)
-    batch, seqlen_q, nheads, nheads_kv, headdim, seqlen_new = _check_kvcache_arrays(infos)
+    batch, seqlen_q, nheads, nheads_kv, headdim, headdim_v, seqlen_new = _check_kvcache_arrays(infos)
     page_size, max_pages, capacity = _check_kvcache_index(infos, cache_seqlens, batch)
     # The mask, flash-attn's way: causal is the window's right side 0, and a side of at least the cache capacity
     # is no limit (so it also decides whether q's rotary positions advance, below).
@@ -698,7 +701,8 @@ def check_kvcache_args(infos: dict, cache_seqlens, *, softmax_scale=None, causal
     fixed = fixed_seqlen(cache_seqlens, capacity, seqlen_new, rotary_span, extras.get("seqlen_ro", 0))
     scale = default_scale(headdim) if softmax_scale is None else float(softmax_scale)
     return KvcacheCall(batch, seqlen_q, nheads, nheads_kv, headdim, infos["q"].dtype, seqlen_new, page_size,
-                       capacity, max_pages, fixed, scale, bool(causal), DecodeExtras(**extras))
+                       capacity, max_pages, fixed, scale, bool(causal), DecodeExtras(**extras),
+                       headdim_v if headdim_v != headdim else 0)
 
 
 def _check_kvcache_options(infos: dict, softmax_scale, causal, window_size, softcap, rotary_interleaved,
@@ -729,7 +733,8 @@ def _check_kvcache_options(infos: dict, softmax_scale, causal, window_size, soft
 
 
 def _check_kvcache_arrays(infos: dict) -> tuple:
-    """q, the caches and the new keys/values: ``(batch, seqlen_q, nheads, nheads_kv, headdim, seqlen_new)``."""
+    """q, the caches and the new keys/values: ``(batch, seqlen_q, nheads, nheads_kv, headdim, headdim_v,
+    seqlen_new)``; v_cache (and v) may have a head dim of their own, the output's."""
     q_info, kc_info, vc_info = infos["q"], infos["k_cache"], infos["v_cache"]
     for info in (q_info, kc_info, vc_info):
         if len(info.shape) != 4:
@@ -737,19 +742,17 @@ def _check_kvcache_arrays(infos: dict) -> tuple:
     batch, seqlen_q, nheads, headdim = q_info.shape
     if kc_info.shape[3] != headdim:
         raise ValueError(f"k_cache has headdim {kc_info.shape[3]} but q has {headdim}")
-    if kc_info.shape[:3] == vc_info.shape[:3] and kc_info.shape[3] != vc_info.shape[3]:
-        raise NotImplementedError(
-            f"v_cache has headdim {vc_info.shape[3]} but k_cache {kc_info.shape[3]}: flash_attn_with_kvcache takes "
-            f"one head dim for K and V (the caches are used in place); flash_attn_func and flash_attn_varlen_func "
-            f"take a v head dim of its own")
-    if kc_info.shape != vc_info.shape:
-        raise ValueError(f"k_cache {kc_info.shape} and v_cache {vc_info.shape} must have the same shape")
-    nheads_kv = kc_info.shape[2]
-    if min(q_info.shape) < 1 or min(kc_info.shape) < 1:
-        raise ValueError(f"q {q_info.shape} and k_cache {kc_info.shape} must have no zero-length axis")
-    if headdim % 8 or headdim > 256:
-        raise ValueError(f"q has headdim={headdim}; flash_attn_with_kvcache needs a multiple of 8 up to 256 "
-                         f"(the caches are used in place, so they cannot be padded)")
+    if kc_info.shape[:3] != vc_info.shape[:3]:
+        raise ValueError(f"k_cache {kc_info.shape} and v_cache {vc_info.shape} must agree on every axis but the "
+                         f"last (v_cache's head dim may differ)")
+    nheads_kv, headdim_v = kc_info.shape[2], vc_info.shape[3]
+    if min(q_info.shape) < 1 or min(kc_info.shape) < 1 or headdim_v < 1:
+        raise ValueError(f"q {q_info.shape}, k_cache {kc_info.shape} and v_cache {vc_info.shape} must have no "
+                         f"zero-length axis")
+    for name, d in (("q", headdim), ("v_cache", headdim_v)):
+        if d % 8 or d > 256:
+            raise ValueError(f"{name} has headdim={d}; flash_attn_with_kvcache needs a multiple of 8 up to 256 "
+                             f"(the caches are used in place, so they cannot be padded)")
     if nheads % nheads_kv:
         raise ValueError(f"q has nheads={nheads}, not a multiple of the caches' nheads_kv={nheads_kv}")
     for info in [q_info, kc_info, vc_info] + [infos[n] for n in ("k", "v") if n in infos]:
@@ -758,15 +761,15 @@ def _check_kvcache_arrays(infos: dict) -> tuple:
                             f"dtype, float16 or bfloat16")
     seqlen_new = 0
     if "k" in infos:
-        for n in ("k", "v"):
+        for n, d in (("k", headdim), ("v", headdim_v)):
             shape = infos[n].shape
-            if len(shape) != 4 or shape[0] != batch or shape[2] != nheads_kv or shape[3] != headdim:
-                raise ValueError(f"{n} must be (batch, seqlen_new, nheads_kv, headdim) = ({batch}, *, {nheads_kv}, "
-                                 f"{headdim}), got {shape}")
-        if infos["k"].shape != infos["v"].shape:
-            raise ValueError(f"k {infos['k'].shape} and v {infos['v'].shape} must have the same shape")
+            if len(shape) != 4 or shape[0] != batch or shape[2] != nheads_kv or shape[3] != d:
+                raise ValueError(f"{n} must be (batch, seqlen_new, nheads_kv, {n}_cache's headdim) = ({batch}, *, "
+                                 f"{nheads_kv}, {d}), got {shape}")
+        if infos["k"].shape[1] != infos["v"].shape[1]:
+            raise ValueError(f"k {infos['k'].shape} and v {infos['v'].shape} must have the same seqlen_new (axis 1)")
         seqlen_new = infos["k"].shape[1]
-    return batch, seqlen_q, nheads, nheads_kv, headdim, seqlen_new
+    return batch, seqlen_q, nheads, nheads_kv, headdim, headdim_v, seqlen_new
 
 
 def _check_kvcache_index(infos: dict, cache_seqlens, batch: int) -> tuple:

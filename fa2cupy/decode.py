@@ -151,12 +151,15 @@ def _strides(prefix: str, array_strides, item: int) -> dict:
 def plan_decode(q_shape, strides, dtype: str, *, nheads_kv: int, cache_rows: int, capacity: int, page_size: int,
                 max_pages: int, seqlen_new: int, max_seqlen_k: int, softmax_scale: float, causal: bool, arch: int,
                 device: int, num_splits: int, item: int, config=None, extras: DecodeExtras = PLAIN,
-                options: KernelOptions = DEFAULT) -> DecodePlan:
+                options: KernelOptions = DEFAULT, headdim_v: int | None = None) -> DecodePlan:
     """The launches of one flash_attn_with_kvcache call. ``strides`` maps q, k_cache, v_cache (and k, v when
     appending) to byte strides; ``page_size`` 0 means a contiguous cache; ``max_seqlen_k`` bounds the keys per row
     (for the split count); ``num_splits`` 0 chooses. ``extras``: the optional features; with them ``causal`` must
-    already be folded into ``extras.window_right`` (0). ``options``: the kernel choices (the decode_* fields)."""
+    already be folded into ``extras.window_right`` (0). ``options``: the kernel choices (the decode_* fields).
+    ``headdim_v``: v_cache's head dim (the output's), None for q's; the kernel runs at the wider of the two."""
     batch, seqlen_q, nheads, headdim = q_shape
+    headdim_v = headdim if headdim_v is None else headdim_v
+    width = max(headdim, headdim_v)
     group = nheads // nheads_kv
     paged = page_size > 0
     use_extras = extras.attention
@@ -166,12 +169,12 @@ def plan_decode(q_shape, strides, dtype: str, *, nheads_kv: int, cache_rows: int
         max_seqlen_k = min(max_seqlen_k, extras.window_left + seqlen_q + min(extras.window_right, max_seqlen_k))
     row_blocks = -(-seqlen_q * group // 16)
     sms = build.sm_count(options.sm_count, device)
-    splits, config = _splits_and_row(batch * nheads_kv * row_blocks, sms, max_seqlen_k, arch, headdim, num_splits,
+    splits, config = _splits_and_row(batch * nheads_kv * row_blocks, sms, max_seqlen_k, arch, width, num_splits,
                                      config, options)
     function = build.get_kernel("decode", config.name_expression(dtype, causal, paged, use_extras),
                                 _opt_in_smem(config, device))
     workspace, arrivals, lse_offset, out_offset = _workspace_layout(splits, batch * nheads_kv * row_blocks,
-                                                                    batch * seqlen_q * nheads, headdim)
+                                                                    batch * seqlen_q * nheads, headdim_v)
     # With rotary, the attention reads the rotated copy of q, contiguous.
     q_strides = (seqlen_q * nheads * headdim * item, nheads * headdim * item, headdim * item, item) \
         if extras.rotary_dim else strides["q"]
@@ -185,14 +188,15 @@ def plan_decode(q_shape, strides, dtype: str, *, nheads_kv: int, cache_rows: int
     if programmatic is None:
         programmatic = splits >= options.decode_programmatic_min_splits
     programmatic = arch >= 90 and programmatic  # (the kernel works out its first copies before waiting only then)
-    kv_bytes = 2 * batch * max_seqlen_k * nheads_kv * headdim * item  # (at most: the longest row's keys per row)
+    kv_bytes = batch * max_seqlen_k * nheads_kv * (headdim + headdim_v) * item  # (at most: the longest row's keys)
     evict_first = options.decode_stream_evict_first
     if evict_first is None:
         evict_first = kv_bytes > build.device_attribute(device, "L2CacheSize")
     q_span = (seqlen_q if extras.rotary_advance else 1) if extras.rotary_dim else 0
     fixed = params.DecodeParams(
         **fields, alibi_batch_stride=extras.alibi_batch_stride, batch=batch, seqlen_q=seqlen_q, nheads=nheads,
-        nheads_kv=nheads_kv, heads_per_kv=group, headdim=headdim, seqlen_new=seqlen_new, capacity=capacity,
+        nheads_kv=nheads_kv, heads_per_kv=group, headdim=headdim, headdim_v=headdim_v, seqlen_new=seqlen_new,
+        capacity=capacity,
         cache_rows=cache_rows, page_size=page_size, max_pages=max_pages, scale=softmax_scale,
         scale_log2=softmax_scale * _LOG2E, window_left=extras.window_left, window_right=extras.window_right,
         softcap=extras.softcap, rotary_dim=extras.rotary_dim, seqlen_ro=extras.seqlen_ro,
@@ -203,8 +207,8 @@ def plan_decode(q_shape, strides, dtype: str, *, nheads_kv: int, cache_rows: int
     attention = build.Launch(function, (grid, 1, 1), (config.threads, 1, 1), smem,
                              fixed, ATTENTION_PER_CALL, programmatic)  # (copied: the launch's own)
     attention.params.set(**_strides("q", q_strides, item))
-    append = _append_launch(q_shape, nheads_kv, dtype, paged, extras, seqlen_new, programmatic,
-                            fixed) if seqlen_new else None
+    append = _append_launch(q_shape, nheads_kv, dtype, paged, extras, seqlen_new, programmatic, fixed,
+                            width) if seqlen_new else None
     rotary = _rotary_launch(q_shape, strides, dtype, item, extras, programmatic, fixed) if extras.rotary_dim else None
     rotary_span = max(seqlen_new, q_span) if extras.rotary_dim else 0
     return DecodePlan(attention, append, rotary, splits, workspace, arrivals, lse_offset, out_offset, capacity,
@@ -242,10 +246,10 @@ def _workspace_layout(splits: int, arrivals: int, rows: int, headdim: int) -> tu
 
 
 def _append_launch(q_shape, nheads_kv: int, dtype: str, paged: bool, extras: DecodeExtras, seqlen_new: int,
-                   programmatic: bool, fixed: params.DecodeParams) -> build.Launch:
-    """The launch that writes the new keys and values into the cache (rotating the keys with rotary)."""
-    batch, headdim = q_shape[0], q_shape[3]
-    chunks = batch * seqlen_new * nheads_kv * headdim // 8
+                   programmatic: bool, fixed: params.DecodeParams, width: int) -> build.Launch:
+    """The launch that writes the new keys and values into the cache (rotating the keys with rotary); ``width``:
+    the wider of k's and v's head dims."""
+    chunks = q_shape[0] * seqlen_new * nheads_kv * width // 8
     name = append_name_expression(paged, dtype if extras.append else None)
     return build.Launch(build.get_kernel("decode", name, 0), (max(1, min(-(-chunks // 1024), 64)), 1, 1),
                         (256, 1, 1), 0, fixed, APPEND_PER_CALL, programmatic)

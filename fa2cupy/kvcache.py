@@ -81,7 +81,10 @@ class _Kvcache(pipeline.Kind):
         for name in self.arrays[3:11]:
             if name in named:
                 x = arrays.to_cupy(named[name], infos[name])
-                ready[name] = kernel_ready(x, call.kv.headdim) if name in ("k", "v") else cupy.ascontiguousarray(x)
+                if name in ("k", "v"):
+                    ready[name] = kernel_ready(x, call.kv.headdim if name == "k" else call.kv.dv)
+                else:
+                    ready[name] = cupy.ascontiguousarray(x)
         if "alibi_slopes" in named:
             ready["alibi_slopes"], stride = alibi_ready(named["alibi_slopes"], infos["alibi_slopes"])
             call.extras = dataclasses.replace(call.extras, alibi_batch_stride=stride)
@@ -94,12 +97,12 @@ class _Kvcache(pipeline.Kind):
             cache_rows=ready["k_cache"].shape[0], capacity=kv.capacity, page_size=kv.page_size,
             max_pages=kv.max_pages, seqlen_new=kv.seqlen_new, max_seqlen_k=kv.capacity, softmax_scale=call.scale,
             causal=kv.causal, arch=arch, device=device, num_splits=call.num_splits, item=q.itemsize,
-            extras=call.extras, options=options)
+            extras=call.extras, options=options, headdim_v=kv.dv)
 
     def allocations(self, call, plan):
         kv = call.kv
         q_shape = (kv.batch, kv.seqlen_q, kv.nheads, kv.headdim)
-        layout = (("out", q_shape, kv.dtype),)
+        layout = (("out", q_shape[:3] + (kv.dv,), kv.dtype),)
         if call.return_lse:
             layout += (("softmax_lse", (kv.batch, kv.nheads, kv.seqlen_q), "float32"),)
         if plan.rotary is not None:  # the rotated q, which the attention reads (last: not returned)
@@ -148,9 +151,10 @@ def flash_attn_with_kvcache(
             speculative decoding). headdim a multiple of 8, at most 256.
         k_cache, v_cache: ``(batch_cache, seqlen_cache, nheads_kv, headdim)``, or with ``block_table`` paged
             ``(num_pages, page_size, nheads_kv, headdim)`` with page_size a multiple of 16. Read and written in
-            place (never copied).
-        k, v: optional ``(batch, seqlen_new, nheads_kv, headdim)``, written into the cache at slots
-            ``cache_seqlens[b] ...`` before attending.
+            place (never copied). v_cache's head dim may differ from q's and k_cache's (a multiple of 8, at most
+            256; DeepSeek's 192 / 128, say): the output takes it.
+        k, v: optional ``(batch, seqlen_new, nheads_kv, headdim)`` (v with v_cache's head dim), written into the
+            cache at slots ``cache_seqlens[b] ...`` before attending.
         rotary_cos, rotary_sin: optional ``(seqlen_ro, rotary_dim / 2)`` in q's dtype, ``rotary_dim <= headdim``
             and ``seqlen_ro`` at least the cache capacity (flash-attn's rule). The new keys are rotated at their
             slots ``cache_seqlens[b] + t`` before they are written; q is rotated (into a temporary: the caller's q
@@ -182,7 +186,7 @@ def flash_attn_with_kvcache(
             policies run, beyond what the arguments decide (the ``decode_*`` fields).
 
     Returns:
-        ``out`` like q, or ``(out, softmax_lse)``; a row with no key gives 0 (lse +inf).
+        ``out`` like q with v_cache's head dim, or ``(out, softmax_lse)``; a row with no key gives 0 (lse +inf).
 
     Raises:
         TypeError / ValueError naming the argument for bad shapes, dtypes and host-side values (an int

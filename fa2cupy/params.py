@@ -129,7 +129,7 @@ class DecodeParams(_Params):
         *_strides("q"), *_strides("k"), *_strides("v"), *_strides("k_new"), *_strides("v_new"),
         ("alibi_batch_stride", _i64),
         ("batch", _i32), ("seqlen_q", _i32), ("nheads", _i32), ("nheads_kv", _i32), ("heads_per_kv", _i32),
-        ("headdim", _i32), ("seqlen_new", _i32), ("capacity", _i32), ("cache_rows", _i32), ("page_size", _i32),
+        ("headdim", _i32), ("headdim_v", _i32), ("seqlen_new", _i32), ("capacity", _i32), ("cache_rows", _i32), ("page_size", _i32),
         ("max_pages", _i32),
         ("scale", _f32), ("scale_log2", _f32), ("window_left", _i32), ("window_right", _i32), ("softcap", _f32),
         ("rotary_dim", _i32), ("seqlen_ro", _i32), ("rotary_interleaved", _i32), ("rotary_advance", _i32),

@@ -353,6 +353,9 @@ def test_paged_varlen_valid():
     assert (shape.batch, shape.seqlen_k, shape.nheads_kv, tq, capacity) == (3, 64, 2, 30, 9 * 16)
     *arrays, table = paged(page_size=5, max_pages=1)  # any page size
     assert check_varlen_args(*arrays, 17, 5, block_table=table)[2] == 45
+    q, k, _, cu_q, cu_k, table = paged()  # v's page pool with a head dim of its own
+    shape = check_varlen_args(q, k, info("v", (9, 16, 2, 128)), cu_q, cu_k, 17, 64, block_table=table)[0]
+    assert (shape.headdim, shape.dv) == (64, 128)
 
 
 @pytest.mark.parametrize("case,kw,error,message", [
@@ -365,6 +368,10 @@ def test_paged_varlen_valid():
      r"^k must be 4-D \(num_pages, page_size, nheads_kv, headdim\) with block_table"),
     (paged(hkv=3), {}, ValueError, r"^q has nheads=4, which is not a multiple of nheads_kv=3"),
     ((varlen()[0],) + paged(d=32)[1:], {}, ValueError, r"^k has headdim=32 but q has headdim=64"),
+    (paged()[:2] + (info("v", (9, 8, 2, 64)),) + paged()[3:], {}, ValueError,
+     r"^v has shape \(9, 8, 2, 64\) but k has \(9, 16, 2, 64\); with block_table they must agree on every axis "
+     r"but the last"),
+    (paged()[:2] + (info("v", (9, 16, 2, 260)),) + paged()[3:], {}, ValueError, r"v has headdim=260"),
 ])
 def test_paged_varlen_rejected(case, kw, error, message):
     *arrays, table = case

@@ -12,6 +12,8 @@ What is checked (flash-attn 2.x semantics):
 * paged and contiguous layouts of the same logical cache give bitwise-identical out for one ``num_splits``;
   different ``num_splits`` agree within the error bound.
 * bad arguments raise TypeError/ValueError naming the argument, and the caches are left untouched.
+* v_cache (and v) may have a head dim of their own, the output's (DeepSeek's 192 / 128 among them): the same
+  checks, with v's head dim drawn apart from q's and k's.
 * the optional features, each against the same float64 reference: sliding windows (rows that see no key
   included; a small window over a long cache must be cheap), softcap, ALiBi ((nheads,) and (batch, nheads)),
   cache_leftpad (row b's keys are slots [cache_leftpad[b], cache_seqlens[b] + seqlen_new)) and rotary embeddings
@@ -47,6 +49,7 @@ pytestmark = pytest.mark.gpu
 
 HEAD_GROUPS = [(1, 1), (4, 1), (8, 2), (32, 8), (6, 3), (16, 16)]
 HEADDIMS = [64, 128, 40, 96, 256]
+HEADDIMS_V = [128, 64, 32, 192]  # v_cache's where drawn apart from q's and k's
 PAGE_SIZES = [16, 32, 64]
 NUM_SPLITS = [0, 1, 3, 7]
 
@@ -76,10 +79,11 @@ def _bits(x):
 
 
 def build_case(rng, *, batch, seqlen_q, nheads, nheads_kv, headdim, dtype, capacity, seqlens, seqlen_new,
-               page_size=None, use_batch_idx=False, extra_pages=3, extra_rows=2):
+               page_size=None, use_batch_idx=False, extra_pages=3, extra_rows=2, headdim_v=None):
     """Host arrays for one call.
 
-    The *logical* cache is ``(batch_cache, capacity, nheads_kv, headdim)``, random everywhere (valid entries
+    The *logical* cache is ``(batch_cache, capacity, nheads_kv, headdim)`` (V's: ``headdim_v``, None for
+    ``headdim``), random everywhere (valid entries
     and garbage alike). Contiguous: it is passed as is (``batch_cache = batch + extra_rows`` with a permuted
     ``cache_batch_idx`` when ``use_batch_idx``). Paged: ``capacity`` is rounded up to whole pages and the
     logical rows are scattered over a shuffled pool of ``batch * max_pages + extra_pages`` random pages.
@@ -95,15 +99,16 @@ def build_case(rng, *, batch, seqlen_q, nheads, nheads_kv, headdim, dtype, capac
         capacity = max_pages * page_size
     assert int(seqlens.max()) + seqlen_new <= capacity and int(seqlens.min()) >= 0
     batch_cache = batch + extra_rows if use_batch_idx else batch
+    dv = headdim if headdim_v is None else headdim_v
     kv_shape = (batch_cache, capacity, nheads_kv, headdim)
     case = dict(
         dtype=dtype, batch=batch, capacity=capacity, seqlens=seqlens, seqlen_new=seqlen_new,
         page_size=page_size,
         q=_randn(rng, (batch, seqlen_q, nheads, headdim), dtype),
         logical_k=_randn(rng, kv_shape, dtype),
-        logical_v=_randn(rng, kv_shape, dtype),
+        logical_v=_randn(rng, kv_shape[:3] + (dv,), dtype),
         k_new=_randn(rng, (batch, seqlen_new, nheads_kv, headdim), dtype) if seqlen_new else None,
-        v_new=_randn(rng, (batch, seqlen_new, nheads_kv, headdim), dtype) if seqlen_new else None,
+        v_new=_randn(rng, (batch, seqlen_new, nheads_kv, dv), dtype) if seqlen_new else None,
         cache_batch_idx=(rng.permutation(batch_cache)[:batch].astype(np.int32) if use_batch_idx else None),
         block_table=None,
     )
@@ -112,7 +117,7 @@ def build_case(rng, *, batch, seqlen_q, nheads, nheads_kv, headdim, dtype, capac
         pool = rng.permutation(num_pages).astype(np.int32)
         table = pool[: batch * max_pages].reshape(batch, max_pages)
         pages_k = _randn(rng, (num_pages, page_size, nheads_kv, headdim), dtype)
-        pages_v = _randn(rng, (num_pages, page_size, nheads_kv, headdim), dtype)
+        pages_v = _randn(rng, (num_pages, page_size, nheads_kv, dv), dtype)
         for b in range(batch):
             for j in range(max_pages):
                 pages_k[table[b, j]] = case["logical_k"][b, j * page_size:(j + 1) * page_size]
@@ -193,7 +198,7 @@ def call(case, *, causal=False, num_splits=0, softmax_scale=None, return_lse=Tru
         out, lse = res, None
     cp.cuda.runtime.deviceSynchronize()
     assert isinstance(out, cp.ndarray)
-    assert out.shape == q.shape and out.dtype == q.dtype
+    assert out.shape == q.shape[:3] + v_cache.shape[3:] and out.dtype == q.dtype
     if lse is not None:
         b, sq, h, _ = q.shape
         assert isinstance(lse, cp.ndarray) and lse.dtype == cp.float32 and lse.shape == (b, h, sq)
@@ -289,6 +294,7 @@ def kv_cases(draw):
         nheads=nheads,
         nheads_kv=nheads_kv,
         headdim=draw(st.sampled_from(HEADDIMS)),
+        headdim_v=draw(st.one_of(st.none(), st.none(), st.sampled_from(HEADDIMS_V))),
         dtype=draw(st.sampled_from(["float16", "bfloat16"])),
         capacity=capacity,
         seqlens=seqlens,
@@ -313,7 +319,7 @@ def test_matches_reference(c):
         rng, batch=c["batch"], seqlen_q=c["seqlen_q"], nheads=c["nheads"], nheads_kv=c["nheads_kv"],
         headdim=c["headdim"], dtype=c["dtype"], capacity=c["capacity"], seqlens=c["seqlens"],
         seqlen_new=c["seqlen_new"], page_size=c["page_size"], use_batch_idx=c["use_batch_idx"],
-        extra_pages=c["extra_pages"],
+        extra_pages=c["extra_pages"], headdim_v=c["headdim_v"],
     )
     run_and_check(case, causal=c["causal"], num_splits=c["num_splits"], softmax_scale=c["softmax_scale"],
                   return_lse=c["return_lse"])
@@ -339,6 +345,32 @@ def test_fixed_cases(dtype, b, sq, h, hkv, d, capacity, seqlens, new, page_size,
     case = build_case(rng, batch=b, seqlen_q=sq, nheads=h, nheads_kv=hkv, headdim=d, dtype=dtype,
                       capacity=capacity, seqlens=seqlens, seqlen_new=new, page_size=page_size)
     run_and_check(case, causal=causal)
+
+
+@pytest.mark.parametrize("d,dv,page_size,num_splits,causal", [
+    (192, 128, None, 0, True),  # DeepSeek-V2/V3's q/k and v head dims
+    (192, 128, 16, 5, False),
+    (64, 128, 32, 1, True),  # v wider than q and k
+    (128, 64, None, 3, False),
+    (256, 8, 64, 0, True),
+])
+def test_v_cache_head_dim_of_its_own(d, dv, page_size, num_splits, causal):
+    rng = np.random.default_rng(d * 1000 + dv)
+    case = build_case(rng, batch=3, seqlen_q=2, nheads=16, nheads_kv=4, headdim=d, headdim_v=dv, dtype="bfloat16",
+                      capacity=700, seqlens=[0, 517, 697], seqlen_new=3, page_size=page_size)
+    out, _ = run_and_check(case, causal=causal, num_splits=num_splits)
+    assert out.shape == (3, 2, 16, dv)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_v_cache_head_dim_of_its_own_with_features(paged):
+    rng = np.random.default_rng(19)
+    case = build_case(rng, batch=3, seqlen_q=3, nheads=8, nheads_kv=2, headdim=192, headdim_v=128,
+                      dtype="float16", capacity=320, seqlens=[40, 0, 300], seqlen_new=2,
+                      page_size=32 if paged else None)
+    f = make_features(rng, case, window=(64, 0), softcap=30.0, alibi="heads", rotary_dim=64,
+                      leftpad=None if paged else [3, 0, 17])
+    run_features(case, f, num_splits=3)
 
 
 @pytest.mark.parametrize("paged", [False, True])
@@ -671,8 +703,8 @@ def test_warp_items_match_reference(c, pretend_sms):
         rng, batch=c["batch"], seqlen_q=c["seqlen_q"], nheads=c["nheads"], nheads_kv=c["nheads_kv"],
         headdim=128, dtype=c["dtype"], capacity=c["capacity"], seqlens=c["seqlens"],
         seqlen_new=c["seqlen_new"], page_size=c["page_size"], use_batch_idx=c["use_batch_idx"],
-        extra_pages=c["extra_pages"],
-    )
+        extra_pages=c["extra_pages"], headdim_v=c["headdim_v"] if (c["headdim_v"] or 0) <= 128 else None,
+    )  # (v's head dim kept to the d = 128 row, which has the warp-items twin)
     with _warp_items_forced(pretend_sms) as plans:
         run_and_check(case, causal=c["causal"], num_splits=1, softmax_scale=c["softmax_scale"],
                       return_lse=c["return_lse"])
@@ -1002,7 +1034,7 @@ def call_features(case, f, *, causal=False, num_splits=0, softmax_scale=None, re
     res = _kvcache()(q, k_cache, v_cache, **kwargs)
     out, lse = res if return_lse else (res, None)
     cp.cuda.runtime.deviceSynchronize()
-    assert out.shape == q.shape and out.dtype == q.dtype
+    assert out.shape == q.shape[:3] + v_cache.shape[3:] and out.dtype == q.dtype
     assert np.array_equal(_bits(cp.asnumpy(q)), _bits(case["q"])), "q was modified"
     if case["seqlen_new"]:
         assert np.array_equal(_bits(cp.asnumpy(kwargs["k"])), _bits(case["k_new"])), "k was modified"
@@ -1119,7 +1151,7 @@ def test_features_match_reference(c):
         rng, batch=c["batch"], seqlen_q=c["seqlen_q"], nheads=c["nheads"], nheads_kv=c["nheads_kv"],
         headdim=c["headdim"], dtype=c["dtype"], capacity=c["capacity"], seqlens=c["seqlens"],
         seqlen_new=c["seqlen_new"], page_size=c["page_size"], use_batch_idx=c["use_batch_idx"],
-        extra_pages=c["extra_pages"],
+        extra_pages=c["extra_pages"], headdim_v=c["headdim_v"],
     )
     f = make_features(rng, case, window=c["window"], softcap=c["softcap"], alibi=c["alibi"], leftpad=c["leftpad"],
                       rotary_dim=c["rotary_dim"], interleaved=c["interleaved"])

@@ -201,9 +201,29 @@ def test_existing_checks_still_hold():
         check(dict(base(new=0), k_cache=info("k_cache", (2, 100, 2, 32))))
 
 
-def test_v_head_dim_of_its_own_is_not_for_caches():
-    with pytest.raises(NotImplementedError, match="v_cache has headdim 128 but k_cache 64"):
-        check(dict(base(new=0), v_cache=info("v_cache", (2, 100, 2, 128))))
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("dv", [128, 32, 8])
+def test_v_cache_head_dim_of_its_own(paged, dv):
+    infos = base(paged=paged)
+    vc = infos["v_cache"].shape
+    infos.update(v_cache=info("v_cache", vc[:3] + (dv,)), v=info("v", (2, 2, 2, dv)))
+    call = check(infos)
+    assert (call.headdim, call.headdim_v, call.dv) == (64, dv, dv)
+    assert check(base(paged=paged)).headdim_v == 0  # (the same head dim: kept as 0, one cached plan key)
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(v_cache=info("v_cache", (2, 100, 2, 132))), r"v_cache has headdim=132.*multiple of 8"),
+    (dict(v_cache=info("v_cache", (2, 100, 2, 264))), r"v_cache has headdim=264.*multiple of 8 up to 256"),
+    (dict(v_cache=info("v_cache", (2, 100, 1, 128))), r"k_cache .* and v_cache .* every axis but the last"),
+    (dict(v_cache=info("v_cache", (2, 99, 2, 64))), r"k_cache .* and v_cache .* every axis but the last"),
+    (dict(v_cache=info("v_cache", (2, 100, 2, 128))), r"v must be \(batch, seqlen_new, nheads_kv, v_cache's "
+                                                       r"headdim\) = \(2, \*, 2, 128\)"),
+    (dict(v=info("v", (2, 3, 2, 64))), r"k .* and v .* same seqlen_new"),
+])
+def test_bad_v_cache_head_dim(change, match):
+    with pytest.raises(ValueError, match=match):
+        check(dict(base(), **change))
 
 
 # ------------------------------------------------------------------ through the public function (NumPy arrays:

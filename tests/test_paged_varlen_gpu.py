@@ -58,9 +58,9 @@ def paged_layout(rng, lengths_k, page_size, k_packed, v_packed, share_first_page
     table, num_pages = paging.shuffled_block_table(
         rng, lengths_k, page_size, spare_pages=int(rng.integers(1, 4)), spare_columns=int(rng.integers(0, 2)),
         share_first_page=share_first_page, unused=1 << 30)
-    pool = (num_pages, page_size) + k_packed.shape[1:]
     pages = []
     for packed in (k_packed, v_packed):
+        pool = (num_pages, page_size) + packed.shape[1:]
         pool_array = rng.standard_normal(pool, dtype=np.float32).astype(packed.dtype)
         paging.write_pages(np, pool_array, packed, cu_seqlens(lengths_k), table)
         pages.append(pool_array)
@@ -104,7 +104,8 @@ def paged_case_arrays(c):
     rng = np.random.default_rng(c["seed"])
     tq, tk = max(sum(c["lengths_q"]), 1), max(sum(c["lengths_k"]), 1)
     q = _randn(rng, (tq, c["nheads"], c["headdim"]), c["dtype"])
-    k, v = (_randn(rng, (tk, c["nheads_kv"], c["headdim"]), c["dtype"]) for _ in range(2))
+    k = _randn(rng, (tk, c["nheads_kv"], c["headdim"]), c["dtype"])
+    v = _randn(rng, (tk, c["nheads_kv"], c.get("headdim_v") or c["headdim"]), c["dtype"])
     k_pages, v_pages, table = paged_layout(rng, c["lengths_k"], c["page_size"], k, v)
     slopes = rng.uniform(0.0, 0.5, (c["nheads"],)).astype(np.float32) if c["alibi"] else None
     put = lambda x: None if x is None else cp.asarray(x)  # noqa: E731
@@ -225,6 +226,33 @@ def test_paged_backward(share_first_page, deterministic):
         for j in range(n):
             touched[table_h[b, j // page_size], j % page_size] = True
     assert not B.to_numpy64(dk_p)[~touched].any() and not B.to_numpy64(dv_p)[~touched].any()
+
+
+@pytest.mark.parametrize("kernel, headdim, headdim_v", [("hopper", 64, 128), ("mma", 64, 128), ("mma", 192, 128),
+                                                       ("mma", 128, 64)])
+def test_paged_v_head_dim_of_its_own(kernel, headdim, headdim_v):
+    # v's page pool with a head dim of its own (the narrower pool made ready at the wider one): forward equal to
+    # the packed call's on the same kernel, gradients equal to the packed backward's summed onto the pages.
+    fa = fa2cupy_module()
+    cp = _cupy()
+    c = dict(lengths_q=[70, 1, 0, 130], lengths_k=[200, 17, 5, 129], page_size=16, nheads=4, nheads_kv=2,
+             headdim=headdim, headdim_v=headdim_v, causal=True, window_size=(-1, -1), softcap=0.0, alibi=False,
+             dropout_p=0.0, dtype="bfloat16", seed=13)
+    q, k, v, k_pages, v_pages, table, cu_q, cu_k, _ = paged_case_arrays(c)
+    with _forward_kernel(kernel):
+        out, lse = paged_equals_packed(fa, (q, k, v, k_pages, v_pages, table, cu_q, cu_k), 130, 200, 201,
+                                       causal=True)
+    assert out.shape == (201, 4, headdim_v)
+    dout = cp.asarray(_randn(np.random.default_rng(5), out.shape, "bfloat16"))
+    dq_p, dk_p, dv_p = fa.flash_attn_varlen_backward(dout, q, k_pages, v_pages, out, lse, cu_q, cu_k, 130, 200,
+                                                     causal=True, block_table=table, deterministic=True)
+    dq, dk, dv = fa.flash_attn_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, 130, 200, causal=True,
+                                               deterministic=True)
+    assert dk_p.shape == k_pages.shape and dv_p.shape == v_pages.shape
+    assert cp.array_equal(dq_p.view(cp.uint16), dq.view(cp.uint16))
+    for got, packed in ((dk_p, dk), (dv_p, dv)):
+        want = _scatter_to_pages(packed, table, c["lengths_k"], c["page_size"], got.shape)
+        assert np.abs(B.to_numpy64(got) - want).max() <= 2 * UNIT_ROUNDOFF["bfloat16"] * float(np.abs(want).max())
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

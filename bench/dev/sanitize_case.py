@@ -70,7 +70,8 @@ BWD_CASES = (
 )
 
 
-# (batch, seqlen_q, nheads, nheads_kv, headdim, capacity, seqlen_new, causal, page_size or None, num_splits)
+# (batch, seqlen_q, nheads, nheads_kv, headdim or (q's and k's, v's), capacity, seqlen_new, causal, page_size or
+# None, num_splits)
 DECODE_CASES = (
     (3, 1, 8, 2, 128, 256, 1, False, None, 3),   # split-KV, GQA 4, append one token
     (2, 4, 8, 2, 64, 96, 2, True, 16, 0),        # paged (16-key pages), speculative 4 queries, causal
@@ -79,6 +80,8 @@ DECODE_CASES = (
     (1, 1, 32, 8, 128, 2048, 1, False, None, 0),  # the bar's heads: 16 splits
     (1, 1, 8, 1, 128, 4096, 1, False, 16, 40),    # 40 splits: the last block merges them in three chunks
     (1, 1, 32, 8, 128, 2048, 0, False, 64, 0),    # paged bar heads, no append: block_table read before the wait
+    (2, 2, 16, 4, (192, 128), 512, 2, True, None, 3),  # DeepSeek's q/k and v head dims
+    (2, 1, 8, 2, (64, 128), 256, 1, False, 32, 2),     # v wider than q and k, paged
 )
 
 
@@ -101,14 +104,15 @@ def check_decode(i, batch, sq, h, hkv, d, cap, new, causal, page, splits) -> boo
     import fa2cupy
 
     rng = np.random.default_rng(100 + i)
+    d, dv = d if isinstance(d, tuple) else (d, d)
     lens = rng.integers(0, cap - new + 1, size=batch).astype(np.int32)
     lens[0] = cap - new
 
     def randn(*shape):
         return cp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(cp.float16)
 
-    q, kc, vc = randn(batch, sq, h, d), randn(batch, cap, hkv, d), randn(batch, cap, hkv, d)
-    kn, vn = (randn(batch, new, hkv, d), randn(batch, new, hkv, d)) if new else (None, None)
+    q, kc, vc = randn(batch, sq, h, d), randn(batch, cap, hkv, d), randn(batch, cap, hkv, dv)
+    kn, vn = (randn(batch, new, hkv, d), randn(batch, new, hkv, dv)) if new else (None, None)
     ke, ve = kc.copy(), vc.copy()
     for b in range(batch):
         if new:
@@ -117,9 +121,9 @@ def check_decode(i, batch, sq, h, hkv, d, cap, new, causal, page, splits) -> boo
     if page:
         pages = cap // page
         perm = rng.permutation(batch * pages).astype(np.int32)
-        kc_in, vc_in = (cp.empty((batch * pages, page, hkv, d), dtype=cp.float16) for _ in range(2))
+        kc_in, vc_in = (cp.empty((batch * pages, page, hkv, w), dtype=cp.float16) for w in (d, dv))
         kc_in[cp.asarray(perm)] = kc.reshape(batch * pages, page, hkv, d)
-        vc_in[cp.asarray(perm)] = vc.reshape(batch * pages, page, hkv, d)
+        vc_in[cp.asarray(perm)] = vc.reshape(batch * pages, page, hkv, dv)
         extra["block_table"] = cp.asarray(perm.reshape(batch, pages))
     else:
         kc_in, vc_in = kc, vc
@@ -134,7 +138,7 @@ def check_decode(i, batch, sq, h, hkv, d, cap, new, causal, page, splits) -> boo
         ref = fa2cupy.flash_attn_func(q[b:b + 1], ke[b:b + 1, :n], ve[b:b + 1, :n], causal=causal)
         worst = max(worst, float(cp.abs(out[b:b + 1].astype(cp.float32) - ref.astype(cp.float32)).max()))
     ok = worst < 3e-3
-    print(f"decode {i}: b{batch} sq{sq} h{h}/{hkv} d{d} cap{cap} new{new} causal={causal} page={page} "
+    print(f"decode {i}: b{batch} sq{sq} h{h}/{hkv} d{d}/{dv} cap{cap} new{new} causal={causal} page={page} "
           f"splits={splits}: max|diff| {worst:.1e} {'ok' if ok else 'FAIL'}", flush=True)
     return ok
 

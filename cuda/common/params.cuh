@@ -241,7 +241,8 @@ struct DecodeParams {
     int nheads;
     int nheads_kv;
     int heads_per_kv;
-    int headdim;
+    int headdim;    // q's and k's
+    int headdim_v;  // v's and the output's (at most the instantiation's, as headdim)
     int seqlen_new;
     int capacity;
     int cache_rows;

@@ -190,7 +190,7 @@ struct DecodeCall {
                               bool bad_page) const {
         return plan_kv_tile<Tr>(lane, params.page_size, params.k_batch_stride, params.v_batch_stride, k_cache,
                                 v_cache, params.k_row_stride, params.v_row_stride, params.k_head_stride,
-                                params.v_head_stride, params.headdim, it, t, pages, bad_page);
+                                params.v_head_stride, params.headdim, params.headdim_v, it, t, pages, bad_page);
     }
     FA2_DEVICE void operator()(u32 dst, const u16* src, bool ok) const { copy_kv(dst, src, ok); }
     FA2_DEVICE void copy_kv(u32 dst, const u16* src, bool ok) const {
@@ -199,8 +199,8 @@ struct DecodeCall {
         else
             cp_async_16(dst, src, ok);
     }
-    // `whole` (Const<1>): every row of the tile has a key and the lane's column is inside the head dim (the guessed
-    // first tiles): no per-row check.
+    // `whole` (Const<1>): every row of the tile has a key and the lane's column is inside k's and v's head dims (the
+    // guessed first tiles): no per-row check.
     template <class Whole>
     FA2_DEVICE void issue_kv(KVPlan plan, int slot, Whole whole) const {
         issue_kv_tile<Tr>(smem_k, smem_v, lane, params.k_row_stride, params.v_row_stride, params.page_size, *this,
@@ -214,6 +214,7 @@ struct DecodeCall {
             keep_here(plan.v[p]);
         }
         keep_here(plan.rows_in);
+        keep_here(plan.rows_in_v);
     }
     // K/V of the warp's j-th tile of an item into ring slot `slot`; true if a block_table entry was out of range
     // (reported unless `guessed`, and read as zeros). Paged: with `use_given`, the tile's entries are `given`, read
@@ -251,7 +252,8 @@ struct DecodeCall {
 #pragma unroll 4
             for (int i = 0; i < kChunks / 32; ++i) {
                 const int idx = lane + i * 32, r = idx / kDT, c = (idx % kDT) * 8;
-                const bool ok = first + r < it.key_end && c < params.headdim && !bad_page;
+                const bool has_key = first + r < it.key_end && !bad_page;
+                const bool ok = has_key && c < params.headdim, ok_v = has_key && c < params.headdim_v;
                 i64 k_off, v_off;
                 if constexpr (Tr::kPaged) {
                     int offset = first_offset + r;
@@ -268,13 +270,13 @@ struct DecodeCall {
                     k_off += (i64)offset * params.k_row_stride;
                     v_off += (i64)offset * params.v_row_stride;
                 } else {
-                    const int key = ok ? it.pad + first + r : 0;
+                    const int key = has_key ? it.pad + first + r : 0;
                     k_off = it.cache_row * params.k_batch_stride + (i64)key * params.k_row_stride;
                     v_off = it.cache_row * params.v_batch_stride + (i64)key * params.v_row_stride;
                 }
                 const u32 k_dst = smem_k + slot * KVTile::kBytes, v_dst = smem_v + slot * KVTile::kBytes;
                 copy_kv(KVTile::at(k_dst, r, c), k_cache + k_off + it.kv_head * params.k_head_stride + c, ok);
-                copy_kv(KVTile::at(v_dst, r, c), v_cache + v_off + it.kv_head * params.v_head_stride + c, ok);
+                copy_kv(KVTile::at(v_dst, r, c), v_cache + v_off + it.kv_head * params.v_head_stride + c, ok_v);
             }
         }
         return bad_page;

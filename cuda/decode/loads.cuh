@@ -61,7 +61,8 @@ FA2_DEVICE DecodeKVPlan<Pages> plan_kv_tile(const int& lane, const int& page_siz
                                             const i64& v_batch_stride, const u16* __restrict__ const& k_cache,
                                             const u16* __restrict__ const& v_cache, const int& k_row_stride,
                                             const int& v_row_stride, const i64& k_head_stride,
-                                            const i64& v_head_stride, const int& headdim, const DecodeItem& it,
+                                            const i64& v_head_stride, const int& headdim,
+                                            const int& headdim_v, const DecodeItem& it,
                                             const DecodeTileStart& t, const int (&pages)[Pages], bool bad_page) {
     constexpr int kDT = Tr::kHeadDim / 8, kTilePages = Pages;
     using KVPlan = DecodeKVPlan<Pages>;
@@ -79,13 +80,15 @@ FA2_DEVICE DecodeKVPlan<Pages> plan_kv_tile(const int& lane, const int& page_siz
         plan.k[p] = k_cache + k_row + (i64)slot0 * k_row_stride + it.kv_head * k_head_stride + c;
         plan.v[p] = v_cache + v_row + (i64)slot0 * v_row_stride + it.kv_head * v_head_stride + c;
     }
-    plan.rows_in = bad_page || c >= headdim ? 0 : it.key_end - first;
+    const int rows = bad_page ? 0 : it.key_end - first;
+    plan.rows_in = c < headdim ? rows : 0;
+    plan.rows_in_v = c < headdim_v ? rows : 0;
     return plan;
 }
 
 // A planned tile's copies into ring slot `slot`: each lane walks down its column, kRowStep rows a copy, a pointer per
 // page advanced by a fixed step. `whole` (Const<1>): every row of the tile has a key and the lane's column is inside
-// the head dim (the guessed first tiles): no per-row check.
+// k's and v's head dims (the guessed first tiles): no per-row check.
 template <class Tr, int Pages, class CopyKV, class Whole>
 FA2_DEVICE void issue_kv_tile(const u32& smem_k, const u32& smem_v, const int& lane, const int& k_row_stride,
                               const int& v_row_stride, const int& page_size, const CopyKV& copy_kv,
@@ -103,6 +106,7 @@ FA2_DEVICE void issue_kv_tile(const u32& smem_k, const u32& smem_v, const int& l
     for (int i = 0; i < Tr::kBlockN / kRowStep; ++i) {
         const int r = r0 + i * kRowStep;
         const bool ok = decltype(whole)::value || r < plan.rows_in;
+        const bool ok_v = decltype(whole)::value || r < plan.rows_in_v;
         const u16* k_at = plan.k[0];
         const u16* v_at = plan.v[0];
 #pragma unroll
@@ -113,7 +117,7 @@ FA2_DEVICE void issue_kv_tile(const u32& smem_k, const u32& smem_v, const int& l
             }
         }
         copy_kv(KVTile::at(k_dst, r, c), ok ? k_at : k_cache, ok);
-        copy_kv(KVTile::at(v_dst, r, c), ok ? v_at : v_cache, ok);
+        copy_kv(KVTile::at(v_dst, r, c), ok_v ? v_at : v_cache, ok_v);
 #pragma unroll
         for (int p = 0; p < kTilePages; ++p) {
             plan.k[p] += k_step;

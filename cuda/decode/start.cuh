@@ -121,7 +121,7 @@ struct DecodeStart {
 #pragma unroll
             for (int t = 0; t < kAhead; ++t) {
                 if constexpr (kWalk) {
-                    if (guess_plans[t].rows_in >= Tr::kBlockN)
+                    if (min(guess_plans[t].rows_in, guess_plans[t].rows_in_v) >= Tr::kBlockN)
                         call.issue_kv(guess_plans[t], t, Const<1>{});
                     else
                         call.issue_kv(guess_plans[t], t, Const<0>{});

@@ -24,11 +24,11 @@ FA2_DEVICE void store_warp_rows(const DecodeCall<Tr>& call, const DecodeItem& cu
     for (int half = 0; half < 2; ++half) {
         const int packed = cur.row0 + (lane >> 2) + half * 8;
         if (packed >= call.rows) continue;
-        u32* dst = reinterpret_cast<u32*>(call.out + call.out_row(cur, packed) * params.headdim);
+        u32* dst = reinterpret_cast<u32*>(call.out + call.out_row(cur, packed) * params.headdim_v);
 #pragma unroll
         for (int dt = 0; dt < kDT; ++dt) {
             const int c = dt * 8 + (lane & 3) * 2;
-            if (c < params.headdim)
+            if (c < params.headdim_v)
                 dst[c / 2] = poisoned ? Mma::pack(quiet_nan(), quiet_nan())
                                       : Mma::pack(acc_o[0][dt][2 * half], acc_o[0][dt][2 * half + 1]);
         }
@@ -85,7 +85,7 @@ FA2_DEVICE bool merge_block(const DecodeCall<Tr>& call, const DecodeItem& cur, c
     constexpr int kPairs = Tr::kHeadDim / 2;
     for (int idx = threadIdx.x; idx < real_rows * kPairs; idx += Tr::kThreads) {
         const int r = idx / kPairs, c = (idx % kPairs) * 2;
-        if (c >= params.headdim) continue;
+        if (c >= params.headdim_v) continue;
         float lse = block_lse[r];
         float2 o = make_float2(0.f, 0.f);
 #pragma unroll
@@ -98,14 +98,14 @@ FA2_DEVICE bool merge_block(const DecodeCall<Tr>& call, const DecodeItem& cur, c
         if (poisoned) o.x = o.y = lse = quiet_nan();
         const i64 row = block_row[r];
         if (params.num_splits == 1) {
-            reinterpret_cast<u32*>(call.out + row * params.headdim)[c / 2] = Mma::pack(o.x, o.y);
+            reinterpret_cast<u32*>(call.out + row * params.headdim_v)[c / 2] = Mma::pack(o.x, o.y);
             if (c == 0 && call.lse_out != nullptr) call.lse_out[block_lse_row[r]] = lse;
         } else {
             // Read back by the last block within microseconds: kept in L2 ahead of the K/V stream, which
             // had pushed them out before the last block came (1 x 16k: 0.5-1 us a call, with where the
             // workspace lies in memory).
             const u64 keep = l2_evict_last();
-            st_global_f32x2(call.partial_out + (cur.split * total_rows + row) * params.headdim + c, o.x, o.y, keep);
+            st_global_f32x2(call.partial_out + (cur.split * total_rows + row) * params.headdim_v + c, o.x, o.y, keep);
             if (c == 0) st_global_f32(call.partial_lse + cur.split * total_rows + row, lse, keep);
         }
     }
@@ -142,7 +142,7 @@ FA2_DEVICE void merge_splits(const DecodeCall<Tr>& call, const DecodeItem& cur, 
     constexpr int kChunk = 16, kQuads = Tr::kHeadDim / 4;
     for (int t = threadIdx.x; t < real_rows * kQuads; t += Tr::kThreads) {
         const int r = t / kQuads, c = (t % kQuads) * 4;
-        if (c >= params.headdim) continue;
+        if (c >= params.headdim_v) continue;
         const i64 row = block_row[r];
         float max_lse = -pos_inf(), sum = 0.f;
         float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -152,7 +152,7 @@ FA2_DEVICE void merge_splits(const DecodeCall<Tr>& call, const DecodeItem& cur, 
             // Every split's lse and partial in flight at once (in program order: see
             // ld_relaxed_gpu), before any of the math on them.
             const float* lse_at = call.partial_lse + (i64)first * total_rows + row;
-            const float* out_at = call.partial_out + ((i64)first * total_rows + row) * params.headdim + c;
+            const float* out_at = call.partial_out + ((i64)first * total_rows + row) * params.headdim_v + c;
 #pragma unroll
             for (int k = 0; k < kChunk; ++k) {
                 x[k] = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -162,7 +162,7 @@ FA2_DEVICE void merge_splits(const DecodeCall<Tr>& call, const DecodeItem& cur, 
                     l[k] = ld_relaxed_gpu(lse_at);
                 }
                 lse_at += total_rows;
-                out_at += total_rows * params.headdim;
+                out_at += total_rows * params.headdim_v;
             }
             // A part with lse +-inf saw no key and weighs 0; a NaN lse (a poisoned split) makes NaN.
             float chunk_max = max_lse;
@@ -181,7 +181,7 @@ FA2_DEVICE void merge_splits(const DecodeCall<Tr>& call, const DecodeItem& cur, 
             max_lse = chunk_max;
         }
         const float inv = sum == 0.f ? 0.f : 1.f / sum;
-        u32* dst = reinterpret_cast<u32*>(call.out + row * params.headdim + c);
+        u32* dst = reinterpret_cast<u32*>(call.out + row * params.headdim_v + c);
         dst[0] = Mma::pack(o.x * inv, o.y * inv);
         dst[1] = Mma::pack(o.z * inv, o.w * inv);
         if (c == 0 && call.lse_out != nullptr)

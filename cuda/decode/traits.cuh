@@ -109,7 +109,8 @@ template <int Pages>
 struct DecodeKVPlan {
     const u16* k[Pages];
     const u16* v[Pages];
-    int rows_in;       // tile rows with keys: 0 for a lane past the head dim, or if a page was bad
+    int rows_in;       // tile rows with keys: 0 for a lane past k's head dim, or if a page was bad
+    int rows_in_v;     // the same for v's head dim
     int first_offset;  // (paged) the tile's first key's slot in its first page
 };
 
