@@ -547,7 +547,7 @@ def make_forward_inputs(case: Case, seed: int = 0, framework: str | None = None)
         g.manual_seed(seed)
         q = torch.randn(case.q_shape, device="cuda", dtype=dt, generator=g)
         k = torch.randn(case.kv_shape, device="cuda", dtype=dt, generator=g)
-        v = torch.randn(case.kv_shape, device="cuda", dtype=dt, generator=g)
+        v = torch.randn(case.v_shape, device="cuda", dtype=dt, generator=g)
         return ForwardInputs(case, "torch", q, k, v,
                              q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(),
                              v.transpose(1, 2).contiguous())
@@ -555,7 +555,7 @@ def make_forward_inputs(case: Case, seed: int = 0, framework: str | None = None)
 
     rs = cupy.random.RandomState(seed)
     arrs = []
-    for shape in (case.q_shape, case.kv_shape, case.kv_shape):
+    for shape in (case.q_shape, case.kv_shape, case.v_shape):
         x = rs.standard_normal(shape, dtype=cupy.float32)
         if case.dtype == "fp16":
             arrs.append(x.astype(cupy.float16))

@@ -1,0 +1,59 @@
+"""v's own head dim against the square call: forward and backward of d_qk / d_v beside d_qk / d_qk, in rounds taking
+turns (CUDA events, median of --repeats after warm-up; a figure is its best round), bf16, 16k tokens per batch.
+
+    python bench/dev/headdim_v_ab.py                                       # 192 / 128 (DeepSeek's), 2k and 8k
+    python bench/dev/headdim_v_ab.py --pairs 192:128,128:64 --seqlens 8192 --causal on
+
+TFLOPs/s count each pass's products at their own widths: forward 2 sq sk (d_qk + d_v) a head (Q K^T and P V),
+backward 2.5 times that, as the square call's 4 sq sk d and 2.5 times it. The ratio is the pair's TFLOPs/s over the
+square call's (issue 47's bar: 0.95); a call as fast as the square one reads (d_qk + d_v) / (2 d_qk).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from fa2cupy_bench import harness as B
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pairs", default="192:128", help="D_QK:D_V, ...")
+    p.add_argument("--seqlens", default="2048,8192")
+    p.add_argument("--causal", choices=["both", "on", "off"], default="both")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=10)
+    args = p.parse_args(argv)
+    for spec in args.pairs.split(","):
+        d, dv = (int(x) for x in spec.split(":"))
+        for s in B.parse_int_list(args.seqlens):
+            for causal in B.causal_options(args.causal):
+                cases = {w: B.Case(batch=16384 // s, seqlen_q=s, seqlen_k=s, nheads=2048 // d, nheads_kv=2048 // d,
+                                   headdim=d, headdim_v=0 if w == d else w, causal=causal) for w in (d, dv)}
+                runners = {}
+                for w, case in cases.items():
+                    inp = B.make_forward_inputs(case, 0, "torch")
+                    dout = B._random_like(inp.q.new_empty(case.out_shape), 1)
+                    runners[("fwd", w)] = B.fa2cupy_runner(inp)
+                    runners[("bwd", w)] = B.fa2cupy_backward_runner(inp, dout)
+                best = {}
+                for r in range(args.rounds):  # (each round starts at the next runner: none is always timed first)
+                    keys = list(runners)
+                    for key in keys[r % len(keys):] + keys[:r % len(keys)]:
+                        run = runners[key]
+                        with run.context():
+                            ms = B.time_gpu(run.fn, run.events, warmup=5, repeats=args.repeats).median_ms
+                        best[key] = min(best.get(key, float("inf")), ms)
+                square = cases[d]
+                line = [f"{square.label:34s} d_v {dv}"]
+                for mode in ("fwd", "bwd"):
+                    flops = {w: B.attention_flops(square, mode) * (d + w) / (2 * d) for w in (d, dv)}
+                    rate = {w: B.tflops_per_s(flops[w], best[(mode, w)]) for w in (d, dv)}
+                    line.append(f"{mode} square {rate[d]:6.1f} pair {rate[dv]:6.1f} ratio {rate[dv] / rate[d]:.3f}")
+                print("  ".join(line), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
