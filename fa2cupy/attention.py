@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import cupy
 
-from . import arrays, backward, checks, configs, device_errors, forward, packed, paging, pipeline
+from . import arrays, backward, checks, configs, device_errors, forward, packed, paging, pipeline, tensor_maps
 from .pipeline import alibi_ready, contiguous, elem_strides, kernel_ready, padded_headdim
 
 @dataclass
@@ -35,6 +35,7 @@ class _AttentionCall(pipeline.Call):
     paged: tuple | None = None  # paged K/V: (num_pages, page_size, max_pages), found by adapt
     per_call_values: bool = False  # dropout seed and offset given per call (not in an rng state array)
     kernel_width: int | None = None  # a wider Hopper kernel's width (the kind's choose) the arrays run at as they are
+    own_widths: bool = False  # (v's head dim differing from q's) each array ready at its own head dim (_Forward)
 
     @property
     def padded(self) -> int:
@@ -42,9 +43,16 @@ class _AttentionCall(pipeline.Call):
         narrower arrays padded with zeros to it). A wider Hopper kernel may run on them (kernel_width)."""
         return padded_headdim(max(self.shape.headdim, self.shape.dv))
 
+    @property
+    def out_width(self) -> int:
+        """The output's head dim as allocated: v's (padded to a multiple of 8) with own_widths, else padded."""
+        return padded_headdim(self.shape.dv) if self.own_widths else self.padded
+
     def dims(self, name: str) -> tuple:
-        """(head dim, kernels' head dim) of the array ``name``: v's for v, dout and out, q's for q and k."""
-        return (self.shape.dv if name in ("v", "dout", "out") else self.shape.headdim), self.padded
+        """(head dim, kernels' head dim) of the array ``name``: v's for v, dout and out, q's for q and k; with
+        own_widths the array's own, padded to a multiple of 8 only."""
+        own = self.shape.dv if name in ("v", "dout", "out") else self.shape.headdim
+        return own, (padded_headdim(own) if self.own_widths else self.padded)
 
     def ready(self, x, info, name: str):
         """``x`` (a caller's array, named as in dims) as kernel_ready makes it for this call."""
@@ -127,7 +135,7 @@ class _Attention(pipeline.Kind):
     def results(self, call, outs, views):
         n, s = len(self.head_dim_outputs), call.shape
         dims = [s.dv if which == "v" else s.headdim for which in self.head_dim_outputs]
-        return pipeline.returned_head_dim(outs[:n], dims, call.padded) + outs[n:]
+        return pipeline.returned_head_dim(outs[:n], dims, call.out_width) + outs[n:]
 
 
 # --------------------------------------------------------------------------------------------- forward
@@ -152,8 +160,29 @@ class _Forward(_Attention):
         return _attention_call(infos, shape, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
                                values)
 
+    def choose(self, call, infos, arch, options):
+        """As _Attention.choose; and where v's head dim differs from q's and the Hopper forward takes the call at
+        the wider one, each array as it is (own_widths): the forward's copies and output store are TMA's, which
+        read zeros past an array's columns and write none past the output's, so v, q and k need no padded copy
+        and the output has v's head dim."""
+        super().choose(call, infos, arch, options)
+        s = call.shape
+        if s.headdim == s.dv or call.totals is not None or "block_table" in infos:
+            return
+        width = call.kernel_width or call.padded
+        mask, mods, _, _ = forward.kernel_variant(call.causal, call.window_size, call.softcap,
+                                                  "alibi_slopes" in infos, call.dropout_p)
+        row = configs.kernel_rows(arch, width, s.dtype, mask, mods, False, s.seqlen_q, call.deterministic, options,
+                                  dropout=call.dropout_p > 0).forward
+        if isinstance(row, configs.HopperFwdConfig):
+            call.own_widths, call.kernel_width = True, width
+
     def adapt(self, call, named, infos):
         ready = {n: call.ready(named[n], infos[n], n) for n in ("q", "k", "v")}
+        if call.own_widths and not all(tensor_maps.usable(x.shape, elem_strides(x)) for x in ready.values()):
+            # (strides TMA cannot take run on the mma.sync forward, which needs one head dim: padded copies)
+            call.own_widths, call.kernel_width = False, None
+            ready = {n: call.ready(named[n], infos[n], n) for n in ("q", "k", "v")}
         _fold_negative_scale(call, ready)
         _adapt_side_arrays(call, named, infos, ready, ("alibi_slopes", "dropout_rng_state"))
         return ready
@@ -164,12 +193,12 @@ class _Forward(_Attention):
         return forward.plan_forward(
             q.shape, k.shape, strides, call.shape.dtype, call.scale, call.causal, arch, window_size=call.window_size,
             softcap=call.softcap, alibi_batch_stride=call.alibi_stride, dropout_p=call.dropout_p, options=options,
-            width=call.kernel_width)
+            width=call.kernel_width, headdim_v=v.shape[3] if call.own_widths else None)
 
     @staticmethod
     def _out_shape(call) -> tuple:
         s = call.shape
-        return (s.batch, s.seqlen_q, s.nheads, call.padded)
+        return (s.batch, s.seqlen_q, s.nheads, call.out_width)
 
     def allocations(self, call, plan):
         s = call.shape

@@ -122,7 +122,7 @@ def kernel_config(arch: int, headdim: int, dtype: str, mask: str, mods: bool = F
 def plan_forward(
     q_shape, k_shape, strides, dtype: str, softmax_scale: float, causal: bool, arch: int, config=None,
     window_size=(-1, -1), softcap: float = 0.0, alibi_batch_stride=None, varlen_totals=None, dropout_p: float = 0.0,
-    paged=None, options: KernelOptions = DEFAULT, width: int | None = None,
+    paged=None, options: KernelOptions = DEFAULT, width: int | None = None, headdim_v: int | None = None,
 ) -> ForwardPlan:
     """Builds (and compiles on first use) the launch for one problem.
 
@@ -144,6 +144,9 @@ def plan_forward(
     ``width`` (not paged): run the Hopper forward at this wider head dim where it takes the call, on arrays of
     head dim ``d``: its copies read zeros past ``d`` and it writes no output column past it (the tensor maps span
     ``d`` columns; a varlen call's ragged tiles stop at ``FwdParams.headdim``); elsewhere the kernels run at ``d``.
+    ``headdim_v`` (padded calls on the Hopper forward at ``width``, at least both head dims): v and out have this
+    head dim of their own (a multiple of 8), read and written as they are by the TMA copies, whose maps span each
+    array's own columns; ValueError where the Hopper forward does not take the call (the caller pads instead).
     """
     batch, seqlen_q, nheads, headdim = q_shape
     seqlen_k, nheads_kv = k_shape[1], k_shape[2]
@@ -151,7 +154,7 @@ def plan_forward(
                                              causal_mods=varlen_totals is None)
     # The Hopper forward's tensor maps (padded calls, and varlen, whose Q, whole output tiles and, packed, whole K/V
     # tiles go by TMA; paged K/V have none), over the packed arrays' rows for varlen.
-    shapes = tensor_maps.array_shapes(q_shape, k_shape, varlen_totals)
+    shapes = tensor_maps.array_shapes(q_shape, k_shape, varlen_totals, headdim_v)
     mapped = (True, paged is None, paged is None, True)
     # (strides TMA cannot take, say negative ones: the mma.sync forward, which copies with cp.async)
     tma = all(tensor_maps.usable(shape, s) for shape, s, m in zip(shapes, strides, mapped) if m)
@@ -171,6 +174,10 @@ def plan_forward(
     alibi_only = padded_hopper and options.hopper_alibi_only and alibi_only_kernel(
         mask, softcap, alibi_batch_stride is not None, dropout_p, softmax_scale)
     only = {"alibi_only": True} if alibi_only else {}  # (a Hopper row's keyword: the mma.sync rows have none)
+    if headdim_v is not None and headdim_v != headdim and not (
+            padded_hopper and config.headdim >= max(headdim, headdim_v)):
+        raise ValueError(f"headdim_v = {headdim_v} (q's {headdim}) runs on the padded Hopper forward alone, which "
+                         f"does not take this call: pad v (or q and k) to one head dim")
     function = build.get_kernel(config.family, config.name_expression(dtype, mask, mods, varlen_totals is not None,
                                                                       paged is not None, **only), config.smem_bytes)
     fixed = _forward_params(q_shape, k_shape, strides, softmax_scale, left, right, softcap, alibi_batch_stride,

@@ -62,15 +62,17 @@ def l2_promotion(dims, byte_strides) -> int:
     return _L2_PROMOTION_256B if headdim > 64 or row_stride == 128 else _L2_PROMOTION_128B
 
 
-def array_shapes(q_shape, k_shape, varlen_totals=None):
+def array_shapes(q_shape, k_shape, varlen_totals=None, headdim_v=None):
     """The ``(batch, seqlen, nheads, headdim)`` shapes the maps of q, k, v and a q-shaped fourth array (out, or dout)
     take: the call's own, or with ``varlen_totals = (total_q, total_k)`` one batch row over the packed arrays' rows
-    (at least one: a map has no empty dimension)."""
+    (at least one: a map has no empty dimension); with ``headdim_v``, v's and the fourth's head dim."""
     nheads, headdim, nheads_kv = q_shape[2], q_shape[3], k_shape[2]
     if varlen_totals:
         q_shape = (1, max(1, varlen_totals[0]), nheads, headdim)
         k_shape = (1, max(1, varlen_totals[1]), nheads_kv, headdim)
-    return q_shape, k_shape, k_shape, q_shape
+    if headdim_v is None:
+        return q_shape, k_shape, k_shape, q_shape
+    return q_shape, k_shape, k_shape[:3] + (headdim_v,), q_shape[:3] + (headdim_v,)
 
 
 def usable(shape, strides) -> bool:

@@ -267,7 +267,8 @@ def test_results_slice_the_head_dim_alone(kind, returned):
     log-sum-exp, whose last axis is seqlen_q, is returned whole."""
     from fa2cupy import checks
 
-    call = type("Call", (), {"shape": checks.AttnShape(1, 130, 70, 2, 1, 33, "float16"), "padded": 40})()
+    call = type("Call", (), {"shape": checks.AttnShape(1, 130, 70, 2, 1, 33, "float16"), "padded": 40,
+                             "out_width": 40})()
     outs = kind.results(call, [np.zeros(s) for s in returned], {})
     expect = [s[:-1] + (33,) if s[-1] == 40 else s for s in returned]
     assert [x.shape for x in outs] == expect
@@ -278,7 +279,8 @@ def test_results_slice_v_head_dim_of_its_own():
     with q's."""
     from fa2cupy import checks
 
-    call = type("Call", (), {"shape": checks.AttnShape(1, 130, 70, 2, 1, 33, "float16", 20), "padded": 40})()
+    call = type("Call", (), {"shape": checks.AttnShape(1, 130, 70, 2, 1, 33, "float16", 20), "padded": 40,
+                             "out_width": 40})()
     out, lse = attention.FORWARD.results(call, [np.zeros((1, 130, 2, 40)), np.zeros((1, 2, 130))], {})
     assert out.shape == (1, 130, 2, 20) and lse.shape == (1, 2, 130)
     grads = attention.BACKWARD.results(call, [np.zeros((1, 130, 2, 40)), np.zeros((1, 70, 1, 40)),
@@ -308,6 +310,14 @@ def test_adapt_pads_each_array_to_the_kernels_head_dim(monkeypatch, d, dv, padde
     assert call.padded == padded and call.scale == pytest.approx(d ** -0.5)
     ready_fwd = attention.FORWARD.adapt(call, {n: x[n] for n in "qkv"}, infos)
     assert {n: a.shape[-1] for n, a in ready_fwd.items()} == dict.fromkeys("qkv", padded)
+    # On an H100/H200, where the Hopper forward takes the call (this short causal one from any length on), it
+    # reads each array as it is, padded to a multiple of 8 alone
+    attention.FORWARD.choose(call, infos, 90, KernelOptions(hopper_masked_min_seqlen=0))
+    assert call.own_widths == (d != dv)
+    if call.own_widths:
+        ready_fwd = attention.FORWARD.adapt(call, {n: x[n] for n in "qkv"}, infos)
+        own = {"q": pipeline.padded_headdim(d), "k": pipeline.padded_headdim(d), "v": pipeline.padded_headdim(dv)}
+        assert {n: a.shape[-1] for n, a in ready_fwd.items()} == own
     call = attention.BACKWARD.check(infos, (None, True, (-1, -1), False, 0.0, 0.0), (None, 0))
     ready_bwd = attention.BACKWARD.adapt(call, x, infos)
     for name in ("dout", "q", "k", "v", "out"):

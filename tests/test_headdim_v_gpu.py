@@ -2,7 +2,9 @@
 and backward, padded and varlen, fa2cupy's functions and the torch wrapper: every result matches the float64
 reference, outputs poisoned before each launch. The kernels run on one head dim, the larger of the two padded to a
 multiple of 8 (the narrower arrays zero-padded to it, the outputs sliced back), so any pair of 1..256 works on
-every GPU; the default softmax scale is 1 / sqrt(d_qk).
+every GPU; on an H100/H200 the padded Hopper forward reads each array at its own head dim instead (TMA copies read
+zeros past an array's columns), which test_hopper_forward_reads_each_array_as_it_is forces for short masked calls
+too. The default softmax scale is 1 / sqrt(d_qk).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import pytest
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
-from gpu_helpers import debug_poison, torch_cuda
+from gpu_helpers import cupy_module, debug_poison, kernel_options, torch_cuda
 from test_varlen_mods_gpu import run_mods_case, run_varlen_case
 
 pytestmark = pytest.mark.gpu
@@ -37,6 +39,16 @@ def _case(b, sq, sk, h, hkv, d, dv, causal, window=(-1, -1), dtype="bfloat16", s
 @pytest.mark.parametrize("causal", [False, True])
 def test_pairs_match_reference(d, dv, causal):
     run_mods_case(_case(2, 200, 260, 4, 2, d, dv, causal, seed=d + dv))
+
+
+@pytest.mark.parametrize("d,dv", [(192, 128), (64, 128), (128, 64), (60, 130), (256, 8)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_hopper_forward_reads_each_array_as_it_is(d, dv, causal):
+    if int(cupy_module().cuda.Device().compute_capability) != 90:
+        pytest.skip("the Hopper forward runs on compute capability 9.0 only")
+    with kernel_options(hopper_masked_min_seqlen=0):  # (short masked calls on the Hopper forward too)
+        run_mods_case(_case(2, 200, 260, 4, 2, d, dv, causal, seed=7 * d + dv))
+        run_mods_case(_case(1, 77, 300, 2, 1, d, dv, causal, window=(30, 5), softcap=5.0, seed=d))
 
 
 def test_window_softcap_and_sq_above_sk():

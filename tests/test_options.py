@@ -306,3 +306,50 @@ def test_hopper_backward_launches_programmatically_unless_told_not_to(planner):
     assert programmatic() == (False, True, True)
     assert programmatic(hopper_bwd_programmatic=False) == (False, False, False)
     assert programmatic(hopper_backward=False) == (False, False, False)
+
+
+def _forward_call(d, dv, causal=False, seqlen=2048):
+    """A checked flash_attn_func call (attention.FORWARD's) of cupy arrays q, k (d) and v (dv)."""
+    from fa2cupy.arrays import ArrayInfo
+    from fa2cupy.attention import FORWARD
+
+    def info(name, shape):
+        return ArrayInfo(name, "cupy", shape, "bfloat16", tuple(int(np.prod(shape[i + 1:])) for i in range(4)),
+                         ("cuda", 0))
+
+    infos = {"q": info("q", (2, seqlen, 8, d)), "k": info("k", (2, seqlen, 8, d)), "v": info("v", (2, seqlen, 8, dv))}
+    return FORWARD, infos, FORWARD.check(infos, (0.0, None, causal, (-1, -1), 0.0, False, False), (None, 0))
+
+
+@pytest.mark.parametrize("d,dv,width", [(192, 128, 192), (64, 128, 128), (128, 64, 128), (80, 96, 128)])
+def test_forward_reads_v_at_its_own_head_dim_on_hopper(d, dv, width):
+    # Where the Hopper forward takes the call at the wider head dim, q, k and v are read as they are (no padded
+    # copy) and the output has v's head dim; elsewhere (other GPUs, the mma.sync forward chosen, varlen) all are
+    # padded to one head dim.
+    kind, infos, call = _forward_call(d, dv)
+    kind.choose(call, infos, 90, DEFAULT)
+    assert call.own_widths and call.kernel_width == width and call.out_width == dv
+    assert call.dims("v") == (dv, dv) and call.dims("q") == (d, d) and kind._out_shape(call)[3] == dv
+    for arch, opts in ((80, DEFAULT), (90, KernelOptions(hopper_forward=False))):
+        kind, infos, call = _forward_call(d, dv)
+        kind.choose(call, infos, arch, opts)
+        assert not call.own_widths and call.out_width == call.padded == max(d, dv)
+        assert call.dims("v") == (dv, max(d, dv))
+    kind, infos, call = _forward_call(d, d)
+    kind.choose(call, infos, 90, DEFAULT)
+    assert not call.own_widths  # (one head dim: nothing to tell apart)
+
+
+def test_forward_plan_maps_v_and_out_at_their_head_dim(planner):
+    from fa2cupy import forward, pipeline
+
+    q, v = (2, 2048, 8, 192), (2, 2048, 8, 128)
+    strides = tuple(pipeline.c_strides(s) for s in (q, q, v, v))
+    plan = forward.plan_forward(q, q, strides, "bfloat16", 0.1, True, 90, width=192, headdim_v=128)
+    assert plan.config.family == "fwd_hopper"
+    dims = [tuple(entry[1]) for entry in plan.tensor_maps._arrays]  # (each map's (rank, dims, ...) as encoded)
+    assert dims == [(192, 8, 2048, 2), (192, 8, 2048, 2), (128, 8, 2048, 2), (128, 8, 2048, 2)]
+    for arch, fields in ((80, {}), (90, {"hopper_forward": False})):
+        with pytest.raises(ValueError, match="headdim_v = 128 .* Hopper forward alone"):
+            forward.plan_forward(q, q, strides, "bfloat16", 0.1, True, arch, width=192, headdim_v=128,
+                                 options=KernelOptions(**fields))
