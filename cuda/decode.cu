@@ -320,8 +320,8 @@ __global__ void __launch_bounds__(256)
 // the instantiation's (the tiles' columns past them are zeros); row b attends to its first cache_seqlens[b] +
 // seqlen_new keys (the append kernel has written the new ones). out: (batch, seqlen_q, nheads, d_v) contiguous;
 // lse_out: (batch, nheads, seqlen_q) or null. With more than one split: partial_out (splits, batch * seqlen_q *
-// nheads, d_v) fp32,
-// partial_lse (splits, batch * seqlen_q * nheads), arrivals (batch * groups) int32 zeroed before the launch.
+// nheads, d_v) fp32, partial_lse (splits, batch * seqlen_q * nheads), arrivals (batch * groups) int32 zeroed before
+// the launch.
 // Tr::kExtras: alibi_slopes float32 (batch, nheads) with batch stride alibi_batch_stride (0 for (nheads,)) or null;
 // cache_leftpad (batch,) or null (contiguous caches only): row b's keys are slots [cache_leftpad[b], cache_seqlens[b]
 // + seqlen_new); window_left / window_right (kUnlimitedWindow for no limit); softcap (0 for none). The scores become
