@@ -35,7 +35,7 @@ class _AttentionCall(pipeline.Call):
     paged: tuple | None = None  # paged K/V: (num_pages, page_size, max_pages), found by adapt
     per_call_values: bool = False  # dropout seed and offset given per call (not in an rng state array)
     kernel_width: int | None = None  # a wider Hopper kernel's width (the kind's choose) the arrays run at as they are
-    own_widths: bool = False  # (v's head dim differing from q's) each array ready at its own head dim (_Forward)
+    own_widths: bool = False  # (v's head dim differing from q's) each array ready at its own head dim (choose)
 
     @property
     def padded(self) -> int:
@@ -117,20 +117,32 @@ class _Attention(pipeline.Kind):
 
     def choose(self, call, infos, arch, options):
         """On Hopper, a head dim without a Hopper row runs at the next Hopper width up (configs.hopper_pad_width)
-        where the Hopper kernel there takes the call; never with paged K/V (the pages are used in place)."""
+        where the Hopper kernel there takes the call; never with paged K/V (the pages are used in place). With
+        ``own_widths_kind`` (the forward), a padded call whose v has a head dim of its own reads each array at its
+        own where the Hopper kernel takes it at the wider one (own_widths)."""
         if "block_table" in infos:
             return
+        s, varlen = call.shape, call.totals is not None
         mask, mods, _, _ = forward.kernel_variant(call.causal, call.window_size, call.softcap,
                                                   "alibi_slopes" in infos, call.dropout_p)
-        width = configs.padded_call_width(arch, call.padded, call.shape.dtype, self.is_backward, mask, mods,
-                                          call.totals is not None, call.shape.seqlen_q, call.deterministic, options,
-                                          dropout=call.dropout_p > 0)
-        if width != call.padded:
+
+        def takes(width):
+            return configs.hopper_takes_call(arch, width, s.dtype, self.is_backward, mask, mods, varlen, s.seqlen_q,
+                                             call.deterministic, options, dropout=call.dropout_p > 0)
+
+        width = configs.hopper_pad_width(arch, call.padded, options.hopper_pad_headdim)
+        if width is not None and takes(width):
             # The Hopper kernels read the arrays as they are: TMA copies read zeros past their head dim, and a
             # varlen call's ragged tiles (cp.async) stop at it; no output column past it is written.
             call.kernel_width = width
+        width = call.kernel_width or call.padded
+        if self.own_widths_kind and s.headdim != s.dv and not varlen and takes(width):
+            # Its copies and output store are TMA's, which read zeros past an array's columns and write none past
+            # the output's: v, or q and k, need no padded copy, and the output has v's head dim.
+            call.own_widths, call.kernel_width = True, width
 
     is_backward = False  # (for choose)
+    own_widths_kind = False  # (for choose: the backward's dK and dV share one store bound, so it pads instead)
 
     def results(self, call, outs, views):
         n, s = len(self.head_dim_outputs), call.shape
@@ -150,6 +162,7 @@ class _Forward(_Attention):
     returned = poisoned = ("out", "softmax_lse")
     launch = staticmethod(forward.run_forward)
     no_pointers = forward.NO_POINTERS
+    own_widths_kind = True  # (its output store is TMA's too: the output can have v's head dim)
 
     def check(self, infos, options, values):
         dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs = options
@@ -159,23 +172,6 @@ class _Forward(_Attention):
             deterministic=deterministic, return_attn_probs=return_attn_probs)
         return _attention_call(infos, shape, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
                                values)
-
-    def choose(self, call, infos, arch, options):
-        """As _Attention.choose; and where v's head dim differs from q's and the Hopper forward takes the call at
-        the wider one, each array as it is (own_widths): the forward's copies and output store are TMA's, which
-        read zeros past an array's columns and write none past the output's, so v, q and k need no padded copy
-        and the output has v's head dim."""
-        super().choose(call, infos, arch, options)
-        s = call.shape
-        if s.headdim == s.dv or call.totals is not None or "block_table" in infos:
-            return
-        width = call.kernel_width or call.padded
-        mask, mods, _, _ = forward.kernel_variant(call.causal, call.window_size, call.softcap,
-                                                  "alibi_slopes" in infos, call.dropout_p)
-        row = configs.kernel_rows(arch, width, s.dtype, mask, mods, False, s.seqlen_q, call.deterministic, options,
-                                  dropout=call.dropout_p > 0).forward
-        if isinstance(row, configs.HopperFwdConfig):
-            call.own_widths, call.kernel_width = True, width
 
     def adapt(self, call, named, infos):
         ready = {n: call.ready(named[n], infos[n], n) for n in ("q", "k", "v")}

@@ -756,18 +756,25 @@ def hopper_pad_width(arch: int, headdim: int, pad: bool | None = None) -> int | 
     return next((width for width in sorted(FORWARD_HOPPER_TABLE) if width >= headdim), None)
 
 
+def hopper_takes_call(arch: int, width: int, dtype: str, backward: bool, mask: str = "none", mods: bool = False,
+                      varlen: bool = False, seqlen_q: int | None = None, deterministic: bool = False,
+                      options: KernelOptions = DEFAULT, dropout: bool = False) -> bool:
+    """Whether the Hopper forward (or, with ``backward``, the Hopper dK/dV kernel) at head dim ``width`` takes the
+    call (:func:`kernel_rows`, same arguments)."""
+    rows = kernel_rows(arch, width, dtype, mask, mods, varlen, seqlen_q, deterministic, options, dropout=dropout)
+    return isinstance(rows.backward if backward else rows.forward, (HopperFwdConfig, HopperBwdConfig))
+
+
 def padded_call_width(arch: int, headdim: int, dtype: str, backward: bool, mask: str = "none", mods: bool = False,
                       varlen: bool = False, seqlen_q: int | None = None, deterministic: bool = False,
                       options: KernelOptions = DEFAULT, dropout: bool = False) -> int:
     """The head dim a forward (or, with ``backward``, a backward) call of kernels' head dim ``headdim`` runs at:
-    :func:`hopper_pad_width`'s where the Hopper kernel at that width takes the call (:func:`kernel_rows`, same
+    :func:`hopper_pad_width`'s where the Hopper kernel at that width takes the call (:func:`hopper_takes_call`, same
     arguments), else ``headdim`` itself."""
     width = hopper_pad_width(arch, headdim, options.hopper_pad_headdim)
-    if width is None:
-        return headdim
-    rows = kernel_rows(arch, width, dtype, mask, mods, varlen, seqlen_q, deterministic, options, dropout=dropout)
-    row = rows.backward if backward else rows.forward
-    return width if isinstance(row, (HopperFwdConfig, HopperBwdConfig)) else headdim
+    takes = width is not None and hopper_takes_call(arch, width, dtype, backward, mask, mods, varlen, seqlen_q,
+                                                    deterministic, options, dropout)
+    return width if takes else headdim
 
 
 def hopper_forward_instantiations() -> list[str]:
