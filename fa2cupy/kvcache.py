@@ -78,13 +78,11 @@ class _Kvcache(pipeline.Kind):
         for name in ("k_cache", "v_cache"):
             ready[name] = arrays.to_cupy(named[name], infos[name])
             checks.cache_usable_in_place(ready[name], name)
+        widths = {"k": call.kv.headdim, "v": call.kv.dv}  # (the new keys and values, each its cache's head dim)
         for name in self.arrays[3:11]:
             if name in named:
                 x = arrays.to_cupy(named[name], infos[name])
-                if name in ("k", "v"):
-                    ready[name] = kernel_ready(x, call.kv.headdim if name == "k" else call.kv.dv)
-                else:
-                    ready[name] = cupy.ascontiguousarray(x)
+                ready[name] = kernel_ready(x, widths[name]) if name in widths else cupy.ascontiguousarray(x)
         if "alibi_slopes" in named:
             ready["alibi_slopes"], stride = alibi_ready(named["alibi_slopes"], infos["alibi_slopes"])
             call.extras = dataclasses.replace(call.extras, alibi_batch_stride=stride)

@@ -15,8 +15,9 @@ for deterministic=True, ``softcap`` for a softcap of 30, ``alibi`` for ALiBi slo
 dropout_p = 0.1 (a fixed seed), ``varlen`` for the batch packed as varlen sequences of the seqlen
 (flash_attn_varlen_backward's kernels); bf16, 16k tokens per batch, 2048 / d heads (head dims without a Hopper row
 at the width the library picks). The kernel parameter structs are this package's: a tree must take the same fields,
-or a prefix of them (a field added at a struct's end is ignored by sources that do not read it). Timing: random q, k, v and dO with a fixed lse (P = exp(logit
-- 10 - softcap), small and finite), so nothing is checked against a reference: run the GPU tests for that.
+or a prefix of them (a field added at a struct's end is ignored by sources that do not read it). Timing: random q,
+k, v and dO with a fixed lse (P = exp(logit - 10 - softcap), small and finite), so nothing is checked against a
+reference: run the GPU tests for that.
 """
 
 from __future__ import annotations
@@ -117,8 +118,8 @@ def main():
             accum = cupy.empty(plan.dq_accum_shape or (1,), cupy.float32)  # (None: the plan takes none, as 0)
             pointers = dict(backward.NO_POINTERS, q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, out=out.data.ptr,
                             dout=dout.data.ptr, softmax_lse=lse.data.ptr, dsum=dsum.data.ptr,
-                            dq_accum=accum.data.ptr if plan.dq_accum_shape else 0, dq=grads[0].data.ptr, dk=grads[1].data.ptr,
-                            dv=grads[2].data.ptr, alibi_slopes=0 if slopes is None else slopes.data.ptr,
+                            dq_accum=accum.data.ptr if plan.dq_accum_shape else 0, dq=grads[0].data.ptr,
+                            dk=grads[1].data.ptr, dv=grads[2].data.ptr, alibi_slopes=0 if slopes is None else slopes.data.ptr,
                             cu_seqlens_q=cu.data.ptr if varlen else 0, cu_seqlens_k=cu.data.ptr if varlen else 0)
             calls[name] = (lambda plan=plan, pointers=pointers: backward.run_backward(plan, pointers, seed,
                                                                                          stream.ptr))

@@ -239,8 +239,8 @@ def check_mods(i, sq, sk, h, hkv, d, causal, softcap, alibi, backward=False, dty
         for _, err, bound in testing.gradient_errors([cp.asnumpy(g) for g in grads], dout64, *host[:3], host[3],
                                                      dtype, None, causal, ref_grads=refs):
             ok &= err <= bound
-    print(f"mods {i}: {dtype} sq{sq} sk{sk} h{h}/{hkv} d{d} causal={causal} softcap={softcap} alibi={alibi}"
-          f"{' (+ deterministic backward)' if backward and deterministic else ' (+ backward)' if backward else ''}: "
+    passes = (" (+ deterministic backward)" if deterministic else " (+ backward)") if backward else ""
+    print(f"mods {i}: {dtype} sq{sq} sk{sk} h{h}/{hkv} d{d} causal={causal} softcap={softcap} alibi={alibi}{passes}: "
           f"{'ok' if ok else 'FAIL'}", flush=True)
     return bool(ok)
 

@@ -161,7 +161,7 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
     // 24-register modifier producers 52-64 bytes of spills in the walk. At the wide head dims the first
     // threads of warps 2 and 3 each add half of the step's rows, on turns of their own (HopperBwdTraits::kTurnPlanes:
     // a turn passes once its half is added, so the next block's first half goes in while this one's second is in
-    // flight). Varlen calls at head dim 64 keep the first thread: there the 40-register producer spilled 124 bytes.
+    // flight). The varlen d = 256 modifier kernel keeps the first thread: its 56-register producer spilled 20 bytes.
     // (The switch is read from the arguments where it is used: held in a register across the walk, or tested in a
     // kernel that has no such reducer, it cost the 24-register producers 4-24 bytes of spills. Warp 3 whole, as a
     // thread of warp 2 alone, beside its warp's other lanes in the walk, hung the kernel.)
