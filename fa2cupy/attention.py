@@ -45,7 +45,8 @@ class _AttentionCall(pipeline.Call):
 
     @property
     def out_width(self) -> int:
-        """The output's head dim as allocated: v's (padded to a multiple of 8) with own_widths, else padded."""
+        """The forward's output's head dim as allocated: v's (padded to a multiple of 8) with own_widths, else
+        padded. (The backward's gradients are all at padded, the dK/dV stores' one bound.)"""
         return padded_headdim(self.shape.dv) if self.own_widths else self.padded
 
     def dims(self, name: str) -> tuple:
@@ -82,6 +83,16 @@ def _adapt_side_arrays(call: _AttentionCall, named: dict, infos: dict, ready: di
             ready[name], call.alibi_stride = alibi_ready(named[name], infos[name])
         else:
             ready[name] = contiguous(named[name], infos[name])
+
+
+def _ready_at_own_widths(call: _AttentionCall, named: dict, infos: dict, names) -> dict:
+    """The arrays ``names`` made ready (call.ready); with own_widths, each at its own head dim, unless one has
+    strides TMA cannot take: those calls run on the mma.sync kernels, which need one head dim, so all are padded."""
+    ready = {n: call.ready(named[n], infos[n], n) for n in names}
+    if call.own_widths and not all(tensor_maps.usable(x.shape, elem_strides(x)) for x in ready.values()):
+        call.own_widths, call.kernel_width = False, None
+        ready = {n: call.ready(named[n], infos[n], n) for n in names}
+    return ready
 
 
 def _fold_negative_scale(call: _AttentionCall, ready: dict) -> None:
@@ -142,12 +153,26 @@ class _Attention(pipeline.Kind):
             call.own_widths, call.kernel_width = True, width
 
     is_backward = False  # (for choose)
-    own_widths_kind = False  # (for choose: the backward's dK and dV share one store bound, so it pads instead)
+    own_widths_kind = False  # (for choose)
 
     def results(self, call, outs, views):
         n, s = len(self.head_dim_outputs), call.shape
         dims = [s.dv if which == "v" else s.headdim for which in self.head_dim_outputs]
-        return pipeline.returned_head_dim(outs[:n], dims, call.out_width) + outs[n:]
+        return pipeline.returned_head_dim(outs[:n], dims, self._allocated_width(call)) + outs[n:]
+
+    @staticmethod
+    def _allocated_width(call) -> int:
+        """The head dim the outputs that have one are allocated at."""
+        return call.padded
+
+    def cached_result(self, call, options):
+        n, s = len(self.head_dim_outputs), call.shape
+        dims, width = [s.dv if w == "v" else s.headdim for w in self.head_dim_outputs], self._allocated_width(call)
+        result = self.result(options)
+        if all(d == width for d in dims):
+            return result
+        returned_head_dim = pipeline.returned_head_dim  # (the own-width backward's gradients, sliced each call)
+        return lambda made: result(returned_head_dim(made[:n], dims, width) + made[n:])
 
 
 # --------------------------------------------------------------------------------------------- forward
@@ -174,11 +199,7 @@ class _Forward(_Attention):
                                values)
 
     def adapt(self, call, named, infos):
-        ready = {n: call.ready(named[n], infos[n], n) for n in ("q", "k", "v")}
-        if call.own_widths and not all(tensor_maps.usable(x.shape, elem_strides(x)) for x in ready.values()):
-            # (strides TMA cannot take run on the mma.sync forward, which needs one head dim: padded copies)
-            call.own_widths, call.kernel_width = False, None
-            ready = {n: call.ready(named[n], infos[n], n) for n in ("q", "k", "v")}
+        ready = _ready_at_own_widths(call, named, infos, ("q", "k", "v"))
         _fold_negative_scale(call, ready)
         _adapt_side_arrays(call, named, infos, ready, ("alibi_slopes", "dropout_rng_state"))
         return ready
@@ -195,6 +216,10 @@ class _Forward(_Attention):
     def _out_shape(call) -> tuple:
         s = call.shape
         return (s.batch, s.seqlen_q, s.nheads, call.out_width)
+
+    @staticmethod
+    def _allocated_width(call) -> int:
+        return call.out_width
 
     def allocations(self, call, plan):
         s = call.shape
@@ -353,6 +378,7 @@ class _Backward(_Attention):
     returned = poisoned = ("dq", "dk", "dv")
     head_dim_outputs = ("q", "q", "v")  # dq, dk, dv
     is_backward = True
+    own_widths_kind = True  # (its gradients stay at the wider head dim, dK and dV's one store bound, and are sliced)
     launch = staticmethod(backward.run_backward)
     no_pointers = backward.NO_POINTERS
 
@@ -365,7 +391,7 @@ class _Backward(_Attention):
                                values)
 
     def adapt(self, call, named, infos):
-        ready = {n: call.ready(named[n], infos[n], n) for n in ("dout", "q", "k", "v", "out")}
+        ready = _ready_at_own_widths(call, named, infos, ("dout", "q", "k", "v", "out"))
         _adapt_side_arrays(call, named, infos, ready, ("softmax_lse", "alibi_slopes", "dropout_rng_state"))
         return ready
 
@@ -386,7 +412,7 @@ class _Backward(_Attention):
             q_shape, k_shape, self._strides(ready, call), call.shape.dtype, call.scale, call.causal,
             call.deterministic, arch, window_size=call.window_size, softcap=call.softcap,
             alibi_batch_stride=call.alibi_stride, varlen_totals=call.totals, dropout_p=call.dropout_p,
-            options=options, width=call.kernel_width)
+            options=options, width=call.kernel_width, headdim_v=ready["v"].shape[3] if call.own_widths else None)
 
     def _plan_shapes(self, call, ready) -> tuple:
         return ready["q"].shape, ready["k"].shape

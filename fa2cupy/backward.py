@@ -40,7 +40,7 @@ class BackwardPlan:
 def plan_backward(
     q_shape, k_shape, strides: dict, dtype: str, softmax_scale: float, causal: bool, deterministic: bool, arch: int,
     config=None, window_size=(-1, -1), softcap: float = 0.0, alibi_batch_stride=None, varlen_totals=None,
-    dropout_p: float = 0.0, options: KernelOptions = DEFAULT, width: int | None = None,
+    dropout_p: float = 0.0, options: KernelOptions = DEFAULT, width: int | None = None, headdim_v: int | None = None,
 ) -> BackwardPlan:
     """Builds the launches for one backward problem.
 
@@ -52,12 +52,19 @@ def plan_backward(
     dK/dV kernel or not). ``width``: run the Hopper dK/dV kernel at this wider head dim where it takes the call, on
     arrays of the call's own: its copies read zeros past it (a varlen call's ragged tiles stop at
     ``BwdParams.headdim``), its dQ accumulator rows are the wider kernel's, and it writes dK and dV columns of the
-    arrays' head dim only.
+    arrays' head dim only. ``headdim_v`` (padded calls on the Hopper dK/dV kernel at ``width``, at least both head
+    dims): v, dout and out have this head dim of their own (a multiple of 8; q and k have q_shape's), read as they
+    are by the TMA copies and by the preprocess; dq, dk and dv are the wider of the two head dims; ValueError where
+    the Hopper dK/dV kernel does not take the call (the caller pads instead).
     """
     mask, mods, left, right = kernel_variant(causal, window_size, softcap, alibi_batch_stride is not None, dropout_p)
     batch, seqlen_q, nheads, headdim = q_shape
     seqlen_k, nheads_kv = k_shape[1], k_shape[2]
-    shapes = dict(zip(("q", "k", "v", "dout"), tensor_maps.array_shapes(q_shape, k_shape, varlen_totals)))
+    own_v = headdim_v is not None and headdim_v != headdim
+    shapes = dict(zip(("q", "k", "v", "dout"),
+                      tensor_maps.array_shapes(q_shape, k_shape, varlen_totals, headdim_v if own_v else None)))
+    if own_v:  # (the gradients, and so the kernels' columns, at the wider head dim: BwdParams.headdim)
+        q_shape, headdim = q_shape[:3] + (max(headdim, headdim_v),), max(headdim, headdim_v)
     # (strides TMA cannot take, say negative ones: the mma.sync backward, with cp.async)
     tma = all(tensor_maps.usable(shapes[n], strides[n]) for n in shapes)
     rows = None
@@ -74,6 +81,9 @@ def plan_backward(
                                    deterministic, options, tma=False, dropout=dropout_p > 0)
         config = rows.backward
     hopper = isinstance(config, configs.HopperBwdConfig)
+    if own_v and not (hopper and varlen_totals is None and config.headdim >= headdim):
+        raise ValueError(f"headdim_v = {headdim_v} (q's {q_shape[3]}) runs on the padded Hopper dK/dV kernel alone, "
+                         f"which does not take this call: pad v, dout and out (or q and k) to one head dim")
     atomic = hopper or not deterministic  # (the Hopper kernel adds dQ in either mode: in turns when deterministic)
     total_q, total_k = varlen_totals or (0, 0)
     stats = (0, total_q) if varlen_totals else (nheads * seqlen_q, seqlen_q)
@@ -91,7 +101,7 @@ def plan_backward(
         scale_log2=softmax_scale * _LOG2E, softcap=softcap, alibi_batch_stride=alibi_batch_stride or 0,
         dropout_threshold=threshold, dropout_scale=keep_scale, **error_pointers())
 
-    pre = _preprocess_launch(q_shape, dtype, fixed)
+    pre = _preprocess_launch(q_shape[:3] + (headdim_v,) if own_v else q_shape, dtype, fixed)
     varlen = varlen_totals is not None
     # (padded calls whose one modifier is ALiBi: the Hopper dK/dV kernel's ALiBi-only instantiation)
     alibi_only = hopper and not varlen and options.hopper_alibi_only and alibi_only_kernel(
@@ -157,7 +167,7 @@ def _preprocess_launch(q_shape, dtype, fixed: params.BwdParams) -> build.Launch:
     launch = build.Launch(build.get_kernel("bwd", f"fa2::bwd_preprocess<{configs.DTYPE_TAGS[dtype]}>", 0),
                           (-(-seqlen_q * lanes // 256), nheads, batch), (256, 1, 1), 0, fixed,
                           ("dout", "out", "dsum", "dq_accum", "cu_seqlens_q"))
-    launch.params.set(lanes=lanes)  # (the launch's own copy of the struct)
+    launch.params.set(lanes=lanes, headdim=headdim)  # (the launch's own copy of the struct: dout's and out's)
     return launch
 
 

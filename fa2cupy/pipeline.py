@@ -116,6 +116,11 @@ class Kind:
         keeps it; a C-level ``operator.itemgetter`` where it can be (it runs on every fast call)."""
         return FIRST
 
+    def cached_result(self, call: Call, options: tuple):
+        """What a cached call of this metadata returns from every allocation (the fast path's ``made``): result's
+        shape, and whatever ``results`` does to the returned outputs (which, used in place, only slicing may need)."""
+        return self.result(options)
+
 
 #: The result of most calls: the first returned output.
 FIRST = operator.itemgetter(0)
@@ -235,7 +240,7 @@ def _checked(kind: Kind, given: tuple, options: tuple, values: tuple, kernel_opt
             kind.launch(plan, pointers, call.values, stream.ptr, framework, device)
             if key is not None and all(x.data.ptr == given_pointers[name] for name, x in ready.items()):
                 _remember(key, _CachedCall(plan, device, framework, tuple(layout), kind.fixed_values(call),
-                                           kind.values_check(call, plan, options), kind.result(options)))
+                                           kind.values_check(call, plan, options), kind.cached_result(call, options)))
             outs = [arrays.make_result(native, view, framework)
                     for (name, _, _), (native, view) in zip(layout, made) if name in kind.returned]
             views = {name: view for (name, _, _), (_, view) in zip(layout, made)}

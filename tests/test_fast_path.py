@@ -454,3 +454,22 @@ def test_choose_follows_the_option(monkeypatch):
     assert _choose(attention.BACKWARD, _bwd(softcap=5.0), options=off) == 96
     assert _choose(attention.FORWARD, _fwd(dropout_p=0.1), options=off) == 128  # (a backward option)
     assert _choose(attention.FORWARD, _fwd(dropout_p=0.1), options=KernelOptions(hopper_forward=False)) == 96
+
+
+def test_cached_calls_slice_what_the_checked_path_slices():
+    """A remembered call returns what the checked path returned: where outputs were allocated wider than the
+    caller's head dims (the own-width backward's gradients), the fast path slices them too; else it hands the
+    allocations over as they are."""
+    from fa2cupy import checks
+
+    shape = checks.AttnShape(1, 130, 70, 2, 1, 192, "float16", 128)
+    call = type("Call", (), {"shape": shape, "padded": 192, "out_width": 128})()
+    made = [np.zeros((1, 130, 2, 192)), np.zeros((1, 70, 1, 192)), np.zeros((1, 70, 1, 192)), np.zeros((1, 2, 130))]
+    grads = attention.BACKWARD.cached_result(call, ())(made)
+    assert [g.shape for g in grads] == [(1, 130, 2, 192), (1, 70, 1, 192), (1, 70, 1, 128)]
+    out = attention.FORWARD.cached_result(call, (0.0, None, False, (-1, -1), 0.0, False, False))(
+        [np.zeros((1, 130, 2, 128)), np.zeros((1, 2, 130))])
+    assert out.shape == (1, 130, 2, 128)
+    square = type("Call", (), {"shape": checks.AttnShape(1, 130, 70, 2, 1, 128, "float16"), "padded": 128,
+                               "out_width": 128})()
+    assert attention.BACKWARD.cached_result(square, ()) is attention.BACKWARD.result(())

@@ -353,3 +353,49 @@ def test_forward_plan_maps_v_and_out_at_their_head_dim(planner):
         with pytest.raises(ValueError, match="headdim_v = 128 .* Hopper forward alone"):
             forward.plan_forward(q, q, strides, "bfloat16", 0.1, True, arch, width=192, headdim_v=128,
                                  options=KernelOptions(**fields))
+
+
+def test_backward_reads_v_dout_and_out_at_their_head_dim_on_hopper():
+    # As the forward: where the Hopper dK/dV kernel takes the call at the wider head dim, v, dout and out (or q and
+    # k) are read as they are; the gradients stay at the wider one (dK and dV share the kernel's store bound) and
+    # come back sliced.
+    from fa2cupy.arrays import ArrayInfo
+    from fa2cupy.attention import BACKWARD
+
+    def info(name, shape, dtype="bfloat16"):
+        return ArrayInfo(name, "cupy", shape, dtype, tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape))),
+                         ("cuda", 0))
+
+    for d, dv in ((192, 128), (64, 128), (60, 130)):
+        infos = {"dout": info("dout", (2, 2048, 8, dv)), "q": info("q", (2, 2048, 8, d)),
+                 "k": info("k", (2, 2048, 8, d)), "v": info("v", (2, 2048, 8, dv)), "out": info("out", (2, 2048, 8, dv)),
+                 "softmax_lse": info("softmax_lse", (2, 8, 2048), "float32")}
+        call = BACKWARD.check(infos, (None, False, (-1, -1), False, 0.0, 0.0), (None, 0))
+        BACKWARD.choose(call, infos, 90, DEFAULT)
+        assert call.own_widths and call.dims("out") == (dv, -(-dv // 8) * 8) and call.dims("k")[1] == -(-d // 8) * 8
+        assert BACKWARD._allocated_width(call) == call.padded == -(-max(d, dv) // 8) * 8
+        call = BACKWARD.check(infos, (None, False, (-1, -1), False, 0.0, 0.0), (None, 0))
+        BACKWARD.choose(call, infos, 90, KernelOptions(hopper_backward=False))
+        assert not call.own_widths
+
+
+def test_backward_plan_at_v_head_dim(planner):
+    from fa2cupy import backward, pipeline
+
+    q, v = (2, 2048, 8, 192), (2, 2048, 8, 128)
+    strides = {n: pipeline.c_strides(q) for n in ("q", "k", "dq", "dk", "dv")}
+    strides.update({n: pipeline.c_strides(v) for n in ("v", "dout", "out")})
+    plan = backward.plan_backward(q, q, strides, "bfloat16", 0.1, True, False, 90, width=192, headdim_v=128)
+    assert plan.config.family == "bwd_hopper"
+    dims = [tuple(entry[1]) for entry in plan.tensor_maps._arrays if entry is not None]
+    assert dims[:4] == [(192, 8, 2048, 2), (192, 8, 2048, 2), (128, 8, 2048, 2), (128, 8, 2048, 2)]  # q k v dout
+    # the preprocess reads dout and out at 128 columns; the kernel stores and the conversion writes 192
+    assert plan.preprocess.params.headdim == 128 and plan.preprocess.params.lanes == 16
+    assert plan.main.params.bwd.headdim == 192 and plan.convert.params.headdim == 192
+    q64 = (2, 2048, 8, 64)
+    strides.update({n: pipeline.c_strides(q64) for n in ("q", "k")}, **{n: pipeline.c_strides(v) for n in ("dq", "dk", "dv")})
+    plan = backward.plan_backward(q64, q64, strides, "bfloat16", 0.1, False, False, 90, width=128, headdim_v=128)
+    assert plan.config.headdim == 128 and plan.main.params.bwd.headdim == 128 and plan.preprocess.params.headdim == 128
+    with pytest.raises(ValueError, match="headdim_v = 128 .* Hopper dK/dV kernel alone"):
+        backward.plan_backward(q64, q64, strides, "bfloat16", 0.1, False, False, 90, width=128, headdim_v=128,
+                               options=KernelOptions(hopper_backward=False))
