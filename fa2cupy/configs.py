@@ -318,10 +318,21 @@ class HopperBwdConfig:
                 + 8 * (1 + 2 * self.stages + 2 * dq_tiles) + 8)
 
     def name_expression(self, dtype: str, mask: str, atomic_dq: bool = True, mods: bool = False,
-                        varlen: bool = False, score_dim: int | None = None, alibi_only: bool = False) -> str:
+                        varlen: bool = False, score_dim: int | None = None, alibi_only: bool = False,
+                        v_dim: int | None = None) -> str:
         """``score_dim``: HopperBwdTraits' ScoreDim, the head dim of the score products (hopper_bwd_score_dim);
         None or the row's own head dim for the row's. ``alibi_only``: the modifier kernel with ALiBi's code alone
-        (HopperBwdTraits' AlibiOnly: padded calls)."""
+        (HopperBwdTraits' AlibiOnly: padded calls). ``v_dim``: HopperBwdTraits' VDim, v's narrower head dim
+        (hopper_bwd_v_dim); None or the row's own for the row's."""
+        if v_dim not in (None, self.headdim):
+            if mods or varlen or score_dim not in (None, self.headdim) or v_dim not in HOPPER_BWD_V_DIMS.get(
+                    self.headdim, ()):
+                raise ValueError(f"the Hopper backward's {self.headdim} row has v head dims "
+                                 f"{HOPPER_BWD_V_DIMS.get(self.headdim, ())} of its own, padded, without modifiers, "
+                                 f"at the row's score products; got {v_dim}")
+            return (f"fa2::bwd_dkdv_hopper<fa2::HopperBwdTraits<{self.headdim}, {self.block_m}, {self.stages}, "
+                    f"{str(self.dq_by_keys).lower()}, {DTYPE_TAGS[dtype]}, {MASK_TAGS[mask]}, false, false, "
+                    f"{self.headdim}, false, {v_dim}>>")
         if alibi_only and (not mods or varlen or score_dim not in (None, self.headdim)):
             raise ValueError("the Hopper backward's ALiBi-only kernel is a padded modifier kernel at the row's "
                              "head dim")
@@ -366,6 +377,21 @@ BACKWARD_HOPPER_TABLE: dict[int, HopperBwdConfig] = {
 #: dP^T = V dO^T (the products whose k is the head dim; dK, dV and dQ_i keep the row's width). The head dims of
 #: Stable Diffusion (80, 160) and Phi-3 (96); docs/design.md has what they gain.
 HOPPER_BWD_SCORE_DIMS: dict[int, tuple[int, ...]] = {64: (), 128: (80, 96), 192: (160,), 256: ()}
+
+
+#: v head dims narrower than q's that a wide Hopper backward row has padded instantiations for without modifiers
+#: (HopperBwdTraits' VDim: dP^T = V dO^T over v's columns and dV += P^T dO at N = VDim, at the row's score
+#: products): DeepSeek-V2/V3's prefill, q and k at 192 and v at 128. docs/design.md has what it gains.
+HOPPER_BWD_V_DIMS: dict[int, tuple[int, ...]] = {192: (128,)}
+
+
+def hopper_bwd_v_dim(headdim_v: int, width: int, score_dim: int, mods: bool, varlen: bool) -> int:
+    """v's head dim on the Hopper backward's ``width`` row for a call whose v is ``headdim_v`` wide: the smallest of
+    HOPPER_BWD_V_DIMS that holds it on padded calls without modifiers whose score products are the row's, else the
+    row's own."""
+    if mods or varlen or score_dim != width:
+        return width
+    return min((d for d in HOPPER_BWD_V_DIMS.get(width, ()) if d >= headdim_v), default=width)
 
 
 def hopper_bwd_score_dims(width: int, mask: str, varlen: bool) -> tuple[int, ...]:
@@ -426,12 +452,15 @@ def hopper_backward_instantiations() -> list[str]:
              for config in BACKWARD_HOPPER_TABLE.values()
              for dtype in DTYPE_TAGS for mask in MASKS for varlen in (False, True)
              for score_dim in (config.headdim, *hopper_bwd_score_dims(config.headdim, mask, varlen))]
+    narrow_v = [config.name_expression(dtype, mask, v_dim=v_dim)
+                for config in BACKWARD_HOPPER_TABLE.values() for v_dim in HOPPER_BWD_V_DIMS.get(config.headdim, ())
+                for dtype in DTYPE_TAGS for mask in MASKS]
     mods = [BACKWARD_HOPPER_TABLE[d].name_expression(dtype, "window", mods=True, varlen=varlen,
                                                      alibi_only=alibi_only)
             for d in HOPPER_BWD_MODS_HEADDIMS for dtype in DTYPE_TAGS
             for varlen, alibi_only in ((False, False), (True, False), (False, True))
             if hopper_bwd_takes_mods(d, varlen)]
-    return sorted(plain + mods)
+    return sorted(plain + narrow_v + mods)
 
 
 @dataclass(frozen=True)

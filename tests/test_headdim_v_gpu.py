@@ -51,6 +51,26 @@ def test_hopper_forward_reads_each_array_as_it_is(d, dv, causal):
         run_mods_case(_case(1, 77, 300, 2, 1, d, dv, causal, window=(30, 5), softcap=5.0, seed=d))
 
 
+@pytest.mark.parametrize("d,dv", [(192, 128), (176, 64)])
+@pytest.mark.parametrize("mask", ["none", "causal", "window"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_hopper_backward_at_v_head_dim(d, dv, mask, deterministic, monkeypatch):
+    """The 192 row's dK/dV kernel at v's own head dim 128 (configs.HOPPER_BWD_V_DIMS: dP^T over v's columns, dV at
+    N = 128) runs these calls, and its gradients match the reference: every mask variant, both modes and types."""
+    if int(cupy_module().cuda.Device().compute_capability) != 90:
+        pytest.skip("the Hopper backward runs on compute capability 9.0 only")
+    from fa2cupy import build
+
+    names, get_kernel = [], build.get_kernel
+    monkeypatch.setattr(build, "get_kernel", lambda family, name, *rest: names.append(name) or get_kernel(
+        family, name, *rest))
+    window = (90, 17) if mask == "window" else (-1, -1)
+    run_mods_case(dict(_case(2, 300 + dv, 333, 4, 2, d, dv, mask == "causal", window=window,
+                             dtype="float16" if deterministic else "bfloat16", seed=d + 3 * dv),
+                       deterministic=deterministic))
+    assert any(n.startswith("fa2::bwd_dkdv_hopper") and n.endswith(", 192, false, 128>>") for n in names), names
+
+
 def test_window_softcap_and_sq_above_sk():
     run_mods_case(_case(1, 300, 150, 2, 1, 192, 128, True, seed=1))
     run_mods_case(_case(1, 250, 250, 4, 4, 192, 128, False, window=(40, 8), seed=2))

@@ -399,3 +399,33 @@ def test_backward_plan_at_v_head_dim(planner):
     with pytest.raises(ValueError, match="headdim_v = 128 .* Hopper dK/dV kernel alone"):
         backward.plan_backward(q64, q64, strides, "bfloat16", 0.1, False, False, 90, width=128, headdim_v=128,
                                options=KernelOptions(hopper_backward=False))
+
+
+def test_backward_kernel_at_v_head_dim(planner, monkeypatch):
+    # The 192 row's kernel at v's own head dim (HopperBwdTraits' VDim) for padded calls without modifiers whose q is
+    # wider than the row's narrower score products; the row's own otherwise.
+    from fa2cupy import backward, build, pipeline
+
+    names = []
+    monkeypatch.setattr(build, "get_kernel", lambda family, name, *rest: names.append(name) or object())
+
+    def kernel(d, dv, **kw):
+        q, v = (2, 2048, 8, d), (2, 2048, 8, dv)
+        strides = {n: pipeline.c_strides(q) for n in ("q", "k", "dq", "dk")}
+        strides.update({n: pipeline.c_strides(v) for n in ("v", "dout", "out")}, dv=pipeline.c_strides(q))
+        names.clear()
+        backward.plan_backward(q, q, strides, "bfloat16", 0.1, kw.pop("causal", False), False, 90,
+                               width=192 if d <= 192 else None, headdim_v=dv, **kw)
+        return next(n for n in names if n.startswith("fa2::bwd_dkdv_hopper"))
+
+    assert kernel(192, 128).endswith("kMaskNone, false, false, 192, false, 128>>")
+    assert kernel(184, 64, causal=True).endswith("kMaskCausal, false, false, 192, false, 128>>")
+    assert kernel(192, 136).endswith("kMaskNone>>")  # (wider than 128: the row's)
+    assert kernel(160, 128).endswith("kMaskNone, false, false, 160>>")  # (the narrower score products instead)
+    assert kernel(192, 128, softcap=5.0).endswith("kMaskWindow, false, true>>")  # (modifiers: the row's)
+    from fa2cupy import configs
+
+    with pytest.raises(ValueError, match="v head dims"):
+        configs.BACKWARD_HOPPER_TABLE[192].name_expression("bfloat16", "none", mods=True, v_dim=128)
+    with pytest.raises(ValueError, match="v head dims"):
+        configs.BACKWARD_HOPPER_TABLE[128].name_expression("bfloat16", "none", v_dim=64)

@@ -288,8 +288,10 @@ FA2_DEVICE void write_out_dk_dv(const HopperBwdSmem<Tr>& smem, const HopperBwdAr
             u32 chunk[4];
             ld_shared_v4(KVTile::at(smem.k, r, c), chunk);
             st_global_v4(dk_rows + (i64)(k_start + key0 + r) * args.dk_row_stride + c, chunk);
-            ld_shared_v4(KVTile::at(smem.v, r, c), chunk);
-            st_global_v4(dv_rows + (i64)(k_start + key0 + r) * args.dv_row_stride + c, chunk);
+            if (Tr::kVDim == Tr::kHeadDim || c < Tr::kVDim) {  // (dV's columns)
+                ld_shared_v4(KVTile::at(smem.v, r, c), chunk);
+                st_global_v4(dv_rows + (i64)(k_start + key0 + r) * args.dv_row_stride + c, chunk);
+            }
         }
     }
 }

@@ -95,7 +95,8 @@ FA2_DEVICE void consume_dkdv_wide(const HopperBwdSmem<Tr>& smem, const HopperBwd
     using Elem = typename Tr::Elem;
     using Steps = HopperBwdSteps<Tr::kBlockM>;
     constexpr int kM = Tr::kBlockM, kS = Tr::kStages, kThreads = Tr::kConsumerThreads;
-    constexpr int kKSteps = Tr::kScoreKSteps, kDT = Tr::kHeadDim / 8, kQT = kM / 8;  // (S^T's, dP^T's k16 steps)
+    constexpr int kKSteps = Tr::kScoreKSteps, kVKSteps = Tr::kVKSteps, kDT = Tr::kHeadDim / 8, kQT = kM / 8;
+    // (S^T's k16 steps; dP^T's, fewer where v is narrower)
     static_assert(kM == 64 && Tr::kBlockN == 64, "64 keys by 64 query rows");
     // At head dim 256 dV or dK is waited for before dQ_i is issued: with P^T or dS^T (16 registers) held across
     // dQ_i beside the 128 of the accumulator and the 64 of dQ_i, the consumers spilled 56 bytes at 240 registers.
@@ -126,15 +127,21 @@ FA2_DEVICE void consume_dkdv_wide(const HopperBwdSmem<Tr>& smem, const HopperBwd
         if (ctid == 0 && it == 0) bwd_mark(2);  // the first step's Q, dO, lse and D in
 
         float st[1][kQT][4];
-        wgmma_fence();
+        const auto scores = [&](auto k_steps) {
+            wgmma_fence();  // (in each branch: ptxas otherwise injects one, C7519)
 #pragma unroll
-        for (int kk = 0; kk < kKSteps; ++kk) {
-            const u32 step = (kk >> 2) * KVTile::kSlabBytes + (kk & 3) * 32;
-            const u32 q_step = (kk >> 2) * QTile::kSlabBytes + (kk & 3) * 32;
-            Wgmma<Elem, kM>::ss(st, smem_desc_sw128(rows_a + step, 16), smem_desc_sw128(b_first + q_step, 16),
-                                kk > 0);
-        }
-        wgmma_commit();
+            for (int kk = 0; kk < decltype(k_steps)::value; ++kk) {
+                const u32 step = (kk >> 2) * KVTile::kSlabBytes + (kk & 3) * 32;
+                const u32 q_step = (kk >> 2) * QTile::kSlabBytes + (kk & 3) * 32;
+                Wgmma<Elem, kM>::ss(st, smem_desc_sw128(rows_a + step, 16), smem_desc_sw128(b_first + q_step, 16),
+                                    kk > 0);
+            }
+            wgmma_commit();
+        };
+        if (kVKSteps == kKSteps || wg == 0)  // (dP^T's k16 steps stop at v's head dim)
+            scores(Const<kKSteps>{});
+        else
+            scores(Const<kVKSteps>{});
         wgmma_wait<0>();
         pin_registers(st);
 
@@ -223,12 +230,19 @@ FA2_DEVICE void consume_dkdv_wide(const HopperBwdSmem<Tr>& smem, const HopperBwd
         }
 
         // dV += P^T dO (warpgroup 0) or dK += dS^T Q (warpgroup 1; the scale of S applied at the end).
-        wgmma_fence();
+        // (dV at N = kVDim: its first kVDim columns of the accumulator)
+        const auto products = [&](auto n, auto& d) {
+            wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kQT / 2; ++kk)
-            Wgmma<Elem, Tr::kHeadDim>::rs_mn(acc, a[kk], smem_desc_sw128(QTile::at(b_second, kk * 16, 0),
-                                                                          QTile::kSlabBytes), 1);
-        wgmma_commit();
+            for (int kk = 0; kk < kQT / 2; ++kk)
+                Wgmma<Elem, decltype(n)::value>::rs_mn(
+                    d, a[kk], smem_desc_sw128(QTile::at(b_second, kk * 16, 0), QTile::kSlabBytes), 1);
+            wgmma_commit();
+        };
+        if (Tr::kVDim == Tr::kHeadDim || wg == 1)
+            products(Const<Tr::kHeadDim>{}, acc);
+        else
+            products(Const<Tr::kVDim>{}, reinterpret_cast<float(&)[1][Tr::kVDim / 8][4]>(acc));
 
         // dQ_i = dS K once dS^T is in; the accumulator's and the operands' registers pinned across the wait.
         fence_proxy_async_smem();
@@ -262,6 +276,7 @@ FA2_DEVICE void consume_dkdv_wide(const HopperBwdSmem<Tr>& smem, const HopperBwd
     for (int half = 0; half < 2; ++half) {
 #pragma unroll
         for (int group = 0; group < kDT / 4; ++group) {
+            if (wg == 0 && group >= Tr::kVDim / 32) break;  // (dV's columns)
             u32 x[4];
 #pragma unroll
             for (int p = 0; p < 4; ++p)
