@@ -147,13 +147,17 @@ class _Attention(pipeline.Kind):
             # varlen call's ragged tiles (cp.async) stop at it; no output column past it is written.
             call.kernel_width = width
         width = call.kernel_width or call.padded
-        if self.own_widths_kind and s.headdim != s.dv and not varlen and takes(width):
+        own_varlen = self.varlen_own_widths and configs.hopper_varlen_own_widths(
+            width, padded_headdim(s.headdim), padded_headdim(s.dv))
+        if self.own_widths_kind and s.headdim != s.dv and (not varlen or own_varlen) and takes(width):
             # Its copies and output store are TMA's, which read zeros past an array's columns and write none past
-            # the output's: v, or q and k, need no padded copy, and the output has v's head dim.
+            # the output's: v, or q and k, need no padded copy, and the output has v's head dim. (Varlen: a
+            # sequence's ragged tiles and output rows stop at each array's own head dim, hopper_varlen_own_widths.)
             call.own_widths, call.kernel_width = True, width
 
     is_backward = False  # (for choose)
     own_widths_kind = False  # (for choose)
+    varlen_own_widths = False  # (for choose: varlen calls of own_widths_kind too)
 
     def results(self, call, outs, views):
         n, s = len(self.head_dim_outputs), call.shape
@@ -188,6 +192,7 @@ class _Forward(_Attention):
     launch = staticmethod(forward.run_forward)
     no_pointers = forward.NO_POINTERS
     own_widths_kind = True  # (its output store is TMA's too: the output can have v's head dim)
+    varlen_own_widths = True
 
     def check(self, infos, options, values):
         dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs = options
@@ -521,24 +526,30 @@ class _VarlenForward(_Forward):
             call.paged = (ready["k"].shape[0], ready["k"].shape[1], infos["block_table"].shape[1])
         else:
             ready.update((n, _varlen_view(named[n], infos[n], call, n)) for n in ("k", "v"))
+            if call.own_widths and not all(tensor_maps.usable(x.shape, _varlen_strides(x)) for x in ready.values()):
+                # (strides TMA cannot take run on the mma.sync forward, which needs one head dim: padded copies)
+                call.own_widths, call.kernel_width = False, None
+                ready = {n: _varlen_view(named[n], infos[n], call, n) for n in ("q", "k", "v")}
         _fold_negative_scale(call, ready)
         _adapt_side_arrays(call, named, infos, ready, self.arrays[3:])
         return ready
 
     def plan(self, call, ready, arch, device, options):
-        s, padded = call.shape, call.padded
+        s, width = call.shape, call.dims("q")[1]  # (q's and k's head dim as made ready: padded, or own_widths' own)
         kv = ready["k"], ready["v"]
         kv_strides = tuple(map(elem_strides if call.paged else _varlen_strides, kv))
         return forward.plan_forward(
-            (s.batch, s.seqlen_q, s.nheads, padded), (s.batch, s.seqlen_k, s.nheads_kv, padded),
-            (_varlen_strides(ready["q"]),) + kv_strides + (_packed_strides(s.nheads, padded),), s.dtype, call.scale,
-            call.causal, arch, window_size=call.window_size, softcap=call.softcap,
+            (s.batch, s.seqlen_q, s.nheads, width), (s.batch, s.seqlen_k, s.nheads_kv, width),
+            (_varlen_strides(ready["q"]),) + kv_strides + (_packed_strides(s.nheads, call.out_width),), s.dtype,
+            call.scale, call.causal, arch, window_size=call.window_size, softcap=call.softcap,
             alibi_batch_stride=call.alibi_stride, varlen_totals=call.totals, dropout_p=call.dropout_p,
-            paged=call.paged, options=options, width=call.kernel_width)
+            paged=call.paged, options=options, width=call.kernel_width,
+            headdim_v=ready["v"].shape[3] if call.own_widths else None)
 
     def allocations(self, call, plan):
         s, total_q = call.shape, call.totals[0]
-        return (("out", (total_q, s.nheads, call.padded), s.dtype), ("softmax_lse", (s.nheads, total_q), "float32"))
+        return (("out", (total_q, s.nheads, call.out_width), s.dtype),
+                ("softmax_lse", (s.nheads, total_q), "float32"))
 
 
 VARLEN_FORWARD = _VarlenForward()

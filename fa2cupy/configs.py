@@ -794,6 +794,14 @@ def hopper_takes_call(arch: int, width: int, dtype: str, backward: bool, mask: s
     return isinstance(rows.backward if backward else rows.forward, (HopperFwdConfig, HopperBwdConfig))
 
 
+def hopper_varlen_own_widths(width: int, headdim: int, headdim_v: int) -> bool:
+    """Whether a varlen forward on the Hopper kernel at ``width`` reads q and k (``headdim``) and v and out
+    (``headdim_v``, multiples of 8) at their own head dims: where both lie in the row's last 64-column pass of a
+    loader of several passes (width 192 or 256; SlabLoader zero-fills or skips only that pass past an array's
+    columns, so a sequence's ragged tiles and output rows stop at each array's own). DeepSeek's 192 / 128."""
+    return width > 128 and min(headdim, headdim_v) >= width - 64 and max(headdim, headdim_v) <= width
+
+
 def padded_call_width(arch: int, headdim: int, dtype: str, backward: bool, mask: str = "none", mods: bool = False,
                       varlen: bool = False, seqlen_q: int | None = None, deterministic: bool = False,
                       options: KernelOptions = DEFAULT, dropout: bool = False) -> int:

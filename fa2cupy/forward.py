@@ -144,9 +144,11 @@ def plan_forward(
     ``width`` (not paged): run the Hopper forward at this wider head dim where it takes the call, on arrays of
     head dim ``d``: its copies read zeros past ``d`` and it writes no output column past it (the tensor maps span
     ``d`` columns; a varlen call's ragged tiles stop at ``FwdParams.headdim``); elsewhere the kernels run at ``d``.
-    ``headdim_v`` (padded calls on the Hopper forward at ``width``, at least both head dims): v and out have this
-    head dim of their own (a multiple of 8), read and written as they are by the TMA copies, whose maps span each
-    array's own columns; ValueError where the Hopper forward does not take the call (the caller pads instead).
+    ``headdim_v`` (padded calls on the Hopper forward at ``width``, at least both head dims; varlen ones, not paged,
+    where configs.hopper_varlen_own_widths): v and out have this head dim of their own (a multiple of 8), read and
+    written as they are by the TMA copies, whose maps span each array's own columns, and by a varlen call's ragged
+    copies and stores, which stop at ``FwdParams.headdim_v``; ValueError where the Hopper forward does not take the
+    call (the caller pads instead).
     """
     batch, seqlen_q, nheads, headdim = q_shape
     seqlen_k, nheads_kv = k_shape[1], k_shape[2]
@@ -174,14 +176,17 @@ def plan_forward(
     alibi_only = padded_hopper and options.hopper_alibi_only and alibi_only_kernel(
         mask, softcap, alibi_batch_stride is not None, dropout_p, softmax_scale)
     only = {"alibi_only": True} if alibi_only else {}  # (a Hopper row's keyword: the mma.sync rows have none)
-    if headdim_v is not None and headdim_v != headdim and not (
-            padded_hopper and config.headdim >= max(headdim, headdim_v)):
-        raise ValueError(f"headdim_v = {headdim_v} (q's {headdim}) runs on the padded Hopper forward alone, which "
-                         f"does not take this call: pad v (or q and k) to one head dim")
+    own_v = headdim_v is not None and headdim_v != headdim
+    varlen_hopper = isinstance(config, configs.HopperFwdConfig) and varlen_totals is not None and paged is None
+    if own_v and not ((padded_hopper and config.headdim >= max(headdim, headdim_v)) or (
+            varlen_hopper and configs.hopper_varlen_own_widths(config.headdim, headdim, headdim_v))):
+        raise ValueError(f"headdim_v = {headdim_v} (q's {headdim}) runs on the Hopper forward alone (varlen: "
+                         f"configs.hopper_varlen_own_widths), which does not take this call: pad v (or q and k) to "
+                         f"one head dim")
     function = build.get_kernel(config.family, config.name_expression(dtype, mask, mods, varlen_totals is not None,
                                                                       paged is not None, **only), config.smem_bytes)
     fixed = _forward_params(q_shape, k_shape, strides, softmax_scale, left, right, softcap, alibi_batch_stride,
-                            varlen_totals, dropout_p, paged)
+                            varlen_totals, dropout_p, paged, headdim_v)
     grid = ((seqlen_q + config.block_m - 1) // config.block_m, nheads, batch)
     if not isinstance(config, configs.HopperFwdConfig):
         launch = build.Launch(function, grid, (config.threads, 1, 1), config.smem_bytes, fixed, PER_CALL)
@@ -209,8 +214,8 @@ def unit_mods_constants(softmax_scale: float, softcap: float) -> tuple[float, fl
 
 
 def _forward_params(q_shape, k_shape, strides, softmax_scale, left, right, softcap, alibi_batch_stride,
-                    varlen_totals, dropout_p, paged) -> params.FwdParams:
-    """The forward's fixed parameters (all but the per-call fields)."""
+                    varlen_totals, dropout_p, paged, headdim_v=None) -> params.FwdParams:
+    """The forward's fixed parameters (all but the per-call fields; ``headdim_v``: v's and out's, if not q's)."""
     _, seqlen_q, nheads, headdim = q_shape
     seqlen_k, nheads_kv = k_shape[1], k_shape[2]
     total_q, total_k = varlen_totals or (0, 0)
@@ -225,7 +230,8 @@ def _forward_params(q_shape, k_shape, strides, softmax_scale, left, right, softc
         fields.update(stride_fields(prefix, array_strides))
     return params.FwdParams(
         **fields, lse_batch_stride=lse_strides[0], lse_head_stride=lse_strides[1], max_seqlen_q=seqlen_q,
-        max_seqlen_k=seqlen_k, nheads=nheads, heads_per_kv=nheads // nheads_kv, headdim=headdim, total_q=total_q,
+        max_seqlen_k=seqlen_k, nheads=nheads, heads_per_kv=nheads // nheads_kv, headdim=headdim,
+        headdim_v=headdim if headdim_v is None else headdim_v, total_q=total_q,
         total_k=total_k, window_left=left, window_right=right, scale=softmax_scale,
         scale_log2=softmax_scale * _LOG2E, softcap=softcap, alibi_batch_stride=alibi_batch_stride or 0,
         dropout_threshold=threshold, dropout_scale=keep_scale, page_size=page_size, page_magic=magic,

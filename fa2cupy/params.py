@@ -75,7 +75,7 @@ class FwdParams(_Params):
         *_strides("q"), *_strides("k"), *_strides("v"), *_strides("o"),
         ("lse_batch_stride", _i64), ("lse_head_stride", _i64),
         ("max_seqlen_q", _i32), ("max_seqlen_k", _i32), ("nheads", _i32), ("heads_per_kv", _i32), ("headdim", _i32),
-        ("total_q", _i32), ("total_k", _i32),
+        ("headdim_v", _i32), ("total_q", _i32), ("total_k", _i32),
         ("window_left", _i32), ("window_right", _i32), ("scale", _f32), ("scale_log2", _f32), ("softcap", _f32),
         ("alibi_batch_stride", _i32), ("dropout_threshold", _u32), ("dropout_scale", _f32),
         ("page_size", _i32), ("page_magic", _u32), ("page_shift", _i32), ("max_pages", _i32), ("num_pages", _i32),

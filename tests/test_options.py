@@ -429,3 +429,50 @@ def test_backward_kernel_at_v_head_dim(planner, monkeypatch):
         configs.BACKWARD_HOPPER_TABLE[192].name_expression("bfloat16", "none", mods=True, v_dim=128)
     with pytest.raises(ValueError, match="v head dims"):
         configs.BACKWARD_HOPPER_TABLE[128].name_expression("bfloat16", "none", v_dim=64)
+
+
+def test_varlen_forward_at_own_widths():
+    # Varlen forward calls read each array at its own head dim where both lie in a wide Hopper row's last 64-column
+    # pass (DeepSeek's 192 / 128), and pad otherwise; the backward pads varlen calls.
+    from fa2cupy import configs
+    from fa2cupy.arrays import ArrayInfo
+    from fa2cupy.attention import VARLEN_BACKWARD, VARLEN_FORWARD
+
+    assert configs.hopper_varlen_own_widths(192, 192, 128) and configs.hopper_varlen_own_widths(192, 136, 192)
+    assert not configs.hopper_varlen_own_widths(192, 192, 120) and not configs.hopper_varlen_own_widths(128, 128, 64)
+    assert configs.hopper_varlen_own_widths(256, 256, 192) and not configs.hopper_varlen_own_widths(256, 256, 128)
+
+    def info(name, shape, dtype="bfloat16"):
+        return ArrayInfo(name, "cupy", shape, dtype, tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape))),
+                         ("cuda", 0))
+
+    for d, dv, own in ((192, 128, True), (184, 128, True), (128, 64, False), (192, 64, False)):
+        infos = {"q": info("q", (4096, 8, d)), "k": info("k", (4096, 8, d)), "v": info("v", (4096, 8, dv)),
+                 "cu_seqlens_q": info("cu_seqlens_q", (3,), "int32"), "cu_seqlens_k": info("cu_seqlens_k", (3,), "int32")}
+        call = VARLEN_FORWARD.check(infos, (2048, 2048, 0.0, None, False, (-1, -1), 0.0, False, False), (None, 0))
+        VARLEN_FORWARD.choose(call, infos, 90, DEFAULT)
+        assert call.own_widths == own, (d, dv)
+        if own:
+            assert call.out_width == dv and call.dims("q")[1] == d
+    infos = {"dout": info("dout", (4096, 8, 128)), "q": info("q", (4096, 8, 192)), "k": info("k", (4096, 8, 192)),
+             "v": info("v", (4096, 8, 128)), "out": info("out", (4096, 8, 128)),
+             "softmax_lse": info("softmax_lse", (8, 4096), "float32"),
+             "cu_seqlens_q": info("cu_seqlens_q", (3,), "int32"), "cu_seqlens_k": info("cu_seqlens_k", (3,), "int32")}
+    call = VARLEN_BACKWARD.check(infos, (2048, 2048, None, False, (-1, -1), False, 0.0, 0.0), (None, 0))
+    VARLEN_BACKWARD.choose(call, infos, 90, DEFAULT)
+    assert not call.own_widths
+
+
+def test_varlen_forward_plan_at_v_head_dim(planner):
+    from fa2cupy import forward
+
+    q, v = (1, 2048, 8, 192), (1, 2048, 8, 128)
+    strides = ((0, 8 * 192, 192, 1), (0, 8 * 192, 192, 1), (0, 8 * 128, 128, 1), (0, 8 * 128, 128, 1))
+    plan = forward.plan_forward(q, q, strides, "bfloat16", 0.1, False, 90, varlen_totals=(4096, 4096),
+                                headdim_v=128)
+    fixed = plan.launch.params.fwd
+    assert plan.config.family == "fwd_hopper" and fixed.headdim == 192 and fixed.headdim_v == 128
+    q64, v = (1, 2048, 8, 128), (1, 2048, 8, 64)
+    strides = ((0, 8 * 128, 128, 1), (0, 8 * 128, 128, 1), (0, 8 * 64, 64, 1), (0, 8 * 64, 64, 1))
+    with pytest.raises(ValueError, match="headdim_v = 64 .* Hopper forward alone"):
+        forward.plan_forward(q64, q64, strides, "bfloat16", 0.1, False, 90, varlen_totals=(4096, 4096), headdim_v=64)

@@ -61,6 +61,7 @@ struct FwdParams {
     int nheads;
     int heads_per_kv;  // query heads per K/V head (MQA/GQA)
     int headdim;       // the real head dim (a multiple of 8, at most the instantiation's)
+    int headdim_v;     // v's and o's (the Hopper forward's varlen ragged copies and stores; headdim where they agree)
     int total_q;       // varlen: the rows of q and of k/v (paged: 2**31 - 1)
     int total_k;
     int window_left;  // the mask's window (masks.cuh, WindowMask)

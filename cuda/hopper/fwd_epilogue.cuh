@@ -54,7 +54,7 @@ FA2_DEVICE void write_rows_varlen(const HopperFwdSmem<Tr>& smem, const HopperFwd
 #pragma unroll
         for (int pass = 0; pass < Loader::kPasses; ++pass) {  // (rows wider than 128 columns: a slab at a time)
             // (past o's own head dim, which may be narrower: with one pass, such a thread's rows are none)
-            if (pass > 0 && pass == Loader::kPasses - 1 && column + pass * 64 >= args.headdim) continue;
+            if (pass > 0 && pass == Loader::kPasses - 1 && column + pass * 64 >= args.headdim_v) continue;
             u32 x[4];
             ld_shared_v4(from + pass * QTile::kSlabBytes, x);
             *reinterpret_cast<uint4*>(to + pass * 64) = make_uint4(x[0], x[1], x[2], x[3]);

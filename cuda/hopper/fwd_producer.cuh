@@ -171,9 +171,9 @@ FA2_DEVICE void load_kv_tile(const HopperFwdSmem<Tr>& smem, const HopperFwdArgs&
         if (ptid == 0)
             tma_load_tile<KVTile>(smem.v + v_slot * KVTile::kBytes, args.tmap_v, kv_head, row, 0, smem.full(k_slot));
     } else {
-        load_rows(smem.k + k_slot * KVTile::kBytes, k_tile, k_row, args.k, args.k_row_stride);
+        load_rows(smem.k + k_slot * KVTile::kBytes, k_tile, k_row, args.k, args.k_row_stride, args.headdim);
         mbar_wait(smem.v_empty(v_slot), ring_phase<kVS>(tiles) ^ 1);
-        load_rows(smem.v + v_slot * KVTile::kBytes, v_tile, v_row, args.v, args.v_row_stride);
+        load_rows(smem.v + v_slot * KVTile::kBytes, v_tile, v_row, args.v, args.v_row_stride, args.headdim_v);
         // (packed: fenced here, once an item, so that the consumers' steady loop fences only when paged)
         if constexpr (Tr::kPaged)
             cp_async_mbar_arrive(smem.full(k_slot));
@@ -201,8 +201,8 @@ FA2_DEVICE void produce_varlen(const HopperFwdSmem<Tr>& smem, const HopperFwdSch
     u32 items_loaded = 0;
     int exchange = 0;
     const auto renew = [&] { renew_per_item<Tr>(ptid, args.headdim, loader, out_row_stride, row_pages); };
-    const auto load_tile = [&](auto tile, u32 dst, const u16* src, int row_stride, int valid) {
-        loader.template load<decltype(tile)>(dst, src, row_stride, valid, args.headdim);
+    const auto load_tile = [&](auto tile, u32 dst, const u16* src, int row_stride, int valid, int cols) {
+        loader.template load<decltype(tile)>(dst, src, row_stride, valid, cols);
     };
     const auto q_buffer = [&] { return ring_slot<Tr::kQBuffers>(items_loaded); };
     const auto store_rows = [&](int buffer) {  // fwd_epilogue.cuh
@@ -277,11 +277,13 @@ FA2_DEVICE void produce_varlen(const HopperFwdSmem<Tr>& smem, const HopperFwdSch
         };
         // The next tile's K or V rows: from `tile` (packed), or from their pages (paged: `row` is this lane's row,
         // and zero-filled rows name `pool`, the start of K or V, as their source, which is not read).
-        const auto load_rows = [&](u32 dst, const u16* tile, const u16* row, const u16* pool, int row_stride) {
+        // (`cols`: k's or v's head dim)
+        const auto load_rows = [&](u32 dst, const u16* tile, const u16* row, const u16* pool, int row_stride,
+                                   int cols) {
             if constexpr (Tr::kPaged)
                 loader.template load_paged_rows<typename Tr::KVTile>(dst, row, pool, ptid >> 5, ptid & 31);
             else
-                load_tile(typename Tr::KVTile{}, dst, tile, row_stride, keys_left);
+                load_tile(typename Tr::KVTile{}, dst, tile, row_stride, keys_left, cols);
         };
         const auto load_kv = [&] {
             load_kv_tile<Tr>(smem, args, ptid, tiles, kv_head, seq, keys_left, k_tile, v_tile, k_row, v_row,

@@ -229,6 +229,7 @@ struct HopperFwdArgs {
     const float* __restrict__ alibi_slopes;  // Mods: null for none
     int alibi_batch_stride;
     int headdim;  // the arrays' own, which the columns copied and written stop at (the kernel's may be wider)
+    int headdim_v;  // v's and o's own (varlen: the ragged V copies and output rows stop at it)
     // Mods: dropout's seed and offset (or rng_state, in device memory), its threshold (0: none) and scale
     const u32* rng_state;
     u64 seed, offset;
