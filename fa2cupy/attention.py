@@ -129,8 +129,9 @@ class _Attention(pipeline.Kind):
     def choose(self, call, infos, arch, options):
         """On Hopper, a head dim without a Hopper row runs at the next Hopper width up (configs.hopper_pad_width)
         where the Hopper kernel there takes the call; never with paged K/V (the pages are used in place). With
-        ``own_widths_kind`` (the forward), a padded call whose v has a head dim of its own reads each array at its
-        own where the Hopper kernel takes it at the wider one (own_widths)."""
+        ``own_widths_kind`` (the forward and the backward), a call whose v has a head dim of its own reads each
+        array at its own where the Hopper kernel takes it at the wider one (own_widths): padded calls, and varlen
+        ones where configs.hopper_varlen_own_widths holds (in the backward with v the narrower)."""
         if "block_table" in infos:
             return
         s, varlen = call.shape, call.totals is not None
@@ -147,8 +148,9 @@ class _Attention(pipeline.Kind):
             # varlen call's ragged tiles (cp.async) stop at it; no output column past it is written.
             call.kernel_width = width
         width = call.kernel_width or call.padded
-        own_varlen = self.varlen_own_widths and configs.hopper_varlen_own_widths(
-            width, padded_headdim(s.headdim), padded_headdim(s.dv))
+        # (the backward's varlen dK and dV stores are bounded by q's head dim: v no wider)
+        own_varlen = configs.hopper_varlen_own_widths(width, padded_headdim(s.headdim), padded_headdim(s.dv)) and (
+            not self.is_backward or s.dv < s.headdim)
         if self.own_widths_kind and s.headdim != s.dv and (not varlen or own_varlen) and takes(width):
             # Its copies and output store are TMA's, which read zeros past an array's columns and write none past
             # the output's: v, or q and k, need no padded copy, and the output has v's head dim. (Varlen: a
@@ -157,7 +159,6 @@ class _Attention(pipeline.Kind):
 
     is_backward = False  # (for choose)
     own_widths_kind = False  # (for choose)
-    varlen_own_widths = False  # (for choose: varlen calls of own_widths_kind too)
 
     def results(self, call, outs, views):
         n, s = len(self.head_dim_outputs), call.shape
@@ -192,7 +193,6 @@ class _Forward(_Attention):
     launch = staticmethod(forward.run_forward)
     no_pointers = forward.NO_POINTERS
     own_widths_kind = True  # (its output store is TMA's too: the output can have v's head dim)
-    varlen_own_widths = True
 
     def check(self, infos, options, values):
         dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs = options
@@ -492,6 +492,15 @@ def _varlen_view(x, info, call: _AttentionCall, name: str):
     return kernel_ready(arrays.to_cupy(x, info)[None], *call.dims(name))
 
 
+def _varlen_views_at_own_widths(call: _AttentionCall, named: dict, infos: dict, names) -> dict:
+    """_ready_at_own_widths for varlen views (_varlen_view) of the arrays ``names``."""
+    ready = {n: _varlen_view(named[n], infos[n], call, n) for n in names}
+    if call.own_widths and not all(tensor_maps.usable(x.shape, _varlen_strides(x)) for x in ready.values()):
+        call.own_widths, call.kernel_width = False, None  # (the mma.sync kernels: one head dim, padded copies)
+        ready = {n: _varlen_view(named[n], infos[n], call, n) for n in names}
+    return ready
+
+
 def _varlen_strides(x) -> tuple:
     """Element strides of a (1, total, heads, d) view for the kernels: batch stride 0 (cu_seqlens give the rows)."""
     return (0,) + elem_strides(x)[1:]
@@ -525,11 +534,7 @@ class _VarlenForward(_Forward):
             ready.update((n, call.ready(named[n], infos[n], n)) for n in ("k", "v"))
             call.paged = (ready["k"].shape[0], ready["k"].shape[1], infos["block_table"].shape[1])
         else:
-            ready.update((n, _varlen_view(named[n], infos[n], call, n)) for n in ("k", "v"))
-            if call.own_widths and not all(tensor_maps.usable(x.shape, _varlen_strides(x)) for x in ready.values()):
-                # (strides TMA cannot take run on the mma.sync forward, which needs one head dim: padded copies)
-                call.own_widths, call.kernel_width = False, None
-                ready = {n: _varlen_view(named[n], infos[n], call, n) for n in ("q", "k", "v")}
+            ready = _varlen_views_at_own_widths(call, named, infos, ("q", "k", "v"))
         _fold_negative_scale(call, ready)
         _adapt_side_arrays(call, named, infos, ready, self.arrays[3:])
         return ready
@@ -663,7 +668,7 @@ class _VarlenBackward(_Backward):
         return call
 
     def adapt(self, call, named, infos):
-        ready = {n: _varlen_view(named[n], infos[n], call, n) for n in ("dout", "q", "k", "v", "out")}
+        ready = _varlen_views_at_own_widths(call, named, infos, ("dout", "q", "k", "v", "out"))
         _adapt_side_arrays(call, named, infos, ready,
                            ("softmax_lse", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "dropout_rng_state"))
         return ready
@@ -680,8 +685,8 @@ class _VarlenBackward(_Backward):
         return strides
 
     def _plan_shapes(self, call, ready):
-        s = call.shape
-        return (s.batch, s.seqlen_q, s.nheads, call.padded), (s.batch, s.seqlen_k, s.nheads_kv, call.padded)
+        s, width = call.shape, call.dims("q")[1]  # (q's and k's head dim as made ready)
+        return (s.batch, s.seqlen_q, s.nheads, width), (s.batch, s.seqlen_k, s.nheads_kv, width)
 
 
 VARLEN_BACKWARD = _VarlenBackward()

@@ -53,14 +53,17 @@ def plan_backward(
     arrays of the call's own: its copies read zeros past it (a varlen call's ragged tiles stop at
     ``BwdParams.headdim``), its dQ accumulator rows are the wider kernel's, and it writes dK and dV columns of the
     arrays' head dim only. ``headdim_v`` (padded calls on the Hopper dK/dV kernel at ``width``, at least both head
-    dims): v, dout and out have this head dim of their own (a multiple of 8; q and k have q_shape's), read as they
-    are by the TMA copies and by the preprocess; dq, dk and dv are the wider of the two head dims; ValueError where
-    the Hopper dK/dV kernel does not take the call (the caller pads instead).
+    dims; varlen ones where it is narrower than q's and configs.hopper_varlen_own_widths): v, dout and out have this
+    head dim of their own (a multiple of 8; q and k have q_shape's), read as they are by the TMA copies, by a
+    varlen call's ragged copies (which stop at ``BwdParams.headdim_v``) and by the preprocess; dq, dk and dv are
+    the wider of the two head dims; ValueError where the Hopper dK/dV kernel does not take the call (the caller
+    pads instead).
     """
     mask, mods, left, right = kernel_variant(causal, window_size, softcap, alibi_batch_stride is not None, dropout_p)
     batch, seqlen_q, nheads, headdim = q_shape
     seqlen_k, nheads_kv = k_shape[1], k_shape[2]
     own_v = headdim_v is not None and headdim_v != headdim
+    q_headdim = headdim
     shapes = dict(zip(("q", "k", "v", "dout"),
                       tensor_maps.array_shapes(q_shape, k_shape, varlen_totals, headdim_v if own_v else None)))
     if own_v:  # (the gradients, and so the kernels' columns, at the wider head dim: BwdParams.headdim)
@@ -81,9 +84,12 @@ def plan_backward(
                                    deterministic, options, tma=False, dropout=dropout_p > 0)
         config = rows.backward
     hopper = isinstance(config, configs.HopperBwdConfig)
-    if own_v and not (hopper and varlen_totals is None and config.headdim >= headdim):
-        raise ValueError(f"headdim_v = {headdim_v} (q's {q_shape[3]}) runs on the padded Hopper dK/dV kernel alone, "
-                         f"which does not take this call: pad v, dout and out (or q and k) to one head dim")
+    # (varlen: v no wider than q, whose head dim then bounds the dK and dV stores, and both in the row's last pass)
+    if own_v and not (hopper and config.headdim >= headdim and (varlen_totals is None or (
+            headdim_v < q_headdim and configs.hopper_varlen_own_widths(config.headdim, q_headdim, headdim_v)))):
+        raise ValueError(f"headdim_v = {headdim_v} (q's {q_headdim}) runs on the Hopper dK/dV kernel alone (varlen: "
+                         f"v narrower, configs.hopper_varlen_own_widths), which does not take this call: pad v, dout "
+                         f"and out (or q and k) to one head dim")
     atomic = hopper or not deterministic  # (the Hopper kernel adds dQ in either mode: in turns when deterministic)
     total_q, total_k = varlen_totals or (0, 0)
     stats = (0, total_q) if varlen_totals else (nheads * seqlen_q, seqlen_q)
@@ -96,7 +102,8 @@ def plan_backward(
         fields.update(stride_fields(prefix, strides[name]))
     fixed = params.BwdParams(
         **fields, stat_batch_stride=stats[0], stat_head_stride=stats[1], max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k,
-        nheads=nheads, heads_per_kv=nheads // nheads_kv, headdim=headdim, total_q=total_q, total_k=total_k,
+        nheads=nheads, heads_per_kv=nheads // nheads_kv, headdim=headdim,
+        headdim_v=headdim_v if own_v else headdim, total_q=total_q, total_k=total_k,
         batch=batch, dq_pitch=dq_pitch, window_left=left, window_right=right, scale=softmax_scale,
         scale_log2=softmax_scale * _LOG2E, softcap=softcap, alibi_batch_stride=alibi_batch_stride or 0,
         dropout_threshold=threshold, dropout_scale=keep_scale, **error_pointers())

@@ -100,7 +100,7 @@ class BwdParams(_Params):
         *_strides("q"), *_strides("k"), *_strides("v"), *_strides("o"), *_strides("do"), *_strides("dq"),
         *_strides("dk"), *_strides("dv"), ("stat_batch_stride", _i64), ("stat_head_stride", _i64),
         ("max_seqlen_q", _i32), ("max_seqlen_k", _i32), ("nheads", _i32), ("heads_per_kv", _i32), ("headdim", _i32),
-        ("total_q", _i32), ("total_k", _i32), ("batch", _i32), ("q_row_elems", _i32), ("kv_row_elems", _i32),
+        ("headdim_v", _i32), ("total_q", _i32), ("total_k", _i32), ("batch", _i32), ("q_row_elems", _i32), ("kv_row_elems", _i32),
         ("dq_pitch", _i32), ("lanes", _i32),
         ("window_left", _i32), ("window_right", _i32), ("scale", _f32), ("scale_log2", _f32), ("softcap", _f32),
         ("alibi_batch_stride", _i32), ("dropout_threshold", _u32), ("dropout_scale", _f32),

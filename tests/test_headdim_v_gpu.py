@@ -96,24 +96,32 @@ def test_varlen(d, dv):
 
 @pytest.mark.parametrize("d,dv", [(192, 128), (136, 192)])
 @pytest.mark.parametrize("mask", ["none", "causal", "window"])
-def test_hopper_varlen_forward_reads_each_array_as_it_is(d, dv, mask):
+def test_hopper_varlen_reads_each_array_as_it_is(d, dv, mask, monkeypatch):
     """Varlen calls whose head dims both lie in the 192 row's last 64-column pass (configs.hopper_varlen_own_widths)
-    run the Hopper forward on q, k and v as they are: whole tiles by TMA, a sequence's ragged tiles and output rows
-    stopping at each array's own head dim. The output is allocated at v's head dim (contiguous, not a slice of a
-    wider one) and matches the reference, as do the gradients."""
+    run the Hopper forward on q, k and v as they are (and the Hopper backward on v, dout and out too, where v is the
+    narrower): whole tiles by TMA, a sequence's ragged tiles and output rows stopping at each array's own head dim.
+    The output is allocated at v's head dim (contiguous, not a slice of a wider one) and matches the reference, as
+    do the gradients (deterministic too)."""
     if int(cupy_module().cuda.Device().compute_capability) != 90:
-        pytest.skip("the Hopper forward runs on compute capability 9.0 only")
+        pytest.skip("the Hopper kernels run on compute capability 9.0 only")
     import numpy as np
 
     import fa2cupy
+    from fa2cupy import attention, pipeline
 
+    pipeline.forget_plans()  # (so that the backward's plan is made here)
+    planned = []
+    plan_backward = attention.backward.plan_backward
+    monkeypatch.setattr(attention.backward, "plan_backward",
+                        lambda *a, **kw: planned.append(kw.get("headdim_v")) or plan_backward(*a, **kw))
     cp = cupy_module()
     window = (50, 9) if mask == "window" else (-1, -1)
     with kernel_options(hopper_masked_min_seqlen=0):  # (short masked calls on the Hopper forward too)
         run_varlen_case(dict(lengths_q=[70, 0, 1, 200, 131], lengths_k=[70, 0, 1, 200, 67], nheads=4, nheads_kv=2,
                              headdim=d, headdim_v=dv, causal=mask == "causal", window_size=window, softcap=0.0,
                              alibi=None, extra_rows=3, slack=0, dtype="bfloat16" if d == 192 else "float16",
-                             deterministic=False, seed=d + dv))
+                             deterministic=mask == "window", seed=d + dv))
+        assert planned == [dv if dv < d else None]
         rng = np.random.default_rng(d)
         cu = cp.asarray([0, 90, 300], dtype=cp.int32)
         q, k = (cp.asarray(rng.standard_normal((300, 2, d)), dtype=cp.float16) for _ in range(2))

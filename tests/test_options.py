@@ -432,8 +432,8 @@ def test_backward_kernel_at_v_head_dim(planner, monkeypatch):
 
 
 def test_varlen_forward_at_own_widths():
-    # Varlen forward calls read each array at its own head dim where both lie in a wide Hopper row's last 64-column
-    # pass (DeepSeek's 192 / 128), and pad otherwise; the backward pads varlen calls.
+    # Varlen calls read each array at its own head dim where both lie in a wide Hopper row's last 64-column pass
+    # (DeepSeek's 192 / 128), and pad otherwise; the backward only where v is the narrower.
     from fa2cupy import configs
     from fa2cupy.arrays import ArrayInfo
     from fa2cupy.attention import VARLEN_BACKWARD, VARLEN_FORWARD
@@ -460,7 +460,14 @@ def test_varlen_forward_at_own_widths():
              "cu_seqlens_q": info("cu_seqlens_q", (3,), "int32"), "cu_seqlens_k": info("cu_seqlens_k", (3,), "int32")}
     call = VARLEN_BACKWARD.check(infos, (2048, 2048, None, False, (-1, -1), False, 0.0, 0.0), (None, 0))
     VARLEN_BACKWARD.choose(call, infos, 90, DEFAULT)
-    assert not call.own_widths
+    assert call.own_widths and call.dims("v") == (128, 128) and call.dims("q") == (192, 192)
+    for name in ("dout", "v", "out"):
+        infos[name] = info(name, infos[name].shape[:2] + (192,))
+    for name in ("q", "k"):
+        infos[name] = info(name, infos[name].shape[:2] + (136,))
+    call = VARLEN_BACKWARD.check(infos, (2048, 2048, None, False, (-1, -1), False, 0.0, 0.0), (None, 0))
+    VARLEN_BACKWARD.choose(call, infos, 90, DEFAULT)
+    assert not call.own_widths  # (v wider than q: the dV stores stop at q's head dim)
 
 
 def test_varlen_forward_plan_at_v_head_dim(planner):
@@ -476,3 +483,22 @@ def test_varlen_forward_plan_at_v_head_dim(planner):
     strides = ((0, 8 * 128, 128, 1), (0, 8 * 128, 128, 1), (0, 8 * 64, 64, 1), (0, 8 * 64, 64, 1))
     with pytest.raises(ValueError, match="headdim_v = 64 .* Hopper forward alone"):
         forward.plan_forward(q64, q64, strides, "bfloat16", 0.1, False, 90, varlen_totals=(4096, 4096), headdim_v=64)
+
+
+def test_varlen_backward_plan_at_v_head_dim(planner):
+    from fa2cupy import backward
+
+    q, v = (1, 2048, 8, 192), (1, 2048, 8, 128)
+    strides = {n: (0, 8 * 192, 192, 1) for n in ("q", "k", "dq", "dk", "dv")}
+    strides.update({n: (0, 8 * 128, 128, 1) for n in ("v", "dout", "out")})
+    plan = backward.plan_backward(q, q, strides, "bfloat16", 0.1, True, False, 90, varlen_totals=(4096, 4096),
+                                  headdim_v=128)
+    assert plan.config.family == "bwd_hopper"
+    assert plan.main.params.bwd.headdim == 192 and plan.main.params.bwd.headdim_v == 128
+    assert plan.preprocess.params.headdim == 128
+    q136, v192 = (1, 2048, 8, 136), (1, 2048, 8, 192)
+    strides = {n: (0, 8 * 136, 136, 1) for n in ("q", "k")}
+    strides.update({n: (0, 8 * 192, 192, 1) for n in ("v", "dout", "out", "dq", "dk", "dv")})
+    with pytest.raises(ValueError, match="headdim_v = 192 .* Hopper dK/dV kernel alone"):
+        backward.plan_backward(q136, q136, strides, "bfloat16", 0.1, True, False, 90, varlen_totals=(4096, 4096),
+                               width=192, headdim_v=192)

@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                                  ? kernel_params.dq_semaphore + (i64)batch * params.nheads * sem_tiles
                                  : nullptr,
                              sem_tiles, deterministic, params.softcap, params.alibi_slopes, params.alibi_batch_stride,
-                             params.headdim, params.rng_state, params.seed, params.offset,
+                             params.headdim, params.headdim_v, params.rng_state, params.seed, params.offset,
                              params.dropout_threshold, params.dropout_scale, params.nheads};
     int q_start = 0, k_start = 0;  // the sequence's first rows (varlen)
     if constexpr (Tr::kVarlen) {

@@ -78,13 +78,13 @@ FA2_DEVICE void draw_drop_flags(u32 flags, u32 scratch, const Dropout& dropout, 
 // its own and thread ptid + 64's.
 template <class Tr>
 FA2_DEVICE void load_ragged_by_two_warps(u32 q_dst, u32 do_dst, const u16* q, const u16* dout, int q_stride,
-                                         int do_stride, int valid, int ptid, int cols) {
+                                         int do_stride, int valid, int ptid, int cols, int cols_do) {
     using QTile = typename Tr::QTile;
 #pragma unroll 1
     for (int part = 0; part < 2; ++part) {
         const SlabLoader<Tr::kProducerThreads, Tr::kHeadDim> share(ptid + 64 * part, cols);
         share.template load<QTile>(q_dst, q, q_stride, valid, cols);
-        share.template load<QTile>(do_dst, dout, do_stride, valid, cols);
+        share.template load<QTile>(do_dst, dout, do_stride, valid, cols_do);
     }
 }
 
@@ -100,8 +100,9 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
     // Tiles into swizzled slabs (zeros from row `valid` on), each thread its chunks (SlabLoader).
     const int ptid = threadIdx.x - Tr::kConsumerThreads;
     const SlabLoader<Tr::kProducerThreads, Tr::kHeadDim> loader(ptid, args.headdim);
-    const auto load_tile = [&](auto tile, u32 dst, const u16* src, int row_stride, int valid) {
-        loader.template load<decltype(tile)>(dst, src, row_stride, valid, args.headdim);
+    // (`cols`: the array's head dim, q's and k's or v's and dO's)
+    const auto load_tile = [&](auto tile, u32 dst, const u16* src, int row_stride, int valid, int cols) {
+        loader.template load<decltype(tile)>(dst, src, row_stride, valid, cols);
     };
     const int map_batch = Tr::kVarlen ? 0 : batch;  // (varlen: the maps span the packed arrays' rows)
     if (Tr::kTma || args.seqlen_k - key0 >= kN) {  // (varlen: the first thread arrives for all)
@@ -114,11 +115,11 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
         load_tile(KVTile{}, smem.k,
                   args.k + batch * args.k_batch_stride + (i64)(k_start + key0) * args.k_row_stride +
                       kv_head * args.k_head_stride,
-                  args.k_row_stride, args.seqlen_k - key0);
+                  args.k_row_stride, args.seqlen_k - key0, args.headdim);
         load_tile(KVTile{}, smem.v,
                   args.v + batch * args.v_batch_stride + (i64)(k_start + key0) * args.v_row_stride +
                       kv_head * args.v_head_stride,
-                  args.v_row_stride, args.seqlen_k - key0);
+                  args.v_row_stride, args.seqlen_k - key0, args.headdim_v);
         cp_async_fenced_arrive(smem.kv_full);  // (fenced: the consumers read it unfenced)
     }
     const Steps steps = block_steps();
@@ -292,11 +293,11 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
                 load_tile(QTile{}, smem.q + s * QTile::kBytes,
                           args.q + batch * args.q_batch_stride + (i64)(q_start + m0) * args.q_row_stride +
                               head * args.q_head_stride,
-                          args.q_row_stride, args.seqlen_q - m0);
+                          args.q_row_stride, args.seqlen_q - m0, args.headdim);
                 load_tile(QTile{}, smem.dout + s * QTile::kBytes,
                           args.dout + batch * args.do_batch_stride + (i64)(q_start + m0) * args.do_row_stride +
                               head * args.do_head_stride,
-                          args.do_row_stride, args.seqlen_q - m0);
+                          args.do_row_stride, args.seqlen_q - m0, args.headdim_v);
                 cp_async_fenced_arrive(smem.full(s));
             } else if (ptid < 64) {  // (each thread its own share and that of thread ptid + 64, and arrives for both)
                 load_ragged_by_two_warps<Tr>(
@@ -305,7 +306,7 @@ FA2_DEVICE void produce_dkdv(const HopperBwdSmem<Tr>& smem, const HopperBwdArgs&
                         head * args.q_head_stride,
                     args.dout + batch * args.do_batch_stride + (i64)(q_start + m0) * args.do_row_stride +
                         head * args.do_head_stride,
-                    args.q_row_stride, args.do_row_stride, args.seqlen_q - m0, ptid, args.headdim);
+                    args.q_row_stride, args.do_row_stride, args.seqlen_q - m0, ptid, args.headdim, args.headdim_v);
                 cp_async_fenced_arrive<2>(smem.full(s));
             }
             if (ptid < kM) {

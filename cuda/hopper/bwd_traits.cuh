@@ -295,6 +295,7 @@ struct HopperBwdArgs {
     // The arrays' head dim: kHeadDim, or less where the kernel runs wider than the arrays (padded calls: TMA reads
     // zeros past it), and dK and dV have no columns past it to write.
     int headdim;
+    int headdim_v;  // v's and dO's own (varlen: their ragged copies stop at it)
     // Mods: dropout's seed and offset (or rng_state, in device memory), its threshold (0: none) and scale, and the
     // query heads (a step's Philox counter holds batch * nheads + head).
     const u32* rng_state;
