@@ -325,14 +325,13 @@ class HopperBwdConfig:
         (HopperBwdTraits' AlibiOnly: padded calls). ``v_dim``: HopperBwdTraits' VDim, v's narrower head dim
         (hopper_bwd_v_dim); None or the row's own for the row's."""
         if v_dim not in (None, self.headdim):
-            if mods or varlen or score_dim not in (None, self.headdim) or v_dim not in HOPPER_BWD_V_DIMS.get(
-                    self.headdim, ()):
+            if mods or score_dim not in (None, self.headdim) or v_dim not in HOPPER_BWD_V_DIMS.get(self.headdim, ()):
                 raise ValueError(f"the Hopper backward's {self.headdim} row has v head dims "
-                                 f"{HOPPER_BWD_V_DIMS.get(self.headdim, ())} of its own, padded, without modifiers, "
-                                 f"at the row's score products; got {v_dim}")
+                                 f"{HOPPER_BWD_V_DIMS.get(self.headdim, ())} of its own, without modifiers, at the "
+                                 f"row's score products; got {v_dim}")
             return (f"fa2::bwd_dkdv_hopper<fa2::HopperBwdTraits<{self.headdim}, {self.block_m}, {self.stages}, "
-                    f"{str(self.dq_by_keys).lower()}, {DTYPE_TAGS[dtype]}, {MASK_TAGS[mask]}, false, false, "
-                    f"{self.headdim}, false, {v_dim}>>")
+                    f"{str(self.dq_by_keys).lower()}, {DTYPE_TAGS[dtype]}, {MASK_TAGS[mask]}, "
+                    f"{str(varlen).lower()}, false, {self.headdim}, false, {v_dim}>>")
         if alibi_only and (not mods or varlen or score_dim not in (None, self.headdim)):
             raise ValueError("the Hopper backward's ALiBi-only kernel is a padded modifier kernel at the row's "
                              "head dim")
@@ -379,17 +378,17 @@ BACKWARD_HOPPER_TABLE: dict[int, HopperBwdConfig] = {
 HOPPER_BWD_SCORE_DIMS: dict[int, tuple[int, ...]] = {64: (), 128: (80, 96), 192: (160,), 256: ()}
 
 
-#: v head dims narrower than q's that a wide Hopper backward row has padded instantiations for without modifiers
-#: (HopperBwdTraits' VDim: dP^T = V dO^T over v's columns and dV += P^T dO at N = VDim, at the row's score
-#: products): DeepSeek-V2/V3's prefill, q and k at 192 and v at 128. docs/design.md has what it gains.
+#: v head dims narrower than q's that a wide Hopper backward row has instantiations for without modifiers, padded
+#: and varlen (HopperBwdTraits' VDim: dP^T = V dO^T over v's columns and dV += P^T dO at N = VDim, at the row's
+#: score products): DeepSeek-V2/V3's prefill, q and k at 192 and v at 128. docs/design.md has what it gains.
 HOPPER_BWD_V_DIMS: dict[int, tuple[int, ...]] = {192: (128,)}
 
 
 def hopper_bwd_v_dim(headdim_v: int, width: int, score_dim: int, mods: bool, varlen: bool) -> int:
     """v's head dim on the Hopper backward's ``width`` row for a call whose v is ``headdim_v`` wide: the smallest of
-    HOPPER_BWD_V_DIMS that holds it on padded calls without modifiers whose score products are the row's, else the
-    row's own."""
-    if mods or varlen or score_dim != width:
+    HOPPER_BWD_V_DIMS that holds it on calls without modifiers whose score products are the row's, else the row's
+    own. (``varlen``: such calls have them too.)"""
+    if mods or score_dim != width:
         return width
     return min((d for d in HOPPER_BWD_V_DIMS.get(width, ()) if d >= headdim_v), default=width)
 
@@ -452,9 +451,9 @@ def hopper_backward_instantiations() -> list[str]:
              for config in BACKWARD_HOPPER_TABLE.values()
              for dtype in DTYPE_TAGS for mask in MASKS for varlen in (False, True)
              for score_dim in (config.headdim, *hopper_bwd_score_dims(config.headdim, mask, varlen))]
-    narrow_v = [config.name_expression(dtype, mask, v_dim=v_dim)
+    narrow_v = [config.name_expression(dtype, mask, varlen=varlen, v_dim=v_dim)
                 for config in BACKWARD_HOPPER_TABLE.values() for v_dim in HOPPER_BWD_V_DIMS.get(config.headdim, ())
-                for dtype in DTYPE_TAGS for mask in MASKS]
+                for dtype in DTYPE_TAGS for mask in MASKS for varlen in (False, True)]
     mods = [BACKWARD_HOPPER_TABLE[d].name_expression(dtype, "window", mods=True, varlen=varlen,
                                                      alibi_only=alibi_only)
             for d in HOPPER_BWD_MODS_HEADDIMS for dtype in DTYPE_TAGS

@@ -87,7 +87,7 @@ HOPPER_FAMILIES = {
     # (backward: padded and varlen for every mask; with softcap/ALiBi the window variant at HOPPER_BWD_MODS_HEADDIMS,
     # padded only at HOPPER_BWD_MODS_PADDED_ONLY, and its padded ALiBi-only kernel; the rows' narrower score
     # products (HOPPER_BWD_SCORE_DIMS) likewise for every mask, but not varlen window at 128; v's narrower head dims
-    # (HOPPER_BWD_V_DIMS) padded, for every mask)
+    # (HOPPER_BWD_V_DIMS) padded and varlen, for every mask)
     "bwd_hopper": (configs.hopper_backward_instantiations,
                    len(configs.DTYPE_TAGS) * (len(configs.BACKWARD_HOPPER_TABLE) * len(configs.MASKS) * 2
                                               + len(configs.HOPPER_BWD_MODS_HEADDIMS) * 3
@@ -95,7 +95,8 @@ HOPPER_FAMILIES = {
                                               + sum(map(len, configs.HOPPER_BWD_SCORE_DIMS.values()))
                                               * len(configs.MASKS) * 2
                                               - len(configs.HOPPER_BWD_SCORE_DIMS[128])
-                                              + sum(map(len, configs.HOPPER_BWD_V_DIMS.values())) * len(configs.MASKS)),
+                                              + sum(map(len, configs.HOPPER_BWD_V_DIMS.values())) * len(configs.MASKS)
+                                              * 2),
                    lambda: [(c, c.smem_bytes()) for c in configs.BACKWARD_HOPPER_TABLE.values()],
                    "fa2::bwd_dkdv_hopper<"),
 }

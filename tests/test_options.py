@@ -485,15 +485,18 @@ def test_varlen_forward_plan_at_v_head_dim(planner):
         forward.plan_forward(q64, q64, strides, "bfloat16", 0.1, False, 90, varlen_totals=(4096, 4096), headdim_v=64)
 
 
-def test_varlen_backward_plan_at_v_head_dim(planner):
-    from fa2cupy import backward
+def test_varlen_backward_plan_at_v_head_dim(planner, monkeypatch):
+    from fa2cupy import backward, build
 
+    names = []
+    monkeypatch.setattr(build, "get_kernel", lambda family, name, *rest: names.append(name) or object())
     q, v = (1, 2048, 8, 192), (1, 2048, 8, 128)
     strides = {n: (0, 8 * 192, 192, 1) for n in ("q", "k", "dq", "dk", "dv")}
     strides.update({n: (0, 8 * 128, 128, 1) for n in ("v", "dout", "out")})
     plan = backward.plan_backward(q, q, strides, "bfloat16", 0.1, True, False, 90, varlen_totals=(4096, 4096),
                                   headdim_v=128)
     assert plan.config.family == "bwd_hopper"
+    assert any(n.endswith("kMaskCausal, true, false, 192, false, 128>>") for n in names), names  # (VDim, varlen)
     assert plan.main.params.bwd.headdim == 192 and plan.main.params.bwd.headdim_v == 128
     assert plan.preprocess.params.headdim == 128
     q136, v192 = (1, 2048, 8, 136), (1, 2048, 8, 192)

@@ -28,12 +28,12 @@ struct HopperBwdTraits {
     static constexpr int kScoreDim = ScoreDim, kScoreKSteps = ScoreDim / 16;
     static_assert(ScoreDim % 16 == 0 && ScoreDim <= HeadDim && ScoreDim > HeadDim - 64,
                   "the score products' head dim: k16 steps within the row's last 64-column slab");
-    // v's head dim, where it is narrower than q's and k's (a wide row's padded calls without modifiers: configs.
+    // v's head dim, where it is narrower than q's and k's (a wide row's calls without modifiers: configs.
     // HOPPER_BWD_V_DIMS): V and dO have zeros in every tile column past it, so dP^T = V dO^T leaves their k16 steps
     // out and dV += P^T dO runs at N = VDim; dV is written at VDim columns (the rest of dv's row is not written).
     static constexpr int kVDim = VDim, kVKSteps = (VDim < ScoreDim ? VDim : ScoreDim) / 16;
-    static_assert(VDim == HeadDim || (HeadDim > 128 && VDim % 64 == 0 && VDim < HeadDim && !Mods && !Varlen),
-                  "v's own head dim: whole 64-column slabs, on a wide row's padded kernel without modifiers");
+    static_assert(VDim == HeadDim || (HeadDim > 128 && VDim % 64 == 0 && VDim < HeadDim && !Mods),
+                  "v's own head dim: whole 64-column slabs, on a wide row's kernel without modifiers");
     // Wide head dims (192, 256): 64 keys a block, both consumer warpgroups on the same keys (consume_dkdv_wide):
     // warpgroup 0 computes S^T, P^T and dV, warpgroup 1 dP^T, dS^T (P^T handed over in shared memory) and dK, so
     // that each holds one 64 x HeadDim accumulator (HeadDim / 2 registers a thread); dQ_i by columns, warpgroup 0
