@@ -368,7 +368,8 @@ def test_backward_reads_v_dout_and_out_at_their_head_dim_on_hopper():
 
     for d, dv in ((192, 128), (64, 128), (60, 130)):
         infos = {"dout": info("dout", (2, 2048, 8, dv)), "q": info("q", (2, 2048, 8, d)),
-                 "k": info("k", (2, 2048, 8, d)), "v": info("v", (2, 2048, 8, dv)), "out": info("out", (2, 2048, 8, dv)),
+                 "k": info("k", (2, 2048, 8, d)), "v": info("v", (2, 2048, 8, dv)),
+                 "out": info("out", (2, 2048, 8, dv)),
                  "softmax_lse": info("softmax_lse", (2, 8, 2048), "float32")}
         call = BACKWARD.check(infos, (None, False, (-1, -1), False, 0.0, 0.0), (None, 0))
         BACKWARD.choose(call, infos, 90, DEFAULT)
@@ -393,7 +394,8 @@ def test_backward_plan_at_v_head_dim(planner):
     assert plan.preprocess.params.headdim == 128 and plan.preprocess.params.lanes == 16
     assert plan.main.params.bwd.headdim == 192 and plan.convert.params.headdim == 192
     q64 = (2, 2048, 8, 64)
-    strides.update({n: pipeline.c_strides(q64) for n in ("q", "k")}, **{n: pipeline.c_strides(v) for n in ("dq", "dk", "dv")})
+    strides.update({n: pipeline.c_strides(q64) for n in ("q", "k")},
+                   **{n: pipeline.c_strides(v) for n in ("dq", "dk", "dv")})
     plan = backward.plan_backward(q64, q64, strides, "bfloat16", 0.1, False, False, 90, width=128, headdim_v=128)
     assert plan.config.headdim == 128 and plan.main.params.bwd.headdim == 128 and plan.preprocess.params.headdim == 128
     with pytest.raises(ValueError, match="headdim_v = 128 .* Hopper dK/dV kernel alone"):
@@ -448,7 +450,8 @@ def test_varlen_forward_at_own_widths():
 
     for d, dv, own in ((192, 128, True), (184, 128, True), (128, 64, False), (192, 64, False)):
         infos = {"q": info("q", (4096, 8, d)), "k": info("k", (4096, 8, d)), "v": info("v", (4096, 8, dv)),
-                 "cu_seqlens_q": info("cu_seqlens_q", (3,), "int32"), "cu_seqlens_k": info("cu_seqlens_k", (3,), "int32")}
+                 "cu_seqlens_q": info("cu_seqlens_q", (3,), "int32"),
+                 "cu_seqlens_k": info("cu_seqlens_k", (3,), "int32")}
         call = VARLEN_FORWARD.check(infos, (2048, 2048, 0.0, None, False, (-1, -1), 0.0, False, False), (None, 0))
         VARLEN_FORWARD.choose(call, infos, 90, DEFAULT)
         assert call.own_widths == own, (d, dv)

@@ -151,7 +151,7 @@ struct BwdParams {
     int nheads;
     int heads_per_kv;
     int headdim;
-    int headdim_v;     // v's, dout's and out's (the Hopper dK/dV kernel's varlen ragged copies; headdim where they agree)
+    int headdim_v;     // v's, dout's, out's (the Hopper dK/dV kernel's varlen ragged copies; headdim where equal)
     int total_q;
     int total_k;
     int batch;         // bwd_zero_tail: the sequences

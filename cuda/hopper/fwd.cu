@@ -65,8 +65,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                              params.error_host, kernel_params.tile_counter, kernel_params.tmap_q,
                              kernel_params.tmap_k, kernel_params.tmap_v, kernel_params.tmap_o, params.softcap,
                              {kernel_params.mods_unit, kernel_params.mods_unit_inv},
-                             params.alibi_slopes, params.alibi_batch_stride, params.headdim, params.headdim_v, params.rng_state,
-                             params.seed, params.offset, params.dropout_threshold, params.dropout_scale};
+                             params.alibi_slopes, params.alibi_batch_stride, params.headdim, params.headdim_v,
+                             params.rng_state, params.seed, params.offset, params.dropout_threshold,
+                             params.dropout_scale};
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const HopperFwdScheduler<Tr::kBlockM> sched(params.max_seqlen_q, params.nheads, kernel_params.batch,
                                                 kernel_params.heads_per_group);
