@@ -476,13 +476,13 @@ def test_varlen_forward_at_own_widths():
 def test_varlen_forward_plan_at_v_head_dim(planner):
     from fa2cupy import forward
 
-    q, v = (1, 2048, 8, 192), (1, 2048, 8, 128)
+    q = (1, 2048, 8, 192)  # (v and out at 128)
     strides = ((0, 8 * 192, 192, 1), (0, 8 * 192, 192, 1), (0, 8 * 128, 128, 1), (0, 8 * 128, 128, 1))
     plan = forward.plan_forward(q, q, strides, "bfloat16", 0.1, False, 90, varlen_totals=(4096, 4096),
                                 headdim_v=128)
     fixed = plan.launch.params.fwd
     assert plan.config.family == "fwd_hopper" and fixed.headdim == 192 and fixed.headdim_v == 128
-    q64, v = (1, 2048, 8, 128), (1, 2048, 8, 64)
+    q64 = (1, 2048, 8, 128)  # (v at 64: its own width on the 128 row, not in a wide row's last pass)
     strides = ((0, 8 * 128, 128, 1), (0, 8 * 128, 128, 1), (0, 8 * 64, 64, 1), (0, 8 * 64, 64, 1))
     with pytest.raises(ValueError, match="headdim_v = 64 .* Hopper forward alone"):
         forward.plan_forward(q64, q64, strides, "bfloat16", 0.1, False, 90, varlen_totals=(4096, 4096), headdim_v=64)
@@ -493,7 +493,7 @@ def test_varlen_backward_plan_at_v_head_dim(planner, monkeypatch):
 
     names = []
     monkeypatch.setattr(build, "get_kernel", lambda family, name, *rest: names.append(name) or object())
-    q, v = (1, 2048, 8, 192), (1, 2048, 8, 128)
+    q = (1, 2048, 8, 192)  # (v, dout and out at 128)
     strides = {n: (0, 8 * 192, 192, 1) for n in ("q", "k", "dq", "dk", "dv")}
     strides.update({n: (0, 8 * 128, 128, 1) for n in ("v", "dout", "out")})
     plan = backward.plan_backward(q, q, strides, "bfloat16", 0.1, True, False, 90, varlen_totals=(4096, 4096),
@@ -502,7 +502,7 @@ def test_varlen_backward_plan_at_v_head_dim(planner, monkeypatch):
     assert any(n.endswith("kMaskCausal, true, false, 192, false, 128>>") for n in names), names  # (VDim, varlen)
     assert plan.main.params.bwd.headdim == 192 and plan.main.params.bwd.headdim_v == 128
     assert plan.preprocess.params.headdim == 128
-    q136, v192 = (1, 2048, 8, 136), (1, 2048, 8, 192)
+    q136 = (1, 2048, 8, 136)  # (v, dout and out at 192)
     strides = {n: (0, 8 * 136, 136, 1) for n in ("q", "k")}
     strides.update({n: (0, 8 * 192, 192, 1) for n in ("v", "dout", "out", "dq", "dk", "dv")})
     with pytest.raises(ValueError, match="headdim_v = 192 .* Hopper dK/dV kernel alone"):
