@@ -130,6 +130,20 @@ def test_hopper_varlen_reads_each_array_as_it_is(d, dv, mask, monkeypatch):
         assert out.shape == (300, 2, dv) and out.flags.c_contiguous
 
 
+@pytest.mark.parametrize("mods", ["softcap", "alibi"])
+def test_hopper_varlen_at_own_widths_with_modifiers(mods):
+    """As test_hopper_varlen_reads_each_array_as_it_is, on the modifier kernels' varlen rows (192 / 128)."""
+    if int(cupy_module().cuda.Device().compute_capability) != 90:
+        pytest.skip("the Hopper kernels run on compute capability 9.0 only")
+    with kernel_options(hopper_masked_min_seqlen=0):
+        run_varlen_case(dict(lengths_q=[70, 0, 1, 130, 65], lengths_k=[70, 0, 1, 130, 65], nheads=4, nheads_kv=2,
+                             headdim=192, headdim_v=128, causal=mods == "softcap",
+                             window_size=(40, 7) if mods == "alibi" else (-1, -1),
+                             softcap=5.0 if mods == "softcap" else 0.0, alibi="batch" if mods == "alibi" else None,
+                             extra_rows=3, slack=0, dtype="bfloat16", deterministic=mods == "alibi",
+                             seed=len(mods)))
+
+
 def test_torch_autograd():
     """fa2cupy.torch: out with v's head dim, gradients equal to fa2cupy.flash_attn_backward's bitwise
     (deterministic), under torch.compile too."""
