@@ -85,13 +85,14 @@ def _adapt_side_arrays(call: _AttentionCall, named: dict, infos: dict, ready: di
             ready[name] = contiguous(named[name], infos[name])
 
 
-def _ready_at_own_widths(call: _AttentionCall, named: dict, infos: dict, names) -> dict:
-    """The arrays ``names`` made ready (call.ready); with own_widths, each at its own head dim, unless one has
-    strides TMA cannot take: those calls run on the mma.sync kernels, which need one head dim, so all are padded."""
-    ready = {n: call.ready(named[n], infos[n], n) for n in names}
-    if call.own_widths and not all(tensor_maps.usable(x.shape, elem_strides(x)) for x in ready.values()):
+def _ready_at_own_widths(call: _AttentionCall, names, make, strides=elem_strides) -> dict:
+    """The arrays ``names`` made ready by ``make(name)`` (call.ready, or _varlen_view); with own_widths, each at its
+    own head dim, unless one has strides TMA cannot take (``strides(x)``: the kernels' element strides): those calls
+    run on the mma.sync kernels, which need one head dim, so all are padded."""
+    ready = {n: make(n) for n in names}
+    if call.own_widths and not all(tensor_maps.usable(x.shape, strides(x)) for x in ready.values()):
         call.own_widths, call.kernel_width = False, None
-        ready = {n: call.ready(named[n], infos[n], n) for n in names}
+        ready = {n: make(n) for n in names}
     return ready
 
 
@@ -128,10 +129,10 @@ class _Attention(pipeline.Kind):
 
     def choose(self, call, infos, arch, options):
         """On Hopper, a head dim without a Hopper row runs at the next Hopper width up (configs.hopper_pad_width)
-        where the Hopper kernel there takes the call; never with paged K/V (the pages are used in place). With
-        ``own_widths_kind`` (the forward and the backward), a call whose v has a head dim of its own reads each
-        array at its own where the Hopper kernel takes it at the wider one (own_widths): padded calls, and varlen
-        ones where configs.hopper_varlen_own_widths holds (in the backward with v the narrower)."""
+        where the Hopper kernel there takes the call; never with paged K/V (the pages are used in place). A call
+        whose v has a head dim of its own reads each array at its own where the Hopper kernel takes it at the wider
+        one (own_widths): padded calls, and varlen ones where configs.hopper_varlen_own_widths holds (in the
+        backward with v the narrower)."""
         if "block_table" in infos:
             return
         s, varlen = call.shape, call.totals is not None
@@ -147,23 +148,29 @@ class _Attention(pipeline.Kind):
             # The Hopper kernels read the arrays as they are: TMA copies read zeros past their head dim, and a
             # varlen call's ragged tiles (cp.async) stop at it; no output column past it is written.
             call.kernel_width = width
+        if s.headdim == s.dv:
+            return
         width = call.kernel_width or call.padded
         # (the backward's varlen dK and dV stores are bounded by q's head dim: v no wider)
         own_varlen = configs.hopper_varlen_own_widths(width, padded_headdim(s.headdim), padded_headdim(s.dv)) and (
             not self.is_backward or s.dv < s.headdim)
-        if self.own_widths_kind and s.headdim != s.dv and (not varlen or own_varlen) and takes(width):
-            # Its copies and output store are TMA's, which read zeros past an array's columns and write none past
-            # the output's: v, or q and k, need no padded copy, and the output has v's head dim. (Varlen: a
-            # sequence's ragged tiles and output rows stop at each array's own head dim, hopper_varlen_own_widths.)
+        if (not varlen or own_varlen) and takes(width):
+            # The Hopper kernels' copies (and the forward's output store) are TMA's, which read zeros past an
+            # array's columns and write none past the output's: v, or q and k, need no padded copy, and the forward's
+            # output has v's head dim (the backward's gradients stay at the wider one, dK and dV's one store bound,
+            # and are sliced). Varlen: a sequence's ragged tiles and output rows stop at each array's own head dim
+            # (hopper_varlen_own_widths).
             call.own_widths, call.kernel_width = True, width
 
     is_backward = False  # (for choose)
-    own_widths_kind = False  # (for choose)
+
+    def _returned_dims(self, call) -> list:
+        """The caller's head dim of each output in head_dim_outputs (they are allocated at _allocated_width)."""
+        return [call.shape.dv if which == "v" else call.shape.headdim for which in self.head_dim_outputs]
 
     def results(self, call, outs, views):
-        n, s = len(self.head_dim_outputs), call.shape
-        dims = [s.dv if which == "v" else s.headdim for which in self.head_dim_outputs]
-        return pipeline.returned_head_dim(outs[:n], dims, self._allocated_width(call)) + outs[n:]
+        n = len(self.head_dim_outputs)
+        return pipeline.returned_head_dim(outs[:n], self._returned_dims(call), self._allocated_width(call)) + outs[n:]
 
     @staticmethod
     def _allocated_width(call) -> int:
@@ -171,8 +178,7 @@ class _Attention(pipeline.Kind):
         return call.padded
 
     def cached_result(self, call, options):
-        n, s = len(self.head_dim_outputs), call.shape
-        dims, width = [s.dv if w == "v" else s.headdim for w in self.head_dim_outputs], self._allocated_width(call)
+        n, dims, width = len(self.head_dim_outputs), self._returned_dims(call), self._allocated_width(call)
         result = self.result(options)
         if all(d == width for d in dims):
             return result
@@ -192,7 +198,6 @@ class _Forward(_Attention):
     returned = poisoned = ("out", "softmax_lse")
     launch = staticmethod(forward.run_forward)
     no_pointers = forward.NO_POINTERS
-    own_widths_kind = True  # (its output store is TMA's too: the output can have v's head dim)
 
     def check(self, infos, options, values):
         dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs = options
@@ -204,7 +209,7 @@ class _Forward(_Attention):
                                values)
 
     def adapt(self, call, named, infos):
-        ready = _ready_at_own_widths(call, named, infos, ("q", "k", "v"))
+        ready = _ready_at_own_widths(call, ("q", "k", "v"), lambda n: call.ready(named[n], infos[n], n))
         _fold_negative_scale(call, ready)
         _adapt_side_arrays(call, named, infos, ready, ("alibi_slopes", "dropout_rng_state"))
         return ready
@@ -383,7 +388,6 @@ class _Backward(_Attention):
     returned = poisoned = ("dq", "dk", "dv")
     head_dim_outputs = ("q", "q", "v")  # dq, dk, dv
     is_backward = True
-    own_widths_kind = True  # (its gradients stay at the wider head dim, dK and dV's one store bound, and are sliced)
     launch = staticmethod(backward.run_backward)
     no_pointers = backward.NO_POINTERS
 
@@ -396,7 +400,7 @@ class _Backward(_Attention):
                                values)
 
     def adapt(self, call, named, infos):
-        ready = _ready_at_own_widths(call, named, infos, ("dout", "q", "k", "v", "out"))
+        ready = _ready_at_own_widths(call, ("dout", "q", "k", "v", "out"), lambda n: call.ready(named[n], infos[n], n))
         _adapt_side_arrays(call, named, infos, ready, ("softmax_lse", "alibi_slopes", "dropout_rng_state"))
         return ready
 
@@ -492,15 +496,6 @@ def _varlen_view(x, info, call: _AttentionCall, name: str):
     return kernel_ready(arrays.to_cupy(x, info)[None], *call.dims(name))
 
 
-def _varlen_views_at_own_widths(call: _AttentionCall, named: dict, infos: dict, names) -> dict:
-    """_ready_at_own_widths for varlen views (_varlen_view) of the arrays ``names``."""
-    ready = {n: _varlen_view(named[n], infos[n], call, n) for n in names}
-    if call.own_widths and not all(tensor_maps.usable(x.shape, _varlen_strides(x)) for x in ready.values()):
-        call.own_widths, call.kernel_width = False, None  # (the mma.sync kernels: one head dim, padded copies)
-        ready = {n: _varlen_view(named[n], infos[n], call, n) for n in names}
-    return ready
-
-
 def _varlen_strides(x) -> tuple:
     """Element strides of a (1, total, heads, d) view for the kernels: batch stride 0 (cu_seqlens give the rows)."""
     return (0,) + elem_strides(x)[1:]
@@ -534,7 +529,8 @@ class _VarlenForward(_Forward):
             ready.update((n, call.ready(named[n], infos[n], n)) for n in ("k", "v"))
             call.paged = (ready["k"].shape[0], ready["k"].shape[1], infos["block_table"].shape[1])
         else:
-            ready = _varlen_views_at_own_widths(call, named, infos, ("q", "k", "v"))
+            ready = _ready_at_own_widths(call, ("q", "k", "v"), lambda n: _varlen_view(named[n], infos[n], call, n),
+                                         _varlen_strides)
         _fold_negative_scale(call, ready)
         _adapt_side_arrays(call, named, infos, ready, self.arrays[3:])
         return ready
@@ -668,7 +664,8 @@ class _VarlenBackward(_Backward):
         return call
 
     def adapt(self, call, named, infos):
-        ready = _varlen_views_at_own_widths(call, named, infos, ("dout", "q", "k", "v", "out"))
+        ready = _ready_at_own_widths(call, ("dout", "q", "k", "v", "out"),
+                                     lambda n: _varlen_view(named[n], infos[n], call, n), _varlen_strides)
         _adapt_side_arrays(call, named, infos, ready,
                            ("softmax_lse", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "dropout_rng_state"))
         return ready

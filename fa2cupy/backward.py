@@ -118,7 +118,7 @@ def plan_backward(
     # (a call narrower than the Hopper row: its score products leave out the k16 steps of the zero columns)
     score_dim = (configs.hopper_bwd_score_dim(headdim, config.headdim, mods, mask, varlen),) if hopper else ()
     if own_v and headdim_v < headdim:  # (v narrower than q: dP^T's k and dV's N at v's own head dim where it has one)
-        v_dim = configs.hopper_bwd_v_dim(headdim_v, config.headdim, score_dim[0], mods, varlen)
+        v_dim = configs.hopper_bwd_v_dim(headdim_v, config.headdim, score_dim[0], mods)
         only = {**only, "v_dim": v_dim} if v_dim != config.headdim else only
     function = build.get_kernel(config.family,
                                 config.name_expression(dtype, mask, atomic, mods, varlen, *score_dim, **only), smem)

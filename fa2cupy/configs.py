@@ -324,14 +324,12 @@ class HopperBwdConfig:
         None or the row's own head dim for the row's. ``alibi_only``: the modifier kernel with ALiBi's code alone
         (HopperBwdTraits' AlibiOnly: padded calls). ``v_dim``: HopperBwdTraits' VDim, v's narrower head dim
         (hopper_bwd_v_dim); None or the row's own for the row's."""
-        if v_dim not in (None, self.headdim):
-            if mods or score_dim not in (None, self.headdim) or v_dim not in HOPPER_BWD_V_DIMS.get(self.headdim, ()):
-                raise ValueError(f"the Hopper backward's {self.headdim} row has v head dims "
-                                 f"{HOPPER_BWD_V_DIMS.get(self.headdim, ())} of its own, without modifiers, at the "
-                                 f"row's score products; got {v_dim}")
-            return (f"fa2::bwd_dkdv_hopper<fa2::HopperBwdTraits<{self.headdim}, {self.block_m}, {self.stages}, "
-                    f"{str(self.dq_by_keys).lower()}, {DTYPE_TAGS[dtype]}, {MASK_TAGS[mask]}, "
-                    f"{str(varlen).lower()}, false, {self.headdim}, false, {v_dim}>>")
+        narrow_v = v_dim not in (None, self.headdim)
+        if narrow_v and (mods or score_dim not in (None, self.headdim)
+                         or v_dim not in HOPPER_BWD_V_DIMS.get(self.headdim, ())):
+            raise ValueError(f"the Hopper backward's {self.headdim} row has v head dims "
+                             f"{HOPPER_BWD_V_DIMS.get(self.headdim, ())} of its own, without modifiers, at the row's "
+                             f"score products; got {v_dim}")
         if alibi_only and (not mods or varlen or score_dim not in (None, self.headdim)):
             raise ValueError("the Hopper backward's ALiBi-only kernel is a padded modifier kernel at the row's "
                              "head dim")
@@ -343,7 +341,9 @@ class HopperBwdConfig:
             raise ValueError(f"the Hopper backward's {self.headdim} row has score products over "
                              f"{hopper_bwd_score_dims(self.headdim, mask, varlen)} too, without modifiers; got "
                              f"{score_dim}")
-        if trimmed:
+        if narrow_v:
+            tail = f", {str(varlen).lower()}, false, {self.headdim}, false, {v_dim}"
+        elif trimmed:
             tail = f", {str(varlen).lower()}, false, {score_dim}"
         elif alibi_only:
             tail = f", false, true, {self.headdim}, true"
@@ -384,10 +384,10 @@ HOPPER_BWD_SCORE_DIMS: dict[int, tuple[int, ...]] = {64: (), 128: (80, 96), 192:
 HOPPER_BWD_V_DIMS: dict[int, tuple[int, ...]] = {192: (128,)}
 
 
-def hopper_bwd_v_dim(headdim_v: int, width: int, score_dim: int, mods: bool, varlen: bool) -> int:
-    """v's head dim on the Hopper backward's ``width`` row for a call whose v is ``headdim_v`` wide: the smallest of
-    HOPPER_BWD_V_DIMS that holds it on calls without modifiers whose score products are the row's, else the row's
-    own. (``varlen``: such calls have them too.)"""
+def hopper_bwd_v_dim(headdim_v: int, width: int, score_dim: int, mods: bool) -> int:
+    """v's head dim on the Hopper backward's ``width`` row for a call whose v is ``headdim_v`` wide (padded or
+    varlen): the smallest of HOPPER_BWD_V_DIMS that holds it on calls without modifiers whose score products are the
+    row's, else the row's own."""
     if mods or score_dim != width:
         return width
     return min((d for d in HOPPER_BWD_V_DIMS.get(width, ()) if d >= headdim_v), default=width)
