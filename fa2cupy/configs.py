@@ -84,8 +84,14 @@ class HopperFwdConfig:
     v_stages: int  # V ring depth (a slot goes back after P V, a step later than K's)
     q_buffers: int  # 2: the next work item's Q loads during this one
     consumer_wgs: int = 2  # 2 or 3 (three fit the registers at d=64 only)
+    v_dim: int | None = None  # HopperFwdTraits' HeadDimV where v is narrower (FORWARD_HOPPER_V_TABLE), else None
 
     family = "fwd_hopper"  # cuda/hopper/fwd.cu
+
+    @property
+    def headdim_v(self) -> int:
+        """The head dim of the kernel's V tiles, P V and output: v_dim, else the row's."""
+        return self.v_dim or self.headdim
 
     @property
     def block_m(self) -> int:
@@ -99,8 +105,8 @@ class HopperFwdConfig:
     def smem_bytes(self) -> int:
         # Must match HopperFwdTraits::kSmemBytes: alignment slack, the Q buffers, the K/V ring, the mbarriers,
         # the work-item words (7 a Q buffer, 2 to hand out the next item).
-        stages = self.k_stages + self.v_stages
-        return 1024 + self.q_buffers * self.block_m * self.headdim * 2 + stages * self.block_n * self.headdim * 2 + (
+        tiles = self.k_stages * self.headdim + self.v_stages * self.headdim_v
+        return 1024 + self.q_buffers * self.block_m * self.headdim * 2 + tiles * self.block_n * 2 + (
             8 * (2 * self.k_stages + self.v_stages + 2 * self.q_buffers) + 4 * (7 * self.q_buffers + 2))
 
     def name_expression(self, dtype: str, mask: str, mods: bool = False, varlen: bool = False,
@@ -111,7 +117,13 @@ class HopperFwdConfig:
             raise ValueError("paged K/V comes with varlen")
         if alibi_only and not (mods and not varlen and mask != "window"):
             raise ValueError("the ALiBi-only kernel is a padded modifier kernel without a window")
-        if mods:
+        if self.v_dim is not None:
+            if mods or paged or self.v_dim not in forward_hopper_v_dims(self.headdim):
+                raise ValueError(f"the Hopper forward's {self.headdim} row has v head dims "
+                                 f"{forward_hopper_v_dims(self.headdim)} of its own, without modifiers, not paged; "
+                                 f"got {self.v_dim}")
+            flags = f"{DTYPE_TAGS[dtype]}, {MASK_TAGS[mask]}, {str(varlen).lower()}, false, false, false, {self.v_dim}"
+        elif mods:
             flags = f"{DTYPE_TAGS[dtype]}, {MASK_TAGS[mask]}, {str(varlen).lower()}, {str(paged).lower()}, true"
             flags += ", true" if alibi_only else ""
         else:
@@ -142,6 +154,41 @@ FORWARD_HOPPER_TABLE: dict[int, HopperFwdConfig] = {
 FORWARD_HOPPER_MODS_TABLE: dict[int, HopperFwdConfig] = {
     64: HopperFwdConfig(64, 128, 4, 4, 2, 2),
 }
+
+
+#: v head dims narrower than q's that a Hopper forward row has kernels for without modifiers, padded and varlen (not
+#: paged): (row, v head dim) -> the config, HopperFwdTraits' HeadDimV: V's tiles, P V and O at v's width. DeepSeek-
+#: V2/V3's prefill, q and k at 192 and v at 128. With O at 64 of a thread's registers rather than 96, three consumer
+#: warpgroups take turns (192-row items, 152 registers each, the producer 56) on one Q buffer (72 KB) with K 3 and V 4
+#: slots (208 KB). H200, bf16, 16k tokens, in turns, 2k and 8k, causal and not, as a share of the square call's
+#: TFLOPs/s (counted at each product's width): 0.89-0.94, against 0.82-0.87 for the 192 row's own kernel reading v
+#: at 128 columns and 0.81-0.90 for HeadDimV on the row's two warpgroups (P V at N = 128 alone did not shorten the
+#: 64-key step: docs/design.md). The varlen window kernel keeps the row's two warpgroups and Q buffers
+#: (hopper_fwd_v_config).
+FORWARD_HOPPER_V_TABLE: dict[tuple[int, int], HopperFwdConfig] = {
+    (192, 128): HopperFwdConfig(192, 64, 3, 4, 1, 3, v_dim=128),
+}
+
+
+def forward_hopper_v_dims(width: int) -> tuple[int, ...]:
+    """The narrower v head dims the Hopper forward's ``width`` row has kernels for (FORWARD_HOPPER_V_TABLE)."""
+    return tuple(sorted(v for (row, v) in FORWARD_HOPPER_V_TABLE if row == width))
+
+
+def hopper_fwd_v_config(config: HopperFwdConfig, headdim_v: int, mods: bool, paged: bool, mask: str = "none",
+                        varlen: bool = False) -> HopperFwdConfig:
+    """The Hopper forward's config for a call on the row ``config`` whose v (and output) is ``headdim_v`` wide: the
+    FORWARD_HOPPER_V_TABLE kernel of the smallest v head dim that holds it, on calls without modifiers (``mods``:
+    softcap, ALiBi or dropout) nor paged K/V, else ``config`` itself. Varlen window calls take that v head dim on
+    the row's own tiles (their kernel's consumers spill 12 bytes at three warpgroups' 152 registers)."""
+    if mods or paged or config.v_dim is not None:
+        return config
+    v_dim = min((d for d in forward_hopper_v_dims(config.headdim) if d >= headdim_v), default=None)
+    if v_dim is None:
+        return config
+    if varlen and mask == "window":
+        return replace(config, v_dim=v_dim)
+    return FORWARD_HOPPER_V_TABLE[(config.headdim, v_dim)]
 
 
 def hopper_forward_row(headdim: int, mods: bool = False) -> HopperFwdConfig:
@@ -824,11 +871,15 @@ def hopper_forward_instantiations() -> list[str]:
                 ("window", True, False, False, False), ("window", True, True, False, False),
                 ("window", True, True, True, False), ("causal", True, False, False, True),
                 ("none", True, False, False, True))
-    return sorted(hopper_forward_row(d, mods).name_expression(dtype, mask, mods, varlen=varlen, paged=paged,
-                                                              alibi_only=alibi_only)
-                  for d in FORWARD_HOPPER_TABLE for dtype in DTYPE_TAGS
-                  for mask, mods, varlen, paged, alibi_only in (*plain, *modified)
-                  if not mods or hopper_takes_mods(d, varlen))
+    narrow_v = [hopper_fwd_v_config(FORWARD_HOPPER_TABLE[d], v_dim, False, False, mask, varlen).name_expression(
+                    dtype, mask, varlen=varlen)
+                for d, v_dim in FORWARD_HOPPER_V_TABLE for dtype in DTYPE_TAGS for mask in MASKS
+                for varlen in (False, True)]
+    return sorted([hopper_forward_row(d, mods).name_expression(dtype, mask, mods, varlen=varlen, paged=paged,
+                                                               alibi_only=alibi_only)
+                   for d in FORWARD_HOPPER_TABLE for dtype in DTYPE_TAGS
+                   for mask, mods, varlen, paged, alibi_only in (*plain, *modified)
+                   if not mods or hopper_takes_mods(d, varlen)] + narrow_v)
 
 
 def backward_config(arch: int, headdim: int, dtype: str, mask: str, mods: bool = False) -> BwdConfig:

@@ -183,6 +183,9 @@ def plan_forward(
         raise ValueError(f"headdim_v = {headdim_v} (q's {headdim}) runs on the Hopper forward alone (varlen: "
                          f"configs.hopper_varlen_own_widths), which does not take this call: pad v (or q and k) to "
                          f"one head dim")
+    if own_v and headdim_v < config.headdim:  # (v narrower than the row: its own V tiles and P V where it has them)
+        config = configs.hopper_fwd_v_config(config, headdim_v, mods, paged is not None, mask,
+                                             varlen_totals is not None)
     function = build.get_kernel(config.family, config.name_expression(dtype, mask, mods, varlen_totals is not None,
                                                                       paged is not None, **only), config.smem_bytes)
     fixed = _forward_params(q_shape, k_shape, strides, softmax_scale, left, right, softcap, alibi_batch_stride,

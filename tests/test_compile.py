@@ -76,13 +76,18 @@ FAMILIES = {
 HOPPER_FAMILIES = {
     # (forward: padded, varlen and paged for every mask; with softcap/ALiBi padded causal, window and none, varlen
     # and paged window, at the head dims of HOPPER_MODS_HEADDIMS; padded only at HOPPER_MODS_PADDED_ONLY; ALiBi
-    # alone padded causal and none)
+    # alone padded causal and none; v's narrower head dims (FORWARD_HOPPER_V_TABLE) padded and varlen, every mask)
     "fwd_hopper": (configs.hopper_forward_instantiations,
                    len(configs.DTYPE_TAGS) * (len(configs.FORWARD_HOPPER_TABLE) * len(configs.MASKS) * 3
                                               + len(configs.HOPPER_MODS_HEADDIMS) * (5 + 2)
-                                              - len(configs.HOPPER_MODS_PADDED_ONLY) * 2),
+                                              - len(configs.HOPPER_MODS_PADDED_ONLY) * 2
+                                              + len(configs.FORWARD_HOPPER_V_TABLE) * len(configs.MASKS) * 2),
                    lambda: [(c, c.smem_bytes) for c in (*configs.FORWARD_HOPPER_TABLE.values(),
-                                                         *configs.FORWARD_HOPPER_MODS_TABLE.values())],
+                                                         *configs.FORWARD_HOPPER_MODS_TABLE.values(),
+                                                         *configs.FORWARD_HOPPER_V_TABLE.values(),
+                                                         *(dataclasses.replace(configs.FORWARD_HOPPER_TABLE[d],
+                                                                               v_dim=v_dim)
+                                                           for d, v_dim in configs.FORWARD_HOPPER_V_TABLE))],
                    "fa2::flash_fwd_hopper<"),
     # (backward: padded and varlen for every mask; with softcap/ALiBi the window variant at HOPPER_BWD_MODS_HEADDIMS,
     # padded only at HOPPER_BWD_MODS_PADDED_ONLY, and its padded ALiBi-only kernel; the rows' narrower score

@@ -54,9 +54,10 @@ def test_hopper_forward_reads_each_array_as_it_is(d, dv, causal):
 @pytest.mark.parametrize("d,dv", [(192, 128), (176, 64)])
 @pytest.mark.parametrize("mask", ["none", "causal", "window"])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_hopper_backward_at_v_head_dim(d, dv, mask, deterministic, monkeypatch):
-    """The 192 row's dK/dV kernel at v's own head dim 128 (configs.HOPPER_BWD_V_DIMS: dP^T over v's columns, dV at
-    N = 128) runs these calls, and its gradients match the reference: every mask variant, both modes and types."""
+def test_hopper_kernels_at_v_head_dim(d, dv, mask, deterministic, monkeypatch):
+    """The 192 row's forward and dK/dV kernels at v's own head dim 128 (configs.FORWARD_HOPPER_V_TABLE: V's tiles, P V
+    and O at 128 columns; configs.HOPPER_BWD_V_DIMS: dP^T over v's columns, dV at N = 128) run these calls, and the
+    output and gradients match the reference: every mask variant, both modes and types."""
     if int(cupy_module().cuda.Device().compute_capability) != 90:
         pytest.skip("the Hopper backward runs on compute capability 9.0 only")
     from fa2cupy import build
@@ -69,6 +70,8 @@ def test_hopper_backward_at_v_head_dim(d, dv, mask, deterministic, monkeypatch):
                              dtype="float16" if deterministic else "bfloat16", seed=d + 3 * dv),
                        deterministic=deterministic))
     assert any(n.startswith("fa2::bwd_dkdv_hopper") and n.endswith(", 192, false, 128>>") for n in names), names
+    assert any(n.startswith("fa2::flash_fwd_hopper") and n.endswith(", false, false, false, false, 128>>")
+               for n in names), names
 
 
 def test_window_softcap_and_sq_above_sk():
@@ -109,7 +112,12 @@ def test_hopper_varlen_reads_each_array_as_it_is(d, dv, mask, monkeypatch):
     import fa2cupy
     from fa2cupy import attention, pipeline
 
-    pipeline.forget_plans()  # (so that the backward's plan is made here)
+    from fa2cupy import build
+
+    pipeline.forget_plans()  # (so that the plans are made here)
+    names, get_kernel = [], build.get_kernel
+    monkeypatch.setattr(build, "get_kernel", lambda family, name, *rest: names.append(name) or get_kernel(
+        family, name, *rest))
     planned = []
     plan_backward = attention.backward.plan_backward
     monkeypatch.setattr(attention.backward, "plan_backward",
@@ -122,6 +130,9 @@ def test_hopper_varlen_reads_each_array_as_it_is(d, dv, mask, monkeypatch):
                              alibi=None, extra_rows=3, slack=0, dtype="bfloat16" if d == 192 else "float16",
                              deterministic=mask == "window", seed=d + dv))
         assert planned == [dv if dv < d else None]
+        # (v at 128: the forward's HeadDimV kernel, varlen)
+        assert any(n.startswith("fa2::flash_fwd_hopper") and n.endswith(", true, false, false, false, 128>>")
+                   for n in names) == (dv == 128), names
         rng = np.random.default_rng(d)
         cu = cp.asarray([0, 90, 300], dtype=cp.int32)
         q, k = (cp.asarray(rng.standard_normal((300, 2, d)), dtype=cp.float16) for _ in range(2))

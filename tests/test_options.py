@@ -488,6 +488,46 @@ def test_varlen_forward_plan_at_v_head_dim(planner):
         forward.plan_forward(q64, q64, strides, "bfloat16", 0.1, False, 90, varlen_totals=(4096, 4096), headdim_v=64)
 
 
+def test_forward_kernel_at_v_head_dim(planner, monkeypatch):
+    # The 192 row's forward at v's own head dim 128 (HopperFwdTraits' HeadDimV) for padded and varlen calls without
+    # modifiers whose v is at most 128 wide; the row's own otherwise.
+    from fa2cupy import build, configs, forward, pipeline
+
+    names = []
+    monkeypatch.setattr(build, "get_kernel", lambda family, name, *rest: names.append(name) or object())
+
+    def kernel(d, dv, varlen=False, **kw):
+        q, v = (1 if varlen else 2, 2048, 8, d), (1 if varlen else 2, 2048, 8, dv)
+        strides = [(0, 8 * x[3], x[3], 1) if varlen else pipeline.c_strides(x) for x in (q, q, v, v)]
+        names.clear()
+        plan = forward.plan_forward(q, q, tuple(strides), "bfloat16", 0.1, kw.pop("causal", False), 90,
+                                    width=None if varlen else 192, headdim_v=dv,
+                                    varlen_totals=(4096, 4096) if varlen else None, **kw)
+        assert plan.launch.smem_bytes == plan.config.smem_bytes
+        return next(n for n in names if n.startswith("fa2::flash_fwd_hopper"))
+
+    assert kernel(192, 128).endswith("kMaskNone, false, false, false, false, 128>>")
+    assert kernel(184, 64, causal=True).endswith("kMaskCausal, false, false, false, false, 128>>")
+    assert kernel(192, 128, varlen=True, causal=True).endswith("kMaskCausal, true, false, false, false, 128>>")
+    assert kernel(192, 128, window_size=(100, 0)).endswith("kMaskWindow, false, false, false, false, 128>>")
+    assert kernel(192, 136).endswith("kMaskNone>>")  # (wider than 128: the row's)
+    assert kernel(192, 128, softcap=5.0).endswith("kMaskNone, false, false, true>>")  # (modifiers: the row's)
+    assert kernel(192, 128, dropout_p=0.1).endswith("kMaskWindow, false, false, true>>")  # (dropout: window)
+    row = configs.FORWARD_HOPPER_TABLE[192]
+    narrow = configs.hopper_fwd_v_config(row, 128, False, False)
+    assert narrow.headdim_v == 128 and narrow.consumer_wgs == 3 and narrow.block_m == 192
+    assert kernel(192, 128).startswith("fa2::flash_fwd_hopper<fa2::HopperFwdTraits<192, 64, 3, 4, 1, 3,")
+    # (varlen window calls: v's head dim on the row's two warpgroups)
+    assert configs.hopper_fwd_v_config(row, 128, False, False, "window", True) == dataclasses.replace(row, v_dim=128)
+    assert kernel(192, 128, varlen=True, window_size=(50, 50)).startswith(
+        "fa2::flash_fwd_hopper<fa2::HopperFwdTraits<192, 64, 2, 3, 2, 2,")
+    assert configs.hopper_fwd_v_config(configs.FORWARD_HOPPER_TABLE[128], 64, False, False).v_dim is None
+    with pytest.raises(ValueError, match="v head dims"):
+        narrow.name_expression("bfloat16", "window", mods=True)
+    with pytest.raises(ValueError, match="v head dims"):
+        narrow.name_expression("bfloat16", "none", varlen=True, paged=True)
+
+
 def test_varlen_backward_plan_at_v_head_dim(planner, monkeypatch):
     from fa2cupy import backward, build
 

@@ -46,7 +46,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     if constexpr (Tr::kVarlen && !Tr::kPaged && VarlenLoader<Tr>::kPasses == 1) {
         // arrays narrower than the kernel: their columns past them in Q, K and V zero (SlabLoader)
         if (kernel_params.fwd.headdim < Tr::kHeadDim)
-            zero_shared(smem.q, Tr::kQBuffers * Tr::QTile::kBytes + (Tr::kKStages + Tr::kVStages) * Tr::KVTile::kBytes);
+            zero_shared(smem.q, Tr::kQBuffers * Tr::QTile::kBytes + Tr::kKStages * Tr::KVTile::kBytes +
+                                    Tr::kVStages * Tr::VTile::kBytes);
     }
     if (threadIdx.x == 0) smem.init_barriers();
     __syncthreads();
@@ -86,7 +87,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     HopperFwdConsumer<Tr> consumer(smem, args, warp, lane);
     const int& wg = consumer.wg;
     using QTile = typename Tr::QTile;
-    constexpr int kNT = Tr::kBlockN / 8, kDT = Tr::kHeadDim / 8;
+    constexpr int kNT = Tr::kBlockN / 8, kDT = Tr::kHeadDimV / 8;
     constexpr int kKS = Tr::kKStages, kVS = Tr::kVStages;
     using Softmax = OnlineSoftmax<1, kNT>;
     constexpr bool kHalves = Tr::kBlockN == 128;

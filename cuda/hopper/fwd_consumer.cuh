@@ -22,14 +22,14 @@ namespace fa2 {
 // O += P V over k16 steps [Begin, End) of P (V: the tile at v_slot), 16 key rows apart, with a fence and a commit of
 // their own (each branch of issue_pv its own: ptxas would inject them).
 template <class Tr, int Begin, int End>
-FA2_DEVICE void issue_pv_steps(float (&acc_o)[1][Tr::kHeadDim / 8][4], const u32 (&p)[Tr::kBlockN / 16][4],
+FA2_DEVICE void issue_pv_steps(float (&acc_o)[1][Tr::kHeadDimV / 8][4], const u32 (&p)[Tr::kBlockN / 16][4],
                                u32 v_slot) {
-    using KVTile = typename Tr::KVTile;
+    using VTile = typename Tr::VTile;
     wgmma_fence();
 #pragma unroll
     for (int kk = Begin; kk < End; ++kk)
-        Wgmma<typename Tr::Elem, Tr::kHeadDim>::rs_mn(
-            acc_o, p[kk], smem_desc_sw128(KVTile::at(v_slot, kk * 16, 0), KVTile::kSlabBytes), 1);
+        Wgmma<typename Tr::Elem, Tr::kHeadDimV>::rs_mn(
+            acc_o, p[kk], smem_desc_sw128(VTile::at(v_slot, kk * 16, 0), VTile::kSlabBytes), 1);
     wgmma_commit();
 }
 
@@ -48,7 +48,8 @@ template <class Tr>
 struct HopperFwdConsumer {
     using QTile = typename Tr::QTile;
     using KVTile = typename Tr::KVTile;
-    static constexpr int kNT = Tr::kBlockN / 8, kDT = Tr::kHeadDim / 8;
+    using VTile = typename Tr::VTile;
+    static constexpr int kNT = Tr::kBlockN / 8, kDT = Tr::kHeadDimV / 8;
     static constexpr int kKS = Tr::kKStages, kVS = Tr::kVStages;
     using Softmax = OnlineSoftmax<1, kNT>;
 
@@ -111,7 +112,7 @@ struct HopperFwdConsumer {
     }
     // O += P V with V in ring slot `slot`, over the keys of `halves` (KeyHalves).
     FA2_DEVICE void issue_pv(float (&acc_o)[1][kDT][4], const u32 (&p)[kNT / 2][4], int slot, int halves) const {
-        const u32 v_slot = smem.v + slot * KVTile::kBytes;
+        const u32 v_slot = smem.v + slot * VTile::kBytes;
         constexpr bool kHalves = Tr::kBlockN == 128;
         if (!kHalves || halves == kBothHalves)
             issue_pv_steps<Tr, 0, kNT / 2>(acc_o, p, v_slot);

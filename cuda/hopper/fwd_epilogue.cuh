@@ -18,7 +18,7 @@ FA2_DEVICE void write_rows_tma(const HopperFwdSmem<Tr>& smem, const TensorMap& t
     using QTile = typename Tr::QTile;
     const int* slot = smem.item_slots + Tr::kSlotWords * buffer;
     const u32 tile = smem.q + buffer * QTile::kBytes;
-    for (int slab = 0; slab < QTile::kSlabs; ++slab)
+    for (int slab = 0; slab < Tr::OTile::kSlabs; ++slab)
         tma_store(tmap_o, 64 * slab, slot[5], slot[4] * Tr::kBlockM, slot[6], tile + slab * QTile::kSlabBytes);
     bulk_commit();
 }
@@ -39,7 +39,7 @@ FA2_DEVICE void write_rows_varlen(const HopperFwdSmem<Tr>& smem, const HopperFwd
     const int row0 = m_block * Tr::kBlockM;
     if (seqlen - row0 >= Tr::kBlockM) {  // a whole tile: the first thread's TMA store
         if (ptid == 0) {
-            tma_store_tile<QTile>(args.tmap_o, head, q_start + row0, 0, smem.q + buffer * QTile::kBytes);
+            tma_store_tile<typename Tr::OTile>(args.tmap_o, head, q_start + row0, 0, smem.q + buffer * QTile::kBytes);
             bulk_wait_read<0>();  // (the rows read out before Q lands there)
         }
         return;
@@ -54,7 +54,10 @@ FA2_DEVICE void write_rows_varlen(const HopperFwdSmem<Tr>& smem, const HopperFwd
 #pragma unroll
         for (int pass = 0; pass < Loader::kPasses; ++pass) {  // (rows wider than 128 columns: a slab at a time)
             // (past o's own head dim, which may be narrower: with one pass, such a thread's rows are none)
-            if (pass > 0 && pass == Loader::kPasses - 1 && column + pass * 64 >= args.headdim_v) continue;
+            // (or past the kernel's own narrower v, Tr::kHeadDimV)
+            if (pass >= Tr::OTile::kSlabs ||
+                (pass > 0 && pass == Loader::kPasses - 1 && column + pass * 64 >= args.headdim_v))
+                continue;
             u32 x[4];
             ld_shared_v4(from + pass * QTile::kSlabBytes, x);
             *reinterpret_cast<uint4*>(to + pass * 64) = make_uint4(x[0], x[1], x[2], x[3]);

@@ -25,6 +25,7 @@ FA2_DEVICE void produce_padded(const HopperFwdSmem<Tr>& smem, const HopperFwdSch
                                const HopperFwdArgs& args) {
     using QTile = typename Tr::QTile;
     using KVTile = typename Tr::KVTile;
+    using VTile = typename Tr::VTile;
     constexpr int kKS = Tr::kKStages, kVS = Tr::kVStages;
     u32 tiles = 0, items_loaded = 0;
     for (int item = blockIdx.x;;) {
@@ -69,10 +70,10 @@ FA2_DEVICE void produce_padded(const HopperFwdSmem<Tr>& smem, const HopperFwdSch
         for (int t = 0, key = n_first * Tr::kBlockN; t < n_blocks; ++t, ++tiles, key += Tr::kBlockN) {
             const int k_slot = ring_slot<kKS>(tiles), v_slot = ring_slot<kVS>(tiles);
             mbar_wait(smem.k_empty(k_slot), ring_phase<kKS>(tiles) ^ 1);
-            mbar_arrive_expect_tx(smem.full(k_slot), 2 * KVTile::kBytes);
+            mbar_arrive_expect_tx(smem.full(k_slot), KVTile::kBytes + VTile::kBytes);
             tma_load_tile<KVTile>(smem.k + k_slot * KVTile::kBytes, args.tmap_k, kv_head, key, b, smem.full(k_slot));
             mbar_wait(smem.v_empty(v_slot), ring_phase<kVS>(tiles) ^ 1);
-            tma_load_tile<KVTile>(smem.v + v_slot * KVTile::kBytes, args.tmap_v, kv_head, key, b, smem.full(k_slot));
+            tma_load_tile<VTile>(smem.v + v_slot * VTile::kBytes, args.tmap_v, kv_head, key, b, smem.full(k_slot));
         }
         fwd_mark(23, items_loaded);
         ++items_loaded;
@@ -157,6 +158,7 @@ FA2_DEVICE void load_kv_tile(const HopperFwdSmem<Tr>& smem, const HopperFwdArgs&
                              const u16*& v_tile, const u16*& k_row, const u16*& v_row, const LookUpRows& look_up_rows,
                              const LoadRows& load_rows) {
     using KVTile = typename Tr::KVTile;
+    using VTile = typename Tr::VTile;
     constexpr int kKS = Tr::kKStages, kVS = Tr::kVStages;
     const int k_slot = ring_slot<kKS>(tiles), v_slot = ring_slot<kVS>(tiles);
     if constexpr (Tr::kPaged) look_up_rows();  // (its load in flight while the slot is waited for)
@@ -164,16 +166,17 @@ FA2_DEVICE void load_kv_tile(const HopperFwdSmem<Tr>& smem, const HopperFwdArgs&
     if (!Tr::kPaged && keys_left >= Tr::kBlockN) {
         const int row = seq.k_start + seq.seqlen_k - keys_left;
         if (ptid == 0) {
-            mbar_arrive_expect_tx<Tr::kCopyArrivals>(smem.full(k_slot), 2 * KVTile::kBytes);
+            mbar_arrive_expect_tx<Tr::kCopyArrivals>(smem.full(k_slot), KVTile::kBytes + VTile::kBytes);
             tma_load_tile<KVTile>(smem.k + k_slot * KVTile::kBytes, args.tmap_k, kv_head, row, 0, smem.full(k_slot));
         }
         mbar_wait(smem.v_empty(v_slot), ring_phase<kVS>(tiles) ^ 1);
         if (ptid == 0)
-            tma_load_tile<KVTile>(smem.v + v_slot * KVTile::kBytes, args.tmap_v, kv_head, row, 0, smem.full(k_slot));
+            tma_load_tile<VTile>(smem.v + v_slot * VTile::kBytes, args.tmap_v, kv_head, row, 0, smem.full(k_slot));
     } else {
-        load_rows(smem.k + k_slot * KVTile::kBytes, k_tile, k_row, args.k, args.k_row_stride, args.headdim);
+        load_rows(KVTile{}, smem.k + k_slot * KVTile::kBytes, k_tile, k_row, args.k, args.k_row_stride, args.headdim);
         mbar_wait(smem.v_empty(v_slot), ring_phase<kVS>(tiles) ^ 1);
-        load_rows(smem.v + v_slot * KVTile::kBytes, v_tile, v_row, args.v, args.v_row_stride, args.headdim_v);
+        load_rows(VTile{}, smem.v + v_slot * VTile::kBytes, v_tile, v_row, args.v, args.v_row_stride,
+                  args.headdim_v);
         // (packed: fenced here, once an item, so that the consumers' steady loop fences only when paged)
         if constexpr (Tr::kPaged)
             cp_async_mbar_arrive(smem.full(k_slot));
@@ -275,15 +278,15 @@ FA2_DEVICE void produce_varlen(const HopperFwdSmem<Tr>& smem, const HopperFwdSch
         const auto look_up_rows = [&] {
             look_up_paged_rows<Tr>(args, ptid, row_pages, b, kv_head, seq, keys_left, k_row, v_row);
         };
-        // The next tile's K or V rows: from `tile` (packed), or from their pages (paged: `row` is this lane's row,
-        // and zero-filled rows name `pool`, the start of K or V, as their source, which is not read).
-        // (`cols`: k's or v's head dim)
-        const auto load_rows = [&](u32 dst, const u16* tile, const u16* row, const u16* pool, int row_stride,
-                                   int cols) {
+        // The next tile's K or V rows (`tile_type`: KVTile, or VTile for V's): from `tile` (packed), or from their
+        // pages (paged: `row` is this lane's row, and zero-filled rows name `pool`, the start of K or V, as their
+        // source, which is not read). (`cols`: k's or v's head dim)
+        const auto load_rows = [&](auto tile_type, u32 dst, const u16* tile, const u16* row, const u16* pool,
+                                   int row_stride, int cols) {
             if constexpr (Tr::kPaged)
-                loader.template load_paged_rows<typename Tr::KVTile>(dst, row, pool, ptid >> 5, ptid & 31);
+                loader.template load_paged_rows<decltype(tile_type)>(dst, row, pool, ptid >> 5, ptid & 31);
             else
-                load_tile(typename Tr::KVTile{}, dst, tile, row_stride, keys_left, cols);
+                load_tile(tile_type, dst, tile, row_stride, keys_left, cols);
         };
         const auto load_kv = [&] {
             load_kv_tile<Tr>(smem, args, ptid, tiles, kv_head, seq, keys_left, k_tile, v_tile, k_row, v_row,

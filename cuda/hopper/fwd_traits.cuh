@@ -17,7 +17,7 @@ namespace fa2 {
 enum HopperFwdBarrier : int { kFwdTurn0 = 1, kFwdTurn1 = 2, kFwdTurn2 = 3, kFwdTurnThreads = 256 };
 
 template <int HeadDim, int BlockN, int KStages, int VStages, int QBuffers, int ConsumerWGs, class Elem_, int Mask,
-          bool Varlen = false, bool Paged = false, bool Mods = false, bool AlibiOnly = false>
+          bool Varlen = false, bool Paged = false, bool Mods = false, bool AlibiOnly = false, int HeadDimV = HeadDim>
 struct HopperFwdTraits {
     using Elem = Elem_;
     // Consumer warpgroups of 64 rows each, taking turns to issue: with three (d=64, where a tile's products are
@@ -28,6 +28,13 @@ struct HopperFwdTraits {
     // step later, so V needs the deeper ring for the same lead.
     static constexpr int kHeadDim = HeadDim, kBlockM = 64 * ConsumerWGs, kBlockN = BlockN, kKStages = KStages,
                          kVStages = VStages, kMask = Mask;
+    // HeadDimV: v's and the output's head dim where it is narrower than q's and k's (DeepSeek-V2/V3's prefill, q and
+    // k at 192, v at 128): V's tiles, P V (a wgmma of N = HeadDimV) and O (HeadDimV / 2 registers a thread) at v's
+    // width, S = Q K^T at the row's. Without modifiers, not paged (configs.FORWARD_HOPPER_V_TABLE). O's fewer
+    // registers let three consumer warpgroups take turns, as at d = 64.
+    static constexpr int kHeadDimV = HeadDimV;
+    static_assert(HeadDimV == HeadDim || (HeadDimV % 64 == 0 && HeadDimV < HeadDim && !Mods && !Paged),
+                  "v's own head dim: whole slabs, narrower than q's, without modifiers, not paged");
     // Varlen: sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] of q/o/lse and cu_seqlens_k[b] .. of k/v;
     // seqlen_q/seqlen_k are the maxima, and work items past a sequence's end are passed over.
     static constexpr bool kVarlen = Varlen;
@@ -86,8 +93,12 @@ struct HopperFwdTraits {
     // 6% faster at d = 128, 10-12% at 192 and 256, 3% slower at 64 (whose modifier row keeps the running max).
     static constexpr bool kCapFixedMax = Mods && !AlibiOnly && kWideExponent<Elem> && HeadDim != 64;
     static constexpr float kCapFixedMaxLimit = 50.f;
-    static constexpr int kProducerRegisters = ConsumerWGs == 2 ? (kWideMods ? 40 : 56) : 32,
-                         kConsumerRegisters = ConsumerWGs == 2 ? (kWideMods ? 232 : 224) : 160;
+    // Three consumer warpgroups at a narrower v (192 / 128: O 64 registers, S 32, P 16) give 152 each and the
+    // producer 56: at 32 the varlen producer's three-pass copies spilled 20 bytes (the varlen window kernel's
+    // consumers spill 12 at 152, so that kernel keeps two: configs.hopper_fwd_v_config).
+    static constexpr bool kNarrowV = HeadDimV < HeadDim;
+    static constexpr int kProducerRegisters = ConsumerWGs == 2 ? (kWideMods ? 40 : 56) : (kNarrowV ? 56 : 32),
+                         kConsumerRegisters = ConsumerWGs == 2 ? (kWideMods ? 232 : 224) : (kNarrowV ? 152 : 160);
     // setmaxnreg.inc waits until the registers the producer gave back cover the increase, so the warpgroups'
     // counts may add up to no more than the launch gave them (65536 / kThreads a thread, in eights: 168 with two
     // consumers, 128 with three), or the consumers wait for ever.
@@ -97,7 +108,10 @@ struct HopperFwdTraits {
     // Named barriers: the consumers' turns (HopperFwdBarrier), then the producer's own.
     static constexpr int kProducerBarrier = kFwdTurn0 + ConsumerWGs;
     using QTile = SwizzledSlabs<kBlockM, HeadDim>;
-    using KVTile = SwizzledSlabs<BlockN, HeadDim>;
+    // The output rows, staged in the item's Q buffer (its first HeadDimV / 64 slabs) and written out from there.
+    using OTile = SwizzledSlabs<kBlockM, HeadDimV>;
+    using KVTile = SwizzledSlabs<BlockN, HeadDim>;  // K's tiles (and V's at the row's head dim)
+    using VTile = SwizzledSlabs<BlockN, HeadDimV>;
     // With two, the next item's Q loads while the consumers work on this one; with one, only once they have
     // issued this one's last S.
     static constexpr int kQBuffers = QBuffers;
@@ -110,12 +124,13 @@ struct HopperFwdTraits {
     static constexpr int kSlotWords = 7, kItemSlots = kSlotWords * kQBuffers + 2;
     // 1 KB of slack: the swizzled slabs must start on 1024-byte boundaries.
     static constexpr int kSmemBytes =
-        1024 + kQBuffers * QTile::kBytes + (KStages + VStages) * KVTile::kBytes + 8 * kBarriers + 4 * kItemSlots;
+        1024 + kQBuffers * QTile::kBytes + KStages * KVTile::kBytes + VStages * VTile::kBytes + 8 * kBarriers +
+        4 * kItemSlots;
     // (192 and 256: P V on wgmma of N = 192 or 256, S = Q K^T in k16 steps over 3 or 4 slabs; two consumer
     // warpgroups, whose O takes HeadDim / 2 registers a thread)
     static_assert(HeadDim == 64 || HeadDim == 128 || HeadDim == 192 || HeadDim == 256,
                   "whole 64-column slabs, P V on wgmma of N = HeadDim");
-    static_assert(HeadDim <= 128 || ConsumerWGs == 2, "wide head dims on two consumer warpgroups");
+    static_assert(HeadDimV <= 128 || ConsumerWGs == 2, "wide outputs on two consumer warpgroups");
     static_assert(kSmemBytes <= 227 * 1024, "the shared memory of one block");
     static_assert(BlockN == 64 || BlockN == 128, "S on wgmma of N = 64 or 128");
     static_assert(KStages >= 2 && VStages >= KStages, "V's ring at least as deep as K's, K's at least two");
@@ -159,6 +174,7 @@ template <class Tr>
 struct HopperFwdSmem {
     using QTile = typename Tr::QTile;
     using KVTile = typename Tr::KVTile;
+    using VTile = typename Tr::VTile;
     static constexpr int kKS = Tr::kKStages, kVS = Tr::kVStages;
     u32 q, k, v, bars;
     int* item_slots;
@@ -167,7 +183,7 @@ struct HopperFwdSmem {
         q = (smem_u32(raw) + 1023) & ~1023u;
         k = q + Tr::kQBuffers * QTile::kBytes;
         v = k + kKS * KVTile::kBytes;
-        bars = v + kVS * KVTile::kBytes;
+        bars = v + kVS * VTile::kBytes;
         item_slots = reinterpret_cast<int*>(raw + (bars + 8 * Tr::kBarriers - smem_u32(raw)));
     }
     FA2_DEVICE u32 full(int s) const { return bars + 8 * s; }

@@ -57,19 +57,21 @@ struct SlabLoader {
         : first_row(ptid / kChunksPerRow + (kPasses == 1 && ptid % kChunksPerRow * 8 >= cols ? kNoRows : 0)),
           column(ptid % kChunksPerRow * 8) {}
     static constexpr int kNoRows = 1 << 16;
-    // Tile's rows of `src` (row_stride elements apart) into the tile at `dst`, zeros from row `valid` on.
+    // Tile's rows of `src` (row_stride elements apart) into the tile at `dst`, zeros from row `valid` on. A loader
+    // of more than one pass also fills narrower tiles (v's, where its head dim is narrower than q's: a pass a slab).
     template <class Tile>
     FA2_DEVICE void load(u32 dst, const u16* src, int row_stride, int valid, int cols) const {
-        constexpr int kRows = Tile::kBytes / (Cols * 2);
+        constexpr int kRows = Tile::kSlabBytes / Tile::kRowBytes, kTilePasses = kPasses == 1 ? 1 : Tile::kSlabs;
+        static_assert(kPasses == 1 ? Tile::kSlabs * 64 == Cols : Tile::kSlabs <= kPasses, "the loader's columns");
         u32 to = Tile::at(dst, first_row, column);
         const u16* from = src + (i64)first_row * row_stride + column;
         const i64 step = (i64)kRowStep * row_stride;
-        const bool last_pass = kPasses == 1 || column + (kPasses - 1) * 64 < cols;
+        const bool last_pass = kTilePasses == 1 || column + (kTilePasses - 1) * 64 < cols;
 #pragma unroll 4  // (4 copies in flight per thread)
         for (int row = first_row; row < kRows; row += kRowStep, to += kRowStep * Tile::kRowBytes, from += step)
 #pragma unroll
-            for (int pass = 0; pass < kPasses; ++pass) {
-                const bool copy = row < valid && (pass < kPasses - 1 || last_pass);
+            for (int pass = 0; pass < kTilePasses; ++pass) {
+                const bool copy = row < valid && (pass < kTilePasses - 1 || last_pass);
                 cp_async_16(to + pass * Tile::kSlabBytes, copy ? from + pass * 64 : src, copy);
             }
     }
@@ -83,6 +85,7 @@ struct SlabLoader {
     // 16 w + j % 16 (the upper 16 lanes the same rows again), and the warp copies them 4 at a time as above.
     template <class Tile>
     FA2_DEVICE void load_paged_rows(u32 dst, const u16* row, const u16* any, int warp, int lane) const {
+        static_assert(Tile::kSlabs * 64 == Cols, "paged tiles at the loader's width");
         constexpr int kRows = Tile::kBytes / (Cols * 2), kWarpRows = kRows / (Threads / 32);
         static_assert((kWarpRows == 32 || kWarpRows == 16) && kWarpRows * Threads == 32 * kRows, "a warp's rows");
         const int chunk = lane % 8;
