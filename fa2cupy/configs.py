@@ -83,7 +83,7 @@ class HopperFwdConfig:
     k_stages: int  # K ring depth (a slot goes back once S has landed)
     v_stages: int  # V ring depth (a slot goes back after P V, a step later than K's)
     q_buffers: int  # 2: the next work item's Q loads during this one
-    consumer_wgs: int = 2  # 2 or 3 (three fit the registers at d=64 only)
+    consumer_wgs: int = 2  # 2 or 3 (three fit the registers at d=64, and at 192 with v at 128)
     v_dim: int | None = None  # HopperFwdTraits' HeadDimV where v is narrower (FORWARD_HOPPER_V_TABLE), else None
 
     family = "fwd_hopper"  # cuda/hopper/fwd.cu

@@ -147,8 +147,9 @@ def plan_forward(
     ``headdim_v`` (padded calls on the Hopper forward at ``width``, at least both head dims; varlen ones, not paged,
     where configs.hopper_varlen_own_widths): v and out have this head dim of their own (a multiple of 8), read and
     written as they are by the TMA copies, whose maps span each array's own columns, and by a varlen call's ragged
-    copies and stores, which stop at ``FwdParams.headdim_v``; ValueError where the Hopper forward does not take the
-    call (the caller pads instead).
+    copies and stores, which stop at ``FwdParams.headdim_v``; where v is narrower than the row and the row has a
+    kernel at v's head dim (configs.hopper_fwd_v_config), that kernel runs the call. ValueError where the Hopper
+    forward does not take the call (the caller pads instead).
     """
     batch, seqlen_q, nheads, headdim = q_shape
     seqlen_k, nheads_kv = k_shape[1], k_shape[2]

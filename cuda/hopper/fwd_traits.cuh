@@ -21,7 +21,8 @@ template <int HeadDim, int BlockN, int KStages, int VStages, int QBuffers, int C
 struct HopperFwdTraits {
     using Elem = Elem_;
     // Consumer warpgroups of 64 rows each, taking turns to issue: with three (d=64, where a tile's products are
-    // half as long as at d=128 and its softmax as long), each one's softmax runs under two others' products.
+    // half as long as at d=128 and its softmax as long, and 192 with v at 128, whose 64-key step is bound by each
+    // warpgroup's own S, softmax and turn), each one's softmax runs under two others' products.
     static constexpr int kConsumerWGs = ConsumerWGs;
     static_assert(ConsumerWGs == 2 || ConsumerWGs == 3, "two or three consumer warpgroups");
     // K and V have rings of their own: a K slot goes back once S = Q K^T has landed, a V slot only after P V, a
@@ -65,7 +66,8 @@ struct HopperFwdTraits {
     static constexpr int kProducerThreads = 128, kCopyArrivals = kTma ? 1 : kProducerThreads;
     // The consumer warpgroups and a producer warpgroup, whose registers go to the consumers (setmaxnreg).
     static constexpr int kConsumerWarps = 4 * ConsumerWGs, kThreads = 128 * (ConsumerWGs + 1);
-    // (Three consumers need 160 each: at 152 ptxas serialised their wgmmas. 32 + 3 x 160 fills the register file.)
+    // (Three consumers at d = 64 need 160 each: at 152 ptxas serialised their wgmmas, S and P taking 96 of them.
+    // 32 + 3 x 160 fills the register file.)
     // (The padded d = 256 modifier kernels' consumers spill at 224; their producer, one thread issuing TMA copies,
     // needs no more than 40. The varlen producer's copies spill at 40, so varlen d = 256 calls with modifiers run
     // on the mma.sync forward: configs.HOPPER_MODS_PADDED_ONLY.)
@@ -126,8 +128,8 @@ struct HopperFwdTraits {
     static constexpr int kSmemBytes =
         1024 + kQBuffers * QTile::kBytes + KStages * KVTile::kBytes + VStages * VTile::kBytes + 8 * kBarriers +
         4 * kItemSlots;
-    // (192 and 256: P V on wgmma of N = 192 or 256, S = Q K^T in k16 steps over 3 or 4 slabs; two consumer
-    // warpgroups, whose O takes HeadDim / 2 registers a thread)
+    // (192 and 256: P V on wgmma of N = HeadDimV, S = Q K^T in k16 steps over 3 or 4 slabs; O takes HeadDimV / 2
+    // registers a thread, so a 192- or 256-wide O needs the two consumer warpgroups' 224)
     static_assert(HeadDim == 64 || HeadDim == 128 || HeadDim == 192 || HeadDim == 256,
                   "whole 64-column slabs, P V on wgmma of N = HeadDim");
     static_assert(HeadDimV <= 128 || ConsumerWGs == 2, "wide outputs on two consumer warpgroups");
