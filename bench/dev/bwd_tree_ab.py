@@ -10,8 +10,9 @@ A tree may name the Hopper dQ accumulator's pad after an @ (``new8=path/cuda@pad
 for sources whose HopperBwdTraits::kDqPitch differs from this package's configs.HopperBwdConfig.dq_pitch): its calls
 are planned with that pitch.
 
-A case is ``bwd<d>:<mask>:<seqlen>[:det][:softcap][:alibi][:dropout][:varlen]`` with mask none or causal, ``det``
-for deterministic=True, ``softcap`` for a softcap of 30, ``alibi`` for ALiBi slopes in [0, 0.1), ``dropout`` for
+A case is ``bwd<d>:<mask>:<seqlen>[:det][:softcap][:alibi][:dropout][:varlen][:v<d_v>]`` with mask none or causal,
+``det`` for deterministic=True, ``v<d_v>`` for v (and dout, out) of a head dim of their own (192 / 128:
+``bwd192:none:8192:v128``), ``softcap`` for a softcap of 30, ``alibi`` for ALiBi slopes in [0, 0.1), ``dropout`` for
 dropout_p = 0.1 (a fixed seed), ``varlen`` for the batch packed as varlen sequences of the seqlen
 (flash_attn_varlen_backward's kernels); bf16, 16k tokens per batch, 2048 / d heads (head dims without a Hopper row
 at the width the library picks). The kernel parameter structs are this package's: a tree must take the same fields,
@@ -39,16 +40,19 @@ DEFAULT_CASES = ("bwd64:none:2048", "bwd80:none:8192", "bwd96:none:8192", "bwd12
 
 
 def parse_case(case: str):
-    """(head dim, causal, seqlen, deterministic, softcap, alibi, dropout_p, varlen) of
-    ``bwd<d>:<mask>:<seqlen>[:det][:softcap][:alibi][:dropout][:varlen]``."""
+    """(head dim, causal, seqlen, deterministic, softcap, alibi, dropout_p, varlen, v's head dim) of
+    ``bwd<d>:<mask>:<seqlen>[:det][:softcap][:alibi][:dropout][:varlen][:v<d_v>]``."""
     fields = case.split(":")
-    extra = set(fields[3:])
+    own_v = [f for f in fields[3:] if f[:1] == "v" and f[1:].isdigit()]
+    extra = set(fields[3:]) - set(own_v)
     if (not fields[0].startswith("bwd") or len(fields) < 3 or fields[1] not in ("none", "causal")
-            or not extra <= {"det", "softcap", "alibi", "dropout", "varlen"}):
-        raise SystemExit(f"{case}: expected bwd<d>:none|causal:<seqlen>[:det][:softcap][:alibi][:dropout][:varlen]")
+            or not extra <= {"det", "softcap", "alibi", "dropout", "varlen"} or len(own_v) > 1):
+        raise SystemExit(f"{case}: expected bwd<d>:none|causal:<seqlen>[:det][:softcap][:alibi][:dropout][:varlen]"
+                         "[:v<d_v>]")
     softcap = SOFTCAP if "softcap" in extra else 0.0
-    return (int(fields[0][3:]), fields[1] == "causal", int(fields[2]), "det" in extra, softcap, "alibi" in extra,
-            DROPOUT_P if "dropout" in extra else 0.0, "varlen" in extra)
+    d = int(fields[0][3:])
+    return (d, fields[1] == "causal", int(fields[2]), "det" in extra, softcap, "alibi" in extra,
+            DROPOUT_P if "dropout" in extra else 0.0, "varlen" in extra, int(own_v[0][1:]) if own_v else d)
 
 
 def shape_of(d: int, seqlen: int):
@@ -73,12 +77,13 @@ def plans_for(tree: str, cases):
 
 
 def plan_case(case: str):
-    d, causal, seqlen, det, softcap, alibi, dropout_p, varlen = parse_case(case)
+    d, causal, seqlen, det, softcap, alibi, dropout_p, varlen, dv = parse_case(case)
     shape = shape_of(d, seqlen)
-    row = shape[2] * d
-    # (varlen: (batch * seqlen, heads, d) arrays, the batch stride unused)
-    strides = dict.fromkeys(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), (0 if varlen else shape[1] * row,
-                                                                                row, d, 1))
+    # (varlen: (batch * seqlen, heads, d) arrays, the batch stride unused; v, dout and out at v's head dim, the
+    # gradients at the wider of the two)
+    strides = {name: (0 if varlen else shape[1] * shape[2] * w, shape[2] * w, w, 1)
+               for names, w in ((("q", "k", "dq", "dk", "dv"), max(d, dv)), (("v", "dout", "out"), dv))
+               for name in names}
     mask = "causal" if causal else "none"
     mods = bool(softcap) or alibi or dropout_p > 0
     width = configs.padded_call_width(90, d, "bfloat16", True, mask, mods, varlen, seqlen_q=seqlen,
@@ -86,7 +91,7 @@ def plan_case(case: str):
     totals = (shape[0] * seqlen,) * 2 if varlen else None
     return backward.plan_backward(shape, shape, strides, "bfloat16", d ** -0.5, causal, det, 90, width=width,
                                   softcap=softcap, alibi_batch_stride=0 if alibi else None, varlen_totals=totals,
-                                  dropout_p=dropout_p)
+                                  dropout_p=dropout_p, headdim_v=None if dv == d else dv)
 
 
 def main():
@@ -100,10 +105,12 @@ def main():
     stream = cupy.cuda.get_current_stream()
     bits = lambda shape: arrays.bf16_bits(cupy, rng.standard_normal(shape, dtype=cupy.float32))  # noqa: E731
     for case in args.cases:
-        d, causal, seqlen, det, softcap, alibi, dropout_p, varlen = parse_case(case)
+        d, causal, seqlen, det, softcap, alibi, dropout_p, varlen, dv = parse_case(case)
         seed = DROPOUT_SEED if dropout_p else (0, 0)
         shape = shape_of(d, seqlen)
-        q, k, v, out, dout = (bits(shape) for _ in range(5))
+        v_shape = shape[:3] + (dv,)
+        q, k = bits(shape), bits(shape)
+        v, out, dout = (bits(v_shape) for _ in range(3))
         slopes = rng.uniform(0, 0.1, shape[2], dtype=cupy.float32) if alibi else None
         # (P = exp(logit - lse): small and finite, the softcap's logits up to 30; varlen: (heads, total) rows)
         lse_shape = (shape[2], shape[0] * seqlen) if varlen else shape[:1] + shape[2:3] + shape[1:2]
@@ -113,7 +120,7 @@ def main():
         calls = {}
         for name, plans in variants.items():
             plan = plans[case]
-            grads = [cupy.full(shape, 0x7FC0, cupy.uint16) for _ in range(3)]  # NaN
+            grads = [cupy.full(shape[:3] + (max(d, dv),), 0x7FC0, cupy.uint16) for _ in range(3)]  # NaN
             dsum = cupy.empty(plan.dsum_shape, cupy.float32)
             accum = cupy.empty(plan.dq_accum_shape or (1,), cupy.float32)  # (None: the plan takes none, as 0)
             pointers = dict(backward.NO_POINTERS, q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, out=out.data.ptr,
@@ -134,7 +141,7 @@ def main():
                 ms = B.time_gpu(calls[name], B.CupyEvents(), warmup=3, repeats=args.repeats,
                                 sustain_seconds=args.sustain).median_ms
                 best[name] = min(best.get(name, ms), ms)
-        flops = 2.5 * 4 * shape[0] * shape[2] * seqlen * seqlen * d / (2 if causal else 1)
+        flops = 2.5 * 2 * shape[0] * shape[2] * seqlen * seqlen * (d + dv) / (2 if causal else 1)
         base = next(iter(best.values()))
         print(f"{case:22s} " + "  ".join(f"{name} {flops / ms / 1e9:6.1f} TFLOPs/s ({base / ms:5.3f}x, "
                                           f"max|diff| {diffs[name]:.2g})" for name, ms in best.items()), flush=True)
