@@ -3,10 +3,12 @@ turns (CUDA events, median of --repeats after warm-up; a figure is its best roun
 
     python bench/dev/headdim_v_ab.py                                       # 192 / 128 (DeepSeek's), 2k and 8k
     python bench/dev/headdim_v_ab.py --pairs 192:128,128:64 --seqlens 8192 --causal on
+    python bench/dev/headdim_v_ab.py --modes fwd --options default= g48=hopper_l2_group_bytes=50331648
 
 TFLOPs/s count each pass's products at their own widths: forward 2 sq sk (d_qk + d_v) a head (Q K^T and P V),
 backward 2.5 times that, as the square call's 4 sq sk d and 2.5 times it. The ratio is the pair's TFLOPs/s over the
-square call's (issue 47's bar: 0.95); a call as fast as the square one reads (d_qk + d_v) / (2 d_qk).
+square call's (issue 47's bar: 0.95); a call as fast as the square one reads (d_qk + d_v) / (2 d_qk). ``--options``
+times both calls under each set of KernelOptions (``name=key=value,...``, as bench/dev/options_ab.py), a line each.
 """
 
 from __future__ import annotations
@@ -17,6 +19,16 @@ import sys
 from fa2cupy_bench import harness as B
 
 
+def forward_runner(inp, **kw) -> B.Runner:
+    """fa2cupy's forward on ``inp`` with keyword arguments (kernel_options=...), on torch's stream."""
+    import fa2cupy
+
+    def fn():
+        return fa2cupy.flash_attn_func(inp.q, inp.k, inp.v, causal=inp.case.causal, **kw)
+
+    return B.Runner(fn, B.TorchEvents(), B._external_stream_ctx())
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pairs", default="192:128", help="D_QK:D_V, ...")
@@ -24,7 +36,14 @@ def main(argv=None) -> int:
     p.add_argument("--causal", choices=["both", "on", "off"], default="both")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--modes", default="fwd,bwd")
+    p.add_argument("--options", nargs="+", default=["default="], help="name=key=value,... (KernelOptions)")
     args = p.parse_args(argv)
+    modes = args.modes.split(",")
+    option_sets = {}
+    for text in args.options:
+        name, _, rest = text.partition("=")
+        option_sets[name] = B.kernel_options_of(rest)
     for spec in args.pairs.split(","):
         d, dv = (int(x) for x in spec.split(":"))
         for s in B.parse_int_list(args.seqlens):
@@ -35,8 +54,11 @@ def main(argv=None) -> int:
                 for w, case in cases.items():
                     inp = B.make_forward_inputs(case, 0, "torch")
                     dout = B._random_like(inp.q.new_empty(case.out_shape), 1)
-                    runners[("fwd", w)] = B.fa2cupy_runner(inp)
-                    runners[("bwd", w)] = B.fa2cupy_backward_runner(inp, dout)
+                    for name, opts in option_sets.items():
+                        if "fwd" in modes:
+                            runners[("fwd", w, name)] = forward_runner(inp, kernel_options=opts)
+                        if "bwd" in modes:
+                            runners[("bwd", w, name)] = B.fa2cupy_backward_runner(inp, dout, kernel_options=opts)
                 best = {}
                 for r in range(args.rounds):  # (each round starts at the next runner: none is always timed first)
                     keys = list(runners)
@@ -46,12 +68,14 @@ def main(argv=None) -> int:
                             ms = B.time_gpu(run.fn, run.events, warmup=5, repeats=args.repeats).median_ms
                         best[key] = min(best.get(key, float("inf")), ms)
                 square = cases[d]
-                line = [f"{square.label:34s} d_v {dv}"]
-                for mode in ("fwd", "bwd"):
-                    flops = {w: B.attention_flops(square, mode) * (d + w) / (2 * d) for w in (d, dv)}
-                    rate = {w: B.tflops_per_s(flops[w], best[(mode, w)]) for w in (d, dv)}
-                    line.append(f"{mode} square {rate[d]:6.1f} pair {rate[dv]:6.1f} ratio {rate[dv] / rate[d]:.3f}")
-                print("  ".join(line), flush=True)
+                for name in option_sets:
+                    line = [f"{square.label:34s} d_v {dv}" + (f" [{name}]" if len(option_sets) > 1 else "")]
+                    for mode in modes:
+                        flops = {w: B.attention_flops(square, mode) * (d + w) / (2 * d) for w in (d, dv)}
+                        rate = {w: B.tflops_per_s(flops[w], best[(mode, w, name)]) for w in (d, dv)}
+                        line.append(f"{mode} square {rate[d]:6.1f} pair {rate[dv]:6.1f} "
+                                    f"ratio {rate[dv] / rate[d]:.3f}")
+                    print("  ".join(line), flush=True)
     return 0
 
 

@@ -6,6 +6,7 @@ offset from the same item's "Q in" (readable whatever order a changed kernel put
 
     python bench/dev/hopper_trace.py [--cases causal:65536,window4096:65536] [--heads 16] [--headdim 128]
     python bench/dev/hopper_trace.py --cases causal:1024,varlen-causal:1024 --tokens 16384 [--tree ab_trees/x/cuda]
+    python bench/dev/hopper_trace.py --headdim 192 --headdim-v 128 --heads 10 --cases causal:8192 --tokens 16384
 
 A case is [varlen-]<none|causal|window<left>>:<seqlen>; with --tokens, a batch of tokens / seqlen sequences of
 that length (varlen: packed, with cu_seqlens), else one.
@@ -42,13 +43,14 @@ def main():
     parser.add_argument("--cases", default="causal:65536,window4096:65536")
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--headdim", type=int, default=128)
+    parser.add_argument("--headdim-v", type=int, default=0, help="v's own head dim (configs.hopper_fwd_v_config)")
     parser.add_argument("--tokens", type=int, default=0, help="tokens per call (default: one sequence)")
     parser.add_argument("--tree", help="build from this copy of cuda/ instead")
     args = parser.parse_args()
     if args.tree:
         build.use_sources(args.tree)
     d, heads = args.headdim, args.heads
-    config = configs.FORWARD_HOPPER_TABLE[d]
+    dv = args.headdim_v or d
     rng = cupy.random.default_rng(0)
     for case in args.cases.split(","):
         mask_name, seqlen = case.split(":")
@@ -58,15 +60,20 @@ def main():
         batch = max(1, args.tokens // seqlen)
         window = (int(mask_name[6:]), 0) if mask_name.startswith("window") else (-1, -1)
         mask = "window" if window[0] >= 0 else mask_name
+        config = configs.FORWARD_HOPPER_TABLE[d]
+        if dv != d:
+            config = configs.hopper_fwd_v_config(config, dv, False, False, mask, varlen)
         name = config.name_expression("float16", mask, varlen=varlen)
         module = build.install_traced("fwd_hopper", name, config.smem_bytes, ("-DFA2_FWD_TRACE",))  # what plans get
-        shape = (batch, seqlen, heads, d)
-        strides = ((0 if varlen else seqlen * heads * d), heads * d, d, 1)
+        shape, v_shape = (batch, seqlen, heads, d), (batch, seqlen, heads, dv)
+        strides, v_strides = (((0 if varlen else seqlen * heads * w), heads * w, w, 1) for w in (d, dv))
         totals = (batch * seqlen,) * 2 if varlen else None
-        plan = forward.plan_forward(shape, shape, (strides,) * 4, "float16", d ** -0.5, mask != "none", 90,
-                                    window_size=window, varlen_totals=totals)
-        q, k, v = (rng.standard_normal(shape, dtype=cupy.float32).astype(cupy.float16) for _ in range(3))
-        out = cupy.empty_like(q)
+        plan = forward.plan_forward(shape, shape, (strides, strides, v_strides, v_strides), "float16", d ** -0.5,
+                                    mask != "none", 90, window_size=window, varlen_totals=totals,
+                                    headdim_v=None if dv == d else dv)
+        q, k = (rng.standard_normal(shape, dtype=cupy.float32).astype(cupy.float16) for _ in range(2))
+        v = rng.standard_normal(v_shape, dtype=cupy.float32).astype(cupy.float16)
+        out = cupy.empty_like(v)
         lse = cupy.empty((batch, heads, seqlen), cupy.float32)
         cu = cupy.arange(0, batch * seqlen + 1, seqlen, dtype=cupy.int32) if varlen else None
         cu_ptr = cu.data.ptr if varlen else 0
@@ -82,7 +89,7 @@ def main():
         trace.copy_to_host(host.ctypes.data, host.nbytes)
         marks = host.reshape(BLOCKS, ITEMS, POINTS).astype(np.float64)
         marks[marks == 0] = np.nan
-        print(f"== {case} b{batch} h{heads} d{d} fp16, grid {plan.launch.grid[0]}, counter {plan.tile_counter}: median cycles "
+        print(f"== {case} b{batch} h{heads} d{d}{f'/{dv}' if dv != d else ''} fp16, grid {plan.launch.grid[0]}, counter {plan.tile_counter}: median cycles "
               f"over items 1..63 of every block")
         for wg in range(2):
             cells = []
