@@ -85,6 +85,7 @@ class HopperFwdConfig:
     q_buffers: int  # 2: the next work item's Q loads during this one
     consumer_wgs: int = 2  # 2 or 3 (three fit the registers at d=64, and at 192 with v at 128)
     v_dim: int | None = None  # HopperFwdTraits' HeadDimV where v is narrower (FORWARD_HOPPER_V_TABLE), else None
+    tail_waves: int = 2  # causal calls' last group of work items holds this many per block (hopper_tail_heads)
 
     family = "fwd_hopper"  # cuda/hopper/fwd.cu
 
@@ -164,9 +165,11 @@ FORWARD_HOPPER_MODS_TABLE: dict[int, HopperFwdConfig] = {
 #: TFLOPs/s (counted at each product's width): 0.89-0.94, against 0.82-0.87 for the 192 row's own kernel reading v
 #: at 128 columns and 0.81-0.90 for HeadDimV on the row's two warpgroups (P V at N = 128 alone did not shorten the
 #: 64-key step: docs/design.md). The varlen window kernel keeps the row's two warpgroups and Q buffers
-#: (hopper_fwd_v_config).
+#: (hopper_fwd_v_config). Its causal calls' last group of work items holds 4 per block, where the square rows
+#: gain most at 2 (hopper_tail_heads: 192 / 128 at 8k causal 589 -> 616 TFLOPs/s from 2 to 4, the 192 row
+#: 686 -> 647).
 FORWARD_HOPPER_V_TABLE: dict[tuple[int, int], HopperFwdConfig] = {
-    (192, 128): HopperFwdConfig(192, 64, 3, 4, 1, 3, v_dim=128),
+    (192, 128): HopperFwdConfig(192, 64, 3, 4, 1, 3, v_dim=128, tail_waves=4),
 }
 
 
@@ -743,6 +746,22 @@ def hopper_heads_per_group(seqlen_k: int, headdim: int, heads_per_kv: int, heads
     kv_bytes = 2 * seqlen_k * headdim * 2  # K and V of one kv head, 16-bit
     group_bytes = HOPPER_L2_GROUP_BYTES if group_bytes is None else group_bytes
     return min(heads, max(1, group_bytes // max(kv_bytes, 1)) * heads_per_kv)
+
+
+def hopper_tail_heads(m_blocks: int, heads: int, heads_per_group: int, sms: int, waves: int) -> int:
+    """(batch row, head) pairs of the Hopper forward's last group of masked work items: at least ``waves`` items
+    per block of the ``sms``-block grid (``m_blocks`` items a pair; HopperFwdConfig.tail_waves, or
+    KernelOptions.hopper_tail_waves), and whole ``heads_per_group`` groups before it; at most ``heads``.
+
+    Taken longest first, a group's longest item (every key tile of a head under a causal mask) starts as the counter
+    enters the group; in the last group nothing comes after it, so the grid ends when it does. With one L2 group's
+    heads (the wide head dims' hold one or two at 8k, 86-128 items on 132 SMs) the other blocks finish the rest of
+    the group long before: docs/design.md, "The last group of work items"."""
+    natural = heads - heads_per_group * ((heads - 1) // heads_per_group)  # (the last of the L2 groups)
+    want = -(-waves * sms // max(m_blocks, 1))
+    if want <= natural:
+        return natural
+    return min(heads, natural + -(-(want - natural) // heads_per_group) * heads_per_group)
 
 
 #: A causal GQA call's Hopper dK/dV blocks launch in chunks of whole (kv head, batch) groups of at least this many

@@ -196,10 +196,11 @@ def plan_forward(
         launch = build.Launch(function, grid, (config.threads, 1, 1), config.smem_bytes, fixed, PER_CALL)
         return ForwardPlan(launch, config)
     # The Hopper forward: persistent blocks, one per SM at most, walking the work items.
-    grid, tile_counter, heads_per_group = _persistent_grid(grid, mask, seqlen_k, headdim, nheads // nheads_kv, options)
+    grid, tile_counter, heads_per_group, tail_heads = _persistent_grid(grid, mask, seqlen_k, headdim,
+                                                                       nheads // nheads_kv, options, config)
     unit, unit_inv = unit_mods_constants(softmax_scale, softcap)
-    hopper = params.FwdHopperParams(fwd=fixed, batch=batch, heads_per_group=heads_per_group, mods_unit=unit,
-                                    mods_unit_inv=unit_inv)
+    hopper = params.FwdHopperParams(fwd=fixed, batch=batch, heads_per_group=heads_per_group, tail_heads=tail_heads,
+                                    mods_unit=unit, mods_unit_inv=unit_inv)
     per_call = tuple(f"fwd.{name}" for name in PER_CALL) + (("tile_counter",) if tile_counter else ())
     launch = build.Launch(function, grid, (config.threads, 1, 1), config.smem_bytes, hopper, per_call,
                           maps=("tmap_q", "tmap_k", "tmap_v", "tmap_o"))
@@ -242,17 +243,24 @@ def _forward_params(q_shape, k_shape, strides, softmax_scale, left, right, softc
         page_shift=shift, max_pages=max_pages, num_pages=num_pages, **error_pointers())
 
 
-def _persistent_grid(grid, mask, seqlen_k, headdim, group, options) -> tuple:
+def _persistent_grid(grid, mask, seqlen_k, headdim, group, options, config) -> tuple:
     """The Hopper forward's persistent blocks, one per SM at most, for the work items of ``grid``: (grid, whether
-    a tile counter hands out the items, heads per L2 group)."""
+    a tile counter hands out the items, heads per L2 group, heads of the last group)."""
     items = grid[0] * grid[1] * grid[2]
     sms = build.sm_count(options.sm_count)
     persistent = (min(items, sms), 1, 1)
     # Items of different lengths (a mask) go to whichever block asks next, longest first within L2 groups.
     tile_counter = options.tile_counter and mask != "none" and items > persistent[0]
-    heads_per_group = configs.hopper_heads_per_group(seqlen_k, headdim, group, grid[1] * grid[2],
-                                                     options.hopper_l2_group_bytes) if tile_counter else 1
-    return persistent, tile_counter, heads_per_group
+    heads = grid[1] * grid[2]
+    if not tile_counter:
+        return persistent, False, 1, 1
+    heads_per_group = configs.hopper_heads_per_group(seqlen_k, headdim, group, heads, options.hopper_l2_group_bytes)
+    # (a causal mask's items run from one key tile to all; a window's are about one length: its last group stays an
+    # L2 group, whose heads' K/V stay in L2)
+    waves = config.tail_waves if mask == "causal" else 0
+    waves = waves if options.hopper_tail_waves is None else options.hopper_tail_waves
+    tail = configs.hopper_tail_heads(grid[0], heads, heads_per_group, persistent[0], waves)
+    return persistent, True, heads_per_group, tail
 
 
 #: The device pointers a forward launch takes, by name. A launch reads every one: its ``pointers`` start from

@@ -48,6 +48,9 @@ class KernelOptions:
         longest first; False walks them with a fixed grid stride.
     hopper_l2_group_bytes (None): the Hopper forward hands out the work items of heads in groups whose K/V take at
         most this many bytes, so the heads in flight share L2; None is configs.HOPPER_L2_GROUP_BYTES.
+    hopper_tail_waves (None): the last of those groups holds enough heads for this many work items per block, so
+        that its longest items start early enough (configs.hopper_tail_heads); 0 keeps it an L2 group; None is
+        the tile table row's (HopperFwdConfig.tail_waves) for causal calls, 0 for windows.
     hopper_bwd_chunk_blocks (None): the Hopper dK/dV grid launches in chunks of (kv head, batch) groups of at least
         this many blocks, key tile by key tile within a chunk (longest first under a causal mask); 0 launches each
         group's key tiles in turn; None is configs.HOPPER_BWD_CHUNK_BLOCKS for causal GQA calls, 0 for the rest.
@@ -92,6 +95,7 @@ class KernelOptions:
     hopper_masked_min_seqlen: int | None = None
     tile_counter: bool = True
     hopper_l2_group_bytes: int | None = None
+    hopper_tail_waves: int | None = None
     hopper_bwd_chunk_blocks: int | None = None
     hopper_bwd_programmatic: bool = True
     hopper_bwd_early_convert: bool | None = None
@@ -138,6 +142,7 @@ _KINDS = {
     "hopper_pad_headdim": "optional bool",
     "hopper_masked_min_seqlen": "optional int",
     "tile_counter": "bool", "hopper_l2_group_bytes": "optional int",
+    "hopper_tail_waves": "optional int",
     "hopper_bwd_chunk_blocks": "optional int", "hopper_bwd_programmatic": "bool",
     "hopper_bwd_early_convert": "optional bool", "decode_deep_ring": "optional bool",
     "decode_warp_items": "optional bool", "decode_warp_items_max_tiles": "int",

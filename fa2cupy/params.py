@@ -86,7 +86,7 @@ class FwdParams(_Params):
 class FwdHopperParams(_Params):
     _fields_ = _layout([
         ("fwd", FwdParams), ("batch", _i32), ("heads_per_group", _i32), ("tile_counter", _ptr),
-        ("mods_unit", _f32), ("mods_unit_inv", _f32),
+        ("mods_unit", _f32), ("mods_unit_inv", _f32), ("tail_heads", _i32),
         ("tmap_q", TensorMap, TENSOR_MAP_ALIGN), ("tmap_k", TensorMap, TENSOR_MAP_ALIGN),
         ("tmap_v", TensorMap, TENSOR_MAP_ALIGN), ("tmap_o", TensorMap, TENSOR_MAP_ALIGN),
     ])

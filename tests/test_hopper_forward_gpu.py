@@ -215,18 +215,22 @@ def test_varlen_keeps_another_sequence_out(d):
 
 @pytest.mark.parametrize("sms", [3, None])
 @pytest.mark.parametrize(
-    "b,s,h,hkv,d,causal,window,group_bytes",
+    "b,s,h,hkv,d,causal,window,group_bytes,tail_waves",
     [
-        # (more work items than the H100's 132 SMs in each, so that the real GPU takes the counter too)
-        (3, 1000, 6, 3, 128, True, (-1, -1), 1),  # groups of one kv head's 2 query heads (9 groups of 2)
-        (3, 2000, 5, 5, 64, True, (-1, -1), 3 * 2000 * 64 * 4),  # groups of 3 heads, the last one 2 (15 = 3 * 5)
-        (2, 1500, 8, 2, 128, False, (300, 0), 16 << 20),  # a band, all 16 heads in one group
-        (3, 2200, 4, 4, 64, True, (40, 7), 1),
+        # (more work items than the H100's 132 SMs in each, so that the real GPU takes the counter too; the last
+        # group's heads, configs.hopper_tail_heads, at 132 blocks / at 3)
+        (3, 1000, 6, 3, 128, True, (-1, -1), 1, 0),  # groups of one kv head's 2 query heads (9 groups of 2)
+        (3, 1000, 6, 3, 128, True, (-1, -1), 1, None),  # the same, the last group all 18 heads / 2
+        (3, 2000, 5, 5, 64, True, (-1, -1), 3 * 2000 * 64 * 4, 1),  # groups of 3 heads, the last 12 / 3
+        (3, 2000, 5, 5, 64, True, (-1, -1), 3 * 2000 * 64 * 4, 20),  # the last group 15 / 6
+        (2, 1500, 8, 2, 128, False, (300, 0), 16 << 20, None),  # a band, all 16 heads in one group
+        (3, 2200, 4, 4, 64, True, (40, 7), 1, None),
     ],
 )
-def test_tile_counter_matches_grid_stride_bitwise(sms, b, s, h, hkv, d, causal, window, group_bytes):
-    """Blocks that take masked work items from the tile counter (longest first within L2 groups) compute each item
-    exactly as blocks walking the grid stride do: the same bits, and the float64 reference's answer."""
+def test_tile_counter_matches_grid_stride_bitwise(sms, b, s, h, hkv, d, causal, window, group_bytes, tail_waves):
+    """Blocks that take masked work items from the tile counter (longest first within L2 groups, and a last group
+    of its own size) compute each item exactly as blocks walking the grid stride do: the same bits, and the float64
+    reference's answer."""
     _hopper_gpu()
     from test_forward_gpu import check_against_reference, make_input
 
@@ -236,7 +240,8 @@ def test_tile_counter_matches_grid_stride_bitwise(sms, b, s, h, hkv, d, causal, 
     q, k, v = (make_input(rng, (b, s, n, d), "bfloat16") for n in (h, hkv, hkv))
     results = {}
     for counter in (False, True):
-        with _kernel(True, sm_count=sms, tile_counter=counter, hopper_l2_group_bytes=group_bytes), \
+        with _kernel(True, sm_count=sms, tile_counter=counter, hopper_l2_group_bytes=group_bytes,
+                     hopper_tail_waves=tail_waves), \
                 recorded_forward_plans() as plans:  # (poisoned calls: planned every time)
             results[counter] = fa2cupy.flash_attn_func(q, k, v, causal=causal, window_size=window,
                                                        return_attn_probs=True)[:2]

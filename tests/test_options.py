@@ -102,6 +102,27 @@ def test_forward_planner_honours_the_options(planner):
     # The L2 groups of heads (FwdHopperParams.heads_per_group).
     groups = [_forward_plan(2048, True, hopper_l2_group_bytes=n).launch.params.heads_per_group for n in (None, 1)]
     assert groups[0] == configs.hopper_heads_per_group(2048, 128, 1, 16) and groups[1] == 1
+    # The last group's heads (FwdHopperParams.tail_heads): 64 query tiles of 16 heads, 4 per L2 group at 8k.
+    tails = [_forward_plan(8192, True, hopper_tail_waves=n).launch.params.tail_heads for n in (None, 0, 1, 100)]
+    assert configs.FORWARD_HOPPER_TABLE[128].tail_waves == 2 and tails == [8, 4, 4, 16]
+    assert _forward_plan(2048, False).launch.params.tail_heads == 1  # (the grid stride: one head a group)
+
+
+@pytest.mark.parametrize("m_blocks,heads,group,sms,waves,tail", [
+    (43, 20, 2, 132, 4, 14),  # 13 heads wanted (528 items), 2 + 6 groups of 2
+    (43, 20, 2, 132, 0, 2),  # the last L2 group as it falls
+    (43, 21, 2, 132, 0, 1),  # (21 heads: the last group holds the one left)
+    (43, 21, 2, 132, 4, 13),
+    (64, 32, 4, 132, 1, 4),  # (one wave: the L2 group holds enough)
+    (11, 80, 10, 132, 4, 50),  # 48 wanted, 5 groups of 10
+    (11, 80, 10, 132, 100, 80),  # at most every head
+    (8, 5, 1, 3, 4, 2),
+])
+def test_hopper_tail_heads(m_blocks, heads, group, sms, waves, tail):
+    from fa2cupy import configs
+
+    assert configs.hopper_tail_heads(m_blocks, heads, group, sms, waves) == tail
+    assert (heads - tail) % group == 0 and 1 <= tail <= heads
 
 
 def test_backward_planner_honours_the_options(planner):

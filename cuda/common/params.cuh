@@ -92,6 +92,7 @@ struct FwdHopperParams {
     // Softcap and ALiBi (HopperFwdTraits::kMods): UnitModsConstants' fields (attention/masks.cuh)
     float mods_unit;
     float mods_unit_inv;
+    int tail_heads;       // heads of the tile counter's last group (hopper/scheduler.cuh)
     TensorMap tmap_q;     // per call, as the pointers
     TensorMap tmap_k;
     TensorMap tmap_v;

@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                              params.dropout_scale};
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const HopperFwdScheduler<Tr::kBlockM> sched(params.max_seqlen_q, params.nheads, kernel_params.batch,
-                                                kernel_params.heads_per_group);
+                                                kernel_params.heads_per_group, kernel_params.tail_heads);
     if (warp >= Tr::kConsumerWarps) {  // the producer warpgroup, its registers given to the consumers
         warpgroup_release_registers<Tr::kProducerRegisters>();
         if constexpr (Tr::kTma) {

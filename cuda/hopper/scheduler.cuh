@@ -10,21 +10,30 @@ namespace fa2 {
 
 template <int BlockM>
 struct HopperFwdScheduler {
-    int nheads, heads_per_group;
+    int nheads, heads_per_group, tail_heads;
     int m_blocks, heads, items;
 
-    FA2_DEVICE HopperFwdScheduler(int seqlen_q, int nheads_, int batch, int heads_per_group_)
-        : nheads(nheads_), heads_per_group(heads_per_group_), m_blocks((seqlen_q + BlockM - 1) / BlockM),
-          heads(nheads_ * batch), items(m_blocks * heads) {}
+    FA2_DEVICE HopperFwdScheduler(int seqlen_q, int nheads_, int batch, int heads_per_group_, int tail_heads_)
+        : nheads(nheads_), heads_per_group(heads_per_group_), tail_heads(tail_heads_),
+          m_blocks((seqlen_q + BlockM - 1) / BlockM), heads(nheads_ * batch), items(m_blocks * heads) {}
 
     // Work item -> (query tile, head, batch row). The (batch row, head) pairs go in groups of heads_per_group
     // whose K/V fit in L2 together, so that the blocks at work at any time share them (all heads at once
     // overflowed it: 60% hits at 32 x 4 MB); within a group the last query tiles of every head first, as under
-    // a causal mask they see the most keys (with the tile counter, blocks then take items longest first).
+    // a causal mask they see the most keys (with the tile counter, blocks then take items longest first). The
+    // last group holds the last tail_heads pairs (the host makes the rest whole groups): taken longest first while
+    // the grid ends, its longest items must start early enough to end with its short ones (configs.
+    // hopper_tail_heads).
     FA2_DEVICE void coords(int item, int& m_block, int& head, int& b) const {
-        const int group_items = m_blocks * heads_per_group, group = item / group_items;
-        const int members = min(heads_per_group, heads - group * heads_per_group), rank = item - group * group_items;
-        const int tile = rank / members, pair = group * heads_per_group + rank - tile * members;
+        const int lead_items = (heads - tail_heads) * m_blocks;
+        int first = heads - tail_heads, members = tail_heads, rank = item - lead_items;
+        if (item < lead_items) {
+            const int group = item / (m_blocks * heads_per_group);
+            first = group * heads_per_group;
+            members = heads_per_group;
+            rank = item - group * m_blocks * heads_per_group;
+        }
+        const int tile = rank / members, pair = first + rank - tile * members;
         m_block = m_blocks - 1 - tile;
         head = pair % nheads;
         b = pair / nheads;
