@@ -37,6 +37,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--modes", default="fwd,bwd")
+    p.add_argument("--sustain", type=float, default=0.0,
+                   help="seconds of back-to-back calls before each timed set, at the clock its own load settles to")
     p.add_argument("--options", nargs="+", default=["default="], help="name=key=value,... (KernelOptions)")
     args = p.parse_args(argv)
     modes = args.modes.split(",")
@@ -65,7 +67,8 @@ def main(argv=None) -> int:
                     for key in keys[r % len(keys):] + keys[:r % len(keys)]:
                         run = runners[key]
                         with run.context():
-                            ms = B.time_gpu(run.fn, run.events, warmup=5, repeats=args.repeats).median_ms
+                            ms = B.time_gpu(run.fn, run.events, warmup=5, repeats=args.repeats,
+                                            sustain_seconds=args.sustain).median_ms
                         best[key] = min(best.get(key, float("inf")), ms)
                 square = cases[d]
                 for name in option_sets:

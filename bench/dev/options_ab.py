@@ -7,8 +7,9 @@ whether one kernel row beats another (e.g. the Hopper kernels against the mma.sy
 
 Cases are the bench grid's (16k tokens, nheads = --hidden / headdim, --group of them per kv head, bf16, causal and
 not). Each round times every implementation once (CUDA events, median of --repeats after warm-up); an
-implementation's figure is its best round. Every option set's result is compared with the first's
-(max |difference| / max |first|) before timing.
+implementation's figure is its best round (--sustain S: each timed after S seconds of its own calls back to back,
+at the clock its load settles to). Every option set's result is compared with the first's (max |difference| / max
+|first|) before timing.
 --mods times each option set with each modifier (softcap 30, ALiBi slopes in [0, 0.1), dropout 0.1 with a fixed
 seed): rows NAME+MOD; with dropout SDPA's backends too (cudnn+dropout, flash+dropout).
 --varlen runs fa2cupy's calls on the same tokens packed as batch sequences of seqlen (flash_attn_varlen_func and
@@ -101,6 +102,9 @@ def main(argv=None) -> int:
     p.add_argument("--group", type=int, default=1, help="query heads per key/value head (GQA)")
     p.add_argument("--hidden", type=int, default=2048, help="model width: nheads = hidden // headdim")
     p.add_argument("--varlen", action="store_true", help="fa2cupy's calls on the batch packed as varlen sequences")
+    p.add_argument("--sustain", type=float, default=0.0,
+                   help="seconds of back-to-back calls before each implementation's timed ones, so that each is "
+                        "timed at the clock its own load settles to")
     p.add_argument("--json")
     args = p.parse_args(argv)
     option_sets = dict(parse_options(t) for t in args.options)
@@ -131,7 +135,8 @@ def main(argv=None) -> int:
                     for _ in range(args.rounds):
                         for name, r in made.items():
                             with r.context():
-                                t = B.time_gpu(r.fn, r.events, warmup=3, repeats=args.repeats)
+                                t = B.time_gpu(r.fn, r.events, warmup=3, repeats=args.repeats,
+                                               sustain_seconds=args.sustain)
                             best[name] = min(best.get(name, float("inf")), t.median_ms)
                     flops = B.attention_flops(case, mode)
                     tf = {n: B.tflops_per_s(flops, ms) for n, ms in best.items()}
