@@ -577,16 +577,20 @@ class Runner:
     context: Callable[[], Any]   # context-manager factory wrapped around the timing loop
 
 
-def fa2cupy_runner(inp: ForwardInputs) -> Runner:
+def fa2cupy_runner(inp: ForwardInputs, varlen: bool = False, **call_kwargs) -> Runner:
+    """fa2cupy's forward on ``inp``. ``varlen``: the batch packed as varlen sequences (:func:`packed_varlen`, torch
+    inputs); ``call_kwargs`` go to the call (kernel_options=, softcap=, ...)."""
     try:
         import fa2cupy  # noqa: PLC0415
     except Exception as exc:
         raise Unavailable(_first_line(exc)) from exc
-    c = inp.case.causal
-    q, k, v = inp.q, inp.k, inp.v
+    q, k, v, forward = inp.q, inp.k, inp.v, fa2cupy.flash_attn_func
+    if varlen:
+        q, k, v, _, forward, _ = packed_varlen(q, k, v, q)
+    kw = dict(causal=inp.case.causal, **call_kwargs)
 
     def fn():
-        return fa2cupy.flash_attn_func(q, k, v, causal=c)
+        return forward(q, k, v, **kw)
 
     if inp.framework == "torch":
         # Run fa2cupy on torch's current stream so torch events bracket it,

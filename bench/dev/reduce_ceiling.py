@@ -9,35 +9,37 @@ number of tiles each block keeps in flight and the accumulator's footprint (L2-r
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import cupy
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from fa2cupy_bench import harness as B  # noqa: E402
+from fa2cupy import build  # noqa: E402
+
 SOURCE = r"""
-extern "C" __global__ void reduce_tiles(float* dst, long long slots, int tile_bytes, int iters, int inflight) {
+#include "sm90/mbarrier.cuh"
+#include "sm90/tma.cuh"
+
+template <int InFlight>
+__global__ void reduce_tiles(float* dst, long long slots, int tile_bytes, int iters) {
     extern __shared__ __align__(128) unsigned char tiles[];
     const int tile_floats = tile_bytes / 4;
-    for (int i = threadIdx.x; i < tile_floats * inflight; i += blockDim.x)
+    for (int i = threadIdx.x; i < tile_floats * InFlight; i += blockDim.x)
         reinterpret_cast<float*>(tiles)[i] = 1e-6f * (i & 255);
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    fa2::fence_proxy_async_smem();
     __syncthreads();
     if (threadIdx.x != 0) return;
-    const unsigned base = static_cast<unsigned>(__cvta_generic_to_shared(tiles));
+    const fa2::u32 base = fa2::smem_u32(tiles);
     long long slot = (blockIdx.x * 7919LL) % slots;
     for (int i = 0; i < iters; ++i) {
-        const unsigned src = base + (i % inflight) * tile_bytes;
-        float* d = dst + slot * tile_floats;
-        asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-                     :: "l"(d), "r"(src), "r"(tile_bytes) : "memory");
-        asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-        if (inflight == 1)
-            asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-        else if (inflight == 2)
-            asm volatile("cp.async.bulk.wait_group.read 1;\n" ::: "memory");
-        else
-            asm volatile("cp.async.bulk.wait_group.read 3;\n" ::: "memory");
+        fa2::bulk_reduce_add_f32(dst + slot * tile_floats, base + (i % InFlight) * tile_bytes, tile_bytes);
+        fa2::bulk_commit();
+        fa2::bulk_wait_read<InFlight - 1>();
         slot = (slot + 131) % slots;
     }
-    asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+    fa2::bulk_wait<0>();
 }
 """
 
@@ -51,7 +53,9 @@ def main():
     parser.add_argument("--iters", type=int, default=400)
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
-    kernel = cupy.RawModule(code=SOURCE, options=("-arch=sm_90a", "-std=c++17")).get_function("reduce_tiles")
+    names = {n: f"reduce_tiles<{n}>" for n in (1, 2, 4)}  # (tiles in flight)
+    module = cupy.RawModule(code=SOURCE, options=build.NVRTC_OPTIONS + ("-arch=sm_90a", f"-I{build.kernel_dir()}"),
+                            name_expressions=tuple(names.values()))
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
     print(f"{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}, {sms} SMs")
     print("tile bytes  span MB  in flight  blocks/SM     TB/s")
@@ -60,6 +64,7 @@ def main():
             slots = span // tile
             dst = cupy.zeros(slots * tile // 4, cupy.float32)
             for inflight in map(int, args.inflight.split(",")):
+                kernel = module.get_function(names[inflight])
                 smem = tile * inflight
                 kernel.max_dynamic_shared_size_bytes = smem
                 for per_sm in map(int, args.blocks_per_sm.split(",")):
@@ -67,19 +72,8 @@ def main():
                         continue
                     grid = sms * per_sm
                     launch = lambda: kernel((grid,), (128,), (dst, cupy.int64(slots), cupy.int32(tile),  # noqa: E731
-                                                              cupy.int32(args.iters), cupy.int32(inflight)),
-                                            shared_mem=smem)
-                    for _ in range(3):
-                        launch()
-                    times = []
-                    for _ in range(args.repeats):
-                        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-                        start.record()
-                        launch()
-                        stop.record()
-                        stop.synchronize()
-                        times.append(cupy.cuda.get_elapsed_time(start, stop))
-                    ms = sorted(times)[len(times) // 2]
+                                                              cupy.int32(args.iters)), shared_mem=smem)
+                    ms = B.time_gpu(launch, B.CupyEvents(), warmup=3, repeats=args.repeats).median_ms
                     tbps = grid * args.iters * tile / ms / 1e9
                     print(f"{tile:10d} {span / 2**20:8.1f} {inflight:10d} {per_sm:10d} {tbps:8.2f}", flush=True)
 
