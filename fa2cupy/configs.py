@@ -758,7 +758,7 @@ def hopper_tail_heads(m_blocks: int, heads: int, heads_per_group: int, sms: int,
     heads (the wide head dims' hold one or two at 8k, 86-128 items on 132 SMs) the other blocks finish the rest of
     the group long before: docs/design.md, "The last group of work items"."""
     natural = heads - heads_per_group * ((heads - 1) // heads_per_group)  # (the last of the L2 groups)
-    want = -(-waves * sms // max(m_blocks, 1))
+    want = -(-waves * sms // m_blocks)
     if want <= natural:
         return natural
     return min(heads, natural + -(-(want - natural) // heads_per_group) * heads_per_group)

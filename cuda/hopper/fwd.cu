@@ -44,10 +44,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     extern __shared__ unsigned char smem_raw[];
     const HopperFwdSmem<Tr> smem(smem_raw);
     if constexpr (Tr::kVarlen && !Tr::kPaged && VarlenLoader<Tr>::kPasses == 1) {
-        // arrays narrower than the kernel: their columns past them in Q, K and V zero (SlabLoader)
-        if (kernel_params.fwd.headdim < Tr::kHeadDim)
-            zero_shared(smem.q, Tr::kQBuffers * Tr::QTile::kBytes + Tr::kKStages * Tr::KVTile::kBytes +
-                                    Tr::kVStages * Tr::VTile::kBytes);
+        // arrays narrower than the kernel: their columns past them in Q, K and V zero (SlabLoader; the tiles end
+        // where the barriers start)
+        if (kernel_params.fwd.headdim < Tr::kHeadDim) zero_shared(smem.q, smem.bars - smem.q);
     }
     if (threadIdx.x == 0) smem.init_barriers();
     __syncthreads();
