@@ -139,8 +139,9 @@ def plan_backward(
         # (calls without a mask, whose window is unlimited both ways, on whichever kernel variant: the modifier
         # calls' is the window one)
         unmasked = left == right == checks.UNLIMITED_WINDOW
-        rotate = int(deterministic and unmasked
-                     and configs.hopper_bwd_rotates(grid[0] * chunk, build.sm_count(options.sm_count)))
+        rotate = int(unmasked and configs.hopper_bwd_rotates(grid[0] * chunk, build.sm_count(options.sm_count),
+                                                             deterministic, mods, config.wide,
+                                                             options.hopper_bwd_rotate))
         by_map = config.dq_by_map(headdim, varlen, mods)
         main = build.Launch(function, grid, (config.threads, 1, 1), smem,
                             params.BwdHopperParams(bwd=fixed, group_chunk=chunk, dq_rotate=rotate,

@@ -803,12 +803,21 @@ def hopper_bwd_early_converts(mask: str, seqlen_q: int, early_convert: bool | No
     return not wide and (mask != "none" or seqlen_q >= HOPPER_BWD_EARLY_CONVERT_MIN_SEQLEN)
 
 
-def hopper_bwd_rotates(group_blocks: int, sms: int) -> bool:
-    """Whether the deterministic Hopper backward without a mask may walk each block's query tiles from a start of its
-    own (cuda/hopper/bwd_traits.cuh, rotated_start): there a block waits for blocks after it in the grid, so a
-    launch chunk's blocks (``group_blocks``, its groups' key tiles) must all be on the GPU at once; they may take
-    half the ``sms`` at most, which leaves room for other streams' kernels."""
-    return 0 < group_blocks <= sms // 2
+def hopper_bwd_rotates(group_blocks: int, sms: int, deterministic: bool = True, mods: bool = False,
+                       wide: bool = False, rotate: bool | None = None) -> bool:
+    """Whether the Hopper backward without a mask walks each block's query tiles from a start of its own
+    (cuda/hopper/bwd_traits.cuh, rotated_start; ``rotate``: KernelOptions.hopper_bwd_rotate, None its default).
+
+    Deterministic, a block waits for blocks after it in the grid, so a launch chunk's blocks (``group_blocks``, its
+    groups' key tiles) must all be on the GPU at once; they may take half the ``sms`` at most, which leaves room for
+    other streams' kernels. Otherwise nothing waits, and by default the kernels without score modifiers and the
+    wide (192, 256) modifier kernels rotate: H200, bf16, 8k, no mask, against straight walks, 0 to +5% at 128 and
+    256, level at 64 and 192; the modifier kernels +3-4% at 256, level to -4% at 128 (docs/design.md)."""
+    if rotate is False:
+        return False
+    if deterministic:
+        return 0 < group_blocks <= sms // 2
+    return rotate is True or not mods or wide
 
 
 def hopper_forward_config(arch: int, headdim: int, dtype: str, dropout: bool = False, varlen: bool = False,

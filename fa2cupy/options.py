@@ -63,6 +63,11 @@ class KernelOptions:
         the whole kernel; None: masked calls and long ones at head dims up to 128 (configs.hopper_bwd_early_converts;
         H200: 3-10% faster at 8k and causal, up to 7% slower at 2k and 4k without a mask, 10-17% slower at head dim
         192, docs/design.md).
+    hopper_bwd_rotate (None): the Hopper dK/dV kernel's blocks of calls without a mask walk their query tiles from
+        starts of their own (cuda/hopper/bwd_traits.cuh, rotated_start), so that at each step a group's blocks add
+        to different dQ tiles: True in every such call, False in none, None as configs.hopper_bwd_rotates measured
+        (calls without score modifiers, or at head dims 192 and 256). Deterministic calls, which take turns, rotate
+        only where configs.hopper_bwd_rotates allows it, whatever this says.
     decode_deep_ring (None): force the decode kernel's deep-ring row (True) or the table's row (False) where a row
         has a deep-ring twin; None lets configs.decode_config choose by the work item's length.
     decode_warp_items (None): force warp items in decode (each warp streams whole work items alone; True, wherever
@@ -99,6 +104,7 @@ class KernelOptions:
     hopper_bwd_chunk_blocks: int | None = None
     hopper_bwd_programmatic: bool = True
     hopper_bwd_early_convert: bool | None = None
+    hopper_bwd_rotate: bool | None = None
     decode_deep_ring: bool | None = None
     decode_warp_items: bool | None = None
     decode_warp_items_max_tiles: int = 128
@@ -144,7 +150,7 @@ _KINDS = {
     "tile_counter": "bool", "hopper_l2_group_bytes": "optional int",
     "hopper_tail_waves": "optional int",
     "hopper_bwd_chunk_blocks": "optional int", "hopper_bwd_programmatic": "bool",
-    "hopper_bwd_early_convert": "optional bool", "decode_deep_ring": "optional bool",
+    "hopper_bwd_early_convert": "optional bool", "hopper_bwd_rotate": "optional bool", "decode_deep_ring": "optional bool",
     "decode_warp_items": "optional bool", "decode_warp_items_max_tiles": "int",
     "decode_programmatic_launch": "optional bool", "decode_programmatic_min_splits": "int",
     "decode_stream_evict_first": "optional bool", "sm_count": "optional int", "debug_poison": "bool",

@@ -256,6 +256,34 @@ def test_deterministic_walks_rotate_without_a_mask(d):
     assert not cp.array_equal(rotated[0].view(cp.uint16), straight[0].view(cp.uint16)), "dQ summed in one order"
 
 
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
+def test_walks_rotate_in_calls_that_are_not_deterministic(d):
+    """Calls without a mask that are not deterministic walk rotated (hopper_bwd_rotate: by default at these head
+    dims without modifiers), with no turns to wait for, so however many blocks a group has (sm_count 3), with dQ
+    converted early or after the kernel; and straight (False): every gradient matches the reference, and causal
+    calls, which never rotate, under the same options."""
+    _hopper_gpu()
+    fa = fa2cupy_module()
+    import numpy as np
+
+    from test_backward_gpu import check_gradients, make_input
+
+    rng = np.random.default_rng(d + 7)
+    q, dout = (make_input(rng, (2, 1500, 4, d), "bfloat16") for _ in range(2))
+    k, v = (make_input(rng, (2, 1200, 2, d), "bfloat16") for _ in range(2))
+    for causal in (False, True):
+        out, lse, _ = fa.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
+        ref = None
+        for rotate, early, sms in ((True, False, None), (True, True, None), (True, False, 3), (False, False, None)):
+            with kernel_options(hopper_bwd_rotate=rotate, hopper_bwd_early_convert=early, sm_count=sms,
+                                debug_poison=True):
+                grads = fa.flash_attn_backward(dout, q, k, v, out, lse, causal=causal)
+            try:
+                ref = check_gradients(dout, q, k, v, out, grads, None, causal, "bfloat16", ref=ref)[0]
+            except AssertionError as e:
+                raise AssertionError(f"causal={causal} rotate={rotate} early={early} sm_count={sms}: {e}") from e
+
+
 @pytest.mark.parametrize("d", [64, 192])
 @pytest.mark.parametrize(
     "sq,sk,causal,window",

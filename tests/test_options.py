@@ -196,26 +196,36 @@ def test_kinds_plan_at_the_width_choose_picked(planner, monkeypatch, varlen):
         assert plan.config is table[128], (kind, plan.config)
 
 
-def test_deterministic_planner_rotates_the_walks_where_a_group_fits(planner):
+def test_planner_rotates_the_walks_where_they_may(planner):
     """deterministic=True without a mask on the Hopper dK/dV kernel: BwdHopperParams.dq_rotate lets each block walk
     the query tiles from a start of its own (cuda/hopper/bwd_traits.cuh), only where a launch chunk's blocks take
-    at most half the SMs (sm_count); with a mask, or not deterministic, never."""
+    at most half the SMs (sm_count); calls that are not deterministic rotate whatever the SMs, by default without
+    score modifiers or at the wide head dims (hopper_bwd_rotate=True: always); with a mask, or with
+    hopper_bwd_rotate=False, never."""
     from fa2cupy import backward, configs
 
-    strides = dict.fromkeys(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), (2048 * 8 * 64, 8 * 64, 64, 1))
-
-    def rotate(causal=False, deterministic=True, **fields):
-        plan = backward.plan_backward((3, 2048, 8, 64), (3, 2048, 2, 64), strides, "bfloat16", 0.1, causal,
-                                      deterministic, 90, options=KernelOptions(**fields))
-        assert plan.main.grid[0] == 16 and plan.main.params.deterministic == deterministic
+    def rotate(causal=False, deterministic=True, d=64, softcap=0.0, **fields):
+        strides = dict.fromkeys(("q", "k", "v", "dout", "out", "dq", "dk", "dv"), (2048 * 8 * d, 8 * d, d, 1))
+        plan = backward.plan_backward((3, 2048, 8, d), (3, 2048, 2, d), strides, "bfloat16", 0.1, causal,
+                                      deterministic, 90, softcap=softcap, options=KernelOptions(**fields))
+        assert plan.main.params.deterministic == deterministic
+        assert d != 64 or plan.main.grid[0] == 16
         return plan.main.params.dq_rotate
 
     assert rotate(sm_count=132) == 1 and rotate(sm_count=32) == 1
     assert rotate(sm_count=31) == 0  # (16 blocks a group: more than half of 31 SMs)
     assert rotate(sm_count=64, hopper_bwd_chunk_blocks=17) == 1  # (two groups a chunk: 32 blocks)
     assert rotate(sm_count=63, hopper_bwd_chunk_blocks=17) == 0
-    assert rotate(causal=True, sm_count=132) == 0 and rotate(deterministic=False, sm_count=132) == 0
+    assert rotate(causal=True, sm_count=132) == 0 and rotate(causal=True, deterministic=False) == 0
+    assert rotate(deterministic=False, sm_count=132) == 1 and rotate(deterministic=False, sm_count=3) == 1
+    assert rotate(hopper_bwd_rotate=False) == 0 and rotate(deterministic=False, hopper_bwd_rotate=False) == 0
+    assert rotate(sm_count=31, hopper_bwd_rotate=True) == 0  # (turns still need the group on the GPU)
+    for d, by_default in ((64, 0), (128, 0), (192, 1), (256, 1)):  # (the modifier kernels: the wide ones)
+        assert rotate(deterministic=False, d=d, softcap=30.0) == by_default
+        assert rotate(deterministic=False, d=d, softcap=30.0, hopper_bwd_rotate=True) == 1
+        assert rotate(deterministic=False, d=d) == 1
     assert configs.hopper_bwd_rotates(66, 132) and not configs.hopper_bwd_rotates(67, 132)
+    assert configs.hopper_bwd_rotates(500, 132, deterministic=False)
     assert not configs.hopper_bwd_rotates(0, 132)
 
 

@@ -182,8 +182,8 @@ struct BwdParams {
 struct BwdHopperParams {
     BwdParams bwd;
     int group_chunk;  // (kv head, batch) groups whose blocks launch key tile by key tile (bwd_dkdv_hopper)
-    int dq_rotate;    // deterministic walks without a mask may rotate: a group's blocks fit on the GPU at once
-                      // (the kernels with HopperBwdTraits::kRotates)
+    int dq_rotate;    // walks without a mask rotate (the kernels with HopperBwdTraits::kRotates); deterministic
+                      // ones only where a group's blocks fit on the GPU at once
     int deterministic;  // dQ added to each query tile in turns (dq_semaphore: the turn flags)
     int dq_by_map;      // whole query tiles' dQ added through tmap_dq (calls narrower than the kernel's head dim)
     // per call, deterministic or counted (BwdParams::dq_arrivals): a zeroed int per (batch, head, query tile), which

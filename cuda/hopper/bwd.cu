@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     // The steps (HopperBwdSteps). Each warp role works them out after its setmaxnreg: worked out before it, they
     // were live across it and spilled at head dim 64.
     const WindowMask<Tr::kMask> mask{seqlen_q, seqlen_k, params.window_left, params.window_right};
-    // Whether a block of m_count query tiles walks them rotated (deterministic: rotated_start, and the turns of
+    // Whether a block of m_count query tiles walks them rotated (rotated_start; deterministic, with the turns of
     // rotated_turn). Worked out where it is used: held across the producer's walk, the predicate spilled 4-12 bytes
     // in the 24-register wide modifier producers.
     const auto walks_rotated = [&](int m_count) {

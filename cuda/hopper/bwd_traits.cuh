@@ -73,7 +73,7 @@ struct HopperBwdTraits {
     // that the next key tile's block may add the first half while this block's second is still in flight. (The
     // first thread adds whole rows on plane 0's flags.)
     static constexpr int kTurnPlanes = kWide ? 2 : 1;
-    // Deterministic calls without a mask may rotate their walks (BwdHopperParams::dq_rotate, HopperBwdSteps): the
+    // Calls without a mask may rotate their walks (BwdHopperParams::dq_rotate, HopperBwdSteps): the
     // kernels without a mask, and the padded modifier kernels, which run such calls on the window mask, unlimited
     // both ways (their walks then cover every query tile from the first). Not the varlen modifier kernels (their
     // producers spilled 16-20 bytes at head dim 64).
@@ -315,11 +315,12 @@ struct HopperBwdSteps {
     FA2_DEVICE int first_m0() const { return (m_begin + m_shift) * BlockM; }
 };
 
-// The deterministic backward's walks without a mask, where every block of a (kv head, batch) group is on the GPU at
-// once (BwdHopperParams::dq_rotate) and the query tiles are at least as many as the key tiles: key tile n of
-// key_tiles starts at query tile n m_count / key_tiles and wraps round, so that at every step the group's blocks add
-// to different query tiles. (Walking from the same tile, they all reach it together and take their turns there,
-// each a reduction behind the one before, and the staircase costs the start of every block: 20% at 2k tokens.)
+// The backward's walks without a mask (BwdHopperParams::dq_rotate: deterministic ones where every block of a
+// (kv head, batch) group is on the GPU at once), where the query tiles are at least as many as the key tiles: key
+// tile n of key_tiles starts at query tile n m_count / key_tiles and wraps round, so that at every step the group's
+// blocks add to different query tiles. (Deterministic, walking from the same tile, they all reach it together and
+// take their turns there, each a reduction behind the one before, and the staircase costs the start of every
+// block: 20% at 2k tokens. Not deterministic, they would all add to the same tile at once.)
 FA2_DEVICE int rotated_start(int n, int key_tiles, int m_count) { return n * m_count / key_tiles; }
 // Key tile n's turn at query tile m of such walks, its own walk starting at tile `start` (rotated_start): the key
 // tiles whose walks reach m before its own, those whose starts lie in (start, m] round the cycle (starts rise with
