@@ -20,7 +20,7 @@ Two comparisons, each timed back to back with the same timer as ``fa2cupy bench`
   the packed varlen forward on the same keys (the page look-ups' cost), and the paged call on the mma.sync forward;
 * with --grid: only the equal-length comparison, over every head dim of --headdims (--hidden / d heads each), every
   sequence length of --seqlens, causal and not, each case's four calls in rounds taking turns (a case's best round
-  per call), one line per case: the bar's grid in one run.
+  per call), one line per case: the bar's grid in one run (--sustain: each timed set at its own steady clock).
 
     python bench/varlen_speed.py --grid --headdims 64,80,96,128,192,256 --seqlens 2048,8192,16384
 """
@@ -110,6 +110,9 @@ def main():
     parser.add_argument("--headdims", default="64,80,96,128,192,256", help="with --grid")
     parser.add_argument("--seqlens", default="2048,8192,16384", help="with --grid")
     parser.add_argument("--hidden", type=int, default=2048, help="with --grid: heads = hidden // headdim")
+    parser.add_argument("--sustain", type=float, default=0.0,
+                        help="with --grid: seconds of back-to-back calls before each timed set, so that each call is "
+                             "timed at the clock its own load settles to")
     args = parser.parse_args()
     h, d, causal = args.heads, args.headdim, args.causal
     rng = cupy.random.default_rng(0)
@@ -192,7 +195,8 @@ def grid(args, rand, events):
                 best = dict.fromkeys(calls, float("inf"))
                 for _ in range(args.rounds):
                     for name, call in calls.items():
-                        best[name] = min(best[name], B.time_gpu(call, events, warmup=3, repeats=10).median_ms)
+                        best[name] = min(best[name], B.time_gpu(call, events, warmup=3, repeats=10,
+                                                                sustain_seconds=args.sustain).median_ms)
                 fwd = flops([seqlen] * b, h, d, causal, False)
                 print(f"d {d:3d} ({h:2d} heads) {b:2d}x{seqlen:<5d} causal={int(causal)}: TFLOPs/s padded / varlen "
                       f"fwd {fwd / best['padded fwd'] / 1e9:4.0f} / {fwd / best['varlen fwd'] / 1e9:4.0f} bwd "
