@@ -411,16 +411,30 @@ def add_tree_arguments(parser, tree_help: str, cases, rounds: int, repeats: int,
 
 
 def kernel_options_of(text: str):
-    """KernelOptions with the fields of ``key=value,key=value`` changed (values: ints, 1/0 for bools, none): the
-    option sets of bench/dev/options_ab.py and the trees of tree_ab.py."""
+    """KernelOptions with the fields of ``key=value,key=value`` changed (values: ints, 1/0 or true/false for bools,
+    none): the option sets of bench/dev/options_ab.py and headdim_v_ab.py and the trees of tree_ab.py."""
     from fa2cupy import KernelOptions
 
+    bools = {"1": True, "0": False, "true": True, "false": False}
     fields = {}
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
         kind = str(KernelOptions.__dataclass_fields__[key].type)
-        fields[key] = None if value == "none" else bool(int(value)) if "bool" in kind else int(value)
+        if value.lower() == "none":
+            fields[key] = None
+        elif "bool" in kind:
+            if value.lower() not in bools:
+                raise ValueError(f"{item}: {key} takes 1/0, true/false or none")
+            fields[key] = bools[value.lower()]
+        else:
+            fields[key] = int(value)
     return KernelOptions(**fields)
+
+
+def named_kernel_options(text: str) -> tuple:
+    """``NAME=key=value,key=value`` as (NAME, :func:`kernel_options_of` the rest): an option set of the A/B tools."""
+    name, _, rest = text.partition("=")
+    return name, kernel_options_of(rest)
 
 
 def trees_of(specs) -> dict:

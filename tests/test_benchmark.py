@@ -485,7 +485,8 @@ def test_band_pairs_counts_every_visible_pair(seqlen, left, right):
 
 
 def test_kernel_options_of_reads_option_sets():
-    # options_ab.py's option sets and tree_ab.py's trees: ints, 1/0 for bools, none; nothing changed for ""
+    # options_ab.py's option sets and tree_ab.py's trees: ints, 1/0 or true/false for bools, none; nothing changed
+    # for ""
     from fa2cupy import KernelOptions
 
     assert B.kernel_options_of("") == KernelOptions()
@@ -494,6 +495,12 @@ def test_kernel_options_of_reads_option_sets():
     assert B.kernel_options_of("hopper_pad_headdim=1").hopper_pad_headdim is True
     with pytest.raises(KeyError):
         B.kernel_options_of("no_such_option=1")
+    assert B.kernel_options_of("hopper_bwd_rotate=True,tile_counter=false") == KernelOptions(
+        hopper_bwd_rotate=True, tile_counter=False)
+    with pytest.raises(ValueError, match="hopper_bwd_rotate takes"):
+        B.kernel_options_of("hopper_bwd_rotate=yes")
+    assert B.named_kernel_options("rot=hopper_bwd_rotate=0") == ("rot", KernelOptions(hopper_bwd_rotate=False))
+    assert B.named_kernel_options("default=") == ("default", KernelOptions())
 
 
 def test_packed_varlen_views_the_batch_as_one_sequence_per_row():

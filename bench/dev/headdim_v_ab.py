@@ -38,10 +38,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     modes = args.modes.split(",")
     layouts = ("padded", "varlen") if args.varlen else ("padded",)
-    option_sets = {}
-    for text in args.options:
-        name, _, rest = text.partition("=")
-        option_sets[name] = B.kernel_options_of(rest)
+    option_sets = dict(B.named_kernel_options(t) for t in args.options)
     for spec in args.pairs.split(","):
         d, dv = (int(x) for x in spec.split(":"))
         for s in B.parse_int_list(args.seqlens):

@@ -27,14 +27,7 @@ import json
 import sys
 
 import fa2cupy
-from fa2cupy import KernelOptions
 from fa2cupy_bench import harness as B
-
-
-def parse_options(text: str) -> tuple[str, KernelOptions]:
-    """NAME=key=value,key=value (values: ints, 1/0 for bools, none)."""
-    name, _, rest = text.partition("=")
-    return name, B.kernel_options_of(rest)
 
 
 DROPOUT_P = 0.1  # (--mods dropout: fa2cupy's and SDPA's)
@@ -107,7 +100,7 @@ def main(argv=None) -> int:
                         "timed at the clock its own load settles to")
     p.add_argument("--json")
     args = p.parse_args(argv)
-    option_sets = dict(parse_options(t) for t in args.options)
+    option_sets = dict(B.named_kernel_options(t) for t in args.options)
     first = next(iter(option_sets))
     rows = []
     for mode in args.modes.split(","):
