@@ -82,7 +82,7 @@ def choose_num_splits(blocks: int, sms: int, max_seqlen_k: int, tile_keys: int) 
     per warp (``tile_keys`` = warps x keys per tile). One block per SM, not full residency: measured on the
     H100, one 4-warp block keeps enough loads in flight to saturate an SM's share of HBM, and more splits only
     add partial results to merge; this rule picked the fastest split count (or within 5% of it) at every point
-    of bench/results/tune_decode_splits_h100_20261123-0625.log."""
+    of a `bench/dev/tune_decode.py` sweep of split counts (design.md, "Decode: split-KV and the merge")."""
     if blocks >= sms:
         return 1
     most = max(1, max_seqlen_k // tile_keys)
