@@ -89,8 +89,9 @@ def main():
         trace.copy_to_host(host.ctypes.data, host.nbytes)
         marks = host.reshape(BLOCKS, ITEMS, POINTS).astype(np.float64)
         marks[marks == 0] = np.nan
-        print(f"== {case} b{batch} h{heads} d{d}{f'/{dv}' if dv != d else ''} fp16, grid {plan.launch.grid[0]}, counter {plan.tile_counter}: median cycles "
-              f"over items 1..63 of every block")
+        dims = f"{d}/{dv}" if dv != d else f"{d}"
+        print(f"== {case} b{batch} h{heads} d{dims} fp16, grid {plan.launch.grid[0]}, counter {plan.tile_counter}: "
+              f"median cycles over items 1..63 of every block")
         for wg in range(2):
             cells = []
             for label, a, b in CONSUMER:
